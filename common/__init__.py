@@ -1,0 +1,1 @@
+"""Shared pieces of rollstream: data model, codec, Redis keys, config, Lua scripts, errors."""

@@ -1,0 +1,323 @@
+"""The wire format: msgpack maps with a schema version, token arrays as packed bytes.
+
+Token ids travel as little-endian int32, log-probs as little-endian float32 and loss masks as
+uint8, each in a msgpack ``bin`` field: a group of 8 x 8k tokens is a handful of memcpys, not
+131k msgpack integers. Decoding is bounded (payload size, array and string lengths) and turns
+every malformed input into :class:`~rollstream.common.errors.DecodeError`, never anything else.
+
+Stream entries carry a few plain fields beside ``data`` so that ``redis-cli XRANGE`` is readable
+without msgpack.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import DecodeError
+from .models import Group, Prompt, Sample, Status
+
+SCHEMA_VERSION = 1
+_LITTLE = sys.byteorder == "little"
+
+if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
+    raise ImportError("rollstream needs 4-byte C int and float for its packed arrays")
+
+
+@dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Upper bounds the decoder enforces, so a bad entry cannot exhaust memory."""
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_samples: int = 4096
+    max_tokens: int = 1 << 22
+    max_string_bytes: int = 16 * 1024 * 1024
+    max_container_len: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_samples", "max_tokens", "max_string_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CodecLimits.{name} must be positive")
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+def _pack_array(values: array[Any]) -> bytes:
+    if _LITTLE:
+        return values.tobytes()
+    swapped = array(values.typecode, values)  # pragma: no cover - big-endian hosts
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
+
+
+def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> array[Any]:
+    if not isinstance(raw, bytes):
+        raise DecodeError("bad_field", f"{what} must be bin, got {type(raw).__name__}")
+    values = array(typecode)
+    if len(raw) % values.itemsize:
+        raise DecodeError("bad_field", f"{what}: {len(raw)} bytes is not a multiple of {values.itemsize}")
+    if len(raw) // values.itemsize > limit:
+        raise DecodeError("too_large", f"{what}: more than {limit} items")
+    values.frombytes(raw)
+    if not _LITTLE:  # pragma: no cover
+        values.byteswap()
+    return values
+
+
+def _sample_to_wire(sample: Sample) -> dict[str, Any]:
+    return {
+        "i": sample.index,
+        "tok": _pack_array(sample.tokens),
+        "resp": sample.response,
+        "rlen": sample.response_length,
+        "rew": sample.reward,
+        "st": sample.status.value,
+        "fr": sample.finish_reason,
+        "wv": sample.weight_versions,
+        "lp": None if sample.rollout_log_probs is None else _pack_array(sample.rollout_log_probs),
+        "lm": None if sample.loss_mask is None else _pack_array(sample.loss_mask),
+        "md": sample.metadata,
+    }
+
+
+def _packb(obj: Any) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"cannot encode as msgpack (labels and metadata must be plain data): {exc}") from exc
+
+
+def encode_group(group: Group) -> bytes:
+    return _packb(
+        {
+            "v": SCHEMA_VERSION,
+            "kind": "group",
+            "index": group.index,
+            "epoch": group.epoch,
+            "attempt": group.attempt,
+            "prompt": group.prompt,
+            "label": group.label,
+            "metadata": group.metadata,
+            "producer": group.producer,
+            "samples": [_sample_to_wire(s) for s in group.samples],
+        }
+    )
+
+
+def encode_prompt(prompt: Prompt) -> bytes:
+    return _packb(
+        {
+            "v": SCHEMA_VERSION,
+            "kind": "prompt",
+            "index": prompt.index,
+            "epoch": prompt.epoch,
+            "attempt": prompt.attempt,
+            "prompt": prompt.prompt,
+            "label": prompt.label,
+            "metadata": prompt.metadata,
+            "input_ids": None if prompt.input_ids is None else _pack_array(prompt.input_ids),
+            "partial": None if prompt.partial is None else [_sample_to_wire(s) for s in prompt.partial],
+            "history": prompt.history,
+        }
+    )
+
+
+def _unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError("bad_field", f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > limits.max_payload_bytes:
+        raise DecodeError("too_large", f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            raw=False,
+            max_str_len=limits.max_string_bytes,
+            max_bin_len=limits.max_payload_bytes,
+            max_array_len=limits.max_container_len,
+            max_map_len=limits.max_container_len,
+            max_ext_len=0,
+            strict_map_key=True,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for malformed input
+        raise DecodeError("not_msgpack", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError("bad_field", f"payload must be a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != SCHEMA_VERSION:
+        raise DecodeError("unknown_schema", f"schema version {version!r}, this build reads {SCHEMA_VERSION}")
+    return obj
+
+
+def _get(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], what: str) -> Any:
+    if key not in obj:
+        raise DecodeError("missing_field", f"{what}.{key}")
+    value = obj[key]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise DecodeError("bad_field", f"{what}.{key} has type {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _prompt_content(value: Any, what: str) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return value
+    raise DecodeError("bad_field", f"{what}.prompt must be a string or a list of messages")
+
+
+def _reward(value: Any, what: str) -> Any:
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        return value
+    raise DecodeError("bad_field", f"{what}.rew must be a number, a map of numbers or nil")
+
+
+def _sample_from_wire(obj: Any, what: str, limits: CodecLimits) -> Sample:
+    if not isinstance(obj, dict):
+        raise DecodeError("bad_field", f"{what} must be a map")
+    tokens = _unpack_array("i", _get(obj, "tok", bytes, what), f"{what}.tok", limits.max_tokens)
+    rlen = _get(obj, "rlen", int, what)
+    if not 0 <= rlen <= len(tokens):
+        raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
+    try:
+        status = Status(_get(obj, "st", str, what))
+    except ValueError:
+        raise DecodeError("bad_field", f"{what}.st is not a status") from None
+    versions = _get(obj, "wv", list, what)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+        raise DecodeError("bad_field", f"{what}.wv must be a list of ints")
+    lp_raw = obj.get("lp")
+    lm_raw = obj.get("lm")
+    log_probs = None if lp_raw is None else _unpack_array("f", lp_raw, f"{what}.lp", limits.max_tokens)
+    mask = None if lm_raw is None else _unpack_array("B", lm_raw, f"{what}.lm", limits.max_tokens)
+    finish = obj.get("fr")
+    if finish is not None and not isinstance(finish, str):
+        raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
+    return Sample(
+        index=_get(obj, "i", int, what),
+        tokens=tokens,
+        response=_get(obj, "resp", str, what),
+        response_length=rlen,
+        reward=_reward(obj.get("rew"), what),
+        status=status,
+        finish_reason=finish,
+        weight_versions=versions,
+        rollout_log_probs=log_probs,
+        loss_mask=mask,
+        metadata=_get(obj, "md", dict, what),
+    )
+
+
+def _samples(raw: Any, what: str, limits: CodecLimits) -> list[Sample]:
+    if not isinstance(raw, list):
+        raise DecodeError("bad_field", f"{what} must be a list")
+    if len(raw) > limits.max_samples:
+        raise DecodeError("too_large", f"{len(raw)} samples exceeds {limits.max_samples}")
+    return [_sample_from_wire(s, f"{what}[{i}]", limits) for i, s in enumerate(raw)]
+
+
+def _check_kind(obj: Mapping[str, Any], kind: str) -> None:
+    if obj.get("kind") != kind:
+        raise DecodeError("wrong_kind", f"expected a {kind} payload, got {obj.get('kind')!r}")
+
+
+def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Group:
+    obj = _unpack(payload, limits)
+    _check_kind(obj, "group")
+    return Group(
+        index=_get(obj, "index", int, "group"),
+        epoch=_get(obj, "epoch", int, "group"),
+        attempt=_get(obj, "attempt", int, "group"),
+        prompt=_prompt_content(obj.get("prompt"), "group"),
+        label=obj.get("label"),
+        metadata=_get(obj, "metadata", dict, "group"),
+        producer=_get(obj, "producer", str, "group"),
+        samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits),
+    )
+
+
+def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
+    obj = _unpack(payload, limits)
+    _check_kind(obj, "prompt")
+    ids_raw = obj.get("input_ids")
+    partial_raw = obj.get("partial")
+    history = obj.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
+        raise DecodeError("bad_field", "prompt.history must be a list of strings")
+    return Prompt(
+        index=_get(obj, "index", int, "prompt"),
+        epoch=_get(obj, "epoch", int, "prompt"),
+        attempt=_get(obj, "attempt", int, "prompt"),
+        prompt=_prompt_content(obj.get("prompt"), "prompt"),
+        label=obj.get("label"),
+        metadata=_get(obj, "metadata", dict, "prompt"),
+        input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
+        partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits),
+        history=history,
+    )
+
+
+# --- stream entries -----------------------------------------------------------------------
+
+Fields = dict[str, str | bytes | int | float]
+
+
+def prompt_fields(prompt: Prompt) -> Fields:
+    """Fields of a prompt-stream entry: plain ``index``/``epoch``/``attempt`` plus ``data``."""
+    return {
+        "index": prompt.index,
+        "epoch": prompt.epoch,
+        "attempt": prompt.attempt,
+        "data": encode_prompt(prompt),
+    }
+
+
+def group_fields(group: Group) -> Fields:
+    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli."""
+    min_version = group.min_version
+    reward = group.reward_mean
+    return {
+        "index": group.index,
+        "epoch": group.epoch,
+        "attempt": group.attempt,
+        "status": group.status.value,
+        "min_version": "" if min_version is None else min_version,
+        "producer": group.producer,
+        "reward_mean": "nan" if math.isnan(reward) else f"{reward:.4f}",
+        "n": len(group.samples),
+        "data": encode_group(group),
+    }
+
+
+def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
+    """The ``data`` field of a raw stream entry, or DecodeError when it is missing."""
+    data = fields.get(b"data", fields.get("data"))
+    if data is None:
+        raise DecodeError("missing_field", "entry has no data field")
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes):
+        raise DecodeError("bad_field", "entry data is not bytes")
+    return data
+
+
+def decode_group_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Group:
+    return decode_group(entry_data(fields), limits)
+
+
+def decode_prompt_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
+    return decode_prompt(entry_data(fields), limits)

@@ -1,0 +1,129 @@
+"""The namespace's pipeline config: written once by ``rollstream init``, read by everyone.
+
+Validated on construction (``ValueError``, never ``assert``); stored as a plain Redis hash so
+``HGETALL rollstream:{ns}:config`` reads like the command line that wrote it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    n_samples_per_prompt: int
+    """Samples per prompt: every group has exactly this many."""
+    batch_size: int
+    """Groups per training step (``rollout_batch_size``); used by staleness-aware admission."""
+    max_staleness: int | None = None
+    """Groups older than this many versions are recycled; None disables the filter."""
+    max_backlog: int = 256
+    """Producers stop admitting while ``XLEN groups`` is at or above this."""
+    lease_seconds: float = 120.0
+    """A prompt idle in a producer's pending list for this long is taken over by another."""
+    max_attempts: int = 5
+    """A prompt recycled more often than this goes to the dead-letter stream."""
+    partial_rollout: bool = False
+    """Aborted samples keep their partial tokens and the next attempt continues them."""
+    admission_control: bool | None = None
+    """Staleness-aware admission; None means on when ``max_staleness`` is set."""
+    recycle_filtered: bool = False
+    """Groups rejected by the dynamic-sampling filter are recycled instead of dropped."""
+    keep: str | None = None
+    """Import path ``module:function`` of a namespace-wide dynamic-sampling filter."""
+    heartbeat_timeout: float = 15.0
+    """A producer whose last heartbeat is older than this counts as dead."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("n_samples_per_prompt")
+        positive_int("batch_size")
+        positive_int("max_backlog")
+        positive_int("max_attempts")
+        if self.max_staleness is not None and (
+            isinstance(self.max_staleness, bool)
+            or not isinstance(self.max_staleness, int)
+            or self.max_staleness < 0
+        ):
+            raise ConfigError(f"max_staleness must be a non-negative integer or None, got {self.max_staleness!r}")
+        if not isinstance(self.lease_seconds, int | float) or not self.lease_seconds >= 1:
+            raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds!r}")
+        if not isinstance(self.heartbeat_timeout, int | float) or not self.heartbeat_timeout > 0:
+            raise ConfigError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout!r}")
+        if self.admission_control and self.max_staleness is None:
+            raise ConfigError("admission_control needs max_staleness")
+        if self.keep is not None and ":" not in self.keep:
+            raise ConfigError(f"keep must be an import path 'module:function', got {self.keep!r}")
+
+    @property
+    def admission_enabled(self) -> bool:
+        if self.max_staleness is None:
+            return False
+        return True if self.admission_control is None else self.admission_control
+
+    @property
+    def admission_capacity_per_version(self) -> int:
+        return self.batch_size
+
+    def to_redis(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                out[f.name] = ""
+            elif isinstance(value, bool):
+                out[f.name] = "1" if value else "0"
+            else:
+                out[f.name] = str(value)
+        return out
+
+    @classmethod
+    def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> PipelineConfig:
+        text = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in text:
+                continue
+            value = text[f.name]
+            kind = str(f.type)
+            try:
+                if value == "" and "None" in kind:
+                    kwargs[f.name] = None
+                elif kind.startswith("bool"):
+                    kwargs[f.name] = value == "1"
+                elif kind.startswith("int"):
+                    kwargs[f.name] = int(value)
+                elif kind.startswith("float"):
+                    kwargs[f.name] = float(value)
+                else:
+                    kwargs[f.name] = value
+            except ValueError:
+                raise ConfigError(f"config field {f.name}={value!r} in Redis is not a valid {kind}") from None
+        missing = {"n_samples_per_prompt", "batch_size"} - kwargs.keys()
+        if missing:
+            raise ConfigError(f"config in Redis lacks {', '.join(sorted(missing))}")
+        return cls(**kwargs)
+
+    def check_matches(self, **expected: Any) -> None:
+        """Raise ConfigError when a flag given to a process disagrees with the namespace."""
+        for name, value in expected.items():
+            if value is None:
+                continue
+            actual = getattr(self, name)
+            if actual != value:
+                raise ConfigError(
+                    f"this process was started with {name}={value!r} but the namespace is "
+                    f"configured with {name}={actual!r}; fix the flag or re-run `rollstream init`"
+                )

@@ -1,0 +1,85 @@
+"""The exception hierarchy of rollstream.
+
+Every error rollstream raises on purpose derives from :class:`RollstreamError`::
+
+    RollstreamError
+    ├── ConfigError (also ValueError)         bad or inconsistent configuration
+    │   └── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
+    ├── EngineError                           an inference engine failed after the retries
+    │   └── EngineRejected                    the engine refused the request (4xx): not retried
+    ├── RewardError                           the reward function failed
+    └── PipelineError                         raised by ``take()`` instead of hanging
+        ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
+        └── PipelineStalled                   no producer has been alive for too long
+
+Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;
+the long-running loops retry them with bounded backoff.
+"""
+
+from __future__ import annotations
+
+
+class RollstreamError(Exception):
+    """Root of every error raised by rollstream."""
+
+
+class ConfigError(RollstreamError, ValueError):
+    """Configuration that is invalid, or inconsistent with the namespace's."""
+
+
+class NamespaceNotInitialized(ConfigError):
+    """The namespace has no config in Redis."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(
+            f"namespace {namespace!r} has no config in Redis: run "
+            f"`rollstream init --ns {namespace} --n-samples N --batch-size B` first"
+        )
+        self.namespace = namespace
+
+
+class DecodeError(RollstreamError, ValueError):
+    """A stream entry or payload that cannot be decoded; ``reason`` is a short slug."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class EngineError(RollstreamError):
+    """An inference engine request failed after all retries."""
+
+
+class EngineRejected(EngineError):
+    """The engine answered with a client error (4xx other than 429): retrying cannot help."""
+
+    def __init__(self, status_code: int, body: str) -> None:
+        super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
+        self.status_code = status_code
+        self.body = body
+
+
+class RewardError(RollstreamError):
+    """The reward function raised or returned something unusable."""
+
+
+class PipelineError(RollstreamError):
+    """The pipeline cannot deliver what ``take()`` waits for."""
+
+
+class ProducerFailed(PipelineError):
+    """A producer recorded a fatal error and no group arrived since."""
+
+    def __init__(self, producer: str, error: str, traceback: str) -> None:
+        super().__init__(
+            f"producer {producer!r} failed: {error}\n--- remote traceback ---\n{traceback}"
+        )
+        self.producer = producer
+        self.error = error
+        self.remote_traceback = traceback
+
+
+class PipelineStalled(PipelineError):
+    """No producer has sent a heartbeat for longer than the stall timeout."""

@@ -1,0 +1,140 @@
+"""Every Redis key, consumer-group and channel name of rollstream, in one place.
+
+All keys of one namespace share the hash tag ``{ns}`` so that every Lua script touches a single
+slot and the pipeline runs unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "rollstream"
+PRODUCERS_GROUP = "producers"
+TRAINER_GROUP = "trainer"
+EVENTS_MAXLEN = 1000
+"""The events stream is a log, not work: it is the only stream trimmed (approximately)."""
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def validate_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise ValueError(
+            f"invalid namespace {namespace!r}: use 1-64 characters from A-Z a-z 0-9 _ . -"
+        )
+    return namespace
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The key names of one namespace."""
+
+    namespace: str
+
+    def __post_init__(self) -> None:
+        validate_namespace(self.namespace)
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.namespace}}}"
+
+    @property
+    def prompts(self) -> str:
+        """Stream of prompts waiting or in flight; consumer group ``producers``."""
+        return f"{self.base}:prompts"
+
+    @property
+    def groups(self) -> str:
+        """Stream of completed groups; consumer group ``trainer``."""
+        return f"{self.base}:groups"
+
+    @property
+    def dead(self) -> str:
+        """Stream of entries that could not be used, each with a ``reason``."""
+        return f"{self.base}:dead"
+
+    @property
+    def events(self) -> str:
+        """Capped stream of producer lifecycle and error events."""
+        return f"{self.base}:events"
+
+    @property
+    def config(self) -> str:
+        """Hash: the namespace's pipeline config."""
+        return f"{self.base}:config"
+
+    @property
+    def state(self) -> str:
+        """Hash: weight version, paused flag, feeder cursor, counters."""
+        return f"{self.base}:state"
+
+    @property
+    def producers(self) -> str:
+        """Hash: producer id -> JSON heartbeat."""
+        return f"{self.base}:producers"
+
+    @property
+    def control(self) -> str:
+        """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
+        return f"{self.base}:control"
+
+    def all_keys(self) -> list[str]:
+        return [
+            self.prompts,
+            self.groups,
+            self.dead,
+            self.events,
+            self.config,
+            self.state,
+            self.producers,
+        ]
+
+
+def namespace_of(key: str) -> str | None:
+    """The namespace of a rollstream key, or None for a foreign key."""
+    match = re.match(rf"^{PREFIX}:\{{([^}}]+)\}}:", key)
+    return match.group(1) if match else None
+
+
+class StateField:
+    """Field names of the ``state`` hash (counters and trainer state)."""
+
+    WEIGHT_VERSION = "weight_version"
+    PAUSED = "paused"
+    FEED_NEXT_INDEX = "feed_next_index"
+    FEED_EPOCH = "feed_epoch"
+    FEED_POSITION = "feed_position"
+    FEED_DATASET = "feed_dataset"
+    FED = "fed"
+    ADMITTED = "admitted"
+    PUBLISHED = "published"
+    COMMITTED = "committed"
+    RECYCLED_ABORTED = "recycled_aborted"
+    RECYCLED_STALE = "recycled_stale"
+    RECYCLED_FAILED = "recycled_failed"
+    RECYCLED_FILTERED = "recycled_filtered"
+    FILTERED = "filtered"
+    DEAD = "dead_lettered"
+    DUPLICATES = "duplicates_discarded"
+    RETURNED = "returned"
+    RECLAIMED = "reclaimed"
+    LAST_PUBLISH_MS = "last_publish_ms"
+    LAST_TAKE_MS = "last_take_ms"
+    LAST_COMMIT_MS = "last_commit_ms"
+
+    COUNTERS = (
+        FED,
+        ADMITTED,
+        PUBLISHED,
+        COMMITTED,
+        RECYCLED_ABORTED,
+        RECYCLED_STALE,
+        RECYCLED_FAILED,
+        RECYCLED_FILTERED,
+        FILTERED,
+        DEAD,
+        DUPLICATES,
+        RETURNED,
+        RECLAIMED,
+    )
