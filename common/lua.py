@@ -61,8 +61,8 @@ return acked
 """
 
 # KEYS: prompts, groups, state. ARGV: group, consumer, max backlog, admission on (1/0),
-# max staleness, batch size. Returns {'ok', id, fields} or {reason}: paused | backlog |
-# staleness | empty. Reads at most one prompt, and counts it as admitted, only when the
+# max staleness, batch size. Returns {reason} (paused | backlog | staleness | empty) or
+# {'ok', id, fields, weight version}. Reads at most one prompt, and counts it as admitted, only when the
 # pipeline is not paused, the group backlog is under its cap and (with admission control)
 # admitted - recycled - filtered - dead - returned < (version + max_staleness + 1) * batch.
 ADMIT = """
@@ -83,7 +83,7 @@ local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STR
 if not res then return {'empty'} end
 local entry = res[1][2][1]
 redis.call('HINCRBY', KEYS[3], 'admitted', 1)
-return {'ok', entry[1], entry[2]}
+return {'ok', entry[1], entry[2], st[2] or '0'}
 """
 
 # KEYS: prompts. ARGV: group, consumer, ids... Renews the lease of each id still
@@ -232,7 +232,7 @@ class Scripts:
         admission: bool,
         max_staleness: int,
         batch_size: int,
-    ) -> tuple[str, bytes | None, dict[bytes, bytes] | None]:
+    ) -> tuple[str, bytes | None, dict[bytes, bytes] | None, int]:
         k = self.keys
         result = await self._admit(
             keys=[k.prompts, k.groups, k.state],
@@ -240,9 +240,9 @@ class Scripts:
         )
         status = result[0].decode() if isinstance(result[0], bytes) else result[0]
         if status != "ok":
-            return status, None, None
+            return status, None, None, 0
         flat = result[2] or []
-        return status, result[1], dict(zip(flat[::2], flat[1::2], strict=True))
+        return status, result[1], dict(zip(flat[::2], flat[1::2], strict=True)), int(result[3])
 
     async def renew(self, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
         ids = list(ids)

@@ -102,7 +102,7 @@ class EmbeddedRedis:
         ]
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child owns it
+        log = open(self.dir / "redis.log", "ab")
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self._wait_ready(timeout)

@@ -1,0 +1,77 @@
+"""The events stream: lifecycle and error reports that the trainer and operators read.
+
+Entries are plain fields (``kind``, ``producer``, ``ts_ms``, ``message``, ``traceback``), so
+``redis-cli XREVRANGE rollstream:{ns}:events + - COUNT 5`` shows the last errors as text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from .keys import EVENTS_MAXLEN, Keys
+
+logger = logging.getLogger(__name__)
+
+FATAL = "fatal"
+START = "start"
+STOP = "stop"
+DRAIN = "drain"
+WARNING = "warning"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def record_event(
+    redis: Redis,
+    keys: Keys,
+    kind: str,
+    *,
+    source: str,
+    message: str = "",
+    traceback: str = "",
+) -> None:
+    """Append an event; the stream is a capped log (approximate MAXLEN), not a work queue."""
+    fields = {"kind": kind, "producer": source, "ts_ms": now_ms(), "message": message[:4000]}
+    if traceback:
+        fields["traceback"] = traceback[-16000:]
+    await redis.xadd(keys.events, fields, maxlen=EVENTS_MAXLEN, approximate=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: str
+    kind: str
+    source: str
+    ts_ms: int
+    message: str
+    traceback: str
+
+
+def _text(fields: dict[bytes, bytes], key: str) -> str:
+    return fields.get(key.encode(), b"").decode("utf-8", "replace")
+
+
+async def recent_events(redis: Redis, keys: Keys, count: int = 20, kind: str | None = None) -> list[Event]:
+    """The newest events first, optionally of one kind."""
+    raw = await redis.xrevrange(keys.events, count=count if kind is None else count * 20)
+    events = []
+    for entry_id, fields in raw:
+        event = Event(
+            id=entry_id.decode(),
+            kind=_text(fields, "kind"),
+            source=_text(fields, "producer"),
+            ts_ms=int(_text(fields, "ts_ms") or 0),
+            message=_text(fields, "message"),
+            traceback=_text(fields, "traceback"),
+        )
+        if kind is None or event.kind == kind:
+            events.append(event)
+        if len(events) >= count:
+            break
+    return events

@@ -1,0 +1,220 @@
+"""The feeder: a JSONL dataset into the prompt stream, epoch after epoch, within a window.
+
+At most ``window`` prompts are queued (``XLEN prompts``, in-flight ones included). Every prompt
+gets a global increasing ``index`` and its ``epoch``. The XADDs and the cursor (next index,
+epoch, position in the epoch's order) move together in one Lua script that first checks the
+cursor it started from, so a restarted feeder resumes exactly where it stopped and a re-sent
+call after a dropped connection adds nothing twice. Shuffling is a seeded permutation per
+epoch, so the order survives restarts too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from rollstream.common.codec import prompt_fields
+from rollstream.common.connection import Outage, connect
+from rollstream.common.errors import ConfigError
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.lua import Scripts
+from rollstream.common.models import Prompt, as_prompt_content
+from rollstream.common.namespace import load_config
+
+logger = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    prompt: Any
+    label: Any
+    metadata: dict[str, Any]
+
+
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
+    """Read and validate a JSONL dataset; ValueError names the first bad line."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+            if not isinstance(obj, dict) or prompt_key not in obj:
+                raise ValueError(f"{path}:{number}: expected an object with a {prompt_key!r} field")
+            try:
+                prompt = as_prompt_content(obj[prompt_key])
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+            metadata = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
+            records.append(Record(prompt, obj.get(label_key), metadata))
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSettings:
+    namespace: str
+    epochs: int | None = 1
+    """None feeds forever."""
+    shuffle: bool = False
+    seed: int = 0
+    window: int = 256
+    poll_interval: float = 0.1
+    chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
+            raise ValueError("epochs must be at least 1 (or None to feed forever)")
+        if self.window < 1:
+            raise ValueError("window must be at least 1")
+        if self.chunk < 1 or self.poll_interval <= 0:
+            raise ValueError("chunk and poll_interval must be positive")
+
+
+def dataset_id(records: list[Record], settings: FeedSettings) -> str:
+    digest = hashlib.sha1(usedforsecurity=False)
+    for record in records:
+        digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
+    return f"{digest.hexdigest()[:12]}:{len(records)}:{'s' + str(settings.seed) if settings.shuffle else 'o'}"
+
+
+class Feeder:
+    """Feeds ``records`` into a namespace; ``await feeder.run()`` returns when the epochs are done."""
+
+    def __init__(self, redis: Redis, records: list[Record], settings: FeedSettings) -> None:
+        self.redis = redis
+        self.records = records
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.scripts = Scripts(redis, self.keys)
+        self.dataset = dataset_id(records, settings)
+        self.fed = 0
+        self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.settings.shuffle:
+            random.Random(f"{self.settings.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _walk(self, epoch: int, position: int) -> Iterator[tuple[int, int, int]]:
+        """(epoch, position after, record index) from a cursor onwards."""
+        while self.settings.epochs is None or epoch < self.settings.epochs:
+            order = self._order(epoch)
+            for pos in range(position, len(order)):
+                yield epoch, pos + 1, order[pos]
+            epoch, position = epoch + 1, 0
+
+    async def _cursor(self) -> tuple[int, int, int]:
+        raw = await self._outage.run(
+            lambda: self.redis.hmget(
+                self.keys.state,
+                [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
+            )
+        )
+        next_index, epoch, position = (int(v or 0) for v in raw[:3])
+        fed_dataset = raw[3].decode() if raw[3] else None
+        if fed_dataset is not None and fed_dataset != self.dataset:
+            raise ConfigError(
+                f"namespace {self.keys.namespace!r} was fed from another dataset or order ({fed_dataset}, "
+                f"this one is {self.dataset}); use a new namespace to feed a different dataset"
+            )
+        if fed_dataset is not None and position >= len(self.records):
+            epoch, position = epoch + 1, 0
+        return next_index, epoch, position
+
+    async def run(self) -> int:
+        """Feed until the epochs are done (or :meth:`stop`); returns the prompts fed by this call."""
+        await load_config(self.redis, self.keys)
+        next_index, epoch, position = await self._cursor()
+        logger.info(
+            "feeder (ns %s): starting at index %d, epoch %d, position %d of %d (window %d)",
+            self.keys.namespace, next_index, epoch, position, len(self.records), self.settings.window,
+        )
+        walk = self._walk(epoch, position)
+        pending: list[tuple[int, int, int]] = []
+        while not self._stop.is_set():
+            queued = await self._outage.run(lambda: self.redis.xlen(self.keys.prompts))
+            room = min(self.settings.window - queued, self.settings.chunk)
+            if room <= 0:
+                await self._sleep()
+                continue
+            while len(pending) < room:
+                item = next(walk, None)
+                if item is None:
+                    break
+                pending.append(item)
+            if not pending:
+                break
+            chunk = pending[:room]
+            entries = []
+            for offset, (ep, _, record_index) in enumerate(chunk):
+                record = self.records[record_index]
+                prompt = Prompt(
+                    index=next_index + offset, prompt=record.prompt, label=record.label, epoch=ep,
+                    metadata={**record.metadata, "dataset_index": record_index},
+                )
+                entries.append(prompt_fields(prompt))
+            last_epoch, last_position, _ = chunk[-1]
+            added = await self._outage.run(
+                lambda e=entries, le=last_epoch, lp=last_position, ni=next_index: self.scripts.feed(
+                    expected_next=ni, next_after=ni + len(e), epoch=le, position=lp,
+                    dataset=self.dataset, entries=e,
+                )
+            )
+            if added is None:
+                # The cursor moved under us: a re-sent call that had gone through, or another feeder.
+                logger.warning("feeder (ns %s): cursor moved concurrently; re-reading it", self.keys.namespace)
+                next_index, epoch, position = await self._cursor()
+                walk = self._walk(epoch, position)
+                pending = []
+                continue
+            next_index += added
+            self.fed += added
+            pending = pending[room:]
+        logger.info("feeder (ns %s): fed %d prompts; next index %d", self.keys.namespace, self.fed, next_index)
+        return self.fed
+
+    async def _sleep(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.poll_interval):
+                await self._stop.wait()
+        except TimeoutError:
+            pass
+
+
+async def feed(
+    url: str,
+    path: str | Path,
+    settings: FeedSettings,
+    *,
+    prompt_key: str = "prompt",
+    label_key: str = "label",
+) -> int:
+    """Library entry point: feed a JSONL file into a namespace; returns the prompts fed."""
+    records = load_jsonl(path, prompt_key, label_key)
+    redis = connect(url, name="rollstream-feeder")
+    try:
+        return await Feeder(redis, records, settings).run()
+    finally:
+        await redis.aclose()
