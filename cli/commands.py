@@ -1,0 +1,307 @@
+"""Core commands: server, init, feed, produce, sim-engine, pause, resume, trainer release."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from rollstream.common.config import PipelineConfig
+from rollstream.common.connection import connect
+from rollstream.common.keys import Keys
+from rollstream.common.namespace import init_namespace
+
+logger = logging.getLogger("rollstream.cli")
+
+
+def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("server", parents=base, help="run a private redis-server in the foreground")
+    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
+    p.add_argument("--appendonly", action="store_true", help="AOF persistence with appendfsync always")
+    p.add_argument("--appendfsync", default="always", choices=["always", "everysec", "no"])
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("init", parents=with_redis, help="write a namespace's pipeline config")
+    p.add_argument("--n-samples", type=int, required=True, help="samples per prompt (group size)")
+    p.add_argument("--batch-size", type=int, required=True, help="groups per training step")
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--max-backlog", type=int, default=256)
+    p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
+    p.add_argument("--max-attempts", type=int, default=5)
+    p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
+    p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
+    p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
+    p.add_argument("--keep", default=None, metavar="MODULE:FUNCTION", help="namespace-wide keep filter")
+    p.add_argument("--heartbeat-timeout", type=float, default=15.0)
+    p.add_argument("--force", action="store_true", help="overwrite a different existing config")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("feed", parents=with_redis, help="feed a JSONL dataset into the prompt stream")
+    p.add_argument("dataset", help="JSONL file, one object per line")
+    epochs = p.add_mutually_exclusive_group()
+    epochs.add_argument("--epochs", type=int, default=1)
+    epochs.add_argument("--forever", action="store_true")
+    p.add_argument("--shuffle", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--label-key", default="label")
+    p.add_argument("--window", type=int, default=256, help="at most this many prompts queued")
+    p.set_defaults(func=cmd_feed)
+
+    p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
+    p.add_argument("--engine", action="append", required=True, metavar="URL", help="engine URL (repeatable)")
+    p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai"])
+    p.add_argument("--model", default=None, help="model name (OpenAI-compatible engines)")
+    p.add_argument("--concurrency", type=int, required=True, help="samples in flight at most")
+    p.add_argument("--reward", required=True, metavar="SPEC", help="math | remote:URL | module:function")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--n-samples", type=int, default=None, help="must match the namespace config")
+    p.add_argument("--name", default=None, help="producer id (default host-pid)")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--heartbeat-interval", type=float, default=2.0)
+    p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accuracy", type=float, default=0.7)
+    p.add_argument("--mean-tokens", type=int, default=64)
+    p.add_argument("--length-sigma", type=float, default=0.5)
+    p.add_argument("--latency-per-token", type=float, default=0.0)
+    p.add_argument("--base-latency", type=float, default=0.0)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--no-weight-version", action="store_true", help="omit meta_info.weight_version")
+    p.set_defaults(func=cmd_sim_engine)
+
+    p = sub.add_parser("pause", parents=with_redis, help="stop producers from admitting new prompts")
+    p.set_defaults(func=cmd_pause)
+    p = sub.add_parser("resume", parents=with_redis, help="let producers admit again")
+    p.add_argument("--version", type=int, default=None, help="record this weight version first")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser(
+        "release-trainer", parents=with_redis,
+        help="move a gone trainer consumer's uncommitted groups back to the stream and delete it",
+    )
+    p.add_argument("--consumer", required=True)
+    p.set_defaults(func=cmd_release_trainer)
+
+
+def run_with_signals(main: Any, on_signal: Any) -> None:
+    """Run ``main`` (a coroutine function) with SIGTERM/SIGINT calling ``on_signal()``."""
+
+    async def runner() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await main()
+
+    asyncio.run(runner())
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from rollstream.common.server import EmbeddedRedis
+
+    server = EmbeddedRedis(port=args.port, dir=args.dir, appendonly=args.appendonly, appendfsync=args.appendfsync)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    with server:
+        logger.info("redis-server %s ready at %s (data in %s)", server.binary, server.url, server.dir)
+        while not stopping and server.process is not None and server.process.poll() is None:
+            time.sleep(0.2)
+    return 0
+
+
+async def _with_redis(url: str, work: Any) -> Any:
+    redis = connect(url, name="rollstream-cli")
+    try:
+        return await work(redis)
+    finally:
+        await redis.aclose()
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    config = PipelineConfig(
+        n_samples_per_prompt=args.n_samples,
+        batch_size=args.batch_size,
+        max_staleness=args.max_staleness,
+        max_backlog=args.max_backlog,
+        lease_seconds=args.lease,
+        max_attempts=args.max_attempts,
+        partial_rollout=args.partial_rollout,
+        admission_control=False if args.no_admission_control else None,
+        recycle_filtered=args.recycle_filtered,
+        keep=args.keep,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    keys = Keys(args.ns)
+    written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))
+    logger.info("namespace %s %s: %s", args.ns, "initialised" if written else "unchanged", config)
+    return 0
+
+
+def cmd_feed(args: argparse.Namespace) -> int:
+    from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
+
+    settings = FeedSettings(
+        namespace=args.ns,
+        epochs=None if args.forever else args.epochs,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        window=args.window,
+    )
+    records = load_jsonl(args.dataset, args.prompt_key, args.label_key)
+    redis = connect(args.redis, name="rollstream-feeder")
+    feeder = Feeder(redis, records, settings)
+
+    async def main() -> None:
+        try:
+            await feeder.run()
+        finally:
+            await redis.aclose()
+
+    run_with_signals(main, feeder.stop)
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from rollstream.producer.engine import EngineClient, EngineSettings
+    from rollstream.producer.metrics import ProducerMetrics
+    from rollstream.producer.rewards import load_reward
+    from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
+
+    engine_settings = EngineSettings(
+        urls=tuple(args.engine),
+        api=args.engine_api,
+        model=args.model,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_retries=args.max_retries,
+    )
+    settings = ProducerSettings(
+        namespace=args.ns,
+        concurrency=args.concurrency,
+        name=args.name or default_producer_name(),
+        n_samples=args.n_samples,
+        drain_timeout=args.drain_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+    )
+    reward = load_reward(args.reward)
+    holder: dict[str, Producer] = {}
+    stop_requested = False
+
+    def on_signal() -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        if "producer" in holder:
+            holder["producer"].stop()
+
+    async def main() -> None:
+        metrics = ProducerMetrics(args.ns, settings.name) if args.metrics_port is not None else None
+        runner = None
+        async with EngineClient(engine_settings) as engine:
+            try:
+                if metrics is not None:
+                    metrics.attach(engine)
+                    runner = await metrics.serve(args.metrics_host, args.metrics_port)
+                producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics)
+                holder["producer"] = producer
+                if stop_requested:
+                    producer.stop()
+                try:
+                    await producer.run()
+                finally:
+                    await producer.aclose()
+            finally:
+                await reward.aclose()
+                if runner is not None:
+                    await runner.cleanup()
+
+    try:
+        run_with_signals(main, on_signal)
+    except Exception as exc:
+        if isinstance(exc, ValueError) and "producer" not in holder:
+            raise
+        logger.error("producer %s exited on a fatal error: %s", settings.name, exc)
+        return 1
+    return 0
+
+
+def cmd_sim_engine(args: argparse.Namespace) -> int:
+    from rollstream.sim.engine import SimConfig, serve
+
+    config = SimConfig(
+        seed=args.seed,
+        accuracy=args.accuracy,
+        mean_tokens=args.mean_tokens,
+        length_sigma=args.length_sigma,
+        latency_per_token=args.latency_per_token,
+        base_latency=args.base_latency,
+        max_running=args.max_running,
+        weight_version=args.weight_version,
+        report_weight_version=not args.no_weight_version,
+    )
+    task: dict[str, asyncio.Task[None]] = {}
+
+    async def main() -> None:
+        task["serve"] = asyncio.create_task(serve(config, args.host, args.port))
+        with contextlib.suppress(asyncio.CancelledError):
+            await task["serve"]
+
+    def on_signal() -> None:
+        if "serve" in task:
+            task["serve"].cancel()
+
+    run_with_signals(main, on_signal)
+    return 0
+
+
+async def _consumer_call(args: argparse.Namespace, action: str) -> None:
+    from rollstream.consumer import GroupConsumer
+
+    async with await GroupConsumer.connect(args.redis, args.ns, name="rollstream-cli") as consumer:
+        if action == "pause":
+            await consumer.pause()
+        else:
+            await consumer.resume(args.version)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    asyncio.run(_consumer_call(args, "pause"))
+    logger.info("namespace %s paused: producers admit nothing until `rollstream resume`", args.ns)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    asyncio.run(_consumer_call(args, "resume"))
+    logger.info("namespace %s resumed%s", args.ns, "" if args.version is None else f" at version {args.version}")
+    return 0
+
+
+def cmd_release_trainer(args: argparse.Namespace) -> int:
+    from rollstream.consumer import release_consumer
+
+    keys = Keys(args.ns)
+    moved = asyncio.run(_with_redis(args.redis, lambda r: release_consumer(r, keys, args.consumer)))
+    sys.stdout.write(f"moved {moved} uncommitted groups of {args.consumer!r} back to the stream\n")
+    return 0

@@ -1,0 +1,291 @@
+"""``rollstream demo``: the whole pipeline on one machine, in real processes.
+
+An embedded redis-server, the engine simulator (an SGLang test double), a feeder over the
+arithmetic dataset shipped in the package, ``P`` producer processes and a trainer loop here:
+take a batch, "train" (sleep), commit, pause the producers around the weight update, bump the
+engine's and the trainer's weight version, resume. Every process is stopped and every temporary
+directory removed at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rollstream.common.keys import Keys
+from rollstream.common.namespace import read_state, state_int
+from rollstream.common.server import EmbeddedRedis, free_port
+
+logger = logging.getLogger("rollstream.demo")
+
+COLUMNS = (
+    ("step", "step", "{:.0f}"),
+    ("groups", "groups", "{:.0f}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("stale mean", "staleness_mean", "{:.2f}"),
+    ("stale max", "staleness_max", "{:.0f}"),
+    ("recycled stale", "recycled_stale", "{:.0f}"),
+    ("recycled abort", "recycled_aborted", "{:.0f}"),
+    ("backlog", "backlog", "{:.0f}"),
+    ("wait s", "wait_time_s", "{:.2f}"),
+    ("blocked s", "admission_blocked_s", "{:.2f}"),
+    ("producers", "producers_alive", "{:.0f}"),
+)
+
+
+def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", parents=base, help="run the whole pipeline on this machine")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--producers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--n-samples", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=32, help="samples in flight per producer")
+    p.add_argument("--train-time", type=float, default=0.5, help="seconds one 'training step' takes")
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--no-admission-control", action="store_true")
+    p.add_argument("--partial-rollout", action="store_true")
+    p.add_argument("--no-pause", action="store_true", help="do not pause producers around weight updates")
+    p.add_argument("--mean-tokens", type=int, default=96)
+    p.add_argument("--latency-per-token", type=float, default=0.002)
+    p.add_argument("--accuracy", type=float, default=0.6)
+    p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of an embedded one")
+    p.add_argument("--ns", default="demo")
+    p.add_argument("--out", default=None, help="directory for the plot (default ./runs/demo-TIMESTAMP)")
+    p.add_argument("--no-plot", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+
+@dataclass
+class Processes:
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as handle:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "rollstream.cli", *args],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children.append(child)
+        return child
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def dataset_path() -> Path:
+    return Path(str(resources.files("rollstream.cli") / "data" / "arithmetic.jsonl"))
+
+
+def _wait_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"engine simulator at {url} did not come up")
+
+
+def _table(rows: list[dict[str, float]]) -> Table:
+    table = Table(title="rollstream demo", expand=False)
+    for title, _, _ in COLUMNS:
+        table.add_column(title, justify="right")
+    for row in rows:
+        table.add_row(*(_fmt(row.get(key, math.nan), fmt) for _, key, fmt in COLUMNS))
+    return table
+
+
+def _fmt(value: float, fmt: str) -> str:
+    return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+
+async def trainer_loop(
+    args: argparse.Namespace, url: str, engine_url: str, console: Console
+) -> tuple[list[dict[str, float]], dict[str, str]]:
+    from rollstream.consumer import GroupConsumer
+
+    rows: list[dict[str, float]] = []
+    live_output = console.is_terminal
+    async with (
+        await GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        live = Live(_table(rows), console=console, refresh_per_second=4) if live_output else None
+        with live if live is not None else contextlib.nullcontext():
+            for step in range(args.steps):
+                batch = await consumer.take(args.batch_size)
+                await asyncio.sleep(args.train_time)  # the "training step"
+                await consumer.commit(batch)
+                version = batch.weight_version + 1
+                if not args.no_pause:
+                    # As in a real weight update: producers stop admitting, the engine aborts what
+                    # is in flight (those groups come back ABORTED and are recycled), weights load.
+                    await consumer.pause()
+                    await http.post(f"{engine_url}/pause_generation", json={"mode": "abort"})
+                await http.post(
+                    f"{engine_url}/update_weights_from_disk",
+                    json={"model_path": f"step-{step}", "weight_version": str(version)},
+                )
+                if not args.no_pause:
+                    await http.post(f"{engine_url}/continue_generation", json={})
+                if args.no_pause:
+                    await consumer.set_weight_version(version)
+                else:
+                    await consumer.resume(version)
+                row = {"step": float(step), **batch.metrics}
+                rows.append(row)
+                if live is not None:
+                    live.update(_table(rows))
+                else:
+                    console.print(
+                        "  ".join(f"{title}={_fmt(row.get(key, math.nan), fmt)}" for title, key, fmt in COLUMNS)
+                    )
+        state = await read_state(consumer.redis, consumer.keys)
+    return rows, state
+
+
+def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install 'rollstream[plot]'): no plot")
+        return None
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    axes[0].plot(steps, [r.get("reward_mean", math.nan) for r in rows], marker="o")
+    axes[0].set_ylabel("mean reward")
+    axes[1].plot(steps, [r.get("staleness_mean", 0) for r in rows], marker="o", label="mean")
+    axes[1].plot(steps, [r.get("staleness_max", 0) for r in rows], marker="x", label="max")
+    axes[1].bar(steps, [r.get("recycled_stale", 0) for r in rows], alpha=0.3, label="recycled stale")
+    axes[1].set_ylabel("staleness")
+    axes[1].legend()
+    axes[2].plot(steps, [r.get("backlog", 0) for r in rows], marker="o")
+    axes[2].set_ylabel("backlog (groups)")
+    axes[2].set_xlabel("step")
+    fig.suptitle("rollstream demo")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "demo.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.producers < 1:
+        raise ValueError("--steps and --producers must be at least 1")
+    console = Console()
+    started = time.monotonic()
+    processes = Processes()
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rollstream-demo-")))
+        stack.callback(processes.stop_all)
+        if args.redis:
+            url = args.redis
+        else:
+            server = stack.enter_context(EmbeddedRedis(dir=workdir / "redis"))
+            url = server.url
+        engine_port = free_port()
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        processes.start(
+            [
+                "sim-engine", "--port", str(engine_port), "--accuracy", str(args.accuracy),
+                "--mean-tokens", str(args.mean_tokens), "--latency-per-token", str(args.latency_per_token),
+                "--max-running", "256",
+            ],
+            workdir / "engine.log",
+        )
+        init = [
+            "init", "--redis", url, "--ns", args.ns, "--n-samples", str(args.n_samples),
+            "--batch-size", str(args.batch_size), "--max-staleness", str(args.max_staleness),
+            "--max-backlog", str(4 * args.batch_size), "--lease", "30", "--force",
+        ]
+        if args.no_admission_control:
+            init.append("--no-admission-control")
+        if args.partial_rollout:
+            init.append("--partial-rollout")
+        subprocess.run([sys.executable, "-m", "rollstream.cli", *init, "--log-level", "WARNING"], check=True)
+        _wait_http(engine_url)
+        processes.start(
+            ["feed", str(dataset_path()), "--redis", url, "--ns", args.ns, "--forever", "--shuffle",
+             "--window", str(8 * args.batch_size)],
+            workdir / "feeder.log",
+        )
+        for i in range(args.producers):
+            processes.start(
+                ["produce", "--redis", url, "--ns", args.ns, "--engine", engine_url,
+                 "--concurrency", str(args.concurrency), "--reward", "math", "--max-new-tokens", "512",
+                 "--name", f"demo-producer-{i}"],
+                workdir / f"producer-{i}.log",
+            )
+        console.print(
+            f"[bold]rollstream demo[/]: redis {url}, engine {engine_url}, {args.producers} producers, "
+            f"batch {args.batch_size} x n={args.n_samples}, {args.steps} steps (logs in {workdir})"
+        )
+        try:
+            rows, state = asyncio.run(trainer_loop(args, url, engine_url, console))
+        except BaseException:
+            for log in sorted(workdir.glob("*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                if tail:
+                    console.print(f"--- {log.name} ---\n" + "\n".join(tail))
+            raise
+        processes.stop_all()
+        wall = time.monotonic() - started
+        keys = Keys(args.ns)
+        console.print(
+            f"\n[bold]done[/] in {wall:.1f} s: {state_int(state, 'committed')} groups committed, "
+            f"{state_int(state, 'published')} published, recycled stale {state_int(state, 'recycled_stale')}, "
+            f"aborted {state_int(state, 'recycled_aborted')}, dead-lettered {state_int(state, 'dead_lettered')}, "
+            f"duplicates discarded {state_int(state, 'duplicates_discarded')}"
+        )
+        if not args.no_plot:
+            out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+            path = plot(rows, out)
+            if path is not None:
+                console.print(f"plot: {path.resolve()}")
+        console.print(
+            "\nWhere to look with redis-cli (against a live pipeline, e.g. `rollstream demo --redis URL`):\n"
+            f"  redis-cli XINFO GROUPS {keys.groups}      # backlog and taken-but-uncommitted groups\n"
+            f"  redis-cli XPENDING {keys.prompts} producers   # prompts in flight, per producer\n"
+            f"  redis-cli XRANGE {keys.groups} - + COUNT 3   # the oldest groups (index, status, reward_mean)\n"
+            f"  redis-cli HGETALL {keys.state}              # weight version, paused, counters\n"
+            f"  redis-cli HGETALL {keys.config}             # the namespace config\n"
+            f"  rollstream inspect --redis URL --ns {args.ns}"
+        )
+    return 0
+
+
+if os.environ.get("ROLLSTREAM_DEMO_DEBUG"):  # pragma: no cover
+    logging.getLogger("rollstream").setLevel(logging.DEBUG)

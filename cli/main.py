@@ -1,0 +1,99 @@
+"""The ``rollstream`` command line. Each command lives in its own module; this one wires them.
+
+Every command takes ``--log-level`` and ``--log-json``; logging is configured here, never in
+library code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from . import commands
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def common_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parent.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    return parent
+
+
+def redis_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
+    parent.add_argument("--ns", required=True, metavar="NAME", help="pipeline namespace")
+    return parent
+
+
+Register = Callable[[argparse._SubParsersAction, list[argparse.ArgumentParser]], None]  # type: ignore[type-arg]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollstream",
+        description="Fully-async rollout pipeline for LLM reinforcement learning on Redis Streams.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    base = [common_options()]
+    with_redis = [common_options(), redis_options()]
+    commands.register(sub, base, with_redis)
+    for module_name in ("demo", "inspect", "ops"):
+        try:
+            module = __import__(f"rollstream.cli.{module_name}", fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"rollstream.cli.{module_name}":
+                raise
+            continue
+        module.register(sub, base, with_redis)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:  # config errors: a clear message, no traceback
+        logging.getLogger("rollstream").error("%s", exc)
+        return 2
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Prometheus metrics of one producer, served from its own event loop (aiohttp, no thread).
+
+Each producer has its own registry, so several producers in one process (tests) do not clash.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rollstream.common.models import Group
+
+from .engine import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerMetrics:
+    def __init__(self, namespace: str, producer: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"namespace": namespace, "producer": producer}
+        self._labels = labels
+        names = list(labels)
+        self.in_flight = Gauge(
+            "rollstream_requests_in_flight", "Engine requests in flight", names, registry=self.registry
+        ).labels(**labels)
+        self.latency = Histogram(
+            "rollstream_generation_seconds",
+            "Latency of one engine generate request",
+            names,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        ).labels(**labels)
+        self.tokens = Counter(
+            "rollstream_tokens_generated", "Response tokens generated", names, registry=self.registry
+        ).labels(**labels)
+        self.groups = Counter(
+            "rollstream_groups_published", "Groups published", names, registry=self.registry
+        ).labels(**labels)
+        self._errors = Counter(
+            "rollstream_errors", "Errors by kind", [*names, "kind"], registry=self.registry
+        )
+        self._retries = Counter(
+            "rollstream_engine_retries", "Engine requests retried", names, registry=self.registry
+        ).labels(**labels)
+        self._blocked = Counter(
+            "rollstream_admission_blocked", "Admission attempts refused, by reason", [*names, "reason"],
+            registry=self.registry,
+        )
+        self._engine: EngineClient | None = None
+        self._seen_retries = 0
+        self._seen_errors: dict[str, int] = {}
+
+    def attach(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def request_started(self) -> None:
+        self.in_flight.inc()
+
+    def request_finished(self, seconds: float) -> None:
+        self.in_flight.dec()
+        self.latency.observe(seconds)
+
+    def tokens_generated(self, count: int) -> None:
+        self.tokens.inc(count)
+
+    def group_published(self, group: Group) -> None:
+        self.groups.inc()
+
+    def admission_blocked(self, reason: str) -> None:
+        self._blocked.labels(**self._labels, reason=reason).inc()
+
+    def error(self, kind: str) -> None:
+        self._errors.labels(**self._labels, kind=kind).inc()
+
+    def _sync_engine(self) -> None:
+        """Fold the engine client's counters in (it counts; this module exports)."""
+        if self._engine is None:
+            return
+        if self._engine.retries > self._seen_retries:
+            self._retries.inc(self._engine.retries - self._seen_retries)
+            self._seen_retries = self._engine.retries
+        for kind, count in self._engine.errors.items():
+            seen = self._seen_errors.get(kind, 0)
+            if count > seen:
+                self._errors.labels(**self._labels, kind=f"engine_{kind}").inc(count - seen)
+                self._seen_errors[kind] = count
+
+    def render(self) -> bytes:
+        self._sync_engine()
+        return generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int) -> web.AppRunner:
+        async def handle(_: web.Request) -> web.Response:
+            return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        logger.info("metrics on http://%s:%d/metrics", host, port)
+        return runner

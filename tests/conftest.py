@@ -1,0 +1,148 @@
+"""Fixtures: a real embedded redis-server per session, fresh namespaces, the engine simulator,
+and producer processes started the way an operator would (``python -m rollstream.cli produce``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from rollstream.common.codec import prompt_fields
+from rollstream.common.config import PipelineConfig
+from rollstream.common.connection import connect
+from rollstream.common.keys import Keys
+from rollstream.common.models import Prompt
+from rollstream.common.namespace import init_namespace
+from rollstream.common.server import EmbeddedRedis
+from rollstream.sim import SimConfig, SimEngine
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"t{os.getpid()}-{next(_counter)}"
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def keys(ns: str) -> Keys:
+    return Keys(ns)
+
+
+async def make_namespace(redis: Redis, ns: str, **config: Any) -> PipelineConfig:
+    settings = {"n_samples_per_prompt": 2, "batch_size": 4, "lease_seconds": 30.0, **config}
+    cfg = PipelineConfig(**settings)
+    await init_namespace(redis, Keys(ns), cfg, force=True)
+    return cfg
+
+
+async def add_prompts(redis: Redis, ns: str, count: int, start: int = 0, text: str | None = None) -> None:
+    """Add prompts directly (tests that do not exercise the feeder)."""
+    keys = Keys(ns)
+    for index in range(start, start + count):
+        prompt = Prompt(index=index, prompt=text or f"Compute {index} + 1 and box it.", label=str(index + 1))
+        await redis.xadd(keys.prompts, prompt_fields(prompt))
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimEngine]:
+    async with SimEngine(SimConfig(seed=1, mean_tokens=16, latency_per_token=0.001, accuracy=0.5)) as engine:
+        yield engine
+
+
+class ProcessPool:
+    """Child processes of a test, killed at teardown; their logs kept for failure messages."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.children: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(self, *args: str, log_name: str | None = None) -> subprocess.Popen[bytes]:
+        log = self.tmp_path / f"{log_name or args[0]}-{len(self.children)}.log"
+        with open(log, "wb") as handle:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "rollstream.cli", *args],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
+        self.children.append((child, log))
+        return child
+
+    def producer(self, redis_url: str, ns: str, engine_url: str, *extra: str, name: str | None = None,
+                 concurrency: int = 8, reward: str = "math") -> subprocess.Popen[bytes]:
+        args = ["produce", "--redis", redis_url, "--ns", ns, "--engine", engine_url,
+                "--concurrency", str(concurrency), "--reward", reward, "--max-new-tokens", "256",
+                "--heartbeat-interval", "0.5", "--log-level", "DEBUG", *extra]
+        if name:
+            args += ["--name", name]
+        return self.start(*args, log_name=name or "producer")
+
+    def log_of(self, child: subprocess.Popen[bytes]) -> str:
+        for c, log in self.children:
+            if c is child:
+                return log.read_text(errors="replace")
+        return ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in self.children)
+
+    def stop_all(self) -> None:
+        for child, _ in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child, _ in self.children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[ProcessPool]:
+    pool = ProcessPool(tmp_path)
+    yield pool
+    pool.stop_all()
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+                     message: str = "condition") -> Any:
+    """Poll an (async or sync) predicate until truthy; fail with ``message`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+        await asyncio.sleep(interval)
