@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from . import commands
 
@@ -56,9 +56,6 @@ def redis_options() -> argparse.ArgumentParser:
     parent.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
     parent.add_argument("--ns", required=True, metavar="NAME", help="pipeline namespace")
     return parent
-
-
-Register = Callable[[argparse._SubParsersAction, list[argparse.ArgumentParser]], None]  # type: ignore[type-arg]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,7 +83,7 @@ def load_keep(path: str) -> KeepFilter:
         raise ValueError(f"cannot import keep filter {path!r}: {exc}") from exc
     if not callable(function):
         raise ValueError(f"keep filter {path!r} is not callable")
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 @dataclass(slots=True)
@@ -304,7 +304,7 @@ class GroupConsumer:
         cursor = "0"
         while True:
             reply = await self._outage.run(
-                lambda c=cursor: self.redis.xreadgroup(  # type: ignore[misc]
+                lambda c=cursor: self.redis.xreadgroup(
                     TRAINER_GROUP, self.name, {self.keys.groups: c}, count=1000
                 )
             )

@@ -10,7 +10,6 @@ import logging
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
 from rollstream.common.models import Group
 
 from .engine import EngineClient
