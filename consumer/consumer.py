@@ -91,8 +91,11 @@ class _Tally:
     recycled_aborted: int = 0
     recycled_stale: int = 0
     recycled_failed: int = 0
+    recycled_filtered: int = 0
     dead_lettered: int = 0
     filtered: Counter[str] = field(default_factory=Counter)
+    staleness_max_seen: int = 0
+    """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
 
 
 class GroupConsumer:
@@ -354,6 +357,7 @@ class GroupConsumer:
                 entry_id, fields, f"wrong_group_size: {len(group.samples)} samples, expected {n}", tally
             )
             return None
+        tally.staleness_max_seen = max(tally.staleness_max_seen, group.staleness(version))
         status = group.status
         if status == Status.FAILED:
             errors = {str(s.metadata.get("error", "failed")) for s in group.samples if s.status == Status.FAILED}
@@ -447,6 +451,8 @@ class GroupConsumer:
                 tally.recycled_stale += 1
             elif kind == "failed":
                 tally.recycled_failed += 1
+            else:
+                tally.recycled_filtered += 1
             logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index, reason)
 
     async def _filter(self, entry_id: bytes, group: Group, reason: str, tally: _Tally) -> None:
@@ -534,8 +540,10 @@ class GroupConsumer:
             "recycled_failed": float(tally.recycled_failed),
             "dead_lettered": float(tally.dead_lettered),
             "filtered": float(sum(tally.filtered.values())),
+            "recycled_filtered": float(tally.recycled_filtered),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_max": float(max(staleness, default=0)),
+            "staleness_max_seen": float(tally.staleness_max_seen),
             "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
             "admission_blocked_s": blocked_delta / 1000,
         }
