@@ -1,0 +1,318 @@
+"""Every branch of every Lua script in ``common/lua.py``.
+
+Run against fakeredis (with lupa) where fakeredis runs the script like Redis does. fakeredis
+answers XREADGROUP inside Lua with a differently shaped reply (``{}`` instead of nil when
+empty, no outer list per stream), so ADMIT's ``empty`` and ``ok`` branches run against the real
+redis-server (``redis`` fixture) instead; every other branch is covered on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fakeredis
+import pytest
+from redis.asyncio import Redis
+from rollstream.common.config import PipelineConfig
+from rollstream.common.connection import connect
+from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.lua import Scripts
+from rollstream.common.namespace import init_namespace
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Redis]:
+    client = fakeredis.FakeAsyncRedis()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(params=["fake", "real"])
+async def r(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[Redis]:
+    """The same test against fakeredis and the real redis-server."""
+    client: Redis = fakeredis.FakeAsyncRedis() if request.param == "fake" else connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def _setup(client: Redis, ns: str, **config: Any) -> tuple[Keys, Scripts]:
+    keys = Keys(ns)
+    cfg = PipelineConfig(n_samples_per_prompt=2, batch_size=2, **config)
+    await init_namespace(client, keys, cfg, force=True)
+    return keys, Scripts(client, keys)
+
+
+async def _state(client: Redis, keys: Keys) -> dict[str, str]:
+    raw = await client.hgetall(keys.state)
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def _read_prompt(client: Redis, keys: Keys, consumer: str = "p1") -> bytes:
+    """Take one prompt into ``consumer``'s pending list without the ADMIT script."""
+    reply = await client.xreadgroup(PRODUCERS_GROUP, consumer, {keys.prompts: ">"}, count=1)
+    return bytes(reply[0][1][0][0])
+
+
+# -- PUBLISH ------------------------------------------------------------------------------
+
+
+async def test_publish_adds_group_acks_prompt_and_counts(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    await r.xadd(keys.prompts, {"index": 0})
+    pid = await _read_prompt(r, keys)
+    gid = await scripts.publish(pid, {"index": 0, "data": b"x"}, now_ms=1234)
+    assert gid is not None
+    assert await r.xlen(keys.prompts) == 0  # acknowledged and deleted
+    assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    rows = await r.xrange(keys.groups)
+    assert [row[0] for row in rows] == [gid] and rows[0][1][b"data"] == b"x"
+    state = await _state(r, keys)
+    assert state["published"] == "1" and state["last_publish_ms"] == "1234"
+
+
+async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    await r.xadd(keys.prompts, {"index": 0})
+    pid = await _read_prompt(r, keys)
+    assert await scripts.publish(pid, {"index": 0}, now_ms=1) is not None
+    assert await scripts.publish(pid, {"index": 0}, now_ms=2) is None
+    assert await r.xlen(keys.groups) == 1
+    state = await _state(r, keys)
+    assert state["published"] == "1" and state["duplicates_discarded"] == "1"
+    assert state["last_publish_ms"] == "1"
+
+
+# -- MOVE (recycle, return, dead-letter) --------------------------------------------------
+
+
+async def test_recycle_moves_group_back_to_prompts_and_counts(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    gid = await r.xadd(keys.groups, {"index": 3})
+    await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
+    assert await r.xlen(keys.groups) == 0
+    rows = await r.xrange(keys.prompts)
+    assert len(rows) == 1 and rows[0][1] == {b"index": b"3", b"attempt": b"1"}
+    assert (await _state(r, keys))["recycled_stale"] == "1"
+    # Re-sent (or a second holder): nothing happens.
+    assert not await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
+    assert await r.xlen(keys.prompts) == 1
+    assert (await _state(r, keys))["recycled_stale"] == "1"
+
+
+async def test_return_prompt_requeues_at_the_end_and_counts(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    await r.xadd(keys.prompts, {"index": 0})
+    await r.xadd(keys.prompts, {"index": 1})
+    pid = await _read_prompt(r, keys)
+    assert await scripts.return_prompt(pid, {"index": 0})
+    rows = await r.xrange(keys.prompts)
+    assert [row[1][b"index"] for row in rows] == [b"1", b"0"]
+    assert (await _state(r, keys))["returned"] == "1"
+    assert not await scripts.return_prompt(pid, {"index": 0})
+    assert await r.xlen(keys.prompts) == 2
+
+
+async def test_dead_letter_keeps_fields_and_reason(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    gid = await r.xadd(keys.groups, {"index": 7, "reason": "spoofed"})
+    await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await scripts.dead_letter(
+        source=keys.groups, group=TRAINER_GROUP, entry_id=gid, reason="max_attempts: x",
+        fields={b"index": b"7", b"reason": b"spoofed"}, now_ms=99,
+    )
+    rows = await r.xrange(keys.dead)
+    assert len(rows) == 1
+    fields = rows[0][1]
+    assert fields[b"source"] == b"groups" and fields[b"reason"] == b"max_attempts: x"
+    assert fields[b"entry_id"] == gid and fields[b"index"] == b"7" and fields[b"ts_ms"] == b"99"
+    assert (await _state(r, keys))["dead_lettered"] == "1"
+    assert not await scripts.dead_letter(
+        source=keys.groups, group=TRAINER_GROUP, entry_id=gid, reason="again", fields={}, now_ms=100,
+    )
+    assert await r.xlen(keys.dead) == 1
+
+
+# -- ACK_DELETE ----------------------------------------------------------------------------
+
+
+async def test_ack_delete_counts_only_acknowledged_entries(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    ids = [await r.xadd(keys.groups, {"index": i}) for i in range(3)]
+    await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    acked = await scripts.ack_delete(
+        stream=keys.groups, group=TRAINER_GROUP, ids=ids[:2], counter=StateField.COMMITTED,
+        time_field=StateField.LAST_COMMIT_MS, now_ms=42,
+    )
+    assert acked == 2 and await r.xlen(keys.groups) == 1
+    state = await _state(r, keys)
+    assert state["committed"] == "2" and state["last_commit_ms"] == "42"
+    # Already acknowledged: nothing counted; the time field is still written.
+    again = await scripts.ack_delete(
+        stream=keys.groups, group=TRAINER_GROUP, ids=ids[:2], counter=StateField.COMMITTED,
+        time_field=StateField.LAST_COMMIT_MS, now_ms=43,
+    )
+    assert again == 0
+    state = await _state(r, keys)
+    assert state["committed"] == "2" and state["last_commit_ms"] == "43"
+
+
+async def test_ack_delete_second_counter_without_time_field(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    gid = await r.xadd(keys.groups, {"index": 0})
+    await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    acked = await scripts.ack_delete(
+        stream=keys.groups, group=TRAINER_GROUP, ids=[gid], counter=StateField.FILTERED,
+        second_counter="filtered:zero_variance",
+    )
+    assert acked == 1
+    state = await _state(r, keys)
+    assert state["filtered"] == "1" and state["filtered:zero_variance"] == "1"
+    assert "last_commit_ms" not in state
+    assert await scripts.ack_delete(stream=keys.groups, group=TRAINER_GROUP, ids=[], counter="x") == 0
+
+
+# -- ADMIT ---------------------------------------------------------------------------------
+
+
+def _admit_args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "consumer": "p1", "max_backlog": 10, "admission": True, "max_staleness": 1, "batch_size": 2,
+    }
+    args.update(overrides)
+    return args
+
+
+async def test_admit_refuses_while_paused(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns, max_staleness=1)
+    await r.xadd(keys.prompts, {"index": 0})
+    await r.hset(keys.state, StateField.PAUSED, 1)
+    assert (await scripts.admit(**_admit_args()))[0] == "paused"
+    assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    assert "admitted" not in await _state(r, keys)
+
+
+async def test_admit_refuses_at_the_backlog_cap(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns, max_staleness=1)
+    await r.xadd(keys.prompts, {"index": 0})
+    for i in range(3):
+        await r.xadd(keys.groups, {"index": i})
+    assert (await scripts.admit(**_admit_args(max_backlog=3)))[0] == "backlog"
+    assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+
+
+async def test_admit_staleness_rule_boundary(r: Redis, ns: str) -> None:
+    """outstanding = admitted - recycled_* - filtered - dead - returned vs (v + s + 1) * B."""
+    keys, scripts = await _setup(r, ns, max_staleness=1)
+    await r.xadd(keys.prompts, {"index": 0})
+    # v=0, s=1, B=2: capacity 4. 4 outstanding -> refused.
+    await r.hset(keys.state, mapping={"weight_version": 0, "admitted": 4})
+    assert (await scripts.admit(**_admit_args()))[0] == "staleness"
+    # Every "not outstanding any more" counter frees one slot each.
+    for counter in (
+        "recycled_aborted", "recycled_stale", "recycled_failed", "recycled_filtered", "filtered",
+        "dead_lettered", "returned",
+    ):
+        await r.hset(keys.state, mapping={"admitted": 5, counter: 1})
+        assert (await scripts.admit(**_admit_args()))[0] == "staleness", counter  # 4 outstanding
+        await r.hset(keys.state, counter, 2)
+        status = (await scripts.admit(**_admit_args(max_backlog=0)))[0]
+        assert status == "backlog", counter  # passed the staleness check (3 < 4)
+        await r.hdel(keys.state, counter)
+    # Committed groups are not subtracted; a higher version raises the cap instead.
+    await r.hset(keys.state, mapping={"admitted": 4, "committed": 4})
+    assert (await scripts.admit(**_admit_args()))[0] == "staleness"
+    await r.hset(keys.state, "weight_version", 1)  # (1 + 1 + 1) * 2 = 6 > 4
+    assert (await scripts.admit(**_admit_args(max_backlog=0)))[0] == "backlog"
+    # max_staleness 0 at v=1: (1 + 0 + 1) * 2 = 4, not above 4 outstanding.
+    assert (await scripts.admit(**_admit_args(max_staleness=0)))[0] == "staleness"
+    await r.hset(keys.state, "admitted", 3)
+    assert (await scripts.admit(**_admit_args(max_staleness=0, max_backlog=0)))[0] == "backlog"
+
+
+async def test_admit_without_admission_control_ignores_staleness(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns, max_staleness=1)
+    await r.hset(keys.state, "admitted", 1000)
+    assert (await scripts.admit(**_admit_args(admission=False, max_backlog=0)))[0] == "backlog"
+
+
+async def test_admit_reads_one_prompt_counts_it_and_reports_version(redis: Redis, ns: str) -> None:
+    """Real server only: fakeredis shapes XREADGROUP replies inside Lua differently."""
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    await redis.hset(keys.state, "weight_version", 7)
+    first = await redis.xadd(keys.prompts, {"index": 0, "data": b"\x00\xff"})
+    await redis.xadd(keys.prompts, {"index": 1})
+    status, entry_id, fields, version = await scripts.admit(**_admit_args())
+    assert (status, entry_id, version) == ("ok", first, 7)
+    assert fields == {b"index": b"0", b"data": b"\x00\xff"}
+    pending = await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(first, b"p1")]
+    assert (await _state(redis, keys))["admitted"] == "1"
+
+
+async def test_admit_on_an_empty_stream(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    assert await scripts.admit(**_admit_args()) == ("empty", None, None, 0)
+    assert "admitted" not in await _state(redis, keys)
+
+
+# -- RENEW ---------------------------------------------------------------------------------
+
+
+async def test_renew_own_entries_and_report_lost_ones(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    await r.xadd(keys.prompts, {"index": 0})
+    await r.xadd(keys.prompts, {"index": 1})
+    mine = await _read_prompt(r, keys, "p1")
+    theirs = await _read_prompt(r, keys, "p2")
+    assert await scripts.renew("p1", [mine]) == []
+    # Taken over by p2, acknowledged, or never existed: lost, and never stolen back.
+    assert sorted(await scripts.renew("p1", [mine, theirs, b"1-1"])) == sorted([theirs, b"1-1"])
+    pending = await r.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
+    assert {p["message_id"]: p["consumer"] for p in pending} == {mine: b"p1", theirs: b"p2"}
+    assert await scripts.renew("p1", []) == []
+
+
+async def test_renew_resets_idle_time(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns)
+    await redis.xadd(keys.prompts, {"index": 0})
+    mine = await _read_prompt(redis, keys, "p1")
+    await redis.xclaim(keys.prompts, PRODUCERS_GROUP, "p1", 0, [mine], idle=60_000, justid=True)
+    before = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
+    assert before["time_since_delivered"] >= 60_000
+    assert await scripts.renew("p1", [mine]) == []
+    after = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
+    assert after["time_since_delivered"] < 10_000
+
+
+# -- FEED ----------------------------------------------------------------------------------
+
+
+async def test_feed_adds_and_moves_the_cursor_once(r: Redis, ns: str) -> None:
+    keys, scripts = await _setup(r, ns)
+    entries = [{"index": 0, "data": b"a"}, {"index": 1, "data": b"b"}]
+    added = await scripts.feed(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries)
+    assert added == 2
+    rows = await r.xrange(keys.prompts)
+    assert [row[1] for row in rows] == [{b"index": b"0", b"data": b"a"}, {b"index": b"1", b"data": b"b"}]
+    state = await _state(r, keys)
+    assert (state["feed_next_index"], state["feed_epoch"], state["feed_position"], state["feed_dataset"]) == (
+        "2", "0", "2", "d",
+    )
+    assert state["fed"] == "2"
+    # Re-sent with the old cursor: nothing added.
+    assert await scripts.feed(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries) is None
+    assert await r.xlen(keys.prompts) == 2
+    # An empty feed from the right cursor only moves it.
+    assert await scripts.feed(expected_next=2, next_after=2, epoch=1, position=0, dataset="d", entries=[]) == 0
+    assert (await _state(r, keys))["feed_epoch"] == "1"
+
+
+async def test_feed_rejects_entries_of_different_shapes(fake: Redis, ns: str) -> None:
+    _, scripts = await _setup(fake, ns)
+    with pytest.raises(ValueError, match="same fields"):
+        await scripts.feed(
+            expected_next=0, next_after=2, epoch=0, position=2, dataset="d",
+            entries=[{"index": 0}, {"index": 1, "data": b"x"}],
+        )
