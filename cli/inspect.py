@@ -1,0 +1,195 @@
+"""``rollstream inspect``: is the pipeline healthy, and if not, where is it stuck?
+
+One screen (or one JSON document) built from :func:`rollstream.common.inspect.snapshot`. The exit
+code is the verdict (0 healthy, 1 unhealthy), so ``inspect`` doubles as a liveness probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+from rollstream.common.connection import connect
+from rollstream.common.inspect import DEFAULT_STUCK_AFTER, snapshot
+from rollstream.common.keys import Keys
+
+
+def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("inspect", parents=with_redis, help="show a namespace's health at a glance")
+    p.add_argument("--json", action="store_true", help="print one JSON document (schema in docs/operations.md)")
+    p.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument(
+        "--stuck-after", type=float, default=DEFAULT_STUCK_AFTER, metavar="SECONDS",
+        help=f"groups waiting with no take/commit for this long is unhealthy (default {DEFAULT_STUCK_AFTER:.0f})",
+    )
+    p.add_argument("--events", type=int, default=5, help="error events to show (default 5)")
+    p.set_defaults(func=cmd_inspect)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.1f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _secs(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _table(title: str, plain: bool, *columns: str) -> Table:
+    table = Table(
+        title=title, title_justify="left", box=None if plain else box.SIMPLE_HEAD,
+        show_edge=False, pad_edge=False, title_style="bold",
+    )
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
+    """The inspect screen; ``plain`` drops borders for logs and pipes."""
+    health = snap["health"]
+    parts: list[RenderableType] = []
+    verdict = Text(f"namespace {snap['namespace']}: ", style="bold")
+    verdict.append("HEALTHY" if health["ok"] else "UNHEALTHY", style="bold green" if health["ok"] else "bold red")
+    verdict.append(time.strftime("  (%Y-%m-%d %H:%M:%S)", time.localtime(snap["generated_ms"] / 1000)))
+    parts.append(verdict)
+    for problem in health["problems"]:
+        parts.append(Text(f"  PROBLEM: {problem}", style="red"))
+    for warning in health["warnings"]:
+        parts.append(Text(f"  warning: {warning}", style="yellow"))
+
+    p, g, t = snap["prompts"], snap["groups"], snap["trainer"]
+    streams = _table("streams", plain, "stream", "length", "detail")
+    streams.add_row(
+        "prompts", str(p["queued"]),
+        f"waiting {p['waiting']}, in flight {p['in_flight']}, "
+        f"oldest in flight added {_age(p['oldest_pending_age_s'])}, "
+        f"max lease idle {_secs(p['max_pending_idle_s'])} of {p['lease_seconds']:.0f}s, "
+        f"leases expiring {p['leases_expiring']}",
+    )
+    taken = ", ".join(f"{c['name']}={c['pending']}" for c in g["consumers"] if c["pending"]) or "none"
+    streams.add_row(
+        "groups", str(g["length"]),
+        f"backlog {g['backlog']} (oldest waiting {_secs(g['oldest_waiting_age_s'])}), "
+        f"taken uncommitted {g['taken_uncommitted']} ({taken})",
+    )
+    streams.add_row("dead", str(snap["dead"]["length"]), "dead-letter entries")
+    parts.append(streams)
+
+    producers = _table(
+        f"producers ({snap['producers_alive']} alive of {len(snap['producers'])})", plain,
+        "name", "host", "pid", "status", "in flight", "leases", "groups/min", "published", "heartbeat",
+    )
+    for row in snap["producers"]:
+        status = row["status"]
+        style = "green" if row["alive"] else ("red" if status in ("dead", "failed", "unreadable") else "dim")
+        shown = status.upper() if status in ("dead", "failed") else status
+        conc = row.get("concurrency")
+        producers.add_row(
+            row["name"], str(row.get("host") or "-"), str(row.get("pid") or "-"), Text(shown, style=style),
+            f"{row.get('in_flight_samples', 0)}/{conc if conc is not None else '?'}", str(row.get("leases_held", 0)),
+            str(row.get("groups_last_minute", 0)), str(row.get("published", 0)), _age(row.get("heartbeat_age_s")),
+        )
+    parts.append(producers)
+
+    trainer = _table("trainer", plain, "weight version", "paused", "last take", "last commit", "last publish")
+    trainer.add_row(
+        str(t["weight_version"]), "yes" if t["paused"] else "no",
+        _age(t["last_take_age_s"]), _age(t["last_commit_age_s"]), _age(t["last_publish_age_s"]),
+    )
+    parts.append(trainer)
+
+    counters = _table("counters", plain, "counter", "value", "counter", "value", "counter", "value")
+    items = list(snap["counters"].items())
+    for i in range(0, len(items), 3):
+        cells: list[str] = []
+        for name, value in items[i : i + 3]:
+            cells.extend([name, f"{value:g}" if isinstance(value, float) else str(value)])
+        counters.add_row(*cells)
+    parts.append(counters)
+
+    if snap["events"]:
+        parts.append(Text("recent errors", style="bold"))
+        for event in snap["events"]:
+            parts.append(
+                Text(f"  [{event['kind']}] {event['source']} {_age(event['age_s'])}: {event['message']}",
+                     style="red" if event["kind"] == "fatal" else "yellow")
+            )
+            for line in event["traceback_head"]:
+                parts.append(Text(f"      {line}", style="dim"))
+            if event["exception"] and event["exception"] not in event["traceback_head"]:
+                parts.append(Text(f"      ... {event['exception']}", style="dim"))
+
+    config = snap["config"]
+    if config is not None:
+        text = ", ".join(f"{k}={v}" for k, v in config.items())
+        parts.append(Text(f"config: {text}", style="dim"))
+    elif snap.get("config_error"):
+        parts.append(Text(f"config: unreadable: {snap['config_error']}", style="red"))
+    return Group(*parts)
+
+
+async def _snap(args: argparse.Namespace, redis: Any, keys: Keys) -> dict[str, Any]:
+    return await snapshot(redis, keys, stuck_after=args.stuck_after, events=args.events)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    keys = Keys(args.ns)
+    redis = connect(args.redis, name="rollstream-inspect")
+    try:
+        snap = await _snap(args, redis, keys)
+        if args.json and args.watch is None:
+            sys.stdout.write(json.dumps(snap, indent=2, sort_keys=True) + "\n")
+            return 0 if snap["health"]["ok"] else 1
+        console = Console()
+        plain = not console.is_terminal
+        if plain:  # logs and pipes: no wrapping at an imaginary 80 columns
+            console = Console(width=200, no_color=True, highlight=False)
+        if args.watch is None:
+            console.print(render(snap, plain=plain))
+            return 0 if snap["health"]["ok"] else 1
+        if args.json or plain:
+            while True:
+                if args.json:
+                    sys.stdout.write(json.dumps(snap, sort_keys=True) + "\n")
+                else:
+                    console.print(render(snap, plain=True))
+                    console.print()
+                sys.stdout.flush()
+                await asyncio.sleep(args.watch)
+                snap = await _snap(args, redis, keys)
+        with Live(render(snap, plain=False), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                await asyncio.sleep(args.watch)
+                snap = await _snap(args, redis, keys)
+                live.update(render(snap, plain=False), refresh=True)
+    finally:
+        await redis.aclose()
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.stuck_after <= 0:
+        raise ValueError("--stuck-after must be positive")
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError("--watch interval must be positive")
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 130
