@@ -1,0 +1,114 @@
+"""A benchmark child process: a rollstream Producer on an engine double, or a raw redis-py writer.
+
+``python -m bench.worker produce --redis URL --ns NS --tokens 1024`` runs a real
+:class:`Producer` whose :class:`EngineClient` talks to the in-process instant engine
+(``httpx.MockTransport``), or to ``--engine URL`` (the simulator). ``BENCH_PROFILE=path`` wraps
+the run in pyinstrument and writes its text report there.
+
+``python -m bench.worker raw --redis URL --stream S --count K`` XADDs ``K`` copies of the
+encoded payload of a 8 x ``--tokens`` group, pipelined, keeping the stream under ``--cap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+from typing import Any
+
+from rollstream.common.codec import group_fields
+from rollstream.common.connection import connect
+from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.rewards import load_reward
+from rollstream.producer.worker import Producer, ProducerSettings
+
+from bench.common import ConstReward, instant_transport, make_group
+
+
+async def produce(args: argparse.Namespace) -> None:
+    if args.engine:
+        engine = EngineClient(EngineSettings(urls=(args.engine,), max_new_tokens=args.max_new_tokens))
+    else:
+        engine = EngineClient(
+            EngineSettings(urls=("http://instant",), max_new_tokens=args.max_new_tokens),
+            transport=instant_transport(args.tokens, args.delay),
+        )
+    reward = load_reward(args.reward) if args.reward != "const" else ConstReward()
+    settings = ProducerSettings(
+        namespace=args.ns, concurrency=args.concurrency, name=args.name, tokenize_prompts=False, drain_timeout=5.0,
+    )
+    producer = await Producer.connect(args.redis, settings, engine, reward)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, producer.stop)
+    try:
+        await producer.run()
+    finally:
+        await producer.aclose()
+        await engine.aclose()
+
+
+async def raw(args: argparse.Namespace) -> None:
+    fields: dict[Any, Any] = group_fields(make_group(8, args.tokens))
+    redis = connect(args.redis)
+    sent = 0
+    try:
+        while sent < args.count:
+            k = min(args.pipeline, args.count - sent)
+            async with redis.pipeline(transaction=False) as pipe:
+                for _ in range(k):
+                    pipe.xadd(args.stream, fields)
+                pipe.xlen(args.stream)
+                *_, length = await pipe.execute()
+            sent += k
+            while length >= args.cap:
+                await asyncio.sleep(0.002)
+                length = await redis.xlen(args.stream)
+    finally:
+        await redis.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="bench.worker")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("produce")
+    p.add_argument("--redis", required=True)
+    p.add_argument("--ns", required=True)
+    p.add_argument("--name", default=f"bench-{os.getpid()}")
+    p.add_argument("--engine", default="", help="engine URL; default: the in-process instant engine")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=16384)
+    p.add_argument("--reward", default="const")
+    r = sub.add_parser("raw")
+    r.add_argument("--redis", required=True)
+    r.add_argument("--stream", required=True)
+    r.add_argument("--count", type=int, required=True)
+    r.add_argument("--tokens", type=int, default=1024)
+    r.add_argument("--pipeline", type=int, default=8)
+    r.add_argument("--cap", type=int, default=256)
+    args = parser.parse_args()
+    run = produce if args.mode == "produce" else raw
+    profile = os.environ.get("BENCH_PROFILE")
+    if profile and args.mode == "produce":
+        from pyinstrument import Profiler
+
+        profiler = Profiler(async_mode="disabled")
+        profiler.start()
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                asyncio.run(run(args))
+        finally:
+            profiler.stop()
+            with open(profile, "w") as handle:
+                handle.write(profiler.output_text(unicode=False, color=False, show_all=False))
+        return
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
