@@ -394,16 +394,22 @@ class Producer:
         n = self.config.n_samples_per_prompt
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.config.partial_rollout else None
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(
-                    self._generate_sample(
-                        prompt, prompt_ids, i, admitted_version,
-                        partial[i] if partial is not None and i < len(partial) else None,
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        self._generate_sample(
+                            prompt, prompt_ids, i, admitted_version,
+                            partial[i] if partial is not None and i < len(partial) else None,
+                        )
                     )
-                )
-                for i in range(n)
-            ]
+                    for i in range(n)
+                ]
+        except ExceptionGroup as errors:  # report the first real error, not the group wrapper
+            first: BaseException = errors
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from errors
         samples = [t.result() for t in tasks]
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             rewards = await self.reward.score(prompt.prompt, prompt.label, samples)

@@ -1,0 +1,149 @@
+"""The codec: round trips, packed arrays, bounded and strict decoding."""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import msgpack
+import pytest
+
+from rollstream.common.codec import (
+    SCHEMA_VERSION,
+    CodecLimits,
+    decode_group,
+    decode_group_entry,
+    decode_prompt,
+    encode_group,
+    encode_prompt,
+    group_fields,
+    prompt_fields,
+)
+from rollstream.common.errors import DecodeError
+from rollstream.common.models import Group, Prompt, Sample, Status
+
+
+def make_group(n: int = 4, tokens: int = 100) -> Group:
+    samples = [
+        Sample(
+            index=i,
+            tokens=list(range(10)) + [1000 + j for j in range(tokens)],
+            response="x" * tokens,
+            response_length=tokens,
+            reward={"score": 1.0, "format": 0.5} if i == 0 else float(i),
+            status=Status.TRUNCATED if i == 1 else Status.COMPLETED,
+            finish_reason="length" if i == 1 else "stop",
+            weight_versions=[3, 4],
+            rollout_log_probs=[-0.5] * tokens,
+            loss_mask=[1] * tokens if i == 2 else None,
+            metadata={"engine": "http://e"},
+        )
+        for i in range(n)
+    ]
+    return Group(index=42, prompt=[{"role": "user", "content": "hi"}], samples=samples, label="7",
+                 epoch=2, attempt=1, metadata={"source": "t"}, producer="p-1")
+
+
+def test_group_round_trip_keeps_every_field() -> None:
+    group = make_group()
+    decoded = decode_group(encode_group(group))
+    assert decoded == group
+    assert decoded.samples[0].reward == {"score": 1.0, "format": 0.5}
+    assert decoded.samples[1].status is Status.TRUNCATED
+    assert decoded.samples[0].rollout_log_probs is not None
+    assert decoded.samples[0].rollout_log_probs.tolist() == [-0.5] * 100
+    assert decoded.samples[2].loss_mask is not None and decoded.samples[3].loss_mask is None
+    assert decoded.min_version == 3
+    assert decoded.samples[0].prompt_length == 10
+
+
+def test_prompt_round_trip_with_partial_state() -> None:
+    partial = make_group(2).samples
+    prompt = Prompt(index=5, prompt="What is 2 + 2?", label=4, epoch=1, attempt=2,
+                    metadata={"k": [1, 2]}, input_ids=[1, 2, 3], partial=partial, history=["aborted"])
+    decoded = decode_prompt(encode_prompt(prompt))
+    assert decoded.index == 5 and decoded.attempt == 2 and decoded.label == 4
+    assert decoded.input_ids is not None and decoded.input_ids.tolist() == [1, 2, 3]
+    assert decoded.partial == partial
+    assert decoded.history == ["aborted"]
+
+
+def test_tokens_travel_as_packed_little_endian_arrays() -> None:
+    group = make_group(n=8, tokens=8192)
+    payload = encode_group(group)
+    raw = msgpack.unpackb(payload)
+    assert isinstance(raw["samples"][0]["tok"], bytes)
+    assert raw["samples"][0]["tok"][:8] == array("i", [0, 1]).tobytes()
+    per_token = len(payload) / (8 * 8202)
+    assert per_token < 4 + 4 + 1 + 0.2  # ids + log-probs + the 1-char response text + overhead
+
+
+def test_entry_fields_are_readable_without_msgpack() -> None:
+    fields = group_fields(make_group())
+    assert fields["index"] == 42 and fields["status"] == "truncated"
+    assert fields["min_version"] == 3 and fields["producer"] == "p-1" and fields["n"] == 4
+    assert math.isclose(float(str(fields["reward_mean"])), (1.0 + 1 + 2 + 3) / 4)
+    assert decode_group_entry({b"data": fields["data"]}) == make_group()
+    assert set(prompt_fields(Prompt(index=1, prompt="p"))) == {"index", "epoch", "attempt", "data"}
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1", "not_msgpack"),
+        (b"", "not_msgpack"),
+        (msgpack.packb([1, 2]), "bad_field"),
+        (msgpack.packb({"v": 99, "kind": "group"}), "unknown_schema"),
+        (msgpack.packb({"kind": "group"}), "unknown_schema"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "kind": "prompt"}), "wrong_kind"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "kind": "group", "index": 1}), "missing_field"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "kind": "group", "index": "1", "epoch": 0, "attempt": 0,
+                        "prompt": "p", "metadata": {}, "producer": "x", "samples": []}), "bad_field"),
+    ],
+)
+def test_malformed_payloads_raise_decode_error(payload: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_group(payload)
+    assert info.value.reason == reason
+
+
+def test_bad_sample_fields_are_rejected() -> None:
+    raw = msgpack.unpackb(encode_group(make_group(1)))
+    raw["samples"][0]["tok"] = b"\x00\x01\x02"  # not a multiple of 4 bytes
+    with pytest.raises(DecodeError, match="multiple of 4"):
+        decode_group(msgpack.packb(raw))
+    raw = msgpack.unpackb(encode_group(make_group(1)))
+    raw["samples"][0]["rlen"] = 10_000  # longer than the tokens
+    with pytest.raises(DecodeError, match="rlen"):
+        decode_group(msgpack.packb(raw))
+    raw = msgpack.unpackb(encode_group(make_group(1)))
+    raw["samples"][0]["st"] = "exploded"
+    with pytest.raises(DecodeError, match="status"):
+        decode_group(msgpack.packb(raw))
+
+
+def test_oversized_input_is_rejected_before_decoding() -> None:
+    payload = encode_group(make_group(n=4, tokens=1000))
+    with pytest.raises(DecodeError) as info:
+        decode_group(payload, CodecLimits(max_payload_bytes=1000))
+    assert info.value.reason == "too_large"
+    with pytest.raises(DecodeError) as info:
+        decode_group(payload, CodecLimits(max_tokens=100))
+    assert info.value.reason == "too_large"
+    with pytest.raises(DecodeError) as info:
+        decode_group(payload, CodecLimits(max_samples=2))
+    assert info.value.reason == "too_large"
+
+
+def test_missing_data_field_and_unencodable_metadata() -> None:
+    with pytest.raises(DecodeError, match="no data"):
+        decode_group_entry({b"index": b"1"})
+    group = make_group(1)
+    group.metadata = {"obj": object()}
+    with pytest.raises(ValueError, match="plain data"):
+        encode_group(group)
+
+
+def test_codec_limits_validate() -> None:
+    with pytest.raises(ValueError):
+        CodecLimits(max_tokens=0)

@@ -1,0 +1,65 @@
+"""Pipeline config validation and its round trip through a Redis hash."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollstream.common.config import PipelineConfig
+from rollstream.common.errors import ConfigError, NamespaceNotInitialized
+from rollstream.common.keys import Keys, namespace_of, validate_namespace
+
+
+def test_round_trip_through_redis_hash() -> None:
+    config = PipelineConfig(4, 16, max_staleness=2, max_backlog=64, lease_seconds=30, max_attempts=3,
+                            partial_rollout=True, admission_control=False, recycle_filtered=True, keep="m:f")
+    assert PipelineConfig.from_redis({k.encode(): v.encode() for k, v in config.to_redis().items()}) == config
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n_samples_per_prompt": 0, "batch_size": 1},
+        {"n_samples_per_prompt": 1, "batch_size": -1},
+        {"n_samples_per_prompt": True, "batch_size": 1},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "max_staleness": -1},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "max_backlog": 0},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "lease_seconds": 0.5},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "max_attempts": 0},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "admission_control": True},
+        {"n_samples_per_prompt": 1, "batch_size": 1, "keep": "no-colon"},
+    ],
+)
+def test_bad_config_raises_value_error(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        PipelineConfig(**kwargs)
+
+
+def test_admission_defaults_on_with_max_staleness() -> None:
+    assert PipelineConfig(1, 1, max_staleness=0).admission_enabled
+    assert not PipelineConfig(1, 1, max_staleness=0, admission_control=False).admission_enabled
+    assert not PipelineConfig(1, 1).admission_enabled
+
+
+def test_mismatched_flags_are_refused_with_a_clear_message() -> None:
+    config = PipelineConfig(4, 8)
+    config.check_matches(n_samples_per_prompt=4, batch_size=None)
+    with pytest.raises(ConfigError, match="n_samples_per_prompt=8.*configured with n_samples_per_prompt=4"):
+        config.check_matches(n_samples_per_prompt=8)
+
+
+def test_incomplete_or_garbled_config_in_redis() -> None:
+    with pytest.raises(ConfigError, match="lacks"):
+        PipelineConfig.from_redis({b"batch_size": b"4"})
+    with pytest.raises(ConfigError, match="not a valid"):
+        PipelineConfig.from_redis({b"n_samples_per_prompt": b"four", b"batch_size": b"4"})
+
+
+def test_namespace_names_and_hash_tags() -> None:
+    keys = Keys("exp-1")
+    assert keys.prompts == "rollstream:{exp-1}:prompts"
+    assert all(k.startswith("rollstream:{exp-1}:") for k in keys.all_keys())
+    assert namespace_of(keys.groups) == "exp-1" and namespace_of("other:key") is None
+    for bad in ("", "a b", "x{y}", "a" * 65):
+        with pytest.raises(ValueError):
+            validate_namespace(bad)
+    assert "rollstream init --ns exp" in str(NamespaceNotInitialized("exp"))
