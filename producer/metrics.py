@@ -49,6 +49,12 @@ class ProducerMetrics:
             "rollstream_admission_blocked", "Admission attempts refused, by reason", [*names, "reason"],
             registry=self.registry,
         )
+        self._blocked_seconds = Counter(
+            "rollstream_admission_blocked_seconds",
+            "Seconds admission was refused (paused, backlog or staleness), counted at each heartbeat",
+            names,
+            registry=self.registry,
+        ).labels(**labels)
         self._engine: EngineClient | None = None
         self._seen_retries = 0
         self._seen_errors: dict[str, int] = {}
@@ -71,6 +77,9 @@ class ProducerMetrics:
 
     def admission_blocked(self, reason: str) -> None:
         self._blocked.labels(**self._labels, reason=reason).inc()
+
+    def admission_blocked_for(self, seconds: float) -> None:
+        self._blocked_seconds.inc(seconds)
 
     def error(self, kind: str) -> None:
         self._errors.labels(**self._labels, kind=kind).inc()

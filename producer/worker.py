@@ -604,6 +604,8 @@ class Producer:
                 pipe.hincrby(self.keys.state, "admission_blocked_ms", blocked_ms)
             await pipe.execute()
         self._blocked_reported += blocked_ms / 1000
+        if self.metrics is not None and blocked_ms > 0:
+            self.metrics.admission_blocked_for(blocked_ms / 1000)
 
     async def _heartbeat_loop(self) -> None:
         while True:
