@@ -58,6 +58,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--engine", action="append", required=True, metavar="URL", help="engine URL (repeatable)")
     p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai"])
     p.add_argument("--model", default=None, help="model name (OpenAI-compatible engines)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="tokenize prompts and render chat templates locally (Hugging Face name/path, "
+                        "needs the transformers extra; or module:attribute)")
     p.add_argument("--concurrency", type=int, required=True, help="samples in flight at most")
     p.add_argument("--reward", required=True, metavar="SPEC", help="math | remote:URL | module:function")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -187,6 +190,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.metrics import ProducerMetrics
     from rollstream.producer.rewards import load_reward
+    from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
 
     engine_settings = EngineSettings(
@@ -207,6 +211,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
     )
     reward = load_reward(args.reward)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
     stop_requested = False
 
@@ -219,7 +224,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     async def main() -> None:
         metrics = ProducerMetrics(args.ns, settings.name) if args.metrics_port is not None else None
         runner = None
-        async with EngineClient(engine_settings) as engine:
+        async with EngineClient(engine_settings, tokenizer=tokenizer) as engine:
             try:
                 if metrics is not None:
                     metrics.attach(engine)

@@ -38,7 +38,9 @@ SGLang endpoints
 vLLM (OpenAI-compatible) endpoint
     ``POST /v1/completions`` with ``prompt`` (a string or a list of token ids), ``n``,
     ``max_tokens``, ``logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``.
-    No weight version is reported there (vLLM does not report one).
+    ``POST /v1/chat/completions`` with ``messages`` (rendered by :func:`render_chat`) and the
+    same options (``logprobs: true``). No weight version is reported there (vLLM does not
+    report one).
 
 Fault injection (for tests of retries and fallbacks)
     ``POST /sim/faults`` with a JSON object holding any of:
@@ -768,6 +770,88 @@ async def _completions(request: web.Request) -> web.Response:
     return web.json_response(reply)
 
 
+def render_chat(messages: Any) -> str:
+    """The simulator's chat template: ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``."""
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("messages must be a non-empty list")
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise _BadRequest("each message must be an object with a string content")
+        parts.append(f"<|{message.get('role', 'user')}|>\n{message['content']}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+async def _chat_completions(request: web.Request) -> web.Response:
+    """vLLM's ``/v1/chat/completions`` subset: ``messages``, ``n``, ``max_tokens``
+    (or ``max_completion_tokens``), ``logprobs``, ``return_tokens_as_token_ids``, ``return_token_ids``."""
+    state = request.app[STATE_KEY]
+    status = state.take_fault()
+    if status is not None:
+        return _error(status, f"injected fault: HTTP {status}")
+    body = await _json_body(request)
+    text = render_chat(body.get("messages"))
+    prompt_ids = tokenize(text)
+    n = _int_param(body.get("n"), "n", 1, minimum=1)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _int_param(limit, "max_tokens", state.config.max_tokens_cap)
+    want_logprobs = bool(body.get("logprobs"))
+    as_token_ids = bool(body.get("return_tokens_as_token_ids"))
+    return_token_ids = bool(body.get("return_token_ids"))
+    _check_poison(text)
+
+    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    plans = [
+        _plan_response(state.config, text, random.Random(state.rng.getrandbits(64)))
+        for _ in range(n)
+    ]
+    if not await state.wait_resumed():
+        return _error(503, "the engine is shutting down")
+    outcomes = await asyncio.gather(
+        *(state.generate(f"{chat_id}-{i}", plan, max_tokens) for i, plan in enumerate(plans))
+    )
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for i, outcome in enumerate(outcomes):
+        completion_tokens += len(outcome.output_ids)
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": detokenize(outcome.output_ids)},
+            "logprobs": None,
+            "finish_reason": outcome.finish,
+            "stop_reason": None,
+        }
+        if want_logprobs:
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": f"token_id:{tid}" if as_token_ids else detokenize([tid]),
+                        "logprob": lp,
+                        "top_logprobs": [],
+                    }
+                    for tid, lp in zip(outcome.output_ids, outcome.logprobs, strict=True)
+                ]
+            }
+        if return_token_ids:
+            choice["token_ids"] = outcome.output_ids
+        choices.append(choice)
+    reply: dict[str, Any] = {
+        "id": chat_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+    }
+    if return_token_ids:
+        reply["prompt_token_ids"] = prompt_ids
+    return web.json_response(reply)
+
+
 # --------------------------------------------------------------------------- simulator control
 
 
@@ -826,10 +910,12 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health)
     app.router.add_get("/get_server_info", _server_info)
+    app.router.add_get("/server_info", _server_info)  # what the SGLang gateway asks first
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/sim/faults", _set_faults)
     app.router.add_get("/sim/stats", _stats)
     return app
