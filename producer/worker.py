@@ -388,12 +388,17 @@ class Producer:
             ids = await self.engine.tokenize(prompt.prompt)
             if ids is not None:
                 return array("i", ids)
+        elif isinstance(prompt.prompt, list):  # chat messages: the chat template, with a tokenizer
+            ids = await self.engine.chat_ids(prompt.prompt)
+            if ids is not None:
+                return array("i", ids)
         return None
 
     async def _generate_group(self, prompt: Prompt, admitted_version: int) -> Group:
         n = self.config.n_samples_per_prompt
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.config.partial_rollout else None
+        together = partial is None and self.engine.batches_samples  # one request with n
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -403,14 +408,17 @@ class Producer:
                             partial[i] if partial is not None and i < len(partial) else None,
                         )
                     )
-                    for i in range(n)
+                    for i in range(0 if together else n)
                 ]
         except ExceptionGroup as errors:  # report the first real error, not the group wrapper
             first: BaseException = errors
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from errors
-        samples = [t.result() for t in tasks]
+        if together:
+            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
+        else:
+            samples = [t.result() for t in tasks]
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             rewards = await self.reward.score(prompt.prompt, prompt.label, samples)
             for sample, reward in zip(samples, rewards, strict=True):
@@ -456,6 +464,8 @@ class Producer:
                 generation = await self.engine.generate(input_ids=prompt_ids, max_new_tokens=max_new)
             elif isinstance(prompt.prompt, str):
                 generation = await self.engine.generate(text=prompt.prompt, max_new_tokens=max_new)
+            elif self.engine.accepts_messages:
+                generation = await self.engine.generate(messages=prompt.prompt, max_new_tokens=max_new)
             else:
                 raise EngineRejected(
                     400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
@@ -474,6 +484,42 @@ class Producer:
         if self.metrics is not None:
             self.metrics.tokens_generated(len(generation.output_ids))
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+
+    async def _generate_together(
+        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
+    ) -> list[Sample]:
+        """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
+        kwargs: dict[str, Any]
+        if prompt_ids is not None:
+            kwargs = {"input_ids": prompt_ids}
+        elif isinstance(prompt.prompt, str):
+            kwargs = {"text": prompt.prompt}
+        else:
+            kwargs = {"messages": prompt.prompt}
+        started = time.monotonic()
+        if self.metrics is not None:
+            for _ in range(n):
+                self.metrics.request_started()
+        try:
+            generations = await self.engine.generate_n(n, max_new_tokens=self.engine.settings.max_new_tokens, **kwargs)
+        except EngineRejected as exc:
+            return [
+                Sample(
+                    index=i,
+                    tokens=prompt_ids if prompt_ids is not None else array("i"),
+                    status=Status.FAILED,
+                    finish_reason="rejected",
+                    metadata={"error": str(exc)[:1000]},
+                )
+                for i in range(n)
+            ]
+        finally:
+            if self.metrics is not None:
+                for _ in range(n):
+                    self.metrics.request_finished(time.monotonic() - started)
+        if self.metrics is not None:
+            self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
+        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
 
     # -- leases, reclaim ----------------------------------------------------------------
 
@@ -703,6 +749,8 @@ def _to_sample(
     prefix: Sample | None,
 ) -> Sample:
     metadata: dict[str, Any] = {"engine": generation.engine}
+    if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
+        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
     version = generation.weight_version
     if version is None:
         version = admitted_version
