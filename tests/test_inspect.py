@@ -1,0 +1,153 @@
+"""``rollstream inspect`` against a real pipeline: counts, producer liveness, health and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from conftest import add_prompts, make_namespace, wait_until
+from rollstream.common.inspect import snapshot
+from rollstream.common.keys import Keys
+from rollstream.consumer import GroupConsumer
+
+
+async def run_inspect(redis_url: str, ns: str, *extra: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollstream.cli", "inspect", "--redis", redis_url, "--ns", ns, *extra,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode in (0, 1), err.decode()
+    return proc.returncode, out.decode()
+
+
+async def inspect_json(redis_url: str, ns: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    code, out = await run_inspect(redis_url, ns, "--json", *extra)
+    return code, json.loads(out)
+
+
+async def test_inspect_json_counts_after_feed_take_commit_recycle_and_a_killed_producer(redis_url, ns, redis, sim, procs):
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, heartbeat_timeout=3.0)
+
+    async def state(field: str) -> int:
+        return int(await redis.hget(keys.state, field) or 0)
+
+    # The poison prompt goes first and is published first, so the first take() reads it first.
+    await add_prompts(redis, ns, 1, start=0, text="POISON: Compute 1 + 1 and box it.")
+    pa = procs.producer(redis_url, ns, sim.url, name="pa")
+    await wait_until(lambda: state("published"), message=f"the poison group\n{procs.logs()}")
+    await add_prompts(redis, ns, 9, start=1)
+    await wait_until(lambda: _eq(state("published"), 10), message=f"10 groups published\n{procs.logs()}")
+
+
+    async def beat_of_pa() -> dict[str, Any]:
+        return json.loads(await redis.hget(keys.producers, "pa") or b"{}")
+
+    await wait_until(lambda: _eq(_published(beat_of_pa()), 10), message="pa's heartbeat to count 10 groups")
+    consumer = await GroupConsumer.connect(redis_url, ns, "trainer-0", on_producer_failure="warn")
+    try:
+        await consumer.pause()
+        pa.send_signal(signal.SIGKILL)
+        pa.wait(10)
+        procs.producer(redis_url, ns, sim.url, name="pb")
+        first = await asyncio.wait_for(consumer.take(4), 20)
+        await consumer.commit(first)
+        second = await asyncio.wait_for(consumer.take(5), 20)
+        assert len(first) + len(second) == 9
+    finally:
+        await consumer.aclose()
+
+    async def settled() -> bool:
+        snap = await snapshot(redis, keys)
+        names = {p["name"]: p["status"] for p in snap["producers"]}
+        return names.get("pa") == "dead" and names.get("pb") == "running"
+
+    await wait_until(settled, timeout=20, message=f"pa dead and pb running\n{procs.logs()}")
+    code, snap = await inspect_json(redis_url, ns)
+    assert code == 0, snap["health"]
+    assert snap["schema"] == 1 and snap["namespace"] == ns
+    assert snap["prompts"] == {
+        **snap["prompts"], "queued": 1, "in_flight": 0, "waiting": 1, "leases_expiring": 0,
+    }
+    groups = snap["groups"]
+    assert (groups["length"], groups["backlog"], groups["taken_uncommitted"]) == (5, 0, 5)
+    assert [(c["name"], c["pending"]) for c in groups["consumers"]] == [("trainer-0", 5)]
+    counters = snap["counters"]
+    assert counters["published"] == 10
+    assert counters["committed"] == 4
+    assert counters["recycled_failed"] == 1
+    assert counters["dead_lettered"] == 0 and counters["duplicates_discarded"] == 0
+    by_name = {p["name"]: p for p in snap["producers"]}
+    assert by_name["pa"]["status"] == "dead" and not by_name["pa"]["alive"]
+    assert by_name["pa"]["published"] == 10 and by_name["pa"]["host"]
+    assert by_name["pb"]["alive"] and by_name["pb"]["published"] == 0
+    assert snap["producers_alive"] == 1
+    trainer = snap["trainer"]
+    assert trainer["paused"] is True and trainer["weight_version"] == 0
+    assert trainer["last_take_ms"] and trainer["last_commit_ms"]
+    assert snap["config"]["n_samples_per_prompt"] == 2 and snap["config"]["heartbeat_timeout"] == 3.0
+    assert snap["health"]["ok"] is True and snap["health"]["problems"] == []
+    warnings = " | ".join(snap["health"]["warnings"])
+    assert "dead producer" in warnings and "pa" in warnings and "paused" in warnings
+
+    code, text = await run_inspect(redis_url, ns)
+    assert code == 0
+    assert "HEALTHY" in text and "DEAD" in text and "pb" in text and "running" in text
+
+
+async def _published(beat: Any) -> int:
+    return int((await beat).get("published", 0))
+
+
+async def _eq(value: Any, expected: Any) -> bool:
+    return (await value) == expected
+
+
+async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(redis_url, ns, redis, sim, procs):
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, heartbeat_timeout=2.0)
+    await add_prompts(redis, ns, 3)
+    producer = procs.producer(redis_url, ns, sim.url, name="only")
+    await wait_until(lambda: _eq(redis.xlen(keys.groups), 3), message=f"3 groups\n{procs.logs()}")
+
+    code, snap = await inspect_json(redis_url, ns)
+    assert code == 0, snap["health"]
+    assert snap["health"] == {**snap["health"], "ok": True, "problems": []}
+
+    # Groups waiting and no trainer: healthy under the default threshold, stuck under a tiny one.
+    code, snap = await inspect_json(redis_url, ns, "--stuck-after", "0.5")
+    assert code == 1
+    assert any("backlog stuck" in p for p in snap["health"]["problems"]), snap["health"]
+
+    producer.send_signal(signal.SIGKILL)
+    producer.wait(10)
+
+    async def unhealthy() -> bool:
+        code, snap = await inspect_json(redis_url, ns)
+        return code == 1 and any("no live producer" in p for p in snap["health"]["problems"])
+
+    await wait_until(unhealthy, timeout=20, interval=0.5, message="inspect to report no live producer")
+    code, text = await run_inspect(redis_url, ns)
+    assert code == 1 and "UNHEALTHY" in text and "no live producer" in text and "DEAD" in text
+
+
+async def test_a_fatal_event_after_the_last_commit_is_unhealthy(redis_url, ns, redis, procs):
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
+    await add_prompts(redis, ns, 1)
+    # No engine listens on this port: the producer retries, fails, records a fatal event and exits.
+    producer = procs.producer(redis_url, ns, "http://127.0.0.1:9", "--max-retries", "0", name="broken")
+    await asyncio.to_thread(producer.wait, 20)
+    assert producer.returncode != 0
+    code, snap = await inspect_json(redis_url, ns)
+    assert code == 1
+    problems = " | ".join(snap["health"]["problems"])
+    assert "fatal error in broken" in problems and "no live producer" in problems
+    fatal = [e for e in snap["events"] if e["kind"] == "fatal"]
+    assert fatal and fatal[0]["source"] == "broken" and "Traceback" in fatal[0]["traceback_head"][0]
+    assert "EngineError" in fatal[0]["exception"]
+    assert {p["name"]: p["status"] for p in snap["producers"]} == {"broken": "failed"}
