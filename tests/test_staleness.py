@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 from typing import Any
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry, group_fields
 from rollstream.common.keys import Keys
@@ -43,6 +44,16 @@ def _group(
         for i, reward in enumerate(rewards)
     ]
     return Group(index=index, prompt=f"Compute {index} + 1.", samples=samples, label=str(index + 1), attempt=attempt)
+
+
+async def stop_producers(procs: ProcessPool, timeout: float = 15.0) -> None:
+    """SIGTERM the producers and wait with the event loop running: the in-process simulator
+    must keep answering while they drain (the sync ``procs`` teardown would block it)."""
+    for child, _ in procs.children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    await wait_until(lambda: all(c.poll() is not None for c, _ in procs.children), timeout=timeout,
+                     message="producers to drain and exit")
 
 
 async def _publish(redis: Redis, ns: str, group: Group) -> None:
@@ -120,6 +131,7 @@ async def test_aborted_group_is_recycled_reset_and_comes_back(
             assert "continued_from" not in sample.metadata
             assert sample.response != "xy"
         await consumer.commit(second)
+    await stop_producers(procs)
     assert (await _state(redis, ns))["recycled_aborted"] == "1"
 
 
@@ -159,6 +171,7 @@ async def test_poison_prompt_is_dead_lettered_after_max_attempts(
                 await consumer.commit(batch)
     finally:
         feeding.cancel()
+        await stop_producers(procs)
     assert 0 not in indexes and len(indexes) == before + 4
     assert recycled_failed == 2
     (dead,) = await redis.xrange(keys.dead)
