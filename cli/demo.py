@@ -41,6 +41,7 @@ COLUMNS = (
     ("reward", "reward_mean", "{:.3f}"),
     ("stale mean", "staleness_mean", "{:.2f}"),
     ("stale max", "staleness_max", "{:.0f}"),
+    ("stale seen", "staleness_max_seen", "{:.0f}"),
     ("recycled stale", "recycled_stale", "{:.0f}"),
     ("recycled abort", "recycled_aborted", "{:.0f}"),
     ("backlog", "backlog", "{:.0f}"),
