@@ -50,6 +50,7 @@ KeepFilter = Callable[[Group], bool | str]
 
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
+_ORPHAN_CHECK_INTERVAL = 5.0
 
 
 @dataclass(slots=True)
@@ -136,6 +137,11 @@ class GroupConsumer:
         self._redeliver: deque[tuple[bytes, dict[bytes, bytes]]] | None = None
         self._last_blocked_ms: int | None = None
         self._warned_fatal: str | None = None
+        # Groups handed out in batches and not committed yet, and whether a read may have
+        # delivered entries whose reply never reached us (cancelled, dropped connection).
+        self._handed_out: set[bytes] = set()
+        self._read_unsure = False
+        self._orphans_checked = 0.0
 
     @classmethod
     async def connect(
@@ -250,6 +256,8 @@ class GroupConsumer:
         no_producer_since: float | None = None
         try:
             while len(taken) < target:
+                if self._read_unsure and not self._redeliver:
+                    await self._adopt_orphans(taken)
                 if self._redeliver:
                     entries = [self._redeliver.popleft() for _ in range(min(target - len(taken), len(self._redeliver)))]
                     redelivered = True
@@ -262,6 +270,9 @@ class GroupConsumer:
                 if entries or len(taken) >= target:
                     continue
                 now = time.monotonic()
+                if now - self._orphans_checked >= _ORPHAN_CHECK_INTERVAL:
+                    # redis-py may re-send a read after a dropped connection without telling us.
+                    await self._adopt_orphans(taken)
                 alive, health = await self._health()
                 no_producer_since = None if alive else (no_producer_since or now)
                 if no_producer_since is not None and now - no_producer_since > self.stall_timeout:
@@ -293,6 +304,7 @@ class GroupConsumer:
                 now_ms=now_ms(),
             )
         )
+        self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
             logger.warning(
                 "consumer %s: commit of batch %s acknowledged %d of %d groups (already committed?)",
@@ -318,7 +330,34 @@ class GroupConsumer:
                 out.append((entry_id, fields or {}))
             cursor = entries[-1][0].decode()
 
+    async def _adopt_orphans(self, taken: list[tuple[bytes, Group]]) -> None:
+        """Queue for delivery the groups pending under this name that nobody here has seen.
+
+        An XREADGROUP whose reply is lost (take() cancelled mid-BLOCK, a dropped connection)
+        still delivered its entries: they sit in our pending list and no later ``>`` read
+        returns them, so without this they would wait for a trainer restart.
+        """
+        if self._redeliver is None:
+            self._redeliver = deque()
+        self._read_unsure = False
+        self._orphans_checked = time.monotonic()
+        known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
+        pending = await self._outage.run(
+            lambda: self.redis.xpending_range(
+                self.keys.groups, TRAINER_GROUP, min="-", max="+", count=10_000, consumername=self.name
+            )
+        )
+        orphans = [p["message_id"] for p in pending if p["message_id"] not in known]
+        if orphans:
+            logger.warning(
+                "consumer %s (ns %s): %d groups delivered to a lost read are handed out now",
+                self.name, self.keys.namespace, len(orphans),
+            )
+            self._redeliver.extend((eid, {}) for eid in orphans)
+
     async def _read(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        outages = self._outage.count
+        self._read_unsure = True
         try:
             reply = await self._outage.run(
                 lambda: self._blocking.xreadgroup(
@@ -329,6 +368,7 @@ class GroupConsumer:
             if is_nogroup(exc):
                 raise nogroup_error(self.keys.namespace, exc) from exc
             raise
+        self._read_unsure = self._outage.count != outages
         return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])]
 
     async def _check(
@@ -512,6 +552,7 @@ class GroupConsumer:
         wait = time.monotonic() - started
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
+        self._handed_out.update(entry_ids)
         groups = [g for _, g in taken]
         staleness = [g.staleness(version) for g in groups]
         rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]

@@ -353,7 +353,11 @@ async def test_malformed_entries_are_dead_lettered_and_take_goes_on(redis: Redis
 
 async def test_blocking_reader_socket_timeout_is_above_block(redis: Redis, redis_url: str, ns: str) -> None:
     """redis-py re-sends a command whose socket timed out: a BLOCK longer than the socket timeout
-    would re-send XREADGROUP, and entries delivered to the lost reply stay pending unseen."""
+    would re-send XREADGROUP, and entries delivered to the lost reply stay pending unseen.
+
+    Also the orphan case: take() cancelled mid-BLOCK, then a group arrives at once; Redis may
+    still deliver it to the cancelled read (whose connection is being closed). The next take()
+    must hand it out (it did not before the fix: it waited until a trainer restart)."""
     await make_namespace(redis, ns)
     async with await GroupConsumer.connect(redis_url, ns, "trainer-b") as consumer:
         timeout = consumer._blocking.connection_pool.connection_kwargs["socket_timeout"]
