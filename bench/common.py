@@ -142,7 +142,7 @@ async def add_prompts(redis: Redis, keys: Keys, start: int, count: int, *, with_
 
 def spawn(args: Sequence[str], log: Path | None = None, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``python -m <args>`` from the repository root, in its own session."""
-    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen(
             [sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,

@@ -1,0 +1,49 @@
+"""``python -m bench [--quick] [NAME ...]``: run the benchmarks, print markdown tables.
+
+Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
+plots to ``docs/img/``. Names: codec, throughput, latency, async_vs_sync, memory, scaleout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+from bench.common import OUT, Table, machine
+
+BENCHMARKS = ("codec", "throughput", "latency", "async_vs_sync", "memory", "scaleout")
+
+
+def run(names: list[str], quick: bool) -> list[Table]:
+    OUT.mkdir(parents=True, exist_ok=True)
+    tables: list[Table] = []
+    for name in names:
+        started = time.monotonic()
+        module = importlib.import_module(f"bench.{name}")
+        produced: list[Table] = module.run(quick=quick)
+        for table in produced:
+            text = table.markdown() + f"\n_({time.monotonic() - started:.0f} s)_\n"
+            print(text, flush=True)
+            (OUT / f"{table.name}{'-quick' if quick else ''}.md").write_text(text)
+        tables += produced
+    return tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    args = parser.parse_args()
+    names = args.names or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    print(f"machine: {machine()}\n", flush=True)
+    tables = run(names, args.quick)
+    if not args.quick and set(names) == set(BENCHMARKS):
+        (OUT / "results.md").write_text(f"machine: {machine()}\n\n" + "\n".join(t.markdown() for t in tables))
+
+
+if __name__ == "__main__":
+    main()

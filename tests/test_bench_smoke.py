@@ -1,0 +1,25 @@
+"""Smoke test: every benchmark's entry point runs with tiny sizes and produces its table rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the repository root
+bench_main = pytest.importorskip("bench.__main__")
+
+
+def test_codec_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["codec"], quick=True)
+    assert table.name == "codec"
+    assert len(table.rows) == 2
+    assert "rollstream µs" in table.markdown()
+
+
+@pytest.mark.timeout(60)
+def test_throughput_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["throughput"], quick=True)
+    assert [row[0] for row in table.rows] == [1, 2, "in-process (1 proc)"]
+    assert all(isinstance(row[1], float) and row[1] > 0 for row in table.rows)
