@@ -63,6 +63,9 @@ from .rewards import RewardFunction
 
 logger = logging.getLogger(__name__)
 
+STARTUP_REDIS_WAIT = 60.0
+"""Seconds a starting producer waits for an unreachable Redis before it gives up."""
+
 
 def default_producer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -170,7 +173,10 @@ class Producer:
     ) -> Producer:
         redis = connect(redis_url, name=f"rollstream-producer-{settings.name}")
         try:
-            config = await load_config(redis, Keys(settings.namespace))
+            # A producer (re)started by its supervisor while Redis restarts waits for it.
+            config = await Outage(logger, f"producer {settings.name}").run(
+                lambda: load_config(redis, Keys(settings.namespace)), give_up_after=STARTUP_REDIS_WAIT
+            )
             settings.check(config)
         except BaseException:
             await redis.aclose()
@@ -548,15 +554,19 @@ class Producer:
             if entry_id is None:
                 continue
             if not fields:
-                await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
-                await self.redis.xdel(self.keys.prompts, entry_id)
+                await self._outage.run(lambda e=entry_id: self._ack_deleted(e))
                 continue
             if entry_id in self._work:
                 continue
             await self._acquire(n)
             self.reclaimed += 1
-            await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
             self._start_work(entry_id, fields, version)
+            # Only a counter, but a Redis outage here must not become a fatal error.
+            await self._outage.run(lambda: self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1))
+
+    async def _ack_deleted(self, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
+        await self.redis.xdel(self.keys.prompts, entry_id)
 
     async def _trainer_version(self) -> int:
         raw = await self._outage.run(lambda: self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION))
