@@ -178,6 +178,19 @@ def wait_http(url: str, timeout: float = 20.0) -> None:
     raise RuntimeError(f"engine simulator at {url} did not come up")
 
 
+async def all_running(url: str, pids: dict[str, int]) -> bool:
+    """Every producer process has sent a heartbeat of its own (the pid tells it from its predecessor)."""
+    redis = connect(url)
+    try:
+        beats = await redis.hmget(Keys(NS).producers, list(pids))
+    finally:
+        await redis.aclose()
+    return all(
+        b is not None and json.loads(b).get("state") == "running" and json.loads(b).get("pid") == pid
+        for b, pid in zip(beats, pids.values(), strict=True)
+    )
+
+
 async def snapshot(url: str) -> dict[str, Any]:
     """Every index where it sits now: dead (with reason), groups stream, prompts stream; counters."""
     keys = Keys(NS)
@@ -267,6 +280,13 @@ def run(args: argparse.Namespace) -> int:
             if len(asyncio.run(snapshot(url))["dead"]) >= args.poison:
                 break
             time.sleep(0.5)
+        # A producer restarted a moment ago may still be importing: SIGTERM before its handler
+        # is installed kills it (holding nothing). Wait until all run, so the drain is real.
+        running_deadline = time.monotonic() + 30
+        while time.monotonic() < running_deadline and not asyncio.run(
+            all_running(url, {h.names[s]: c.pid for s, c in h.producers.items()})
+        ):
+            time.sleep(0.2)
         for child in h.producers.values():
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -358,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-attempts", type=int, default=2)
     p.add_argument("--poison", type=int, default=3, help="prompts the engine refuses (end dead-lettered)")
     p.add_argument("--mean-tokens", type=int, default=48)
-    p.add_argument("--latency-per-token", type=float, default=0.004)
+    p.add_argument("--latency-per-token", type=float, default=0.01)
     p.add_argument("--drain", type=float, default=60.0, help="seconds to wait for the poison prompts to die")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
