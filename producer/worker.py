@@ -151,6 +151,7 @@ class Producer:
         self._fatal_tb = ""
         self._state = "starting"
         self._reclaim_cursor = "0-0"
+        self._reclaim_due = False
         self._outage = Outage(logger, f"producer {self.name}")
         self._blocked_since: float | None = None
         self._blocked_total = 0.0
@@ -278,6 +279,12 @@ class Producer:
         n = self.config.n_samples_per_prompt
         cfg = self.config
         while not self._stopping.is_set():
+            if self._reclaim_due:  # prompts of a dead producer come first
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await self._wake.wait()
+                continue
             if not await self._acquire(n):
                 return
             admitted = False
@@ -420,7 +427,7 @@ class Producer:
             first: BaseException = errors
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
-            raise first from errors
+            raise first from None
         if together:
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
         else:
@@ -595,23 +602,36 @@ class Producer:
                     )
 
     async def _reclaim_loop(self) -> None:
+        """Take over prompts idle past the lease; while some are due, admission holds off so the
+        next free capacity goes to them (a dead producer's prompts do not wait behind new ones)."""
         n = self.config.n_samples_per_prompt
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
         while True:
-            await asyncio.sleep(interval)
-            room = self._free // n
-            if room < 1 or self._stopping.is_set():
+            if not self._reclaim_due:
+                await asyncio.sleep(interval)
+            if self._stopping.is_set():
+                self._reclaim_due = False
                 continue
             try:
-                paused = await self.redis.hget(self.keys.state, StateField.PAUSED)
-                if paused == b"1":
+                if await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1":
+                    self._reclaim_due = False
                     continue
+                if not self._reclaim_due:
+                    due = await self.redis.xpending_range(
+                        self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms
+                    )
+                    if not due:
+                        continue
+                    self._reclaim_due = True
+                async with self._capacity:
+                    await self._capacity.wait_for(lambda: self._free >= n or self._stopping.is_set())
                 reply = await self.redis.xautoclaim(
                     self.keys.prompts, PRODUCERS_GROUP, self.name, lease_ms,
-                    start_id=self._reclaim_cursor, count=room,
+                    start_id=self._reclaim_cursor, count=max(1, self._free // n),
                 )
             except TRANSIENT_ERRORS as exc:
+                self._reclaim_due = False
                 await self._outage.failed(exc)
                 continue
             self._outage.recovered()
@@ -624,6 +644,10 @@ class Producer:
                     self.name, len(claimed), self.config.lease_seconds,
                 )
                 await self._take_over(claimed)
+            elif self._reclaim_cursor in ("0-0", "0"):
+                self._reclaim_due = False  # scanned to the end: nothing left to take over
+            if not self._reclaim_due:
+                self._wake.set()
 
     # -- heartbeat, control -------------------------------------------------------------
 

@@ -141,7 +141,7 @@ async def test_a_fatal_event_after_the_last_commit_is_unhealthy(redis_url, ns, r
     await add_prompts(redis, ns, 1)
     # No engine listens on this port: the producer retries, fails, records a fatal event and exits.
     producer = procs.producer(redis_url, ns, "http://127.0.0.1:9", "--max-retries", "0", name="broken")
-    await asyncio.to_thread(producer.wait, 20)
+    await asyncio.to_thread(producer.wait, 90)
     assert producer.returncode != 0
     code, snap = await inspect_json(redis_url, ns)
     assert code == 1
