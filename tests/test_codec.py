@@ -7,7 +7,6 @@ from array import array
 
 import msgpack
 import pytest
-
 from rollstream.common.codec import (
     SCHEMA_VERSION,
     CodecLimits,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError, NamespaceNotInitialized
 from rollstream.common.keys import Keys, namespace_of, validate_namespace
@@ -43,7 +42,7 @@ def test_admission_defaults_on_with_max_staleness() -> None:
 def test_mismatched_flags_are_refused_with_a_clear_message() -> None:
     config = PipelineConfig(4, 8)
     config.check_matches(n_samples_per_prompt=4, batch_size=None)
-    with pytest.raises(ConfigError, match="n_samples_per_prompt=8.*configured with n_samples_per_prompt=4"):
+    with pytest.raises(ConfigError, match=r"n_samples_per_prompt=8.*configured with n_samples_per_prompt=4"):
         config.check_matches(n_samples_per_prompt=8)
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from conftest import make_namespace
 from redis.asyncio import Redis
-
 from rollstream.common.codec import decode_prompt_entry
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
@@ -74,10 +73,10 @@ async def test_a_different_dataset_is_refused(redis: Redis, ns: str, tmp_path: P
 def test_bad_dataset_lines_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_jsonl(path)
     path.write_text('{"prompt": "ok"}\nnot json\n')
-    with pytest.raises(ValueError, match=":2: not JSON"):
+    with pytest.raises(ValueError, match=r":2: not JSON"):
         load_jsonl(path)
     with pytest.raises(ValueError):
         FeedSettings(namespace="x", window=0)

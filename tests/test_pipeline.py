@@ -10,7 +10,6 @@ import sys
 import httpx
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
-
 from rollstream.common.events import FATAL, recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.consumer import GroupConsumer
