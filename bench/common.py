@@ -28,8 +28,9 @@ from rollstream.common.namespace import init_namespace
 from rollstream.producer.rewards import RewardFunction
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "out"
-IMG = ROOT / "docs" / "img"
+# ROLLSTREAM_BENCH_OUT redirects tables, logs and plots (the smoke test keeps the committed ones intact).
+OUT = Path(os.environ["ROLLSTREAM_BENCH_OUT"]) if "ROLLSTREAM_BENCH_OUT" in os.environ else ROOT / "bench" / "out"
+IMG = OUT / "img" if "ROLLSTREAM_BENCH_OUT" in os.environ else ROOT / "docs" / "img"
 PROMPT_TOKENS = 64
 
 

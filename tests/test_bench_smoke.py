@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the repository root
+# Quick runs write their tables and plots to a temporary directory, not over the committed ones.
+os.environ.setdefault("ROLLSTREAM_BENCH_OUT", tempfile.mkdtemp(prefix="rollstream-bench-smoke-"))
 bench_main = pytest.importorskip("bench.__main__")
 
 
