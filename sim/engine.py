@@ -499,6 +499,43 @@ async def _errors_middleware(
         return _error(400, exc.message)
 
 
+async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int) -> list[_Outcome] | None:
+    """Plan one response per request id, wait out a pause, generate them concurrently; None
+    when the engine shuts down while paused."""
+    plans = [_plan_response(state.config, text, random.Random(state.rng.getrandbits(64))) for _ in rids]
+    if not await state.wait_resumed():
+        return None
+    runs = (state.generate(rid, plan, max_tokens) for rid, plan in zip(rids, plans, strict=True))
+    return list(await asyncio.gather(*runs))
+
+
+def _openai_reply(
+    body: dict[str, Any],
+    reply_id: str,
+    kind: str,
+    choices: list[dict[str, Any]],
+    prompt_ids: list[int],
+    completion_tokens: int,
+    return_token_ids: bool,
+) -> web.Response:
+    """The envelope shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+    reply: dict[str, Any] = {
+        "id": reply_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+    }
+    if return_token_ids:
+        reply["prompt_token_ids"] = prompt_ids
+    return web.json_response(reply)
+
+
 # --------------------------------------------------------------------------- SGLang API
 
 
@@ -529,11 +566,11 @@ async def _generate(request: web.Request) -> web.Response:
         raise _BadRequest("rid must be a string (batches are not supported)")
     _check_poison(text)
 
-    plan = _plan_response(state.config, text, random.Random(state.rng.getrandbits(64)))
-    if not await state.wait_resumed():
-        return _error(503, "the engine is shutting down")
     start = time.monotonic()
-    outcome = await state.generate(rid, plan, max_new_tokens)
+    outcomes = await _generate_all(state, text, [rid], max_new_tokens)
+    if outcomes is None:
+        return _error(503, "the engine is shutting down")
+    outcome = outcomes[0]
 
     finish_reason: dict[str, Any] = {"type": outcome.finish}
     if outcome.finish == "length":
@@ -718,15 +755,9 @@ async def _completions(request: web.Request) -> web.Response:
     _check_poison(text)
 
     cmpl_id = f"cmpl-{uuid.uuid4().hex}"
-    plans = [
-        _plan_response(state.config, text, random.Random(state.rng.getrandbits(64)))
-        for _ in range(n)
-    ]
-    if not await state.wait_resumed():
+    outcomes = await _generate_all(state, text, [f"{cmpl_id}-{i}" for i in range(n)], max_tokens)
+    if outcomes is None:
         return _error(503, "the engine is shutting down")
-    outcomes = await asyncio.gather(
-        *(state.generate(f"{cmpl_id}-{i}", plan, max_tokens) for i, plan in enumerate(plans))
-    )
 
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
@@ -753,21 +784,7 @@ async def _completions(request: web.Request) -> web.Response:
             choice["token_ids"] = outcome.output_ids
             choice["prompt_token_ids"] = prompt_ids
         choices.append(choice)
-    reply: dict[str, Any] = {
-        "id": cmpl_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model") or MODEL_NAME,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
-    }
-    if return_token_ids:
-        reply["prompt_token_ids"] = prompt_ids
-    return web.json_response(reply)
+    return _openai_reply(body, cmpl_id, "text_completion", choices, prompt_ids, completion_tokens, return_token_ids)
 
 
 def render_chat(messages: Any) -> str:
@@ -801,15 +818,9 @@ async def _chat_completions(request: web.Request) -> web.Response:
     _check_poison(text)
 
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    plans = [
-        _plan_response(state.config, text, random.Random(state.rng.getrandbits(64)))
-        for _ in range(n)
-    ]
-    if not await state.wait_resumed():
+    outcomes = await _generate_all(state, text, [f"{chat_id}-{i}" for i in range(n)], max_tokens)
+    if outcomes is None:
         return _error(503, "the engine is shutting down")
-    outcomes = await asyncio.gather(
-        *(state.generate(f"{chat_id}-{i}", plan, max_tokens) for i, plan in enumerate(plans))
-    )
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for i, outcome in enumerate(outcomes):
@@ -835,21 +846,7 @@ async def _chat_completions(request: web.Request) -> web.Response:
         if return_token_ids:
             choice["token_ids"] = outcome.output_ids
         choices.append(choice)
-    reply: dict[str, Any] = {
-        "id": chat_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model") or MODEL_NAME,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
-    }
-    if return_token_ids:
-        reply["prompt_token_ids"] = prompt_ids
-    return web.json_response(reply)
+    return _openai_reply(body, chat_id, "chat.completion", choices, prompt_ids, completion_tokens, return_token_ids)
 
 
 # --------------------------------------------------------------------------- simulator control
