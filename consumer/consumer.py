@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -87,12 +87,19 @@ def load_keep(path: str) -> KeepFilter:
     return function
 
 
+RECYCLE_COUNTERS = {
+    "aborted": StateField.RECYCLED_ABORTED,
+    "stale": StateField.RECYCLED_STALE,
+    "failed": StateField.RECYCLED_FAILED,
+    "filtered": StateField.RECYCLED_FILTERED,
+}
+"""Why a group is recycled -> its counter in the state hash (also its ``recycled_*`` metric)."""
+
+
 @dataclass(slots=True)
 class _Tally:
-    recycled_aborted: int = 0
-    recycled_stale: int = 0
-    recycled_failed: int = 0
-    recycled_filtered: int = 0
+    recycled: Counter[str] = field(default_factory=Counter)
+    """Recycled groups of this take, by kind (the keys of RECYCLE_COUNTERS)."""
     dead_lettered: int = 0
     filtered: Counter[str] = field(default_factory=Counter)
     staleness_max_seen: int = 0
@@ -397,18 +404,18 @@ class GroupConsumer:
                 entry_id, fields, f"wrong_group_size: {len(group.samples)} samples, expected {n}", tally
             )
             return None
-        tally.staleness_max_seen = max(tally.staleness_max_seen, group.staleness(version))
+        staleness = group.staleness(version)
+        tally.staleness_max_seen = max(tally.staleness_max_seen, staleness)
         status = group.status
         if status == Status.FAILED:
             errors = {str(s.metadata.get("error", "failed")) for s in group.samples if s.status == Status.FAILED}
-            await self._recycle(entry_id, group, "failed: " + "; ".join(sorted(errors))[:300], tally)
+            await self._recycle(entry_id, group, "failed", "; ".join(sorted(errors))[:300], tally)
             return None
         if status == Status.ABORTED:
-            await self._recycle(entry_id, group, "aborted", tally)
+            await self._recycle(entry_id, group, "aborted", "", tally)
             return None
-        staleness = group.staleness(version)
         if staleness_limit is not None and staleness > staleness_limit:
-            await self._recycle(entry_id, group, f"stale: staleness {staleness} > {staleness_limit}", tally)
+            await self._recycle(entry_id, group, "stale", f"staleness {staleness} > {staleness_limit}", tally)
             return None
         if keep_filter is not None:
             verdict = keep_filter(group)
@@ -422,8 +429,11 @@ class GroupConsumer:
         rows = await self._outage.run(lambda: self.redis.xrange(self.keys.groups, entry_id, entry_id))
         return dict(rows[0][1]) if rows else {}
 
-    async def _dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], reason: str, tally: _Tally) -> None:
-        logger.warning("consumer %s: group entry %s dead-lettered: %s", self.name, entry_id.decode(), reason)
+    async def _dead_letter(
+        self, entry_id: bytes, fields: Mapping[Any, Any], reason: str, tally: _Tally, *, log: bool = True
+    ) -> None:
+        if log:
+            logger.warning("consumer %s: group entry %s dead-lettered: %s", self.name, entry_id.decode(), reason)
         moved = await self._outage.run(
             lambda: self.scripts.dead_letter(
                 source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
@@ -455,8 +465,9 @@ class GroupConsumer:
         history = group.metadata.get("_recycle_history")
         return [str(h) for h in history] if isinstance(history, list) else []
 
-    async def _recycle(self, entry_id: bytes, group: Group, reason: str, tally: _Tally) -> None:
-        kind = reason.split(":", 1)[0]
+    async def _recycle(self, entry_id: bytes, group: Group, kind: str, detail: str, tally: _Tally) -> None:
+        """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
+        reason = f"{kind}: {detail}" if detail else kind
         keep_partial = kind == "aborted" and self.config.partial_rollout
         prompt = self._next_prompt(group, reason, keep_partial)
         prompt.metadata = {**prompt.metadata, "_recycle_history": prompt.history}
@@ -469,36 +480,17 @@ class GroupConsumer:
                 "consumer %s: prompt %d dead-lettered after %d attempts: %s",
                 self.name, group.index, prompt.attempt, "; ".join(prompt.history),
             )
-            moved = await self._outage.run(
-                lambda: self.scripts.dead_letter(
-                    source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                    reason=dead_reason, fields=fields, now_ms=now_ms(),
-                )
-            )
-            if moved:
-                tally.dead_lettered += 1
+            await self._dead_letter(entry_id, fields, dead_reason, tally, log=False)
             return
-        counter = {
-            "aborted": StateField.RECYCLED_ABORTED,
-            "stale": StateField.RECYCLED_STALE,
-            "failed": StateField.RECYCLED_FAILED,
-        }.get(kind, StateField.RECYCLED_FILTERED)
-        moved = await self._outage.run(lambda: self.scripts.recycle(entry_id, counter, fields))
+        moved = await self._outage.run(lambda: self.scripts.recycle(entry_id, RECYCLE_COUNTERS[kind], fields))
         if moved:
-            if kind == "aborted":
-                tally.recycled_aborted += 1
-            elif kind == "stale":
-                tally.recycled_stale += 1
-            elif kind == "failed":
-                tally.recycled_failed += 1
-            else:
-                tally.recycled_filtered += 1
+            tally.recycled[kind] += 1
             logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index, reason)
 
     async def _filter(self, entry_id: bytes, group: Group, reason: str, tally: _Tally) -> None:
         tally.filtered[reason] += 1
         if self.config.recycle_filtered:
-            await self._recycle(entry_id, group, f"filtered: {reason}", tally)
+            await self._recycle(entry_id, group, "filtered", reason, tally)
             return
         await self._outage.run(
             lambda: self.scripts.ack_delete(
@@ -576,12 +568,9 @@ class GroupConsumer:
             "in_flight_prompts": float(prompts_pending["pending"]),
             "in_flight_samples": float(in_flight),
             "producers_alive": float(alive),
-            "recycled_aborted": float(tally.recycled_aborted),
-            "recycled_stale": float(tally.recycled_stale),
-            "recycled_failed": float(tally.recycled_failed),
+            **{f"recycled_{kind}": float(tally.recycled[kind]) for kind in RECYCLE_COUNTERS},
             "dead_lettered": float(tally.dead_lettered),
             "filtered": float(sum(tally.filtered.values())),
-            "recycled_filtered": float(tally.recycled_filtered),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_max": float(max(staleness, default=0)),
             "staleness_max_seen": float(tally.staleness_max_seen),
