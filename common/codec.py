@@ -106,6 +106,7 @@ def encode_group(group: Group) -> bytes:
             "label": group.label,
             "metadata": group.metadata,
             "producer": group.producer,
+            "history": group.history,
             "samples": [_sample_to_wire(s) for s in group.samples],
         }
     )
@@ -230,6 +231,13 @@ def _samples(raw: Any, what: str, limits: CodecLimits) -> list[Sample]:
     return [_sample_from_wire(s, f"{what}[{i}]", limits) for i, s in enumerate(raw)]
 
 
+def _history(obj: Mapping[str, Any], what: str) -> list[str]:
+    history = obj.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
+        raise DecodeError("bad_field", f"{what}.history must be a list of strings")
+    return history
+
+
 def _check_kind(obj: Mapping[str, Any], kind: str) -> None:
     if obj.get("kind") != kind:
         raise DecodeError("wrong_kind", f"expected a {kind} payload, got {obj.get('kind')!r}")
@@ -247,6 +255,7 @@ def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Group:
         metadata=_get(obj, "metadata", dict, "group"),
         producer=_get(obj, "producer", str, "group"),
         samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits),
+        history=_history(obj, "group"),
     )
 
 
@@ -255,9 +264,6 @@ def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
     _check_kind(obj, "prompt")
     ids_raw = obj.get("input_ids")
     partial_raw = obj.get("partial")
-    history = obj.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
-        raise DecodeError("bad_field", "prompt.history must be a list of strings")
     return Prompt(
         index=_get(obj, "index", int, "prompt"),
         epoch=_get(obj, "epoch", int, "prompt"),
@@ -267,7 +273,7 @@ def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
         metadata=_get(obj, "metadata", dict, "prompt"),
         input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
         partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits),
-        history=history,
+        history=_history(obj, "prompt"),
     )
 
 

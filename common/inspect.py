@@ -366,6 +366,7 @@ def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> Dead
                 label=group.label,
                 epoch=group.epoch,
                 metadata=dict(group.metadata),
+                history=group.history,
             )
     index = prompt.index if prompt is not None else (_int(text["index"]) if "index" in text else None)
     attempt = prompt.attempt if prompt is not None else (_int(text["attempt"]) if "attempt" in text else None)

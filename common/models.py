@@ -163,6 +163,8 @@ class Group:
     attempt: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
+    history: list[str] = field(default_factory=list)
+    """Why earlier attempts of this prompt were recycled (carried over from the Prompt)."""
 
     @property
     def status(self) -> Status:

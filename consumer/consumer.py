@@ -457,20 +457,14 @@ class GroupConsumer:
             metadata=group.metadata,
             input_ids=input_ids,
             partial=group.samples if keep_partial else None,
-            history=[*self._history(group), reason][-20:],
+            history=[*group.history, reason][-20:],
         )
-
-    @staticmethod
-    def _history(group: Group) -> list[str]:
-        history = group.metadata.get("_recycle_history")
-        return [str(h) for h in history] if isinstance(history, list) else []
 
     async def _recycle(self, entry_id: bytes, group: Group, kind: str, detail: str, tally: _Tally) -> None:
         """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
         reason = f"{kind}: {detail}" if detail else kind
         keep_partial = kind == "aborted" and self.config.partial_rollout
         prompt = self._next_prompt(group, reason, keep_partial)
-        prompt.metadata = {**prompt.metadata, "_recycle_history": prompt.history}
         fields = prompt_fields(prompt)
         if prompt.attempt > self.config.max_attempts:
             dead_reason = (

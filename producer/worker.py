@@ -445,6 +445,7 @@ class Producer:
             metadata=dict(prompt.metadata),
             samples=samples,
             producer=self.name,
+            history=prompt.history,
         )
 
     async def _generate_sample(

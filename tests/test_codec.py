@@ -56,6 +56,12 @@ def test_group_round_trip_keeps_every_field() -> None:
     assert decoded.samples[0].prompt_length == 10
 
 
+def test_recycle_history_travels_with_the_group() -> None:
+    group = make_group(1)
+    group.history = ["aborted", "stale: staleness 3 > 1"]
+    assert decode_group(encode_group(group)).history == ["aborted", "stale: staleness 3 > 1"]
+
+
 def test_prompt_round_trip_with_partial_state() -> None:
     partial = make_group(2).samples
     prompt = Prompt(index=5, prompt="What is 2 + 2?", label=4, epoch=1, attempt=2,
