@@ -32,6 +32,7 @@ import socket
 import time
 import traceback
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,9 +49,7 @@ from rollstream.common.connection import (
 from rollstream.common.errors import (
     ConfigError,
     DecodeError,
-    EngineError,
     EngineRejected,
-    RewardError,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
@@ -209,31 +208,30 @@ class Producer:
         await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
         await self._outage.run(self._heartbeat_once)
         await self._adopt_own_pending()
+        # The heartbeat outlives the other loops: operators see "draining" during the drain.
+        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         loops = [
             asyncio.create_task(self._admission_loop(), name="admission"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._renew_loop(), name="renew"),
             asyncio.create_task(self._reclaim_loop(), name="reclaim"),
             asyncio.create_task(self._control_loop(), name="control"),
         ]
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
-            done, _ = await asyncio.wait([stopper, *loops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([stopper, heartbeat, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is not stopper and not task.cancelled() and task.exception() is not None:
-                    self._set_fatal(task.exception())  # type: ignore[arg-type]
+                if task is not stopper and not task.cancelled() and (error := task.exception()) is not None:
+                    self._set_fatal(error)
         finally:
             stopper.cancel()
             for task in loops:
-                if task.get_name() != "heartbeat":
-                    task.cancel()
-            await asyncio.gather(*(t for t in loops if t.get_name() != "heartbeat"), return_exceptions=True)
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             try:
                 await self._shutdown()
             finally:
-                for task in loops:
-                    task.cancel()
-                await asyncio.gather(*loops, return_exceptions=True)
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
         if self._fatal is not None:
             raise self._fatal
 
@@ -257,13 +255,20 @@ class Producer:
             self._free += samples
             self._capacity.notify_all()
 
-    def _set_fatal(self, exc: BaseException, tb: str | None = None) -> None:
+    def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
             self._fatal = exc
-            self._fatal_tb = tb or "".join(traceback.format_exception(exc))
+            self._fatal_tb = "".join(traceback.format_exception(exc))
             logger.error("producer %s (ns %s): fatal error: %s", self.name, self.keys.namespace, exc)
         self._stopping.set()
         self._wake.set()
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; a control message, a stop or a finished reclaim wakes it early."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     # -- admission ----------------------------------------------------------------------
 
@@ -280,10 +285,7 @@ class Producer:
         cfg = self.config
         while not self._stopping.is_set():
             if self._reclaim_due:  # prompts of a dead producer come first
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.2):
-                        await self._wake.wait()
+                await self._nap(0.2)
                 continue
             if not await self._acquire(n):
                 return
@@ -317,10 +319,7 @@ class Producer:
                 self._blocked(True)
                 if self.metrics is not None:
                     self.metrics.admission_blocked(status)
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.2 if status == "backlog" else 1.0):
-                        await self._wake.wait()
+                await self._nap(0.2 if status == "backlog" else 1.0)
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
@@ -371,15 +370,8 @@ class Producer:
                 self._publish_times.append(time.monotonic())
                 if self.metrics is not None:
                     self.metrics.group_published(group)
-        except asyncio.CancelledError:
-            raise
-        except (EngineError, RewardError) as exc:
-            self._set_fatal(exc)
-        except Exception as exc:
-            if is_nogroup(exc):
-                self._set_fatal(nogroup_error(self.keys.namespace, exc))
-            else:
-                self._set_fatal(exc)
+        except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
+            self._set_fatal(nogroup_error(self.keys.namespace, exc) if is_nogroup(exc) else exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._work.pop(work.prompt_id, None)
@@ -411,27 +403,10 @@ class Producer:
         n = self.config.n_samples_per_prompt
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.config.partial_rollout else None
-        together = partial is None and self.engine.batches_samples  # one request with n
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(
-                        self._generate_sample(
-                            prompt, prompt_ids, i, admitted_version,
-                            partial[i] if partial is not None and i < len(partial) else None,
-                        )
-                    )
-                    for i in range(0 if together else n)
-                ]
-        except ExceptionGroup as errors:  # report the first real error, not the group wrapper
-            first: BaseException = errors
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
-        if together:
+        if partial is None and self.engine.batches_samples:  # one request with n
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
         else:
-            samples = [t.result() for t in tasks]
+            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             rewards = await self.reward.score(prompt.prompt, prompt.label, samples)
             for sample, reward in zip(samples, rewards, strict=True):
@@ -447,6 +422,48 @@ class Producer:
             producer=self.name,
             history=prompt.history,
         )
+
+    async def _generate_each(
+        self,
+        prompt: Prompt,
+        prompt_ids: array[int] | None,
+        n: int,
+        admitted_version: int,
+        partial: list[Sample] | None,
+    ) -> list[Sample]:
+        """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        self._generate_sample(
+                            prompt, prompt_ids, i, admitted_version,
+                            partial[i] if partial is not None and i < len(partial) else None,
+                        )
+                    )
+                    for i in range(n)
+                ]
+        except ExceptionGroup as errors:
+            first: BaseException = errors
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        return [t.result() for t in tasks]
+
+    @contextlib.contextmanager
+    def _requests(self, count: int) -> Iterator[None]:
+        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
+        if self.metrics is None:
+            yield
+            return
+        started = time.monotonic()
+        for _ in range(count):
+            self.metrics.request_started()
+        try:
+            yield
+        finally:
+            for _ in range(count):
+                self.metrics.request_finished(time.monotonic() - started)
 
     async def _generate_sample(
         self,
@@ -465,36 +482,19 @@ class Producer:
             else:
                 logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
         max_new = self.engine.settings.max_new_tokens
-        started = time.monotonic()
-        if self.metrics is not None:
-            self.metrics.request_started()
+        if prefix is not None and prefix.response_length >= max_new:
+            return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
         try:
-            if prefix is not None:
-                remaining = max_new - prefix.response_length
-                if remaining <= 0:
-                    return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
-                generation = await self.engine.generate(input_ids=prefix.tokens, max_new_tokens=remaining)
-            elif prompt_ids is not None:
-                generation = await self.engine.generate(input_ids=prompt_ids, max_new_tokens=max_new)
-            elif isinstance(prompt.prompt, str):
-                generation = await self.engine.generate(text=prompt.prompt, max_new_tokens=max_new)
-            elif self.engine.accepts_messages:
-                generation = await self.engine.generate(messages=prompt.prompt, max_new_tokens=max_new)
-            else:
-                raise EngineRejected(
-                    400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
-                )
+            with self._requests(1):
+                if prefix is not None:  # continue the aborted response where it stopped
+                    generation = await self.engine.generate(
+                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
+                    )
+                else:
+                    source = self._prompt_input(prompt, prompt_ids)
+                    generation = await self.engine.generate(**source, max_new_tokens=max_new)
         except EngineRejected as exc:
-            return Sample(
-                index=index,
-                tokens=prompt_ids if prompt_ids is not None else array("i"),
-                status=Status.FAILED,
-                finish_reason="rejected",
-                metadata={"error": str(exc)[:1000]},
-            )
-        finally:
-            if self.metrics is not None:
-                self.metrics.request_finished(time.monotonic() - started)
+            return _rejected(index, prompt_ids, exc)
         if self.metrics is not None:
             self.metrics.tokens_generated(len(generation.output_ids))
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
@@ -503,37 +503,28 @@ class Producer:
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
     ) -> list[Sample]:
         """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
-        kwargs: dict[str, Any]
-        if prompt_ids is not None:
-            kwargs = {"input_ids": prompt_ids}
-        elif isinstance(prompt.prompt, str):
-            kwargs = {"text": prompt.prompt}
-        else:
-            kwargs = {"messages": prompt.prompt}
-        started = time.monotonic()
-        if self.metrics is not None:
-            for _ in range(n):
-                self.metrics.request_started()
         try:
-            generations = await self.engine.generate_n(n, max_new_tokens=self.engine.settings.max_new_tokens, **kwargs)
-        except EngineRejected as exc:
-            return [
-                Sample(
-                    index=i,
-                    tokens=prompt_ids if prompt_ids is not None else array("i"),
-                    status=Status.FAILED,
-                    finish_reason="rejected",
-                    metadata={"error": str(exc)[:1000]},
+            with self._requests(n):
+                generations = await self.engine.generate_n(
+                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
                 )
-                for i in range(n)
-            ]
-        finally:
-            if self.metrics is not None:
-                for _ in range(n):
-                    self.metrics.request_finished(time.monotonic() - started)
+        except EngineRejected as exc:
+            return [_rejected(i, prompt_ids, exc) for i in range(n)]
         if self.metrics is not None:
             self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
+
+    def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
+        """How the prompt goes to the engine: token ids, else text, else chat messages."""
+        if prompt_ids is not None:
+            return {"input_ids": prompt_ids}
+        if isinstance(prompt.prompt, str):
+            return {"text": prompt.prompt}
+        if self.engine.accepts_messages:
+            return {"messages": prompt.prompt}
+        raise EngineRejected(
+            400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
+        )
 
     # -- leases, reclaim ----------------------------------------------------------------
 
@@ -566,7 +557,10 @@ class Producer:
                 continue
             if entry_id in self._work:
                 continue
-            await self._acquire(n)
+            if not await self._acquire(n):
+                # Stopping: no room will come. Listed without a task, the shutdown hands it back.
+                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields)
+                continue
             self.reclaimed += 1
             self._start_work(entry_id, fields, version)
             # Only a counter, but a Redis outage here must not become a fatal error.
@@ -820,4 +814,15 @@ def _to_sample(
         weight_versions=[version],
         rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
         metadata=metadata,
+    )
+
+
+def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
+    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
+    return Sample(
+        index=index,
+        tokens=prompt_ids if prompt_ids is not None else array("i"),
+        status=Status.FAILED,
+        finish_reason="rejected",
+        metadata={"error": str(exc)[:1000]},
     )
