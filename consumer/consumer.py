@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -38,6 +37,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect, is_nogroup, nogroup_error
 from rollstream.common.errors import DecodeError, PipelineStalled, ProducerFailed
 from rollstream.common.events import FATAL, now_ms, recent_events
+from rollstream.common.imports import import_callable
 from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
 from rollstream.common.models import Group, Prompt, Status
@@ -77,14 +77,7 @@ def batch_id(entry_ids: list[bytes]) -> str:
 
 def load_keep(path: str) -> KeepFilter:
     """Import a ``module:function`` filter; ValueError when it cannot be imported."""
-    module_name, _, attr = path.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import keep filter {path!r}: {exc}") from exc
-    if not callable(function):
-        raise ValueError(f"keep filter {path!r} is not callable")
-    return function
+    return import_callable(path, "keep filter")
 
 
 RECYCLE_COUNTERS = {

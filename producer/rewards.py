@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import importlib
 import inspect
 import json
 import math
@@ -75,6 +74,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from rollstream.common.errors import RewardError
+from rollstream.common.imports import import_callable
 from rollstream.common.models import PromptContent, Reward, Sample
 
 __all__ = [
@@ -669,43 +669,11 @@ class PythonReward(RewardFunction):
 
 
 def _import_callable(spec: str) -> Callable[..., Any]:
-    module_name, _, attr_path = spec.partition(":")
-    module_name, attr_path = module_name.strip(), attr_path.strip()
-    if not module_name or not attr_path:
+    if not spec.partition(":")[0].strip() or not spec.partition(":")[2].strip():
         raise ValueError(
-            f"reward spec {spec!r} must look like 'module.path:function' "
-            "(or be 'math' or 'remote:URL')"
+            f"reward spec {spec!r} must look like 'module.path:function' (or be 'math' or 'remote:URL')"
         )
-    if not all(part.isidentifier() for part in module_name.split(".")) or not all(
-        part.isidentifier() for part in attr_path.split(".")
-    ):
-        raise ValueError(f"reward spec {spec!r} is not a valid 'module.path:function' import path")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            raise ValueError(
-                f"reward spec {spec!r}: no module named {module_name!r} (is it on sys.path?)"
-            ) from exc
-        raise ValueError(f"reward spec {spec!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise ValueError(
-            f"reward spec {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
-        ) from exc
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(
-                f"reward spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    if not callable(obj):
-        raise ValueError(
-            f"reward spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable"
-        )
-    return obj
+    return import_callable(spec, "reward spec")
 
 
 # --------------------------------------------------------------------------------------------

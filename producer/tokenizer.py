@@ -20,6 +20,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollstream.common.imports import import_object
+
 logger = logging.getLogger(__name__)
 
 _OBJECT_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -85,13 +87,7 @@ def load_tokenizer(spec: str) -> PromptTokenizer:
     if not spec or not spec.strip():
         raise ValueError("--tokenizer needs a name, a path or module:attribute")
     if _OBJECT_SPEC.match(spec):
-        module_name, attr = spec.split(":", 1)
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"--tokenizer {spec}: cannot load it: {exc}") from exc
+        obj = import_object(spec, "--tokenizer")
         if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "encode")):
             obj = obj()
         if not hasattr(obj, "encode"):
