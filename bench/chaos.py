@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -44,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
+from rollstream.cli.children import stop_processes, wait_for_http
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.server import EmbeddedRedis, free_port
@@ -145,16 +144,7 @@ class Harness:
         return [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
 
     def stop_all(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for child in self.children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_processes(self.children, timeout=15)
 
 
 def write_dataset(path: Path, good: int, poison: int, seed: int) -> None:
@@ -166,16 +156,6 @@ def write_dataset(path: Path, good: int, poison: int, seed: int) -> None:
     for j in range(poison):
         rows.insert(rng.randrange(len(rows) + 1), {"prompt": f"POISON {j}: the engine refuses this", "label": "0"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def wait_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"engine simulator at {url} did not come up")
 
 
 async def all_running(url: str, pids: dict[str, int]) -> bool:
@@ -222,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         engine = f"http://127.0.0.1:{engine_port}"
         h.cli("sim", "sim-engine", "--port", str(engine_port), "--mean-tokens", str(args.mean_tokens),
               "--latency-per-token", str(args.latency_per_token), "--accuracy", "0.6", "--seed", str(args.seed))
-        wait_http(engine)
+        wait_for_http(engine)
         subprocess.run(
             [sys.executable, "-m", "rollstream.cli", "init", "--redis", url, "--ns", NS, "--n-samples",
              str(args.n_samples), "--batch-size", str(args.batch_size), "--lease", str(args.lease),

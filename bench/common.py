@@ -7,10 +7,8 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
-import time
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from typing import Any
 import httpx
 import psutil
 from redis.asyncio import Redis
+from rollstream.cli.children import stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
@@ -155,16 +154,7 @@ def spawn(args: Sequence[str], log: Path | None = None, env: Mapping[str, str] |
 
 
 def stop_all(children: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for child in children:
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    stop_processes(children, timeout)
 
 
 @contextlib.contextmanager

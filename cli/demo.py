@@ -15,7 +15,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rollstream.cli.children import start_cli, stop_processes, wait_for_http
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
 from rollstream.common.server import EmbeddedRedis, free_port
@@ -78,41 +78,16 @@ class Processes:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-        with open(log, "ab") as handle:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.cli", *args],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        child = start_cli(args, log)
         self.children.append(child)
         return child
 
-    def stop_all(self, timeout: float = 20.0) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for child in self.children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+    def stop_all(self) -> None:
+        stop_processes(self.children)
 
 
 def dataset_path() -> Path:
     return Path(str(resources.files("rollstream.cli") / "data" / "arithmetic.jsonl"))
-
-
-def _wait_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"engine simulator at {url} did not come up")
 
 
 def _table(rows: list[dict[str, float]]) -> Table:
@@ -237,7 +212,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if args.partial_rollout:
             init.append("--partial-rollout")
         subprocess.run([sys.executable, "-m", "rollstream.cli", *init, "--log-level", "WARNING"], check=True)
-        _wait_http(engine_url)
+        wait_for_http(engine_url)
         processes.start(
             ["feed", str(dataset_path()), "--redis", url, "--ns", args.ns, "--forever", "--shuffle",
              "--window", str(8 * args.batch_size)],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from rollstream.cli.children import stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
@@ -114,16 +114,7 @@ class ProcessPool:
         return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in self.children)
 
     def stop_all(self) -> None:
-        for child, _ in self.children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child, _ in self.children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_processes((child for child, _ in self.children), timeout=10)
 
 
 @pytest.fixture
