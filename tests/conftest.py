@@ -116,12 +116,17 @@ class ProcessPool:
     def stop_all(self) -> None:
         stop_processes((child for child, _ in self.children), timeout=10)
 
+    async def astop_all(self) -> None:
+        """``stop_all`` off the event loop: an in-process simulator keeps answering while the
+        producers drain, so their in-flight groups are published rather than killed."""
+        await asyncio.to_thread(self.stop_all)
+
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[ProcessPool]:
+async def procs(tmp_path: Path) -> AsyncIterator[ProcessPool]:
     pool = ProcessPool(tmp_path)
     yield pool
-    pool.stop_all()
+    await pool.astop_all()
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,

@@ -75,7 +75,7 @@ async def test_completions_round_trip_token_ids_and_logprobs_one_request_per_gro
             assert sample.weight_versions == [3]
             assert sample.metadata["weight_version_source"] == "trainer_at_admission"
             assert "prompt_ids" not in sample.metadata
-    procs.stop_all()  # drain: every request in flight ends in a published group
+    await procs.astop_all()  # drain: every request in flight ends in a published group
     assert producer.returncode == 0, procs.log_of(producer)
     published = int(await redis.hget(Keys(ns).state, "published") or 0)
     assert sim.state.requests == published, "one /v1/completions request (n=4) per group"

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 from typing import Any
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry, group_fields
 from rollstream.common.keys import Keys
@@ -46,14 +45,9 @@ def _group(
     return Group(index=index, prompt=f"Compute {index} + 1.", samples=samples, label=str(index + 1), attempt=attempt)
 
 
-async def stop_producers(procs: ProcessPool, timeout: float = 15.0) -> None:
-    """SIGTERM the producers and wait with the event loop running: the in-process simulator
-    must keep answering while they drain (the sync ``procs`` teardown would block it)."""
-    for child, _ in procs.children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    await wait_until(lambda: all(c.poll() is not None for c, _ in procs.children), timeout=timeout,
-                     message="producers to drain and exit")
+async def stop_producers(procs: ProcessPool) -> None:
+    """SIGTERM the producers and let them drain while the in-process simulator keeps answering."""
+    await procs.astop_all()
 
 
 async def _publish(redis: Redis, ns: str, group: Group) -> None:
