@@ -21,7 +21,7 @@ from .codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prom
 from .config import PipelineConfig
 from .errors import ConfigError, DecodeError
 from .events import FATAL, WARNING, now_ms, recent_events
-from .keys import PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
+from .keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
 from .models import Prompt
 
 logger = logging.getLogger(__name__)
@@ -30,10 +30,6 @@ SCHEMA_VERSION = 1
 DEFAULT_STUCK_AFTER = 300.0
 LEASE_WARNING_FRACTION = 0.8
 """A lease idle for more than this fraction of ``lease_seconds`` is about to be taken over."""
-ALIVE_STATES = ("starting", "running", "draining")
-REQUEUED = "requeued"
-"""State counter: dead-letter entries put back into the prompt stream by an operator."""
-ADMISSION_BLOCKED_MS = "admission_blocked_ms"
 _PENDING_SCAN_LIMIT = 10_000
 _TRACEBACK_LINES = 6
 
@@ -261,8 +257,8 @@ async def snapshot(
     producers = _producer_rows(await redis.hgetall(keys.producers), pending_by_producer, timeout_s, now)
     recent = await recent_events(redis, keys, count=50)
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
-    counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, REQUEUED)}
-    counters["admission_blocked_s"] = round(_int(state.get(ADMISSION_BLOCKED_MS)) / 1000, 3)
+    counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
+    counters["admission_blocked_s"] = round(_int(state.get(StateField.ADMISSION_BLOCKED_MS)) / 1000, 3)
 
     def when(field: str) -> int | None:
         return _int(state.get(field)) or None
@@ -409,7 +405,7 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
         history=[*entry.prompt.history, f"requeued from dead-letter {entry.id}"][-20:],
     )
     fields = prompt_fields(fresh)
-    args: list[Any] = [entry.id, REQUEUED]
+    args: list[Any] = [entry.id, StateField.REQUEUED]
     for name, value in fields.items():
         args.extend([name, value])
     script = redis.register_script(REQUEUE)

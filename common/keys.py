@@ -91,6 +91,10 @@ class Keys:
         ]
 
 
+ALIVE_STATES = ("starting", "running", "draining")
+"""Producer states that count as alive while their heartbeat is fresh."""
+
+
 def namespace_of(key: str) -> str | None:
     """The namespace of a rollstream key, or None for a foreign key."""
     match = re.match(rf"^{PREFIX}:\{{([^}}]+)\}}:", key)
@@ -122,6 +126,17 @@ class StateField:
     LAST_PUBLISH_MS = "last_publish_ms"
     LAST_TAKE_MS = "last_take_ms"
     LAST_COMMIT_MS = "last_commit_ms"
+    ADMISSION_BLOCKED_MS = "admission_blocked_ms"
+    """Total time producers' admission was refused (paused, backlog, staleness), summed."""
+    REQUEUED = "requeued"
+    """Dead-letter entries put back into the prompt stream by an operator."""
+    RELEASED = "released"
+    """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
+
+    @staticmethod
+    def filtered(reason: str) -> str:
+        """The per-reason counter of groups rejected by the dynamic-sampling filter."""
+        return f"filtered:{reason}"
 
     COUNTERS = (
         FED,

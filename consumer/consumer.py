@@ -38,7 +38,7 @@ from rollstream.common.connection import Outage, connect, is_nogroup, nogroup_er
 from rollstream.common.errors import DecodeError, PipelineStalled, ProducerFailed
 from rollstream.common.events import FATAL, now_ms, recent_events
 from rollstream.common.imports import import_callable
-from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
+from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
 from rollstream.common.models import Group, Prompt, Status
 from rollstream.common.namespace import load_config, read_state, state_int
@@ -482,13 +482,16 @@ class GroupConsumer:
         await self._outage.run(
             lambda: self.scripts.ack_delete(
                 stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
-                counter=StateField.FILTERED, second_counter=f"filtered:{reason}",
+                counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
             )
         )
 
     async def _live_producers(self) -> tuple[int, int]:
         """(producers alive, in-flight samples of the alive ones)."""
-        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.producers))
+        return self._count_live(await self._outage.run(lambda: self.redis.hgetall(self.keys.producers)))
+
+    def _count_live(self, raw: Mapping[bytes, bytes]) -> tuple[int, int]:
+        """(alive, in-flight samples) from the producers hash: a recent heartbeat of a live state."""
         alive = in_flight = 0
         cutoff = now_ms() - self.config.heartbeat_timeout * 1000
         for value in raw.values():
@@ -496,7 +499,7 @@ class GroupConsumer:
                 beat = json.loads(value)
             except ValueError:
                 continue
-            if beat.get("last_seen_ms", 0) >= cutoff and beat.get("state") in ("running", "draining", "starting"):
+            if beat.get("last_seen_ms", 0) >= cutoff and beat.get("state") in ALIVE_STATES:
                 alive += 1
                 in_flight += int(beat.get("in_flight_samples", 0))
         return alive, in_flight
@@ -535,14 +538,15 @@ class GroupConsumer:
         groups = [g for _, g in taken]
         staleness = [g.staleness(version) for g in groups]
         rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
-        alive, in_flight = await self._live_producers()
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip for the metrics
             pipe.hset(self.keys.state, StateField.LAST_TAKE_MS, now_ms())
             pipe.xlen(self.keys.groups)
             pipe.xpending(self.keys.groups, TRAINER_GROUP)
-            pipe.xpending(self.keys.prompts, "producers")
-            pipe.hget(self.keys.state, "admission_blocked_ms")
-            _, groups_len, groups_pending, prompts_pending, blocked_raw = await pipe.execute()
+            pipe.xpending(self.keys.prompts, PRODUCERS_GROUP)
+            pipe.hget(self.keys.state, StateField.ADMISSION_BLOCKED_MS)
+            pipe.hgetall(self.keys.producers)
+            _, groups_len, groups_pending, prompts_pending, blocked_raw, beats = await pipe.execute()
+        alive, in_flight = self._count_live(beats)
         blocked_ms = int(blocked_raw or 0)
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
         self._last_blocked_ms = blocked_ms
@@ -600,7 +604,7 @@ async def release_consumer(redis: Redis, keys: Keys, consumer: str) -> int:
             fields = {k.decode(): v for k, v in rows[0][1].items()}
             if await scripts.move(
                 source=keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                target=keys.groups, counter="released", fields=fields,
+                target=keys.groups, counter=StateField.RELEASED, fields=fields,
             ):
                 moved += 1
     await redis.xgroup_delconsumer(keys.groups, TRAINER_GROUP, consumer)

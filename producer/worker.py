@@ -676,7 +676,7 @@ class Producer:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.producers, self.name, json.dumps(beat))
             if blocked_ms > 0:
-                pipe.hincrby(self.keys.state, "admission_blocked_ms", blocked_ms)
+                pipe.hincrby(self.keys.state, StateField.ADMISSION_BLOCKED_MS, blocked_ms)
             await pipe.execute()
         self._blocked_reported += blocked_ms / 1000
         if self.metrics is not None and blocked_ms > 0:
