@@ -22,6 +22,7 @@ from .config import PipelineConfig
 from .errors import ConfigError, DecodeError
 from .events import FATAL, WARNING, now_ms, recent_events
 from .keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
+from .lua import Scripts
 from .models import Prompt
 
 logger = logging.getLogger(__name__)
@@ -317,19 +318,6 @@ async def delete_namespace(redis: Redis, keys: Keys) -> int:
 
 # -- dead letters ----------------------------------------------------------------------------
 
-# KEYS: dead, prompts, state. ARGV: dead entry id, counter, fields of the prompt entry...
-# The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
-# that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
-REQUEUE = """
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
-  return false
-end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
-return id
-"""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeadEntry:
     id: str
@@ -404,12 +392,7 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
         partial=None,
         history=[*entry.prompt.history, f"requeued from dead-letter {entry.id}"][-20:],
     )
-    fields = prompt_fields(fresh)
-    args: list[Any] = [entry.id, StateField.REQUEUED]
-    for name, value in fields.items():
-        args.extend([name, value])
-    script = redis.register_script(REQUEUE)
-    result = await script(keys=[keys.dead, keys.prompts, keys.state], args=args)
+    result = await Scripts(redis, keys).requeue(entry.id, prompt_fields(fresh))
     if not result:
         return None
     logger.info("requeued dead entry %s (prompt %d) as %s", entry.id, fresh.index, _text(result))

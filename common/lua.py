@@ -121,6 +121,19 @@ return added
 """
 
 
+# KEYS: dead, prompts, state. ARGV: dead entry id, counter, fields of the prompt entry...
+# The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
+# that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
+REQUEUE = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
+  return false
+end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return id
+"""
+
+
 def _flatten(fields: Mapping[str, Any]) -> list[Any]:
     out: list[Any] = []
     for key, value in fields.items():
@@ -140,6 +153,7 @@ class Scripts:
         self._admit = redis.register_script(ADMIT)
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
+        self._requeue = redis.register_script(REQUEUE)
 
     async def publish(self, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int) -> bytes | None:
         """Publish a group and ack its prompt; None when the prompt was already acknowledged."""
@@ -243,6 +257,14 @@ class Scripts:
             return status, None, None, 0
         flat = result[2] or []
         return status, result[1], dict(zip(flat[::2], flat[1::2], strict=True)), int(result[3])
+
+    async def requeue(self, dead_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bytes | None:
+        """Move a dead-letter entry back to the prompt stream; None when it was already gone."""
+        k = self.keys
+        result = await self._requeue(
+            keys=[k.dead, k.prompts, k.state], args=[dead_id, StateField.REQUEUED, *_flatten(prompt_fields)]
+        )
+        return result or None
 
     async def renew(self, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
         ids = list(ids)
