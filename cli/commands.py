@@ -281,24 +281,21 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _consumer_call(args: argparse.Namespace, action: str) -> None:
+async def _pause_or_resume(args: argparse.Namespace, pause: bool) -> None:
     from rollstream.consumer import GroupConsumer
 
     async with await GroupConsumer.connect(args.redis, args.ns, name="rollstream-cli") as consumer:
-        if action == "pause":
-            await consumer.pause()
-        else:
-            await consumer.resume(args.version)
+        await (consumer.pause() if pause else consumer.resume(args.version))
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    asyncio.run(_consumer_call(args, "pause"))
+    asyncio.run(_pause_or_resume(args, pause=True))
     logger.info("namespace %s paused: producers admit nothing until `rollstream resume`", args.ns)
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    asyncio.run(_consumer_call(args, "resume"))
+    asyncio.run(_pause_or_resume(args, pause=False))
     logger.info("namespace %s resumed%s", args.ns, "" if args.version is None else f" at version {args.version}")
     return 0
 

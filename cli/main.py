@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import commands
+from . import commands, demo, inspect, ops
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -66,14 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     base = [common_options()]
     with_redis = [common_options(), redis_options()]
-    commands.register(sub, base, with_redis)
-    for module_name in ("demo", "inspect", "ops"):
-        try:
-            module = __import__(f"rollstream.cli.{module_name}", fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"rollstream.cli.{module_name}":
-                raise
-            continue
+    for module in (commands, demo, inspect, ops):
         module.register(sub, base, with_redis)
     return parser
 
