@@ -70,10 +70,6 @@ class PipelineConfig:
             return False
         return True if self.admission_control is None else self.admission_control
 
-    @property
-    def admission_capacity_per_version(self) -> int:
-        return self.batch_size
-
     def to_redis(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for f in dataclasses.fields(self):

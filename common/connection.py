@@ -77,10 +77,6 @@ class Outage:
         self._attempt = 0
         self.count = 0
 
-    @property
-    def ongoing(self) -> bool:
-        return self._since is not None
-
     async def failed(self, exc: BaseException) -> None:
         """Record a failure, log it if it starts an outage, and sleep the backoff."""
         if self._since is None:
