@@ -76,7 +76,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import TracebackType
@@ -536,14 +536,26 @@ def _openai_reply(
     return web.json_response(reply)
 
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _faultable(handler: Handler) -> Handler:
+    """A generation endpoint that first answers an injected fault (``/sim/faults``), if one is due."""
+
+    async def handle(request: web.Request) -> web.Response:
+        status = request.app[STATE_KEY].take_fault()
+        if status is not None:
+            return _error(status, f"injected fault: HTTP {status}")
+        return await handler(request)
+
+    return handle
+
+
 # --------------------------------------------------------------------------- SGLang API
 
 
 async def _generate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    status = state.take_fault()
-    if status is not None:
-        return _error(status, f"injected fault: HTTP {status}")
     body = await _json_body(request)
     if body.get("text") is not None:
         text = body["text"]
@@ -732,9 +744,6 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _completions(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    status = state.take_fault()
-    if status is not None:
-        return _error(status, f"injected fault: HTTP {status}")
     body = await _json_body(request)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -803,9 +812,6 @@ async def _chat_completions(request: web.Request) -> web.Response:
     """vLLM's ``/v1/chat/completions`` subset: ``messages``, ``n``, ``max_tokens``
     (or ``max_completion_tokens``), ``logprobs``, ``return_tokens_as_token_ids``, ``return_token_ids``."""
     state = request.app[STATE_KEY]
-    status = state.take_fault()
-    if status is not None:
-        return _error(status, f"injected fault: HTTP {status}")
     body = await _json_body(request)
     text = render_chat(body.get("messages"))
     prompt_ids = tokenize(text)
@@ -897,7 +903,7 @@ def create_app(config: SimConfig) -> web.Application:
     app = web.Application(middlewares=[_errors_middleware])
     app[STATE_KEY] = SimState.from_config(config)
     app.on_shutdown.append(_on_shutdown)
-    app.router.add_post("/generate", _generate)
+    app.router.add_post("/generate", _faultable(_generate))
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/pause_generation", _pause_generation)
     app.router.add_post("/continue_generation", _continue_generation)
@@ -911,8 +917,8 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/v1/models", _models)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _faultable(_completions))
+    app.router.add_post("/v1/chat/completions", _faultable(_chat_completions))
     app.router.add_post("/sim/faults", _set_faults)
     app.router.add_get("/sim/stats", _stats)
     return app
