@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import psutil
 from redis.asyncio import Redis
-from rollstream.cli.children import stop_processes
+from rollstream.testing.children import stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys

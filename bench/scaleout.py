@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from rollstream.common.connection import connect
-from rollstream.common.server import EmbeddedRedis, free_port
+from rollstream.testing.server import EmbeddedRedis, free_port
 from rollstream.consumer import GroupConsumer
 
 from bench.async_vs_sync import _wait_engine

@@ -116,7 +116,7 @@ def run_with_signals(main: Any, on_signal: Any) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from rollstream.common.server import EmbeddedRedis
+    from rollstream.testing.server import EmbeddedRedis
 
     server = EmbeddedRedis(port=args.port, dir=args.dir, appendonly=args.appendonly, appendfsync=args.appendfsync)
     stopping = False
@@ -253,7 +253,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_engine(args: argparse.Namespace) -> int:
-    from rollstream.sim.engine import SimConfig, serve
+    from rollstream.testing.sim.engine import SimConfig, serve
 
     config = SimConfig(
         seed=args.seed,

@@ -6,8 +6,8 @@ import pytest
 from rollstream.common.errors import EngineRejected
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.tokenizer import PromptTokenizer, load_tokenizer
-from rollstream.sim import SimEngine
-from rollstream.sim.engine import render_chat, tokenize
+from rollstream.testing.sim import SimEngine
+from rollstream.testing.sim.engine import render_chat, tokenize
 
 
 async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEngine) -> None:

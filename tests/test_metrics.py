@@ -6,7 +6,7 @@ import httpx
 from conftest import add_prompts, make_namespace, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rollstream.common.keys import Keys
-from rollstream.common.server import free_port
+from rollstream.testing.server import free_port
 from rollstream.consumer import GroupConsumer
 
 UNLABELLED = (

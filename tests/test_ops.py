@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from conftest import add_prompts, make_namespace, wait_until
 from rollstream.common.keys import Keys
-from rollstream.common.server import free_port
+from rollstream.testing.server import free_port
 from rollstream.consumer import GroupConsumer
 
 
