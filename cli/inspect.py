@@ -1,6 +1,6 @@
 """``rollstream inspect``: is the pipeline healthy, and if not, where is it stuck?
 
-One screen (or one JSON document) built from :func:`rollstream.common.inspect.snapshot`. The exit
+One screen (or one JSON document) built from :func:`rollstream.ops.snapshot.snapshot`. The exit
 code is the verdict (0 healthy, 1 unhealthy), so ``inspect`` doubles as a liveness probe.
 """
 
@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 from rollstream.common.connection import connect
-from rollstream.common.inspect import DEFAULT_STUCK_AFTER, snapshot
+from rollstream.ops.snapshot import DEFAULT_STUCK_AFTER, snapshot
 from rollstream.common.keys import Keys
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from rich.console import Console
 from rollstream.common.connection import connect
-from rollstream.common.inspect import (
+from rollstream.ops.snapshot import (
     DEFAULT_STUCK_AFTER,
     DeadEntry,
     dead_entries,

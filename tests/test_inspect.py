@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from conftest import add_prompts, make_namespace, wait_until
-from rollstream.common.inspect import snapshot
+from rollstream.ops.snapshot import snapshot
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
 

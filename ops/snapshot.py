@@ -17,13 +17,13 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from .codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
-from .config import PipelineConfig
-from .errors import ConfigError, DecodeError
-from .events import FATAL, WARNING, now_ms, recent_events
-from .keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
-from .lua import Scripts
-from .models import Prompt
+from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
+from rollstream.common.config import PipelineConfig
+from rollstream.common.errors import ConfigError, DecodeError
+from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
+from rollstream.common.keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
+from rollstream.common.lua import Scripts
+from rollstream.common.models import Prompt
 
 logger = logging.getLogger(__name__)
 
