@@ -43,9 +43,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rollstream.testing.children import stop_processes, wait_for_http
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
+from rollstream.testing.children import stop_processes, wait_for_http
 from rollstream.testing.server import EmbeddedRedis, free_port
 
 NS = "chaos"

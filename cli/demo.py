@@ -28,9 +28,9 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from rollstream.testing.children import start_cli, stop_processes, wait_for_http
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
+from rollstream.testing.children import start_cli, stop_processes, wait_for_http
 from rollstream.testing.server import EmbeddedRedis, free_port
 
 logger = logging.getLogger("rollstream.demo")

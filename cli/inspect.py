@@ -1,6 +1,6 @@
 """``rollstream inspect``: is the pipeline healthy, and if not, where is it stuck?
 
-One screen (or one JSON document) built from :func:`rollstream.ops.snapshot.snapshot`. The exit
+One screen (or one JSON document) built from :func:`rollstream.ops.snapshot`. The exit
 code is the verdict (0 healthy, 1 unhealthy), so ``inspect`` doubles as a liveness probe.
 """
 
@@ -19,8 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 from rollstream.common.connection import connect
-from rollstream.ops.snapshot import DEFAULT_STUCK_AFTER, snapshot
 from rollstream.common.keys import Keys
+from rollstream.ops import DEFAULT_STUCK_AFTER, snapshot
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:

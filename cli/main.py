@@ -14,8 +14,7 @@ import time
 from collections.abc import Sequence
 
 from . import commands, demo, inspect, ops
-
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
+from .options import common_options, redis_options
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,20 +41,6 @@ def configure_logging(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
     for noisy in ("httpx", "httpcore", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
-
-
-def common_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    parent.add_argument("--log-json", action="store_true", help="log one JSON object per line")
-    return parent
-
-
-def redis_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
-    parent.add_argument("--ns", required=True, metavar="NAME", help="pipeline namespace")
-    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,26 +17,26 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from rich.console import Console
 from rollstream.common.connection import connect
-from rollstream.ops.snapshot import (
+from rollstream.common.keys import Keys
+from rollstream.ops import (
     DEFAULT_STUCK_AFTER,
     DeadEntry,
     dead_entries,
     delete_namespace,
     drop_dead,
+    existing_keys,
     list_namespaces,
     requeue_dead,
     snapshot,
 )
-from rollstream.common.keys import Keys
 
 from .inspect import render
+from .options import add_redis_url
 
 T = TypeVar("T")
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
-    from .main import DEFAULT_URL
-
     p = sub.add_parser("dead", parents=with_redis, help="list, requeue or drop dead-letter entries")
     p.add_argument("action", choices=["list", "requeue", "drop"])
     p.add_argument("--id", action="append", default=[], metavar="ID", help="a dead entry id (repeatable)")
@@ -47,7 +47,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_dead)
 
     redis_only = argparse.ArgumentParser(add_help=False)
-    redis_only.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
+    add_redis_url(redis_only)
     redis_only.add_argument("--ns", default=None, metavar="NAME", help="namespace (show, delete)")
     p = sub.add_parser("ns", parents=[*base, redis_only], help="list, show or delete namespaces")
     p.add_argument("action", choices=["list", "show", "delete"])
@@ -179,10 +179,7 @@ def cmd_ns(args: argparse.Namespace) -> int:
         console.print(render(snap, plain=not console.is_terminal))
         return 0 if snap["health"]["ok"] else 1
 
-    async def present(redis: Redis) -> list[str]:
-        return [k for k in keys.all_keys() if await redis.exists(k)]
-
-    existing = _run(args.redis, present)
+    existing = _run(args.redis, lambda r: existing_keys(r, keys))
     if not existing:
         _out(f"namespace {args.ns!r} has no keys; nothing to delete")
         return 0

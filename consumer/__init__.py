@@ -3,7 +3,7 @@
 from rollstream.common.errors import PipelineStalled, ProducerFailed
 from rollstream.common.models import Group, Sample, Status
 
-from .consumer import Batch, GroupConsumer, KeepFilter, SyncGroupConsumer, release_consumer
+from .consumer import Batch, GroupConsumer, KeepFilter, SyncGroupConsumer
 from .filters import reward_variance
 
 __all__ = [
@@ -16,6 +16,5 @@ __all__ = [
     "Sample",
     "Status",
     "SyncGroupConsumer",
-    "release_consumer",
     "reward_variance",
 ]

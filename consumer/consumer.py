@@ -580,37 +580,6 @@ class GroupConsumer:
         )
 
 
-async def release_consumer(redis: Redis, keys: Keys, consumer: str) -> int:
-    """Give a gone trainer consumer's pending groups back to the stream, then delete it.
-
-    Each pending group is re-added as a new entry and its old entry acknowledged and deleted,
-    atomically; only then is the consumer deleted (XGROUP DELCONSUMER with entries pending
-    would discard them). Returns the number of groups moved back.
-    """
-    scripts = Scripts(redis, keys)
-    moved = 0
-    while True:
-        pending = await redis.xpending_range(
-            keys.groups, TRAINER_GROUP, min="-", max="+", count=500, consumername=consumer
-        )
-        if not pending:
-            break
-        for item in pending:
-            entry_id = item["message_id"]
-            rows = await redis.xrange(keys.groups, entry_id, entry_id)
-            if not rows:
-                await redis.xack(keys.groups, TRAINER_GROUP, entry_id)
-                continue
-            fields = {k.decode(): v for k, v in rows[0][1].items()}
-            if await scripts.move(
-                source=keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                target=keys.groups, counter=StateField.RELEASED, fields=fields,
-            ):
-                moved += 1
-    await redis.xgroup_delconsumer(keys.groups, TRAINER_GROUP, consumer)
-    return moved
-
-
 class SyncGroupConsumer:
     """The same API for trainers that are not asyncio: runs its own event loop in this thread."""
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from rollstream.testing.children import start_cli, stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import init_namespace
+from rollstream.testing.children import start_cli, stop_processes
 from rollstream.testing.server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 

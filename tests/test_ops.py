@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from conftest import add_prompts, make_namespace, wait_until
 from rollstream.common.keys import Keys
-from rollstream.testing.server import free_port
 from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import free_port
 
 
 async def cli(*args: str, stdin: bytes = b"") -> tuple[int, str]:
