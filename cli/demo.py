@@ -28,6 +28,7 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
 from rollstream.testing.children import start_cli, stop_processes, wait_for_http
@@ -180,7 +181,7 @@ def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.producers < 1:
-        raise ValueError("--steps and --producers must be at least 1")
+        raise ConfigError("--steps and --producers must be at least 1")
     console = Console()
     started = time.monotonic()
     processes = Processes()

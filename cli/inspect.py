@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.ops import DEFAULT_STUCK_AFTER, snapshot
 
@@ -186,9 +187,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     if args.stuck_after <= 0:
-        raise ValueError("--stuck-after must be positive")
+        raise ConfigError("--stuck-after must be positive")
     if args.watch is not None and args.watch <= 0:
-        raise ValueError("--watch interval must be positive")
+        raise ConfigError("--watch interval must be positive")
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:

@@ -13,6 +13,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from rollstream.common.errors import RollstreamError
+
 from . import commands, demo, inspect, ops
 from .options import common_options, redis_options
 
@@ -64,10 +67,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:  # config errors: a clear message, no traceback
-        logging.getLogger("rollstream").error("%s", exc)
-        return 2
+    except RollstreamError as exc:  # an error of the tree: its message, no traceback
+        return _fail(exc)
+    except RedisConnectionError as exc:
+        return _fail(exc, prefix="cannot reach Redis: ")
     return int(code or 0)
+
+
+def _fail(exc: BaseException, prefix: str = "") -> int:
+    """One line on stderr and exit code 2; the rest of a multi-line message (a remote traceback)
+    goes to the DEBUG log."""
+    first, _, rest = str(exc).partition("\n")
+    sys.stderr.write(f"rollstream: error: {prefix}{first or type(exc).__name__}\n")
+    if rest:
+        logging.getLogger("rollstream.cli").debug("%s", rest)
+    return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from rich.console import Console
 from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.ops import (
     DEFAULT_STUCK_AFTER,
@@ -99,11 +100,11 @@ def _list_line(entry: DeadEntry) -> str:
 def cmd_dead(args: argparse.Namespace) -> int:
     keys = Keys(args.ns)
     if args.count is not None and args.count < 1:
-        raise ValueError("--count must be positive")
+        raise ConfigError("--count must be positive")
     if args.action != "list" and not args.id and not args.all:
-        raise ValueError(f"dead {args.action} needs --id ID (repeatable) or --all")
+        raise ConfigError(f"dead {args.action} needs --id ID (repeatable) or --all")
     if args.id and args.all:
-        raise ValueError("give either --id or --all, not both")
+        raise ConfigError("give either --id or --all, not both")
 
     async def select(redis: Redis) -> list[DeadEntry]:
         return await dead_entries(redis, keys, ids=args.id or None, count=args.count)
@@ -169,7 +170,7 @@ def cmd_ns(args: argparse.Namespace) -> int:
             _out(name)
         return 0
     if not args.ns:
-        raise ValueError(f"ns {args.action} needs --ns NAME")
+        raise ConfigError(f"ns {args.action} needs --ns NAME")
     keys = Keys(args.ns)
     if args.action == "show":
         snap = _run(args.redis, lambda r: snapshot(r, keys, stuck_after=args.stuck_after))

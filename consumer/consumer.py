@@ -75,7 +75,7 @@ def batch_id(entry_ids: list[bytes]) -> str:
 
 
 def load_keep(path: str) -> KeepFilter:
-    """Import a ``module:function`` filter; ValueError when it cannot be imported."""
+    """Import a ``module:function`` filter; ConfigError when it cannot be imported."""
     return import_callable(path, "keep filter")
 
 

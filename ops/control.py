@@ -7,6 +7,7 @@ same writes a trainer's ``GroupConsumer.pause()/resume()`` make, without registe
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from rollstream.common.errors import ConfigError
 from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
 from rollstream.common.namespace import load_config
@@ -25,7 +26,7 @@ async def pause(redis: Redis, keys: Keys) -> None:
 async def resume(redis: Redis, keys: Keys, version: int | None = None) -> None:
     """Let producers admit again, optionally recording a new weight version first."""
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
+        raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
     await load_config(redis, keys)
     async with redis.pipeline(transaction=True) as pipe:
         if version is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
-from rollstream.common.errors import DecodeError
+from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.keys import Keys
 from rollstream.common.lua import Scripts
 from rollstream.common.models import Prompt
@@ -72,7 +72,7 @@ async def dead_entries(
 ) -> list[DeadEntry]:
     """Dead-letter entries, oldest first: the given ids (missing ones skipped) or the first ``count``."""
     if count is not None and count < 1:
-        raise ValueError(f"count must be positive, got {count!r}")
+        raise ConfigError(f"count must be positive, got {count!r}")
     if ids:
         rows = []
         for entry_id in ids:

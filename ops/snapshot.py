@@ -173,7 +173,7 @@ async def snapshot(
 ) -> dict[str, Any]:
     """Everything an operator needs about one namespace, with a health verdict."""
     if stuck_after <= 0:
-        raise ValueError(f"stuck_after must be positive, got {stuck_after!r}")
+        raise ConfigError(f"stuck_after must be positive, got {stuck_after!r}")
     now = now_ms()
     raw_config = await redis.hgetall(keys.config)
     config: PipelineConfig | None = None

@@ -50,6 +50,7 @@ from rollstream.common.errors import (
     ConfigError,
     DecodeError,
     EngineRejected,
+    PromptNotSupported,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
@@ -91,12 +92,12 @@ class ProducerSettings:
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer, got {self.concurrency!r}")
+            raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):
-            raise ValueError(f"producer name must be non-empty without spaces, got {self.name!r}")
+            raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")
         for name in ("heartbeat_interval", "drain_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+                raise ConfigError(f"{name} must be positive")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -522,8 +523,8 @@ class Producer:
             return {"text": prompt.prompt}
         if self.engine.accepts_messages:
             return {"messages": prompt.prompt}
-        raise EngineRejected(
-            400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
+        raise PromptNotSupported(
+            "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
 
     # -- leases, reclaim ----------------------------------------------------------------

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from rollstream.common.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MIN_VERSION = (6, 2)
@@ -69,7 +71,7 @@ class EmbeddedRedis:
         extra_args: list[str] | None = None,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
-            raise ValueError("appendfsync must be always, everysec or no")
+            raise ConfigError("appendfsync must be always, everysec or no")
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
