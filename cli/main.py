@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from rollstream import __version__
 from rollstream.common.errors import RollstreamError
 
 from . import commands, demo, inspect, ops
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollstream",
         description="Fully-async rollout pipeline for LLM reinforcement learning on Redis Streams.",
     )
+    parser.add_argument("--version", action="version", version=f"rollstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     base = [common_options()]
     with_redis = [common_options(), redis_options()]
