@@ -189,7 +189,6 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.producer.engine import EngineClient, EngineSettings
-    from rollstream.producer.metrics import ProducerMetrics
     from rollstream.producer.rewards import load_reward
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
@@ -211,6 +210,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
     )
+    if args.metrics_port is not None:
+        from rollstream.producer.metrics import ProducerMetrics
     reward = load_reward(args.reward)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}

@@ -12,12 +12,12 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.asyncio import Redis
-from rich.console import Console
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
 from rollstream.ops import (
     DEFAULT_STUCK_AFTER,
@@ -33,6 +33,9 @@ from rollstream.ops import (
 
 from .inspect import render
 from .options import add_redis_url
+
+if TYPE_CHECKING:
+    pass
 
 T = TypeVar("T")
 
@@ -173,6 +176,9 @@ def cmd_ns(args: argparse.Namespace) -> int:
         raise ConfigError(f"ns {args.action} needs --ns NAME")
     keys = Keys(args.ns)
     if args.action == "show":
+        require_extra("rich", "ops", "ns show")
+        from rich.console import Console
+
         snap = _run(args.redis, lambda r: snapshot(r, keys, stuck_after=args.stuck_after))
         console = Console()
         if not console.is_terminal:

@@ -5,6 +5,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     RollstreamError
     ├── ConfigError (also ValueError)         bad or inconsistent configuration
     │   ├── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
@@ -38,6 +39,15 @@ class NamespaceNotInitialized(ConfigError):
             f"`rollstream init --ns {namespace} --n-samples N --batch-size B` first"
         )
         self.namespace = namespace
+
+
+class ExtraNotInstalled(ConfigError):
+    """A feature was asked for whose optional dependencies (an install extra) are missing."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        super().__init__(f"{purpose} needs {module!r}: pip install 'rollstream[{extra}]'")
+        self.module = module
+        self.extra = extra
 
 
 class DecodeError(RollstreamError, ValueError):

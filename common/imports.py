@@ -1,11 +1,13 @@
-"""Loading user code named by ``module.path:attribute`` (reward functions, keep filters, tokenizers)."""
+"""Loading user code named by ``module.path:attribute`` (reward functions, keep filters, tokenizers),
+and optional dependencies (install extras) on first use."""
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, ExtraNotInstalled
 
 
 def import_object(spec: str, what: str) -> Any:
@@ -46,3 +48,12 @@ def import_callable(spec: str, what: str) -> Any:
     if not callable(obj):
         raise ConfigError(f"{what} {spec!r}: {spec.partition(':')[2]!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def require_extra(module: str, extra: str, purpose: str) -> ModuleType:
+    """Import an optional dependency on first use; ``ExtraNotInstalled`` names the extra that
+    provides it, so a light install (trainer, producer) fails with an instruction, not a traceback."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ExtraNotInstalled(module, extra, purpose) from exc
