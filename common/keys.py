@@ -97,6 +97,10 @@ ALIVE_STATES = ("starting", "running", "draining")
 """Producer states that count as alive while their heartbeat is fresh."""
 
 
+NAMESPACE_SCAN_PATTERN = f"{PREFIX}:{{*}}:*"
+"""SCAN MATCH pattern of every rollstream key of every namespace (read back with ``namespace_of``)."""
+
+
 def namespace_of(key: str) -> str | None:
     """The namespace of a rollstream key, or None for a foreign key."""
     match = re.match(rf"^{PREFIX}:\{{([^}}]+)\}}:", key)

@@ -6,7 +6,7 @@ Namespaces are found with SCAN, never KEYS, and deletion never uses FLUSHDB/FLUS
 from __future__ import annotations
 
 from redis.asyncio import Redis
-from rollstream.common.keys import PREFIX, Keys, namespace_of
+from rollstream.common.keys import NAMESPACE_SCAN_PATTERN, Keys, namespace_of
 
 from ._fields import text
 
@@ -14,7 +14,7 @@ from ._fields import text
 async def list_namespaces(redis: Redis) -> list[str]:
     """Namespaces with at least one key, found with SCAN (never KEYS: it blocks the server)."""
     found: set[str] = set()
-    async for key in redis.scan_iter(match=f"{PREFIX}:{{*}}:*", count=1000):
+    async for key in redis.scan_iter(match=NAMESPACE_SCAN_PATTERN, count=1000):
         namespace = namespace_of(text(key))
         if namespace is not None:
             found.add(namespace)
