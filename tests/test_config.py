@@ -97,3 +97,27 @@ def test_cli_prints_a_config_error_as_one_line_with_exit_code_2(capsys: pytest.C
     assert main(["init", "--ns", "bad name", "--n-samples", "1", "--batch-size", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rollstream: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_version_has_one_source(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    import rollstream
+    from rollstream.cli.main import main
+
+    assert rollstream.__version__ == version("rollstream")
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"rollstream {rollstream.__version__}"
+
+
+def test_every_redis_option_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollstream.cli.main import build_parser
+
+    monkeypatch.setenv("ROLLSTREAM_REDIS_URL", "redis://elsewhere:6380/1")
+    parser = build_parser()
+    for argv in (["inspect", "--ns", "a"], ["ns", "list"], ["dead", "list", "--ns", "a"], ["pause", "--ns", "a"],
+                 ["demo"]):
+        assert parser.parse_args(argv).redis == "redis://elsewhere:6380/1", argv
+    monkeypatch.delenv("ROLLSTREAM_REDIS_URL")
+    assert build_parser().parse_args(["pause", "--ns", "a"]).redis == "redis://127.0.0.1:6379/0"
