@@ -102,8 +102,12 @@ def _response_mask(sample: Sample) -> tuple[list[int], bool]:
     )
 
 
-def to_framework(group: Group, sample_cls: Any) -> list[Any]:
-    """The group's samples as framework samples (``sample_cls`` is the framework's ``Sample``)."""
+def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False) -> list[Any]:
+    """The group's samples as framework samples (``sample_cls`` is the framework's ``Sample``).
+
+    ``for_training`` refuses samples whose prompt ids are unknown: their ``tokens`` would hold
+    the response alone and the trainer would learn without the prompt.
+    """
     n = len(group.samples)
     out = []
     for sample in group.samples:
@@ -112,6 +116,12 @@ def to_framework(group: Group, sample_cls: Any) -> list[Any]:
             raise ValueError(
                 f"group {group.index} sample {sample.index}: response_length {sample.response_length} "
                 f"exceeds the {len(sample.tokens)} tokens"
+            )
+        if for_training and (prompt_length == 0 or sample.metadata.get("prompt_ids") == "unknown"):
+            raise ConfigError(
+                f"group {group.index} (producer {group.producer or '?'}) has no prompt token ids, so "
+                f"tokens would not be prompt + response: run the producers with --tokenizer (or feed "
+                f"tokenised prompts)"
             )
         mask, filled = _response_mask(sample)
         log_probs = None

@@ -66,7 +66,7 @@ class RollstreamRolloutFn:
             max_staleness=staleness,
         )
         sample_cls = MILES.sample_class()
-        samples = [to_framework(group, sample_cls) for group in batch.groups]
+        samples = [to_framework(group, sample_cls, for_training=True) for group in batch.groups]
         return MILES.train_output(samples, prefixed(batch.metrics))
 
     def _evaluate(self, input: Any) -> Any:

@@ -11,7 +11,8 @@ Each call gets framework ``Sample`` objects converted from the producer's group 
 tokens, response, status, metadata incl. the group's, ...), so the function runs unchanged on
 the producer node; the framework must be importable there (a clear error otherwise). ``args`` is
 an ``argparse.Namespace`` built from the JSON object in ``ROLLSTREAM_REWARD_ARGS`` (e.g.
-``{"rm_type": "deepscaler", "reward_key": null}``), empty when unset. Sync functions work too.
+``{"rm_type": "deepscaler"}``) over defaults for what slime's ``rm_hub.async_rm`` reads
+(``custom_rm_path``, ``rm_type``, ``rm_url``, ``reward_key``: None). Sync functions work too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from rollstream.producer.rewards import RewardFunction
 from .convert import MILES, SLIME, Framework, load_object, to_framework
 
 REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
+ARG_DEFAULTS: dict[str, Any] = {"custom_rm_path": None, "rm_type": None, "rm_url": None, "reward_key": None}
+"""What slime's ``rm_hub.async_rm`` reads from ``args``; ROLLSTREAM_REWARD_ARGS overrides them."""
 SCHEMES: dict[str, tuple[Framework, bool]] = {
     "slime": (SLIME, False),
     "slime-group": (SLIME, True),
@@ -48,14 +51,14 @@ def is_framework_reward(spec: str) -> bool:
 def reward_args(environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     raw = (os.environ if environ is None else environ).get(REWARD_ARGS, "").strip()
     if not raw:
-        return argparse.Namespace()
+        return argparse.Namespace(**ARG_DEFAULTS)
     try:
         values = json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"environment variable {REWARD_ARGS} is not valid JSON: {exc}") from None
     if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
         raise ConfigError(f"environment variable {REWARD_ARGS} must be a JSON object of argument names to values")
-    return argparse.Namespace(**values)
+    return argparse.Namespace(**{**ARG_DEFAULTS, **values})
 
 
 async def _maybe_await(value: Any) -> Any:

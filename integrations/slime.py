@@ -135,6 +135,6 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         weight_version=version,
     )
     sample_cls = SLIME.sample_class()
-    samples = [to_framework(group, sample_cls) for group in batch.groups]
+    samples = [to_framework(group, sample_cls, for_training=True) for group in batch.groups]
     metrics = prefixed({**batch.metrics, "weight_version_from_engine": 1.0 if from_engine else 0.0})
     return SLIME.train_output(samples, metrics)

@@ -97,6 +97,14 @@ def test_conversion_of_a_mask_over_the_whole_sequence_and_bad_lengths() -> None:
         to_framework(group, sample_cls)
 
 
+def test_training_refuses_samples_without_prompt_ids() -> None:
+    group = _group([Status.COMPLETED])
+    group.samples[0].metadata["prompt_ids"] = "unknown"
+    to_framework(group, SLIME.sample_class())  # fine for a reward
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        to_framework(group, SLIME.sample_class(), for_training=True)
+
+
 def test_pending_framework_sample_is_refused() -> None:
     sample_cls = SLIME.sample_class()
     with pytest.raises(ValueError, match="pending"):
@@ -193,7 +201,7 @@ def test_reward_args_must_be_a_json_object(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ConfigError, match="not valid JSON"):
         reward_args()
     monkeypatch.setenv("ROLLSTREAM_REWARD_ARGS", '{"rm_type": "math"}')
-    assert reward_args() == argparse.Namespace(rm_type="math")
+    assert reward_args() == argparse.Namespace(custom_rm_path=None, rm_type="math", rm_url=None, reward_key=None)
 
 
 def test_framework_reward_without_the_framework_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
