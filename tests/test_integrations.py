@@ -221,3 +221,18 @@ def test_produce_cli_refuses_a_slime_reward_without_slime() -> None:
     )
     assert done.returncode != 0
     assert "slime package is not importable on this producer node" in done.stderr + done.stdout
+
+
+def test_slime_counted_weight_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an engine answer: 1 + (rollout_id - first rollout of the process) // --update-weights-interval."""
+    from rollstream.integrations.slime import counted_version, trainer_version
+
+    set_env(monkeypatch, "redis://localhost:1/0", "ns1", ROLLSTREAM_ENGINE_URL="http://127.0.0.1:9")
+    source = RollstreamDataSource(slime_args())
+    args = slime_args(update_weights_interval=2)
+    source.first_rollout_id = 0
+    assert [counted_version(args, source, r) for r in range(5)] == [1, 1, 2, 2, 3]
+    source.session.loaded_from = 9  # resumed after checkpoint 9: this process starts at 10
+    assert counted_version(args, source, 10) == 1 and counted_version(args, source, 13) == 2
+    assert trainer_version(args, source, 13) == (2, False)  # nobody listens on port 9
+    source.close()
