@@ -14,7 +14,6 @@ constructor input; its result, coroutine or not, is returned as it is.
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
@@ -22,7 +21,6 @@ from rollstream.common.errors import ConfigError
 from .convert import MILES, Framework, load_object, to_framework
 from .source import RollstreamDataSourceBase, prefixed
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_EVAL_FUNCTION = "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"
 

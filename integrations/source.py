@@ -8,7 +8,6 @@ from rollstream's feeder, so ``get_samples``/``add_samples`` are refused with an
 
 from __future__ import annotations
 
-import logging
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
@@ -17,7 +16,6 @@ from .convert import Framework
 from .session import RolloutSession
 from .settings import Settings
 
-logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "rollout/rollstream/"
 
