@@ -21,7 +21,6 @@ from rollstream.common.errors import ConfigError
 from .convert import MILES, Framework, load_object, to_framework
 from .source import RollstreamDataSourceBase, prefixed
 
-
 DEFAULT_EVAL_FUNCTION = "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"
 
 

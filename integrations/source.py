@@ -16,7 +16,6 @@ from .convert import Framework
 from .session import RolloutSession
 from .settings import Settings
 
-
 METRIC_PREFIX = "rollout/rollstream/"
 
 
