@@ -63,7 +63,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="tokenize prompts and render chat templates locally (Hugging Face name/path, "
                         "needs the transformers extra; or module:attribute)")
     p.add_argument("--concurrency", type=int, required=True, help="samples in flight at most")
-    p.add_argument("--reward", required=True, metavar="SPEC", help="math | remote:URL | module:function")
+    p.add_argument(
+        "--reward", required=True, metavar="SPEC",
+        help="math | remote:URL | module:function | slime:module.fn | slime-group:module.fn (also miles:)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -188,8 +191,9 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    from rollstream.integrations.rewards import is_framework_reward, load_framework_reward
     from rollstream.producer.engine import EngineClient, EngineSettings
-    from rollstream.producer.rewards import load_reward
+    from rollstream.producer.rewards import RewardFunction, load_reward
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
 
@@ -212,7 +216,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics
-    reward = load_reward(args.reward)
+    if is_framework_reward(args.reward):
+        reward: RewardFunction = load_framework_reward(args.reward)
+    else:
+        reward = load_reward(args.reward)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
     stop_requested = False

@@ -1,0 +1,11 @@
+"""Drop-ins for the frameworks our users train with: slime and miles.
+
+* :mod:`rollstream.integrations.slime`: ``generate_rollout`` and ``RollstreamDataSource``;
+* :mod:`rollstream.integrations.miles`: ``RollstreamRolloutFn`` and ``RollstreamDataSource``;
+* :mod:`rollstream.integrations.convert`: rollstream groups <-> framework samples;
+* :mod:`rollstream.integrations.rewards`: ``--reward slime:pkg.module.fn`` for producers.
+
+No framework is a dependency: their modules are imported when a function is called, never when
+this package is. Configuration comes from ``ROLLSTREAM_*`` environment variables
+(:mod:`rollstream.integrations.settings`); see docs/integrations.md.
+"""

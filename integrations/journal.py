@@ -1,0 +1,116 @@
+"""The checkpoint journal: which groups each rollout trained, kept in Redis until a checkpoint holds it.
+
+One hash per trainer consumer, ``rollstream:{ns}:journal:<consumer>`` (same hash tag as the
+namespace's other keys), with fields
+
+* ``batch:<rollout_id>``: msgpack ``{"groups": [encoded group, ...], "metrics": {...}}``;
+* ``ids:<rollout_id>``: msgpack list of the groups' stream entry ids;
+* ``meta``: JSON ``{"checkpoints": [saved rollout ids, newest last], "trimmed_through": id}``.
+
+Every Redis command of the integrations lives in this module. The journal is written before the
+groups are committed (acknowledged and deleted from the groups stream), so a group is always in
+the stream or in the journal; see docs/integrations.md for the whole design.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+from rollstream.common.codec import decode_group, encode_group
+from rollstream.common.keys import Keys
+from rollstream.common.models import Group
+
+_BATCH = "batch:"
+_IDS = "ids:"
+_META = "meta"
+
+
+@dataclass(slots=True)
+class JournalRecord:
+    rollout_id: int
+    groups: list[Group]
+    entry_ids: list[bytes]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class JournalMeta:
+    checkpoints: list[int] = field(default_factory=list)
+    trimmed_through: int | None = None
+
+
+def journal_key(namespace: str, consumer: str) -> str:
+    return f"{Keys(namespace).base}:journal:{consumer}"
+
+
+class Journal:
+    def __init__(self, redis: Redis, namespace: str, consumer: str) -> None:
+        self.redis = redis
+        self.key = journal_key(namespace, consumer)
+
+    async def rollout_ids(self) -> list[int]:
+        fields = await self.redis.hkeys(self.key)
+        out = []
+        for raw in fields:
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            if name.startswith(_BATCH):
+                out.append(int(name[len(_BATCH) :]))
+        return sorted(out)
+
+    async def entry_ids(self) -> set[bytes]:
+        """The stream entry ids of every journaled group."""
+        ids = await self.rollout_ids()
+        if not ids:
+            return set()
+        rows = await self.redis.hmget(self.key, [f"{_IDS}{r}" for r in ids])
+        out: set[bytes] = set()
+        for raw in rows:
+            if raw:
+                out.update(msgpack.unpackb(raw))
+        return out
+
+    async def get(self, rollout_id: int) -> JournalRecord | None:
+        raw_batch, raw_ids = await self.redis.hmget(self.key, [f"{_BATCH}{rollout_id}", f"{_IDS}{rollout_id}"])
+        if raw_batch is None:
+            return None
+        batch: dict[str, Any] = msgpack.unpackb(raw_batch, raw=False)
+        return JournalRecord(
+            rollout_id=rollout_id,
+            groups=[decode_group(g) for g in batch["groups"]],
+            entry_ids=list(msgpack.unpackb(raw_ids)) if raw_ids else [],
+            metrics={str(k): float(v) for k, v in batch.get("metrics", {}).items()},
+        )
+
+    async def put(self, record: JournalRecord) -> None:
+        batch = msgpack.packb(
+            {"groups": [encode_group(g) for g in record.groups], "metrics": record.metrics}, use_bin_type=True
+        )
+        ids = msgpack.packb(record.entry_ids, use_bin_type=True)
+        await self.redis.hset(
+            self.key, mapping={f"{_BATCH}{record.rollout_id}": batch, f"{_IDS}{record.rollout_id}": ids}
+        )
+
+    async def meta(self) -> JournalMeta:
+        raw = await self.redis.hget(self.key, _META)
+        if not raw:
+            return JournalMeta()
+        obj = json.loads(raw)
+        return JournalMeta(
+            checkpoints=[int(c) for c in obj.get("checkpoints", [])],
+            trimmed_through=obj.get("trimmed_through"),
+        )
+
+    async def set_meta(self, meta: JournalMeta) -> None:
+        value = json.dumps({"checkpoints": meta.checkpoints, "trimmed_through": meta.trimmed_through})
+        await self.redis.hset(self.key, _META, value)
+
+    async def trim_through(self, rollout_id: int) -> int:
+        """Delete the records of rollouts up to ``rollout_id``; how many were deleted."""
+        doomed = [r for r in await self.rollout_ids() if r <= rollout_id]
+        if doomed:
+            await self.redis.hdel(self.key, *[f"{prefix}{r}" for r in doomed for prefix in (_BATCH, _IDS)])
+        return len(doomed)

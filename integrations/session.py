@@ -1,0 +1,306 @@
+"""The trainer's rollstream session shared by the slime and miles glue.
+
+The frameworks call their rollout function and data source synchronously, from the rollout
+manager's thread (slime) or a worker thread (miles), so the session runs its own event loop in a
+daemon thread and every public method blocks on it: it works from any thread, inside or outside
+someone else's running loop.
+
+A rollout's groups are decided once and remembered: :meth:`RolloutSession.train_batch` takes
+exactly ``rollout_batch_size`` groups, writes them to the journal under the rollout id, and only
+then commits them (the groups stream never holds more than one rollout's worth of taken groups,
+so producers' ``max_backlog`` is not eaten by groups waiting for a checkpoint). The same rollout
+id asked again (after a resume from a checkpoint) gets the journaled groups back.
+:meth:`save` lets the journal forget rollouts a checkpoint now covers; :meth:`load` checks that
+the journal still covers everything after the checkpoint resumed from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
+from rollstream.common.models import Group
+from rollstream.consumer import GroupConsumer
+
+from .convert import Framework
+from .journal import Journal, JournalRecord, journal_key
+from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread; :meth:`run` blocks the caller on a coroutine."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("LoopThread.run() called from its own loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """The groups of one rollout and rollstream's metrics for it (unprefixed)."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+    replayed: bool = False
+
+
+async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: str) -> Any:
+    """``GroupConsumer.connect`` used as an async context manager when it is one, else awaited."""
+    opened: Any = GroupConsumer.connect(url, namespace, name)
+    if hasattr(opened, "__aenter__"):
+        return await stack.enter_async_context(opened)
+    consumer = await opened if inspect.isawaitable(opened) else opened
+    if hasattr(consumer, "__aexit__"):
+        return await stack.enter_async_context(consumer)
+    stack.push_async_callback(consumer.aclose)
+    return consumer
+
+
+class RolloutSession:
+    """One trainer's connection to a namespace, its journal, and the checkpoint tie."""
+
+    def __init__(self, settings: Settings, framework: Framework) -> None:
+        self.settings = settings
+        self.framework = framework
+        self.loaded_from: int | None = None
+        """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
+        self._thread: LoopThread | None = None
+        self._stack: AsyncExitStack | None = None
+        self._consumer: Any = None
+        self._journal: Journal | None = None
+        self._known_ids: set[bytes] | None = None
+        self._sizes_checked = False
+
+    # -- sync facade (any thread) ---------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._thread is None:
+            self._thread = LoopThread(f"rollstream-{self.framework.name}")
+        return self._thread.run(coro)
+
+    def train_batch(
+        self,
+        rollout_id: int,
+        *,
+        n_samples: int,
+        batch_size: int,
+        weight_version: int | None = None,
+        max_staleness: int | None = None,
+    ) -> TrainBatch:
+        """Exactly ``batch_size`` groups for ``rollout_id`` (journaled ones first).
+
+        ``weight_version`` is recorded as the trainer's before taking; ``max_staleness`` is the
+        framework's staleness flag, checked against the namespace's (which take() applies).
+        """
+        return self.run(self._train_batch(rollout_id, n_samples, batch_size, weight_version, max_staleness))
+
+    def save(self, rollout_id: int) -> None:
+        self.run(self._save(rollout_id))
+
+    def load(self, rollout_id: int | None) -> None:
+        self.run(self._load(rollout_id))
+
+    def config(self) -> Any:
+        """The namespace's PipelineConfig (connects on first use)."""
+        return self.run(self._config())
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        if self._stack is not None:
+            self._thread.run(self._stack.aclose())
+            self._stack = None
+            self._consumer = None
+            self._journal = None
+        self._thread.close()
+        self._thread = None
+
+    # -- internals (on the session's loop) ------------------------------------------------
+
+    async def _ensure(self) -> tuple[Any, Journal]:
+        if self._consumer is None or self._journal is None:
+            stack = AsyncExitStack()
+            try:
+                consumer = await open_consumer(
+                    stack, self.settings.redis_url, self.settings.namespace, self.settings.consumer_name
+                )
+                redis = connect(self.settings.redis_url, name=f"rollstream-journal-{self.settings.consumer_name}")
+                stack.push_async_callback(redis.aclose)
+            except BaseException:
+                await stack.aclose()
+                raise
+            self._stack = stack
+            self._consumer = consumer
+            self._journal = Journal(redis, self.settings.namespace, self.settings.consumer_name)
+        return self._consumer, self._journal
+
+    async def _config(self) -> Any:
+        consumer, _ = await self._ensure()
+        return consumer.config
+
+    def _check_sizes(self, config: Any, n_samples: int, batch_size: int, max_staleness: int | None) -> None:
+        ns = self.settings.namespace
+        problems = []
+        if config.n_samples_per_prompt != n_samples:
+            problems.append(
+                f"--n-samples-per-prompt is {n_samples} but namespace {ns!r} has n_samples_per_prompt="
+                f"{config.n_samples_per_prompt}"
+            )
+        if config.batch_size != batch_size:
+            problems.append(
+                f"--rollout-batch-size is {batch_size} but namespace {ns!r} has batch_size={config.batch_size}"
+            )
+        if max_staleness is not None and config.max_staleness != max_staleness:
+            problems.append(
+                f"--max-weight-staleness is {max_staleness} but namespace {ns!r} has max_staleness="
+                f"{config.max_staleness} (producers' admission control uses the namespace's)"
+            )
+        if problems:
+            raise ConfigError(
+                f"{self.framework.name} and rollstream disagree: {'; '.join(problems)}. Fix the flag or "
+                f"re-run `rollstream init --ns {ns}` with matching sizes"
+            )
+
+    async def _take(self, consumer: Any, target: int) -> Any:
+        coro = consumer.take(target)
+        if self.settings.take_timeout is None:
+            return await coro
+        try:
+            async with asyncio.timeout(self.settings.take_timeout):
+                return await coro
+        except TimeoutError:
+            raise TimeoutError(
+                f"rollstream: no {target} groups within ROLLSTREAM_TAKE_TIMEOUT={self.settings.take_timeout} s "
+                f"(namespace {self.settings.namespace!r}); see `rollstream inspect --ns {self.settings.namespace}`"
+            ) from None
+
+    async def _train_batch(
+        self, rollout_id: int, n_samples: int, batch_size: int, weight_version: int | None, max_staleness: int | None
+    ) -> TrainBatch:
+        consumer, journal = await self._ensure()
+        if not self._sizes_checked:
+            self._check_sizes(consumer.config, n_samples, batch_size, max_staleness)
+            self._sizes_checked = True
+        if weight_version is not None:
+            await consumer.set_weight_version(weight_version)
+        record = await journal.get(rollout_id)
+        if record is not None:
+            return self._replay(record, n_samples, batch_size)
+        if self._known_ids is None:
+            self._known_ids = await journal.entry_ids()
+        taken: list[tuple[bytes, Group]] = []
+        batches: list[Any] = []
+        metrics: dict[str, float] = {}
+        skipped = 0
+        while len(taken) < batch_size:
+            batch = await self._take(consumer, batch_size - len(taken))
+            batches.append(batch)
+            if not metrics:
+                metrics = dict(batch.metrics)
+            for entry_id, group in zip(batch.entry_ids, batch.groups, strict=True):
+                if entry_id in self._known_ids:
+                    skipped += 1  # journaled by an earlier incarnation that died before committing
+                    continue
+                taken.append((entry_id, group))
+        taken.sort(key=lambda item: item[1].index)
+        metrics.update({"replayed": 0.0, "journal_duplicates_skipped": float(skipped)})
+        record = JournalRecord(
+            rollout_id=rollout_id,
+            groups=[g for _, g in taken],
+            entry_ids=[eid for eid, _ in taken],
+            metrics=metrics,
+        )
+        await journal.put(record)
+        self._known_ids.update(record.entry_ids)
+        for batch in batches:
+            await consumer.commit(batch)
+        return TrainBatch(groups=record.groups, metrics=metrics, replayed=False)
+
+    def _replay(self, record: JournalRecord, n_samples: int, batch_size: int) -> TrainBatch:
+        sizes = {len(g.samples) for g in record.groups}
+        if len(record.groups) != batch_size or sizes - {n_samples}:
+            raise ConfigError(
+                f"rollout {record.rollout_id} was journaled with {len(record.groups)} groups of {sorted(sizes)} "
+                f"samples but this run asks for {batch_size} groups of {n_samples}: resume with the sizes the "
+                f"checkpoint was trained with"
+            )
+        logger.info(
+            "rollout %d: training the %d groups an earlier incarnation took for it (journal %s)",
+            record.rollout_id, len(record.groups), journal_key(self.settings.namespace, self.settings.consumer_name),
+        )
+        return TrainBatch(groups=record.groups, metrics={**record.metrics, "replayed": 1.0}, replayed=True)
+
+    async def _save(self, rollout_id: int) -> None:
+        _, journal = await self._ensure()
+        meta = await journal.meta()
+        meta.checkpoints = sorted({*meta.checkpoints, rollout_id})[-self.settings.keep_checkpoints :]
+        oldest = meta.checkpoints[0]
+        dropped = await journal.trim_through(oldest)
+        meta.trimmed_through = max(oldest, meta.trimmed_through if meta.trimmed_through is not None else oldest)
+        await journal.set_meta(meta)
+        logger.info(
+            "checkpoint %d saved: journal forgets rollouts <= %d (%d dropped); resumable checkpoints %s",
+            rollout_id, oldest, dropped, meta.checkpoints,
+        )
+
+    async def _load(self, rollout_id: int | None) -> None:
+        _, journal = await self._ensure()
+        meta = await journal.meta()
+        pending = await journal.rollout_ids()
+        if rollout_id is None or rollout_id < 0:
+            self.loaded_from = None
+            if pending:
+                logger.warning(
+                    "starting without a checkpoint, but the journal holds rollouts %s of an earlier run: "
+                    "those rollout ids train the groups journaled for them", pending,
+                )
+            return
+        self.loaded_from = rollout_id
+        trimmed = meta.trimmed_through
+        if trimmed is not None and trimmed > rollout_id:
+            message = (
+                f"resuming from checkpoint {rollout_id}, but the journal already forgot rollouts up to {trimmed} "
+                f"(it keeps the last {self.settings.keep_checkpoints} checkpoints: {meta.checkpoints}); the groups "
+                f"of rollouts {rollout_id + 1}..{trimmed} cannot be trained again"
+            )
+            if not self.settings.allow_journal_gap:
+                raise ConfigError(
+                    f"{message}. Resume from checkpoint {meta.checkpoints[0] if meta.checkpoints else trimmed}, "
+                    f"raise {KEEP_CHECKPOINTS} for the future, or set {ALLOW_JOURNAL_GAP}=1 to accept the loss"
+                )
+            logger.error("%s (%s=1)", message, ALLOW_JOURNAL_GAP)
+        replay = [r for r in pending if r > rollout_id]
+        logger.info(
+            "resuming after checkpoint %d: rollouts %s replay their journaled groups, later ones take new groups",
+            rollout_id, replay,
+        )

@@ -1,0 +1,100 @@
+"""Configuration of the framework integrations, read from environment variables.
+
+The frameworks' argument parsers are left untouched: everything rollstream needs on the trainer
+side comes from ``ROLLSTREAM_*`` variables, checked when the data source (slime) or the rollout
+class (miles) is built, so a missing or malformed one fails the run at start with an error that
+names the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rollstream.common.errors import ConfigError
+from rollstream.common.keys import validate_namespace
+
+REDIS_URL = "ROLLSTREAM_REDIS_URL"
+NAMESPACE = "ROLLSTREAM_NAMESPACE"
+CONSUMER_NAME = "ROLLSTREAM_CONSUMER_NAME"
+EVAL_FUNCTION = "ROLLSTREAM_EVAL_FUNCTION"
+ENGINE_URL = "ROLLSTREAM_ENGINE_URL"
+TAKE_TIMEOUT = "ROLLSTREAM_TAKE_TIMEOUT"
+KEEP_CHECKPOINTS = "ROLLSTREAM_KEEP_CHECKPOINTS"
+ALLOW_JOURNAL_GAP = "ROLLSTREAM_ALLOW_JOURNAL_GAP"
+
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    redis_url: str
+    namespace: str
+    consumer_name: str
+    eval_function: str | None = None
+    """Import path of the function (or, for miles, class) that serves ``evaluation=True``."""
+    engine_url: str | None = None
+    """slime: where to ask the engines for their weight version (default: slime's router)."""
+    take_timeout: float | None = None
+    """Seconds one rollout may wait for its groups; None waits (take() still raises on a dead pipeline)."""
+    keep_checkpoints: int = 2
+    """How many saved checkpoints the journal can resume from (see docs/integrations.md)."""
+    allow_journal_gap: bool = False
+    """Resume from a checkpoint older than the journal covers (losing the rollouts in between)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+
+        def required(name: str, what: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise ConfigError(f"environment variable {name} is not set: it must name {what}")
+            return value
+
+        def optional(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        url = required(REDIS_URL, "the Redis server of the rollstream pipeline, e.g. redis://host:6379/0")
+        if not url.startswith(_URL_SCHEMES):
+            raise ConfigError(f"environment variable {REDIS_URL}={url!r} is not a redis://, rediss:// or unix:// URL")
+        namespace = required(NAMESPACE, "the namespace given to `rollstream init --ns`")
+        try:
+            validate_namespace(namespace)
+        except ValueError as exc:
+            raise ConfigError(f"environment variable {NAMESPACE}: {exc}") from None
+        consumer = required(CONSUMER_NAME, "this trainer's consumer name (keep it across restarts), e.g. trainer-0")
+
+        take_timeout: float | None = None
+        if (raw := optional(TAKE_TIMEOUT)) is not None:
+            try:
+                take_timeout = float(raw)
+            except ValueError:
+                take_timeout = -1.0
+            if not take_timeout > 0:
+                raise ConfigError(f"environment variable {TAKE_TIMEOUT}={raw!r} must be a positive number of seconds")
+
+        keep = 2
+        if (raw := optional(KEEP_CHECKPOINTS)) is not None:
+            if not raw.isdigit() or int(raw) < 1:
+                raise ConfigError(f"environment variable {KEEP_CHECKPOINTS}={raw!r} must be an integer >= 1")
+            keep = int(raw)
+
+        allow_gap = False
+        if (raw := optional(ALLOW_JOURNAL_GAP)) is not None:
+            if raw not in ("0", "1"):
+                raise ConfigError(f"environment variable {ALLOW_JOURNAL_GAP}={raw!r} must be 0 or 1")
+            allow_gap = raw == "1"
+
+        return cls(
+            redis_url=url,
+            namespace=namespace,
+            consumer_name=consumer,
+            eval_function=optional(EVAL_FUNCTION),
+            engine_url=optional(ENGINE_URL),
+            take_timeout=take_timeout,
+            keep_checkpoints=keep,
+            allow_journal_gap=allow_gap,
+        )

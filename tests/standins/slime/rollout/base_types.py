@@ -1,0 +1,26 @@
+from dataclasses import dataclass
+from typing import Any
+
+from slime.utils.types import Sample
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    samples: list[list[Sample]]
+    metrics: dict[str, Any] = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] = None
+
+
+def call_rollout_fn(fn, *args, evaluation: bool, **kwargs):
+    output = fn(*args, **kwargs, evaluation=evaluation)
+
+    # compatibility for legacy version
+    if not isinstance(output, (RolloutFnTrainOutput, RolloutFnEvalOutput)):
+        output = RolloutFnEvalOutput(data=output) if evaluation else RolloutFnTrainOutput(samples=output)
+
+    return output
