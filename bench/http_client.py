@@ -203,6 +203,18 @@ def run_http(args: argparse.Namespace) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for client, concurrency, tokens, size, ms, rps in rows:
         print(f"| {client} | {concurrency} | {tokens} | {size:,} | {ms:.3f} | {rps:.0f} |")
+    engine_rows = [row for row in rows if row[0] == "engine"]
+    if engine_rows:
+        print()
+        print(
+            f"| EngineClient.generate | tokens/s one core ingests | engines one core serves at {args.engine_rate:,.0f} tok/s |"
+        )
+        print("|---|---:|---:|")
+        for _, concurrency, tokens, _, ms, _ in engine_rows:
+            per_core = tokens / (ms / 1e3)
+            print(
+                f"| {concurrency} concurrent, {tokens}-token replies | {per_core:,.0f} | {per_core / args.engine_rate:.0f} |"
+            )
 
 
 # -- part 2: reply parsing --------------------------------------------------------------------
@@ -260,6 +272,7 @@ def main() -> None:
     http.add_argument("--requests", type=int, default=800, help="requests per measurement (at least 3 x concurrency)")
     http.add_argument("--rate", type=float, default=250.0, help="stub replies per second (sets its delay)")
     http.add_argument("--repeat", type=int, default=1, help="runs per cell; the median is kept")
+    http.add_argument("--engine-rate", type=float, default=16_000.0, help="output tokens/s of one engine")
     parse = sub.add_parser("parse", help="µs per reply, bytes to arrays")
     parse.add_argument("--tokens", nargs="+", type=int, default=[1024, 8192])
     args = parser.parse_args()

@@ -65,25 +65,27 @@ class ParsedReply:
 
 
 # -- SGLang /generate ---------------------------------------------------------------------------
+# ``gc=False``: decoded JSON cannot form cycles, and untracked structs keep the thousand objects of
+# a reply from triggering cyclic-GC passes over the producer's heap (~90 us of 410 per 1k reply).
 
 
-class _LogProb(msgspec.Struct, array_like=True):
+class _LogProb(msgspec.Struct, array_like=True, gc=False):
     logprob: float | None
     token_id: TokenId
     token_text: Any = None
 
 
-class _Finish(msgspec.Struct):
+class _Finish(msgspec.Struct, gc=False):
     type: str
 
 
-class _Meta(msgspec.Struct):
+class _Meta(msgspec.Struct, gc=False):
     finish_reason: _Finish | str
     output_token_logprobs: list[_LogProb] | None = None
     weight_version: int | str | None = None
 
 
-class _Generate(msgspec.Struct):
+class _Generate(msgspec.Struct, gc=False):
     meta_info: _Meta
     text: str = ""
     output_ids: list[TokenId] | None = None
@@ -95,12 +97,12 @@ _GENERATE = msgspec.json.Decoder(_Generate | list[_Generate])
 # -- OpenAI-compatible ----------------------------------------------------------------------------
 
 
-class _CompletionLogprobs(msgspec.Struct):
+class _CompletionLogprobs(msgspec.Struct, gc=False):
     tokens: list[str] | None = None
     token_logprobs: list[float | None] | None = None
 
 
-class _CompletionChoice(msgspec.Struct):
+class _CompletionChoice(msgspec.Struct, gc=False):
     finish_reason: str
     index: int = 0
     text: str = ""
@@ -109,25 +111,25 @@ class _CompletionChoice(msgspec.Struct):
     prompt_token_ids: list[TokenId] | None = None
 
 
-class _Completion(msgspec.Struct):
+class _Completion(msgspec.Struct, gc=False):
     choices: list[_CompletionChoice]
     prompt_token_ids: list[TokenId] | None = None
 
 
-class _ChatToken(msgspec.Struct):
+class _ChatToken(msgspec.Struct, gc=False):
     token: str
     logprob: float | None
 
 
-class _ChatLogprobs(msgspec.Struct):
+class _ChatLogprobs(msgspec.Struct, gc=False):
     content: list[_ChatToken] | None = None
 
 
-class _Message(msgspec.Struct):
+class _Message(msgspec.Struct, gc=False):
     content: str | None = None
 
 
-class _ChatChoice(msgspec.Struct):
+class _ChatChoice(msgspec.Struct, gc=False):
     finish_reason: str
     index: int = 0
     message: _Message | None = None
@@ -136,7 +138,7 @@ class _ChatChoice(msgspec.Struct):
     prompt_token_ids: list[TokenId] | None = None
 
 
-class _Chat(msgspec.Struct):
+class _Chat(msgspec.Struct, gc=False):
     choices: list[_ChatChoice]
     prompt_token_ids: list[TokenId] | None = None
 
