@@ -1,8 +1,8 @@
 """The inference-engine client: SGLang's native ``/generate`` and OpenAI-compatible servers.
 
 One ``httpx.AsyncClient`` for all engines (connection limits, timeouts) over the aiohttp transport
-(``httpx-aiohttp``: httpx's own pool costs ~13 ms of CPU per request at 256 concurrent requests,
-aiohttp's well under 1 ms; see docs/benchmarks.md); tests may pass any ``httpx`` transport
+(``httpx-aiohttp``: httpx's own pool costs 13-24 ms of CPU per request at 256 concurrent requests,
+the aiohttp transport ~0.6 ms; see docs/benchmarks.md); tests may pass any ``httpx`` transport
 (``httpx.MockTransport``). Replies are read within ``max_reply_bytes`` and ``request_timeout``
 seconds in total, and parsed and validated by :mod:`.replies` straight into packed arrays; an
 unusable reply raises :class:`EngineReplyInvalid` (an :class:`EngineRejected`, not retried), so
@@ -399,7 +399,7 @@ class EngineClient:
         if text is not None:
             body["text"] = text
         else:
-            body["input_ids"] = input_ids if input_ids is not None else []
+            body["input_ids"] = input_ids if isinstance(input_ids, list | array) else list(input_ids or ())
         if rid is not None:
             body["rid"] = rid
         engine, raw = await self._post("/generate", body)
