@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from typing import Any
 
@@ -35,6 +36,26 @@ CAP = 8 * MEDIAN
 PER_TOKEN = 0.0008
 TRAIN = 1.0
 CONCURRENCY = 4 * SLOTS
+
+
+def theoretical_bound(draws: int = 2000, seed: int = 0) -> dict[str, float]:
+    """The speedup the workload allows, from the simulator's own length draw.
+
+    sync step = the longest of a batch's SLOTS samples + TRAIN (the engine has one slot per
+    sample, so a batch takes as long as its longest sample); async step = max(TRAIN, the mean
+    sample time) (every slot always busy, the trainer never waits longer than one step)."""
+    rng = random.Random(seed)
+    mean = round(MEDIAN * math.exp(SIGMA**2 / 2))
+    mu = math.log(mean) - SIGMA**2 / 2
+
+    def sample() -> float:
+        return min(CAP, round(rng.lognormvariate(mu, SIGMA))) * PER_TOKEN
+
+    longest = sum(max(sample() for _ in range(SLOTS)) for _ in range(draws // 10)) / (draws // 10)
+    average = sum(sample() for _ in range(draws * 10)) / (draws * 10)
+    sync_step = longest + TRAIN
+    async_step = max(TRAIN, average)
+    return {"sync_step": sync_step, "async_step": async_step, "speedup": sync_step / async_step}
 
 
 async def _wait_engine(url: str) -> None:
@@ -134,16 +155,21 @@ async def measure(quick: bool) -> dict[str, dict[str, Any]]:
 
 def run(quick: bool = False) -> list[Table]:
     r = asyncio.run(measure(quick))
+    bound = theoretical_bound()
     steps = r["steps"]["steps"]
     rows = []
     for mode in ("sync", "async"):
         m = r[mode]
-        rows.append([mode, m["wall"], m["wall"] / steps, r["sync"]["wall"] / m["wall"], m["slots"], m["idle"],
-                     m["stale"], m["published"]])
+        speedup = r["sync"]["wall"] / m["wall"]
+        ideal = bound[f"{mode}_step"]
+        fraction = speedup / bound["speedup"] if mode == "async" else "-"
+        rows.append([mode, m["wall"], m["wall"] / steps, ideal, speedup, fraction, m["slots"],
+                     m["idle"], m["stale"], m["published"]])
     return [Table(
         "async_vs_sync",
         f"Synchronous rollout vs rollstream fully-async ({steps} steps of {BATCH} groups x {N})",
-        ["mode", "wall s", "s/step", "speedup vs sync", "engine slot utilisation", "trainer idle fraction",
+        ["mode", "wall s", "s/step", "ideal s/step", "speedup vs sync", "fraction of the bound",
+         "engine slot utilisation", "trainer idle fraction",
          "groups recycled stale", "groups published"],
         rows,
         [
@@ -156,6 +182,9 @@ def run(quick: bool = False) -> list[Table]:
             f"Both modes: 1 producer process with concurrency {CONCURRENCY} samples (4x the slots: a group holds its n samples of capacity until its slowest sample ends, so concurrency = slots would leave slots idle behind long tails). async: max_staleness 1 with staleness-aware admission.",
             "Slot utilisation: mean of the simulator's running/slots sampled every 50 ms; trainer idle: time "
             "inside take() / wall.",
+            f"Theoretical bound (computed here from the same length draw): sync step = longest of {SLOTS} samples "
+            f"+ train = {bound['sync_step']:.2f} s, async step = max(train, mean sample) = {bound['async_step']:.2f} s, "
+            f"speedup bound {bound['speedup']:.2f}x; 'fraction of the bound' = measured speedup / that bound.",
         ],
         "python -m bench async_vs_sync",
     )]

@@ -75,6 +75,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds one engine request may take in total, reply body included")
+    p.add_argument("--max-reply-mib", type=float, default=64.0,
+                   help="largest engine reply accepted, in MiB (checked while reading)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.set_defaults(func=cmd_produce)
@@ -205,6 +209,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         max_retries=args.max_retries,
+        request_timeout=args.request_timeout,
+        max_reply_bytes=int(args.max_reply_mib * 2**20),
     )
     settings = ProducerSettings(
         namespace=args.ns,

@@ -1,6 +1,12 @@
 """The inference-engine client: SGLang's native ``/generate`` and OpenAI-compatible servers.
 
-One ``httpx.AsyncClient`` for all engines (connection limits, timeouts); requests go to the engine
+One ``httpx.AsyncClient`` for all engines (connection limits, timeouts) over the aiohttp transport
+(``httpx-aiohttp``: httpx's own pool costs 13-24 ms of CPU per request at 256 concurrent requests,
+the aiohttp transport ~0.6 ms; see docs/benchmarks.md); tests may pass any ``httpx`` transport
+(``httpx.MockTransport``). Replies are read within ``max_reply_bytes`` and ``request_timeout``
+seconds in total, and parsed and validated by :mod:`.replies` straight into packed arrays; an
+unusable reply raises :class:`EngineReplyInvalid` (an :class:`EngineRejected`, not retried), so
+the producer records a FAILED sample. Requests go to the engine
 with the fewest samples in flight; connection errors, 5xx and 429 are retried with exponential
 backoff and jitter, possibly on another engine; any other 4xx is not retried
 (:class:`EngineRejected`). After the retries, :class:`EngineError`.
@@ -31,19 +37,27 @@ import asyncio
 import logging
 import random
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
+import msgspec
+from httpx_aiohttp import AiohttpTransport
 from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
 
+from . import replies
+from .replies import EngineReplyInvalid
 from .tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
 EngineAPI = Literal["sglang", "openai"]
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+JSON_HEADERS = {"content-type": "application/json"}
+ERROR_BODY_BYTES = 65536
+"""How much of a non-200 body is read (for the error message)."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -64,7 +78,11 @@ class EngineSettings:
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     """Extra sampling parameters passed through as they are."""
     request_timeout: float = 3600.0
+    """Seconds one generation request may take in total, body included (not per read); past
+    it the sample fails with :class:`EngineReplyInvalid` ``deadline``."""
     connect_timeout: float = 5.0
+    max_reply_bytes: int = 64 * 2**20
+    """Largest reply body accepted (bytes, checked while reading); larger fails the sample."""
     max_retries: int = 5
     backoff_base: float = 0.2
     backoff_max: float = 10.0
@@ -89,6 +107,8 @@ class EngineSettings:
             raise ConfigError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p must be in (0, 1]")
+        if self.max_reply_bytes < 1024:
+            raise ConfigError("max_reply_bytes must be at least 1024")
         if self.max_retries < 0:
             raise ConfigError("max_retries must be non-negative")
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max"):
@@ -101,13 +121,15 @@ class Generation:
     """One engine reply (one sample), normalised across APIs."""
 
     text: str
-    output_ids: list[int]
-    log_probs: list[float] | None
+    output_ids: array[int]
+    """Packed ``array('i')`` (a sequence: ``len``, indexing and iteration work as on a list)."""
+    log_probs: array[float] | None
+    """Packed ``array('f')`` of the sampled tokens' log-probs; None when not asked for."""
     finish_reason: str | None
     weight_version: int | None
     engine: str
     metadata: dict[str, Any] = field(default_factory=dict)
-    prompt_ids: list[int] | None = None
+    prompt_ids: array[int] | None = None
     """Prompt token ids as the engine saw them, when it says (vLLM ``return_token_ids``)."""
 
 
@@ -131,18 +153,27 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
+def _generation(parsed: replies.ParsedReply, engine: _Engine, version: int | None) -> Generation:
+    return Generation(
+        text=parsed.text,
+        output_ids=parsed.output_ids,
+        log_probs=parsed.log_probs,
+        finish_reason=parsed.finish_reason,
+        weight_version=version,
+        engine=engine.url,
+        prompt_ids=parsed.prompt_ids,
+    )
 
 
-def _token_id(token: Any) -> int | None:
-    """The id in vLLM's ``return_tokens_as_token_ids`` form ``"token_id:N"``."""
-    if isinstance(token, str) and token.startswith("token_id:"):
-        try:
-            return int(token.split(":", 1)[1])
-        except ValueError:
-            return None
-    return None
+def _encode(body: Mapping[str, Any]) -> bytes:
+    """A request body as JSON bytes (msgspec; token-id arrays as lists)."""
+    return msgspec.json.encode(body, enc_hook=_enc_hook)
+
+
+def _enc_hook(value: Any) -> Any:
+    if isinstance(value, array):
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__} as JSON")
 
 
 class _Engine:
@@ -172,13 +203,13 @@ class EngineClient:
         self.settings = settings
         self.tokenizer = tokenizer
         self._engines = [_Engine(url) for url in settings.urls]
+        limits = httpx.Limits(
+            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+        )
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
-            limits=httpx.Limits(
-                max_connections=settings.max_connections,
-                max_keepalive_connections=settings.max_connections,
-            ),
-            transport=transport,
+            limits=limits,
+            transport=transport if transport is not None else AiohttpTransport(limits=limits),
         )
         self.retries = 0
         self.errors: dict[str, int] = {}
@@ -214,32 +245,27 @@ class EngineClient:
     def _count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    async def _post(self, path: str, body: Mapping[str, Any], weight: int = 1) -> tuple[_Engine, Any]:
-        """POST to the least-loaded engine with retries; the decoded JSON reply.
+    async def _post(self, path: str, body: Mapping[str, Any], weight: int = 1) -> tuple[_Engine, bytes]:
+        """POST to the least-loaded engine with retries; the reply's body (HTTP 200).
 
         ``weight`` is the number of samples the request asks for (its in-flight count)."""
+        content = _encode(body)
         attempt = 0
         while True:
             engine = self._pick()
             engine.in_flight += weight
             try:
-                response = await self._http.post(engine.url + path, json=body)
+                status, raw = await self._send(engine.url + path, content)
             except httpx.TransportError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 self._count_error("connection")
             else:
-                if response.status_code == 200:
-                    try:
-                        return engine, response.json()
-                    except ValueError:
-                        failure = "reply is not JSON"
-                        self._count_error("bad_reply")
-                elif response.status_code in RETRY_STATUS:
-                    failure = f"HTTP {response.status_code}"
-                    self._count_error(f"http_{response.status_code}")
-                else:
-                    self._count_error(f"http_{response.status_code}")
-                    raise EngineRejected(response.status_code, response.text)
+                if status == 200:
+                    return engine, raw
+                self._count_error(f"http_{status}")
+                if status not in RETRY_STATUS:
+                    raise EngineRejected(status, raw.decode("utf-8", "replace"))
+                failure = f"HTTP {status}"
             finally:
                 engine.in_flight -= weight
             if attempt >= self.settings.max_retries:
@@ -250,6 +276,35 @@ class EngineClient:
             self.retries += 1
             logger.info("engine %s%s: %s; retry %d in %.2f s", engine.url, path, failure, attempt, delay)
             await asyncio.sleep(delay)
+
+    async def _send(self, url: str, content: bytes) -> tuple[int, bytes]:
+        """One POST: the status and the body, read within ``max_reply_bytes`` (error bodies:
+        their first 64 KiB) and ``request_timeout`` seconds in total."""
+        limit = self.settings.max_reply_bytes
+        try:
+            async with asyncio.timeout(self.settings.request_timeout):
+                async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as response:
+                    status = response.status_code
+                    if status != 200:
+                        limit = ERROR_BODY_BYTES
+                    length = response.headers.get("content-length", "")
+                    if status == 200 and length.isdigit() and int(length) > limit:
+                        raise EngineReplyInvalid("too_large", f"Content-Length {length} > {limit} bytes", url)
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in response.aiter_bytes():
+                        size += len(chunk)
+                        if size > limit:
+                            if status != 200:
+                                chunks.append(chunk[: limit - size])
+                                break
+                            raise EngineReplyInvalid("too_large", f"more than {limit} bytes", url)
+                        chunks.append(chunk)
+        except TimeoutError:
+            raise EngineReplyInvalid(
+                "deadline", f"no complete reply within {self.settings.request_timeout:g} s", url
+            ) from None
+        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # -- generation ---------------------------------------------------------------------
 
@@ -303,6 +358,21 @@ class EngineClient:
         rid: str | None,
     ) -> list[Generation]:
         self._check_prompt(text, input_ids, messages)
+        try:
+            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid)
+        except EngineReplyInvalid:
+            self._count_error("bad_reply")
+            raise
+
+    async def _generate_api(
+        self,
+        n: int,
+        text: str | None,
+        input_ids: Sequence[int] | None,
+        messages: Messages | None,
+        max_new_tokens: int | None,
+        rid: str | None,
+    ) -> list[Generation]:
         max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
         if self.settings.api == "openai":
             if messages is not None:
@@ -328,37 +398,18 @@ class EngineClient:
         if text is not None:
             body["text"] = text
         else:
-            body["input_ids"] = list(input_ids or ())
+            body["input_ids"] = input_ids if isinstance(input_ids, list | array) else list(input_ids or ())
         if rid is not None:
             body["rid"] = rid
-        engine, reply = await self._post("/generate", body)
-        if not isinstance(reply, dict):
-            raise EngineError(f"{engine.url}/generate answered {type(reply).__name__}, not an object")
-        meta = reply.get("meta_info") or {}
-        finish = meta.get("finish_reason")
-        finish_type = finish.get("type") if isinstance(finish, dict) else finish
-        logprob_pairs = meta.get("output_token_logprobs")
-        output_ids = reply.get("output_ids")
-        log_probs: list[float] | None = None
-        if isinstance(logprob_pairs, list):
-            log_probs = [float(p[0]) if p[0] is not None else 0.0 for p in logprob_pairs]
-            if not isinstance(output_ids, list):
-                output_ids = [int(p[1]) for p in logprob_pairs]
-        if not isinstance(output_ids, list):
-            output_ids = []
-        version = parse_version(meta.get("weight_version"))
+        engine, raw = await self._post("/generate", body)
+        want = self.settings.return_logprob
+        parsed = replies.parse_sglang(raw, want_logprobs=want, where=engine.url + "/generate")[0]
+        version = parse_version(parsed.weight_version)
         if version is None:
             version = await self.weight_version(engine)
         else:
             engine.version = version
-        return Generation(
-            text=str(reply.get("text", "")),
-            output_ids=[int(t) for t in output_ids],
-            log_probs=log_probs,
-            finish_reason=finish_type,
-            weight_version=version,
-            engine=engine.url,
-        )
+        return _generation(parsed, engine, version)
 
     def _openai_body(self, max_new: int, n: int) -> dict[str, Any]:
         return {
@@ -379,76 +430,22 @@ class EngineClient:
         body["prompt"] = text if text is not None else list(input_ids or ())
         if self.settings.return_logprob:
             body["logprobs"] = 0  # the sampled token's log-prob only
-        engine, reply = await self._post("/v1/completions", body, weight=n)
-        choices = self._choices(engine, "/v1/completions", reply, n)
+        engine, raw = await self._post("/v1/completions", body, weight=n)
+        where = engine.url + "/v1/completions"
+        parsed = replies.parse_completions(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
-        out = []
-        for choice in choices:
-            logprobs = _dict(choice.get("logprobs"))
-            tokens = logprobs.get("tokens") or []
-            token_logprobs = logprobs.get("token_logprobs")
-            log_probs = [float(x) if x is not None else 0.0 for x in token_logprobs] if token_logprobs else None
-            out.append(
-                self._openai_generation(engine, reply, choice, str(choice.get("text", "")), tokens, log_probs, version)
-            )
-        return out
+        return [_generation(p, engine, version) for p in parsed]
 
     async def _chat_openai(self, messages: Messages, max_new: int, n: int) -> list[Generation]:
         body = self._openai_body(max_new, n)
         body["messages"] = [dict(m) for m in messages]
         if self.settings.return_logprob:
             body["logprobs"] = True
-        engine, reply = await self._post("/v1/chat/completions", body, weight=n)
-        choices = self._choices(engine, "/v1/chat/completions", reply, n)
+        engine, raw = await self._post("/v1/chat/completions", body, weight=n)
+        where = engine.url + "/v1/chat/completions"
+        parsed = replies.parse_chat(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
-        out = []
-        for choice in choices:
-            message = _dict(choice.get("message"))
-            logprobs = _dict(choice.get("logprobs"))
-            content = logprobs.get("content") if isinstance(logprobs.get("content"), list) else None
-            tokens = [c.get("token") for c in content or () if isinstance(c, dict)]
-            log_probs = [float(c.get("logprob") or 0.0) for c in content if isinstance(c, dict)] if content else None
-            out.append(
-                self._openai_generation(
-                    engine, reply, choice, str(message.get("content") or ""), tokens, log_probs, version
-                )
-            )
-        return out
-
-    @staticmethod
-    def _choices(engine: _Engine, path: str, reply: Any, n: int) -> list[dict[str, Any]]:
-        choices = reply.get("choices") if isinstance(reply, dict) else None
-        if not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices):
-            got = len(choices) if isinstance(choices, list) else "no"
-            raise EngineError(f"{engine.url}{path} answered {got} choices, expected {n}")
-        return sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c.get("index"), int) else 0)
-
-    @staticmethod
-    def _openai_generation(
-        engine: _Engine,
-        reply: dict[str, Any],
-        choice: dict[str, Any],
-        text: str,
-        tokens: list[Any],
-        log_probs: list[float] | None,
-        version: int | None,
-    ) -> Generation:
-        output_ids = _int_list(choice.get("token_ids"))
-        if output_ids is None:
-            parsed = [_token_id(t) for t in tokens]
-            output_ids = [t for t in parsed if t is not None] if all(t is not None for t in parsed) else []
-        prompt_ids = _int_list(choice.get("prompt_token_ids"))
-        if prompt_ids is None:
-            prompt_ids = _int_list(reply.get("prompt_token_ids"))
-        return Generation(
-            text=text,
-            output_ids=output_ids,
-            log_probs=log_probs,
-            finish_reason=choice.get("finish_reason"),
-            weight_version=version,
-            engine=engine.url,
-            prompt_ids=prompt_ids,
-        )
+        return [_generation(p, engine, version) for p in parsed]
 
     # -- tokenization -------------------------------------------------------------------
 
@@ -496,7 +493,9 @@ class EngineClient:
         engine.version_checked = now
         for path in ("/model_info", "/get_model_info"):
             try:
-                response = await self._http.get(engine.url + path, timeout=self.settings.model_info_timeout)
+                timeout = self.settings.model_info_timeout
+                async with asyncio.timeout(timeout):  # in total, not per read
+                    response = await self._http.get(engine.url + path, timeout=timeout)
                 if response.status_code == 404:
                     if path == "/get_model_info":
                         engine.has_model_info = False  # vLLM: neither exists; stop asking
@@ -506,7 +505,7 @@ class EngineClient:
                     logger.debug("%s%s answered HTTP %d", engine.url, path, response.status_code)
                     break
                 version = parse_version(response.json().get("weight_version"))
-            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            except (httpx.HTTPError, ValueError, AttributeError, TimeoutError) as exc:
                 logger.debug("%s%s failed: %s: %s", engine.url, path, type(exc).__name__, exc)
                 break
             if version is None:

@@ -17,7 +17,7 @@ async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEn
         assert engine.in_flight == 0
     assert sim.state.requests == 1 and len(generations) == 3
     for g in generations:
-        assert g.prompt_ids == tokenize("Compute 2 + 2")
+        assert g.prompt_ids is not None and list(g.prompt_ids) == tokenize("Compute 2 + 2")
         assert g.log_probs is not None and len(g.log_probs) == len(g.output_ids) > 0
         assert g.finish_reason in ("stop", "length")
 
@@ -37,7 +37,7 @@ async def test_chat_messages_on_sglang_are_rejected_and_on_openai_use_chat_compl
             await engine.generate(messages=messages)
     async with EngineClient(EngineSettings(urls=(sim.url,), api="openai", model="m")) as engine:
         generation = await engine.generate(messages=messages)
-    assert generation.prompt_ids == tokenize(render_chat(messages))
+    assert generation.prompt_ids is not None and list(generation.prompt_ids) == tokenize(render_chat(messages))
 
 
 class _Fake:
