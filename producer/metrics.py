@@ -13,11 +13,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from rollstream.common.models import Group
 
 from .engine import EngineClient
+from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
 
-class ProducerMetrics:
+class ProducerMetrics(Metrics):
+    """The producer's :class:`~rollstream.producer.telemetry.Metrics`, exported to Prometheus."""
+
     def __init__(self, namespace: str, producer: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"namespace": namespace, "producer": producer}

@@ -31,9 +31,7 @@ import os
 import socket
 import time
 import traceback
-from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -49,16 +47,17 @@ from rollstream.common.connection import (
 from rollstream.common.errors import (
     ConfigError,
     DecodeError,
-    EngineRejected,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
-from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
 
-from .engine import EngineClient, Generation
+from .engine import EngineClient
 from .rewards import RewardFunction
+from .rollout import Rollout, RolloutSettings
+from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +110,8 @@ class ProducerSettings:
 class _Work:
     prompt_id: bytes
     fields: dict[bytes, bytes]
+    version: int
+    """The trainer's weight version when the prompt was admitted (or taken over)."""
     prompt: Prompt | None = None
     task: asyncio.Task[None] | None = None
     lease_lost: bool = False
@@ -128,7 +129,7 @@ class Producer:
         config: PipelineConfig,
         redis: Redis,
         blocking: Redis,
-        metrics: Any | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.url = redis_url
         self.settings = settings
@@ -139,8 +140,19 @@ class Producer:
         self.redis = redis
         self._blocking = blocking
         self.scripts = Scripts(redis, self.keys)
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
+        self.rollout = Rollout(
+            engine,
+            reward,
+            RolloutSettings(
+                n_samples=config.n_samples_per_prompt,
+                partial_rollout=config.partial_rollout,
+                tokenize_prompts=settings.tokenize_prompts,
+                producer=settings.name,
+            ),
+            self.metrics,
+        )
         self._free = settings.concurrency
         self._capacity = asyncio.Condition()
         self._work: dict[bytes, _Work] = {}
@@ -169,7 +181,7 @@ class Producer:
         settings: ProducerSettings,
         engine: EngineClient,
         reward: RewardFunction,
-        metrics: Any | None = None,
+        metrics: Metrics | None = None,
     ) -> Producer:
         redis = connect(redis_url, name=f"rollstream-producer-{settings.name}")
         try:
@@ -317,8 +329,7 @@ class Producer:
                 await self._wait_for_prompts()
             else:
                 self._blocked(True)
-                if self.metrics is not None:
-                    self.metrics.admission_blocked(status)
+                self.metrics.admission_blocked(status)
                 await self._nap(0.2 if status == "backlog" else 1.0)
 
     async def _wait_for_prompts(self) -> None:
@@ -338,13 +349,13 @@ class Producer:
             await self._outage.failed(results[0])
 
     def _start_work(self, prompt_id: bytes, fields: dict[bytes, bytes], version: int) -> None:
-        work = _Work(prompt_id=prompt_id, fields=fields)
+        work = _Work(prompt_id=prompt_id, fields=fields, version=version)
         self._work[prompt_id] = work
-        work.task = asyncio.create_task(self._run_work(work, version), name=f"work-{prompt_id.decode()}")
+        work.task = asyncio.create_task(self._run_work(work), name=f"work-{prompt_id.decode()}")
 
     # -- one prompt ---------------------------------------------------------------------
 
-    async def _run_work(self, work: _Work, admitted_version: int) -> None:
+    async def _run_work(self, work: _Work) -> None:
         n = self.config.n_samples_per_prompt
         finished = False
         try:
@@ -355,7 +366,7 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
-            group = await self._generate_group(prompt, admitted_version)
+            group = await self.rollout.run(prompt, work.version)
             fields = group_fields(group)
             result = await self._outage.run(lambda: self.scripts.publish(work.prompt_id, fields, now_ms()))
             finished = True
@@ -368,8 +379,7 @@ class Producer:
             else:
                 self.published += 1
                 self._publish_times.append(time.monotonic())
-                if self.metrics is not None:
-                    self.metrics.group_published(group)
+                self.metrics.group_published(group)
         except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
             self._set_fatal(nogroup_error(self.keys.namespace, exc) if is_nogroup(exc) else exc)
         finally:
@@ -384,146 +394,6 @@ class Producer:
                 source=self.keys.prompts, group=PRODUCERS_GROUP, entry_id=work.prompt_id,
                 reason=reason, fields=work.fields, now_ms=now_ms(),
             )
-        )
-
-    async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
-        if prompt.input_ids is not None:
-            return prompt.input_ids
-        if isinstance(prompt.prompt, str) and self.settings.tokenize_prompts:
-            ids = await self.engine.tokenize(prompt.prompt)
-            if ids is not None:
-                return array("i", ids)
-        elif isinstance(prompt.prompt, list):  # chat messages: the chat template, with a tokenizer
-            ids = await self.engine.chat_ids(prompt.prompt)
-            if ids is not None:
-                return array("i", ids)
-        return None
-
-    async def _generate_group(self, prompt: Prompt, admitted_version: int) -> Group:
-        n = self.config.n_samples_per_prompt
-        prompt_ids = await self._prompt_ids(prompt)
-        partial = prompt.partial if self.config.partial_rollout else None
-        if partial is None and self.engine.batches_samples:  # one request with n
-            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
-        else:
-            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
-        if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
-            rewards = await self.reward.score(prompt.prompt, prompt.label, samples)
-            for sample, reward in zip(samples, rewards, strict=True):
-                sample.reward = reward
-        return Group(
-            index=prompt.index,
-            epoch=prompt.epoch,
-            attempt=prompt.attempt,
-            prompt=prompt.prompt,
-            label=prompt.label,
-            metadata=dict(prompt.metadata),
-            samples=samples,
-            producer=self.name,
-            history=prompt.history,
-        )
-
-    async def _generate_each(
-        self,
-        prompt: Prompt,
-        prompt_ids: array[int] | None,
-        n: int,
-        admitted_version: int,
-        partial: list[Sample] | None,
-    ) -> list[Sample]:
-        """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(
-                        self._generate_sample(
-                            prompt, prompt_ids, i, admitted_version,
-                            partial[i] if partial is not None and i < len(partial) else None,
-                        )
-                    )
-                    for i in range(n)
-                ]
-        except ExceptionGroup as errors:
-            first: BaseException = errors
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
-        return [t.result() for t in tasks]
-
-    @contextlib.contextmanager
-    def _requests(self, count: int) -> Iterator[None]:
-        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
-        if self.metrics is None:
-            yield
-            return
-        started = time.monotonic()
-        for _ in range(count):
-            self.metrics.request_started()
-        try:
-            yield
-        finally:
-            for _ in range(count):
-                self.metrics.request_finished(time.monotonic() - started)
-
-    async def _generate_sample(
-        self,
-        prompt: Prompt,
-        prompt_ids: array[int] | None,
-        index: int,
-        admitted_version: int,
-        partial: Sample | None,
-    ) -> Sample:
-        if partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
-            return replace(partial, index=index)
-        prefix: Sample | None = None
-        if partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
-            if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
-                prefix = partial
-            else:
-                logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
-        max_new = self.engine.settings.max_new_tokens
-        if prefix is not None and prefix.response_length >= max_new:
-            return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
-        try:
-            with self._requests(1):
-                if prefix is not None:  # continue the aborted response where it stopped
-                    generation = await self.engine.generate(
-                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
-                    )
-                else:
-                    source = self._prompt_input(prompt, prompt_ids)
-                    generation = await self.engine.generate(**source, max_new_tokens=max_new)
-        except EngineRejected as exc:
-            return _rejected(index, prompt_ids, exc)
-        if self.metrics is not None:
-            self.metrics.tokens_generated(len(generation.output_ids))
-        return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
-
-    async def _generate_together(
-        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
-    ) -> list[Sample]:
-        """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
-        try:
-            with self._requests(n):
-                generations = await self.engine.generate_n(
-                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
-                )
-        except EngineRejected as exc:
-            return [_rejected(i, prompt_ids, exc) for i in range(n)]
-        if self.metrics is not None:
-            self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
-        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
-
-    def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
-        """How the prompt goes to the engine: token ids, else text, else chat messages."""
-        if prompt_ids is not None:
-            return {"input_ids": prompt_ids}
-        if isinstance(prompt.prompt, str):
-            return {"text": prompt.prompt}
-        if self.engine.accepts_messages:
-            return {"messages": prompt.prompt}
-        raise EngineRejected(
-            400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
 
     # -- leases, reclaim ----------------------------------------------------------------
@@ -559,7 +429,7 @@ class Producer:
                 continue
             if not await self._acquire(n):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields)
+                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields, version=version)
                 continue
             self.reclaimed += 1
             self._start_work(entry_id, fields, version)
@@ -679,7 +549,7 @@ class Producer:
                 pipe.hincrby(self.keys.state, StateField.ADMISSION_BLOCKED_MS, blocked_ms)
             await pipe.execute()
         self._blocked_reported += blocked_ms / 1000
-        if self.metrics is not None and blocked_ms > 0:
+        if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
 
     async def _heartbeat_loop(self) -> None:
@@ -769,60 +639,3 @@ class Producer:
                 self.returned += 1
             self._work.pop(work.prompt_id, None)
 
-
-def _to_sample(
-    index: int,
-    prompt_ids: array[int] | None,
-    generation: Generation,
-    admitted_version: int,
-    prefix: Sample | None,
-) -> Sample:
-    metadata: dict[str, Any] = {"engine": generation.engine}
-    if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
-        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
-    version = generation.weight_version
-    if version is None:
-        version = admitted_version
-        metadata["weight_version_source"] = "trainer_at_admission"
-    if prompt_ids is None:
-        metadata["prompt_ids"] = "unknown"
-    status = Status.from_finish_reason(generation.finish_reason)
-    if prefix is not None:
-        log_probs = None
-        if prefix.rollout_log_probs is not None and generation.log_probs is not None:
-            log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
-        metadata["continued_from"] = prefix.response_length
-        return Sample(
-            index=index,
-            tokens=prefix.tokens + array("i", generation.output_ids),
-            response=prefix.response + generation.text,
-            response_length=prefix.response_length + len(generation.output_ids),
-            status=status,
-            finish_reason=generation.finish_reason,
-            weight_versions=[*prefix.weight_versions, version],
-            rollout_log_probs=log_probs,
-            metadata={**prefix.metadata, **metadata},
-        )
-    tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
-    return Sample(
-        index=index,
-        tokens=tokens,
-        response=generation.text,
-        response_length=len(generation.output_ids),
-        status=status,
-        finish_reason=generation.finish_reason,
-        weight_versions=[version],
-        rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
-        metadata=metadata,
-    )
-
-
-def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
-    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
-    return Sample(
-        index=index,
-        tokens=prompt_ids if prompt_ids is not None else array("i"),
-        status=Status.FAILED,
-        finish_reason="rejected",
-        metadata={"error": str(exc)[:1000]},
-    )
