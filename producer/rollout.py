@@ -77,7 +77,7 @@ class Rollout:
         else:
             samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
-            rewards = await self.reward.score(prompt.prompt, prompt.label, samples)
+            rewards = await self.reward.score(prompt.prompt, prompt.label, samples, metadata=prompt.metadata)
             for sample, reward in zip(samples, rewards, strict=True):
                 sample.reward = reward
         return Group(

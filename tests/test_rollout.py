@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
-from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.rewards import PythonReward
+from rollstream.producer.rewards import PythonReward, RewardFunction
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.telemetry import Metrics
 
@@ -126,3 +127,28 @@ async def test_completed_partial_samples_are_kept_as_they_are() -> None:
     )
     assert group.samples[0].tokens.tolist() == done.tokens.tolist()
     assert len(engine.generate_bodies) == 1  # only the missing second sample was generated
+
+
+class MetadataReward(RewardFunction):
+    """Records the metadata it is given (RemoteReward sends it in its request body)."""
+
+    name = "metadata"
+
+    def __init__(self) -> None:
+        self.seen: list[Mapping[str, Any]] = []
+
+    async def _score(
+        self, prompt: PromptContent, label: Any, samples: list[Sample], metadata: Mapping[str, Any]
+    ) -> list[float]:
+        self.seen.append(metadata)
+        return [1.0] * len(samples)
+
+
+async def test_the_reward_function_receives_the_group_metadata() -> None:
+    reward = MetadataReward()
+    client = EngineClient(EngineSettings(urls=(URL,)), transport=httpx.MockTransport(FakeEngine()))
+    group = await Rollout(client, reward, RolloutSettings(n_samples=2)).run(
+        Prompt(index=0, prompt="hi", metadata={"difficulty": "hard"}), admitted_version=0
+    )
+    assert reward.seen == [{"difficulty": "hard"}]
+    assert [s.reward for s in group.samples] == [1.0, 1.0]
