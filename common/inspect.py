@@ -23,7 +23,7 @@ from .errors import ConfigError, DecodeError
 from .events import FATAL, WARNING, now_ms, recent_events
 from .keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
 from .lua import Scripts
-from .models import Prompt
+from .models import Prompt, retry_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,8 @@ class DeadEntry:
 
 
 def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> DeadEntry:
-    """Decode one dead-letter entry: a prompt payload (recycled prompts) or a group payload."""
+    """Decode one dead-letter entry: a prompt payload (this build writes only those) or, from
+    entries written by older builds, a group payload turned into its prompt."""
     text = {_text(k): v for k, v in fields.items()}
     prompt: Prompt | None = None
     error = ""
@@ -344,14 +345,7 @@ def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> Dead
         except DecodeError as group_exc:
             error = f"not a prompt ({prompt_exc}) nor a group ({group_exc})"
         else:
-            prompt = Prompt(
-                index=group.index,
-                prompt=group.prompt,
-                label=group.label,
-                epoch=group.epoch,
-                metadata=dict(group.metadata),
-                history=group.history,
-            )
+            prompt = retry_prompt(group, _text(text.get("reason", b"")))  # written by older builds
     index = prompt.index if prompt is not None else (_int(text["index"]) if "index" in text else None)
     attempt = prompt.attempt if prompt is not None else (_int(text["attempt"]) if "attempt" in text else None)
     return DeadEntry(

@@ -40,7 +40,7 @@ from rollstream.common.events import FATAL, now_ms, recent_events
 from rollstream.common.imports import import_callable
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
-from rollstream.common.models import Group, Prompt, Status
+from rollstream.common.models import Group, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 
 logger = logging.getLogger(__name__)
@@ -393,15 +393,15 @@ class GroupConsumer:
             return None
         n = self.config.n_samples_per_prompt
         if len(group.samples) != n:
-            await self._dead_letter(
-                entry_id, fields, f"wrong_group_size: {len(group.samples)} samples, expected {n}", tally
-            )
+            reason = f"wrong_group_size: {len(group.samples)} samples, expected {n}"
+            # dead letters hold prompts: what `rollstream dead requeue` puts back
+            await self._dead_letter(entry_id, prompt_fields(retry_prompt(group, reason)), reason, tally)
             return None
         staleness = group.staleness(version)
         tally.staleness_max_seen = max(tally.staleness_max_seen, staleness)
         status = group.status
         if status == Status.FAILED:
-            errors = {str(s.metadata.get("error", "failed")) for s in group.samples if s.status == Status.FAILED}
+            errors = {s.error or "failed" for s in group.samples if s.status == Status.FAILED}
             await self._recycle(entry_id, group, "failed", "; ".join(sorted(errors))[:300], tally)
             return None
         if status == Status.ABORTED:
@@ -436,28 +436,11 @@ class GroupConsumer:
         if moved:
             tally.dead_lettered += 1
 
-    def _next_prompt(self, group: Group, reason: str, keep_partial: bool) -> Prompt:
-        first = group.samples[0] if group.samples else None
-        input_ids = None
-        if first is not None and first.prompt_length > 0 and first.metadata.get("prompt_ids") != "unknown":
-            input_ids = first.tokens[: first.prompt_length]
-        return Prompt(
-            index=group.index,
-            prompt=group.prompt,
-            label=group.label,
-            epoch=group.epoch,
-            attempt=group.attempt + 1,
-            metadata=group.metadata,
-            input_ids=input_ids,
-            partial=group.samples if keep_partial else None,
-            history=[*group.history, reason][-20:],
-        )
-
     async def _recycle(self, entry_id: bytes, group: Group, kind: str, detail: str, tally: _Tally) -> None:
         """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
         reason = f"{kind}: {detail}" if detail else kind
         keep_partial = kind == "aborted" and self.config.partial_rollout
-        prompt = self._next_prompt(group, reason, keep_partial)
+        prompt = retry_prompt(group, reason, keep_partial=keep_partial)
         fields = prompt_fields(prompt)
         if prompt.attempt > self.config.max_attempts:
             dead_reason = (

@@ -218,19 +218,20 @@ def _to_sample(
     if version is None:
         version = admitted_version
         metadata["weight_version_source"] = "trainer_at_admission"
-    if prompt_ids is None:
-        metadata["prompt_ids"] = "unknown"
     status = Status.from_finish_reason(generation.finish_reason)
     if prefix is not None:
         log_probs = None
         if prefix.rollout_log_probs is not None and generation.log_probs is not None:
             log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
         metadata["continued_from"] = prefix.response_length
+        response_length = prefix.response_length + len(generation.output_ids)
         return Sample(
             index=index,
             tokens=prefix.tokens + array("i", generation.output_ids),
             response=prefix.response + generation.text,
-            response_length=prefix.response_length + len(generation.output_ids),
+            response_length=response_length,
+            prompt_length=prefix.prompt_length,
+            loss_mask=_ones(response_length),
             status=status,
             finish_reason=generation.finish_reason,
             weight_versions=[*prefix.weight_versions, version],
@@ -243,6 +244,8 @@ def _to_sample(
         tokens=tokens,
         response=generation.text,
         response_length=len(generation.output_ids),
+        prompt_length=0 if prompt_ids is None else len(prompt_ids),
+        loss_mask=_ones(len(generation.output_ids)),
         status=status,
         finish_reason=generation.finish_reason,
         weight_versions=[version],
@@ -256,7 +259,14 @@ def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) ->
     return Sample(
         index=index,
         tokens=prompt_ids if prompt_ids is not None else array("i"),
+        prompt_length=0 if prompt_ids is None else len(prompt_ids),
+        loss_mask=array("B"),
         status=Status.FAILED,
         finish_reason="rejected",
-        metadata={"error": str(exc)[:1000]},
+        error=str(exc)[:1000],
     )
+
+
+def _ones(count: int) -> array[int]:
+    """The loss mask of a response: every response token is trained on."""
+    return array("B", b"\x01" * count)

@@ -82,7 +82,8 @@ async def test_a_text_prompt_becomes_a_scored_group_of_prompt_plus_response_ids(
     for i, sample in enumerate(group.samples):
         assert sample.index == i and sample.status == Status.COMPLETED
         assert sample.tokens.tolist()[:3] == PROMPT_IDS and sample.response_length == 2
-        assert sample.prompt_length == 3
+        assert sample.prompt_length == 3 and sample.response_tokens.tolist() == sample.tokens.tolist()[3:]
+        assert sample.loss_mask is not None and sample.loss_mask.tolist() == [1, 1]
         assert sample.weight_versions == [3]
         assert sample.rollout_log_probs is not None and sample.rollout_log_probs.tolist() == [-0.5, -0.5]
         assert sample.reward == float(i)
@@ -100,6 +101,8 @@ async def test_a_refused_request_gives_failed_samples_and_no_reward() -> None:
     group = await rollout(FakeEngine(status=400), 2).run(Prompt(index=0, prompt="hi"), admitted_version=0)
     assert group.status == Status.FAILED
     assert all(s.status == Status.FAILED and s.reward is None for s in group.samples)
+    assert all(s.error is not None and "prompt too long" in s.error for s in group.samples)
+    assert all(s.prompt_length == 3 and s.response_length == 0 for s in group.samples)
 
 
 async def test_aborted_samples_are_scored_never_and_continued_with_partial_rollout() -> None:
@@ -117,6 +120,7 @@ async def test_aborted_samples_are_scored_never_and_continued_with_partial_rollo
     assert sample.tokens.tolist()[: len(first.tokens)] == first.tokens.tolist()
     assert sample.weight_versions == [3, 4] and sample.metadata["continued_from"] == 2
     assert sample.prompt_length == 3
+    assert sample.loss_mask is not None and sample.loss_mask.tolist() == [1] * 4
 
 
 async def test_completed_partial_samples_are_kept_as_they_are() -> None:
