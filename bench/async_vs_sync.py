@@ -21,8 +21,8 @@ import httpx
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
-from rollstream.common.server import EmbeddedRedis, free_port
 from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import EmbeddedRedis, free_port
 
 from bench.common import OUT, Table, add_prompts, children, init_ns, spawn
 

@@ -43,10 +43,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rollstream.cli.children import stop_processes, wait_for_http
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
-from rollstream.common.server import EmbeddedRedis, free_port
+from rollstream.testing.children import stop_processes, wait_for_http
+from rollstream.testing.server import EmbeddedRedis, free_port
 
 NS = "chaos"
 TRAINER_NAME = "trainer-0"

@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import psutil
 from redis.asyncio import Redis
-from rollstream.cli.children import stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group, Prompt, Sample
 from rollstream.common.namespace import init_namespace
 from rollstream.producer.rewards import RewardFunction
+from rollstream.testing.children import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 # ROLLSTREAM_BENCH_OUT redirects tables, logs and plots (the smoke test keeps the committed ones intact).

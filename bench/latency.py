@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from rollstream.common.connection import connect
-from rollstream.common.server import EmbeddedRedis
 from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import EmbeddedRedis
 
 from bench.common import OUT, Table, add_prompts, children, init_ns, percentile, spawn
 

@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 from rollstream.common.codec import encode_group
 from rollstream.common.connection import connect
 from rollstream.common.models import Group, Sample
-from rollstream.common.server import EmbeddedRedis
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.testing.server import EmbeddedRedis
 
 from bench.common import (
     OUT,

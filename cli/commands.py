@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from rollstream import ops
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
@@ -116,7 +117,7 @@ def run_with_signals(main: Any, on_signal: Any) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from rollstream.common.server import EmbeddedRedis
+    from rollstream.testing.server import EmbeddedRedis
 
     server = EmbeddedRedis(port=args.port, dir=args.dir, appendonly=args.appendonly, appendfsync=args.appendfsync)
     stopping = False
@@ -188,7 +189,6 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.producer.engine import EngineClient, EngineSettings
-    from rollstream.producer.metrics import ProducerMetrics
     from rollstream.producer.rewards import load_reward
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
@@ -210,6 +210,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
     )
+    if args.metrics_port is not None:
+        from rollstream.producer.metrics import ProducerMetrics
     reward = load_reward(args.reward)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
@@ -253,7 +255,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_engine(args: argparse.Namespace) -> int:
-    from rollstream.sim.engine import SimConfig, serve
+    from rollstream.testing.sim.engine import SimConfig, serve
 
     config = SimConfig(
         seed=args.seed,
@@ -281,29 +283,22 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _pause_or_resume(args: argparse.Namespace, pause: bool) -> None:
-    from rollstream.consumer import GroupConsumer
-
-    async with await GroupConsumer.connect(args.redis, args.ns, name="rollstream-cli") as consumer:
-        await (consumer.pause() if pause else consumer.resume(args.version))
-
-
 def cmd_pause(args: argparse.Namespace) -> int:
-    asyncio.run(_pause_or_resume(args, pause=True))
+    keys = Keys(args.ns)
+    asyncio.run(_with_redis(args.redis, lambda r: ops.pause(r, keys)))
     logger.info("namespace %s paused: producers admit nothing until `rollstream resume`", args.ns)
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    asyncio.run(_pause_or_resume(args, pause=False))
+    keys = Keys(args.ns)
+    asyncio.run(_with_redis(args.redis, lambda r: ops.resume(r, keys, args.version)))
     logger.info("namespace %s resumed%s", args.ns, "" if args.version is None else f" at version {args.version}")
     return 0
 
 
 def cmd_release_trainer(args: argparse.Namespace) -> int:
-    from rollstream.consumer import release_consumer
-
     keys = Keys(args.ns)
-    moved = asyncio.run(_with_redis(args.redis, lambda r: release_consumer(r, keys, args.consumer)))
+    moved = asyncio.run(_with_redis(args.redis, lambda r: ops.release_consumer(r, keys, args.consumer)))
     sys.stdout.write(f"moved {moved} uncommitted groups of {args.consumer!r} back to the stream\n")
     return 0

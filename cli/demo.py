@@ -22,16 +22,21 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-from rollstream.cli.children import start_cli, stop_processes, wait_for_http
+from rollstream.common.errors import ConfigError
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
-from rollstream.common.server import EmbeddedRedis, free_port
+from rollstream.testing.children import start_cli, stop_processes, wait_for_http
+from rollstream.testing.server import EmbeddedRedis, free_port
+
+from .options import REDIS_URL_ENV
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 logger = logging.getLogger("rollstream.demo")
 
@@ -66,7 +71,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--mean-tokens", type=int, default=96)
     p.add_argument("--latency-per-token", type=float, default=0.002)
     p.add_argument("--accuracy", type=float, default=0.6)
-    p.add_argument("--redis", default=None, metavar="URL", help="use this Redis instead of an embedded one")
+    p.add_argument(
+        "--redis", default=os.environ.get(REDIS_URL_ENV) or None, metavar="URL",
+        help=f"use this Redis instead of an embedded one (default ${REDIS_URL_ENV} if set, else embedded)",
+    )
     p.add_argument("--ns", default="demo")
     p.add_argument("--out", default=None, help="directory for the plot (default ./runs/demo-TIMESTAMP)")
     p.add_argument("--no-plot", action="store_true")
@@ -91,6 +99,8 @@ def dataset_path() -> Path:
 
 
 def _table(rows: list[dict[str, float]]) -> Table:
+    from rich.table import Table
+
     table = Table(title="rollstream demo", expand=False)
     for title, _, _ in COLUMNS:
         table.add_column(title, justify="right")
@@ -114,6 +124,8 @@ async def trainer_loop(
         await GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
         httpx.AsyncClient(timeout=10) as http,
     ):
+        from rich.live import Live
+
         live = Live(_table(rows), console=console, refresh_per_second=4) if live_output else None
         with live if live is not None else contextlib.nullcontext():
             for step in range(args.steps):
@@ -180,7 +192,10 @@ def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.producers < 1:
-        raise ValueError("--steps and --producers must be at least 1")
+        raise ConfigError("--steps and --producers must be at least 1")
+    require_extra("rich", "demo", "the demo's live table")
+    from rich.console import Console
+
     console = Console()
     started = time.monotonic()
     processes = Processes()

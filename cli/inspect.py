@@ -1,6 +1,6 @@
 """``rollstream inspect``: is the pipeline healthy, and if not, where is it stuck?
 
-One screen (or one JSON document) built from :func:`rollstream.common.inspect.snapshot`. The exit
+One screen (or one JSON document) built from :func:`rollstream.ops.snapshot`. The exit
 code is the verdict (0 healthy, 1 unhealthy), so ``inspect`` doubles as a liveness probe.
 """
 
@@ -11,16 +11,17 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 from rollstream.common.connection import connect
-from rollstream.common.inspect import DEFAULT_STUCK_AFTER, snapshot
+from rollstream.common.errors import ConfigError
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
+from rollstream.ops import DEFAULT_STUCK_AFTER, snapshot
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
@@ -53,6 +54,9 @@ def _secs(seconds: float | None) -> str:
 
 
 def _table(title: str, plain: bool, *columns: str) -> Table:
+    from rich import box
+    from rich.table import Table
+
     table = Table(
         title=title, title_justify="left", box=None if plain else box.SIMPLE_HEAD,
         show_edge=False, pad_edge=False, title_style="bold",
@@ -64,6 +68,9 @@ def _table(title: str, plain: bool, *columns: str) -> Table:
 
 def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     """The inspect screen; ``plain`` drops borders for logs and pipes."""
+    from rich.console import Group
+    from rich.text import Text
+
     health = snap["health"]
     parts: list[RenderableType] = []
     verdict = Text(f"namespace {snap['namespace']}: ", style="bold")
@@ -151,6 +158,9 @@ async def _snap(args: argparse.Namespace, redis: Any, keys: Keys) -> dict[str, A
 
 
 async def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
     keys = Keys(args.ns)
     redis = connect(args.redis, name="rollstream-inspect")
     try:
@@ -185,10 +195,11 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    require_extra("rich", "ops", "the inspect screen")
     if args.stuck_after <= 0:
-        raise ValueError("--stuck-after must be positive")
+        raise ConfigError("--stuck-after must be positive")
     if args.watch is not None and args.watch <= 0:
-        raise ValueError("--watch interval must be positive")
+        raise ConfigError("--watch interval must be positive")
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:

@@ -13,9 +13,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import commands, demo, inspect, ops
+from redis.exceptions import ConnectionError as RedisConnectionError
+from rollstream import __version__
+from rollstream.common.errors import RollstreamError
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
+from . import commands, demo, inspect, ops
+from .options import common_options, redis_options
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,25 +47,12 @@ def configure_logging(level: str, as_json: bool) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-def common_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    parent.add_argument("--log-json", action="store_true", help="log one JSON object per line")
-    return parent
-
-
-def redis_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
-    parent.add_argument("--ns", required=True, metavar="NAME", help="pipeline namespace")
-    return parent
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollstream",
         description="Fully-async rollout pipeline for LLM reinforcement learning on Redis Streams.",
     )
+    parser.add_argument("--version", action="version", version=f"rollstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     base = [common_options()]
     with_redis = [common_options(), redis_options()]
@@ -79,10 +69,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:  # config errors: a clear message, no traceback
-        logging.getLogger("rollstream").error("%s", exc)
-        return 2
+    except RollstreamError as exc:  # an error of the tree: its message, no traceback
+        return _fail(exc)
+    except RedisConnectionError as exc:
+        return _fail(exc, prefix="cannot reach Redis: ")
     return int(code or 0)
+
+
+def _fail(exc: BaseException, prefix: str = "") -> int:
+    """One line on stderr and exit code 2; the rest of a multi-line message (a remote traceback)
+    goes to the DEBUG log."""
+    first, _, rest = str(exc).partition("\n")
+    sys.stderr.write(f"rollstream: error: {prefix}{first or type(exc).__name__}\n")
+    if rest:
+        logging.getLogger("rollstream.cli").debug("%s", rest)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,31 +12,35 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.asyncio import Redis
-from rich.console import Console
 from rollstream.common.connection import connect
-from rollstream.common.inspect import (
+from rollstream.common.errors import ConfigError
+from rollstream.common.imports import require_extra
+from rollstream.common.keys import Keys
+from rollstream.ops import (
     DEFAULT_STUCK_AFTER,
     DeadEntry,
     dead_entries,
     delete_namespace,
     drop_dead,
+    existing_keys,
     list_namespaces,
     requeue_dead,
     snapshot,
 )
-from rollstream.common.keys import Keys
 
 from .inspect import render
+from .options import add_redis_url
+
+if TYPE_CHECKING:
+    pass
 
 T = TypeVar("T")
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
-    from .main import DEFAULT_URL
-
     p = sub.add_parser("dead", parents=with_redis, help="list, requeue or drop dead-letter entries")
     p.add_argument("action", choices=["list", "requeue", "drop"])
     p.add_argument("--id", action="append", default=[], metavar="ID", help="a dead entry id (repeatable)")
@@ -47,7 +51,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_dead)
 
     redis_only = argparse.ArgumentParser(add_help=False)
-    redis_only.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
+    add_redis_url(redis_only)
     redis_only.add_argument("--ns", default=None, metavar="NAME", help="namespace (show, delete)")
     p = sub.add_parser("ns", parents=[*base, redis_only], help="list, show or delete namespaces")
     p.add_argument("action", choices=["list", "show", "delete"])
@@ -99,11 +103,11 @@ def _list_line(entry: DeadEntry) -> str:
 def cmd_dead(args: argparse.Namespace) -> int:
     keys = Keys(args.ns)
     if args.count is not None and args.count < 1:
-        raise ValueError("--count must be positive")
+        raise ConfigError("--count must be positive")
     if args.action != "list" and not args.id and not args.all:
-        raise ValueError(f"dead {args.action} needs --id ID (repeatable) or --all")
+        raise ConfigError(f"dead {args.action} needs --id ID (repeatable) or --all")
     if args.id and args.all:
-        raise ValueError("give either --id or --all, not both")
+        raise ConfigError("give either --id or --all, not both")
 
     async def select(redis: Redis) -> list[DeadEntry]:
         return await dead_entries(redis, keys, ids=args.id or None, count=args.count)
@@ -169,9 +173,12 @@ def cmd_ns(args: argparse.Namespace) -> int:
             _out(name)
         return 0
     if not args.ns:
-        raise ValueError(f"ns {args.action} needs --ns NAME")
+        raise ConfigError(f"ns {args.action} needs --ns NAME")
     keys = Keys(args.ns)
     if args.action == "show":
+        require_extra("rich", "ops", "ns show")
+        from rich.console import Console
+
         snap = _run(args.redis, lambda r: snapshot(r, keys, stuck_after=args.stuck_after))
         console = Console()
         if not console.is_terminal:
@@ -179,10 +186,7 @@ def cmd_ns(args: argparse.Namespace) -> int:
         console.print(render(snap, plain=not console.is_terminal))
         return 0 if snap["health"]["ok"] else 1
 
-    async def present(redis: Redis) -> list[str]:
-        return [k for k in keys.all_keys() if await redis.exists(k)]
-
-    existing = _run(args.redis, present)
+    existing = _run(args.redis, lambda r: existing_keys(r, keys))
     if not existing:
         _out(f"namespace {args.ns!r} has no keys; nothing to delete")
         return 0

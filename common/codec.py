@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import DecodeError
+from .errors import ConfigError, DecodeError
 from .models import Group, Prompt, Sample, Status
 
 SCHEMA_VERSION = 2
@@ -46,7 +46,7 @@ class CodecLimits:
     def __post_init__(self) -> None:
         for name in ("max_payload_bytes", "max_samples", "max_tokens", "max_string_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"CodecLimits.{name} must be positive")
+                raise ConfigError(f"CodecLimits.{name} must be positive")
 
 
 DEFAULT_LIMITS = CodecLimits()

@@ -1,6 +1,6 @@
 """The namespace's pipeline config: written once by ``rollstream init``, read by everyone.
 
-Validated on construction (``ValueError``, never ``assert``); stored as a plain Redis hash so
+Validated on construction (``ConfigError``, a ``ValueError``; never ``assert``); stored as a plain Redis hash so
 ``HGETALL rollstream:{ns}:config`` reads like the command line that wrote it.
 """
 

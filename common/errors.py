@@ -4,7 +4,9 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
 
     RollstreamError
     ├── ConfigError (also ValueError)         bad or inconsistent configuration
-    │   └── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    │   ├── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
+    │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
     │   └── EngineRejected                    the engine refused the request (4xx): not retried
@@ -39,6 +41,15 @@ class NamespaceNotInitialized(ConfigError):
         self.namespace = namespace
 
 
+class ExtraNotInstalled(ConfigError):
+    """A feature was asked for whose optional dependencies (an install extra) are missing."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        super().__init__(f"{purpose} needs {module!r}: pip install 'rollstream[{extra}]'")
+        self.module = module
+        self.extra = extra
+
+
 class DecodeError(RollstreamError, ValueError):
     """A stream entry or payload that cannot be decoded; ``reason`` is a short slug."""
 
@@ -59,6 +70,18 @@ class EngineRejected(EngineError):
         super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
         self.status_code = status_code
         self.body = body
+
+
+class PromptNotSupported(ConfigError, EngineRejected):
+    """A prompt this producer's configuration cannot send (e.g. chat messages to SGLang without a
+    tokenizer): decided locally, no engine was asked. It is also an ``EngineRejected`` (status
+    400) so the prompt's samples fail and the prompt is recycled exactly as after an engine's 400,
+    rather than stopping the producer."""
+
+    def __init__(self, detail: str) -> None:
+        RollstreamError.__init__(self, f"prompt not supported by this producer's configuration: {detail}")
+        self.status_code = 400
+        self.body = detail
 
 
 class RewardError(RollstreamError):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 PREFIX = "rollstream"
 PRODUCERS_GROUP = "producers"
 TRAINER_GROUP = "trainer"
@@ -20,7 +22,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 def validate_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise ValueError(
+        raise ConfigError(
             f"invalid namespace {namespace!r}: use 1-64 characters from A-Z a-z 0-9 _ . -"
         )
     return namespace
@@ -93,6 +95,10 @@ class Keys:
 
 ALIVE_STATES = ("starting", "running", "draining")
 """Producer states that count as alive while their heartbeat is fresh."""
+
+
+NAMESPACE_SCAN_PATTERN = f"{PREFIX}:{{*}}:*"
+"""SCAN MATCH pattern of every rollstream key of every namespace (read back with ``namespace_of``)."""
 
 
 def namespace_of(key: str) -> str | None:

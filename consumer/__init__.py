@@ -1,21 +1,40 @@
-"""The trainer's side of rollstream: ``GroupConsumer`` (asyncio) and ``SyncGroupConsumer``."""
+"""The trainer's side of rollstream: ``GroupConsumer`` (asyncio) and ``SyncGroupConsumer``.
 
-from rollstream.common.errors import PipelineStalled, ProducerFailed
+Every error a trainer can meet is exported here; all derive from :class:`RollstreamError`
+(``ConfigError`` and ``DecodeError`` are also ``ValueError``). Redis connection problems
+surface as redis-py's ``redis.exceptions.ConnectionError``.
+"""
+
+from rollstream.common.errors import (
+    ConfigError,
+    DecodeError,
+    NamespaceNotInitialized,
+    PipelineError,
+    PipelineStalled,
+    ProducerFailed,
+    RollstreamError,
+)
 from rollstream.common.models import Group, Sample, Status
 
-from .consumer import Batch, GroupConsumer, KeepFilter, SyncGroupConsumer, release_consumer
-from .filters import reward_variance
+from .consumer import Batch, Connecting, GroupConsumer, SyncGroupConsumer
+from .filters import KeepFilter, rejection_reason, reward_variance
 
 __all__ = [
     "Batch",
+    "ConfigError",
+    "Connecting",
+    "DecodeError",
     "Group",
     "GroupConsumer",
     "KeepFilter",
+    "NamespaceNotInitialized",
+    "PipelineError",
     "PipelineStalled",
     "ProducerFailed",
+    "RollstreamError",
     "Sample",
     "Status",
     "SyncGroupConsumer",
-    "release_consumer",
+    "rejection_reason",
     "reward_variance",
 ]

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect, is_nogroup, nogroup_error
-from rollstream.common.errors import DecodeError, PipelineStalled, ProducerFailed
+from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
 from rollstream.common.events import FATAL, now_ms, recent_events
 from rollstream.common.imports import import_callable
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
@@ -43,10 +43,9 @@ from rollstream.common.lua import Scripts
 from rollstream.common.models import Group, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 
-logger = logging.getLogger(__name__)
+from .filters import KeepFilter, rejection_reason
 
-KeepFilter = Callable[[Group], bool | str]
-"""Dynamic-sampling filter: True keeps a group; False or a reason string rejects it."""
+logger = logging.getLogger(__name__)
 
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
@@ -76,7 +75,7 @@ def batch_id(entry_ids: list[bytes]) -> str:
 
 
 def load_keep(path: str) -> KeepFilter:
-    """Import a ``module:function`` filter; ValueError when it cannot be imported."""
+    """Import a ``module:function`` filter; ConfigError when it cannot be imported."""
     return import_callable(path, "keep filter")
 
 
@@ -118,9 +117,9 @@ class GroupConsumer:
         limits: CodecLimits = DEFAULT_LIMITS,
     ) -> None:
         if on_producer_failure not in ("raise", "warn"):
-            raise ValueError("on_producer_failure must be 'raise' or 'warn'")
+            raise ConfigError("on_producer_failure must be 'raise' or 'warn'")
         if stall_timeout <= 0 or warn_interval <= 0:
-            raise ValueError("stall_timeout and warn_interval must be positive")
+            raise ConfigError("stall_timeout and warn_interval must be positive")
         self.url = url
         self.keys = Keys(namespace)
         self.name = name
@@ -144,7 +143,7 @@ class GroupConsumer:
         self._orphans_checked = 0.0
 
     @classmethod
-    async def connect(
+    def connect(
         cls,
         url: str,
         namespace: str,
@@ -152,9 +151,44 @@ class GroupConsumer:
         *,
         n_samples: int | None = None,
         batch_size: int | None = None,
-        **options: Any,
+        keep: KeepFilter | None = None,
+        on_producer_failure: Literal["raise", "warn"] = "raise",
+        stall_timeout: float = 300.0,
+        warn_interval: float = 30.0,
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ) -> Connecting:
+        """Connect and check the namespace config against what this trainer expects.
+
+        Use ``async with GroupConsumer.connect(...) as consumer:`` (closed on exit) or
+        ``consumer = await GroupConsumer.connect(...)`` (close it with ``aclose()``).
+        ``n_samples`` / ``batch_size`` raise ``ConfigError`` when the namespace differs;
+        ``keep`` overrides the namespace's keep filter; ``on_producer_failure="warn"`` logs
+        instead of raising ``ProducerFailed``; ``stall_timeout`` is how long without a live
+        producer before ``take()`` raises ``PipelineStalled``.
+        """
+        return Connecting(
+            cls._open(
+                url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
+                on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
+                warn_interval=warn_interval, limits=limits,
+            )
+        )
+
+    @classmethod
+    async def _open(
+        cls,
+        url: str,
+        namespace: str,
+        name: str,
+        *,
+        n_samples: int | None,
+        batch_size: int | None,
+        keep: KeepFilter | None,
+        on_producer_failure: Literal["raise", "warn"],
+        stall_timeout: float,
+        warn_interval: float,
+        limits: CodecLimits,
     ) -> GroupConsumer:
-        """Connect and check the namespace config against what this trainer expects."""
         redis = connect(url, name=f"rollstream-consumer-{name}")
         try:
             config = await load_config(redis, Keys(namespace))
@@ -163,7 +197,15 @@ class GroupConsumer:
             await redis.aclose()
             raise
         blocking = connect(url, block_ms=_READ_BLOCK_MS, name=f"rollstream-consumer-{name}-read")
-        return cls(url, namespace, name, config, redis, blocking, **options)
+        try:
+            return cls(
+                url, namespace, name, config, redis, blocking, keep=keep, on_producer_failure=on_producer_failure,
+                stall_timeout=stall_timeout, warn_interval=warn_interval, limits=limits,
+            )
+        except BaseException:
+            await redis.aclose()
+            await blocking.aclose()
+            raise
 
     async def __aenter__(self) -> GroupConsumer:
         return self
@@ -393,9 +435,9 @@ class GroupConsumer:
             return None
         n = self.config.n_samples_per_prompt
         if len(group.samples) != n:
-            reason = f"wrong_group_size: {len(group.samples)} samples, expected {n}"
+            wrong_size = f"wrong_group_size: {len(group.samples)} samples, expected {n}"
             # dead letters hold prompts: what `rollstream dead requeue` puts back
-            await self._dead_letter(entry_id, prompt_fields(retry_prompt(group, reason)), reason, tally)
+            await self._dead_letter(entry_id, prompt_fields(retry_prompt(group, wrong_size)), wrong_size, tally)
             return None
         staleness = group.staleness(version)
         tally.staleness_max_seen = max(tally.staleness_max_seen, staleness)
@@ -411,9 +453,8 @@ class GroupConsumer:
             await self._recycle(entry_id, group, "stale", f"staleness {staleness} > {staleness_limit}", tally)
             return None
         if keep_filter is not None:
-            verdict = keep_filter(group)
-            if verdict is not True:
-                reason = verdict if isinstance(verdict, str) and verdict else "rejected"
+            reason = rejection_reason(keep_filter(group))
+            if reason is not None:
                 await self._filter(entry_id, group, reason, tally)
                 return None
         return group
@@ -563,50 +604,75 @@ class GroupConsumer:
         )
 
 
-async def release_consumer(redis: Redis, keys: Keys, consumer: str) -> int:
-    """Give a gone trainer consumer's pending groups back to the stream, then delete it.
+class Connecting:
+    """What ``GroupConsumer.connect()`` returns: await it for the consumer, or use it as an
+    async context manager that closes the consumer on exit."""
 
-    Each pending group is re-added as a new entry and its old entry acknowledged and deleted,
-    atomically; only then is the consumer deleted (XGROUP DELCONSUMER with entries pending
-    would discard them). Returns the number of groups moved back.
-    """
-    scripts = Scripts(redis, keys)
-    moved = 0
-    while True:
-        pending = await redis.xpending_range(
-            keys.groups, TRAINER_GROUP, min="-", max="+", count=500, consumername=consumer
-        )
-        if not pending:
-            break
-        for item in pending:
-            entry_id = item["message_id"]
-            rows = await redis.xrange(keys.groups, entry_id, entry_id)
-            if not rows:
-                await redis.xack(keys.groups, TRAINER_GROUP, entry_id)
-                continue
-            fields = {k.decode(): v for k, v in rows[0][1].items()}
-            if await scripts.move(
-                source=keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                target=keys.groups, counter=StateField.RELEASED, fields=fields,
-            ):
-                moved += 1
-    await redis.xgroup_delconsumer(keys.groups, TRAINER_GROUP, consumer)
-    return moved
+    def __init__(self, opening: Coroutine[Any, Any, GroupConsumer]) -> None:
+        self._opening: Coroutine[Any, Any, GroupConsumer] | None = opening
+        self._consumer: GroupConsumer | None = None
+
+    def _take(self) -> Coroutine[Any, Any, GroupConsumer]:
+        if self._opening is None:
+            raise RuntimeError("GroupConsumer.connect(...) can be awaited or entered only once")
+        opening, self._opening = self._opening, None
+        return opening
+
+    def __await__(self) -> Generator[Any, None, GroupConsumer]:
+        return self._take().__await__()
+
+    async def __aenter__(self) -> GroupConsumer:
+        self._consumer = await self._take()
+        return self._consumer
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._consumer is not None:
+            await self._consumer.aclose()
+
+    def __del__(self) -> None:
+        if self._opening is not None:  # never awaited: close the coroutine without a warning
+            self._opening.close()
 
 
 class SyncGroupConsumer:
     """The same API for trainers that are not asyncio: runs its own event loop in this thread."""
 
-    def __init__(self, url: str, namespace: str, name: str = "trainer-0", **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        name: str = "trainer-0",
+        *,
+        n_samples: int | None = None,
+        batch_size: int | None = None,
+        keep: KeepFilter | None = None,
+        on_producer_failure: Literal["raise", "warn"] = "raise",
+        stall_timeout: float = 300.0,
+        warn_interval: float = 30.0,
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ) -> None:
+        """The options of :meth:`GroupConsumer.connect`."""
         self._runner = asyncio.Runner()
-        self._consumer = self._runner.run(GroupConsumer.connect(url, namespace, name, **options))
+        try:
+            self._consumer: GroupConsumer = self._runner.run(
+                GroupConsumer._open(
+                    url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
+                    on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
+                    warn_interval=warn_interval, limits=limits,
+                )
+            )
+        except BaseException:
+            self._runner.close()
+            raise
 
     @property
     def config(self) -> PipelineConfig:
         return self._consumer.config
 
-    def take(self, target: int, **options: Any) -> Batch:
-        return self._runner.run(self._consumer.take(target, **options))
+    def take(self, target: int, *, max_staleness: int | None = _UNSET, keep: KeepFilter | None = _UNSET) -> Batch:
+        return self._runner.run(self._consumer.take(target, max_staleness=max_staleness, keep=keep))
 
     def commit(self, batch: Batch) -> int:
         return self._runner.run(self._consumer.commit(batch))

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
 
 from .tokenizer import PromptTokenizer
 
@@ -75,25 +75,25 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if not self.urls:
-            raise ValueError("at least one engine URL is needed (--engine URL)")
+            raise ConfigError("at least one engine URL is needed (--engine URL)")
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
+                raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
         if self.api not in ("sglang", "openai"):
-            raise ValueError(f"engine api must be 'sglang' or 'openai', got {self.api!r}")
+            raise ConfigError(f"engine api must be 'sglang' or 'openai', got {self.api!r}")
         if self.api == "openai" and not self.model:
-            raise ValueError("--engine-api openai needs --model NAME")
+            raise ConfigError("--engine-api openai needs --model NAME")
         if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
+            raise ConfigError("max_new_tokens must be at least 1")
         if self.temperature < 0:
-            raise ValueError("temperature must be non-negative")
+            raise ConfigError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ConfigError("top_p must be in (0, 1]")
         if self.max_retries < 0:
-            raise ValueError("max_retries must be non-negative")
+            raise ConfigError("max_retries must be non-negative")
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+                raise ConfigError(f"{name} must be positive")
 
 
 @dataclass(slots=True)
@@ -309,8 +309,7 @@ class EngineClient:
                 return await self._chat_openai(messages, max_new, n)
             return await self._complete_openai(text, input_ids, max_new, n)
         if messages is not None:
-            raise EngineRejected(
-                400,
+            raise PromptNotSupported(
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
                 "template (--tokenizer) or use --engine-api openai",
             )

@@ -42,28 +42,28 @@ class Record:
 
 
 def load_jsonl(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
-    """Read and validate a JSONL dataset; ValueError names the first bad line."""
+    """Read and validate a JSONL dataset; ConfigError names the first bad line."""
     records = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             if len(line) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+                raise ConfigError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+                raise ConfigError(f"{path}:{number}: not JSON: {exc}") from None
             if not isinstance(obj, dict) or prompt_key not in obj:
-                raise ValueError(f"{path}:{number}: expected an object with a {prompt_key!r} field")
+                raise ConfigError(f"{path}:{number}: expected an object with a {prompt_key!r} field")
             try:
                 prompt = as_prompt_content(obj[prompt_key])
             except ValueError as exc:
-                raise ValueError(f"{path}:{number}: {exc}") from None
+                raise ConfigError(f"{path}:{number}: {exc}") from None
             metadata = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
             records.append(Record(prompt, obj.get(label_key), metadata))
     if not records:
-        raise ValueError(f"{path}: no records")
+        raise ConfigError(f"{path}: no records")
     return records
 
 
@@ -80,11 +80,11 @@ class FeedSettings:
 
     def __post_init__(self) -> None:
         if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
-            raise ValueError("epochs must be at least 1 (or None to feed forever)")
+            raise ConfigError("epochs must be at least 1 (or None to feed forever)")
         if self.window < 1:
-            raise ValueError("window must be at least 1")
+            raise ConfigError("window must be at least 1")
         if self.chunk < 1 or self.poll_interval <= 0:
-            raise ValueError("chunk and poll_interval must be positive")
+            raise ConfigError("chunk and poll_interval must be positive")
 
 
 def dataset_id(records: list[Record], settings: FeedSettings) -> str:

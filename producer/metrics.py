@@ -8,9 +8,14 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from rollstream.common.errors import ExtraNotInstalled
 from rollstream.common.models import Group
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+except ImportError as exc:  # a light install: only producers serving metrics need it
+    raise ExtraNotInstalled("prometheus_client", "metrics", "Prometheus metrics (--metrics-port)") from exc
 
 from .engine import EngineClient
 from .telemetry import Metrics

@@ -73,7 +73,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from rollstream.common.errors import RewardError
+from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.imports import import_callable
 from rollstream.common.models import PromptContent, Reward, Sample
 
@@ -437,9 +437,9 @@ class RemoteReward(RewardFunction):
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"remote reward URL must be http(s)://host[:port]/path, got {url!r}")
+            raise ConfigError(f"remote reward URL must be http(s)://host[:port]/path, got {url!r}")
         if attempts < 1:
-            raise ValueError(f"attempts must be at least 1, got {attempts!r}")
+            raise ConfigError(f"attempts must be at least 1, got {attempts!r}")
         self.url = url
         self.name = f"remote:{url}"
         self.timeout = timeout
@@ -592,7 +592,7 @@ class PythonReward(RewardFunction):
         per_group: bool | None = None,
     ) -> None:
         if not callable(fn):
-            raise ValueError(f"reward function must be callable, got {type(fn).__name__}")
+            raise ConfigError(f"reward function must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or repr(fn)
         self.timeout = timeout
@@ -606,7 +606,7 @@ class PythonReward(RewardFunction):
             signature.bind(None, None, None)
         except TypeError as exc:
             shape = "(samples, prompt, label)" if self.per_group else "(sample, prompt, label)"
-            raise ValueError(
+            raise ConfigError(
                 f"reward function {self.name!r} cannot be called as {shape}: {exc}"
             ) from exc
 
@@ -670,7 +670,7 @@ class PythonReward(RewardFunction):
 
 def _import_callable(spec: str) -> Callable[..., Any]:
     if not spec.partition(":")[0].strip() or not spec.partition(":")[2].strip():
-        raise ValueError(
+        raise ConfigError(
             f"reward spec {spec!r} must look like 'module.path:function' (or be 'math' or 'remote:URL')"
         )
     return import_callable(spec, "reward spec")
@@ -683,25 +683,25 @@ def _import_callable(spec: str) -> Callable[..., Any]:
 
 def load_reward(spec: str, *, timeout: float = 30.0) -> RewardFunction:
     """Build the reward function named by ``spec``: ``"math"``, ``"remote:URL"`` or
-    ``"module.path:function"``. Raises ValueError for a bad spec, an unknown module, a missing
+    ``"module.path:function"``. Raises ConfigError for a bad spec, an unknown module, a missing
     attribute or a non-callable. ``timeout`` (seconds) is the HTTP timeout of a remote reward and
     bounds each ``score()`` of an async Python reward."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
+        raise ConfigError(
             f"reward spec must be 'math', 'remote:URL' or 'module.path:function', got {spec!r}"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ValueError(f"reward timeout must be a positive number of seconds, got {timeout!r}")
+        raise ConfigError(f"reward timeout must be a positive number of seconds, got {timeout!r}")
     spec = spec.strip()
     if spec == "math":
         return MathReward()
     if spec.startswith("remote:"):
         url = spec[len("remote:") :].strip()
         if not url:
-            raise ValueError("reward spec 'remote:' needs a URL, e.g. 'remote:http://host:8000/reward'")
+            raise ConfigError("reward spec 'remote:' needs a URL, e.g. 'remote:http://host:8000/reward'")
         return RemoteReward(url, timeout=float(timeout))
     if ":" not in spec:
-        raise ValueError(
+        raise ConfigError(
             f"unknown reward spec {spec!r}: expected 'math', 'remote:URL' or 'module.path:function'"
         )
     fn = _import_callable(spec)

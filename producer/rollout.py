@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollstream.common.errors import EngineRejected
+from rollstream.common.errors import EngineRejected, PromptNotSupported
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
@@ -199,8 +199,8 @@ class Rollout:
             return {"text": prompt.prompt}
         if self.engine.accepts_messages:
             return {"messages": prompt.prompt}
-        raise EngineRejected(
-            400, "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
+        raise PromptNotSupported(
+            "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
 
 

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_object
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,12 @@ class PromptTokenizer:
 
     def __init__(self, source: str | None = None, *, tokenizer: Any = None) -> None:
         if (source is None) == (tokenizer is None):
-            raise ValueError("give exactly one of a tokenizer name/path and a tokenizer object")
+            raise ConfigError("give exactly one of a tokenizer name/path and a tokenizer object")
         self.source = source or type(tokenizer).__name__
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         if tokenizer is None and importlib.util.find_spec("transformers") is None:
-            raise ValueError(
+            raise ConfigError(
                 f"--tokenizer {source} needs the 'transformers' package: "
                 "pip install 'rollstream[transformers]' (or pass module:attribute for a custom tokenizer)"
             )
@@ -77,7 +78,7 @@ class PromptTokenizer:
         """Prompt ids of chat messages rendered with the model's chat template."""
         tokenizer = self._get()
         if not hasattr(tokenizer, "apply_chat_template"):
-            raise ValueError(f"tokenizer {self.source} has no apply_chat_template")
+            raise ConfigError(f"tokenizer {self.source} has no apply_chat_template")
         rendered = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
         return _as_ids(rendered, f"tokenizer {self.source}.apply_chat_template")
 
@@ -85,12 +86,12 @@ class PromptTokenizer:
 def load_tokenizer(spec: str) -> PromptTokenizer:
     """A tokenizer from ``--tokenizer``: ``module:attribute`` or a Hugging Face name or path."""
     if not spec or not spec.strip():
-        raise ValueError("--tokenizer needs a name, a path or module:attribute")
+        raise ConfigError("--tokenizer needs a name, a path or module:attribute")
     if _OBJECT_SPEC.match(spec):
         obj = import_object(spec, "--tokenizer")
         if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "encode")):
             obj = obj()
         if not hasattr(obj, "encode"):
-            raise ValueError(f"--tokenizer {spec}: the object has no encode()")
+            raise ConfigError(f"--tokenizer {spec}: the object has no encode()")
         return PromptTokenizer(tokenizer=obj)
     return PromptTokenizer(spec)

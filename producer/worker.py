@@ -90,12 +90,12 @@ class ProducerSettings:
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer, got {self.concurrency!r}")
+            raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):
-            raise ValueError(f"producer name must be non-empty without spaces, got {self.name!r}")
+            raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")
         for name in ("heartbeat_interval", "drain_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+                raise ConfigError(f"{name} must be positive")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)

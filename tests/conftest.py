@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import os
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -15,15 +14,15 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from rollstream.cli.children import stop_processes
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import init_namespace
-from rollstream.common.server import EmbeddedRedis
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.children import start_cli, stop_processes
+from rollstream.testing.server import EmbeddedRedis
+from rollstream.testing.sim import SimConfig, SimEngine
 
 _counter = itertools.count()
 
@@ -86,12 +85,7 @@ class ProcessPool:
 
     def start(self, *args: str, log_name: str | None = None) -> subprocess.Popen[bytes]:
         log = self.tmp_path / f"{log_name or args[0]}-{len(self.children)}.log"
-        with open(log, "wb") as handle:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.cli", *args],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-            )
+        child = start_cli(args, log, new_session=False)
         self.children.append((child, log))
         return child
 

@@ -14,7 +14,7 @@ from typing import Any
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
 from rollstream.consumer import GroupConsumer
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
 from test_staleness import stop_producers
 
 STEPS = 20

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from rollstream.common.errors import EngineRejected
+from rollstream.common.errors import ConfigError, EngineRejected
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.tokenizer import PromptTokenizer, load_tokenizer
-from rollstream.sim import SimEngine
-from rollstream.sim.engine import render_chat, tokenize
+from rollstream.testing.sim import SimEngine
+from rollstream.testing.sim.engine import render_chat, tokenize
 
 
 async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEngine) -> None:
@@ -55,12 +55,12 @@ async def test_a_given_tokenizer_replaces_the_engine_tokenize(sim: SimEngine) ->
 
 
 def test_tokenizer_errors_are_clear() -> None:
-    with pytest.raises(ValueError, match="cannot load"):
+    with pytest.raises(ConfigError, match="cannot load"):
         load_tokenizer("no_such_module_xyz:Tok")
     try:
         import transformers  # noqa: F401
     except ImportError:
-        with pytest.raises(ValueError, match="transformers"):
+        with pytest.raises(ConfigError, match="transformers"):
             load_tokenizer("org/some-model")
-    with pytest.raises(ValueError, match="--model"):
+    with pytest.raises(ConfigError, match="--model"):
         EngineSettings(urls=("http://x",), api="openai")

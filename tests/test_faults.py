@@ -28,10 +28,10 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ProducerFailed
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample, Status
-from rollstream.common.server import EmbeddedRedis
 from rollstream.consumer import GroupConsumer
 from rollstream.consumer.consumer import _READ_BLOCK_MS
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.server import EmbeddedRedis
+from rollstream.testing.sim import SimConfig, SimEngine
 
 
 @pytest.fixture

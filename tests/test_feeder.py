@@ -73,10 +73,10 @@ async def test_a_different_dataset_is_refused(redis: Redis, ns: str, tmp_path: P
 def test_bad_dataset_lines_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
         load_jsonl(path)
     path.write_text('{"prompt": "ok"}\nnot json\n')
-    with pytest.raises(ValueError, match=r":2: not JSON"):
+    with pytest.raises(ConfigError, match=r":2: not JSON"):
         load_jsonl(path)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         FeedSettings(namespace="x", window=0)

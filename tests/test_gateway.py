@@ -18,7 +18,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
 
 
 def _router_binary() -> str | None:

@@ -10,9 +10,9 @@ import sys
 from typing import Any
 
 from conftest import add_prompts, make_namespace, wait_until
-from rollstream.common.inspect import snapshot
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
+from rollstream.ops.snapshot import snapshot
 
 
 async def run_inspect(redis_url: str, ns: str, *extra: str) -> tuple[int, str]:

@@ -16,8 +16,8 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Status
 from rollstream.consumer import GroupConsumer
-from rollstream.sim import SimConfig, SimEngine
-from rollstream.sim.engine import detokenize, render_chat, tokenize
+from rollstream.testing.sim import SimConfig, SimEngine
+from rollstream.testing.sim.engine import detokenize, render_chat, tokenize
 
 TESTS_DIR = Path(__file__).resolve().parent
 OPENAI = ("--engine-api", "openai", "--model", "rollstream-sim")

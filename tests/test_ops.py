@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 from conftest import add_prompts, make_namespace, wait_until
-from rollstream.common.keys import Keys
-from rollstream.common.server import free_port
+from rollstream import ops
+from rollstream.common.errors import ConfigError, NamespaceNotInitialized
+from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
 from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import free_port
 
 
 async def cli(*args: str, stdin: bytes = b"") -> tuple[int, str]:
@@ -133,3 +135,26 @@ async def test_dead_requeue_brings_prompts_back_and_they_get_trained_on(
 
 async def _eq(value, expected) -> bool:
     return (await value) == expected
+
+
+async def test_operator_pause_resume_and_release(redis, ns):
+    """``rollstream.ops`` in-process: pause/resume write the state hash; release_consumer hands a
+    gone trainer's pending groups back to the stream and deletes the consumer."""
+    keys = Keys(ns)
+    with pytest.raises(NamespaceNotInitialized):
+        await ops.pause(redis, keys)
+    await make_namespace(redis, ns)
+    await ops.pause(redis, keys)
+    assert await redis.hget(keys.state, StateField.PAUSED) == b"1"
+    await ops.resume(redis, keys, 3)
+    assert await redis.hmget(keys.state, [StateField.PAUSED, StateField.WEIGHT_VERSION]) == [b"0", b"3"]
+    with pytest.raises(ConfigError):
+        await ops.resume(redis, keys, -1)
+
+    for index in range(3):
+        await redis.xadd(keys.groups, {"index": index, "data": b"x"})
+    await redis.xreadgroup(TRAINER_GROUP, "gone", {keys.groups: ">"}, count=2)
+    assert await ops.release_consumer(redis, keys, "gone") == 2
+    assert (await redis.xpending(keys.groups, TRAINER_GROUP))["pending"] == 0
+    assert await redis.xlen(keys.groups) == 3
+    assert "gone" not in {c["name"].decode() for c in await redis.xinfo_consumers(keys.groups, TRAINER_GROUP)}

@@ -10,7 +10,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.consumer import GroupConsumer
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
 from test_staleness import stop_producers
 
 

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from rollstream.common.events import FATAL, recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.consumer import GroupConsumer
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
 
 
 async def test_take_returns_the_oldest_groups_and_leaves_the_surplus(

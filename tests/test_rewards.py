@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from rollstream.common.errors import RewardError
+from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.models import Sample
 from rollstream.producer.rewards import (
     MathReward,
@@ -445,12 +445,12 @@ async def test_async_timeout() -> None:
     ],
 )
 def test_bad_specs(spec: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         load_reward(spec)
 
 
 def test_bad_timeout() -> None:
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(ConfigError, match="timeout"):
         load_reward("math", timeout=0)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from rollstream.sim import SimConfig, SimEngine, detokenize, evaluate_last_expression, tokenize
+from rollstream.testing.sim import SimConfig, SimEngine, detokenize, evaluate_last_expression, tokenize
 
 QUESTION = "What is 8 * 12 - 5?"
 BOXED = re.compile(r"\\boxed\{([^}]*)\}")

@@ -16,7 +16,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Status
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, parse_version
-from rollstream.sim import SimConfig, SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
 from test_staleness import stop_producers
 
 

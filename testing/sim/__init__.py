@@ -1,6 +1,6 @@
 """A simulated inference engine: a test double for SGLang / vLLM (not a model)."""
 
-from rollstream.sim.engine import (
+from rollstream.testing.sim.engine import (
     SimConfig,
     SimEngine,
     SimState,

@@ -10,33 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from rollstream.common.config import PipelineConfig
+from rollstream.common.errors import ConfigError
+from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
+from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 
-from .codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
-from .config import PipelineConfig
-from .errors import ConfigError, DecodeError
-from .events import FATAL, WARNING, now_ms, recent_events
-from .keys import ALIVE_STATES, PREFIX, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField, namespace_of
-from .lua import Scripts
-from .models import Prompt, retry_prompt
-
-logger = logging.getLogger(__name__)
+from ._fields import as_int as _int
+from ._fields import text as _text
+from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, judge
 
 SCHEMA_VERSION = 1
-DEFAULT_STUCK_AFTER = 300.0
-LEASE_WARNING_FRACTION = 0.8
-"""A lease idle for more than this fraction of ``lease_seconds`` is about to be taken over."""
 _PENDING_SCAN_LIMIT = 10_000
 _TRACEBACK_LINES = 6
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _id_ms(entry_id: str | bytes) -> int:
@@ -45,13 +34,6 @@ def _id_ms(entry_id: str | bytes) -> int:
 
 def _age_s(now: int, then_ms: int | None) -> float | None:
     return None if not then_ms else round(max(0, now - then_ms) / 1000, 3)
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(_text(value)) if value not in (None, b"", "") else 0
-    except ValueError:
-        return 0
 
 
 async def _consumers(redis: Redis, stream: str, group: str) -> list[dict[str, Any]]:
@@ -186,60 +168,12 @@ def _event_row(event: Any, now: int) -> dict[str, Any]:
     }
 
 
-def _judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
-    problems: list[str] = []
-    warnings: list[str] = []
-    if snap["config"] is None:
-        problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
-    producers = snap["producers"]
-    alive = [p for p in producers if p["alive"]]
-    dead = [p for p in producers if p["status"] == "dead"]
-    if not alive:
-        detail = f" ({len(dead)} dead: {', '.join(p['name'] for p in dead)})" if dead else ""
-        problems.append(f"no live producer{detail}")
-    elif dead:
-        warnings.append(f"{len(dead)} dead producer(s): {', '.join(p['name'] for p in dead)}")
-    trainer = snap["trainer"]
-    last_commit = trainer["last_commit_ms"] or 0
-    fatal = [e for e in snap["events"] if e["kind"] == FATAL and e["ts_ms"] > last_commit]
-    if fatal:
-        newest = fatal[0]
-        problems.append(
-            f"fatal error in {newest['source']} {newest['age_s']:.0f} s ago, after the last commit: {newest['message']}"
-        )
-    groups = snap["groups"]
-    last_trainer = max(trainer["last_take_ms"] or 0, last_commit)
-    if groups["backlog"] > 0 and groups["oldest_waiting_age_s"] is not None:
-        idle = min(groups["oldest_waiting_age_s"], (now - last_trainer) / 1000 if last_trainer else float("inf"))
-        if idle > stuck_after:
-            problems.append(
-                f"backlog stuck: {groups['backlog']} groups waiting, no take or commit for {idle:.0f} s "
-                f"(> {stuck_after:.0f} s)"
-            )
-    if groups["taken_uncommitted"] > 0 and last_trainer and (now - last_trainer) / 1000 > stuck_after:
-        problems.append(
-            f"trainer stuck: {groups['taken_uncommitted']} groups taken but not committed, no take or commit "
-            f"for {(now - last_trainer) / 1000:.0f} s (> {stuck_after:.0f} s)"
-        )
-    prompts = snap["prompts"]
-    if prompts["leases_expiring"]:
-        warnings.append(
-            f"{prompts['leases_expiring']} prompt lease(s) idle past {LEASE_WARNING_FRACTION:.0%} of "
-            f"{prompts['lease_seconds']:.0f} s: their producer may be gone"
-        )
-    if snap["dead"]["length"]:
-        warnings.append(f"{snap['dead']['length']} dead-letter entries (see `rollstream dead list`)")
-    if trainer["paused"]:
-        warnings.append("paused: producers admit nothing until `rollstream resume`")
-    return {"ok": not problems, "problems": problems, "warnings": warnings}
-
-
 async def snapshot(
     redis: Redis, keys: Keys, *, stuck_after: float = DEFAULT_STUCK_AFTER, events: int = 5
 ) -> dict[str, Any]:
     """Everything an operator needs about one namespace, with a health verdict."""
     if stuck_after <= 0:
-        raise ValueError(f"stuck_after must be positive, got {stuck_after!r}")
+        raise ConfigError(f"stuck_after must be positive, got {stuck_after!r}")
     now = now_ms()
     raw_config = await redis.hgetall(keys.config)
     config: PipelineConfig | None = None
@@ -294,106 +228,5 @@ async def snapshot(
         },
         "events": errors,
     }
-    snap["health"] = _judge(snap, stuck_after, now)
+    snap["health"] = judge(snap, stuck_after, now)
     return snap
-
-
-# -- namespaces ------------------------------------------------------------------------------
-
-
-async def list_namespaces(redis: Redis) -> list[str]:
-    """Namespaces with at least one key, found with SCAN (never KEYS: it blocks the server)."""
-    found: set[str] = set()
-    async for key in redis.scan_iter(match=f"{PREFIX}:{{*}}:*", count=1000):
-        namespace = namespace_of(_text(key))
-        if namespace is not None:
-            found.add(namespace)
-    return sorted(found)
-
-
-async def delete_namespace(redis: Redis, keys: Keys) -> int:
-    """Delete exactly this namespace's keys; the number of keys that existed."""
-    return int(await redis.delete(*keys.all_keys()))
-
-
-# -- dead letters ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DeadEntry:
-    id: str
-    source: str
-    reason: str
-    index: int | None
-    attempt: int | None
-    ts_ms: int | None
-    prompt: Prompt | None
-    """The prompt to requeue, or None when the entry's data decodes as neither prompt nor group."""
-    error: str = ""
-
-
-def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> DeadEntry:
-    """Decode one dead-letter entry: a prompt payload (this build writes only those) or, from
-    entries written by older builds, a group payload turned into its prompt."""
-    text = {_text(k): v for k, v in fields.items()}
-    prompt: Prompt | None = None
-    error = ""
-    try:
-        prompt = decode_prompt_entry(fields, DEFAULT_LIMITS)
-    except DecodeError as prompt_exc:
-        try:
-            group = decode_group_entry(fields, DEFAULT_LIMITS)
-        except DecodeError as group_exc:
-            error = f"not a prompt ({prompt_exc}) nor a group ({group_exc})"
-        else:
-            prompt = retry_prompt(group, _text(text.get("reason", b"")))  # written by older builds
-    index = prompt.index if prompt is not None else (_int(text["index"]) if "index" in text else None)
-    attempt = prompt.attempt if prompt is not None else (_int(text["attempt"]) if "attempt" in text else None)
-    return DeadEntry(
-        id=_text(entry_id),
-        source=_text(text.get("source", b"")),
-        reason=_text(text.get("reason", b"")),
-        index=index,
-        attempt=attempt,
-        ts_ms=_int(text["ts_ms"]) if "ts_ms" in text else None,
-        prompt=prompt,
-        error=error,
-    )
-
-
-async def dead_entries(
-    redis: Redis, keys: Keys, *, ids: list[str] | None = None, count: int | None = None
-) -> list[DeadEntry]:
-    """Dead-letter entries, oldest first: the given ids (missing ones skipped) or the first ``count``."""
-    if count is not None and count < 1:
-        raise ValueError(f"count must be positive, got {count!r}")
-    if ids:
-        rows = []
-        for entry_id in ids:
-            rows.extend(await redis.xrange(keys.dead, min=entry_id, max=entry_id))
-    else:
-        rows = await redis.xrange(keys.dead, count=count)
-    return [dead_entry(entry_id, fields) for entry_id, fields in rows]
-
-
-async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None:
-    """Move one dead entry back to the prompt stream as a fresh attempt; the new prompt id,
-    or None when it was already gone. Raises ValueError for entries that cannot be decoded."""
-    if entry.prompt is None:
-        raise ValueError(f"dead entry {entry.id} cannot be requeued: {entry.error}")
-    fresh = dataclasses.replace(
-        entry.prompt,
-        attempt=0,
-        partial=None,
-        history=[*entry.prompt.history, f"requeued from dead-letter {entry.id}"][-20:],
-    )
-    result = await Scripts(redis, keys).requeue(entry.id, prompt_fields(fresh))
-    if not result:
-        return None
-    logger.info("requeued dead entry %s (prompt %d) as %s", entry.id, fresh.index, _text(result))
-    return _text(result)
-
-
-async def drop_dead(redis: Redis, keys: Keys, ids: list[str]) -> int:
-    if not ids:
-        return 0
-    return int(await redis.xdel(keys.dead, *ids))

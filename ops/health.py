@@ -1,0 +1,65 @@
+"""The health rules: one rule set judging a namespace snapshot (plain data, no I/O).
+
+``rollstream inspect`` (and ``ns show``) exit with this verdict. The rules read only the snapshot
+dict, so any caller holding the same facts (e.g. ``take()``'s diagnostics) can apply them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollstream.common.events import FATAL
+
+DEFAULT_STUCK_AFTER = 300.0
+"""Groups waiting (or taken) with no take or commit for this long make a namespace unhealthy."""
+LEASE_WARNING_FRACTION = 0.8
+"""A lease idle for more than this fraction of ``lease_seconds`` is about to be taken over."""
+
+
+def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
+    """The verdict on one snapshot: problems make it unhealthy, warnings do not."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    if snap["config"] is None:
+        problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
+    producers = snap["producers"]
+    alive = [p for p in producers if p["alive"]]
+    dead = [p for p in producers if p["status"] == "dead"]
+    if not alive:
+        detail = f" ({len(dead)} dead: {', '.join(p['name'] for p in dead)})" if dead else ""
+        problems.append(f"no live producer{detail}")
+    elif dead:
+        warnings.append(f"{len(dead)} dead producer(s): {', '.join(p['name'] for p in dead)}")
+    trainer = snap["trainer"]
+    last_commit = trainer["last_commit_ms"] or 0
+    fatal = [e for e in snap["events"] if e["kind"] == FATAL and e["ts_ms"] > last_commit]
+    if fatal:
+        newest = fatal[0]
+        problems.append(
+            f"fatal error in {newest['source']} {newest['age_s']:.0f} s ago, after the last commit: {newest['message']}"
+        )
+    groups = snap["groups"]
+    last_trainer = max(trainer["last_take_ms"] or 0, last_commit)
+    if groups["backlog"] > 0 and groups["oldest_waiting_age_s"] is not None:
+        idle = min(groups["oldest_waiting_age_s"], (now - last_trainer) / 1000 if last_trainer else float("inf"))
+        if idle > stuck_after:
+            problems.append(
+                f"backlog stuck: {groups['backlog']} groups waiting, no take or commit for {idle:.0f} s "
+                f"(> {stuck_after:.0f} s)"
+            )
+    if groups["taken_uncommitted"] > 0 and last_trainer and (now - last_trainer) / 1000 > stuck_after:
+        problems.append(
+            f"trainer stuck: {groups['taken_uncommitted']} groups taken but not committed, no take or commit "
+            f"for {(now - last_trainer) / 1000:.0f} s (> {stuck_after:.0f} s)"
+        )
+    prompts = snap["prompts"]
+    if prompts["leases_expiring"]:
+        warnings.append(
+            f"{prompts['leases_expiring']} prompt lease(s) idle past {LEASE_WARNING_FRACTION:.0%} of "
+            f"{prompts['lease_seconds']:.0f} s: their producer may be gone"
+        )
+    if snap["dead"]["length"]:
+        warnings.append(f"{snap['dead']['length']} dead-letter entries (see `rollstream dead list`)")
+    if trainer["paused"]:
+        warnings.append("paused: producers admit nothing until `rollstream resume`")
+    return {"ok": not problems, "problems": problems, "warnings": warnings}

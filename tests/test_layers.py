@@ -1,0 +1,157 @@
+"""The import rules of docs/architecture.md, read from the source (ast), so a wrong-way import
+fails the suite instead of slowly tangling the packages.
+
+Layers, top to bottom: cli -> integrations / ops / testing -> producer, consumer -> common.
+An import may only point down (or stay inside its own package); producer and consumer never
+import each other; Redis key names are spelled only in ``common/keys.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {
+    "package": "rollstream",
+    "common": "rollstream.common",
+    "producer": "rollstream.producer",
+    "consumer": "rollstream.consumer",
+    "ops": "rollstream.ops",
+    "integrations": "rollstream.integrations",
+    "testing": "rollstream.testing",
+    "cli": "rollstream.cli",
+}
+ALLOWED = {
+    "rollstream": set(),  # imported first by every subpackage: it must stay light
+    "common": {"common"},
+    "producer": {"producer", "common"},
+    "consumer": {"consumer", "common"},
+    "ops": {"ops", "producer", "consumer", "common"},
+    "integrations": {"integrations", "producer", "consumer", "common"},
+    "testing": {"testing", "producer", "consumer", "common"},
+    "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "common", "rollstream"},
+}
+HAND_BUILT_KEY = re.compile(r"\}:|:\{")
+KEY_LITERAL = re.compile(r"rollstream:(?! )")  # "rollstream: error: ..." is a message, not a key
+
+
+def library_files(root: Path = ROOT) -> Iterator[tuple[str, Path]]:
+    for folder, package in FOLDERS.items():
+        base = root / folder
+        if base.is_dir():
+            for path in sorted(base.rglob("*.py")):
+                yield package, path
+
+
+def module_name(package: str, path: Path, folder: Path) -> str:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def imported(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``; relative ones resolved."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            yield node.lineno, target
+            if not node.module or node.module == "rollstream":  # `from rollstream import ops`
+                for alias in node.names:
+                    yield node.lineno, f"{target}.{alias.name}"
+
+
+def layer(name: str) -> str | None:
+    """The layer of a rollstream module name (None for third-party and stdlib)."""
+    parts = name.split(".")
+    if parts[0] != "rollstream":
+        return None
+    if len(parts) == 1 or parts[1] == "__version__":
+        return "rollstream"
+    return parts[1] if parts[1] in ALLOWED else "rollstream"
+
+
+def violations() -> Iterator[str]:
+    for package, path in library_files():
+        folder = ROOT / path.relative_to(ROOT).parts[0]
+        module = module_name(package, path, folder)
+        own = layer(module)
+        assert own is not None
+        for line, target in imported(path, module):
+            other = layer(target)
+            if other is not None and other != own and other not in ALLOWED[own]:
+                yield f"{path.relative_to(ROOT)}:{line}: {own} must not import {target}"
+
+
+def key_spellings(root: Path = ROOT) -> Iterator[str]:
+    for _, path in library_files(root):
+        if path == root / "common" / "keys.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if KEY_LITERAL.search(node.value):
+                    yield f"{where}: Redis key literal {node.value[:60]!r}"
+            elif isinstance(node, ast.JoinedStr):
+                literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+                if HAND_BUILT_KEY.search(literal) or KEY_LITERAL.search(literal):
+                    yield f"{where}: hand-built key name in an f-string ({literal[:60]!r})"
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("keys"):
+                if any(alias.name == "PREFIX" for alias in node.names):
+                    yield f"{where}: builds key names from PREFIX; use common.keys.Keys"
+
+
+def test_imports_point_down() -> None:
+    found = list(violations())
+    assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+def test_redis_key_names_only_in_the_keys_module() -> None:
+    found = list(key_spellings())
+    assert not found, "key names spelled outside common/keys.py:\n" + "\n".join(found)
+
+
+def test_the_key_checker_catches_a_hand_built_key(tmp_path: Path) -> None:
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "bad.py").write_text('KEY = f"{PREFIX}:{{{ns}}}:prompts"\nOTHER = "rollstream:{x}:dead"\n')
+    found = list(key_spellings(tmp_path))
+    assert len(found) == 2, found
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from rollstream.cli.main import main\n", "common must not import rollstream.cli.main"),
+        ("from ..consumer import GroupConsumer\n", "common must not import rollstream.consumer"),
+    ],
+)
+def test_the_rule_checker_catches_a_wrong_way_import(tmp_path: Path, source: str, expected: str) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text(source)
+    found = [
+        f"common must not import {target}"
+        for _, target in imported(path, "rollstream.common.bad")
+        if layer(target) not in (None, "common")
+    ]
+    assert expected in found
