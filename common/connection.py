@@ -12,9 +12,7 @@ Two rules from redis-py's behaviour shape this module:
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -26,6 +24,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .backoff import Backoff
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -72,7 +71,7 @@ class Outage:
     def __init__(self, logger: logging.Logger, what: str, *, max_delay: float = 2.0) -> None:
         self._logger = logger
         self._what = what
-        self._max_delay = max_delay
+        self._backoff = Backoff(base=0.05, cap=max_delay)
         self._since: float | None = None
         self._attempt = 0
         self.count = 0
@@ -84,8 +83,7 @@ class Outage:
             self.count += 1
             self._logger.warning("%s: lost Redis (%s: %s); reconnecting", self._what, type(exc).__name__, exc)
         self._attempt += 1
-        delay = min(self._max_delay, 0.05 * 2 ** min(self._attempt, 10))
-        await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        await self._backoff.sleep(self._attempt)
 
     def recovered(self) -> None:
         if self._since is not None:
