@@ -20,12 +20,11 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backoff import Backoff
-from .errors import ConfigError
 
 T = TypeVar("T")
 
@@ -51,17 +50,6 @@ def connect(url: str, *, block_ms: int | None = None, name: str | None = None) -
         retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
         client_name=name,
         decode_responses=False,
-    )
-
-
-def is_nogroup(exc: BaseException) -> bool:
-    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
-
-
-def nogroup_error(namespace: str, exc: BaseException) -> ConfigError:
-    return ConfigError(
-        f"the streams of namespace {namespace!r} are gone ({exc}); was the namespace deleted? "
-        f"Run `rollstream init --ns {namespace} ...` to create it again"
     )
 
 

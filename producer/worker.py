@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
@@ -41,18 +39,16 @@ from rollstream.common.connection import (
     TRANSIENT_ERRORS,
     Outage,
     connect,
-    is_nogroup,
-    nogroup_error,
 )
 from rollstream.common.errors import (
     ConfigError,
     DecodeError,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
-from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
+from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
+from rollstream.common.protocol import Control, Entry, Heartbeat, PromptQueue, write_heartbeat
 
 from .engine import EngineClient
 from .rewards import RewardFunction
@@ -139,7 +135,8 @@ class Producer:
         self.keys = Keys(settings.namespace)
         self.redis = redis
         self._blocking = blocking
-        self.scripts = Scripts(redis, self.keys)
+        self.prompts = PromptQueue(redis, self.keys, settings.name)
+        self.control = Control(redis, self.keys)
         self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
         self.rollout = Rollout(
@@ -161,7 +158,6 @@ class Producer:
         self._fatal: BaseException | None = None
         self._fatal_tb = ""
         self._state = "starting"
-        self._reclaim_cursor = "0-0"
         self._reclaim_due = False
         self._outage = Outage(logger, f"producer {self.name}")
         self._blocked_since: float | None = None
@@ -303,27 +299,24 @@ class Producer:
                 return
             admitted = False
             try:
-                status, prompt_id, fields, version = await self._outage.run(
-                    lambda: self.scripts.admit(
-                        consumer=self.name,
+                admission = await self._outage.run(
+                    lambda: self.prompts.admit(
                         max_backlog=cfg.max_backlog,
                         admission=cfg.admission_enabled,
                         max_staleness=cfg.max_staleness or 0,
                         batch_size=cfg.batch_size,
                     )
                 )
-                if status == "ok" and prompt_id is not None and fields is not None:
+                if admission.entry is not None:
                     self._blocked(False)
-                    self._start_work(prompt_id, fields, version)
+                    entry_id, fields = admission.entry
+                    self._start_work(entry_id, fields, admission.weight_version)
                     admitted = True
                     continue
-            except Exception as exc:
-                if is_nogroup(exc):
-                    raise nogroup_error(self.keys.namespace, exc) from exc
-                raise
             finally:
                 if not admitted:
                     await self._release(n)
+            status = admission.status
             if status == "empty":
                 self._blocked(False)
                 await self._wait_for_prompts()
@@ -336,7 +329,7 @@ class Producer:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
         self._wake.clear()
         read = asyncio.create_task(
-            self._blocking.xread({self.keys.prompts: "$"}, count=1, block=1000), name="wait-prompts"
+            self.prompts.wait_for_new(self._blocking, block_ms=1000), name="wait-prompts"
         )
         wake = asyncio.create_task(self._wake.wait(), name="wait-wake")
         try:
@@ -368,7 +361,7 @@ class Producer:
             work.prompt = prompt
             group = await self.rollout.run(prompt, work.version)
             fields = group_fields(group)
-            result = await self._outage.run(lambda: self.scripts.publish(work.prompt_id, fields, now_ms()))
+            result = await self._outage.run(lambda: self.prompts.publish(work.prompt_id, fields))
             finished = True
             if result is None:
                 self.duplicates += 1
@@ -381,7 +374,7 @@ class Producer:
                 self._publish_times.append(time.monotonic())
                 self.metrics.group_published(group)
         except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
-            self._set_fatal(nogroup_error(self.keys.namespace, exc) if is_nogroup(exc) else exc)
+            self._set_fatal(exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._work.pop(work.prompt_id, None)
@@ -389,41 +382,23 @@ class Producer:
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
         logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
-        await self._outage.run(
-            lambda: self.scripts.dead_letter(
-                source=self.keys.prompts, group=PRODUCERS_GROUP, entry_id=work.prompt_id,
-                reason=reason, fields=work.fields, now_ms=now_ms(),
-            )
-        )
+        await self._outage.run(lambda: self.prompts.dead_letter(work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
     async def _adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
-        try:
-            pending = await self._outage.run(
-                lambda: self.redis.xpending_range(
-                    self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.name
-                )
-            )
-        except Exception as exc:
-            if is_nogroup(exc):
-                raise nogroup_error(self.keys.namespace, exc) from exc
-            raise
-        if pending:
-            ids = [p["message_id"] for p in pending]
-            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(ids))
-            claimed = await self.redis.xclaim(self.keys.prompts, PRODUCERS_GROUP, self.name, 0, ids)
+        claimed = await self._outage.run(self.prompts.own_pending)
+        if claimed:
+            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
             await self._take_over(claimed)
 
-    async def _take_over(self, claimed: list[Any]) -> None:
+    async def _take_over(self, claimed: list[Entry]) -> None:
         n = self.config.n_samples_per_prompt
         version = await self._trainer_version()
         for entry_id, fields in claimed:
-            if entry_id is None:
-                continue
             if not fields:
-                await self._outage.run(lambda e=entry_id: self._ack_deleted(e))
+                await self._outage.run(lambda e=entry_id: self.prompts.ack_deleted(e))
                 continue
             if entry_id in self._work:
                 continue
@@ -434,15 +409,10 @@ class Producer:
             self.reclaimed += 1
             self._start_work(entry_id, fields, version)
             # Only a counter, but a Redis outage here must not become a fatal error.
-            await self._outage.run(lambda: self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1))
-
-    async def _ack_deleted(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
-        await self.redis.xdel(self.keys.prompts, entry_id)
+            await self._outage.run(self.prompts.count_reclaimed)
 
     async def _trainer_version(self) -> int:
-        raw = await self._outage.run(lambda: self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION))
-        return int(raw or 0)
+        return await self._outage.run(self.control.weight_version)
 
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
@@ -452,7 +422,7 @@ class Producer:
             if not ids:
                 continue
             try:
-                lost = await self.scripts.renew(self.name, ids)
+                lost = await self.prompts.renew(ids)
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
                 continue
@@ -479,37 +449,28 @@ class Producer:
                 self._reclaim_due = False
                 continue
             try:
-                if await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1":
+                if await self.control.paused():
                     self._reclaim_due = False
                     continue
                 if not self._reclaim_due:
-                    due = await self.redis.xpending_range(
-                        self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms
-                    )
-                    if not due:
+                    if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
                 async with self._capacity:
                     await self._capacity.wait_for(lambda: self._free >= n or self._stopping.is_set())
-                reply = await self.redis.xautoclaim(
-                    self.keys.prompts, PRODUCERS_GROUP, self.name, lease_ms,
-                    start_id=self._reclaim_cursor, count=max(1, self._free // n),
-                )
+                claimed = await self.prompts.reclaim(lease_ms, count=self._free // n)
             except TRANSIENT_ERRORS as exc:
                 self._reclaim_due = False
                 await self._outage.failed(exc)
                 continue
             self._outage.recovered()
-            cursor, claimed = reply[0], reply[1]
-            self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-            claimed = [c for c in claimed if c[0] is not None]
             if claimed:
                 logger.info(
                     "producer %s: reclaimed %d prompts idle past the %.0f s lease",
                     self.name, len(claimed), self.config.lease_seconds,
                 )
                 await self._take_over(claimed)
-            elif self._reclaim_cursor in ("0-0", "0"):
+            elif self.prompts.reclaim_scanned:
                 self._reclaim_due = False  # scanned to the end: nothing left to take over
             if not self._reclaim_due:
                 self._wake.set()
@@ -527,27 +488,23 @@ class Producer:
             self._blocked_total += now - self._blocked_since
             self._blocked_since = now
         blocked_ms = int((self._blocked_total - self._blocked_reported) * 1000)
-        beat = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "state": self._state,
-            "in_flight_samples": self.in_flight_samples,
-            "in_flight_prompts": len(self._work),
-            "concurrency": self.settings.concurrency,
-            "published": self.published,
-            "groups_last_minute": self._groups_last_minute(),
-            "duplicates": self.duplicates,
-            "reclaimed": self.reclaimed,
-            "engine_retries": self.engine.retries,
-            "engines": list(self.engine.settings.urls),
-            "started_ms": int(self._started * 1000),
-            "last_seen_ms": now_ms(),
-        }
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.producers, self.name, json.dumps(beat))
-            if blocked_ms > 0:
-                pipe.hincrby(self.keys.state, StateField.ADMISSION_BLOCKED_MS, blocked_ms)
-            await pipe.execute()
+        beat = Heartbeat(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            state=self._state,
+            in_flight_samples=self.in_flight_samples,
+            in_flight_prompts=len(self._work),
+            concurrency=self.settings.concurrency,
+            published=self.published,
+            groups_last_minute=self._groups_last_minute(),
+            duplicates=self.duplicates,
+            reclaimed=self.reclaimed,
+            engine_retries=self.engine.retries,
+            engines=list(self.engine.settings.urls),
+            started_ms=int(self._started * 1000),
+            last_seen_ms=now_ms(),
+        )
+        await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
         if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
@@ -565,9 +522,12 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
-            pubsub = self._blocking.pubsub()
             try:
-                await pubsub.subscribe(self.keys.control)
+                pubsub = await self.control.subscribe(self._blocking)
+            except TRANSIENT_ERRORS as exc:
+                await self._outage.failed(exc)
+                continue
+            try:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
@@ -627,7 +587,7 @@ class Producer:
             fields = {k.decode(): v for k, v in work.fields.items()}
             try:
                 returned = await self._outage.run(
-                    lambda f=fields, w=work: self.scripts.return_prompt(w.prompt_id, f), give_up_after=30
+                    lambda f=fields, w=work: self.prompts.give_back(w.prompt_id, f), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(
