@@ -149,7 +149,7 @@ async def read_heartbeats(redis: Redis, keys: Keys) -> dict[bytes, bytes]:
 
 def _check_version(version: int) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
+        raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 
 class Control:
@@ -364,6 +364,30 @@ class GroupQueue:
             stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
             counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
         )
+
+    async def release(self) -> int:
+        """Give this (gone) consumer's pending groups back to the stream as new entries, then
+        delete the consumer; the number moved back. Each move is atomic (ack + delete + re-add),
+        and the consumer is deleted only when nothing is pending (XGROUP DELCONSUMER would
+        discard pending entries)."""
+        moved = 0
+        while True:
+            pending = await self.pending_ids(count=500)
+            if not pending:
+                break
+            for entry_id in pending:
+                fields = await self.fetch(entry_id)
+                if not fields:
+                    await self.ack_deleted(entry_id)
+                    continue
+                if await self.scripts.move(
+                    source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
+                    target=self.keys.groups, counter=StateField.RELEASED,
+                    fields={k.decode(): v for k, v in fields.items()},
+                ):
+                    moved += 1
+        await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
+        return moved
 
     async def commit(self, ids: Sequence[bytes]) -> int:
         """Acknowledge and delete ``ids``; the number acknowledged now."""

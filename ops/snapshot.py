@@ -9,7 +9,6 @@ Everything is read with non-blocking commands (XLEN, XPENDING, XINFO, HGETALL, X
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from redis.asyncio import Redis
@@ -18,6 +17,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.protocol import Heartbeat, read_heartbeats
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -120,34 +120,29 @@ def _producer_rows(
     for name_raw, value in raw.items():
         name = _text(name_raw)
         try:
-            beat = json.loads(value)
-            if not isinstance(beat, dict):
-                raise ValueError("heartbeat is not an object")
+            beat = Heartbeat.parse(value)
         except ValueError:
             rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200]})
             continue
-        last_seen = _int(beat.get("last_seen_ms"))
-        state = str(beat.get("state", "unknown"))
-        fresh = last_seen >= now - timeout_s * 1000
-        alive = fresh and state in ALIVE_STATES
-        status = state if (fresh or state not in ALIVE_STATES) else "dead"
+        alive = beat.alive(now, timeout_s)
+        status = beat.state if (beat.fresh(now, timeout_s) or beat.state not in ALIVE_STATES) else "dead"
         rows.append(
             {
                 "name": name,
-                "host": beat.get("host"),
-                "pid": beat.get("pid"),
-                "state": state,
+                "host": beat.host,
+                "pid": beat.pid,
+                "state": beat.state,
                 "status": status,
                 "alive": alive,
-                "in_flight_samples": beat.get("in_flight_samples", 0),
-                "in_flight_prompts": beat.get("in_flight_prompts", 0),
-                "concurrency": beat.get("concurrency"),
+                "in_flight_samples": beat.in_flight_samples,
+                "in_flight_prompts": beat.in_flight_prompts,
+                "concurrency": beat.concurrency,
                 "leases_held": pending.get(name, 0),
-                "published": beat.get("published", 0),
-                "groups_last_minute": beat.get("groups_last_minute", 0),
-                "engine_retries": beat.get("engine_retries", 0),
-                "last_seen_ms": last_seen,
-                "heartbeat_age_s": _age_s(now, last_seen),
+                "published": beat.published,
+                "groups_last_minute": beat.groups_last_minute,
+                "engine_retries": beat.engine_retries,
+                "last_seen_ms": beat.last_seen_ms,
+                "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
             }
         )
     rows.sort(key=lambda r: (not r["alive"], r["name"]))
@@ -189,7 +184,7 @@ async def snapshot(
     state = {_text(k): _text(v) for k, v in (await redis.hgetall(keys.state)).items()}
     prompts = await _prompts_section(redis, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
-    producers = _producer_rows(await redis.hgetall(keys.producers), pending_by_producer, timeout_s, now)
+    producers = _producer_rows(await read_heartbeats(redis, keys), pending_by_producer, timeout_s, now)
     recent = await recent_events(redis, keys, count=50)
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
     counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
