@@ -12,6 +12,8 @@ the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this 
   ``control`` channel so waiting producers wake at once.
 * :class:`Heartbeat`: the producers' heartbeat, written and parsed here only, with the one
   liveness rule (:meth:`Heartbeat.alive`).
+* :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys; :func:`mark_take` and
+  :func:`stream_lengths` (what ``take()`` reports).
 * :func:`translate_nogroup`: a missing consumer group (the namespace was deleted) becomes a
   :class:`~.errors.ConfigError` naming the namespace.
 """
@@ -395,6 +397,95 @@ class GroupQueue:
             stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
             counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
         )
+
+
+# -- feed ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FeedCursor:
+    """Where the feeder stands: the next prompt index, epoch, position and the dataset id."""
+
+    next_index: int
+    epoch: int
+    position: int
+    dataset: str | None
+
+
+class Feed:
+    """The feeder's operations: its cursor in ``state`` and the prompt stream it fills."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def cursor(self) -> FeedCursor:
+        raw = await self.redis.hmget(
+            self.keys.state,
+            [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
+        )
+        next_index, epoch, position = (int(v or 0) for v in raw[:3])
+        return FeedCursor(next_index, epoch, position, raw[3].decode() if raw[3] else None)
+
+    async def queued(self) -> int:
+        """Entries in the prompt stream (waiting or in flight)."""
+        return int(await self.redis.xlen(self.keys.prompts))
+
+    async def add(
+        self, *, expected_next: int, next_after: int, epoch: int, position: int, dataset: str,
+        entries: Sequence[Mapping[str, Any]],
+    ) -> int | None:
+        """Add prompt entries and move the cursor atomically, only from ``expected_next``; None
+        when the cursor moved meanwhile (a re-sent call that went through, another feeder)."""
+        return await self.scripts.feed(
+            expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
+            dataset=dataset, entries=entries,
+        )
+
+
+# -- dead letters, namespaces ----------------------------------------------------------------
+
+
+class DeadLetters:
+    """The dead-letter stream of a namespace (no consumer group: operators read and remove)."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def entries(self, *, ids: Sequence[str] | None = None, count: int | None = None) -> list[Entry]:
+        """The given entries (missing ones skipped), else the first ``count``, oldest first."""
+        if ids:
+            rows: list[Any] = []
+            for entry_id in ids:
+                rows.extend(await self.redis.xrange(self.keys.dead, min=entry_id, max=entry_id))
+        else:
+            rows = await self.redis.xrange(self.keys.dead, count=count)
+        return _flat_entries(rows)
+
+    async def requeue(self, entry_id: str, prompt_fields: Mapping[str, Any]) -> bytes | None:
+        """Delete a dead entry and add its prompt to the prompt stream, atomically; None when the
+        entry was already gone."""
+        return await self.scripts.requeue(entry_id, prompt_fields)
+
+    async def drop(self, ids: Sequence[str]) -> int:
+        return int(await self.redis.xdel(self.keys.dead, *ids)) if ids else 0
+
+
+async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
+    """Keys matching ``match``, found with SCAN (never KEYS: it blocks the server)."""
+    return [key async for key in redis.scan_iter(match=match, count=1000)]
+
+
+async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
+    return [key for key in keys.all_keys() if await redis.exists(key)]
+
+
+async def delete_namespace(redis: Redis, keys: Keys) -> int:
+    """Delete exactly this namespace's keys; the number of keys that existed."""
+    return int(await redis.delete(*keys.all_keys()))
 
 
 # -- views -----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
 from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.keys import Keys
-from rollstream.common.lua import Scripts
 from rollstream.common.models import Prompt, retry_prompt
+from rollstream.common.protocol import DeadLetters
 
 from ._fields import as_int, text
 
@@ -67,12 +67,7 @@ async def dead_entries(
     """Dead-letter entries, oldest first: the given ids (missing ones skipped) or the first ``count``."""
     if count is not None and count < 1:
         raise ConfigError(f"count must be positive, got {count!r}")
-    if ids:
-        rows = []
-        for entry_id in ids:
-            rows.extend(await redis.xrange(keys.dead, min=entry_id, max=entry_id))
-    else:
-        rows = await redis.xrange(keys.dead, count=count)
+    rows = await DeadLetters(redis, keys).entries(ids=ids, count=count)
     return [dead_entry(entry_id, fields) for entry_id, fields in rows]
 
 
@@ -87,7 +82,7 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
         partial=None,
         history=[*entry.prompt.history, f"requeued from dead-letter {entry.id}"][-20:],
     )
-    result = await Scripts(redis, keys).requeue(entry.id, prompt_fields(fresh))
+    result = await DeadLetters(redis, keys).requeue(entry.id, prompt_fields(fresh))
     if not result:
         return None
     logger.info("requeued dead entry %s (prompt %d) as %s", entry.id, fresh.index, text(result))
@@ -96,6 +91,4 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
 
 async def drop_dead(redis: Redis, keys: Keys, ids: list[str]) -> int:
     """Delete these dead entries for good; the number that existed."""
-    if not ids:
-        return 0
-    return int(await redis.xdel(keys.dead, *ids))
+    return await DeadLetters(redis, keys).drop(ids)
