@@ -488,6 +488,63 @@ async def delete_namespace(redis: Redis, keys: Keys) -> int:
     return int(await redis.delete(*keys.all_keys()))
 
 
+# -- read-only views (operators) ------------------------------------------------------------
+
+
+class StreamView:
+    """Read-only looks at a namespace's streams and hashes (XINFO, XPENDING, XLEN, XRANGE, HGETALL);
+    a stream or consumer group that does not exist yet reads as empty."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def length(self, stream: str) -> int:
+        return int(await self.redis.xlen(stream))
+
+    async def consumers(self, stream: str, group: str) -> list[dict[str, Any]]:
+        """XINFO CONSUMERS rows (name, pending, idle, inactive on Redis >= 7.2)."""
+        try:
+            return list(await self.redis.xinfo_consumers(stream, group))
+        except ResponseError:  # no stream or no group yet
+            return []
+
+    async def group_info(self, stream: str, group: str) -> dict[str, Any] | None:
+        """The XINFO GROUPS row of ``group``, or None."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:
+            return None
+        for row in groups:
+            name = row["name"]
+            if (name.decode() if isinstance(name, bytes) else name) == group:
+                return dict(row)
+        return None
+
+    async def pending_summary(self, stream: str, group: str) -> dict[str, Any] | None:
+        """XPENDING's summary (``pending``, ``min``, ``max``, ``consumers``), or None without the group."""
+        try:
+            return dict(await self.redis.xpending(stream, group))
+        except ResponseError:
+            return None
+
+    async def pending_idle_ms(self, stream: str, group: str, count: int) -> list[int]:
+        """Milliseconds since delivery of up to ``count`` pending entries, oldest entries first."""
+        rows = await self.redis.xpending_range(stream, group, min="-", max="+", count=count)
+        return [int(r["time_since_delivered"]) for r in rows]
+
+    async def first_after(self, stream: str, entry_id: str) -> bytes | None:
+        """The id of the first entry after ``entry_id``, or None."""
+        rows = await self.redis.xrange(stream, min=f"({entry_id}", max="+", count=1)
+        return rows[0][0] if rows else None
+
+    async def config_hash(self) -> dict[bytes, bytes]:
+        return dict(await self.redis.hgetall(self.keys.config))
+
+    async def state_hash(self) -> dict[bytes, bytes]:
+        return dict(await self.redis.hgetall(self.keys.state))
+
+
 # -- views -----------------------------------------------------------------------------------
 
 
