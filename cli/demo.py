@@ -121,7 +121,7 @@ async def trainer_loop(
     rows: list[dict[str, float]] = []
     live_output = console.is_terminal
     async with (
-        await GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
+        GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
         httpx.AsyncClient(timeout=10) as http,
     ):
         from rich.live import Live

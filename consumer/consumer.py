@@ -105,7 +105,7 @@ class _Tally:
 
 
 class GroupConsumer:
-    """The trainer's handle on a namespace. ``await GroupConsumer.connect(url, namespace, name)``."""
+    """The trainer's handle on a namespace: ``async with GroupConsumer.connect(url, namespace, name) as c``."""
 
     def __init__(
         self,
