@@ -35,7 +35,7 @@ from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_en
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
-from rollstream.common.events import FATAL, now_ms, recent_events
+from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
 from rollstream.common.imports import import_callable
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Group, Status, retry_prompt
@@ -467,7 +467,7 @@ class GroupConsumer:
         if fatal:
             event = fatal[0]
             last_error = f"{event.source}: {event.message}"
-            if event.ts_ms > state_int(state, StateField.LAST_PUBLISH_MS):
+            if unrecovered(event.ts_ms, state_int(state, StateField.LAST_PUBLISH_MS)):
                 if self.on_producer_failure == "raise":
                     raise ProducerFailed(event.source, event.message, event.traceback)
                 if self._warned_fatal != event.id:
