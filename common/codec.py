@@ -23,7 +23,10 @@ import msgpack
 from .errors import ConfigError, DecodeError
 from .models import Group, Prompt, Sample, Status
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Written by this build. Version 1 entries (before ``pl``, ``err`` and the filled ``lm``) are
+still read, so producers can be upgraded while a pipeline runs."""
+READABLE_VERSIONS = (1, 2)
 _LITTLE = sys.byteorder == "little"
 
 if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
@@ -77,12 +80,14 @@ def _sample_to_wire(sample: Sample) -> dict[str, Any]:
         "tok": _pack_array(sample.tokens),
         "resp": sample.response,
         "rlen": sample.response_length,
+        "pl": sample.prompt_length,
         "rew": sample.reward,
         "st": sample.status.value,
         "fr": sample.finish_reason,
         "wv": sample.weight_versions,
         "lp": None if sample.rollout_log_probs is None else _pack_array(sample.rollout_log_probs),
         "lm": None if sample.loss_mask is None else _pack_array(sample.loss_mask),
+        "err": sample.error,
         "md": sample.metadata,
     }
 
@@ -151,8 +156,10 @@ def _unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"payload must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if version != SCHEMA_VERSION:
-        raise DecodeError("unknown_schema", f"schema version {version!r}, this build reads {SCHEMA_VERSION}")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise DecodeError(
+            "unknown_schema", f"schema version {version!r}, this build reads {', '.join(map(str, READABLE_VERSIONS))}"
+        )
     return obj
 
 
@@ -187,13 +194,30 @@ def _reward(value: Any, what: str) -> Any:
     raise DecodeError("bad_field", f"{what}.rew must be a number, a map of numbers or nil")
 
 
-def _sample_from_wire(obj: Any, what: str, limits: CodecLimits) -> Sample:
+def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
     tokens = _unpack_array("i", _get(obj, "tok", bytes, what), f"{what}.tok", limits.max_tokens)
     rlen = _get(obj, "rlen", int, what)
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
+    metadata = _get(obj, "md", dict, what)
+    if version == 1:  # flags travelled in the metadata, and the prompt length was implied
+        plen = len(tokens) - rlen
+        if metadata.get("prompt_ids") == "unknown":
+            metadata = {k: v for k, v in metadata.items() if k != "prompt_ids"}
+        error = metadata.get("error")
+        if isinstance(error, str):
+            metadata = {k: v for k, v in metadata.items() if k != "error"}
+        else:
+            error = None
+    else:
+        plen = _get(obj, "pl", int, what)
+        if plen + rlen != len(tokens):
+            raise DecodeError("bad_field", f"{what}: pl {plen} + rlen {rlen} != {len(tokens)} tokens")
+        error = obj.get("err")
+        if error is not None and not isinstance(error, str):
+            raise DecodeError("bad_field", f"{what}.err must be a string or nil")
     try:
         status = Status(_get(obj, "st", str, what))
     except ValueError:
@@ -205,6 +229,10 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits) -> Sample:
     lm_raw = obj.get("lm")
     log_probs = None if lp_raw is None else _unpack_array("f", lp_raw, f"{what}.lp", limits.max_tokens)
     mask = None if lm_raw is None else _unpack_array("B", lm_raw, f"{what}.lm", limits.max_tokens)
+    if mask is not None and len(mask) != rlen:
+        raise DecodeError("bad_field", f"{what}.lm has {len(mask)} entries for {rlen} response tokens")
+    if mask is None and version == 1:
+        mask = array("B", b"\x01" * rlen)
     finish = obj.get("fr")
     if finish is not None and not isinstance(finish, str):
         raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
@@ -213,22 +241,24 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits) -> Sample:
         tokens=tokens,
         response=_get(obj, "resp", str, what),
         response_length=rlen,
+        prompt_length=plen,
         reward=_reward(obj.get("rew"), what),
         status=status,
         finish_reason=finish,
         weight_versions=versions,
         rollout_log_probs=log_probs,
         loss_mask=mask,
-        metadata=_get(obj, "md", dict, what),
+        error=error,
+        metadata=metadata,
     )
 
 
-def _samples(raw: Any, what: str, limits: CodecLimits) -> list[Sample]:
+def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:
     if not isinstance(raw, list):
         raise DecodeError("bad_field", f"{what} must be a list")
     if len(raw) > limits.max_samples:
         raise DecodeError("too_large", f"{len(raw)} samples exceeds {limits.max_samples}")
-    return [_sample_from_wire(s, f"{what}[{i}]", limits) for i, s in enumerate(raw)]
+    return [_sample_from_wire(s, f"{what}[{i}]", limits, version) for i, s in enumerate(raw)]
 
 
 def _history(obj: Mapping[str, Any], what: str) -> list[str]:
@@ -254,7 +284,7 @@ def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Group:
         label=obj.get("label"),
         metadata=_get(obj, "metadata", dict, "group"),
         producer=_get(obj, "producer", str, "group"),
-        samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits),
+        samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"]),
         history=_history(obj, "group"),
     )
 
@@ -272,7 +302,7 @@ def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
         label=obj.get("label"),
         metadata=_get(obj, "metadata", dict, "prompt"),
         input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
-        partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits),
+        partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits, obj["v"]),
         history=_history(obj, "prompt"),
     )
 

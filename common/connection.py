@@ -12,9 +12,7 @@ Two rules from redis-py's behaviour shape this module:
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -22,11 +20,11 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import ConfigError
+from .backoff import Backoff
 
 T = TypeVar("T")
 
@@ -55,24 +53,13 @@ def connect(url: str, *, block_ms: int | None = None, name: str | None = None) -
     )
 
 
-def is_nogroup(exc: BaseException) -> bool:
-    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
-
-
-def nogroup_error(namespace: str, exc: BaseException) -> ConfigError:
-    return ConfigError(
-        f"the streams of namespace {namespace!r} are gone ({exc}); was the namespace deleted? "
-        f"Run `rollstream init --ns {namespace} ...` to create it again"
-    )
-
-
 class Outage:
     """Tracks one component's view of Redis availability: bounded backoff, one log line each way."""
 
     def __init__(self, logger: logging.Logger, what: str, *, max_delay: float = 2.0) -> None:
         self._logger = logger
         self._what = what
-        self._max_delay = max_delay
+        self._backoff = Backoff(base=0.05, cap=max_delay)
         self._since: float | None = None
         self._attempt = 0
         self.count = 0
@@ -84,8 +71,7 @@ class Outage:
             self.count += 1
             self._logger.warning("%s: lost Redis (%s: %s); reconnecting", self._what, type(exc).__name__, exc)
         self._attempt += 1
-        delay = min(self._max_delay, 0.05 * 2 ** min(self._attempt, 10))
-        await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        await self._backoff.sleep(self._attempt)
 
     def recovered(self) -> None:
         if self._since is not None:

@@ -43,6 +43,13 @@ async def record_event(
     await redis.xadd(keys.events, fields, maxlen=EVENTS_MAXLEN, approximate=True)
 
 
+def unrecovered(fatal_ts_ms: int, last_publish_ms: int | None) -> bool:
+    """The one rule for a producer's fatal event, used by ``take()`` and by the operators' health:
+    it is unrecovered while no group was published after it (once any producer publishes again,
+    the pipeline goes on without the failed one)."""
+    return fatal_ts_ms > (last_publish_ms or 0)
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     id: str

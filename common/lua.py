@@ -6,37 +6,48 @@ returned 1 may do that. Each script therefore starts with the XACK (or a cursor 
 does nothing else when it finds the work already done, which also makes every script safe to
 re-send after a dropped connection.
 
-All keys of a script share the namespace hash tag, so the scripts run on Redis Cluster.
+All keys of a script share the namespace hash tag, so the scripts run on Redis Cluster. The
+fields of the ``state`` hash are written ``$NAME`` and filled in from :class:`~.keys.StateField`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from string import Template
 from typing import Any
 
 from redis.asyncio import Redis
 
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 
+_STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
+
+
+def _template(source: str) -> str:
+    """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
+    (an unknown name fails the import)."""
+    return Template(source).substitute(_STATE_FIELDS)
+
+
 # KEYS: prompts, groups, state. ARGV: consumer group, prompt id, now ms, group fields...
-PUBLISH = """
+PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  redis.call('HINCRBY', KEYS[3], 'duplicates_discarded', 1)
+  redis.call('HINCRBY', KEYS[3], '$DUPLICATES', 1)
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], 'published', 1)
-redis.call('HSET', KEYS[3], 'last_publish_ms', ARGV[3])
+redis.call('HINCRBY', KEYS[3], '$PUBLISHED', 1)
+redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
-"""
+""")
 
 # KEYS: source stream, target stream, state.
 # ARGV: consumer group, entry id, counter field, fields of the new entry...
 # Acknowledges and deletes an entry of the source stream and adds a new entry to the target
 # stream: a prompt recycled (groups -> prompts), returned (prompts -> prompts) or
 # dead-lettered (any -> dead).
-MOVE = """
+MOVE = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return false
 end
@@ -44,12 +55,12 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
 return id
-"""
+""")
 
 # KEYS: stream, state. ARGV: consumer group, counter, second counter or '', time field or '',
 # now ms, entry ids... Acknowledges and deletes entries (commit, filtered drop); counts the
 # acknowledged ones only.
-ACK_DELETE = """
+ACK_DELETE = _template("""
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
 if acked > 0 then
   redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
@@ -58,17 +69,17 @@ if acked > 0 then
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
-"""
+""")
 
 # KEYS: prompts, groups, state. ARGV: group, consumer, max backlog, admission on (1/0),
 # max staleness, batch size. Returns {reason} (paused | backlog | staleness | empty) or
 # {'ok', id, fields, weight version}. Reads at most one prompt, and counts it as admitted, only when the
 # pipeline is not paused, the group backlog is under its cap and (with admission control)
 # admitted - recycled - filtered - dead - returned < (version + max_staleness + 1) * batch.
-ADMIT = """
-local st = redis.call('HMGET', KEYS[3], 'paused', 'weight_version', 'admitted',
-  'recycled_aborted', 'recycled_stale', 'recycled_failed', 'recycled_filtered', 'filtered',
-  'dead_lettered', 'returned')
+ADMIT = _template("""
+local st = redis.call('HMGET', KEYS[3], '$PAUSED', '$WEIGHT_VERSION', '$ADMITTED',
+  '$RECYCLED_ABORTED', '$RECYCLED_STALE', '$RECYCLED_FAILED', '$RECYCLED_FILTERED', '$FILTERED',
+  '$DEAD', '$RETURNED')
 if st[1] == '1' then return {'paused'} end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[3]) then return {'backlog'} end
 if ARGV[4] == '1' then
@@ -82,14 +93,14 @@ end
 local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
 if not res then return {'empty'} end
 local entry = res[1][2][1]
-redis.call('HINCRBY', KEYS[3], 'admitted', 1)
+redis.call('HINCRBY', KEYS[3], '$ADMITTED', 1)
 return {'ok', entry[1], entry[2], st[2] or '0'}
-"""
+""")
 
 # KEYS: prompts. ARGV: group, consumer, ids... Renews the lease of each id still
 # owned by this consumer (XCLAIM JUSTID resets its idle time) and returns the ids it no longer
 # owns: never steals back an entry another producer has taken over.
-RENEW = """
+RENEW = _template("""
 local lost = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -100,13 +111,13 @@ for i = 3, #ARGV do
   end
 end
 return lost
-"""
+""")
 
 # KEYS: prompts, state. ARGV: expected next index, next index after, epoch, position,
 # dataset id, fields per entry, entries' fields... The feeder's XADD and its cursor move
 # together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
-FEED = """
-local cur = redis.call('HGET', KEYS[2], 'feed_next_index') or '0'
+FEED = _template("""
+local cur = redis.call('HGET', KEYS[2], '$FEED_NEXT_INDEX') or '0'
 if cur ~= ARGV[1] then return false end
 local width = tonumber(ARGV[6])
 local added = 0
@@ -114,24 +125,24 @@ for i = 7, #ARGV, width do
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, i, i + width - 1))
   added = added + 1
 end
-redis.call('HSET', KEYS[2], 'feed_next_index', ARGV[2], 'feed_epoch', ARGV[3],
-  'feed_position', ARGV[4], 'feed_dataset', ARGV[5])
-redis.call('HINCRBY', KEYS[2], 'fed', added)
+redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
+  '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
+redis.call('HINCRBY', KEYS[2], '$FED', added)
 return added
-"""
+""")
 
 
 # KEYS: dead, prompts, state. ARGV: dead entry id, counter, fields of the prompt entry...
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
-REQUEUE = """
+REQUEUE = _template("""
 if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
 return id
-"""
+""")
 
 
 def _flatten(fields: Mapping[str, Any]) -> list[Any]:

@@ -70,6 +70,11 @@ class Sample:
     """Prompt ids followed by response ids (response ids only when the prompt ids are unknown)."""
     response: str = ""
     response_length: int = 0
+    """Response ids at the end of ``tokens``."""
+    prompt_length: int = -1
+    """Prompt ids at the start of ``tokens``: where the response starts. ``0`` when the producer did
+    not know the prompt ids (``tokens`` then holds the response only). Left at ``-1`` on
+    construction, it is set to ``len(tokens) - response_length``."""
     reward: Reward | None = None
     status: Status = Status.COMPLETED
     finish_reason: str | None = None
@@ -78,6 +83,10 @@ class Sample:
     rollout_log_probs: array[float] | None = None
     """Log-probs of the response tokens, as the engine computed them."""
     loss_mask: array[int] | None = None
+    """One ``0``/``1`` per response token (slime's and miles' convention: ``response_length`` long,
+    ``1`` = trained on). The producer always fills it with ones; a trainer may zero parts of it."""
+    error: str | None = None
+    """Why a FAILED sample failed (the engine's refusal), else None."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,10 +96,8 @@ class Sample:
         if self.loss_mask is not None:
             self.loss_mask = mask_array(self.loss_mask)
         self.status = Status(self.status)
-
-    @property
-    def prompt_length(self) -> int:
-        return len(self.tokens) - self.response_length
+        if self.prompt_length < 0:
+            self.prompt_length = len(self.tokens) - self.response_length
 
     @property
     def response_tokens(self) -> array[int]:
@@ -117,12 +124,14 @@ def _as_tuple(sample: Sample) -> tuple[Any, ...]:
         sample.tokens.tolist(),
         sample.response,
         sample.response_length,
+        sample.prompt_length,
         sample.reward,
         sample.status,
         sample.finish_reason,
         sample.weight_versions,
         None if sample.rollout_log_probs is None else sample.rollout_log_probs.tolist(),
         None if sample.loss_mask is None else sample.loss_mask.tolist(),
+        sample.error,
         sample.metadata,
     )
 
@@ -196,6 +205,31 @@ class Group:
         """Trainer version minus the oldest sample version (0 when no version is known)."""
         oldest = self.min_version
         return 0 if oldest is None else max(0, trainer_version - oldest)
+
+
+MAX_HISTORY = 20
+"""Recycle reasons a prompt keeps (the newest)."""
+
+
+def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False) -> Prompt:
+    """The prompt of ``group`` for its next attempt: ``attempt + 1``, ``reason`` added to its
+    history, the prompt ids of its samples kept (when the producer knew them) and, with
+    ``keep_partial``, the samples themselves (partial rollout continues them).
+
+    The one group -> prompt conversion: recycling and dead-lettering a group both use it."""
+    first = group.samples[0] if group.samples else None
+    input_ids = first.tokens[: first.prompt_length] if first is not None and first.prompt_length > 0 else None
+    return Prompt(
+        index=group.index,
+        prompt=group.prompt,
+        label=group.label,
+        epoch=group.epoch,
+        attempt=group.attempt + 1,
+        metadata=dict(group.metadata),
+        input_ids=input_ids,
+        partial=group.samples if keep_partial else None,
+        history=[*group.history, reason][-MAX_HISTORY:],
+    )
 
 
 def as_prompt_content(value: Any) -> PromptContent:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import math
 import time
@@ -34,14 +33,21 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
-from rollstream.common.connection import Outage, connect, is_nogroup, nogroup_error
+from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
-from rollstream.common.events import FATAL, now_ms, recent_events
+from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
 from rollstream.common.imports import import_callable
-from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
-from rollstream.common.models import Group, Prompt, Status
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.models import Group, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
+from rollstream.common.protocol import (
+    Control,
+    GroupQueue,
+    live_producers,
+    mark_take,
+    read_heartbeats,
+    stream_lengths,
+)
 
 from .filters import KeepFilter, rejection_reason
 
@@ -126,7 +132,8 @@ class GroupConsumer:
         self.config = config
         self.redis = redis
         self._blocking = blocking
-        self.scripts = Scripts(redis, self.keys)
+        self.queue = GroupQueue(redis, self.keys, name)
+        self.control = Control(redis, self.keys)
         self.keep = keep if keep is not None else (load_keep(config.keep) if config.keep else None)
         self.on_producer_failure = on_producer_failure
         self.stall_timeout = stall_timeout
@@ -222,47 +229,19 @@ class GroupConsumer:
     # -- trainer state ------------------------------------------------------------------
 
     async def weight_version(self) -> int:
-        raw = await self._outage.run(lambda: self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION))
-        return int(raw or 0)
+        return await self._outage.run(self.control.weight_version)
 
     async def set_weight_version(self, version: int) -> None:
         """Record the trainer's new weight version (after pushing weights to the engines)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
-
-        async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-                pipe.publish(self.keys.control, f"version {version}")
-                await pipe.execute()
-
-        await self._outage.run(write)
+        await self._outage.run(lambda: self.control.set_weight_version(version))
 
     async def pause(self) -> None:
         """Stop every producer from admitting new prompts (effective at once: ADMIT checks it)."""
-
-        async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.state, StateField.PAUSED, 1)
-                pipe.publish(self.keys.control, "pause")
-                await pipe.execute()
-
-        await self._outage.run(write)
+        await self._outage.run(self.control.pause)
 
     async def resume(self, version: int | None = None) -> None:
         """Let producers admit again, optionally recording a new weight version first."""
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
-
-        async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                if version is not None:
-                    pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-                pipe.hset(self.keys.state, StateField.PAUSED, 0)
-                pipe.publish(self.keys.control, "resume" if version is None else f"resume {version}")
-                await pipe.execute()
-
-        await self._outage.run(write)
+        await self._outage.run(lambda: self.control.resume(version))
 
     # -- take / commit ------------------------------------------------------------------
 
@@ -336,16 +315,7 @@ class GroupConsumer:
 
     async def commit(self, batch: Batch) -> int:
         """Acknowledge and delete the batch's groups; the number acknowledged now."""
-        acked = await self._outage.run(
-            lambda: self.scripts.ack_delete(
-                stream=self.keys.groups,
-                group=TRAINER_GROUP,
-                ids=batch.entry_ids,
-                counter=StateField.COMMITTED,
-                time_field=StateField.LAST_COMMIT_MS,
-                now_ms=now_ms(),
-            )
-        )
+        acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids))
         self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
             logger.warning(
@@ -360,16 +330,10 @@ class GroupConsumer:
         out: list[tuple[bytes, dict[bytes, bytes]]] = []
         cursor = "0"
         while True:
-            reply = await self._outage.run(
-                lambda c=cursor: self.redis.xreadgroup(
-                    TRAINER_GROUP, self.name, {self.keys.groups: c}, count=1000
-                )
-            )
-            entries = reply[0][1] if reply else []
+            entries = await self._outage.run(lambda c=cursor: self.queue.own_pending_page(c))
             if not entries:
                 return out
-            for entry_id, fields in entries:
-                out.append((entry_id, fields or {}))
+            out.extend(entries)
             cursor = entries[-1][0].decode()
 
     async def _adopt_orphans(self, taken: list[tuple[bytes, Group]]) -> None:
@@ -384,12 +348,8 @@ class GroupConsumer:
         self._read_unsure = False
         self._orphans_checked = time.monotonic()
         known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
-        pending = await self._outage.run(
-            lambda: self.redis.xpending_range(
-                self.keys.groups, TRAINER_GROUP, min="-", max="+", count=10_000, consumername=self.name
-            )
-        )
-        orphans = [p["message_id"] for p in pending if p["message_id"] not in known]
+        pending = await self._outage.run(self.queue.pending_ids)
+        orphans = [eid for eid in pending if eid not in known]
         if orphans:
             logger.warning(
                 "consumer %s (ns %s): %d groups delivered to a lost read are handed out now",
@@ -400,18 +360,9 @@ class GroupConsumer:
     async def _read(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
         outages = self._outage.count
         self._read_unsure = True
-        try:
-            reply = await self._outage.run(
-                lambda: self._blocking.xreadgroup(
-                    TRAINER_GROUP, self.name, {self.keys.groups: ">"}, count=count, block=_READ_BLOCK_MS
-                )
-            )
-        except Exception as exc:
-            if is_nogroup(exc):
-                raise nogroup_error(self.keys.namespace, exc) from exc
-            raise
+        entries = await self._outage.run(lambda: self.queue.read(self._blocking, count, _READ_BLOCK_MS))
         self._read_unsure = self._outage.count != outages
-        return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])]
+        return entries
 
     async def _check(
         self,
@@ -426,7 +377,7 @@ class GroupConsumer:
         if not fields:
             fields = await self._fetch(entry_id)
             if not fields:  # deleted meanwhile: nothing left to hand back
-                await self.redis.xack(self.keys.groups, TRAINER_GROUP, entry_id)
+                await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 return None
         try:
             group = decode_group_entry(fields, self.limits)
@@ -435,15 +386,15 @@ class GroupConsumer:
             return None
         n = self.config.n_samples_per_prompt
         if len(group.samples) != n:
-            await self._dead_letter(
-                entry_id, fields, f"wrong_group_size: {len(group.samples)} samples, expected {n}", tally
-            )
+            wrong_size = f"wrong_group_size: {len(group.samples)} samples, expected {n}"
+            # dead letters hold prompts: what `rollstream dead requeue` puts back
+            await self._dead_letter(entry_id, prompt_fields(retry_prompt(group, wrong_size)), wrong_size, tally)
             return None
         staleness = group.staleness(version)
         tally.staleness_max_seen = max(tally.staleness_max_seen, staleness)
         status = group.status
         if status == Status.FAILED:
-            errors = {str(s.metadata.get("error", "failed")) for s in group.samples if s.status == Status.FAILED}
+            errors = {s.error or "failed" for s in group.samples if s.status == Status.FAILED}
             await self._recycle(entry_id, group, "failed", "; ".join(sorted(errors))[:300], tally)
             return None
         if status == Status.ABORTED:
@@ -460,8 +411,7 @@ class GroupConsumer:
         return group
 
     async def _fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
-        rows = await self._outage.run(lambda: self.redis.xrange(self.keys.groups, entry_id, entry_id))
-        return dict(rows[0][1]) if rows else {}
+        return await self._outage.run(lambda: self.queue.fetch(entry_id))
 
     async def _dead_letter(
         self, entry_id: bytes, fields: Mapping[Any, Any], reason: str, tally: _Tally, *, log: bool = True
@@ -469,36 +419,16 @@ class GroupConsumer:
         if log:
             logger.warning("consumer %s: group entry %s dead-lettered: %s", self.name, entry_id.decode(), reason)
         moved = await self._outage.run(
-            lambda: self.scripts.dead_letter(
-                source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                reason=reason, fields=fields, now_ms=now_ms(),
-            )
+            lambda: self.queue.dead_letter(entry_id, fields, reason)
         )
         if moved:
             tally.dead_lettered += 1
-
-    def _next_prompt(self, group: Group, reason: str, keep_partial: bool) -> Prompt:
-        first = group.samples[0] if group.samples else None
-        input_ids = None
-        if first is not None and first.prompt_length > 0 and first.metadata.get("prompt_ids") != "unknown":
-            input_ids = first.tokens[: first.prompt_length]
-        return Prompt(
-            index=group.index,
-            prompt=group.prompt,
-            label=group.label,
-            epoch=group.epoch,
-            attempt=group.attempt + 1,
-            metadata=group.metadata,
-            input_ids=input_ids,
-            partial=group.samples if keep_partial else None,
-            history=[*group.history, reason][-20:],
-        )
 
     async def _recycle(self, entry_id: bytes, group: Group, kind: str, detail: str, tally: _Tally) -> None:
         """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
         reason = f"{kind}: {detail}" if detail else kind
         keep_partial = kind == "aborted" and self.config.partial_rollout
-        prompt = self._next_prompt(group, reason, keep_partial)
+        prompt = retry_prompt(group, reason, keep_partial=keep_partial)
         fields = prompt_fields(prompt)
         if prompt.attempt > self.config.max_attempts:
             dead_reason = (
@@ -510,7 +440,7 @@ class GroupConsumer:
             )
             await self._dead_letter(entry_id, fields, dead_reason, tally, log=False)
             return
-        moved = await self._outage.run(lambda: self.scripts.recycle(entry_id, RECYCLE_COUNTERS[kind], fields))
+        moved = await self._outage.run(lambda: self.queue.recycle(entry_id, RECYCLE_COUNTERS[kind], fields))
         if moved:
             tally.recycled[kind] += 1
             logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index, reason)
@@ -520,43 +450,24 @@ class GroupConsumer:
         if self.config.recycle_filtered:
             await self._recycle(entry_id, group, "filtered", reason, tally)
             return
-        await self._outage.run(
-            lambda: self.scripts.ack_delete(
-                stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
-                counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
-            )
-        )
+        await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason))
 
     async def _live_producers(self) -> tuple[int, int]:
         """(producers alive, in-flight samples of the alive ones)."""
-        return self._count_live(await self._outage.run(lambda: self.redis.hgetall(self.keys.producers)))
-
-    def _count_live(self, raw: Mapping[bytes, bytes]) -> tuple[int, int]:
-        """(alive, in-flight samples) from the producers hash: a recent heartbeat of a live state."""
-        alive = in_flight = 0
-        cutoff = now_ms() - self.config.heartbeat_timeout * 1000
-        for value in raw.values():
-            try:
-                beat = json.loads(value)
-            except ValueError:
-                continue
-            if beat.get("last_seen_ms", 0) >= cutoff and beat.get("state") in ALIVE_STATES:
-                alive += 1
-                in_flight += int(beat.get("in_flight_samples", 0))
-        return alive, in_flight
+        beats = await self._outage.run(lambda: read_heartbeats(self.redis, self.keys))
+        return live_producers(beats, now_ms(), self.config.heartbeat_timeout)
 
     async def _health(self) -> tuple[int, str]:
         """Raise ProducerFailed if due; (live producers, a one-line summary for warnings)."""
         alive, in_flight = await self._live_producers()
         state = await self._outage.run(lambda: read_state(self.redis, self.keys))
-        backlog = await self._outage.run(lambda: self.redis.xlen(self.keys.groups))
-        queued = await self._outage.run(lambda: self.redis.xlen(self.keys.prompts))
+        backlog, queued = await self._outage.run(lambda: stream_lengths(self.redis, self.keys))
         fatal = await self._outage.run(lambda: recent_events(self.redis, self.keys, count=1, kind=FATAL))
         last_error = ""
         if fatal:
             event = fatal[0]
             last_error = f"{event.source}: {event.message}"
-            if event.ts_ms > state_int(state, StateField.LAST_PUBLISH_MS):
+            if unrecovered(event.ts_ms, state_int(state, StateField.LAST_PUBLISH_MS)):
                 if self.on_producer_failure == "raise":
                     raise ProducerFailed(event.source, event.message, event.traceback)
                 if self._warned_fatal != event.id:
@@ -579,25 +490,18 @@ class GroupConsumer:
         groups = [g for _, g in taken]
         staleness = [g.staleness(version) for g in groups]
         rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
-        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip for the metrics
-            pipe.hset(self.keys.state, StateField.LAST_TAKE_MS, now_ms())
-            pipe.xlen(self.keys.groups)
-            pipe.xpending(self.keys.groups, TRAINER_GROUP)
-            pipe.xpending(self.keys.prompts, PRODUCERS_GROUP)
-            pipe.hget(self.keys.state, StateField.ADMISSION_BLOCKED_MS)
-            pipe.hgetall(self.keys.producers)
-            _, groups_len, groups_pending, prompts_pending, blocked_raw, beats = await pipe.execute()
-        alive, in_flight = self._count_live(beats)
-        blocked_ms = int(blocked_raw or 0)
+        stats = await mark_take(self.redis, self.keys)
+        alive, in_flight = live_producers(stats.heartbeats, now_ms(), self.config.heartbeat_timeout)
+        blocked_ms = stats.admission_blocked_ms
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
         self._last_blocked_ms = blocked_ms
         metrics: dict[str, float] = {
             "groups": float(len(groups)),
             "weight_version": float(version),
             "wait_time_s": wait,
-            "backlog": float(groups_len - groups_pending["pending"]),
-            "taken_uncommitted": float(groups_pending["pending"]),
-            "in_flight_prompts": float(prompts_pending["pending"]),
+            "backlog": float(stats.groups_length - stats.groups_pending),
+            "taken_uncommitted": float(stats.groups_pending),
+            "in_flight_prompts": float(stats.prompts_pending),
             "in_flight_samples": float(in_flight),
             "producers_alive": float(alive),
             **{f"recycled_{kind}": float(tally.recycled[kind]) for kind in RECYCLE_COUNTERS},

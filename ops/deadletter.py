@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
 from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.keys import Keys
-from rollstream.common.lua import Scripts
-from rollstream.common.models import Prompt
+from rollstream.common.models import Prompt, retry_prompt
+from rollstream.common.protocol import DeadLetters
 
 from ._fields import as_int, text
 
@@ -33,7 +33,8 @@ class DeadEntry:
 
 
 def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> DeadEntry:
-    """Decode one dead-letter entry: a prompt payload (recycled prompts) or a group payload."""
+    """Decode one dead-letter entry: a prompt payload (this build writes only those) or, from
+    entries written by older builds, a group payload turned into its prompt."""
     named = {text(k): v for k, v in fields.items()}
     prompt: Prompt | None = None
     error = ""
@@ -45,14 +46,7 @@ def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> Dead
         except DecodeError as group_exc:
             error = f"not a prompt ({prompt_exc}) nor a group ({group_exc})"
         else:
-            prompt = Prompt(
-                index=group.index,
-                prompt=group.prompt,
-                label=group.label,
-                epoch=group.epoch,
-                metadata=dict(group.metadata),
-                history=group.history,
-            )
+            prompt = retry_prompt(group, text(named.get("reason", b"")))  # written by older builds
     index = prompt.index if prompt is not None else (as_int(named["index"]) if "index" in named else None)
     attempt = prompt.attempt if prompt is not None else (as_int(named["attempt"]) if "attempt" in named else None)
     return DeadEntry(
@@ -73,12 +67,7 @@ async def dead_entries(
     """Dead-letter entries, oldest first: the given ids (missing ones skipped) or the first ``count``."""
     if count is not None and count < 1:
         raise ConfigError(f"count must be positive, got {count!r}")
-    if ids:
-        rows = []
-        for entry_id in ids:
-            rows.extend(await redis.xrange(keys.dead, min=entry_id, max=entry_id))
-    else:
-        rows = await redis.xrange(keys.dead, count=count)
+    rows = await DeadLetters(redis, keys).entries(ids=ids, count=count)
     return [dead_entry(entry_id, fields) for entry_id, fields in rows]
 
 
@@ -93,7 +82,7 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
         partial=None,
         history=[*entry.prompt.history, f"requeued from dead-letter {entry.id}"][-20:],
     )
-    result = await Scripts(redis, keys).requeue(entry.id, prompt_fields(fresh))
+    result = await DeadLetters(redis, keys).requeue(entry.id, prompt_fields(fresh))
     if not result:
         return None
     logger.info("requeued dead entry %s (prompt %d) as %s", entry.id, fresh.index, text(result))
@@ -102,6 +91,4 @@ async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None
 
 async def drop_dead(redis: Redis, keys: Keys, ids: list[str]) -> int:
     """Delete these dead entries for good; the number that existed."""
-    if not ids:
-        return 0
-    return int(await redis.xdel(keys.dead, *ids))
+    return await DeadLetters(redis, keys).drop(ids)

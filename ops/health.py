@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.common.events import FATAL
+from rollstream.common.events import FATAL, unrecovered
 
 DEFAULT_STUCK_AFTER = 300.0
 """Groups waiting (or taken) with no take or commit for this long make a namespace unhealthy."""
@@ -32,11 +32,12 @@ def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
         warnings.append(f"{len(dead)} dead producer(s): {', '.join(p['name'] for p in dead)}")
     trainer = snap["trainer"]
     last_commit = trainer["last_commit_ms"] or 0
-    fatal = [e for e in snap["events"] if e["kind"] == FATAL and e["ts_ms"] > last_commit]
+    fatal = [e for e in snap["events"] if e["kind"] == FATAL and unrecovered(e["ts_ms"], trainer["last_publish_ms"])]
     if fatal:
         newest = fatal[0]
         problems.append(
-            f"fatal error in {newest['source']} {newest['age_s']:.0f} s ago, after the last commit: {newest['message']}"
+            f"fatal error in {newest['source']} {newest['age_s']:.0f} s ago, no group published since: "
+            f"{newest['message']}"
         )
     groups = snap["groups"]
     last_trainer = max(trainer["last_take_ms"] or 0, last_commit)

@@ -6,6 +6,7 @@ Namespaces are found with SCAN, never KEYS, and deletion never uses FLUSHDB/FLUS
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from rollstream.common import protocol
 from rollstream.common.keys import NAMESPACE_SCAN_PATTERN, Keys, namespace_of
 
 from ._fields import text
@@ -14,7 +15,7 @@ from ._fields import text
 async def list_namespaces(redis: Redis) -> list[str]:
     """Namespaces with at least one key, found with SCAN (never KEYS: it blocks the server)."""
     found: set[str] = set()
-    async for key in redis.scan_iter(match=NAMESPACE_SCAN_PATTERN, count=1000):
+    for key in await protocol.scan_namespace_keys(redis, NAMESPACE_SCAN_PATTERN):
         namespace = namespace_of(text(key))
         if namespace is not None:
             found.add(namespace)
@@ -23,9 +24,9 @@ async def list_namespaces(redis: Redis) -> list[str]:
 
 async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
     """This namespace's keys that exist (what ``delete_namespace`` would delete)."""
-    return [key for key in keys.all_keys() if await redis.exists(key)]
+    return await protocol.existing_keys(redis, keys)
 
 
 async def delete_namespace(redis: Redis, keys: Keys) -> int:
     """Delete exactly this namespace's keys; the number of keys that existed."""
-    return int(await redis.delete(*keys.all_keys()))
+    return await protocol.delete_namespace(redis, keys)

@@ -9,15 +9,14 @@ Everything is read with non-blocking commands (XLEN, XPENDING, XINFO, HGETALL, X
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.protocol import Heartbeat, StreamView, read_heartbeats
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -36,13 +35,9 @@ def _age_s(now: int, then_ms: int | None) -> float | None:
     return None if not then_ms else round(max(0, now - then_ms) / 1000, 3)
 
 
-async def _consumers(redis: Redis, stream: str, group: str) -> list[dict[str, Any]]:
-    try:
-        rows = await redis.xinfo_consumers(stream, group)
-    except ResponseError:  # no stream or no group yet
-        return []
+async def _consumers(view: StreamView, stream: str, group: str) -> list[dict[str, Any]]:
     out = []
-    for row in rows:
+    for row in await view.consumers(stream, group):
         item = {"name": _text(row["name"]), "pending": int(row["pending"]), "idle_s": round(row["idle"] / 1000, 3)}
         if "inactive" in row and row["inactive"] is not None and int(row["inactive"]) >= 0:
             item["inactive_s"] = round(int(row["inactive"]) / 1000, 3)  # Redis >= 7.2
@@ -50,19 +45,8 @@ async def _consumers(redis: Redis, stream: str, group: str) -> list[dict[str, An
     return out
 
 
-async def _group_info(redis: Redis, stream: str, group: str) -> dict[str, Any] | None:
-    try:
-        groups = await redis.xinfo_groups(stream)
-    except ResponseError:
-        return None
-    for row in groups:
-        if _text(row["name"]) == group:
-            return {k: row[k] for k in row}
-    return None
-
-
-async def _prompts_section(redis: Redis, keys: Keys, lease_s: float, now: int) -> dict[str, Any]:
-    length = await redis.xlen(keys.prompts)
+async def _prompts_section(view: StreamView, keys: Keys, lease_s: float, now: int) -> dict[str, Any]:
+    length = await view.length(keys.prompts)
     section: dict[str, Any] = {
         "queued": length,
         "in_flight": 0,
@@ -73,25 +57,23 @@ async def _prompts_section(redis: Redis, keys: Keys, lease_s: float, now: int) -
         "lease_seconds": lease_s,
         "consumers": [],
     }
-    try:
-        summary = await redis.xpending(keys.prompts, PRODUCERS_GROUP)
-    except ResponseError:
+    summary = await view.pending_summary(keys.prompts, PRODUCERS_GROUP)
+    if summary is None:
         return section
     pending = int(summary["pending"])
     section["in_flight"] = pending
     section["waiting"] = max(0, length - pending)
-    section["consumers"] = await _consumers(redis, keys.prompts, PRODUCERS_GROUP)
+    section["consumers"] = await _consumers(view, keys.prompts, PRODUCERS_GROUP)
     if pending:
         section["oldest_pending_age_s"] = _age_s(now, _id_ms(summary["min"]))
-        rows = await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=_PENDING_SCAN_LIMIT)
-        idles = [int(r["time_since_delivered"]) for r in rows]
+        idles = await view.pending_idle_ms(keys.prompts, PRODUCERS_GROUP, _PENDING_SCAN_LIMIT)
         section["max_pending_idle_s"] = round(max(idles) / 1000, 3) if idles else None
         section["leases_expiring"] = sum(1 for i in idles if i > LEASE_WARNING_FRACTION * lease_s * 1000)
     return section
 
 
-async def _groups_section(redis: Redis, keys: Keys, now: int) -> dict[str, Any]:
-    length = await redis.xlen(keys.groups)
+async def _groups_section(view: StreamView, keys: Keys, now: int) -> dict[str, Any]:
+    length = await view.length(keys.groups)
     section: dict[str, Any] = {
         "length": length,
         "backlog": length,
@@ -99,17 +81,18 @@ async def _groups_section(redis: Redis, keys: Keys, now: int) -> dict[str, Any]:
         "oldest_waiting_age_s": None,
         "consumers": [],
     }
-    info = await _group_info(redis, keys.groups, TRAINER_GROUP)
-    if info is None:
+    info = await view.group_info(keys.groups, TRAINER_GROUP)
+    summary = await view.pending_summary(keys.groups, TRAINER_GROUP)
+    if info is None or summary is None:
         return section
-    pending = int((await redis.xpending(keys.groups, TRAINER_GROUP))["pending"])
+    pending = int(summary["pending"])
     section["taken_uncommitted"] = pending
     section["backlog"] = max(0, length - pending)
-    section["consumers"] = await _consumers(redis, keys.groups, TRAINER_GROUP)
+    section["consumers"] = await _consumers(view, keys.groups, TRAINER_GROUP)
     last = _text(info.get("last-delivered-id") or "0-0")
-    first = await redis.xrange(keys.groups, min=f"({last}", max="+", count=1)
-    if first:
-        section["oldest_waiting_age_s"] = _age_s(now, _id_ms(first[0][0]))
+    first = await view.first_after(keys.groups, last)
+    if first is not None:
+        section["oldest_waiting_age_s"] = _age_s(now, _id_ms(first))
     return section
 
 
@@ -120,34 +103,29 @@ def _producer_rows(
     for name_raw, value in raw.items():
         name = _text(name_raw)
         try:
-            beat = json.loads(value)
-            if not isinstance(beat, dict):
-                raise ValueError("heartbeat is not an object")
+            beat = Heartbeat.parse(value)
         except ValueError:
             rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200]})
             continue
-        last_seen = _int(beat.get("last_seen_ms"))
-        state = str(beat.get("state", "unknown"))
-        fresh = last_seen >= now - timeout_s * 1000
-        alive = fresh and state in ALIVE_STATES
-        status = state if (fresh or state not in ALIVE_STATES) else "dead"
+        alive = beat.alive(now, timeout_s)
+        status = beat.state if (beat.fresh(now, timeout_s) or beat.state not in ALIVE_STATES) else "dead"
         rows.append(
             {
                 "name": name,
-                "host": beat.get("host"),
-                "pid": beat.get("pid"),
-                "state": state,
+                "host": beat.host,
+                "pid": beat.pid,
+                "state": beat.state,
                 "status": status,
                 "alive": alive,
-                "in_flight_samples": beat.get("in_flight_samples", 0),
-                "in_flight_prompts": beat.get("in_flight_prompts", 0),
-                "concurrency": beat.get("concurrency"),
+                "in_flight_samples": beat.in_flight_samples,
+                "in_flight_prompts": beat.in_flight_prompts,
+                "concurrency": beat.concurrency,
                 "leases_held": pending.get(name, 0),
-                "published": beat.get("published", 0),
-                "groups_last_minute": beat.get("groups_last_minute", 0),
-                "engine_retries": beat.get("engine_retries", 0),
-                "last_seen_ms": last_seen,
-                "heartbeat_age_s": _age_s(now, last_seen),
+                "published": beat.published,
+                "groups_last_minute": beat.groups_last_minute,
+                "engine_retries": beat.engine_retries,
+                "last_seen_ms": beat.last_seen_ms,
+                "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
             }
         )
     rows.sort(key=lambda r: (not r["alive"], r["name"]))
@@ -175,7 +153,8 @@ async def snapshot(
     if stuck_after <= 0:
         raise ConfigError(f"stuck_after must be positive, got {stuck_after!r}")
     now = now_ms()
-    raw_config = await redis.hgetall(keys.config)
+    view = StreamView(redis, keys)
+    raw_config = await view.config_hash()
     config: PipelineConfig | None = None
     config_error = None
     if raw_config:
@@ -186,10 +165,10 @@ async def snapshot(
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
     lease_s = float(config.lease_seconds if config else defaults["lease_seconds"])  # type: ignore[arg-type]
     timeout_s = float(config.heartbeat_timeout if config else defaults["heartbeat_timeout"])  # type: ignore[arg-type]
-    state = {_text(k): _text(v) for k, v in (await redis.hgetall(keys.state)).items()}
-    prompts = await _prompts_section(redis, keys, lease_s, now)
+    state = {_text(k): _text(v) for k, v in (await view.state_hash()).items()}
+    prompts = await _prompts_section(view, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
-    producers = _producer_rows(await redis.hgetall(keys.producers), pending_by_producer, timeout_s, now)
+    producers = _producer_rows(await read_heartbeats(redis, keys), pending_by_producer, timeout_s, now)
     recent = await recent_events(redis, keys, count=50)
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
     counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
@@ -215,8 +194,8 @@ async def snapshot(
         "config": dataclasses.asdict(config) if config else None,
         "config_error": config_error,
         "prompts": prompts,
-        "groups": await _groups_section(redis, keys, now),
-        "dead": {"length": await redis.xlen(keys.dead)},
+        "groups": await _groups_section(view, keys, now),
+        "dead": {"length": await view.length(keys.dead)},
         "producers": producers,
         "producers_alive": sum(1 for p in producers if p["alive"]),
         "trainer": trainer,

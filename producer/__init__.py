@@ -1,11 +1,14 @@
 """The producer side of rollstream: the worker process, the engine client, rewards, the feeder.
 
-Run it with ``rollstream produce``; use :class:`Producer` to embed it in another process.
+Run it with ``rollstream produce``; use :class:`Producer` to embed it in another process, or
+:class:`Rollout` alone to turn prompts into scored groups without Redis.
 """
 
 from .engine import EngineClient, EngineSettings
 from .feeder import Feeder, FeedSettings, feed, load_jsonl
 from .rewards import RewardFunction, load_reward
+from .rollout import Rollout, RolloutSettings
+from .telemetry import Metrics
 from .worker import Producer, ProducerSettings
 
 __all__ = [
@@ -13,9 +16,12 @@ __all__ = [
     "EngineSettings",
     "FeedSettings",
     "Feeder",
+    "Metrics",
     "Producer",
     "ProducerSettings",
     "RewardFunction",
+    "Rollout",
+    "RolloutSettings",
     "feed",
     "load_jsonl",
     "load_reward",

@@ -24,10 +24,10 @@ from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
-from rollstream.common.keys import Keys, StateField
-from rollstream.common.lua import Scripts
+from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, as_prompt_content
 from rollstream.common.namespace import load_config
+from rollstream.common.protocol import Feed
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Feeder:
         self.records = records
         self.settings = settings
         self.keys = Keys(settings.namespace)
-        self.scripts = Scripts(redis, self.keys)
+        self.feed = Feed(redis, self.keys)
         self.dataset = dataset_id(records, settings)
         self.fed = 0
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
@@ -126,14 +126,8 @@ class Feeder:
             epoch, position = epoch + 1, 0
 
     async def _cursor(self) -> tuple[int, int, int]:
-        raw = await self._outage.run(
-            lambda: self.redis.hmget(
-                self.keys.state,
-                [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
-            )
-        )
-        next_index, epoch, position = (int(v or 0) for v in raw[:3])
-        fed_dataset = raw[3].decode() if raw[3] else None
+        cursor = await self._outage.run(self.feed.cursor)
+        next_index, epoch, position, fed_dataset = cursor.next_index, cursor.epoch, cursor.position, cursor.dataset
         if fed_dataset is not None and fed_dataset != self.dataset:
             raise ConfigError(
                 f"namespace {self.keys.namespace!r} was fed from another dataset or order ({fed_dataset}, "
@@ -154,7 +148,7 @@ class Feeder:
         walk = self._walk(epoch, position)
         pending: list[tuple[int, int, int]] = []
         while not self._stop.is_set():
-            queued = await self._outage.run(lambda: self.redis.xlen(self.keys.prompts))
+            queued = await self._outage.run(self.feed.queued)
             room = min(self.settings.window - queued, self.settings.chunk)
             if room <= 0:
                 await self._sleep()
@@ -177,7 +171,7 @@ class Feeder:
                 entries.append(prompt_fields(prompt))
             last_epoch, last_position, _ = chunk[-1]
             added = await self._outage.run(
-                lambda e=entries, le=last_epoch, lp=last_position, ni=next_index: self.scripts.feed(
+                lambda e=entries, le=last_epoch, lp=last_position, ni=next_index: self.feed.add(
                     expected_next=ni, next_after=ni + len(e), epoch=le, position=lp,
                     dataset=self.dataset, entries=e,
                 )

@@ -18,11 +18,14 @@ except ImportError as exc:  # a light install: only producers serving metrics ne
     raise ExtraNotInstalled("prometheus_client", "metrics", "Prometheus metrics (--metrics-port)") from exc
 
 from .engine import EngineClient
+from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
 
-class ProducerMetrics:
+class ProducerMetrics(Metrics):
+    """The producer's :class:`~rollstream.producer.telemetry.Metrics`, exported to Prometheus."""
+
     def __init__(self, namespace: str, producer: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"namespace": namespace, "producer": producer}

@@ -65,7 +65,6 @@ import inspect
 import json
 import math
 import numbers
-import random
 import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
@@ -73,9 +72,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from rollstream.common.backoff import Backoff
 from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.imports import import_callable
 from rollstream.common.models import PromptContent, Reward, Sample
+
+RETRY_AFTER_CAP = 10.0
+"""Seconds: the longest ``Retry-After`` honoured, and the longest backoff between attempts."""
 
 __all__ = [
     "MathReward",
@@ -502,8 +505,9 @@ class RemoteReward(RewardFunction):
     async def _post(self, content: bytes) -> Any:
         client = self._get_client()
         last_error = ""
+        backoff = Backoff(base=self.backoff, cap=max(self.backoff, RETRY_AFTER_CAP))
         for attempt in range(1, self.attempts + 1):
-            delay = self.backoff * 2 ** (attempt - 1) * (1 + random.random() * 0.25)
+            delay = backoff.delay(attempt - 1)
             try:
                 response = await client.post(
                     self.url, content=content, headers={"Content-Type": "application/json"}
@@ -550,7 +554,7 @@ def _retry_after(response: httpx.Response) -> float | None:
         seconds = float(value)
     except ValueError:
         return None
-    return min(max(seconds, 0.0), 10.0) if math.isfinite(seconds) else None
+    return min(max(seconds, 0.0), RETRY_AFTER_CAP) if math.isfinite(seconds) else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
 import traceback
-from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
@@ -43,23 +39,21 @@ from rollstream.common.connection import (
     TRANSIENT_ERRORS,
     Outage,
     connect,
-    is_nogroup,
-    nogroup_error,
 )
 from rollstream.common.errors import (
     ConfigError,
     DecodeError,
-    EngineRejected,
-    PromptNotSupported,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
-from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
-from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.common.keys import Keys
+from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
+from rollstream.common.protocol import Control, Entry, Heartbeat, PromptQueue, write_heartbeat
 
-from .engine import EngineClient, Generation
+from .engine import EngineClient
 from .rewards import RewardFunction
+from .rollout import Rollout, RolloutSettings
+from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +106,8 @@ class ProducerSettings:
 class _Work:
     prompt_id: bytes
     fields: dict[bytes, bytes]
+    version: int
+    """The trainer's weight version when the prompt was admitted (or taken over)."""
     prompt: Prompt | None = None
     task: asyncio.Task[None] | None = None
     lease_lost: bool = False
@@ -129,7 +125,7 @@ class Producer:
         config: PipelineConfig,
         redis: Redis,
         blocking: Redis,
-        metrics: Any | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.url = redis_url
         self.settings = settings
@@ -139,9 +135,21 @@ class Producer:
         self.keys = Keys(settings.namespace)
         self.redis = redis
         self._blocking = blocking
-        self.scripts = Scripts(redis, self.keys)
-        self.metrics = metrics
+        self.prompts = PromptQueue(redis, self.keys, settings.name)
+        self.control = Control(redis, self.keys)
+        self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
+        self.rollout = Rollout(
+            engine,
+            reward,
+            RolloutSettings(
+                n_samples=config.n_samples_per_prompt,
+                partial_rollout=config.partial_rollout,
+                tokenize_prompts=settings.tokenize_prompts,
+                producer=settings.name,
+            ),
+            self.metrics,
+        )
         self._free = settings.concurrency
         self._capacity = asyncio.Condition()
         self._work: dict[bytes, _Work] = {}
@@ -150,7 +158,6 @@ class Producer:
         self._fatal: BaseException | None = None
         self._fatal_tb = ""
         self._state = "starting"
-        self._reclaim_cursor = "0-0"
         self._reclaim_due = False
         self._outage = Outage(logger, f"producer {self.name}")
         self._blocked_since: float | None = None
@@ -170,7 +177,7 @@ class Producer:
         settings: ProducerSettings,
         engine: EngineClient,
         reward: RewardFunction,
-        metrics: Any | None = None,
+        metrics: Metrics | None = None,
     ) -> Producer:
         redis = connect(redis_url, name=f"rollstream-producer-{settings.name}")
         try:
@@ -292,41 +299,37 @@ class Producer:
                 return
             admitted = False
             try:
-                status, prompt_id, fields, version = await self._outage.run(
-                    lambda: self.scripts.admit(
-                        consumer=self.name,
+                admission = await self._outage.run(
+                    lambda: self.prompts.admit(
                         max_backlog=cfg.max_backlog,
                         admission=cfg.admission_enabled,
                         max_staleness=cfg.max_staleness or 0,
                         batch_size=cfg.batch_size,
                     )
                 )
-                if status == "ok" and prompt_id is not None and fields is not None:
+                if admission.entry is not None:
                     self._blocked(False)
-                    self._start_work(prompt_id, fields, version)
+                    entry_id, fields = admission.entry
+                    self._start_work(entry_id, fields, admission.weight_version)
                     admitted = True
                     continue
-            except Exception as exc:
-                if is_nogroup(exc):
-                    raise nogroup_error(self.keys.namespace, exc) from exc
-                raise
             finally:
                 if not admitted:
                     await self._release(n)
+            status = admission.status
             if status == "empty":
                 self._blocked(False)
                 await self._wait_for_prompts()
             else:
                 self._blocked(True)
-                if self.metrics is not None:
-                    self.metrics.admission_blocked(status)
+                self.metrics.admission_blocked(status)
                 await self._nap(0.2 if status == "backlog" else 1.0)
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
         self._wake.clear()
         read = asyncio.create_task(
-            self._blocking.xread({self.keys.prompts: "$"}, count=1, block=1000), name="wait-prompts"
+            self.prompts.wait_for_new(self._blocking, block_ms=1000), name="wait-prompts"
         )
         wake = asyncio.create_task(self._wake.wait(), name="wait-wake")
         try:
@@ -339,13 +342,13 @@ class Producer:
             await self._outage.failed(results[0])
 
     def _start_work(self, prompt_id: bytes, fields: dict[bytes, bytes], version: int) -> None:
-        work = _Work(prompt_id=prompt_id, fields=fields)
+        work = _Work(prompt_id=prompt_id, fields=fields, version=version)
         self._work[prompt_id] = work
-        work.task = asyncio.create_task(self._run_work(work, version), name=f"work-{prompt_id.decode()}")
+        work.task = asyncio.create_task(self._run_work(work), name=f"work-{prompt_id.decode()}")
 
     # -- one prompt ---------------------------------------------------------------------
 
-    async def _run_work(self, work: _Work, admitted_version: int) -> None:
+    async def _run_work(self, work: _Work) -> None:
         n = self.config.n_samples_per_prompt
         finished = False
         try:
@@ -356,9 +359,9 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
-            group = await self._generate_group(prompt, admitted_version)
+            group = await self.rollout.run(prompt, work.version)
             fields = group_fields(group)
-            result = await self._outage.run(lambda: self.scripts.publish(work.prompt_id, fields, now_ms()))
+            result = await self._outage.run(lambda: self.prompts.publish(work.prompt_id, fields))
             finished = True
             if result is None:
                 self.duplicates += 1
@@ -369,10 +372,9 @@ class Producer:
             else:
                 self.published += 1
                 self._publish_times.append(time.monotonic())
-                if self.metrics is not None:
-                    self.metrics.group_published(group)
+                self.metrics.group_published(group)
         except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
-            self._set_fatal(nogroup_error(self.keys.namespace, exc) if is_nogroup(exc) else exc)
+            self._set_fatal(exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._work.pop(work.prompt_id, None)
@@ -380,200 +382,37 @@ class Producer:
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
         logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
-        await self._outage.run(
-            lambda: self.scripts.dead_letter(
-                source=self.keys.prompts, group=PRODUCERS_GROUP, entry_id=work.prompt_id,
-                reason=reason, fields=work.fields, now_ms=now_ms(),
-            )
-        )
-
-    async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
-        if prompt.input_ids is not None:
-            return prompt.input_ids
-        if isinstance(prompt.prompt, str) and self.settings.tokenize_prompts:
-            ids = await self.engine.tokenize(prompt.prompt)
-            if ids is not None:
-                return array("i", ids)
-        elif isinstance(prompt.prompt, list):  # chat messages: the chat template, with a tokenizer
-            ids = await self.engine.chat_ids(prompt.prompt)
-            if ids is not None:
-                return array("i", ids)
-        return None
-
-    async def _generate_group(self, prompt: Prompt, admitted_version: int) -> Group:
-        n = self.config.n_samples_per_prompt
-        prompt_ids = await self._prompt_ids(prompt)
-        partial = prompt.partial if self.config.partial_rollout else None
-        if partial is None and self.engine.batches_samples:  # one request with n
-            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
-        else:
-            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
-        if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
-            rewards = await self.reward.score(prompt.prompt, prompt.label, samples)
-            for sample, reward in zip(samples, rewards, strict=True):
-                sample.reward = reward
-        return Group(
-            index=prompt.index,
-            epoch=prompt.epoch,
-            attempt=prompt.attempt,
-            prompt=prompt.prompt,
-            label=prompt.label,
-            metadata=dict(prompt.metadata),
-            samples=samples,
-            producer=self.name,
-            history=prompt.history,
-        )
-
-    async def _generate_each(
-        self,
-        prompt: Prompt,
-        prompt_ids: array[int] | None,
-        n: int,
-        admitted_version: int,
-        partial: list[Sample] | None,
-    ) -> list[Sample]:
-        """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(
-                        self._generate_sample(
-                            prompt, prompt_ids, i, admitted_version,
-                            partial[i] if partial is not None and i < len(partial) else None,
-                        )
-                    )
-                    for i in range(n)
-                ]
-        except ExceptionGroup as errors:
-            first: BaseException = errors
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
-        return [t.result() for t in tasks]
-
-    @contextlib.contextmanager
-    def _requests(self, count: int) -> Iterator[None]:
-        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
-        if self.metrics is None:
-            yield
-            return
-        started = time.monotonic()
-        for _ in range(count):
-            self.metrics.request_started()
-        try:
-            yield
-        finally:
-            for _ in range(count):
-                self.metrics.request_finished(time.monotonic() - started)
-
-    async def _generate_sample(
-        self,
-        prompt: Prompt,
-        prompt_ids: array[int] | None,
-        index: int,
-        admitted_version: int,
-        partial: Sample | None,
-    ) -> Sample:
-        if partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
-            return replace(partial, index=index)
-        prefix: Sample | None = None
-        if partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
-            if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
-                prefix = partial
-            else:
-                logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
-        max_new = self.engine.settings.max_new_tokens
-        if prefix is not None and prefix.response_length >= max_new:
-            return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
-        try:
-            with self._requests(1):
-                if prefix is not None:  # continue the aborted response where it stopped
-                    generation = await self.engine.generate(
-                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
-                    )
-                else:
-                    source = self._prompt_input(prompt, prompt_ids)
-                    generation = await self.engine.generate(**source, max_new_tokens=max_new)
-        except EngineRejected as exc:
-            return _rejected(index, prompt_ids, exc)
-        if self.metrics is not None:
-            self.metrics.tokens_generated(len(generation.output_ids))
-        return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
-
-    async def _generate_together(
-        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
-    ) -> list[Sample]:
-        """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
-        try:
-            with self._requests(n):
-                generations = await self.engine.generate_n(
-                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
-                )
-        except EngineRejected as exc:
-            return [_rejected(i, prompt_ids, exc) for i in range(n)]
-        if self.metrics is not None:
-            self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
-        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
-
-    def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
-        """How the prompt goes to the engine: token ids, else text, else chat messages."""
-        if prompt_ids is not None:
-            return {"input_ids": prompt_ids}
-        if isinstance(prompt.prompt, str):
-            return {"text": prompt.prompt}
-        if self.engine.accepts_messages:
-            return {"messages": prompt.prompt}
-        raise PromptNotSupported(
-            "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
-        )
+        await self._outage.run(lambda: self.prompts.dead_letter(work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
     async def _adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
-        try:
-            pending = await self._outage.run(
-                lambda: self.redis.xpending_range(
-                    self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.name
-                )
-            )
-        except Exception as exc:
-            if is_nogroup(exc):
-                raise nogroup_error(self.keys.namespace, exc) from exc
-            raise
-        if pending:
-            ids = [p["message_id"] for p in pending]
-            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(ids))
-            claimed = await self.redis.xclaim(self.keys.prompts, PRODUCERS_GROUP, self.name, 0, ids)
+        claimed = await self._outage.run(self.prompts.own_pending)
+        if claimed:
+            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
             await self._take_over(claimed)
 
-    async def _take_over(self, claimed: list[Any]) -> None:
+    async def _take_over(self, claimed: list[Entry]) -> None:
         n = self.config.n_samples_per_prompt
         version = await self._trainer_version()
         for entry_id, fields in claimed:
-            if entry_id is None:
-                continue
             if not fields:
-                await self._outage.run(lambda e=entry_id: self._ack_deleted(e))
+                await self._outage.run(lambda e=entry_id: self.prompts.ack_deleted(e))
                 continue
             if entry_id in self._work:
                 continue
             if not await self._acquire(n):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields)
+                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields, version=version)
                 continue
             self.reclaimed += 1
             self._start_work(entry_id, fields, version)
             # Only a counter, but a Redis outage here must not become a fatal error.
-            await self._outage.run(lambda: self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1))
-
-    async def _ack_deleted(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
-        await self.redis.xdel(self.keys.prompts, entry_id)
+            await self._outage.run(self.prompts.count_reclaimed)
 
     async def _trainer_version(self) -> int:
-        raw = await self._outage.run(lambda: self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION))
-        return int(raw or 0)
+        return await self._outage.run(self.control.weight_version)
 
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
@@ -583,7 +422,7 @@ class Producer:
             if not ids:
                 continue
             try:
-                lost = await self.scripts.renew(self.name, ids)
+                lost = await self.prompts.renew(ids)
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
                 continue
@@ -610,37 +449,28 @@ class Producer:
                 self._reclaim_due = False
                 continue
             try:
-                if await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1":
+                if await self.control.paused():
                     self._reclaim_due = False
                     continue
                 if not self._reclaim_due:
-                    due = await self.redis.xpending_range(
-                        self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms
-                    )
-                    if not due:
+                    if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
                 async with self._capacity:
                     await self._capacity.wait_for(lambda: self._free >= n or self._stopping.is_set())
-                reply = await self.redis.xautoclaim(
-                    self.keys.prompts, PRODUCERS_GROUP, self.name, lease_ms,
-                    start_id=self._reclaim_cursor, count=max(1, self._free // n),
-                )
+                claimed = await self.prompts.reclaim(lease_ms, count=self._free // n)
             except TRANSIENT_ERRORS as exc:
                 self._reclaim_due = False
                 await self._outage.failed(exc)
                 continue
             self._outage.recovered()
-            cursor, claimed = reply[0], reply[1]
-            self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-            claimed = [c for c in claimed if c[0] is not None]
             if claimed:
                 logger.info(
                     "producer %s: reclaimed %d prompts idle past the %.0f s lease",
                     self.name, len(claimed), self.config.lease_seconds,
                 )
                 await self._take_over(claimed)
-            elif self._reclaim_cursor in ("0-0", "0"):
+            elif self.prompts.reclaim_scanned:
                 self._reclaim_due = False  # scanned to the end: nothing left to take over
             if not self._reclaim_due:
                 self._wake.set()
@@ -658,29 +488,25 @@ class Producer:
             self._blocked_total += now - self._blocked_since
             self._blocked_since = now
         blocked_ms = int((self._blocked_total - self._blocked_reported) * 1000)
-        beat = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "state": self._state,
-            "in_flight_samples": self.in_flight_samples,
-            "in_flight_prompts": len(self._work),
-            "concurrency": self.settings.concurrency,
-            "published": self.published,
-            "groups_last_minute": self._groups_last_minute(),
-            "duplicates": self.duplicates,
-            "reclaimed": self.reclaimed,
-            "engine_retries": self.engine.retries,
-            "engines": list(self.engine.settings.urls),
-            "started_ms": int(self._started * 1000),
-            "last_seen_ms": now_ms(),
-        }
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.producers, self.name, json.dumps(beat))
-            if blocked_ms > 0:
-                pipe.hincrby(self.keys.state, StateField.ADMISSION_BLOCKED_MS, blocked_ms)
-            await pipe.execute()
+        beat = Heartbeat(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            state=self._state,
+            in_flight_samples=self.in_flight_samples,
+            in_flight_prompts=len(self._work),
+            concurrency=self.settings.concurrency,
+            published=self.published,
+            groups_last_minute=self._groups_last_minute(),
+            duplicates=self.duplicates,
+            reclaimed=self.reclaimed,
+            engine_retries=self.engine.retries,
+            engines=list(self.engine.settings.urls),
+            started_ms=int(self._started * 1000),
+            last_seen_ms=now_ms(),
+        )
+        await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
-        if self.metrics is not None and blocked_ms > 0:
+        if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
 
     async def _heartbeat_loop(self) -> None:
@@ -696,9 +522,12 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
-            pubsub = self._blocking.pubsub()
             try:
-                await pubsub.subscribe(self.keys.control)
+                pubsub = await self.control.subscribe(self._blocking)
+            except TRANSIENT_ERRORS as exc:
+                await self._outage.failed(exc)
+                continue
+            try:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
@@ -758,7 +587,7 @@ class Producer:
             fields = {k.decode(): v for k, v in work.fields.items()}
             try:
                 returned = await self._outage.run(
-                    lambda f=fields, w=work: self.scripts.return_prompt(w.prompt_id, f), give_up_after=30
+                    lambda f=fields, w=work: self.prompts.give_back(w.prompt_id, f), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(
@@ -770,60 +599,3 @@ class Producer:
                 self.returned += 1
             self._work.pop(work.prompt_id, None)
 
-
-def _to_sample(
-    index: int,
-    prompt_ids: array[int] | None,
-    generation: Generation,
-    admitted_version: int,
-    prefix: Sample | None,
-) -> Sample:
-    metadata: dict[str, Any] = {"engine": generation.engine}
-    if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
-        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
-    version = generation.weight_version
-    if version is None:
-        version = admitted_version
-        metadata["weight_version_source"] = "trainer_at_admission"
-    if prompt_ids is None:
-        metadata["prompt_ids"] = "unknown"
-    status = Status.from_finish_reason(generation.finish_reason)
-    if prefix is not None:
-        log_probs = None
-        if prefix.rollout_log_probs is not None and generation.log_probs is not None:
-            log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
-        metadata["continued_from"] = prefix.response_length
-        return Sample(
-            index=index,
-            tokens=prefix.tokens + array("i", generation.output_ids),
-            response=prefix.response + generation.text,
-            response_length=prefix.response_length + len(generation.output_ids),
-            status=status,
-            finish_reason=generation.finish_reason,
-            weight_versions=[*prefix.weight_versions, version],
-            rollout_log_probs=log_probs,
-            metadata={**prefix.metadata, **metadata},
-        )
-    tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
-    return Sample(
-        index=index,
-        tokens=tokens,
-        response=generation.text,
-        response_length=len(generation.output_ids),
-        status=status,
-        finish_reason=generation.finish_reason,
-        weight_versions=[version],
-        rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
-        metadata=metadata,
-    )
-
-
-def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
-    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
-    return Sample(
-        index=index,
-        tokens=prompt_ids if prompt_ids is not None else array("i"),
-        status=Status.FAILED,
-        finish_reason="rejected",
-        metadata={"error": str(exc)[:1000]},
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from typing import Any
 
 import msgpack
 import pytest
@@ -13,13 +14,14 @@ from rollstream.common.codec import (
     decode_group,
     decode_group_entry,
     decode_prompt,
+    decode_prompt_entry,
     encode_group,
     encode_prompt,
     group_fields,
     prompt_fields,
 )
 from rollstream.common.errors import DecodeError
-from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.common.models import Group, Prompt, Sample, Status, retry_prompt
 
 
 def make_group(n: int = 4, tokens: int = 100) -> Group:
@@ -152,3 +154,77 @@ def test_missing_data_field_and_unencodable_metadata() -> None:
 def test_codec_limits_validate() -> None:
     with pytest.raises(ValueError):
         CodecLimits(max_tokens=0)
+
+
+def _v1_sample(index: int, tokens: list[int], rlen: int, **extra: Any) -> dict[str, Any]:
+    """A sample map exactly as schema version 1 wrote it (no pl/err; flags in md)."""
+    return {
+        "i": index, "tok": array("i", tokens).tobytes(), "resp": "r", "rlen": rlen, "rew": None,
+        "st": extra.pop("st", "completed"), "fr": "stop", "wv": [1], "lp": None, "lm": None,
+        "md": extra.pop("md", {"engine": "http://e"}),
+    }
+
+
+def test_version_1_groups_still_decode_with_their_flags_as_fields() -> None:
+    v1 = msgpack.packb(
+        {
+            "v": 1, "kind": "group", "index": 3, "epoch": 0, "attempt": 1, "prompt": "p", "label": None,
+            "metadata": {}, "producer": "old", "history": ["aborted"],
+            "samples": [
+                _v1_sample(0, [5, 6, 7, 100, 101], 2),
+                _v1_sample(1, [102], 1, md={"engine": "e", "prompt_ids": "unknown"}),
+                _v1_sample(2, [5, 6, 7], 0, st="failed", md={"error": "HTTP 400: too long"}),
+            ],
+        },
+        use_bin_type=True,
+    )
+    group = decode_group_entry({b"index": b"3", b"data": v1})
+    known, unknown, failed = group.samples
+    assert (known.prompt_length, known.response_tokens.tolist()) == (3, [100, 101])
+    assert known.loss_mask is not None and known.loss_mask.tolist() == [1, 1]
+    assert unknown.prompt_length == 0 and "prompt_ids" not in unknown.metadata
+    assert failed.error == "HTTP 400: too long" and "error" not in failed.metadata
+    assert failed.loss_mask is not None and len(failed.loss_mask) == 0
+    # re-encoded, it is a version-2 group with the same content
+    assert decode_group(encode_group(group)) == group
+
+
+def test_version_1_prompts_with_partial_samples_still_decode() -> None:
+    v1 = msgpack.packb(
+        {
+            "v": 1, "kind": "prompt", "index": 9, "epoch": 1, "attempt": 2, "prompt": "p", "label": "4",
+            "metadata": {"k": 1}, "input_ids": array("i", [5, 6]).tobytes(),
+            "partial": [_v1_sample(0, [5, 6, 100], 1, st="aborted")], "history": ["aborted", "aborted"],
+        },
+        use_bin_type=True,
+    )
+    prompt = decode_prompt_entry({"data": v1})
+    assert (prompt.index, prompt.attempt, prompt.label, prompt.history) == (9, 2, "4", ["aborted", "aborted"])
+    assert prompt.input_ids is not None and prompt.input_ids.tolist() == [5, 6]
+    assert prompt.partial is not None and prompt.partial[0].prompt_length == 2
+    assert prompt.partial[0].status is Status.ABORTED
+
+
+def test_version_2_checks_the_prompt_length_and_the_loss_mask() -> None:
+    group = make_group(1)
+    group.samples[0].prompt_length = 3
+    with pytest.raises(DecodeError, match="pl 3"):
+        decode_group(encode_group(group))
+    group = make_group(1)
+    group.samples[0].loss_mask = array("B", [1])
+    with pytest.raises(DecodeError, match="lm has 1"):
+        decode_group(encode_group(group))
+
+
+def test_a_future_schema_version_is_refused() -> None:
+    with pytest.raises(DecodeError, match="schema version 3"):
+        decode_group(msgpack.packb({"v": SCHEMA_VERSION + 1, "kind": "group"}))
+
+
+def test_retry_prompt_is_the_next_attempt_with_prompt_ids_and_history() -> None:
+    group = make_group(2)
+    prompt = retry_prompt(group, "aborted", keep_partial=True)
+    assert (prompt.index, prompt.attempt, prompt.epoch, prompt.label) == (42, 2, 2, "7")
+    assert prompt.input_ids is not None and prompt.input_ids.tolist() == list(range(10))
+    assert prompt.history == ["aborted"] and prompt.partial == group.samples
+    assert retry_prompt(group, "failed").partial is None

@@ -23,7 +23,7 @@ import msgpack
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
-from rollstream.common.codec import CodecLimits, group_fields
+from rollstream.common.codec import CodecLimits, decode_prompt_entry, group_fields
 from rollstream.common.connection import connect
 from rollstream.common.errors import ProducerFailed
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
@@ -338,7 +338,11 @@ async def test_malformed_entries_are_dead_lettered_and_take_goes_on(redis: Redis
         assert fields[b"reason"].decode().startswith(reason + ":"), fields[b"reason"]
         assert fields[b"source"] == b"groups"
         assert fields[b"index"] == str(sent["index"]).encode()
-        if "data" in sent:
+        if reason == "wrong_group_size":  # decodable: dead letters hold its prompt, ready to requeue
+            prompt = decode_prompt_entry(fields)
+            assert (prompt.index, prompt.prompt, prompt.label) == (104, "p104", "1")
+            assert prompt.input_ids is not None and prompt.input_ids.tolist() == [1]
+        elif "data" in sent:
             assert fields[b"data"] == sent["data"]  # the raw bytes, untouched
         else:
             assert b"data" not in fields

@@ -1,0 +1,587 @@
+"""The Redis protocol of one namespace: the commands on its keys and the shapes of its payloads.
+
+The producer, the consumer and the operator tools talk to Redis through these typed operations;
+the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this module calls.
+
+* :class:`PromptQueue`: a producer's side of the prompt stream: admit, renew leases, take over
+  idle prompts with XAUTOCLAIM (keeping its cursor), adopt its own pending prompts, publish a
+  group, return or dead-letter a prompt.
+* :class:`GroupQueue`: the trainer's side of the group stream: read, own pending, orphans,
+  recycle, dead-letter, drop, commit.
+* :class:`Control`: weight version and pause/resume in the ``state`` hash, announced on the
+  ``control`` channel so waiting producers wake at once.
+* :class:`Heartbeat`: the producers' heartbeat, written and parsed here only, with the one
+  liveness rule (:meth:`Heartbeat.alive`).
+* :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys; :func:`mark_take` and
+  :func:`stream_lengths` (what ``take()`` reports).
+* :func:`translate_nogroup`: a missing consumer group (the namespace was deleted) becomes a
+  :class:`~.errors.ConfigError` naming the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ResponseError
+
+from .errors import ConfigError
+from .events import now_ms
+from .keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .lua import Scripts
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+"""A stream entry: its id and its raw fields (empty for an entry deleted meanwhile)."""
+
+# -- NOGROUP ---------------------------------------------------------------------------------
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
+
+
+def nogroup_error(namespace: str, exc: BaseException) -> ConfigError:
+    return ConfigError(
+        f"the streams of namespace {namespace!r} are gone ({exc}); was the namespace deleted? "
+        f"Run `rollstream init --ns {namespace} ...` to create it again"
+    )
+
+
+@contextlib.contextmanager
+def translate_nogroup(namespace: str) -> Iterator[None]:
+    """Turn Redis' NOGROUP reply (the namespace's streams are gone) into a ConfigError."""
+    try:
+        yield
+    except ResponseError as exc:
+        if is_nogroup(exc):
+            raise nogroup_error(namespace, exc) from exc
+        raise
+
+
+# -- heartbeats ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """What a producer reports every ``heartbeat_interval`` in the ``producers`` hash (JSON)."""
+
+    host: str = ""
+    pid: int = 0
+    state: str = "unknown"
+    in_flight_samples: int = 0
+    in_flight_prompts: int = 0
+    concurrency: int = 0
+    published: int = 0
+    groups_last_minute: int = 0
+    duplicates: int = 0
+    reclaimed: int = 0
+    engine_retries: int = 0
+    engines: list[str] = field(default_factory=list)
+    started_ms: int = 0
+    last_seen_ms: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> Heartbeat:
+        """The heartbeat in ``raw``; ValueError when it is not a JSON object. Unknown keys are
+        ignored and missing ones take their defaults (older and newer producers both parse)."""
+        obj = json.loads(raw)
+        if not isinstance(obj, dict):
+            raise ValueError("heartbeat is not an object")
+        beat = cls()
+        for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
+                     "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
+                     "last_seen_ms"):
+            value = obj.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                setattr(beat, name, int(value))
+        for name in ("host", "state"):
+            if isinstance(obj.get(name), str):
+                setattr(beat, name, obj[name])
+        if isinstance(obj.get("engines"), list):
+            beat.engines = [str(e) for e in obj["engines"]]
+        return beat
+
+    def fresh(self, now: int, timeout_s: float) -> bool:
+        """Seen within ``timeout_s`` seconds before ``now`` (ms)."""
+        return self.last_seen_ms >= now - timeout_s * 1000
+
+    def alive(self, now: int, timeout_s: float) -> bool:
+        """The liveness rule: a fresh heartbeat of a live state (starting, running, draining)."""
+        return self.fresh(now, timeout_s) and self.state in ALIVE_STATES
+
+
+def live_producers(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> tuple[int, int]:
+    """(producers alive, in-flight samples of the alive ones) from the raw ``producers`` hash."""
+    alive = in_flight = 0
+    for value in raw.values():
+        try:
+            beat = Heartbeat.parse(value)
+        except ValueError:
+            continue
+        if beat.alive(now, timeout_s):
+            alive += 1
+            in_flight += beat.in_flight_samples
+    return alive, in_flight
+
+
+async def write_heartbeat(redis: Redis, keys: Keys, name: str, beat: Heartbeat, blocked_ms: int) -> None:
+    """Write ``beat`` and add ``blocked_ms`` of refused admission to the namespace's total."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.producers, name, beat.to_json())
+        if blocked_ms > 0:
+            pipe.hincrby(keys.state, StateField.ADMISSION_BLOCKED_MS, blocked_ms)
+        await pipe.execute()
+
+
+async def read_heartbeats(redis: Redis, keys: Keys) -> dict[bytes, bytes]:
+    """The raw ``producers`` hash: producer name -> heartbeat JSON (parse with :meth:`Heartbeat.parse`)."""
+    return dict(await redis.hgetall(keys.producers))
+
+
+# -- control ---------------------------------------------------------------------------------
+
+
+def _check_version(version: int) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
+
+
+class Control:
+    """Weight version and pause/resume: written to ``state``, announced on ``control``."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def weight_version(self) -> int:
+        return int(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION) or 0)
+
+    async def paused(self) -> bool:
+        return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
+
+    async def set_weight_version(self, version: int) -> None:
+        _check_version(version)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
+            pipe.publish(self.keys.control, f"version {version}")
+            await pipe.execute()
+
+    async def pause(self) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.state, StateField.PAUSED, 1)
+            pipe.publish(self.keys.control, "pause")
+            await pipe.execute()
+
+    async def resume(self, version: int | None = None) -> None:
+        if version is not None:
+            _check_version(version)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if version is not None:
+                pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
+            pipe.hset(self.keys.state, StateField.PAUSED, 0)
+            pipe.publish(self.keys.control, "resume" if version is None else f"resume {version}")
+            await pipe.execute()
+
+    async def subscribe(self, blocking: Redis) -> PubSub:
+        """A pub/sub subscription to the control channel, on a client that may block; the caller
+        closes it (``await pubsub.aclose()``)."""
+        pubsub = blocking.pubsub()
+        try:
+            await pubsub.subscribe(self.keys.control)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
+
+
+# -- prompt queue (producers) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The ADMIT script's answer: ``ok`` with one prompt entry, else why nothing was read."""
+
+    status: str
+    """``ok``, ``empty``, ``paused``, ``backlog`` or ``staleness``."""
+    entry: Entry | None = None
+    weight_version: int = 0
+
+
+def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
+    return [(entry_id, dict(fields or {})) for entry_id, fields in rows if entry_id is not None]
+
+
+class PromptQueue:
+    """One producer's operations on the prompt stream (consumer group ``producers``)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._reclaim_cursor = "0-0"
+
+    async def admit(
+        self, *, max_backlog: int, admission: bool, max_staleness: int, batch_size: int
+    ) -> Admission:
+        """Read one prompt if the pipeline is not paused, the backlog has room and staleness-aware
+        admission allows it (one atomic script)."""
+        with translate_nogroup(self.keys.namespace):
+            status, entry_id, fields, version = await self.scripts.admit(
+                consumer=self.consumer, max_backlog=max_backlog, admission=admission,
+                max_staleness=max_staleness, batch_size=batch_size,
+            )
+        if status == "ok" and entry_id is not None and fields is not None:
+            return Admission("ok", (entry_id, fields), version)
+        return Admission(status, None, version)
+
+    async def wait_for_new(self, blocking: Redis, block_ms: int) -> None:
+        """Block (on a client made for blocking) until a prompt is added, or ``block_ms`` pass."""
+        await blocking.xread({self.keys.prompts: "$"}, count=1, block=block_ms)
+
+    async def renew(self, ids: Sequence[bytes]) -> list[bytes]:
+        """Renew the leases of ``ids``; the ids this producer no longer owns."""
+        return await self.scripts.renew(self.consumer, list(ids))
+
+    async def own_pending(self, count: int = 1000) -> list[Entry]:
+        """Claim back the prompts pending under this producer's name (a restart with the same name)."""
+        with translate_nogroup(self.keys.namespace):
+            pending = await self.redis.xpending_range(
+                self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
+            )
+        if not pending:
+            return []
+        ids = [p["message_id"] for p in pending]
+        return _flat_entries(await self.redis.xclaim(self.keys.prompts, PRODUCERS_GROUP, self.consumer, 0, ids))
+
+    async def any_idle(self, lease_ms: int) -> bool:
+        """Whether some prompt sits idle past the lease (its producer is gone)."""
+        due = await self.redis.xpending_range(
+            self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms
+        )
+        return bool(due)
+
+    async def reclaim(self, lease_ms: int, count: int) -> list[Entry]:
+        """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the kept cursor).
+        Entries deleted meanwhile come back with empty fields (Redis 6.2): see :meth:`ack_deleted`."""
+        reply = await self.redis.xautoclaim(
+            self.keys.prompts, PRODUCERS_GROUP, self.consumer, lease_ms,
+            start_id=self._reclaim_cursor, count=max(1, count),
+        )
+        cursor = reply[0]
+        self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        return _flat_entries(reply[1])
+
+    @property
+    def reclaim_scanned(self) -> bool:
+        """Whether the last :meth:`reclaim` reached the end of the stream."""
+        return self._reclaim_cursor in ("0-0", "0")
+
+    async def ack_deleted(self, entry_id: bytes) -> None:
+        """Acknowledge (and delete) an entry that came back without fields."""
+        await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
+        await self.redis.xdel(self.keys.prompts, entry_id)
+
+    async def count_reclaimed(self) -> None:
+        await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
+
+    async def publish(self, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
+        """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
+        was taken over and acknowledged by another producer)."""
+        with translate_nogroup(self.keys.namespace):
+            return await self.scripts.publish(entry_id, group_fields, now_ms())
+
+    async def give_back(self, entry_id: bytes, fields: Mapping[str, Any]) -> bool:
+        """Put an unfinished prompt at the end of the stream, attempt unchanged."""
+        with translate_nogroup(self.keys.namespace):
+            return await self.scripts.return_prompt(entry_id, fields)
+
+    async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
+        with translate_nogroup(self.keys.namespace):
+            return await self.scripts.dead_letter(
+                source=self.keys.prompts, group=PRODUCERS_GROUP, entry_id=entry_id,
+                reason=reason, fields=fields, now_ms=now_ms(),
+            )
+
+
+# -- group queue (trainer) -------------------------------------------------------------------
+
+
+class GroupQueue:
+    """One trainer consumer's operations on the group stream (consumer group ``trainer``)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def read(self, blocking: Redis, count: int, block_ms: int) -> list[Entry]:
+        """New groups, up to ``count``, waiting up to ``block_ms`` (on a client made for blocking)."""
+        with translate_nogroup(self.keys.namespace):
+            reply = await blocking.xreadgroup(
+                TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
+            )
+        return _flat_entries(reply[0][1] if reply else [])
+
+    async def own_pending_page(self, after: str, count: int = 1000) -> list[Entry]:
+        """Groups delivered to this consumer and not committed, after entry id ``after``."""
+        reply = await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: after}, count=count)
+        return _flat_entries(reply[0][1] if reply else [])
+
+    async def pending_ids(self, count: int = 10_000) -> list[bytes]:
+        """Ids pending under this consumer (including those of reads whose reply was lost)."""
+        pending = await self.redis.xpending_range(
+            self.keys.groups, TRAINER_GROUP, min="-", max="+", count=count, consumername=self.consumer
+        )
+        return [p["message_id"] for p in pending]
+
+    async def fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
+        """The fields of one entry; empty when it was deleted meanwhile."""
+        rows = await self.redis.xrange(self.keys.groups, entry_id, entry_id)
+        return dict(rows[0][1]) if rows else {}
+
+    async def ack_deleted(self, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.groups, TRAINER_GROUP, entry_id)
+
+    async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
+        return await self.scripts.recycle(entry_id, counter, prompt_fields)
+
+    async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
+        return await self.scripts.dead_letter(
+            source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
+            reason=reason, fields=fields, now_ms=now_ms(),
+        )
+
+    async def drop_filtered(self, entry_id: bytes, reason: str) -> int:
+        return await self.scripts.ack_delete(
+            stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
+            counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
+        )
+
+    async def release(self) -> int:
+        """Give this (gone) consumer's pending groups back to the stream as new entries, then
+        delete the consumer; the number moved back. Each move is atomic (ack + delete + re-add),
+        and the consumer is deleted only when nothing is pending (XGROUP DELCONSUMER would
+        discard pending entries)."""
+        moved = 0
+        while True:
+            pending = await self.pending_ids(count=500)
+            if not pending:
+                break
+            for entry_id in pending:
+                fields = await self.fetch(entry_id)
+                if not fields:
+                    await self.ack_deleted(entry_id)
+                    continue
+                if await self.scripts.move(
+                    source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
+                    target=self.keys.groups, counter=StateField.RELEASED,
+                    fields={k.decode(): v for k, v in fields.items()},
+                ):
+                    moved += 1
+        await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
+        return moved
+
+    async def commit(self, ids: Sequence[bytes]) -> int:
+        """Acknowledge and delete ``ids``; the number acknowledged now."""
+        return await self.scripts.ack_delete(
+            stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
+            counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
+        )
+
+
+# -- feed ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FeedCursor:
+    """Where the feeder stands: the next prompt index, epoch, position and the dataset id."""
+
+    next_index: int
+    epoch: int
+    position: int
+    dataset: str | None
+
+
+class Feed:
+    """The feeder's operations: its cursor in ``state`` and the prompt stream it fills."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def cursor(self) -> FeedCursor:
+        raw = await self.redis.hmget(
+            self.keys.state,
+            [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
+        )
+        next_index, epoch, position = (int(v or 0) for v in raw[:3])
+        return FeedCursor(next_index, epoch, position, raw[3].decode() if raw[3] else None)
+
+    async def queued(self) -> int:
+        """Entries in the prompt stream (waiting or in flight)."""
+        return int(await self.redis.xlen(self.keys.prompts))
+
+    async def add(
+        self, *, expected_next: int, next_after: int, epoch: int, position: int, dataset: str,
+        entries: Sequence[Mapping[str, Any]],
+    ) -> int | None:
+        """Add prompt entries and move the cursor atomically, only from ``expected_next``; None
+        when the cursor moved meanwhile (a re-sent call that went through, another feeder)."""
+        return await self.scripts.feed(
+            expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
+            dataset=dataset, entries=entries,
+        )
+
+
+# -- dead letters, namespaces ----------------------------------------------------------------
+
+
+class DeadLetters:
+    """The dead-letter stream of a namespace (no consumer group: operators read and remove)."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def entries(self, *, ids: Sequence[str] | None = None, count: int | None = None) -> list[Entry]:
+        """The given entries (missing ones skipped), else the first ``count``, oldest first."""
+        if ids:
+            rows: list[Any] = []
+            for entry_id in ids:
+                rows.extend(await self.redis.xrange(self.keys.dead, min=entry_id, max=entry_id))
+        else:
+            rows = await self.redis.xrange(self.keys.dead, count=count)
+        return _flat_entries(rows)
+
+    async def requeue(self, entry_id: str, prompt_fields: Mapping[str, Any]) -> bytes | None:
+        """Delete a dead entry and add its prompt to the prompt stream, atomically; None when the
+        entry was already gone."""
+        return await self.scripts.requeue(entry_id, prompt_fields)
+
+    async def drop(self, ids: Sequence[str]) -> int:
+        return int(await self.redis.xdel(self.keys.dead, *ids)) if ids else 0
+
+
+async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
+    """Keys matching ``match``, found with SCAN (never KEYS: it blocks the server)."""
+    return [key async for key in redis.scan_iter(match=match, count=1000)]
+
+
+async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
+    return [key for key in keys.all_keys() if await redis.exists(key)]
+
+
+async def delete_namespace(redis: Redis, keys: Keys) -> int:
+    """Delete exactly this namespace's keys; the number of keys that existed."""
+    return int(await redis.delete(*keys.all_keys()))
+
+
+# -- read-only views (operators) ------------------------------------------------------------
+
+
+class StreamView:
+    """Read-only looks at a namespace's streams and hashes (XINFO, XPENDING, XLEN, XRANGE, HGETALL);
+    a stream or consumer group that does not exist yet reads as empty."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def length(self, stream: str) -> int:
+        return int(await self.redis.xlen(stream))
+
+    async def consumers(self, stream: str, group: str) -> list[dict[str, Any]]:
+        """XINFO CONSUMERS rows (name, pending, idle, inactive on Redis >= 7.2)."""
+        try:
+            return list(await self.redis.xinfo_consumers(stream, group))
+        except ResponseError:  # no stream or no group yet
+            return []
+
+    async def group_info(self, stream: str, group: str) -> dict[str, Any] | None:
+        """The XINFO GROUPS row of ``group``, or None."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:
+            return None
+        for row in groups:
+            name = row["name"]
+            if (name.decode() if isinstance(name, bytes) else name) == group:
+                return dict(row)
+        return None
+
+    async def pending_summary(self, stream: str, group: str) -> dict[str, Any] | None:
+        """XPENDING's summary (``pending``, ``min``, ``max``, ``consumers``), or None without the group."""
+        try:
+            return dict(await self.redis.xpending(stream, group))
+        except ResponseError:
+            return None
+
+    async def pending_idle_ms(self, stream: str, group: str, count: int) -> list[int]:
+        """Milliseconds since delivery of up to ``count`` pending entries, oldest entries first."""
+        rows = await self.redis.xpending_range(stream, group, min="-", max="+", count=count)
+        return [int(r["time_since_delivered"]) for r in rows]
+
+    async def first_after(self, stream: str, entry_id: str) -> bytes | None:
+        """The id of the first entry after ``entry_id``, or None."""
+        rows = await self.redis.xrange(stream, min=f"({entry_id}", max="+", count=1)
+        return rows[0][0] if rows else None
+
+    async def config_hash(self) -> dict[bytes, bytes]:
+        return dict(await self.redis.hgetall(self.keys.config))
+
+    async def state_hash(self) -> dict[bytes, bytes]:
+        return dict(await self.redis.hgetall(self.keys.state))
+
+
+# -- views -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TakeStats:
+    """What a ``take()`` reports beside its groups, read in one round trip."""
+
+    groups_length: int
+    groups_pending: int
+    prompts_pending: int
+    admission_blocked_ms: int
+    heartbeats: dict[bytes, bytes]
+
+
+async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
+    """Record the time of a ``take()`` and read its statistics (one round trip)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+        pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
+        pipe.hgetall(keys.producers)
+        _, groups_len, groups_pending, prompts_pending, blocked_raw, beats = await pipe.execute()
+    return TakeStats(
+        groups_length=int(groups_len),
+        groups_pending=int(groups_pending["pending"]),
+        prompts_pending=int(prompts_pending["pending"]),
+        admission_blocked_ms=int(blocked_raw or 0),
+        heartbeats=dict(beats),
+    )
+
+
+async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
+    """(entries in the group stream, entries in the prompt stream)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.groups)
+        pipe.xlen(keys.prompts)
+        groups, prompts = await pipe.execute()
+    return int(groups), int(prompts)

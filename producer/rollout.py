@@ -1,0 +1,272 @@
+"""One prompt in, one scored group out: the rollout itself, without Redis.
+
+:class:`Rollout` tokenizes the prompt (when it can), asks the engines for ``n`` samples (one
+request with ``n`` where the engine API batches them, else one request per sample, concurrently),
+continues the samples of an aborted attempt where partial rollout is on, builds the
+:class:`~rollstream.common.models.Sample` objects and scores the group with the reward function.
+It knows nothing of streams, leases or admission: the producer runtime
+(:mod:`rollstream.producer.worker`) hands it a decoded prompt and the weight version the prompt
+was admitted under, and publishes what comes back.
+
+Engine refusals (:class:`~rollstream.common.errors.EngineRejected`) become FAILED samples, which
+the consumer recycles; any other error (an engine that keeps failing, a broken reward) propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rollstream.common.errors import EngineRejected, PromptNotSupported
+from rollstream.common.models import Group, Prompt, Sample, Status
+
+from .engine import EngineClient, Generation
+from .rewards import RewardFunction
+from .telemetry import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSettings:
+    """What a rollout needs to know of the pipeline and of its producer."""
+
+    n_samples: int
+    """Samples per prompt (the namespace's ``n_samples_per_prompt``)."""
+    partial_rollout: bool = False
+    """Continue the aborted samples of an earlier attempt instead of regenerating them."""
+    tokenize_prompts: bool = True
+    """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
+    producer: str = ""
+    """Written into every group's ``producer`` field."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
+            raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
+
+
+class Rollout:
+    """Turns a prompt into a scored group with an engine client and a reward function."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        reward: RewardFunction,
+        settings: RolloutSettings,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.reward = reward
+        self.settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
+
+    async def run(self, prompt: Prompt, admitted_version: int) -> Group:
+        """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
+        prompt was admitted) stands in for engines that do not report their own."""
+        n = self.settings.n_samples
+        prompt_ids = await self._prompt_ids(prompt)
+        partial = prompt.partial if self.settings.partial_rollout else None
+        if partial is None and self.engine.batches_samples:  # one request with n
+            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
+        else:
+            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
+        if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
+            rewards = await self.reward.score(prompt.prompt, prompt.label, samples, metadata=prompt.metadata)
+            for sample, reward in zip(samples, rewards, strict=True):
+                sample.reward = reward
+        return Group(
+            index=prompt.index,
+            epoch=prompt.epoch,
+            attempt=prompt.attempt,
+            prompt=prompt.prompt,
+            label=prompt.label,
+            metadata=dict(prompt.metadata),
+            samples=samples,
+            producer=self.settings.producer,
+            history=prompt.history,
+        )
+
+    async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
+        if prompt.input_ids is not None:
+            return prompt.input_ids
+        if isinstance(prompt.prompt, str) and self.settings.tokenize_prompts:
+            ids = await self.engine.tokenize(prompt.prompt)
+            if ids is not None:
+                return array("i", ids)
+        elif isinstance(prompt.prompt, list):  # chat messages: the chat template, with a tokenizer
+            ids = await self.engine.chat_ids(prompt.prompt)
+            if ids is not None:
+                return array("i", ids)
+        return None
+
+    async def _generate_each(
+        self,
+        prompt: Prompt,
+        prompt_ids: array[int] | None,
+        n: int,
+        admitted_version: int,
+        partial: list[Sample] | None,
+    ) -> list[Sample]:
+        """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        self._generate_sample(
+                            prompt, prompt_ids, i, admitted_version,
+                            partial[i] if partial is not None and i < len(partial) else None,
+                        )
+                    )
+                    for i in range(n)
+                ]
+        except ExceptionGroup as errors:
+            first: BaseException = errors
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        return [t.result() for t in tasks]
+
+    @contextlib.contextmanager
+    def _requests(self, count: int) -> Iterator[None]:
+        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
+        started = time.monotonic()
+        for _ in range(count):
+            self.metrics.request_started()
+        try:
+            yield
+        finally:
+            for _ in range(count):
+                self.metrics.request_finished(time.monotonic() - started)
+
+    async def _generate_sample(
+        self,
+        prompt: Prompt,
+        prompt_ids: array[int] | None,
+        index: int,
+        admitted_version: int,
+        partial: Sample | None,
+    ) -> Sample:
+        if partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
+            return replace(partial, index=index)
+        prefix: Sample | None = None
+        if partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
+            if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
+                prefix = partial
+            else:
+                logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
+        max_new = self.engine.settings.max_new_tokens
+        if prefix is not None and prefix.response_length >= max_new:
+            return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
+        try:
+            with self._requests(1):
+                if prefix is not None:  # continue the aborted response where it stopped
+                    generation = await self.engine.generate(
+                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
+                    )
+                else:
+                    source = self._prompt_input(prompt, prompt_ids)
+                    generation = await self.engine.generate(**source, max_new_tokens=max_new)
+        except EngineRejected as exc:
+            return _rejected(index, prompt_ids, exc)
+        self.metrics.tokens_generated(len(generation.output_ids))
+        return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+
+    async def _generate_together(
+        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
+    ) -> list[Sample]:
+        """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
+        try:
+            with self._requests(n):
+                generations = await self.engine.generate_n(
+                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
+                )
+        except EngineRejected as exc:
+            return [_rejected(i, prompt_ids, exc) for i in range(n)]
+        self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
+        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
+
+    def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
+        """How the prompt goes to the engine: token ids, else text, else chat messages."""
+        if prompt_ids is not None:
+            return {"input_ids": prompt_ids}
+        if isinstance(prompt.prompt, str):
+            return {"text": prompt.prompt}
+        if self.engine.accepts_messages:
+            return {"messages": prompt.prompt}
+        raise PromptNotSupported(
+            "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
+        )
+
+
+def _to_sample(
+    index: int,
+    prompt_ids: array[int] | None,
+    generation: Generation,
+    admitted_version: int,
+    prefix: Sample | None,
+) -> Sample:
+    metadata: dict[str, Any] = {"engine": generation.engine}
+    if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
+        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
+    version = generation.weight_version
+    if version is None:
+        version = admitted_version
+        metadata["weight_version_source"] = "trainer_at_admission"
+    status = Status.from_finish_reason(generation.finish_reason)
+    if prefix is not None:
+        log_probs = None
+        if prefix.rollout_log_probs is not None and generation.log_probs is not None:
+            log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
+        metadata["continued_from"] = prefix.response_length
+        response_length = prefix.response_length + len(generation.output_ids)
+        return Sample(
+            index=index,
+            tokens=prefix.tokens + array("i", generation.output_ids),
+            response=prefix.response + generation.text,
+            response_length=response_length,
+            prompt_length=prefix.prompt_length,
+            loss_mask=_ones(response_length),
+            status=status,
+            finish_reason=generation.finish_reason,
+            weight_versions=[*prefix.weight_versions, version],
+            rollout_log_probs=log_probs,
+            metadata={**prefix.metadata, **metadata},
+        )
+    tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
+    return Sample(
+        index=index,
+        tokens=tokens,
+        response=generation.text,
+        response_length=len(generation.output_ids),
+        prompt_length=0 if prompt_ids is None else len(prompt_ids),
+        loss_mask=_ones(len(generation.output_ids)),
+        status=status,
+        finish_reason=generation.finish_reason,
+        weight_versions=[version],
+        rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
+        metadata=metadata,
+    )
+
+
+def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
+    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
+    return Sample(
+        index=index,
+        tokens=prompt_ids if prompt_ids is not None else array("i"),
+        prompt_length=0 if prompt_ids is None else len(prompt_ids),
+        loss_mask=array("B"),
+        status=Status.FAILED,
+        finish_reason="rejected",
+        error=str(exc)[:1000],
+    )
+
+
+def _ones(count: int) -> array[int]:
+    """The loss mask of a response: every response token is trained on."""
+    return array("B", b"\x01" * count)

@@ -1,0 +1,74 @@
+"""The Redis protocol layer: heartbeats (one parser, one liveness rule), NOGROUP translation, and
+the rule that library code outside it sends no Redis command itself."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ResponseError
+from rollstream.common.errors import ConfigError
+from rollstream.common.protocol import Heartbeat, live_producers, translate_nogroup
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOCOL_MODULES = {"common/protocol.py", "common/lua.py", "common/namespace.py", "common/events.py"}
+"""The modules that send Redis commands; everything else goes through them."""
+LIBRARY = ("common", "producer", "consumer", "ops", "cli", "integrations")
+REDIS_COMMANDS = {
+    "xadd", "xack", "xdel", "xlen", "xrange", "xrevrange", "xread", "xreadgroup", "xclaim", "xautoclaim",
+    "xpending", "xpending_range", "xinfo_groups", "xinfo_consumers", "xgroup_create", "xgroup_delconsumer",
+    "hget", "hset", "hmget", "hgetall", "hincrby", "hsetnx", "publish", "pubsub", "pipeline", "delete",
+    "exists", "scan_iter", "register_script",
+}
+
+
+def test_library_code_sends_redis_commands_only_through_the_protocol_layer() -> None:
+    offenders = []
+    for folder in LIBRARY:
+        for path in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else []:
+            relative = path.relative_to(ROOT).as_posix()
+            if relative in PROTOCOL_MODULES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), relative)):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in REDIS_COMMANDS
+                    and "redis" in ast.unparse(node.func.value).lower()
+                ):
+                    offenders.append(f"{relative}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not offenders, "Redis commands outside common/protocol.py:\n" + "\n".join(offenders)
+
+
+def test_a_heartbeat_round_trips_and_tolerates_old_and_new_fields() -> None:
+    beat = Heartbeat(host="h", pid=7, state="running", in_flight_samples=3, engines=["http://e"], last_seen_ms=1000)
+    assert Heartbeat.parse(beat.to_json()) == beat
+    parsed = Heartbeat.parse(json.dumps({"state": "draining", "last_seen_ms": 5, "future_field": 1, "pid": "x"}))
+    assert (parsed.state, parsed.last_seen_ms, parsed.pid) == ("draining", 5, 0)
+    for bad in (b"not json", b"[1, 2]"):
+        with pytest.raises(ValueError):
+            Heartbeat.parse(bad)
+
+
+def test_one_liveness_rule_a_fresh_heartbeat_of_a_live_state() -> None:
+    now, timeout = 100_000, 15.0
+    fresh = Heartbeat(state="running", last_seen_ms=now - 14_000)
+    assert fresh.alive(now, timeout)
+    assert not Heartbeat(state="running", last_seen_ms=now - 16_000).alive(now, timeout)
+    assert not Heartbeat(state="stopped", last_seen_ms=now).alive(now, timeout)
+    raw = {
+        b"a": Heartbeat(state="running", in_flight_samples=4, last_seen_ms=now).to_json().encode(),
+        b"b": Heartbeat(state="draining", in_flight_samples=2, last_seen_ms=now).to_json().encode(),
+        b"c": Heartbeat(state="failed", in_flight_samples=9, last_seen_ms=now).to_json().encode(),
+        b"d": b"garbage",
+    }
+    assert live_producers(raw, now, timeout) == (2, 6)
+
+
+def test_nogroup_becomes_a_config_error_naming_the_namespace() -> None:
+    with pytest.raises(ConfigError, match="namespace 'ns-1'"), translate_nogroup("ns-1"):
+        raise ResponseError("NOGROUP No such key or consumer group")
+    with pytest.raises(ResponseError, match="WRONGTYPE"), translate_nogroup("ns-1"):
+        raise ResponseError("WRONGTYPE Operation against a key")

@@ -1,0 +1,158 @@
+"""The rollout (one prompt -> one scored group) in-process, against an engine on httpx.MockTransport."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
+from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.rewards import PythonReward, RewardFunction
+from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.telemetry import Metrics
+
+URL = "http://engine"
+PROMPT_IDS = [7, 8, 9]
+
+
+class FakeEngine:
+    """An SGLang-like engine: /tokenize, /generate; no model-info endpoint unless given."""
+
+    def __init__(self, *, version: int | None = 3, finish: str = "stop", status: int = 200) -> None:
+        self.version = version
+        self.finish = finish
+        self.status = status
+        self.generate_bodies: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": PROMPT_IDS})
+        if path == "/generate":
+            body = json.loads(request.content)
+            self.generate_bodies.append(body)
+            if self.status != 200:
+                return httpx.Response(self.status, text="prompt too long")
+            n = len(self.generate_bodies)
+            output = [100 + n, 200 + n]
+            meta: dict[str, Any] = {
+                "finish_reason": {"type": self.finish},
+                "output_token_logprobs": [[-0.5, t, None] for t in output],
+            }
+            if self.version is not None:
+                meta["weight_version"] = str(self.version)
+            return httpx.Response(200, json={"text": f"answer {n}", "output_ids": output, "meta_info": meta})
+        return httpx.Response(404)
+
+
+class CountingMetrics(Metrics):
+    def __init__(self) -> None:
+        self.started = self.finished = self.tokens = 0
+
+    def request_started(self) -> None:
+        self.started += 1
+
+    def request_finished(self, seconds: float) -> None:
+        self.finished += 1
+
+    def tokens_generated(self, count: int) -> None:
+        self.tokens += count
+
+
+def rollout(engine: FakeEngine, n: int = 2, *, partial: bool = False, metrics: Metrics | None = None) -> Rollout:
+    client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(engine))
+    reward = PythonReward(lambda sample, prompt, label: float(sample.index), name="by-index")
+    settings = RolloutSettings(n_samples=n, partial_rollout=partial, producer="p-1")
+    return Rollout(client, reward, settings, metrics)
+
+
+async def test_a_text_prompt_becomes_a_scored_group_of_prompt_plus_response_ids() -> None:
+    engine = FakeEngine(version=3)
+    metrics = CountingMetrics()
+    group = await rollout(engine, 2, metrics=metrics).run(
+        Prompt(index=5, prompt="2 + 2?", label="4", epoch=1, attempt=2, metadata={"src": "a"}), admitted_version=1
+    )
+    assert isinstance(group, Group)
+    assert (group.index, group.epoch, group.attempt, group.producer) == (5, 1, 2, "p-1")
+    assert group.metadata == {"src": "a"} and group.label == "4"
+    assert all(body["input_ids"] == PROMPT_IDS for body in engine.generate_bodies)
+    assert len(group.samples) == 2
+    for i, sample in enumerate(group.samples):
+        assert sample.index == i and sample.status == Status.COMPLETED
+        assert sample.tokens.tolist()[:3] == PROMPT_IDS and sample.response_length == 2
+        assert sample.prompt_length == 3 and sample.response_tokens.tolist() == sample.tokens.tolist()[3:]
+        assert sample.loss_mask is not None and sample.loss_mask.tolist() == [1, 1]
+        assert sample.weight_versions == [3]
+        assert sample.rollout_log_probs is not None and sample.rollout_log_probs.tolist() == [-0.5, -0.5]
+        assert sample.reward == float(i)
+    assert (metrics.started, metrics.finished, metrics.tokens) == (2, 2, 4)
+
+
+async def test_without_an_engine_version_the_admitted_version_is_recorded() -> None:
+    group = await rollout(FakeEngine(version=None), 1).run(Prompt(index=0, prompt="hi"), admitted_version=7)
+    sample = group.samples[0]
+    assert sample.weight_versions == [7]
+    assert sample.metadata["weight_version_source"] == "trainer_at_admission"
+
+
+async def test_a_refused_request_gives_failed_samples_and_no_reward() -> None:
+    group = await rollout(FakeEngine(status=400), 2).run(Prompt(index=0, prompt="hi"), admitted_version=0)
+    assert group.status == Status.FAILED
+    assert all(s.status == Status.FAILED and s.reward is None for s in group.samples)
+    assert all(s.error is not None and "prompt too long" in s.error for s in group.samples)
+    assert all(s.prompt_length == 3 and s.response_length == 0 for s in group.samples)
+
+
+async def test_aborted_samples_are_scored_never_and_continued_with_partial_rollout() -> None:
+    aborted = await rollout(FakeEngine(finish="abort"), 1).run(Prompt(index=0, prompt="hi"), admitted_version=0)
+    first = aborted.samples[0]
+    assert first.status == Status.ABORTED and first.reward is None
+    engine = FakeEngine(version=4)
+    retry = Prompt(index=0, prompt="hi", attempt=1, input_ids=PROMPT_IDS, partial=[first])
+    group = await rollout(engine, 1, partial=True).run(retry, admitted_version=0)
+    sample = group.samples[0]
+    # the continuation sends prompt + the aborted response and asks only for the remaining tokens
+    assert engine.generate_bodies[0]["input_ids"] == first.tokens.tolist()
+    assert engine.generate_bodies[0]["sampling_params"]["max_new_tokens"] == 16 - first.response_length
+    assert sample.status == Status.COMPLETED and sample.response_length == 4
+    assert sample.tokens.tolist()[: len(first.tokens)] == first.tokens.tolist()
+    assert sample.weight_versions == [3, 4] and sample.metadata["continued_from"] == 2
+    assert sample.prompt_length == 3
+    assert sample.loss_mask is not None and sample.loss_mask.tolist() == [1] * 4
+
+
+async def test_completed_partial_samples_are_kept_as_they_are() -> None:
+    done = Sample(index=0, tokens=[*PROMPT_IDS, 1], response="x", response_length=1, weight_versions=[2])
+    engine = FakeEngine()
+    group = await rollout(engine, 2, partial=True).run(
+        Prompt(index=0, prompt="hi", input_ids=PROMPT_IDS, partial=[done]), admitted_version=0
+    )
+    assert group.samples[0].tokens.tolist() == done.tokens.tolist()
+    assert len(engine.generate_bodies) == 1  # only the missing second sample was generated
+
+
+class MetadataReward(RewardFunction):
+    """Records the metadata it is given (RemoteReward sends it in its request body)."""
+
+    name = "metadata"
+
+    def __init__(self) -> None:
+        self.seen: list[Mapping[str, Any]] = []
+
+    async def _score(
+        self, prompt: PromptContent, label: Any, samples: list[Sample], metadata: Mapping[str, Any]
+    ) -> list[float]:
+        self.seen.append(metadata)
+        return [1.0] * len(samples)
+
+
+async def test_the_reward_function_receives_the_group_metadata() -> None:
+    reward = MetadataReward()
+    client = EngineClient(EngineSettings(urls=(URL,)), transport=httpx.MockTransport(FakeEngine()))
+    group = await Rollout(client, reward, RolloutSettings(n_samples=2)).run(
+        Prompt(index=0, prompt="hi", metadata={"difficulty": "hard"}), admitted_version=0
+    )
+    assert reward.seen == [{"difficulty": "hard"}]
+    assert [s.reward for s in group.samples] == [1.0, 1.0]
