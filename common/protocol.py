@@ -299,7 +299,7 @@ class PromptQueue:
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.publish(entry_id, group_fields, now_ms())
 
-    async def give_back(self, entry_id: bytes, fields: Mapping[str, Any]) -> bool:
+    async def give_back(self, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt at the end of the stream, attempt unchanged."""
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.return_prompt(entry_id, fields)
