@@ -81,6 +81,15 @@ class Keys:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
 
+    def journal(self, consumer: str) -> str:
+        """Hash: the slime/miles integration's checkpoint journal of one trainer consumer."""
+        return f"{self.base}:journal:{consumer}"
+
+    @property
+    def journal_pattern(self) -> str:
+        """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
+        return f"{self.base}:journal:*"
+
     def all_keys(self) -> list[str]:
         return [
             self.prompts,

@@ -145,7 +145,15 @@ return id
 """)
 
 
-def _flatten(fields: Mapping[str, Any]) -> list[Any]:
+_DEAD_LETTER_FIELDS = frozenset({"source", "reason", "entry_id", "ts_ms"})
+"""Fields a dead-letter entry sets itself; an original field of the same name is dropped."""
+
+
+def _field_name(name: str | bytes) -> str:
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+
+
+def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     out: list[Any] = []
     for key, value in fields.items():
         out.append(key)
@@ -183,7 +191,7 @@ class Scripts:
         entry_id: str | bytes,
         target: str,
         counter: str,
-        fields: Mapping[str, Any],
+        fields: Mapping[Any, Any],
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically."""
         result = await self._move(
@@ -199,7 +207,7 @@ class Scripts:
             counter=counter, fields=prompt_fields,
         )
 
-    async def return_prompt(self, prompt_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bool:
+    async def return_prompt(self, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
         k = self.keys
         return await self.move(
             source=k.prompts, group=PRODUCERS_GROUP, entry_id=prompt_id, target=k.prompts,
@@ -218,11 +226,9 @@ class Scripts:
     ) -> bool:
         """Move an entry to the dead-letter stream with a reason; its original fields are kept."""
         kind = "prompts" if source == self.keys.prompts else "groups"
-        original = {
-            (k.decode() if isinstance(k, bytes) else k): v
-            for k, v in fields.items()
-            if (k.decode() if isinstance(k, bytes) else k) not in ("source", "reason", "entry_id", "ts_ms")
-        }
+        # Field names are kept as they came (bytes that are not UTF-8 included: a hostile entry
+        # must be dead-lettered, not crash the process that reads it).
+        original = {k: v for k, v in fields.items() if _field_name(k) not in _DEAD_LETTER_FIELDS}
         dead_fields = {"source": kind, "reason": reason, "entry_id": entry_id, "ts_ms": now_ms, **original}
         return await self.move(
             source=source, group=group, entry_id=entry_id, target=self.keys.dead,

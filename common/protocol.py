@@ -299,7 +299,7 @@ class PromptQueue:
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.publish(entry_id, group_fields, now_ms())
 
-    async def give_back(self, entry_id: bytes, fields: Mapping[str, Any]) -> bool:
+    async def give_back(self, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt at the end of the stream, attempt unchanged."""
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.return_prompt(entry_id, fields)
@@ -480,12 +480,36 @@ async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
 
 
 async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
-    return [key for key in keys.all_keys() if await redis.exists(key)]
+    fixed = [key for key in keys.all_keys() if await redis.exists(key)]
+    journals = sorted(k.decode() for k in await scan_namespace_keys(redis, keys.journal_pattern))
+    return fixed + journals
 
 
 async def delete_namespace(redis: Redis, keys: Keys) -> int:
-    """Delete exactly this namespace's keys; the number of keys that existed."""
-    return int(await redis.delete(*keys.all_keys()))
+    """Delete exactly this namespace's keys (journals included); the number of keys that existed."""
+    journals = await scan_namespace_keys(redis, keys.journal_pattern)
+    return int(await redis.delete(*keys.all_keys(), *journals))
+
+
+class JournalHash:
+    """The raw hash behind the integrations' checkpoint journal (one per trainer consumer);
+    what its fields hold is the journal's business (``rollstream.integrations.journal``)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
+        self.redis = redis
+        self.key = keys.journal(consumer)
+
+    async def field_names(self) -> list[str]:
+        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in await self.redis.hkeys(self.key)]
+
+    async def get(self, *fields: str) -> list[bytes | None]:
+        return list(await self.redis.hmget(self.key, list(fields))) if fields else []
+
+    async def put(self, mapping: Mapping[str, bytes | str]) -> None:
+        await self.redis.hset(self.key, mapping=dict(mapping))
+
+    async def delete(self, *fields: str) -> int:
+        return int(await self.redis.hdel(self.key, *fields)) if fields else 0
 
 
 # -- read-only views (operators) ------------------------------------------------------------
@@ -585,3 +609,12 @@ async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
         pipe.xlen(keys.prompts)
         groups, prompts = await pipe.execute()
     return int(groups), int(prompts)
+
+
+async def waiting_groups(redis: Redis, keys: Keys) -> int:
+    """Groups in the group stream not delivered to any trainer consumer yet."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        length, pending = await pipe.execute()
+    return max(0, int(length) - int(pending["pending"]))

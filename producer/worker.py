@@ -35,6 +35,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
@@ -63,6 +64,19 @@ logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
+TASK_EXIT_TIMEOUT = 5.0
+"""Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
+
+
+def _check_cancelled() -> None:
+    """Raise :class:`asyncio.CancelledError` if the current task was cancelled, even when the
+    cancellation was swallowed on the way: Python 3.11's ``asyncio.wait_for`` (which redis-py
+    uses to send a command, e.g. during a connection's handshake) loses a cancellation that lands
+    just as the wrapped call finishes. Every loop of the runtime calls this once per turn, so a
+    cancelled loop ends at its next turn whatever the libraries under it did."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def default_producer_name() -> str:
@@ -195,6 +209,7 @@ class Producer:
         )
         self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
+        self._abandoned: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -256,39 +271,58 @@ class Producer:
             self.name, self.keys.namespace, self.settings.concurrency, n, ", ".join(self.engine.settings.urls),
         )
         self._state = "running"
-        await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
-        await self._outage.run(self._heartbeat_once)
-        await self._adopt_own_pending()
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
-        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        loops = [
-            asyncio.create_task(self._admission_loop(), name="admission"),
-            asyncio.create_task(self._renew_loop(), name="renew"),
-            asyncio.create_task(self._reclaim_loop(), name="reclaim"),
-            asyncio.create_task(self._control_loop(), name="control"),
-        ]
+        heartbeat: asyncio.Task[None] | None = None
+        loops: list[asyncio.Task[None]] = []
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
+            await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
+            await self._outage.run(self._heartbeat_once)
+            await self._adopt_own_pending()
+            heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            loops = [
+                asyncio.create_task(self._admission_loop(), name="admission"),
+                asyncio.create_task(self._renew_loop(), name="renew"),
+                asyncio.create_task(self._reclaim_loop(), name="reclaim"),
+                asyncio.create_task(self._control_loop(), name="control"),
+            ]
             done, _ = await asyncio.wait([stopper, heartbeat, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stopper and not task.cancelled() and (error := task.exception()) is not None:
                     self._set_fatal(error)
+        except Exception as exc:  # a failure while starting is as fatal as one while running
+            self._set_fatal(exc)
         finally:
             stopper.cancel()
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await self._cancel_and_wait([stopper, *loops], "loops")
             try:
                 await self._shutdown()
             finally:
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+                if heartbeat is not None:
+                    await self._cancel_and_wait([heartbeat], "heartbeat")
         if self._fatal is not None:
             raise self._fatal
 
     async def aclose(self) -> None:
         await self.redis.aclose()
         await self._blocking.aclose()
+
+    async def _cancel_and_wait(self, tasks: list[asyncio.Task[Any]], what: str) -> None:
+        """Cancel ``tasks`` and wait for them, at most :data:`TASK_EXIT_TIMEOUT` seconds: one
+        that does not end (a library swallowed its cancellation) is logged and left behind,
+        referenced, rather than hanging the shutdown."""
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=TASK_EXIT_TIMEOUT)
+        for task in pending:
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
+            logger.warning(
+                "producer %s: %s task %s did not end %.0f s after its cancellation; left behind",
+                self.name, what, task.get_name(), TASK_EXIT_TIMEOUT,
+            )
 
     def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
@@ -320,6 +354,7 @@ class Producer:
         n = self.config.n_samples_per_prompt
         cfg = self.config
         while not self._stopping.is_set():
+            _check_cancelled()
             if self._reclaim_due:  # prompts of a dead producer come first
                 await self._nap(0.2)
                 continue
@@ -453,6 +488,7 @@ class Producer:
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
         while True:
+            _check_cancelled()
             await asyncio.sleep(interval)
             ids = [pid for pid, w in self._work.items() if not w.lease_lost]
             if not ids:
@@ -479,6 +515,7 @@ class Producer:
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
         while True:
+            _check_cancelled()
             if not self._reclaim_due:
                 await asyncio.sleep(interval)
             if self._stopping.is_set():
@@ -546,6 +583,7 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            _check_cancelled()
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._heartbeat_once()
@@ -557,6 +595,7 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
+            _check_cancelled()
             try:
                 pubsub = await self.control.subscribe(self._blocking)
             except TRANSIENT_ERRORS as exc:
@@ -564,6 +603,7 @@ class Producer:
                 continue
             try:
                 while True:
+                    _check_cancelled()
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
                         self._wake.set()
@@ -590,9 +630,7 @@ class Producer:
                 await asyncio.wait(work_tasks, timeout=self.settings.drain_timeout)
         else:
             self._state = "failed"
-        for task in work_tasks:
-            task.cancel()
-        await asyncio.gather(*work_tasks, return_exceptions=True)
+        await self._cancel_and_wait(work_tasks, "work")
         await self._return_unfinished()
         if self._fatal is not None:
             await self._outage.run(
@@ -619,10 +657,9 @@ class Producer:
     async def _return_unfinished(self) -> None:
         """Put the prompts still held back at the end of the stream, with their attempt unchanged."""
         for work in list(self._work.values()):
-            fields = {k.decode(): v for k, v in work.fields.items()}
             try:
                 returned = await self._outage.run(
-                    lambda f=fields, w=work: self.prompts.give_back(w.prompt_id, f), give_up_after=30
+                    lambda w=work: self.prompts.give_back(w.prompt_id, w.fields), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(
