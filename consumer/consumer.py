@@ -28,11 +28,12 @@ import secrets
 import socket
 import threading
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
@@ -46,8 +47,9 @@ from rollstream.common.errors import (
     ProducerFailed,
 )
 from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys, StateField
-from rollstream.common.models import Group, Status, retry_prompt
+from rollstream.common.models import FloatArray, Group, IntArray, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 from rollstream.common.protocol import (
     Control,
@@ -62,6 +64,9 @@ from rollstream.common.protocol import (
 )
 
 from .filters import KeepFilter, rejection_reason
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,35 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    def tokens_numpy(self) -> list[numpy.ndarray]:
+        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
+        in batch order, samples in group order. Zero-copy: each array is a view on the sample's
+        packed array (it keeps that buffer alive, so it stays valid after :meth:`commit
+        <GroupConsumer.commit>`, after the consumer is closed and after the batch is dropped;
+        writing to it writes to the sample). Needs numpy (extra ``numpy``)."""
+        return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
+
+    def log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.rollout_log_probs) if s.rollout_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
+
+
+_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8"}
+
+
+def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
+    """A numpy array sharing ``values``' memory (the codec's arrays are native-endian)."""
+    np = require_extra("numpy", "numpy", "numpy views of a batch")
+    code = values.typecode if isinstance(values, array) else values.format
+    return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
 
 
 def batch_id(entry_ids: list[bytes]) -> str:
@@ -360,6 +394,9 @@ class GroupConsumer:
                 while entries:
                     entry_id, fields = entries[0]
                     group = await self._check(entry_id, fields, version, staleness_limit, keep_filter, tally)
+                    # Decoded (or handed back): its other reply bytes go now, not with the whole
+                    # read (the kept group's arrays are views on its data field).
+                    fields.clear()
                     entries.popleft()
                     if group is not None:
                         taken.append((entry_id, group))
@@ -456,7 +493,7 @@ class GroupConsumer:
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 return None
         try:
-            group = decode_group_entry(fields, self.limits)
+            group = decode_group_entry(fields, self.limits, views=True)
         except DecodeError as exc:
             await self._dead_letter(entry_id, fields, f"{exc.reason}: {exc.detail}", tally)
             return None

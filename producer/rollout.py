@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +31,13 @@ from .rewards import RewardFunction
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
+
+SampleDone = Callable[[int], None]
+"""Called with a number of samples whose engine work has just ended."""
+
+
+def _ignore(count: int) -> None:
+    """The default ``sample_done``: nobody is counting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +73,24 @@ class Rollout:
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
 
-    async def run(self, prompt: Prompt, admitted_version: int) -> Group:
+    async def run(
+        self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
+    ) -> Group:
         """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
-        prompt was admitted) stands in for engines that do not report their own."""
+        prompt was admitted) stands in for engines that do not report their own.
+
+        ``sample_done(k)`` is called as soon as ``k`` samples' engine work has ended (each
+        sample's request, or the one request of ``n``), before the group is scored: the
+        producer releases engine capacity per sample with it. Over a run that returns, it is
+        called for ``n`` samples in total; a run that raises may have called it for fewer."""
         n = self.settings.n_samples
+        done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.settings.partial_rollout else None
         if partial is None and self.engine.batches_samples:  # one request with n
-            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
+            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
-            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
+            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             rewards = await self.reward.score(prompt.prompt, prompt.label, samples, metadata=prompt.metadata)
             for sample, reward in zip(samples, rewards, strict=True):
@@ -112,6 +127,7 @@ class Rollout:
         n: int,
         admitted_version: int,
         partial: list[Sample] | None,
+        done: SampleDone,
     ) -> list[Sample]:
         """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
         try:
@@ -121,6 +137,7 @@ class Rollout:
                         self._generate_sample(
                             prompt, prompt_ids, i, admitted_version,
                             partial[i] if partial is not None and i < len(partial) else None,
+                            done,
                         )
                     )
                     for i in range(n)
@@ -145,6 +162,20 @@ class Rollout:
                 self.metrics.request_finished(time.monotonic() - started)
 
     async def _generate_sample(
+        self,
+        prompt: Prompt,
+        prompt_ids: array[int] | None,
+        index: int,
+        admitted_version: int,
+        partial: Sample | None,
+        done: SampleDone,
+    ) -> Sample:
+        # A request that raised is not reported: the caller releases what a failed run still holds.
+        sample = await self._sample(prompt, prompt_ids, index, admitted_version, partial)
+        done(1)
+        return sample
+
+    async def _sample(
         self,
         prompt: Prompt,
         prompt_ids: array[int] | None,
@@ -178,7 +209,7 @@ class Rollout:
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
 
     async def _generate_together(
-        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
+        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
     ) -> list[Sample]:
         """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
         try:
@@ -187,7 +218,9 @@ class Rollout:
                     n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
                 )
         except EngineRejected as exc:
+            done(n)
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
+        done(n)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
 
