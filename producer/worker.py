@@ -18,7 +18,11 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
 SIGTERM/SIGINT drain: stop admitting, wait up to ``drain_timeout`` for in-flight groups, then
 return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, a
 broken reward function) is recorded in ``events`` with its traceback, the prompts go back,
-and :meth:`Producer.run` raises it so the process exits non-zero.
+and :meth:`Producer.run` raises it so the process exits non-zero; so is an error while starting.
+One bad prompt is never fatal: an undecodable entry is dead-lettered, and a failed sample or
+reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
+turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
+so no library swallowing a cancellation can hang the process.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from rollstream.common.protocol import Control, Entry, Heartbeat, PromptQueue, w
 
 from .engine import EngineClient
 from .rewards import RewardFunction
-from .rollout import Rollout, RolloutSettings
+from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +101,8 @@ class ProducerSettings:
     """Default: a quarter of the lease, at most 5 s."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
+    reward_failure_limit: int = REWARD_FAILURE_LIMIT
+    """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -106,6 +112,8 @@ class ProducerSettings:
         for name in ("heartbeat_interval", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.reward_failure_limit < 1:
+            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -161,6 +169,7 @@ class Producer:
                 partial_rollout=config.partial_rollout,
                 tokenize_prompts=settings.tokenize_prompts,
                 producer=settings.name,
+                reward_failure_limit=settings.reward_failure_limit,
             ),
             self.metrics,
         )
