@@ -38,7 +38,6 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
-    p.add_argument("--keep", default=None, metavar="MODULE:FUNCTION", help="namespace-wide keep filter")
     p.add_argument("--heartbeat-timeout", type=float, default=15.0)
     p.add_argument("--force", action="store_true", help="overwrite a different existing config")
     p.set_defaults(func=cmd_init)
@@ -165,7 +164,6 @@ def cmd_init(args: argparse.Namespace) -> int:
         partial_rollout=args.partial_rollout,
         admission_control=False if args.no_admission_control else None,
         recycle_filtered=args.recycle_filtered,
-        keep=args.keep,
         heartbeat_timeout=args.heartbeat_timeout,
     )
     keys = Keys(args.ns)

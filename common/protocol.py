@@ -609,3 +609,12 @@ async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
         pipe.xlen(keys.prompts)
         groups, prompts = await pipe.execute()
     return int(groups), int(prompts)
+
+
+async def waiting_groups(redis: Redis, keys: Keys) -> int:
+    """Groups in the group stream not delivered to any trainer consumer yet."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        length, pending = await pipe.execute()
+    return max(0, int(length) - int(pending["pending"]))

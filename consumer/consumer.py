@@ -24,11 +24,12 @@ import hashlib
 import logging
 import math
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
@@ -36,26 +37,32 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
 from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
-from rollstream.common.imports import import_callable
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys, StateField
-from rollstream.common.models import Group, Status, retry_prompt
+from rollstream.common.models import FloatArray, Group, IntArray, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 from rollstream.common.protocol import (
     Control,
+    Entry,
     GroupQueue,
     live_producers,
     mark_take,
     read_heartbeats,
     stream_lengths,
+    waiting_groups,
 )
 
 from .filters import KeepFilter, rejection_reason
+
+if TYPE_CHECKING:
+    import numpy
 
 logger = logging.getLogger(__name__)
 
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
+_HEALTH_CHECK_INTERVAL = 1.0
 
 
 @dataclass(slots=True)
@@ -74,15 +81,39 @@ class Batch:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def tokens_numpy(self) -> list[numpy.ndarray]:
+        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
+        in batch order, samples in group order. Zero-copy: each array is a view on the sample's
+        packed array (it keeps that buffer alive, so it stays valid after :meth:`commit
+        <GroupConsumer.commit>`, after the consumer is closed and after the batch is dropped;
+        writing to it writes to the sample). Needs numpy (extra ``numpy``)."""
+        return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
+
+    def log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.rollout_log_probs) if s.rollout_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
+
+
+_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8"}
+
+
+def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
+    """A numpy array sharing ``values``' memory (the codec's arrays are native-endian)."""
+    np = require_extra("numpy", "numpy", "numpy views of a batch")
+    code = values.typecode if isinstance(values, array) else values.format
+    return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+
 
 def batch_id(entry_ids: list[bytes]) -> str:
     digest = hashlib.sha1(b"\n".join(sorted(entry_ids)), usedforsecurity=False).hexdigest()
     return f"b-{digest[:16]}"
-
-
-def load_keep(path: str) -> KeepFilter:
-    """Import a ``module:function`` filter; ConfigError when it cannot be imported."""
-    return import_callable(path, "keep filter")
 
 
 RECYCLE_COUNTERS = {
@@ -134,7 +165,7 @@ class GroupConsumer:
         self._blocking = blocking
         self.queue = GroupQueue(redis, self.keys, name)
         self.control = Control(redis, self.keys)
-        self.keep = keep if keep is not None else (load_keep(config.keep) if config.keep else None)
+        self.keep = keep
         self.on_producer_failure = on_producer_failure
         self.stall_timeout = stall_timeout
         self.warn_interval = warn_interval
@@ -148,6 +179,9 @@ class GroupConsumer:
         self._handed_out: set[bytes] = set()
         self._read_unsure = False
         self._orphans_checked = 0.0
+        # The stall clock lives here, not in one take(): short calls (asyncio.timeout) add up.
+        self._no_producer_since: float | None = None
+        self._health_checked = 0.0
 
     @classmethod
     def connect(
@@ -169,7 +203,8 @@ class GroupConsumer:
         Use ``async with GroupConsumer.connect(...) as consumer:`` (closed on exit) or
         ``consumer = await GroupConsumer.connect(...)`` (close it with ``aclose()``).
         ``n_samples`` / ``batch_size`` raise ``ConfigError`` when the namespace differs;
-        ``keep`` overrides the namespace's keep filter; ``on_producer_failure="warn"`` logs
+        ``keep`` is the dynamic-sampling filter (named only here, by the trainer's own code: nothing is
+        imported from Redis); ``on_producer_failure="warn"`` logs
         instead of raising ``ProducerFailed``; ``stall_timeout`` is how long without a live
         producer before ``take()`` raises ``PipelineStalled``.
         """
@@ -262,56 +297,67 @@ class GroupConsumer:
         staleness_limit = self.config.max_staleness if max_staleness is _UNSET else max_staleness
         keep_filter = self.keep if keep is _UNSET else keep
         started = time.monotonic()
-        version = await self.weight_version()
         tally = _Tally()
         taken: list[tuple[bytes, Group]] = []
+        entries: deque[Entry] = deque()
         redelivered = False
-        if self._redeliver is None:
-            self._redeliver = deque(await self._own_pending())
-            if self._redeliver:
-                logger.info(
-                    "consumer %s (ns %s): %d groups taken but not committed earlier are delivered first",
-                    self.name, self.keys.namespace, len(self._redeliver),
-                )
-        last_warning = started
-        no_producer_since: float | None = None
         try:
+            if time.monotonic() - self._health_checked >= _HEALTH_CHECK_INTERVAL and await self._stall_due():
+                # checked here too, not only after an empty read: calls shorter than one blocking
+                # read (asyncio.timeout) must still end in PipelineStalled
+                await self._check_health(target, started, len(taken))
+            version = await self.weight_version()
+            if self._redeliver is None:
+                self._redeliver = deque(await self._own_pending())
+                if self._redeliver:
+                    logger.info(
+                        "consumer %s (ns %s): %d groups taken but not committed earlier are delivered first",
+                        self.name, self.keys.namespace, len(self._redeliver),
+                    )
+            last_warning = started
             while len(taken) < target:
                 if self._read_unsure and not self._redeliver:
                     await self._adopt_orphans(taken)
                 if self._redeliver:
-                    entries = [self._redeliver.popleft() for _ in range(min(target - len(taken), len(self._redeliver)))]
+                    for _ in range(min(target - len(taken), len(self._redeliver))):
+                        entries.append(self._redeliver.popleft())
                     redelivered = True
                 else:
-                    entries = await self._read(target - len(taken))
-                for entry_id, fields in entries:
+                    entries.extend(await self._read(target - len(taken)))
+                got = bool(entries)
+                while entries:
+                    entry_id, fields = entries[0]
                     group = await self._check(entry_id, fields, version, staleness_limit, keep_filter, tally)
+                    # Decoded (or handed back): its other reply bytes go now, not with the whole
+                    # read (the kept group's arrays are views on its data field).
+                    fields.clear()
+                    entries.popleft()
                     if group is not None:
                         taken.append((entry_id, group))
-                if entries or len(taken) >= target:
+                if got or len(taken) >= target:
                     continue
                 now = time.monotonic()
                 if now - self._orphans_checked >= _ORPHAN_CHECK_INTERVAL:
                     # redis-py may re-send a read after a dropped connection without telling us.
                     await self._adopt_orphans(taken)
-                alive, health = await self._health()
-                no_producer_since = None if alive else (no_producer_since or now)
-                if no_producer_since is not None and now - no_producer_since > self.stall_timeout:
-                    raise PipelineStalled(
-                        f"no producer of namespace {self.keys.namespace!r} has sent a heartbeat for "
-                        f"{now - no_producer_since:.0f} s while take({target}) waited ({health})"
-                    )
+                health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.warn_interval:
                     last_warning = now
                     logger.warning(
                         "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
                         self.name, self.keys.namespace, target, now - started, len(taken), health,
                     )
+            return await self._finish(taken, version, started, tally, redelivered)
         except BaseException:
-            # Whatever was taken stays pending under this consumer: hand it out again next time.
-            self._redeliver.extendleft(reversed([(eid, {}) for eid, _ in taken]))
+            # Cancelled (asyncio.timeout), or failed, at any await: everything this call holds
+            # stays pending under this consumer, so it is handed out first by the next call (the
+            # fields are read again: an entry whose hand-back script ran is gone by then). A read
+            # whose reply was lost is found by the orphan check the next call starts with.
+            if self._redeliver is None:
+                self._redeliver = deque()
+            self._redeliver.extendleft(reversed([(eid, {}) for eid, _ in (*taken, *entries)]))
+            self._read_unsure = True
             raise
-        return await self._finish(taken, version, started, tally, redelivered)
 
     async def commit(self, batch: Batch) -> int:
         """Acknowledge and delete the batch's groups; the number acknowledged now."""
@@ -345,10 +391,10 @@ class GroupConsumer:
         """
         if self._redeliver is None:
             self._redeliver = deque()
+        pending = await self._outage.run(self.queue.pending_ids)
         self._read_unsure = False
         self._orphans_checked = time.monotonic()
         known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
-        pending = await self._outage.run(self.queue.pending_ids)
         orphans = [eid for eid in pending if eid not in known]
         if orphans:
             logger.warning(
@@ -380,7 +426,7 @@ class GroupConsumer:
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 return None
         try:
-            group = decode_group_entry(fields, self.limits)
+            group = decode_group_entry(fields, self.limits, views=True)
         except DecodeError as exc:
             await self._dead_letter(entry_id, fields, f"{exc.reason}: {exc.detail}", tally)
             return None
@@ -457,6 +503,36 @@ class GroupConsumer:
         beats = await self._outage.run(lambda: read_heartbeats(self.redis, self.keys))
         return live_producers(beats, now_ms(), self.config.heartbeat_timeout)
 
+    def _tick_stall_clock(self, alive: int) -> float:
+        """Seconds without a live producer (0 while one is alive), on this consumer's clock."""
+        now = time.monotonic()
+        self._health_checked = now
+        if alive:
+            self._no_producer_since = None
+            return 0.0
+        if self._no_producer_since is None:
+            self._no_producer_since = now
+        return now - self._no_producer_since
+
+    async def _stall_due(self) -> bool:
+        """Whether no producer has been alive for ``stall_timeout`` and no group waits for us."""
+        alive, _ = await self._live_producers()
+        if self._tick_stall_clock(alive) <= self.stall_timeout or self._redeliver:
+            return False
+        return await self._outage.run(lambda: waiting_groups(self.redis, self.keys)) == 0
+
+    async def _check_health(self, target: int, started: float, have: int) -> str:
+        """Raise ProducerFailed or PipelineStalled if due; a one-line summary for warnings."""
+        alive, health = await self._health()
+        without = self._tick_stall_clock(alive)
+        if without > self.stall_timeout:
+            raise PipelineStalled(
+                f"no producer of namespace {self.keys.namespace!r} has sent a heartbeat for "
+                f"{without:.0f} s while take({target}) waited {time.monotonic() - started:.0f} s "
+                f"with {have} groups ({health})"
+            )
+        return health
+
     async def _health(self) -> tuple[int, str]:
         """Raise ProducerFailed if due; (live producers, a one-line summary for warnings)."""
         alive, in_flight = await self._live_producers()
@@ -486,7 +562,6 @@ class GroupConsumer:
         wait = time.monotonic() - started
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
-        self._handed_out.update(entry_ids)
         groups = [g for _, g in taken]
         staleness = [g.staleness(version) for g in groups]
         rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
@@ -515,6 +590,8 @@ class GroupConsumer:
         }
         for reason, count in tally.filtered.items():
             metrics[f"filtered/{reason}"] = float(count)
+        # the last step, after the last await: a call cancelled before here hands these out again
+        self._handed_out.update(entry_ids)
         return Batch(
             id=batch_id(entry_ids),
             groups=groups,

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,6 +68,14 @@ class FailureLog:
         quiet = self._quiet.pop(reason, 0)
         more = f" ({quiet} more like it in the last {self.interval:.0f} s)" if quiet else ""
         logger.warning("%s%s", message, more)
+
+
+SampleDone = Callable[[int], None]
+"""Called with a number of samples whose engine work has just ended."""
+
+
+def _ignore(count: int) -> None:
+    """The default ``sample_done``: nobody is counting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +118,24 @@ class Rollout:
         self._reward_failed_on: set[tuple[int, int]] = set()
         """(index, epoch) of the prompts the reward failed on since it last scored a group."""
 
-    async def run(self, prompt: Prompt, admitted_version: int) -> Group:
+    async def run(
+        self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
+    ) -> Group:
         """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
-        prompt was admitted) stands in for engines that do not report their own."""
+        prompt was admitted) stands in for engines that do not report their own.
+
+        ``sample_done(k)`` is called as soon as ``k`` samples' engine work has ended (each
+        sample's request, or the one request of ``n``), before the group is scored: the
+        producer releases engine capacity per sample with it. Over a run that returns, it is
+        called for ``n`` samples in total; a run that raises may have called it for fewer."""
         n = self.settings.n_samples
+        done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.settings.partial_rollout else None
         if partial is None and self.engine.batches_samples:  # one request with n
-            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version)
+            samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
-            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial)
+            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self._score(prompt, samples)
         return Group(
@@ -185,6 +201,7 @@ class Rollout:
         n: int,
         admitted_version: int,
         partial: list[Sample] | None,
+        done: SampleDone,
     ) -> list[Sample]:
         """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
         try:
@@ -194,6 +211,7 @@ class Rollout:
                         self._generate_sample(
                             prompt, prompt_ids, i, admitted_version,
                             partial[i] if partial is not None and i < len(partial) else None,
+                            done,
                         )
                     )
                     for i in range(n)
@@ -218,6 +236,20 @@ class Rollout:
                 self.metrics.request_finished(time.monotonic() - started)
 
     async def _generate_sample(
+        self,
+        prompt: Prompt,
+        prompt_ids: array[int] | None,
+        index: int,
+        admitted_version: int,
+        partial: Sample | None,
+        done: SampleDone,
+    ) -> Sample:
+        # A request that raised is not reported: the caller releases what a failed run still holds.
+        sample = await self._sample(prompt, prompt_ids, index, admitted_version, partial)
+        done(1)
+        return sample
+
+    async def _sample(
         self,
         prompt: Prompt,
         prompt_ids: array[int] | None,
@@ -252,7 +284,7 @@ class Rollout:
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
 
     async def _generate_together(
-        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int
+        self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
     ) -> list[Sample]:
         """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
         try:
@@ -262,7 +294,9 @@ class Rollout:
                 )
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)
+            done(n)
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
+        done(n)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
 

@@ -8,7 +8,11 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   and nothing is buffered: a prompt is read only when it can start at once.
 * **work**: one task per admitted prompt; publishing the group and acknowledging the prompt is
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
-  never published twice.
+  never published twice. Capacity goes back **per sample**: as each sample's engine request
+  ends, its unit is free for the next admission, except the group's last unit, held until the
+  group is published (so groups being scored or published count too, and prompts in flight
+  never exceed ``concurrency``). A long-tailed group holds one unit, not ``n``, while its
+  slowest sample runs.
 * **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
@@ -124,6 +128,43 @@ class ProducerSettings:
             )
 
 
+class _Capacity:
+    """Engine capacity in samples: taken ``n`` at a time for a prompt, given back per sample.
+
+    Single-threaded (the event loop): :meth:`give` is synchronous so a finishing sample releases
+    its unit at once; waiters re-check on every change (an Event, set on each give)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._changed = asyncio.Event()
+
+    async def room(self, samples: int, stopping: asyncio.Event) -> bool:
+        """Wait until ``samples`` units are free (True) or ``stopping`` is set (False)."""
+        while self.free < samples:
+            if stopping.is_set():
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._changed.wait()
+        return True
+
+    async def take(self, samples: int, stopping: asyncio.Event) -> bool:
+        """Take ``samples`` units when they are free; False (nothing taken) once stopping."""
+        if not await self.room(samples, stopping):
+            return False
+        self.free -= samples
+        return True
+
+    def give(self, samples: int) -> None:
+        self.free += samples
+        self.wake()
+
+    def wake(self) -> None:
+        self._changed.set()
+
+
 @dataclass(slots=True)
 class _Work:
     prompt_id: bytes
@@ -133,6 +174,8 @@ class _Work:
     prompt: Prompt | None = None
     task: asyncio.Task[None] | None = None
     lease_lost: bool = False
+    held: int = 0
+    """Capacity units (samples) this prompt still holds."""
 
 
 class Producer:
@@ -173,8 +216,7 @@ class Producer:
             ),
             self.metrics,
         )
-        self._free = settings.concurrency
-        self._capacity = asyncio.Condition()
+        self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
@@ -220,7 +262,7 @@ class Producer:
 
     @property
     def in_flight_samples(self) -> int:
-        return self.settings.concurrency - self._free
+        return self._capacity.total - self._capacity.free
 
     def stop(self) -> None:
         """Ask for a drain: stop admitting, finish or return what is in flight."""
@@ -228,6 +270,7 @@ class Producer:
             logger.info("producer %s (ns %s): drain requested", self.name, self.keys.namespace)
         self._stopping.set()
         self._wake.set()
+        self._capacity.wake()
 
     async def run(self) -> None:
         """Run until :meth:`stop` (returns) or a fatal error (raises it, after recording it)."""
@@ -290,22 +333,6 @@ class Producer:
                 self.name, what, task.get_name(), TASK_EXIT_TIMEOUT,
             )
 
-    # -- capacity -----------------------------------------------------------------------
-
-    async def _acquire(self, samples: int) -> bool:
-        async with self._capacity:
-            while self._free < samples:
-                if self._stopping.is_set():
-                    return False
-                await self._capacity.wait()
-            self._free -= samples
-            return True
-
-    async def _release(self, samples: int) -> None:
-        async with self._capacity:
-            self._free += samples
-            self._capacity.notify_all()
-
     def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
             self._fatal = exc
@@ -313,6 +340,7 @@ class Producer:
             logger.error("producer %s (ns %s): fatal error: %s", self.name, self.keys.namespace, exc)
         self._stopping.set()
         self._wake.set()
+        self._capacity.wake()
 
     async def _nap(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a control message, a stop or a finished reclaim wakes it early."""
@@ -339,7 +367,7 @@ class Producer:
             if self._reclaim_due:  # prompts of a dead producer come first
                 await self._nap(0.2)
                 continue
-            if not await self._acquire(n):
+            if not await self._capacity.take(n, self._stopping):
                 return
             admitted = False
             try:
@@ -359,7 +387,7 @@ class Producer:
                     continue
             finally:
                 if not admitted:
-                    await self._release(n)
+                    self._capacity.give(n)
             status = admission.status
             if status == "empty":
                 self._blocked(False)
@@ -386,14 +414,21 @@ class Producer:
             await self._outage.failed(results[0])
 
     def _start_work(self, prompt_id: bytes, fields: dict[bytes, bytes], version: int) -> None:
-        work = _Work(prompt_id=prompt_id, fields=fields, version=version)
+        """Run a prompt whose ``n`` units of capacity were just taken."""
+        work = _Work(prompt_id=prompt_id, fields=fields, version=version, held=self.config.n_samples_per_prompt)
         self._work[prompt_id] = work
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{prompt_id.decode()}")
 
     # -- one prompt ---------------------------------------------------------------------
 
+    def _sample_done(self, work: _Work, samples: int) -> None:
+        """Give back the units of finished samples, keeping one until the group is published."""
+        units = min(samples, work.held - 1)
+        if units > 0:
+            work.held -= units
+            self._capacity.give(units)
+
     async def _run_work(self, work: _Work) -> None:
-        n = self.config.n_samples_per_prompt
         finished = False
         try:
             try:
@@ -403,7 +438,7 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
-            group = await self.rollout.run(prompt, work.version)
+            group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
             fields = group_fields(group)
             result = await self._outage.run(lambda: self.prompts.publish(work.prompt_id, fields))
             finished = True
@@ -422,7 +457,8 @@ class Producer:
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._work.pop(work.prompt_id, None)
-            await self._release(n)
+            self._capacity.give(work.held)
+            work.held = 0
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
         logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
@@ -446,7 +482,7 @@ class Producer:
                 continue
             if entry_id in self._work:
                 continue
-            if not await self._acquire(n):
+            if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
                 self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields, version=version)
                 continue
@@ -502,9 +538,8 @@ class Producer:
                     if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
-                async with self._capacity:
-                    await self._capacity.wait_for(lambda: self._free >= n or self._stopping.is_set())
-                claimed = await self.prompts.reclaim(lease_ms, count=self._free // n)
+                await self._capacity.room(n, self._stopping)
+                claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n)
             except TRANSIENT_ERRORS as exc:
                 self._reclaim_due = False
                 await self._outage.failed(exc)
