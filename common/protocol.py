@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -84,6 +85,12 @@ class Heartbeat:
     engines: list[str] = field(default_factory=list)
     started_ms: int = 0
     last_seen_ms: int = 0
+    long_requests: int = 0
+    """Samples whose engine request has been in flight longer than ``long_request_s``."""
+    oldest_request_s: float = 0.0
+    """Age of the oldest engine request in flight (0 when none)."""
+    long_request_s: float = 0.0
+    """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -98,10 +105,14 @@ class Heartbeat:
         beat = cls()
         for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
                      "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
-                     "last_seen_ms"):
+                     "last_seen_ms", "long_requests"):
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 setattr(beat, name, int(value))
+        for name in ("oldest_request_s", "long_request_s"):
+            value = obj.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                setattr(beat, name, float(value))
         for name in ("host", "state"):
             if isinstance(obj.get(name), str):
                 setattr(beat, name, obj[name])

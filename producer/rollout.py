@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from array import array
@@ -115,6 +116,9 @@ class Rollout:
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
         self.failures = FailureLog()
+        self._requests_in_flight: dict[int, tuple[float, int]] = {}
+        """Engine requests in flight: token -> (monotonic start, samples asked for)."""
+        self._request_tokens = itertools.count()
         self._reward_failed_on: set[tuple[int, int]] = set()
         """(index, epoch) of the prompts the reward failed on since it last scored a group."""
 
@@ -223,15 +227,26 @@ class Rollout:
             raise first from None
         return [t.result() for t in tasks]
 
+    def requests_older_than(self, seconds: float) -> tuple[int, float]:
+        """(samples whose engine request is in flight for longer than ``seconds``, age of the
+        oldest request in flight or 0): what the heartbeat reports, and inspect warns about."""
+        now = time.monotonic()
+        old = sum(count for started, count in self._requests_in_flight.values() if now - started > seconds)
+        oldest = min((started for started, _ in self._requests_in_flight.values()), default=now)
+        return old, now - oldest
+
     @contextlib.contextmanager
     def _requests(self, count: int) -> Iterator[None]:
-        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
+        """Account ``count`` engine requests in flight, their age, and their latency in the metrics."""
         started = time.monotonic()
+        token = next(self._request_tokens)
+        self._requests_in_flight[token] = (started, count)
         for _ in range(count):
             self.metrics.request_started()
         try:
             yield
         finally:
+            del self._requests_in_flight[token]
             for _ in range(count):
                 self.metrics.request_finished(time.monotonic() - started)
 
