@@ -69,8 +69,9 @@ def translate_nogroup(namespace: str) -> Iterator[None]:
 
 _HEARTBEAT_INTS = (
     "pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published", "groups_last_minute",
-    "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms",
+    "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms", "long_requests",
 )
+_HEARTBEAT_FLOATS = ("oldest_request_s", "long_request_s")
 
 
 def _is_number(value: Any) -> bool:
@@ -105,6 +106,12 @@ class Heartbeat:
     engines: list[str] = field(default_factory=list)
     started_ms: int = 0
     last_seen_ms: int = 0
+    long_requests: int = 0
+    """Samples whose engine request has been in flight longer than ``long_request_s``."""
+    oldest_request_s: float = 0.0
+    """Age of the oldest engine request in flight (0 when none)."""
+    long_request_s: float = 0.0
+    """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -120,6 +127,10 @@ class Heartbeat:
             value = obj.get(name)
             if isinstance(value, int | float) and _is_number(value):
                 setattr(beat, name, int(value))
+        for name in _HEARTBEAT_FLOATS:
+            value = obj.get(name)
+            if isinstance(value, int | float) and _is_number(value):
+                setattr(beat, name, float(value))
         for name in ("host", "state"):
             if isinstance(obj.get(name), str):
                 setattr(beat, name, obj[name])
@@ -134,7 +145,7 @@ class Heartbeat:
             obj = _heartbeat_object(raw)
         except ValueError as exc:
             return str(exc)
-        bad = [n for n in _HEARTBEAT_INTS if n in obj and not _is_number(obj[n])]
+        bad = [n for n in (*_HEARTBEAT_INTS, *_HEARTBEAT_FLOATS) if n in obj and not _is_number(obj[n])]
         bad += [n for n in ("host", "state") if n in obj and not isinstance(obj[n], str)]
         return f"fields {', '.join(bad)} have the wrong type" if bad else None
 
