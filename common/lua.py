@@ -23,21 +23,35 @@ from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
 
 
+# Every script starts with these helpers: a value read back from Redis is parsed defensively
+# (``num``: not a number -> 0), and a counter holding garbage (``HSET state committed abc``) is
+# reset before HINCRBY, which would otherwise fail the whole hand-over.
+_HELPERS = """
+local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
+local function num(v) if isint(v) then return tonumber(v) end return 0 end
+local function incr(key, field, n)
+  local v = redis.call('HGET', key, field)
+  if v and not isint(v) then redis.call('HSET', key, field, 0) end
+  return redis.call('HINCRBY', key, field, n)
+end
+"""
+
+
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
-    (an unknown name fails the import)."""
-    return Template(source).substitute(_STATE_FIELDS)
+    (an unknown name fails the import), after the helpers."""
+    return _HELPERS + Template(source).substitute(_STATE_FIELDS)
 
 
 # KEYS: prompts, groups, state. ARGV: consumer group, prompt id, now ms, group fields...
 PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  redis.call('HINCRBY', KEYS[3], '$DUPLICATES', 1)
+  incr(KEYS[3], '$DUPLICATES', 1)
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], '$PUBLISHED', 1)
+incr(KEYS[3], '$PUBLISHED', 1)
 redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
 """)
@@ -53,7 +67,7 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+incr(KEYS[3], ARGV[3], 1)
 return id
 """)
 
@@ -64,8 +78,8 @@ ACK_DELETE = _template("""
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
 if acked > 0 then
   redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
-  redis.call('HINCRBY', KEYS[2], ARGV[2], acked)
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], acked) end
+  incr(KEYS[2], ARGV[2], acked)
+  if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
@@ -83,9 +97,9 @@ local st = redis.call('HMGET', KEYS[3], '$PAUSED', '$WEIGHT_VERSION', '$ADMITTED
 if st[1] == '1' then return {'paused'} end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[3]) then return {'backlog'} end
 if ARGV[4] == '1' then
-  local outstanding = tonumber(st[3] or '0')
-  for i = 4, 10 do outstanding = outstanding - tonumber(st[i] or '0') end
-  local version = tonumber(st[2] or '0')
+  local outstanding = num(st[3])
+  for i = 4, 10 do outstanding = outstanding - num(st[i]) end
+  local version = num(st[2])
   if outstanding >= (version + tonumber(ARGV[5]) + 1) * tonumber(ARGV[6]) then
     return {'staleness'}
   end
@@ -93,8 +107,8 @@ end
 local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
 if not res then return {'empty'} end
 local entry = res[1][2][1]
-redis.call('HINCRBY', KEYS[3], '$ADMITTED', 1)
-return {'ok', entry[1], entry[2], st[2] or '0'}
+incr(KEYS[3], '$ADMITTED', 1)
+return {'ok', entry[1], entry[2], tostring(math.max(0, num(st[2])))}
 """)
 
 # KEYS: prompts. ARGV: group, consumer, ids... Renews the lease of each id still
@@ -127,7 +141,7 @@ for i = 7, #ARGV, width do
 end
 redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
   '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
-redis.call('HINCRBY', KEYS[2], '$FED', added)
+incr(KEYS[2], '$FED', added)
 return added
 """)
 
@@ -140,7 +154,7 @@ if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+incr(KEYS[3], ARGV[2], 1)
 return id
 """)
 

@@ -20,8 +20,11 @@ def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
     """The verdict on one snapshot: problems make it unhealthy, warnings do not."""
     problems: list[str] = []
     warnings: list[str] = []
-    if snap["config"] is None:
+    if snap.get("config_error"):
+        problems.append(f"the config hash is damaged: {snap['config_error']}")
+    elif snap["config"] is None:
         problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
+    problems += [f"damaged value: {line}" for line in snap.get("damaged", [])]
     producers = snap["producers"]
     alive = [p for p in producers if p["alive"]]
     dead = [p for p in producers if p["status"] == "dead"]
