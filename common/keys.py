@@ -47,6 +47,12 @@ class Keys:
         return f"{self.base}:prompts"
 
     @property
+    def retry(self) -> str:
+        """Stream of prompts that came back (recycled, returned, requeued); consumer group
+        ``producers``; admitted before ``prompts``."""
+        return f"{self.base}:retry"
+
+    @property
     def groups(self) -> str:
         """Stream of completed groups; consumer group ``trainer``."""
         return f"{self.base}:groups"
@@ -84,6 +90,7 @@ class Keys:
     def all_keys(self) -> list[str]:
         return [
             self.prompts,
+            self.retry,
             self.groups,
             self.dead,
             self.events,
@@ -134,6 +141,12 @@ class StateField:
     LAST_COMMIT_MS = "last_commit_ms"
     ADMISSION_BLOCKED_MS = "admission_blocked_ms"
     """Total time producers' admission was refused (paused, backlog, staleness), summed."""
+    LAST_ADMIT_MS = "last_admit_ms"
+    """When ADMIT last handed out a prompt."""
+    VERSION_START_CONSUMED = "version_start_consumed"
+    """Groups consumed (committed + taken) when the current weight version began."""
+    PREV_VERSION_CONSUMED = "prev_version_consumed"
+    """Groups consumed during the previous weight version (the measured cadence)."""
     REQUEUED = "requeued"
     """Dead-letter entries put back into the prompt stream by an operator."""
     RELEASED = "released"

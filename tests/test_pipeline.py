@@ -134,9 +134,9 @@ async def test_engine_that_keeps_failing_is_fatal_and_the_prompt_stays(
     events = await recent_events(redis, keys, kind=FATAL)
     assert events and events[0].source == "doomed"
     assert "EngineError" in events[0].message and "Traceback" in events[0].traceback
-    rows = await redis.xrange(keys.prompts)
-    assert [int(r[1][b"index"]) for r in rows] == [0]
-    assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    rows = await redis.xrange(keys.retry)  # returned prompts are served first
+    assert [int(r[1][b"index"]) for r in rows] == [0] and await redis.xlen(keys.prompts) == 0
+    assert (await redis.xpending(keys.retry, PRODUCERS_GROUP))["pending"] == 0
 
 
 async def test_producer_refuses_a_namespace_without_config_or_with_other_flags(
