@@ -148,7 +148,7 @@ class StateField:
     PREV_VERSION_CONSUMED = "prev_version_consumed"
     """Groups consumed during the previous weight version (the measured cadence)."""
     REQUEUED = "requeued"
-    """Dead-letter entries put back into the prompt stream by an operator."""
+    """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
     """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
 

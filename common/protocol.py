@@ -3,7 +3,7 @@
 The producer, the consumer and the operator tools talk to Redis through these typed operations;
 the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this module calls.
 
-* :class:`PromptQueue`: a producer's side of the prompt stream: admit, renew leases, take over
+* :class:`PromptQueue`: a producer's side of the prompt streams (retry first): admit, renew leases, take over
   idle prompts with XAUTOCLAIM (keeping its cursor), adopt its own pending prompts, publish a
   group, return or dead-letter a prompt.
 * :class:`GroupQueue`: the trainer's side of the group stream: read, own pending, orphans,
@@ -520,7 +520,7 @@ class DeadLetters:
         return _flat_entries(rows)
 
     async def requeue(self, entry_id: str, prompt_fields: Mapping[str, Any]) -> bytes | None:
-        """Delete a dead entry and add its prompt to the prompt stream, atomically; None when the
+        """Delete a dead entry and add its prompt to the retry stream, atomically; None when the
         entry was already gone."""
         return await self.scripts.requeue(entry_id, prompt_fields)
 
