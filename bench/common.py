@@ -23,6 +23,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group, Prompt, Sample
 from rollstream.common.namespace import init_namespace
+from rollstream.producer.engine import EngineClient, EngineSettings, Generation
 from rollstream.producer.rewards import RewardFunction
 from rollstream.testing.children import stop_processes
 
@@ -100,6 +101,26 @@ def instant_transport(tokens: int, delay: float = 0.0) -> httpx.MockTransport:
         return httpx.Response(200, content=body, headers=headers)
 
     return httpx.MockTransport(slow)
+
+
+class NoEngine(EngineClient):
+    """No engine at all: every request returns one prebuilt :class:`Generation` at once (no
+    HTTP, no JSON), so a producer on it measures the pipeline's own cost per sample."""
+
+    def __init__(self, tokens: int, settings: EngineSettings | None = None) -> None:
+        super().__init__(settings or EngineSettings(urls=("http://none",)), transport=instant_transport(tokens))
+        rng = random.Random(0)
+        self._reply = Generation(
+            text="The answer is \\boxed{2}.",
+            output_ids=array("i", [rng.randrange(152000) for _ in range(tokens)]),
+            log_probs=array("f", [-rng.random() * 5 for _ in range(tokens)]),
+            finish_reason="stop",
+            weight_version=0,
+            engine="http://none",
+        )
+
+    async def _generate(self, n: int, *args: Any) -> list[Generation]:
+        return [self._reply] * n
 
 
 class ConstReward(RewardFunction):

@@ -24,11 +24,14 @@ from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.worker import Producer, ProducerSettings
 
-from bench.common import ConstReward, instant_transport, make_group
+from bench.common import ConstReward, NoEngine, instant_transport, make_group
 
 
 async def produce(args: argparse.Namespace) -> None:
-    if args.engine:
+    engine: EngineClient
+    if args.engine == "none":
+        engine = NoEngine(args.tokens, EngineSettings(urls=("http://none",), max_new_tokens=args.max_new_tokens))
+    elif args.engine:
         engine = EngineClient(EngineSettings(urls=(args.engine,), max_new_tokens=args.max_new_tokens))
     else:
         engine = EngineClient(
@@ -77,7 +80,8 @@ def main() -> None:
     p.add_argument("--redis", required=True)
     p.add_argument("--ns", required=True)
     p.add_argument("--name", default=f"bench-{os.getpid()}")
-    p.add_argument("--engine", default="", help="engine URL; default: the in-process instant engine")
+    p.add_argument("--engine", default="",
+                   help="engine URL; 'none': no engine at all (prebuilt replies); default: the in-process instant engine")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=64)

@@ -38,7 +38,6 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
-    p.add_argument("--keep", default=None, metavar="MODULE:FUNCTION", help="namespace-wide keep filter")
     p.add_argument("--heartbeat-timeout", type=float, default=15.0)
     p.add_argument(
         "--steps-per-version", type=int, default=1,
@@ -83,6 +82,12 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds one engine request may take in total, reply body included")
     p.add_argument("--max-reply-mib", type=float, default=64.0,
                    help="largest engine reply accepted, in MiB (checked while reading)")
+    p.add_argument("--reward-timeout", type=float, default=300.0,
+                   help="seconds the reward may take on one group; past it the group fails (recycled)")
+    p.add_argument("--reward-failure-limit", type=int, default=8,
+                   help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
+    p.add_argument("--long-request-after", type=float, default=600.0,
+                   help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.set_defaults(func=cmd_produce)
@@ -165,7 +170,6 @@ def cmd_init(args: argparse.Namespace) -> int:
         partial_rollout=args.partial_rollout,
         admission_control=False if args.no_admission_control else None,
         recycle_filtered=args.recycle_filtered,
-        keep=args.keep,
         heartbeat_timeout=args.heartbeat_timeout,
         steps_per_version=args.steps_per_version,
     )
@@ -224,13 +228,15 @@ def cmd_produce(args: argparse.Namespace) -> int:
         n_samples=args.n_samples,
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        reward_failure_limit=args.reward_failure_limit,
+        long_request_after=args.long_request_after,
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics
     if is_framework_reward(args.reward):
-        reward: RewardFunction = load_framework_reward(args.reward)
+        reward: RewardFunction = load_framework_reward(args.reward, timeout=args.reward_timeout)
     else:
-        reward = load_reward(args.reward)
+        reward = load_reward(args.reward, timeout=args.reward_timeout)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
     stop_requested = False

@@ -7,6 +7,14 @@ every malformed input into :class:`~rollstream.common.errors.DecodeError`, never
 
 Stream entries carry a few plain fields beside ``data`` so that ``redis-cli XRANGE`` is readable
 without msgpack.
+
+**Zero-copy groups.** ``decode_group(..., views=True)`` (what ``take()`` uses) returns samples
+whose ``tokens``, ``rollout_log_probs`` and ``loss_mask`` are memoryviews cast to ``i`` /
+``f`` / ``B`` on the payload bytes themselves, not copies: msgspec locates the three ``bin``
+fields of every sample without copying them, and every other field is decoded by msgpack exactly
+as the copying decoder does (same options, same limits). A payload the view path cannot read is
+decoded again by the copying decoder, so malformed input gets exactly the same
+:class:`DecodeError`. Views keep the payload bytes alive; big-endian hosts always copy.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
 
 from .errors import ConfigError, DecodeError
-from .models import Group, Prompt, Sample, Status
+from .models import FloatArray, Group, IntArray, Prompt, Sample, Status
 
 SCHEMA_VERSION = 2
 """Written by this build. Version 1 entries (before ``pl``, ``err`` and the filled ``lm``) are
@@ -52,22 +62,26 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
-def _pack_array(values: array[Any]) -> bytes:
+def _pack_array(values: array[Any] | memoryview[Any]) -> bytes:
     if _LITTLE:
         return values.tobytes()
-    swapped = array(values.typecode, values)  # pragma: no cover - big-endian hosts
+    swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
 
 
-def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> array[Any]:
-    if not isinstance(raw, bytes):
+def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:
+    """The packed array in ``raw``: a copy (``array``) from ``bytes``, a cast view from the
+    ``memoryview`` of the zero-copy path."""
+    if not isinstance(raw, bytes | memoryview):
         raise DecodeError("bad_field", f"{what} must be bin, got {type(raw).__name__}")
     values = array(typecode)
     if len(raw) % values.itemsize:
         raise DecodeError("bad_field", f"{what}: {len(raw)} bytes is not a multiple of {values.itemsize}")
     if len(raw) // values.itemsize > limit:
         raise DecodeError("too_large", f"{what}: more than {limit} items")
+    if isinstance(raw, memoryview):  # only on little-endian hosts (see decode_group)
+        return raw.cast("f") if typecode == "f" else raw.cast("B") if typecode == "B" else raw.cast("i")
     values.frombytes(raw)
     if not _LITTLE:  # pragma: no cover
         values.byteswap()
@@ -135,32 +149,109 @@ def encode_prompt(prompt: Prompt) -> bytes:
     )
 
 
-def _unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
+def _check_payload(payload: Any, limits: CodecLimits) -> None:
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise DecodeError("bad_field", f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > limits.max_payload_bytes:
         raise DecodeError("too_large", f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}")
+
+
+def _unpackb(payload: Any, limits: CodecLimits) -> Any:
+    return msgpack.unpackb(
+        payload,
+        raw=False,
+        max_str_len=limits.max_string_bytes,
+        max_bin_len=limits.max_payload_bytes,
+        max_array_len=limits.max_container_len,
+        max_map_len=limits.max_container_len,
+        max_ext_len=0,
+        strict_map_key=True,
+    )
+
+
+def _unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
+    _check_payload(payload, limits)
     try:
-        obj = msgpack.unpackb(
-            payload,
-            raw=False,
-            max_str_len=limits.max_string_bytes,
-            max_bin_len=limits.max_payload_bytes,
-            max_array_len=limits.max_container_len,
-            max_map_len=limits.max_container_len,
-            max_ext_len=0,
-            strict_map_key=True,
-        )
+        obj = _unpackb(payload, limits)
     except Exception as exc:  # msgpack raises a zoo of types for malformed input
         raise DecodeError("not_msgpack", f"{type(exc).__name__}: {exc}") from None
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"payload must be a map, got {type(obj).__name__}")
+    _check_version(obj)
+    return obj
+
+
+class _SampleView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
+    """A wire sample as the zero-copy path reads it: ``bin`` arrays as views, the rest raw.
+    Unknown keys (a newer writer, or corruption msgspec would skip unchecked) leave the group
+    to the copying decoder."""
+
+    tok: memoryview | UnsetType = UNSET
+    lp: memoryview | UnsetType | None = UNSET
+    lm: memoryview | UnsetType | None = UNSET
+    i: Raw | UnsetType = UNSET
+    resp: Raw | UnsetType = UNSET
+    rlen: Raw | UnsetType = UNSET
+    pl: Raw | UnsetType = UNSET
+    rew: Raw | UnsetType = UNSET
+    st: Raw | UnsetType = UNSET
+    fr: Raw | UnsetType = UNSET
+    wv: Raw | UnsetType = UNSET
+    err: Raw | UnsetType = UNSET
+    md: Raw | UnsetType = UNSET
+
+
+class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
+    samples: list[_SampleView] | UnsetType = UNSET
+    v: Raw | UnsetType = UNSET
+    kind: Raw | UnsetType = UNSET
+    index: Raw | UnsetType = UNSET
+    epoch: Raw | UnsetType = UNSET
+    attempt: Raw | UnsetType = UNSET
+    prompt: Raw | UnsetType = UNSET
+    label: Raw | UnsetType = UNSET
+    metadata: Raw | UnsetType = UNSET
+    producer: Raw | UnsetType = UNSET
+    history: Raw | UnsetType = UNSET
+
+
+_GROUP_VIEW_DECODER = msgspec.msgpack.Decoder(_GroupView)
+_SAMPLE_VIEW_FIELDS = _SampleView.__struct_fields__
+_GROUP_VIEW_FIELDS = tuple(f for f in _GroupView.__struct_fields__ if f != "samples")
+
+
+def _fields_of(wire: Any, names: tuple[str, ...], limits: CodecLimits) -> dict[str, Any]:
+    """The fields present in ``wire``: views as they are, raw msgpack decoded by msgpack."""
+    obj: dict[str, Any] = {}
+    for name in names:
+        value = getattr(wire, name)
+        if value is UNSET:
+            continue
+        obj[name] = _unpackb(value, limits) if isinstance(value, Raw) else value
+    return obj
+
+
+def _unpack_group_views(payload: bytes, limits: CodecLimits) -> dict[str, Any] | None:
+    """The group map of ``payload`` with its samples' arrays as views on it; None when this path
+    cannot read it (the copying decoder then reports exactly why)."""
+    try:
+        wire = _GROUP_VIEW_DECODER.decode(payload)
+        obj = _fields_of(wire, _GROUP_VIEW_FIELDS, limits)
+        if wire.samples is not UNSET:
+            if len(wire.samples) > limits.max_container_len:
+                return None
+            obj["samples"] = [_fields_of(s, _SAMPLE_VIEW_FIELDS, limits) for s in wire.samples]
+    except Exception:  # malformed: the copying decoder says why
+        return None
+    return obj
+
+
+def _check_version(obj: Mapping[str, Any]) -> None:
     version = obj.get("v")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise DecodeError(
             "unknown_schema", f"schema version {version!r}, this build reads {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    return obj
 
 
 def _get(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], what: str) -> Any:
@@ -197,7 +288,7 @@ def _reward(value: Any, what: str) -> Any:
 def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
-    tokens = _unpack_array("i", _get(obj, "tok", bytes, what), f"{what}.tok", limits.max_tokens)
+    tokens: IntArray = _unpack_array("i", _get(obj, "tok", (bytes, memoryview), what), f"{what}.tok", limits.max_tokens)
     rlen = _get(obj, "rlen", int, what)
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
@@ -227,8 +318,10 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
         raise DecodeError("bad_field", f"{what}.wv must be a list of ints")
     lp_raw = obj.get("lp")
     lm_raw = obj.get("lm")
-    log_probs = None if lp_raw is None else _unpack_array("f", lp_raw, f"{what}.lp", limits.max_tokens)
-    mask = None if lm_raw is None else _unpack_array("B", lm_raw, f"{what}.lm", limits.max_tokens)
+    log_probs: FloatArray | None = None
+    if lp_raw is not None:
+        log_probs = _unpack_array("f", lp_raw, f"{what}.lp", limits.max_tokens)
+    mask: IntArray | None = None if lm_raw is None else _unpack_array("B", lm_raw, f"{what}.lm", limits.max_tokens)
     if mask is not None and len(mask) != rlen:
         raise DecodeError("bad_field", f"{what}.lm has {len(mask)} entries for {rlen} response tokens")
     if mask is None and version == 1:
@@ -273,8 +366,22 @@ def _check_kind(obj: Mapping[str, Any], kind: str) -> None:
         raise DecodeError("wrong_kind", f"expected a {kind} payload, got {obj.get('kind')!r}")
 
 
-def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Group:
-    obj = _unpack(payload, limits)
+def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False) -> Group:
+    """The group in ``payload``; with ``views``, its samples' arrays are memoryviews on
+    ``payload`` (zero-copy, see the module docstring), else arrays of their own."""
+    if views and _LITTLE and isinstance(payload, bytes):
+        _check_payload(payload, limits)
+        obj = _unpack_group_views(payload, limits)
+        if obj is not None:
+            try:
+                _check_version(obj)
+                return _group_from_wire(obj, limits)
+            except DecodeError:
+                pass  # malformed: the copying decoder below gives the reason
+    return _group_from_wire(_unpack(payload, limits), limits)
+
+
+def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
     _check_kind(obj, "group")
     return Group(
         index=_get(obj, "index", int, "group"),
@@ -351,8 +458,10 @@ def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
     return data
 
 
-def decode_group_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Group:
-    return decode_group(entry_data(fields), limits)
+def decode_group_entry(
+    fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False
+) -> Group:
+    return decode_group(entry_data(fields), limits, views=views)
 
 
 def decode_prompt_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:

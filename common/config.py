@@ -1,7 +1,9 @@
 """The namespace's pipeline config: written once by ``rollstream init``, read by everyone.
 
 Validated on construction (``ConfigError``, a ``ValueError``; never ``assert``); stored as a plain Redis hash so
-``HGETALL rollstream:{ns}:config`` reads like the command line that wrote it.
+``HGETALL rollstream:{ns}:config`` reads like the command line that wrote it. It holds data only:
+nothing read from Redis names code to import (a keep filter is the trainer's own argument), and
+unknown fields, such as the ``keep`` of older versions, are ignored.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ class PipelineConfig:
     """Staleness-aware admission; None means on when ``max_staleness`` is set."""
     recycle_filtered: bool = False
     """Groups rejected by the dynamic-sampling filter are recycled instead of dropped."""
-    keep: str | None = None
-    """Import path ``module:function`` of a namespace-wide dynamic-sampling filter."""
     heartbeat_timeout: float = 15.0
     """A producer whose last heartbeat is older than this counts as dead."""
     steps_per_version: int = 1
@@ -64,8 +64,6 @@ class PipelineConfig:
             raise ConfigError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout!r}")
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
-        if self.keep is not None and ":" not in self.keep:
-            raise ConfigError(f"keep must be an import path 'module:function', got {self.keep!r}")
 
     @property
     def admission_enabled(self) -> bool:

@@ -87,7 +87,26 @@ class Keys:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
 
+    def journal(self, consumer: str) -> str:
+        """Hash: the slime/miles integration's checkpoint journal of one trainer consumer."""
+        return f"{self.base}:journal:{consumer}"
+
+    @property
+    def journal_pattern(self) -> str:
+        """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
+        return f"{self.base}:journal:*"
+
+    def consumer_lease(self, consumer: str) -> str:
+        """String with a TTL: the token of the one live trainer holding a consumer name."""
+        return f"{self.base}:lease:{consumer}"
+
+    @property
+    def per_consumer_patterns(self) -> tuple[str, ...]:
+        """SCAN MATCH patterns of the per-trainer-consumer keys (journals, name leases)."""
+        return (self.journal_pattern, f"{self.base}:lease:*")
+
     def all_keys(self) -> list[str]:
+        """The fixed keys; the per-consumer ones are found with :attr:`per_consumer_patterns`."""
         return [
             self.prompts,
             self.retry,

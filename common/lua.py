@@ -213,7 +213,30 @@ class AdmitReply:
     terms: list[int]
 
 
-def _flatten(fields: Mapping[str, Any]) -> list[Any]:
+_DEAD_LETTER_FIELDS = frozenset({"source", "reason", "entry_id", "ts_ms"})
+"""Fields a dead-letter entry sets itself; an original field of the same name is dropped."""
+
+
+def _field_name(name: str | bytes) -> str:
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+
+
+# KEYS: lease. ARGV: token, ttl ms. Takes a free lease or renews our own; 0 when another holds it.
+LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: lease. ARGV: token. Deletes the lease only if we still hold it.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     out: list[Any] = []
     for key, value in fields.items():
         out.append(key)
@@ -234,6 +257,8 @@ class Scripts:
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
         self._requeue = redis.register_script(REQUEUE)
+        self._lease = redis.register_script(LEASE)
+        self._release = redis.register_script(RELEASE)
 
     async def publish(
         self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int
@@ -255,7 +280,7 @@ class Scripts:
         entry_id: str | bytes,
         target: str,
         counter: str,
-        fields: Mapping[str, Any],
+        fields: Mapping[Any, Any],
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically."""
         result = await self._move(
@@ -271,7 +296,7 @@ class Scripts:
             counter=counter, fields=prompt_fields,
         )
 
-    async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bool:
+    async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
         """A draining producer's unfinished prompt (an entry of ``source``) to the retry stream."""
         k = self.keys
         return await self.move(
@@ -291,11 +316,9 @@ class Scripts:
     ) -> bool:
         """Move an entry to the dead-letter stream with a reason; its original fields are kept."""
         kind = "groups" if source == self.keys.groups else "prompts"
-        original = {
-            (k.decode() if isinstance(k, bytes) else k): v
-            for k, v in fields.items()
-            if (k.decode() if isinstance(k, bytes) else k) not in ("source", "reason", "entry_id", "ts_ms")
-        }
+        # Field names are kept as they came (bytes that are not UTF-8 included: a hostile entry
+        # must be dead-lettered, not crash the process that reads it).
+        original = {k: v for k, v in fields.items() if _field_name(k) not in _DEAD_LETTER_FIELDS}
         dead_fields = {"source": kind, "reason": reason, "entry_id": entry_id, "ts_ms": now_ms, **original}
         return await self.move(
             source=source, group=group, entry_id=entry_id, target=self.keys.dead,
@@ -401,3 +424,11 @@ class Scripts:
             args=[expected_next, next_after, epoch, position, dataset, width or 2, *flat],
         )
         return None if result is None else int(result)
+
+    async def lease(self, key: str, token: str, ttl_ms: int) -> bool:
+        """Take the lease ``key`` if free, or renew it if ``token`` holds it; False when another does."""
+        return bool(await self._lease(keys=[key], args=[token, ttl_ms]))
+
+    async def release(self, key: str, token: str) -> bool:
+        """Delete the lease ``key`` if ``token`` still holds it."""
+        return bool(await self._release(keys=[key], args=[token]))

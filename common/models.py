@@ -2,7 +2,10 @@
 
 Token ids, log-probs and loss masks are kept as :class:`array.array` (``'i'``, ``'f'``, ``'B'``)
 so that the codec moves them as packed little-endian bytes without a Python-level loop; any
-sequence is accepted on construction and ``.tolist()`` gives plain lists back.
+sequence is accepted on construction and ``.tolist()`` gives plain lists back. Groups decoded by
+``take()`` hold them as memoryviews cast to the same formats, on the entry's bytes (no
+copy): both support ``len``, indexing, slicing, iteration, ``.tolist()``, ``.tobytes()`` and the
+buffer protocol (``numpy.frombuffer``); to build a longer one, copy first (``array("i", v)``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 Reward = float | dict[str, float]
 PromptContent = str | list[dict[str, Any]]
@@ -42,21 +45,33 @@ class Status(enum.StrEnum):
         return cls.COMPLETED
 
 
-def int_array(values: Iterable[int] | None) -> array[int]:
-    if isinstance(values, array) and values.typecode == "i":
-        return values
+IntArray: TypeAlias = "array[int] | memoryview[int]"
+"""Packed ints: an ``array`` (``'i'`` ids, ``'B'`` masks) or a zero-copy ``memoryview`` of that format."""
+FloatArray: TypeAlias = "array[float] | memoryview[float]"
+"""Packed float32s: an ``array('f')`` or a zero-copy ``memoryview`` of format ``'f'``."""
+
+
+def _packed(values: Any, typecode: str) -> bool:
+    if isinstance(values, array):
+        return values.typecode == typecode
+    return isinstance(values, memoryview) and values.format == typecode and values.ndim == 1
+
+
+def int_array(values: Iterable[int] | None) -> IntArray:
+    if _packed(values, "i"):
+        return values  # type: ignore[return-value]
     return array("i", values or ())
 
 
-def float_array(values: Iterable[float] | None) -> array[float]:
-    if isinstance(values, array) and values.typecode == "f":
-        return values
+def float_array(values: Iterable[float] | None) -> FloatArray:
+    if _packed(values, "f"):
+        return values  # type: ignore[return-value]
     return array("f", values or ())
 
 
-def mask_array(values: Iterable[int] | None) -> array[int]:
-    if isinstance(values, array) and values.typecode == "B":
-        return values
+def mask_array(values: Iterable[int] | None) -> IntArray:
+    if _packed(values, "B"):
+        return values  # type: ignore[return-value]
     return array("B", values or ())
 
 
@@ -66,7 +81,7 @@ class Sample:
 
     index: int
     """Position of the sample inside its group (0 .. n-1)."""
-    tokens: array[int] = field(default_factory=lambda: array("i"))
+    tokens: IntArray = field(default_factory=lambda: array("i"))
     """Prompt ids followed by response ids (response ids only when the prompt ids are unknown)."""
     response: str = ""
     response_length: int = 0
@@ -80,9 +95,9 @@ class Sample:
     finish_reason: str | None = None
     weight_versions: list[int] = field(default_factory=list)
     """The engine's weight version of every engine call that produced this response."""
-    rollout_log_probs: array[float] | None = None
+    rollout_log_probs: FloatArray | None = None
     """Log-probs of the response tokens, as the engine computed them."""
-    loss_mask: array[int] | None = None
+    loss_mask: IntArray | None = None
     """One ``0``/``1`` per response token (slime's and miles' convention: ``response_length`` long,
     ``1`` = trained on). The producer always fills it with ones; a trainer may zero parts of it."""
     error: str | None = None
@@ -100,7 +115,7 @@ class Sample:
             self.prompt_length = len(self.tokens) - self.response_length
 
     @property
-    def response_tokens(self) -> array[int]:
+    def response_tokens(self) -> IntArray:
         return self.tokens[self.prompt_length :]
 
     @property
@@ -156,8 +171,9 @@ class Prompt:
     """Why earlier attempts were recycled, newest last (for the dead-letter reason)."""
 
     def __post_init__(self) -> None:
-        if self.input_ids is not None:
-            self.input_ids = int_array(self.input_ids)
+        if self.input_ids is not None:  # an array of its own: the producer extends it
+            ids = int_array(self.input_ids)
+            self.input_ids = ids if isinstance(ids, array) else array("i", ids)
 
 
 @dataclass(slots=True)
@@ -218,7 +234,9 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False) -> Pr
 
     The one group -> prompt conversion: recycling and dead-lettering a group both use it."""
     first = group.samples[0] if group.samples else None
-    input_ids = first.tokens[: first.prompt_length] if first is not None and first.prompt_length > 0 else None
+    input_ids = (
+        array("i", first.tokens[: first.prompt_length]) if first is not None and first.prompt_length > 0 else None
+    )
     return Prompt(
         index=group.index,
         prompt=group.prompt,

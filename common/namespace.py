@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -10,6 +11,8 @@ from redis.exceptions import ResponseError
 from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+
+logger = logging.getLogger(__name__)
 
 
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
@@ -54,6 +57,12 @@ async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
     if not raw:
         raise NamespaceNotInitialized(keys.namespace)
     config = PipelineConfig.from_redis(raw)
+    if raw.get(b"keep"):
+        logger.warning(
+            "namespace %s: its config names a keep filter (%r, written by an older `rollstream init --keep`); "
+            "code is never loaded from Redis: pass keep= to GroupConsumer.connect instead",
+            keys.namespace, raw[b"keep"][:200],
+        )
     await ensure_groups(redis, keys)
     return config
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -91,6 +92,12 @@ class Heartbeat:
     (admitting, or waiting for prompts: ``empty``)."""
     admission_since_ms: int = 0
     """When the refusal in ``admission`` began."""
+    long_requests: int = 0
+    """Samples whose engine request has been in flight longer than ``long_request_s``."""
+    oldest_request_s: float = 0.0
+    """Age of the oldest engine request in flight (0 when none)."""
+    long_request_s: float = 0.0
+    """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -105,10 +112,14 @@ class Heartbeat:
         beat = cls()
         for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
                      "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
-                     "last_seen_ms", "admission_since_ms"):
+                     "last_seen_ms", "admission_since_ms", "long_requests"):
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 setattr(beat, name, int(value))
+        for name in ("oldest_request_s", "long_request_s"):
+            value = obj.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                setattr(beat, name, float(value))
         for name in ("host", "state", "admission"):
             if isinstance(obj.get(name), str):
                 setattr(beat, name, obj[name])
@@ -353,7 +364,7 @@ class PromptQueue:
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
 
-    async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[str, Any]) -> bool:
+    async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged."""
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.return_prompt(stream, entry_id, fields)
@@ -364,6 +375,31 @@ class PromptQueue:
                 source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
                 reason=reason, fields=fields, now_ms=now_ms(),
             )
+
+
+# -- trainer consumer name lease -------------------------------------------------------------
+
+
+class NameLease:
+    """A trainer consumer name held by one live process: its token in a key with a TTL, renewed
+    while it is connected and deleted on close (a crashed holder's lease just expires)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.key = keys.consumer_lease(consumer)
+        self.token = token
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def hold(self, ttl_ms: int) -> bool:
+        """Take the name if free or renew it if ours; False while another process holds it."""
+        return await self.scripts.lease(self.key, self.token, ttl_ms)
+
+    async def holder(self) -> str | None:
+        raw = await self.redis.get(self.key)
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+    async def release(self) -> bool:
+        return await self.scripts.release(self.key, self.token)
 
 
 # -- group queue (trainer) -------------------------------------------------------------------
@@ -533,13 +569,40 @@ async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
     return [key async for key in redis.scan_iter(match=match, count=1000)]
 
 
+async def _per_consumer_keys(redis: Redis, keys: Keys) -> list[bytes]:
+    return [key for pattern in keys.per_consumer_patterns for key in await scan_namespace_keys(redis, pattern)]
+
+
 async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
-    return [key for key in keys.all_keys() if await redis.exists(key)]
+    fixed = [key for key in keys.all_keys() if await redis.exists(key)]
+    return fixed + sorted(k.decode() for k in await _per_consumer_keys(redis, keys))
 
 
 async def delete_namespace(redis: Redis, keys: Keys) -> int:
-    """Delete exactly this namespace's keys; the number of keys that existed."""
-    return int(await redis.delete(*keys.all_keys()))
+    """Delete exactly this namespace's keys (journals and name leases included); the number of
+    keys that existed."""
+    return int(await redis.delete(*keys.all_keys(), *await _per_consumer_keys(redis, keys)))
+
+
+class JournalHash:
+    """The raw hash behind the integrations' checkpoint journal (one per trainer consumer);
+    what its fields hold is the journal's business (``rollstream.integrations.journal``)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
+        self.redis = redis
+        self.key = keys.journal(consumer)
+
+    async def field_names(self) -> list[str]:
+        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in await self.redis.hkeys(self.key)]
+
+    async def get(self, *fields: str) -> list[bytes | None]:
+        return list(await self.redis.hmget(self.key, list(fields))) if fields else []
+
+    async def put(self, mapping: Mapping[str, bytes | str]) -> None:
+        await self.redis.hset(self.key, mapping=dict(mapping))
+
+    async def delete(self, *fields: str) -> int:
+        return int(await self.redis.hdel(self.key, *fields)) if fields else 0
 
 
 # -- read-only views (operators) ------------------------------------------------------------
@@ -679,3 +742,12 @@ async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
         pipe.xlen(keys.retry)
         groups, prompts, retry = await pipe.execute()
     return int(groups), int(prompts) + int(retry)
+
+
+async def waiting_groups(redis: Redis, keys: Keys) -> int:
+    """Groups in the group stream not delivered to any trainer consumer yet."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        length, pending = await pipe.execute()
+    return max(0, int(length) - int(pending["pending"]))

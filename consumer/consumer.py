@@ -23,43 +23,67 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
+import secrets
+import socket
+import threading
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from redis.asyncio import Redis
 from rollstream.common.admission import wait_cause
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
-from rollstream.common.connection import Outage, connect
-from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
+from rollstream.common.connection import TRANSIENT_ERRORS, Outage, connect
+from rollstream.common.errors import (
+    ConfigError,
+    ConsumerNameInUse,
+    DecodeError,
+    PipelineStalled,
+    ProducerFailed,
+)
 from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
-from rollstream.common.imports import import_callable
+from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys, StateField
-from rollstream.common.models import Group, Status, retry_prompt
+from rollstream.common.models import FloatArray, Group, IntArray, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 from rollstream.common.protocol import (
     Control,
+    Entry,
     GroupQueue,
     Heartbeat,
+    NameLease,
     admission_refusals,
     live_producers,
     mark_take,
     read_admission_terms,
     read_heartbeats,
     stream_lengths,
+    waiting_groups,
 )
 
 from .filters import KeepFilter, rejection_reason
 
+if TYPE_CHECKING:
+    import numpy
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
+_HEALTH_CHECK_INTERVAL = 1.0
+NAME_LEASE_SECONDS = 10.0
+"""A trainer's hold on its consumer name lasts this long unless renewed (every quarter of it)."""
+NAME_WAIT_SECONDS = NAME_LEASE_SECONDS + 2.0
+"""How long ``connect`` waits for a consumer name held by another trainer (it may have crashed)."""
 
 
 @dataclass(slots=True)
@@ -78,15 +102,39 @@ class Batch:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def tokens_numpy(self) -> list[numpy.ndarray]:
+        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
+        in batch order, samples in group order. Zero-copy: each array is a view on the sample's
+        packed array (it keeps that buffer alive, so it stays valid after :meth:`commit
+        <GroupConsumer.commit>`, after the consumer is closed and after the batch is dropped;
+        writing to it writes to the sample). Needs numpy (extra ``numpy``)."""
+        return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
+
+    def log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.rollout_log_probs) if s.rollout_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
+
+
+_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8"}
+
+
+def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
+    """A numpy array sharing ``values``' memory (the codec's arrays are native-endian)."""
+    np = require_extra("numpy", "numpy", "numpy views of a batch")
+    code = values.typecode if isinstance(values, array) else values.format
+    return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+
 
 def batch_id(entry_ids: list[bytes]) -> str:
     digest = hashlib.sha1(b"\n".join(sorted(entry_ids)), usedforsecurity=False).hexdigest()
     return f"b-{digest[:16]}"
-
-
-def load_keep(path: str) -> KeepFilter:
-    """Import a ``module:function`` filter; ConfigError when it cannot be imported."""
-    return import_callable(path, "keep filter")
 
 
 RECYCLE_COUNTERS = {
@@ -138,7 +186,7 @@ class GroupConsumer:
         self._blocking = blocking
         self.queue = GroupQueue(redis, self.keys, name)
         self.control = Control(redis, self.keys)
-        self.keep = keep if keep is not None else (load_keep(config.keep) if config.keep else None)
+        self.keep = keep
         self.on_producer_failure = on_producer_failure
         self.stall_timeout = stall_timeout
         self.warn_interval = warn_interval
@@ -152,6 +200,12 @@ class GroupConsumer:
         self._handed_out: set[bytes] = set()
         self._read_unsure = False
         self._orphans_checked = 0.0
+        # The stall clock lives here, not in one take(): short calls (asyncio.timeout) add up.
+        self._no_producer_since: float | None = None
+        self._health_checked = 0.0
+        self._lease: NameLease | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        self._lease_lost: ConsumerNameInUse | None = None
 
     @classmethod
     def connect(
@@ -167,21 +221,26 @@ class GroupConsumer:
         stall_timeout: float = 300.0,
         warn_interval: float = 30.0,
         limits: CodecLimits = DEFAULT_LIMITS,
+        name_wait: float = NAME_WAIT_SECONDS,
     ) -> Connecting:
         """Connect and check the namespace config against what this trainer expects.
 
         Use ``async with GroupConsumer.connect(...) as consumer:`` (closed on exit) or
         ``consumer = await GroupConsumer.connect(...)`` (close it with ``aclose()``).
         ``n_samples`` / ``batch_size`` raise ``ConfigError`` when the namespace differs;
-        ``keep`` overrides the namespace's keep filter; ``on_producer_failure="warn"`` logs
+        ``keep`` is the dynamic-sampling filter (named only here, by the trainer's own code: nothing is
+        imported from Redis); ``on_producer_failure="warn"`` logs
         instead of raising ``ProducerFailed``; ``stall_timeout`` is how long without a live
-        producer before ``take()`` raises ``PipelineStalled``.
+        producer before ``take()`` raises ``PipelineStalled``. The consumer ``name`` is held by
+        one live trainer at a time: while another holds it, ``connect`` waits up to ``name_wait``
+        seconds (a crashed holder's hold expires within ``NAME_LEASE_SECONDS``), then raises
+        ``ConsumerNameInUse``.
         """
         return Connecting(
             cls._open(
                 url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
                 on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
-                warn_interval=warn_interval, limits=limits,
+                warn_interval=warn_interval, limits=limits, name_wait=name_wait,
             )
         )
 
@@ -199,24 +258,34 @@ class GroupConsumer:
         stall_timeout: float,
         warn_interval: float,
         limits: CodecLimits,
+        name_wait: float,
     ) -> GroupConsumer:
+        if not name_wait >= 0:
+            raise ConfigError(f"name_wait must be >= 0 seconds, got {name_wait!r}")
+        keys = Keys(namespace)
         redis = connect(url, name=f"rollstream-consumer-{name}")
+        lease = NameLease(redis, keys, name, f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}")
         try:
-            config = await load_config(redis, Keys(namespace))
+            config = await load_config(redis, keys)
             config.check_matches(n_samples_per_prompt=n_samples, batch_size=batch_size)
+            await _hold_name(lease, keys, name, name_wait)
         except BaseException:
             await redis.aclose()
             raise
         blocking = connect(url, block_ms=_READ_BLOCK_MS, name=f"rollstream-consumer-{name}-read")
         try:
-            return cls(
+            consumer = cls(
                 url, namespace, name, config, redis, blocking, keep=keep, on_producer_failure=on_producer_failure,
                 stall_timeout=stall_timeout, warn_interval=warn_interval, limits=limits,
             )
         except BaseException:
+            await _release_name(lease)
             await redis.aclose()
             await blocking.aclose()
             raise
+        consumer._lease = lease
+        consumer._lease_task = asyncio.create_task(consumer._keep_name(lease), name=f"rollstream-lease-{name}")
+        return consumer
 
     async def __aenter__(self) -> GroupConsumer:
         return self
@@ -227,8 +296,39 @@ class GroupConsumer:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
-        await self._blocking.aclose()
+        """Give up the consumer name and close the connections."""
+        try:
+            if self._lease_task is not None:
+                self._lease_task.cancel()
+                await asyncio.wait({self._lease_task}, timeout=5)
+            if self._lease is not None:
+                await _release_name(self._lease)
+        finally:
+            await self.redis.aclose()
+            await self._blocking.aclose()
+
+    async def _keep_name(self, lease: NameLease) -> None:
+        """Renew the hold on the consumer name while connected (a task; cancelled by aclose)."""
+        while True:
+            await asyncio.sleep(NAME_LEASE_SECONDS / 4)
+            try:
+                if await lease.hold(int(NAME_LEASE_SECONDS * 1000)):
+                    continue
+                holder = await lease.holder()
+            except TRANSIENT_ERRORS as exc:
+                logger.debug("consumer %s: renewing the name lease failed (%s); retrying", self.name, exc)
+                continue
+            self._lease_lost = ConsumerNameInUse(
+                self.keys.namespace, self.name, holder,
+                f"this trainer's hold lapsed (Redis unreachable for over {NAME_LEASE_SECONDS:.0f} s?) and another "
+                "trainer took the name; this one stops taking and committing",
+            )
+            logger.error("%s", self._lease_lost)
+            return
+
+    def _check_name(self) -> None:
+        if self._lease_lost is not None:
+            raise self._lease_lost
 
     # -- trainer state ------------------------------------------------------------------
 
@@ -263,62 +363,75 @@ class GroupConsumer:
         """
         if isinstance(target, bool) or not isinstance(target, int) or target < 1:
             raise ValueError(f"target must be a positive integer, got {target!r}")
+        self._check_name()
         staleness_limit = self.config.max_staleness if max_staleness is _UNSET else max_staleness
         keep_filter = self.keep if keep is _UNSET else keep
         started = time.monotonic()
-        version = await self.weight_version()
         tally = _Tally()
         taken: list[tuple[bytes, Group]] = []
+        entries: deque[Entry] = deque()
         redelivered = False
-        if self._redeliver is None:
-            self._redeliver = deque(await self._own_pending())
-            if self._redeliver:
-                logger.info(
-                    "consumer %s (ns %s): %d groups taken but not committed earlier are delivered first",
-                    self.name, self.keys.namespace, len(self._redeliver),
-                )
-        last_warning = started
-        no_producer_since: float | None = None
         try:
+            if time.monotonic() - self._health_checked >= _HEALTH_CHECK_INTERVAL and await self._stall_due():
+                # checked here too, not only after an empty read: calls shorter than one blocking
+                # read (asyncio.timeout) must still end in PipelineStalled
+                await self._check_health(target, started, len(taken))
+            version = await self.weight_version()
+            if self._redeliver is None:
+                self._redeliver = deque(await self._own_pending())
+                if self._redeliver:
+                    logger.info(
+                        "consumer %s (ns %s): %d groups taken but not committed earlier are delivered first",
+                        self.name, self.keys.namespace, len(self._redeliver),
+                    )
+            last_warning = started
             while len(taken) < target:
                 if self._read_unsure and not self._redeliver:
                     await self._adopt_orphans(taken)
                 if self._redeliver:
-                    entries = [self._redeliver.popleft() for _ in range(min(target - len(taken), len(self._redeliver)))]
+                    for _ in range(min(target - len(taken), len(self._redeliver))):
+                        entries.append(self._redeliver.popleft())
                     redelivered = True
                 else:
-                    entries = await self._read(target - len(taken))
-                for entry_id, fields in entries:
+                    entries.extend(await self._read(target - len(taken)))
+                got = bool(entries)
+                while entries:
+                    entry_id, fields = entries[0]
                     group = await self._check(entry_id, fields, version, staleness_limit, keep_filter, tally)
+                    # Decoded (or handed back): its other reply bytes go now, not with the whole
+                    # read (the kept group's arrays are views on its data field).
+                    fields.clear()
+                    entries.popleft()
                     if group is not None:
                         taken.append((entry_id, group))
-                if entries or len(taken) >= target:
+                if got or len(taken) >= target:
                     continue
                 now = time.monotonic()
                 if now - self._orphans_checked >= _ORPHAN_CHECK_INTERVAL:
                     # redis-py may re-send a read after a dropped connection without telling us.
                     await self._adopt_orphans(taken)
-                alive, health = await self._health()
-                no_producer_since = None if alive else (no_producer_since or now)
-                if no_producer_since is not None and now - no_producer_since > self.stall_timeout:
-                    raise PipelineStalled(
-                        f"no producer of namespace {self.keys.namespace!r} has sent a heartbeat for "
-                        f"{now - no_producer_since:.0f} s while take({target}) waited ({health})"
-                    )
+                health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.warn_interval:
                     last_warning = now
                     logger.warning(
                         "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
                         self.name, self.keys.namespace, target, now - started, len(taken), health,
                     )
+            return await self._finish(taken, version, started, tally, redelivered)
         except BaseException:
-            # Whatever was taken stays pending under this consumer: hand it out again next time.
-            self._redeliver.extendleft(reversed([(eid, {}) for eid, _ in taken]))
+            # Cancelled (asyncio.timeout), or failed, at any await: everything this call holds
+            # stays pending under this consumer, so it is handed out first by the next call (the
+            # fields are read again: an entry whose hand-back script ran is gone by then). A read
+            # whose reply was lost is found by the orphan check the next call starts with.
+            if self._redeliver is None:
+                self._redeliver = deque()
+            self._redeliver.extendleft(reversed([(eid, {}) for eid, _ in (*taken, *entries)]))
+            self._read_unsure = True
             raise
-        return await self._finish(taken, version, started, tally, redelivered)
 
     async def commit(self, batch: Batch) -> int:
         """Acknowledge and delete the batch's groups; the number acknowledged now."""
+        self._check_name()
         acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids))
         self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
@@ -349,10 +462,10 @@ class GroupConsumer:
         """
         if self._redeliver is None:
             self._redeliver = deque()
+        pending = await self._outage.run(self.queue.pending_ids)
         self._read_unsure = False
         self._orphans_checked = time.monotonic()
         known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
-        pending = await self._outage.run(self.queue.pending_ids)
         orphans = [eid for eid in pending if eid not in known]
         if orphans:
             logger.warning(
@@ -384,7 +497,7 @@ class GroupConsumer:
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 return None
         try:
-            group = decode_group_entry(fields, self.limits)
+            group = decode_group_entry(fields, self.limits, views=True)
         except DecodeError as exc:
             await self._dead_letter(entry_id, fields, f"{exc.reason}: {exc.detail}", tally)
             return None
@@ -456,6 +569,41 @@ class GroupConsumer:
             return
         await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason))
 
+    async def _live_producers(self) -> tuple[int, int]:
+        """(producers alive, in-flight samples of the alive ones)."""
+        beats = await self._outage.run(lambda: read_heartbeats(self.redis, self.keys))
+        return live_producers(beats, now_ms(), self.config.heartbeat_timeout)
+
+    def _tick_stall_clock(self, alive: int) -> float:
+        """Seconds without a live producer (0 while one is alive), on this consumer's clock."""
+        now = time.monotonic()
+        self._health_checked = now
+        if alive:
+            self._no_producer_since = None
+            return 0.0
+        if self._no_producer_since is None:
+            self._no_producer_since = now
+        return now - self._no_producer_since
+
+    async def _stall_due(self) -> bool:
+        """Whether no producer has been alive for ``stall_timeout`` and no group waits for us."""
+        alive, _ = await self._live_producers()
+        if self._tick_stall_clock(alive) <= self.stall_timeout or self._redeliver:
+            return False
+        return await self._outage.run(lambda: waiting_groups(self.redis, self.keys)) == 0
+
+    async def _check_health(self, target: int, started: float, have: int) -> str:
+        """Raise ProducerFailed or PipelineStalled if due; a one-line summary for warnings."""
+        alive, health = await self._health()
+        without = self._tick_stall_clock(alive)
+        if without > self.stall_timeout:
+            raise PipelineStalled(
+                f"no producer of namespace {self.keys.namespace!r} has sent a heartbeat for "
+                f"{without:.0f} s while take({target}) waited {time.monotonic() - started:.0f} s "
+                f"with {have} groups ({health})"
+            )
+        return health
+
     async def _health(self) -> tuple[int, str]:
         """Raise ProducerFailed if due; (live producers, a one-line summary for warnings that
         names the likeliest cause of the wait: ``common.admission.wait_cause``)."""
@@ -497,7 +645,6 @@ class GroupConsumer:
         wait = time.monotonic() - started
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
-        self._handed_out.update(entry_ids)
         groups = [g for _, g in taken]
         staleness = [g.staleness(version) for g in groups]
         rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
@@ -526,6 +673,8 @@ class GroupConsumer:
         }
         for reason, count in tally.filtered.items():
             metrics[f"filtered/{reason}"] = float(count)
+        # the last step, after the last await: a call cancelled before here hands these out again
+        self._handed_out.update(entry_ids)
         return Batch(
             id=batch_id(entry_ids),
             groups=groups,
@@ -547,6 +696,32 @@ def _engine_retries(beats: Mapping[bytes, bytes], now: int, timeout_s: float) ->
         if beat.alive(now, timeout_s):
             total += beat.engine_retries
     return total
+
+
+async def _hold_name(lease: NameLease, keys: Keys, name: str, wait: float) -> None:
+    """Take the consumer name, waiting up to ``wait`` seconds for another holder to go."""
+    deadline = time.monotonic() + wait
+    announced = False
+    while not await lease.hold(int(NAME_LEASE_SECONDS * 1000)):
+        holder = await lease.holder()
+        if time.monotonic() >= deadline:
+            raise ConsumerNameInUse(keys.namespace, name, holder, f"still held after waiting {wait:.0f} s")
+        if not announced:
+            announced = True
+            logger.warning(
+                "consumer %s (ns %s): the name is held by %s; waiting up to %.0f s for it to be released or expire",
+                name, keys.namespace, holder, wait,
+            )
+        await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+async def _release_name(lease: NameLease) -> None:
+    """Best effort: if Redis cannot be reached, the hold expires by itself."""
+    try:
+        async with asyncio.timeout(2):
+            await lease.release()
+    except (TimeoutError, *TRANSIENT_ERRORS) as exc:
+        logger.debug("releasing the consumer name lease failed (%s); it expires by itself", exc)
 
 
 class Connecting:
@@ -581,8 +756,32 @@ class Connecting:
             self._opening.close()
 
 
+class _LoopThread:
+    """An event loop running in a daemon thread, so the consumer's tasks (the name lease) go on
+    between the calls of a synchronous trainer."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt in the calling thread: stop the call too
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
 class SyncGroupConsumer:
-    """The same API for trainers that are not asyncio: runs its own event loop in this thread."""
+    """The same API for trainers that are not asyncio: its event loop runs in a daemon thread."""
 
     def __init__(
         self,
@@ -597,15 +796,16 @@ class SyncGroupConsumer:
         stall_timeout: float = 300.0,
         warn_interval: float = 30.0,
         limits: CodecLimits = DEFAULT_LIMITS,
+        name_wait: float = NAME_WAIT_SECONDS,
     ) -> None:
         """The options of :meth:`GroupConsumer.connect`."""
-        self._runner = asyncio.Runner()
+        self._runner = _LoopThread(f"rollstream-consumer-{name}")
         try:
             self._consumer: GroupConsumer = self._runner.run(
                 GroupConsumer._open(
                     url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
                     on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
-                    warn_interval=warn_interval, limits=limits,
+                    warn_interval=warn_interval, limits=limits, name_wait=name_wait,
                 )
             )
         except BaseException:

@@ -7,7 +7,7 @@ namespace's other keys), with fields
 * ``ids:<rollout_id>``: msgpack list of the groups' stream entry ids;
 * ``meta``: JSON ``{"checkpoints": [saved rollout ids, newest last], "trimmed_through": id}``.
 
-Every Redis command of the integrations lives in this module. The journal is written before the
+Its Redis commands are :class:`rollstream.common.protocol.JournalHash`'s. The journal is written before the
 groups are committed (acknowledged and deleted from the groups stream), so a group is always in
 the stream or in the journal; see docs/integrations.md for the whole design.
 """
@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from rollstream.common.codec import decode_group, encode_group
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group
+from rollstream.common.protocol import JournalHash
 
 _BATCH = "batch:"
 _IDS = "ids:"
@@ -44,19 +45,17 @@ class JournalMeta:
 
 
 def journal_key(namespace: str, consumer: str) -> str:
-    return f"{Keys(namespace).base}:journal:{consumer}"
+    return Keys(namespace).journal(consumer)
 
 
 class Journal:
     def __init__(self, redis: Redis, namespace: str, consumer: str) -> None:
-        self.redis = redis
-        self.key = journal_key(namespace, consumer)
+        self.hash = JournalHash(redis, Keys(namespace), consumer)
+        self.key = self.hash.key
 
     async def rollout_ids(self) -> list[int]:
-        fields = await self.redis.hkeys(self.key)
         out = []
-        for raw in fields:
-            name = raw.decode() if isinstance(raw, bytes) else raw
+        for name in await self.hash.field_names():
             if name.startswith(_BATCH):
                 out.append(int(name[len(_BATCH) :]))
         return sorted(out)
@@ -66,7 +65,7 @@ class Journal:
         ids = await self.rollout_ids()
         if not ids:
             return set()
-        rows = await self.redis.hmget(self.key, [f"{_IDS}{r}" for r in ids])
+        rows = await self.hash.get(*[f"{_IDS}{r}" for r in ids])
         out: set[bytes] = set()
         for raw in rows:
             if raw:
@@ -74,7 +73,7 @@ class Journal:
         return out
 
     async def get(self, rollout_id: int) -> JournalRecord | None:
-        raw_batch, raw_ids = await self.redis.hmget(self.key, [f"{_BATCH}{rollout_id}", f"{_IDS}{rollout_id}"])
+        raw_batch, raw_ids = await self.hash.get(f"{_BATCH}{rollout_id}", f"{_IDS}{rollout_id}")
         if raw_batch is None:
             return None
         batch: dict[str, Any] = msgpack.unpackb(raw_batch, raw=False)
@@ -90,12 +89,10 @@ class Journal:
             {"groups": [encode_group(g) for g in record.groups], "metrics": record.metrics}, use_bin_type=True
         )
         ids = msgpack.packb(record.entry_ids, use_bin_type=True)
-        await self.redis.hset(
-            self.key, mapping={f"{_BATCH}{record.rollout_id}": batch, f"{_IDS}{record.rollout_id}": ids}
-        )
+        await self.hash.put({f"{_BATCH}{record.rollout_id}": batch, f"{_IDS}{record.rollout_id}": ids})
 
     async def meta(self) -> JournalMeta:
-        raw = await self.redis.hget(self.key, _META)
+        (raw,) = await self.hash.get(_META)
         if not raw:
             return JournalMeta()
         obj = json.loads(raw)
@@ -106,11 +103,11 @@ class Journal:
 
     async def set_meta(self, meta: JournalMeta) -> None:
         value = json.dumps({"checkpoints": meta.checkpoints, "trimmed_through": meta.trimmed_through})
-        await self.redis.hset(self.key, _META, value)
+        await self.hash.put({_META: value})
 
     async def trim_through(self, rollout_id: int) -> int:
         """Delete the records of rollouts up to ``rollout_id``; how many were deleted."""
         doomed = [r for r in await self.rollout_ids() if r <= rollout_id]
         if doomed:
-            await self.redis.hdel(self.key, *[f"{prefix}{r}" for r in doomed for prefix in (_BATCH, _IDS)])
+            await self.hash.delete(*[f"{prefix}{r}" for r in doomed for prefix in (_BATCH, _IDS)])
         return len(doomed)

@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import import_callable
 from rollstream.common.models import Group
 from rollstream.consumer import GroupConsumer
 
 from .convert import Framework
 from .journal import Journal, JournalRecord, journal_key
-from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, Settings
+from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,9 @@ class TrainBatch:
     replayed: bool = False
 
 
-async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: str) -> Any:
+async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None) -> Any:
     """``GroupConsumer.connect`` used as an async context manager when it is one, else awaited."""
-    opened: Any = GroupConsumer.connect(url, namespace, name)
+    opened: Any = GroupConsumer.connect(url, namespace, name, keep=keep)
     if hasattr(opened, "__aenter__"):
         return await stack.enter_async_context(opened)
     consumer = await opened if inspect.isawaitable(opened) else opened
@@ -151,8 +152,10 @@ class RolloutSession:
         if self._consumer is None or self._journal is None:
             stack = AsyncExitStack()
             try:
+                keep = self.settings.keep_filter
                 consumer = await open_consumer(
-                    stack, self.settings.redis_url, self.settings.namespace, self.settings.consumer_name
+                    stack, self.settings.redis_url, self.settings.namespace, self.settings.consumer_name,
+                    import_callable(keep, f"{KEEP_FILTER} keep filter") if keep else None,
                 )
                 redis = connect(self.settings.redis_url, name=f"rollstream-journal-{self.settings.consumer_name}")
                 stack.push_async_callback(redis.aclose)

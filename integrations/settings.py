@@ -23,6 +23,7 @@ ENGINE_URL = "ROLLSTREAM_ENGINE_URL"
 TAKE_TIMEOUT = "ROLLSTREAM_TAKE_TIMEOUT"
 KEEP_CHECKPOINTS = "ROLLSTREAM_KEEP_CHECKPOINTS"
 ALLOW_JOURNAL_GAP = "ROLLSTREAM_ALLOW_JOURNAL_GAP"
+KEEP_FILTER = "ROLLSTREAM_KEEP_FILTER"
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -42,6 +43,8 @@ class Settings:
     """How many saved checkpoints the journal can resume from (see docs/integrations.md)."""
     allow_journal_gap: bool = False
     """Resume from a checkpoint older than the journal covers (losing the rollouts in between)."""
+    keep_filter: str | None = None
+    """Import path ``module:function`` of the dynamic-sampling filter given to ``take()``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -97,4 +100,5 @@ class Settings:
             take_timeout=take_timeout,
             keep_checkpoints=keep,
             allow_journal_gap=allow_gap,
+            keep_filter=optional(KEEP_FILTER),
         )

@@ -10,7 +10,11 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   can start at once. The last refusal and since when go into the heartbeat.
 * **work**: one task per admitted prompt; publishing the group and acknowledging the prompt is
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
-  never published twice.
+  never published twice. Capacity goes back **per sample**: as each sample's engine request
+  ends, its unit is free for the next admission, except the group's last unit, held until the
+  group is published (so groups being scored or published count too, and prompts in flight
+  never exceed ``concurrency``). A long-tailed group holds one unit, not ``n``, while its
+  slowest sample runs.
 * **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
@@ -20,7 +24,11 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
 SIGTERM/SIGINT drain: stop admitting, wait up to ``drain_timeout`` for in-flight groups, then
 return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, a
 broken reward function) is recorded in ``events`` with its traceback, the prompts go back,
-and :meth:`Producer.run` raises it so the process exits non-zero.
+and :meth:`Producer.run` raises it so the process exits non-zero; so is an error while starting.
+One bad prompt is never fatal: an undecodable entry is dead-lettered, and a failed sample or
+reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
+turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
+so no library swallowing a cancellation can hang the process.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
@@ -54,19 +63,25 @@ from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue
 
 from .engine import EngineClient
 from .rewards import RewardFunction
-from .rollout import Rollout, RolloutSettings
+from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
+LONG_REQUEST_AFTER = 600.0
+"""Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
+TASK_EXIT_TIMEOUT = 5.0
+"""Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
 
 
-def _raise_if_cancelling() -> None:
-    """Re-raise a cancellation that a library swallowed: on Python 3.11 a cancel that races the
-    read timeout inside redis-py's ``get_message`` comes out as a TimeoutError (or nothing), and
-    the control loop would go on forever under a shutdown waiting for it."""
+def _check_cancelled() -> None:
+    """Raise :class:`asyncio.CancelledError` if the current task was cancelled, even when the
+    cancellation was swallowed on the way: Python 3.11's ``asyncio.wait_for`` (which redis-py
+    uses to send a command, e.g. during a connection's handshake) loses a cancellation that lands
+    just as the wrapped call finishes. Every loop of the runtime calls this once per turn, so a
+    cancelled loop ends at its next turn whatever the libraries under it did."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
@@ -94,15 +109,22 @@ class ProducerSettings:
     """Default: a quarter of the lease, at most 5 s."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
+    reward_failure_limit: int = REWARD_FAILURE_LIMIT
+    """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
+    long_request_after: float = LONG_REQUEST_AFTER
+    """Engine requests in flight longer than this (seconds) are reported in the heartbeat
+    (``long_requests``) and shown by ``inspect`` as a warning."""
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):
             raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")
-        for name in ("heartbeat_interval", "drain_timeout"):
+        for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.reward_failure_limit < 1:
+            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -111,6 +133,43 @@ class ProducerSettings:
                 f"concurrency {self.concurrency} is below n_samples_per_prompt "
                 f"{config.n_samples_per_prompt}: one prompt needs that many samples in flight"
             )
+
+
+class _Capacity:
+    """Engine capacity in samples: taken ``n`` at a time for a prompt, given back per sample.
+
+    Single-threaded (the event loop): :meth:`give` is synchronous so a finishing sample releases
+    its unit at once; waiters re-check on every change (an Event, set on each give)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._changed = asyncio.Event()
+
+    async def room(self, samples: int, stopping: asyncio.Event) -> bool:
+        """Wait until ``samples`` units are free (True) or ``stopping`` is set (False)."""
+        while self.free < samples:
+            if stopping.is_set():
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._changed.wait()
+        return True
+
+    async def take(self, samples: int, stopping: asyncio.Event) -> bool:
+        """Take ``samples`` units when they are free; False (nothing taken) once stopping."""
+        if not await self.room(samples, stopping):
+            return False
+        self.free -= samples
+        return True
+
+    def give(self, samples: int) -> None:
+        self.free += samples
+        self.wake()
+
+    def wake(self) -> None:
+        self._changed.set()
 
 
 @dataclass(slots=True)
@@ -124,6 +183,8 @@ class _Work:
     prompt: Prompt | None = None
     task: asyncio.Task[None] | None = None
     lease_lost: bool = False
+    held: int = 0
+    """Capacity units (samples) this prompt still holds."""
 
 
 class Producer:
@@ -160,12 +221,13 @@ class Producer:
                 partial_rollout=config.partial_rollout,
                 tokenize_prompts=settings.tokenize_prompts,
                 producer=settings.name,
+                reward_failure_limit=settings.reward_failure_limit,
             ),
             self.metrics,
         )
-        self._free = settings.concurrency
-        self._capacity = asyncio.Condition()
+        self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
+        self._abandoned: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -211,7 +273,7 @@ class Producer:
 
     @property
     def in_flight_samples(self) -> int:
-        return self.settings.concurrency - self._free
+        return self._capacity.total - self._capacity.free
 
     def stop(self) -> None:
         """Ask for a drain: stop admitting, finish or return what is in flight."""
@@ -219,6 +281,7 @@ class Producer:
             logger.info("producer %s (ns %s): drain requested", self.name, self.keys.namespace)
         self._stopping.set()
         self._wake.set()
+        self._capacity.wake()
 
     async def run(self) -> None:
         """Run until :meth:`stop` (returns) or a fatal error (raises it, after recording it)."""
@@ -228,33 +291,35 @@ class Producer:
             self.name, self.keys.namespace, self.settings.concurrency, n, ", ".join(self.engine.settings.urls),
         )
         self._state = "running"
-        await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
-        await self._outage.run(self._heartbeat_once)
-        await self._adopt_own_pending()
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
-        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        loops = [
-            asyncio.create_task(self._admission_loop(), name="admission"),
-            asyncio.create_task(self._renew_loop(), name="renew"),
-            asyncio.create_task(self._reclaim_loop(), name="reclaim"),
-            asyncio.create_task(self._control_loop(), name="control"),
-        ]
+        heartbeat: asyncio.Task[None] | None = None
+        loops: list[asyncio.Task[None]] = []
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
+            await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
+            await self._outage.run(self._heartbeat_once)
+            await self._adopt_own_pending()
+            heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            loops = [
+                asyncio.create_task(self._admission_loop(), name="admission"),
+                asyncio.create_task(self._renew_loop(), name="renew"),
+                asyncio.create_task(self._reclaim_loop(), name="reclaim"),
+                asyncio.create_task(self._control_loop(), name="control"),
+            ]
             done, _ = await asyncio.wait([stopper, heartbeat, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stopper and not task.cancelled() and (error := task.exception()) is not None:
                     self._set_fatal(error)
+        except Exception as exc:  # a failure while starting is as fatal as one while running
+            self._set_fatal(exc)
         finally:
             stopper.cancel()
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await self._cancel_and_wait([stopper, *loops], "loops")
             try:
                 await self._shutdown()
             finally:
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+                if heartbeat is not None:
+                    await self._cancel_and_wait([heartbeat], "heartbeat")
         if self._fatal is not None:
             raise self._fatal
 
@@ -262,21 +327,22 @@ class Producer:
         await self.redis.aclose()
         await self._blocking.aclose()
 
-    # -- capacity -----------------------------------------------------------------------
-
-    async def _acquire(self, samples: int) -> bool:
-        async with self._capacity:
-            while self._free < samples:
-                if self._stopping.is_set():
-                    return False
-                await self._capacity.wait()
-            self._free -= samples
-            return True
-
-    async def _release(self, samples: int) -> None:
-        async with self._capacity:
-            self._free += samples
-            self._capacity.notify_all()
+    async def _cancel_and_wait(self, tasks: list[asyncio.Task[Any]], what: str) -> None:
+        """Cancel ``tasks`` and wait for them, at most :data:`TASK_EXIT_TIMEOUT` seconds: one
+        that does not end (a library swallowed its cancellation) is logged and left behind,
+        referenced, rather than hanging the shutdown."""
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=TASK_EXIT_TIMEOUT)
+        for task in pending:
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
+            logger.warning(
+                "producer %s: %s task %s did not end %.0f s after its cancellation; left behind",
+                self.name, what, task.get_name(), TASK_EXIT_TIMEOUT,
+            )
 
     def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
@@ -285,6 +351,7 @@ class Producer:
             logger.error("producer %s (ns %s): fatal error: %s", self.name, self.keys.namespace, exc)
         self._stopping.set()
         self._wake.set()
+        self._capacity.wake()
 
     async def _nap(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a control message, a stop or a finished reclaim wakes it early."""
@@ -310,14 +377,14 @@ class Producer:
         n = self.config.n_samples_per_prompt
         cfg = self.config
         while not self._stopping.is_set():
+            _check_cancelled()
             if self._reclaim_due:  # prompts of a dead producer come first
                 await self._nap(0.2)
                 continue
-            if not await self._acquire(n):
+            if not await self._capacity.take(n, self._stopping):
                 return
-            async with self._capacity:  # as many prompts as there is room for, in one round trip
-                extra = self._free // n
-                self._free -= extra * n
+            extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
+            self._capacity.free -= extra * n
             held = count = 1 + extra
             try:
                 admission = await self._outage.run(
@@ -335,7 +402,7 @@ class Producer:
                     held -= 1
             finally:
                 if held:
-                    await self._release(held * n)
+                    self._capacity.give(held * n)
             status = admission.status
             if status == "ok":
                 self._blocked(False)
@@ -364,14 +431,24 @@ class Producer:
             await self._outage.failed(results[0])
 
     def _start_work(self, item: Admitted, version: int) -> None:
-        work = _Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version)
+        """Run a prompt whose ``n`` units of capacity were just taken."""
+        work = _Work(
+            stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
+            held=self.config.n_samples_per_prompt,
+        )
         self._work[item.entry_id] = work
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
 
     # -- one prompt ---------------------------------------------------------------------
 
+    def _sample_done(self, work: _Work, samples: int) -> None:
+        """Give back the units of finished samples, keeping one until the group is published."""
+        units = min(samples, work.held - 1)
+        if units > 0:
+            work.held -= units
+            self._capacity.give(units)
+
     async def _run_work(self, work: _Work) -> None:
-        n = self.config.n_samples_per_prompt
         finished = False
         try:
             try:
@@ -381,7 +458,7 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
-            group = await self.rollout.run(prompt, work.version)
+            group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
             fields = group_fields(group)
             result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
@@ -400,7 +477,8 @@ class Producer:
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._work.pop(work.prompt_id, None)
-            await self._release(n)
+            self._capacity.give(work.held)
+            work.held = 0
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
         logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
@@ -424,7 +502,7 @@ class Producer:
                 continue
             if item.entry_id in self._work:
                 continue
-            if not await self._acquire(n):
+            if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
                 self._work[item.entry_id] = _Work(
                     stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version
@@ -441,6 +519,7 @@ class Producer:
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
         while True:
+            _check_cancelled()
             await asyncio.sleep(interval)
             by_stream: dict[str, list[bytes]] = {}
             for pid, w in self._work.items():
@@ -472,6 +551,7 @@ class Producer:
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
         while True:
+            _check_cancelled()
             if not self._reclaim_due:
                 await asyncio.sleep(interval)
             if self._stopping.is_set():
@@ -485,9 +565,8 @@ class Producer:
                     if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
-                async with self._capacity:
-                    await self._capacity.wait_for(lambda: self._free >= n or self._stopping.is_set())
-                claimed = await self.prompts.reclaim(lease_ms, count=self._free // n)
+                await self._capacity.room(n, self._stopping)
+                claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n)
             except TRANSIENT_ERRORS as exc:
                 self._reclaim_due = False
                 await self._outage.failed(exc)
@@ -517,6 +596,7 @@ class Producer:
             self._blocked_total += now - self._blocked_since
             self._blocked_since = now
         blocked_ms = int((self._blocked_total - self._blocked_reported) * 1000)
+        long_requests, oldest_request = self.rollout.requests_older_than(self.settings.long_request_after)
         beat = Heartbeat(
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -534,6 +614,9 @@ class Producer:
             last_seen_ms=now_ms(),
             admission=self._refusal,
             admission_since_ms=self._refusal_since_ms,
+            long_requests=long_requests,
+            oldest_request_s=round(oldest_request, 1),
+            long_request_s=self.settings.long_request_after,
         )
         await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
@@ -542,6 +625,7 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            _check_cancelled()
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._heartbeat_once()
@@ -553,6 +637,7 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
+            _check_cancelled()
             try:
                 pubsub = await self.control.subscribe(self._blocking)
             except TRANSIENT_ERRORS as exc:
@@ -560,12 +645,11 @@ class Producer:
                 continue
             try:
                 while True:
+                    _check_cancelled()
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    _raise_if_cancelling()
                     if message is not None:
                         self._wake.set()
             except TRANSIENT_ERRORS as exc:
-                _raise_if_cancelling()
                 await self._outage.failed(exc)
             finally:
                 with contextlib.suppress(Exception):
@@ -588,9 +672,7 @@ class Producer:
                 await asyncio.wait(work_tasks, timeout=self.settings.drain_timeout)
         else:
             self._state = "failed"
-        for task in work_tasks:
-            task.cancel()
-        await asyncio.gather(*work_tasks, return_exceptions=True)
+        await self._cancel_and_wait(work_tasks, "work")
         await self._return_unfinished()
         if self._fatal is not None:
             await self._outage.run(
@@ -617,10 +699,9 @@ class Producer:
     async def _return_unfinished(self) -> None:
         """Put the prompts still held into the retry stream, with their attempt unchanged."""
         for work in list(self._work.values()):
-            fields = {k.decode(): v for k, v in work.fields.items()}
             try:
                 returned = await self._outage.run(
-                    lambda f=fields, w=work: self.prompts.give_back(w.stream, w.prompt_id, f), give_up_after=30
+                    lambda w=work: self.prompts.give_back(w.stream, w.prompt_id, w.fields), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(

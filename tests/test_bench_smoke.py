@@ -25,5 +25,14 @@ def test_codec_quick_produces_rows() -> None:
 @pytest.mark.timeout(60)
 def test_throughput_quick_produces_rows() -> None:
     (table,) = bench_main.run(["throughput"], quick=True)
-    assert [row[0] for row in table.rows] == [1, 2, "in-process (1 proc)"]
-    assert all(isinstance(row[1], float) and row[1] > 0 for row in table.rows)
+    assert [row[0] for row in table.rows] == [1, 1, 2, 2, "in-process (1 proc)"]
+    assert [row[1] for row in table.rows[:2]] == ["fake (HTTP + JSON)", "none"]
+    assert all(isinstance(row[2], float) and row[2] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(60)
+def test_take_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["take"], quick=True)
+    assert table.name == "take"
+    assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
+    assert all(row[2] > 0 and row[5] > 0 for row in table.rows)

@@ -114,6 +114,41 @@ def test_malformed_payloads_raise_decode_error(payload: bytes, reason: str) -> N
     assert info.value.reason == reason
 
 
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1", "not_msgpack"),
+        (msgpack.packb([1, 2]), "bad_field"),
+        (msgpack.packb({"v": 99, "kind": "group"}), "unknown_schema"),
+        (msgpack.packb({"v": SCHEMA_VERSION, "kind": "group", "index": 1}), "missing_field"),
+    ],
+)
+def test_the_zero_copy_decoder_rejects_with_the_same_reasons(payload: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_group(payload, views=True)
+    assert info.value.reason == reason
+
+
+def test_zero_copy_samples_are_views_on_the_payload_and_equal_the_copies() -> None:
+    payload = encode_group(make_group())
+    viewed = decode_group(payload, views=True)
+    assert viewed == decode_group(payload)
+    sample = viewed.samples[2]
+    assert isinstance(sample.tokens, memoryview) and sample.tokens.obj is payload and sample.tokens.format == "i"
+    assert sample.response_tokens.tolist() == [1000 + j for j in range(100)] and len(sample.tokens) == 110
+    assert isinstance(sample.rollout_log_probs, memoryview) and sample.rollout_log_probs.format == "f"
+    assert isinstance(sample.loss_mask, memoryview) and sample.loss_mask.format == "B"
+    # what the consumer does with a group: recycle it (with its partial samples) and re-encode it
+    retry = retry_prompt(viewed, "aborted", keep_partial=True)
+    assert decode_prompt(encode_prompt(retry)).partial == viewed.samples
+    assert encode_group(viewed) == payload
+    # a v1 payload (no pl / lm) takes the same path
+    raw = msgpack.unpackb(payload)
+    raw["v"] = 1
+    v1 = msgpack.packb(raw)
+    assert decode_group(v1, views=True) == decode_group(v1)
+
+
 def test_bad_sample_fields_are_rejected() -> None:
     raw = msgpack.unpackb(encode_group(make_group(1)))
     raw["samples"][0]["tok"] = b"\x00\x01\x02"  # not a multiple of 4 bytes

@@ -12,7 +12,7 @@ from rollstream.common.keys import Keys, namespace_of, validate_namespace
 
 def test_round_trip_through_redis_hash() -> None:
     config = PipelineConfig(4, 16, max_staleness=2, max_backlog=64, lease_seconds=30, max_attempts=3,
-                            partial_rollout=True, admission_control=False, recycle_filtered=True, keep="m:f")
+                            partial_rollout=True, admission_control=False, recycle_filtered=True)
     assert PipelineConfig.from_redis({k.encode(): v.encode() for k, v in config.to_redis().items()}) == config
 
 
@@ -27,7 +27,6 @@ def test_round_trip_through_redis_hash() -> None:
         {"n_samples_per_prompt": 1, "batch_size": 1, "lease_seconds": 0.5},
         {"n_samples_per_prompt": 1, "batch_size": 1, "max_attempts": 0},
         {"n_samples_per_prompt": 1, "batch_size": 1, "admission_control": True},
-        {"n_samples_per_prompt": 1, "batch_size": 1, "keep": "no-colon"},
     ],
 )
 def test_bad_config_raises_config_error(kwargs: dict) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollstream.common.codec import (
+    DEFAULT_LIMITS,
     CodecLimits,
     decode_group,
     decode_group_entry,
@@ -58,11 +59,25 @@ def _decode_all(payload: Any) -> None:
                 decode(payload) if limits is None else decode(payload, limits)
             except DecodeError:
                 pass
+    for limits in (SMALL, DEFAULT_LIMITS):
+        _views_agree(payload, limits)
     for fields in ({b"data": payload}, {"data": payload}, {b"index": b"1"}, {b"data": payload, b"x": b""}):
         try:
             decode_group_entry(fields, SMALL)
         except DecodeError:
             pass
+
+
+def _views_agree(payload: Any, limits: CodecLimits) -> None:
+    """The zero-copy decoder accepts exactly what the copying one does, with the same result or reason."""
+    try:
+        copied = decode_group(payload, limits)
+    except DecodeError as exc:
+        with pytest.raises(DecodeError) as info:
+            decode_group(payload, limits, views=True)
+        assert info.value.reason == exc.reason
+        return
+    assert decode_group(payload, limits, views=True) == copied
 
 
 def test_valid_payloads_round_trip() -> None:

@@ -138,7 +138,7 @@ async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(r
     assert code == 1 and "UNHEALTHY" in text and "no live producer" in text and "DEAD" in text
 
 
-async def test_a_fatal_event_after_the_last_commit_is_unhealthy(redis_url, ns, redis, procs):
+async def test_a_fatal_event_with_no_group_published_since_is_unhealthy(redis_url, ns, redis, procs):
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
     await add_prompts(redis, ns, 1)
     # No engine listens on this port: the producer retries, fails, records a fatal event and exits.

@@ -36,6 +36,8 @@ async def test_ns_delete_removes_only_that_namespace(redis_url, redis, ns):
     await add_prompts(redis, ns, 3)
     await add_prompts(redis, other, 2)
     await redis.xadd(Keys(ns).dead, {"source": "prompts", "reason": "test"})
+    await redis.hset(Keys(ns).journal("trainer-0"), "meta", "{}")  # the slime/miles checkpoint journal
+    await redis.hset(Keys(other).journal("trainer-0"), "meta", "{}")
     await redis.set(f"unrelated:{ns}", "keep me")
 
     code, out = await cli("ns", "list", "--redis", redis_url)
@@ -51,6 +53,7 @@ async def test_ns_delete_removes_only_that_namespace(redis_url, redis, ns):
     assert [k async for k in redis.scan_iter(match=f"rollstream:{{{ns}}}:*")] == []
     assert await redis.xlen(Keys(other).prompts) == 2
     assert await redis.exists(Keys(other).config, Keys(other).state, Keys(other).groups) == 3
+    assert await redis.exists(Keys(other).journal("trainer-0"))
     assert await redis.get(f"unrelated:{ns}") == b"keep me"
 
     code, out = await cli("ns", "list", "--redis", redis_url)

@@ -133,6 +133,24 @@ async def test_completed_partial_samples_are_kept_as_they_are() -> None:
     assert len(engine.generate_bodies) == 1  # only the missing second sample was generated
 
 
+async def test_sample_done_reports_every_sample_once_before_the_reward() -> None:
+    reported: list[int] = []
+    rewarded_after: list[int] = []
+
+    def score(sample: Sample, prompt: PromptContent, label: Any) -> float:
+        rewarded_after.append(sum(reported))
+        return 1.0
+
+    client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(FakeEngine()))
+    run = Rollout(client, PythonReward(score, name="s"), RolloutSettings(n_samples=3))
+    await run.run(Prompt(index=0, prompt="hi"), admitted_version=0, sample_done=reported.append)
+    assert reported == [1, 1, 1]  # one call per sample request, as each ends
+    assert rewarded_after == [3, 3, 3]  # capacity is released before the group is scored
+    refused: list[int] = []
+    await rollout(FakeEngine(status=400), 2).run(Prompt(index=0, prompt="hi"), admitted_version=0, sample_done=refused.append)
+    assert sum(refused) == 2  # refused requests free their capacity too
+
+
 class MetadataReward(RewardFunction):
     """Records the metadata it is given (RemoteReward sends it in its request body)."""
 

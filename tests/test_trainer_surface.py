@@ -4,12 +4,16 @@ the keep verdict rule, and the errors exported from ``rollstream.consumer``."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import rollstream.consumer as consumer_pkg
 from conftest import make_namespace
 from redis.asyncio import Redis
 from rollstream.common import errors
+from rollstream.common.codec import group_fields
+from rollstream.common.keys import Keys
+from rollstream.common.models import Group, Sample
 from rollstream.consumer import (
     ConfigError,
     GroupConsumer,
@@ -83,3 +87,35 @@ def test_every_trainer_error_is_exported() -> None:
                  "PipelineError", "ProducerFailed", "PipelineStalled"):
         assert name in consumer_pkg.__all__
         assert getattr(consumer_pkg, name) is getattr(errors, name)
+
+
+async def test_numpy_views_of_a_batch_are_zero_copy_and_outlive_commit_and_close(
+    redis: Redis, redis_url: str, ns: str
+) -> None:
+    np = pytest.importorskip("numpy")
+    await make_namespace(redis, ns, n_samples_per_prompt=2)
+    keys = Keys(ns)
+    for index in range(3):
+        samples = [
+            Sample(index=i, tokens=[index, i, 7, 8, 9], response_length=3, rollout_log_probs=[-0.5, -1.0, -1.5],
+                   loss_mask=[1, 0, 1], weight_versions=[0])
+            for i in range(2)
+        ]
+        await redis.xadd(keys.groups, group_fields(Group(index=index, prompt="p", samples=samples)))
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        batch = await consumer.take(3)
+        tokens, log_probs, masks = batch.tokens_numpy(), batch.log_probs_numpy(), batch.loss_masks_numpy()
+        first = batch.groups[0].samples[0]
+        assert tokens[0].dtype == np.int32 and log_probs[0] is not None and log_probs[0].dtype == np.float32
+        # views on the reply's bytes: neither take() nor the numpy accessors copied the arrays
+        assert isinstance(first.tokens, memoryview) and isinstance(first.tokens.obj, bytes)
+        reply_bytes = np.frombuffer(first.tokens.obj, dtype=np.uint8)
+        assert np.shares_memory(tokens[0], reply_bytes) and np.shares_memory(log_probs[0], reply_bytes)
+        assert masks[0] is not None and np.shares_memory(masks[0], reply_bytes)
+        assert await consumer.commit(batch) == 3
+    assert await redis.xlen(keys.groups) == 0  # the entries are gone from Redis
+    del batch, first, reply_bytes
+    gc.collect()
+    assert [t.tolist() for t in tokens] == [[g, i, 7, 8, 9] for g in range(3) for i in range(2)]
+    assert all(lp is not None and lp.tolist() == [-0.5, -1.0, -1.5] for lp in log_probs)
+    assert all(m is not None and m.tolist() == [1, 0, 1] for m in masks)
