@@ -96,7 +96,8 @@ end
 #   c = max(0, committed + pending(groups) - version_start_consumed)
 #   G = max(K * B, min(prev_version_consumed, cap * K * B))
 #   capacity = max(1, (S + 1) * G - min(c, G))
-# (the same arithmetic as common/admission.py); then reads at most capacity - outstanding.
+# (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
+# at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
 # Refusals: {'paused'}, {'backlog', ready}, {'staleness', outstanding, capacity, c, G}, {'empty'}.
 ADMIT = _template(_HELPERS + """
 local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
@@ -105,7 +106,7 @@ if st[1] == '1' then return {'paused'} end
 local taken = pending(KEYS[3], ARGV[9])
 local ready = math.max(0, redis.call('XLEN', KEYS[3]) - taken)
 if ready >= tonumber(ARGV[3]) then return {'backlog', ready} end
-local room = tonumber(ARGV[8])
+local room = math.min(tonumber(ARGV[8]), tonumber(ARGV[3]) - ready)
 if ARGV[4] == '1' then
   local outstanding = pending(KEYS[1], ARGV[1]) + pending(KEYS[2], ARGV[1]) + ready
   local c = math.max(0, num(st[3]) + taken - num(st[4]))

@@ -215,11 +215,21 @@ async def test_admit_backlog_cap_ignores_taken_groups(redis: Redis, ns: str) -> 
     assert (await scripts.admit(**_admit_args(max_backlog=3, admission=False))).status == "ok"
 
 
+async def test_admit_reads_no_more_than_the_backlog_room(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    for i in range(10):
+        await redis.xadd(keys.prompts, {"index": i})
+    for i in range(3):
+        await redis.xadd(keys.groups, {"index": i})
+    reply = await scripts.admit(**_admit_args(max_backlog=5, admission=False, count=8))
+    assert reply.status == "ok" and len(reply.entries) == 2
+
+
 async def test_admit_without_admission_control_ignores_staleness(redis: Redis, ns: str) -> None:
     keys, scripts = await _setup(redis, ns, max_staleness=1)
     for i in range(20):
         await redis.xadd(keys.prompts, {"index": i})
-    reply = await scripts.admit(**_admit_args(admission=False, count=20))
+    reply = await scripts.admit(**_admit_args(admission=False, count=20, max_backlog=100))
     assert reply.status == "ok" and len(reply.entries) == 20
 
 
