@@ -174,7 +174,9 @@ class StateField:
     @staticmethod
     def filtered(reason: str) -> str:
         """The per-reason counter of groups rejected by the dynamic-sampling filter."""
-        return f"filtered:{reason}"
+        return f"{StateField.FILTERED_PREFIX}{reason}"
+
+    FILTERED_PREFIX = "filtered:"
 
     COUNTERS = (
         FED,
@@ -191,3 +193,22 @@ class StateField:
         RETURNED,
         RECLAIMED,
     )
+
+    INTEGERS = (
+        *COUNTERS,
+        WEIGHT_VERSION,
+        PAUSED,
+        FEED_NEXT_INDEX,
+        FEED_EPOCH,
+        FEED_POSITION,
+        LAST_PUBLISH_MS,
+        LAST_TAKE_MS,
+        LAST_COMMIT_MS,
+        ADMISSION_BLOCKED_MS,
+        REQUEUED,
+        RELEASED,
+        LAST_ADMIT_MS,
+        VERSION_START_CONSUMED,
+        PREV_VERSION_CONSUMED,
+    )
+    """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

@@ -25,22 +25,36 @@ from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
 
 
+# Every script starts with these helpers: a value read back from Redis is parsed defensively
+# (``num``: not a number -> 0), and a counter holding garbage (``HSET state committed abc``) is
+# reset before HINCRBY, which would otherwise fail the whole hand-over.
+_HELPERS = """
+local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
+local function num(v) if isint(v) then return tonumber(v) end return 0 end
+local function incr(key, field, n)
+  local v = redis.call('HGET', key, field)
+  if v and not isint(v) then redis.call('HSET', key, field, 0) end
+  return redis.call('HINCRBY', key, field, n)
+end
+"""
+
+
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
-    (an unknown name fails the import)."""
-    return Template(source).substitute(_STATE_FIELDS)
+    (an unknown name fails the import), after the helpers."""
+    return _HELPERS + Template(source).substitute(_STATE_FIELDS)
 
 
 # KEYS: source prompt stream (prompts or retry), groups, state. ARGV: consumer group, prompt id,
 # now ms, group fields...
 PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  redis.call('HINCRBY', KEYS[3], '$DUPLICATES', 1)
+  incr(KEYS[3], '$DUPLICATES', 1)
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], '$PUBLISHED', 1)
+incr(KEYS[3], '$PUBLISHED', 1)
 redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
 """)
@@ -56,7 +70,7 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+incr(KEYS[3], ARGV[3], 1)
 return id
 """)
 
@@ -67,17 +81,16 @@ ACK_DELETE = _template("""
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
 if acked > 0 then
   redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
-  redis.call('HINCRBY', KEYS[2], ARGV[2], acked)
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], acked) end
+  incr(KEYS[2], ARGV[2], acked)
+  if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
 """)
 
-# Shared by ADMIT and SET_VERSION: numbers from the state hash (absent or empty: 0) and a
-# consumer group's pending count (0 when the stream or group does not exist).
-_HELPERS = """
-local function num(v) return tonumber(v) or 0 end
+# Shared by ADMIT and SET_VERSION: a consumer group's pending count (0 when the stream or group
+# does not exist).
+_PENDING = """
 local function pending(key, group)
   local p = redis.pcall('XPENDING', key, group)
   if type(p) ~= 'table' or p.err then return 0 end
@@ -99,7 +112,7 @@ end
 # (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
 # at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
 # Refusals: {'paused'}, {'backlog', ready}, {'staleness', outstanding, capacity, c, G}, {'empty'}.
-ADMIT = _template(_HELPERS + """
+ADMIT = _template(_PENDING + """
 local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
   '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED')
 if st[1] == '1' then return {'paused'} end
@@ -116,7 +129,7 @@ if ARGV[4] == '1' then
   if outstanding >= capacity then return {'staleness', outstanding, capacity, c, g} end
   room = math.min(room, capacity - outstanding)
 end
-local out = {'ok', st[2] or '0'}
+local out = {'ok', tostring(math.max(0, num(st[2])))}
 local got = 0
 for i = 1, 2 do
   if got >= room then break end
@@ -131,7 +144,7 @@ for i = 1, 2 do
   end
 end
 if got == 0 then return {'empty'} end
-redis.call('HINCRBY', KEYS[4], '$ADMITTED', got)
+incr(KEYS[4], '$ADMITTED', got)
 redis.call('HSET', KEYS[4], '$LAST_ADMIT_MS', ARGV[11])
 return out
 """)
@@ -140,7 +153,7 @@ return out
 # channel, message, trainer group. A version change records where the new version began
 # (version_start_consumed = committed + taken) and what the previous one consumed
 # (prev_version_consumed), in the same step as the version itself: the terms of ADMIT's rule.
-SET_VERSION = _template(_HELPERS + """
+SET_VERSION = _template(_PENDING + """
 if ARGV[1] ~= '' then
   local st = redis.call('HMGET', KEYS[1], '$WEIGHT_VERSION', '$COMMITTED', '$VERSION_START_CONSUMED')
   if st[1] == false or num(st[1]) ~= tonumber(ARGV[1]) then
@@ -185,7 +198,7 @@ for i = 7, #ARGV, width do
 end
 redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
   '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
-redis.call('HINCRBY', KEYS[2], '$FED', added)
+incr(KEYS[2], '$FED', added)
 return added
 """)
 
@@ -198,7 +211,7 @@ if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+incr(KEYS[3], ARGV[2], 1)
 return id
 """)
 

@@ -37,6 +37,7 @@ from .errors import ConfigError
 from .events import now_ms
 from .keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from .lua import Scripts
+from .parse import int_or, text
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id and its raw fields (empty for an entry deleted meanwhile)."""
@@ -67,6 +68,27 @@ def translate_nogroup(namespace: str) -> Iterator[None]:
 
 
 # -- heartbeats ------------------------------------------------------------------------------
+
+_HEARTBEAT_INTS = (
+    "pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published", "groups_last_minute",
+    "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms", "long_requests",
+    "admission_since_ms",
+)
+_HEARTBEAT_FLOATS = ("oldest_request_s", "long_request_s")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _heartbeat_object(raw: bytes | str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        raise ValueError("heartbeat is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError("heartbeat is not a JSON object")
+    return obj
 
 
 @dataclass(slots=True)
@@ -105,20 +127,17 @@ class Heartbeat:
     @classmethod
     def parse(cls, raw: bytes | str) -> Heartbeat:
         """The heartbeat in ``raw``; ValueError when it is not a JSON object. Unknown keys are
-        ignored and missing ones take their defaults (older and newer producers both parse)."""
-        obj = json.loads(raw)
-        if not isinstance(obj, dict):
-            raise ValueError("heartbeat is not an object")
+        ignored and missing or damaged ones take their defaults (older and newer producers both
+        parse); :meth:`damage` says what was damaged."""
+        obj = _heartbeat_object(raw)
         beat = cls()
-        for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
-                     "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
-                     "last_seen_ms", "admission_since_ms", "long_requests"):
+        for name in _HEARTBEAT_INTS:
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, int | float) and _is_number(value):
                 setattr(beat, name, int(value))
-        for name in ("oldest_request_s", "long_request_s"):
+        for name in _HEARTBEAT_FLOATS:
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, int | float) and _is_number(value):
                 setattr(beat, name, float(value))
         for name in ("host", "state", "admission"):
             if isinstance(obj.get(name), str):
@@ -126,6 +145,17 @@ class Heartbeat:
         if isinstance(obj.get("engines"), list):
             beat.engines = [str(e) for e in obj["engines"]]
         return beat
+
+    @staticmethod
+    def damage(raw: bytes | str) -> str | None:
+        """What is wrong with a raw heartbeat (for ``inspect``), or None."""
+        try:
+            obj = _heartbeat_object(raw)
+        except ValueError as exc:
+            return str(exc)
+        bad = [n for n in (*_HEARTBEAT_INTS, *_HEARTBEAT_FLOATS) if n in obj and not _is_number(obj[n])]
+        bad += [n for n in ("host", "state", "admission") if n in obj and not isinstance(obj[n], str)]
+        return f"fields {', '.join(bad)} have the wrong type" if bad else None
 
     def fresh(self, now: int, timeout_s: float) -> bool:
         """Seen within ``timeout_s`` seconds before ``now`` (ms)."""
@@ -196,7 +226,8 @@ class Control:
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
 
     async def weight_version(self) -> int:
-        return int(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION) or 0)
+        """The trainer's weight version; 0 when unset or damaged (``inspect`` reports the damage)."""
+        return max(0, int_or(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION)))
 
     async def paused(self) -> bool:
         return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
@@ -475,7 +506,7 @@ class GroupQueue:
                 if await self.scripts.move(
                     source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
                     target=self.keys.groups, counter=StateField.RELEASED,
-                    fields={k.decode(): v for k, v in fields.items()},
+                    fields=fields,
                 ):
                     moved += 1
         await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
@@ -515,8 +546,17 @@ class Feed:
             self.keys.state,
             [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
         )
-        next_index, epoch, position = (int(v or 0) for v in raw[:3])
-        return FeedCursor(next_index, epoch, position, raw[3].decode() if raw[3] else None)
+        names = (StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION)
+        values = []
+        for name, value in zip(names, raw[:3], strict=True):
+            number = 0 if value is None else int_or(value, -1)
+            if number < 0:  # never guess a cursor: feeding again from 0 would double the dataset
+                raise ConfigError(
+                    f"the feeder cursor is damaged: {self.keys.state} field {name!r} = {text(value)[:60]!r} is "
+                    "not a non-negative integer; fix it (HSET) or re-create the namespace"
+                )
+            values.append(number)
+        return FeedCursor(values[0], values[1], values[2], text(raw[3]) if raw[3] else None)
 
     async def queued(self) -> int:
         """Entries in the prompt stream (waiting or in flight)."""
@@ -692,7 +732,7 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),
         prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
-        admission_blocked_ms=int(blocked_raw or 0),
+        admission_blocked_ms=int_or(blocked_raw),
         heartbeats=dict(beats),
     )
 
@@ -714,16 +754,11 @@ async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig)
     def pending(reply: Any) -> int:
         return int(reply["pending"]) if isinstance(reply, dict) else 0
 
-    def number(raw: Any) -> int:
-        with contextlib.suppress(TypeError, ValueError):
-            return int(raw)
-        return 0
-
-    committed, start, prev = (number(v) for v in replies[4])
+    committed, start, prev = (int_or(v) for v in replies[4])
     return admission_capacity(
         prompts_pending=pending(replies[0]),
         retry_pending=pending(replies[1]),
-        groups_length=number(replies[2]),
+        groups_length=int_or(replies[2]),
         groups_pending=pending(replies[3]),
         committed=committed,
         version_start_consumed=start,

@@ -24,8 +24,11 @@ def judge(
     admission rule's terms, named in an "admission stalled" problem."""
     problems: list[str] = []
     warnings: list[str] = []
-    if snap["config"] is None:
+    if snap.get("config_error"):
+        problems.append(f"the config hash is damaged: {snap['config_error']}")
+    elif snap["config"] is None:
         problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
+    problems += [f"damaged value: {line}" for line in snap.get("damaged", [])]
     producers = snap["producers"]
     alive = [p for p in producers if p["alive"]]
     dead = [p for p in producers if p["status"] == "dead"]

@@ -17,6 +17,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.parse import damaged_fields
 from rollstream.common.protocol import Heartbeat, StreamView, admission_refusals, read_admission_terms, read_heartbeats
 
 from ._fields import as_int as _int
@@ -113,8 +114,9 @@ def _producer_rows(
         name = _text(name_raw)
         try:
             beat = Heartbeat.parse(value)
-        except ValueError:
-            rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200]})
+        except ValueError as exc:
+            rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200],
+                         "damage": str(exc)})
             continue
         alive = beat.alive(now, timeout_s)
         status = beat.state if (beat.fresh(now, timeout_s) or beat.state not in ALIVE_STATES) else "dead"
@@ -184,12 +186,18 @@ async def snapshot(
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
     lease_s = float(config.lease_seconds if config else defaults["lease_seconds"])  # type: ignore[arg-type]
     timeout_s = float(config.heartbeat_timeout if config else defaults["heartbeat_timeout"])  # type: ignore[arg-type]
-    state = {_text(k): _text(v) for k, v in (await view.state_hash()).items()}
+    raw_state = await view.state_hash()
+    state = {_text(k): _text(v) for k, v in raw_state.items()}
     prompts = await _prompts_section(view, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
-    beats = await read_heartbeats(redis, keys)
-    producers = _producer_rows(beats, pending_by_producer, timeout_s, now)
+    raw_beats = await read_heartbeats(redis, keys)
+    producers = _producer_rows(raw_beats, pending_by_producer, timeout_s, now)
     recent = await recent_events(redis, keys, count=50)
+    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX,))
+    for name, value in raw_beats.items():
+        if (what := Heartbeat.damage(value)) is not None:
+            damaged.append(f"{keys.producers} field {_text(name)!r}: {what}")
+    damaged += [e.damaged for e in recent if e.damaged]
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
     counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
     counters["admission_blocked_s"] = round(_int(state.get(StateField.ADMISSION_BLOCKED_MS)) / 1000, 3)
@@ -227,6 +235,7 @@ async def snapshot(
             "dataset": state.get(StateField.FEED_DATASET) or None,
         },
         "events": errors,
+        "damaged": damaged,
     }
     terms = await read_admission_terms(redis, keys, config) if config is not None else None
     snap["admission"] = {
@@ -234,7 +243,7 @@ async def snapshot(
         **(terms.as_dict() if terms is not None else {}),
         "last_admit_ms": when(StateField.LAST_ADMIT_MS),
         "last_admit_age_s": _age_s(now, when(StateField.LAST_ADMIT_MS)),
-        "refusals": admission_refusals(beats, now, timeout_s),
+        "refusals": admission_refusals(raw_beats, now, timeout_s),
         "stall_after_s": stall_after,
     }
     snap["health"] = judge(snap, stuck_after, now, terms=terms)
