@@ -47,6 +47,12 @@ class Keys:
         return f"{self.base}:prompts"
 
     @property
+    def retry(self) -> str:
+        """Stream of prompts that came back (recycled, returned, requeued); consumer group
+        ``producers``; admitted before ``prompts``."""
+        return f"{self.base}:retry"
+
+    @property
     def groups(self) -> str:
         """Stream of completed groups; consumer group ``trainer``."""
         return f"{self.base}:groups"
@@ -94,7 +100,7 @@ class Keys:
     def work_streams(self) -> tuple[str, ...]:
         """The streams holding prompts and groups that are not finished yet (what ``inspect``'s
         ledger counts: fed + requeued - committed - filtered - dead-lettered entries must be there)."""
-        return (self.prompts, self.groups)
+        return (self.retry, self.prompts, self.groups)
 
     def consumer_lease(self, consumer: str) -> str:
         """String with a TTL: the token of the one live trainer holding a consumer name."""
@@ -114,6 +120,7 @@ class Keys:
         """The fixed keys; the per-consumer ones are found with :attr:`per_consumer_patterns`."""
         return [
             self.prompts,
+            self.retry,
             self.groups,
             self.dead,
             self.events,
@@ -167,8 +174,14 @@ class StateField:
     NAMESPACE_ID = "namespace_id"
     """A random id written by ``init`` to both the config and the state hash: a state hash without
     it (deleted, or Redis lost data) no longer holds the feeder cursor and counters of this namespace."""
+    LAST_ADMIT_MS = "last_admit_ms"
+    """When ADMIT last handed out a prompt."""
+    VERSION_START_CONSUMED = "version_start_consumed"
+    """Groups consumed (committed + taken) when the current weight version began."""
+    PREV_VERSION_CONSUMED = "prev_version_consumed"
+    """Groups consumed during the previous weight version (the measured cadence)."""
     REQUEUED = "requeued"
-    """Dead-letter entries put back into the prompt stream by an operator."""
+    """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
     """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
 
@@ -208,5 +221,8 @@ class StateField:
         ADMISSION_BLOCKED_MS,
         REQUEUED,
         RELEASED,
+        LAST_ADMIT_MS,
+        VERSION_START_CONSUMED,
+        PREV_VERSION_CONSUMED,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""
