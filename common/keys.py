@@ -102,6 +102,11 @@ class Keys:
         ledger counts: fed + requeued - committed - filtered - dead-lettered entries must be there)."""
         return (self.retry, self.prompts, self.groups)
 
+    @property
+    def consumer_groups(self) -> tuple[tuple[str, str], ...]:
+        """(stream, consumer group) of every work stream."""
+        return ((self.retry, PRODUCERS_GROUP), (self.prompts, PRODUCERS_GROUP), (self.groups, TRAINER_GROUP))
+
     def consumer_lease(self, consumer: str) -> str:
         """String with a TTL: the token of the one live trainer holding a consumer name."""
         return f"{self.base}:lease:{consumer}"

@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .events import now_ms
-from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .keys import Keys, StateField
 from .parse import int_or, text
 from .protocol import held_consumer_names, live_producers, read_heartbeats
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
     """Create the work streams and their consumer groups (idempotent)."""
-    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.retry, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
+    for stream, group in keys.consumer_groups:
         try:
             await redis.xgroup_create(stream, group, id="0", mkstream=True)
         except ResponseError as exc:

@@ -261,7 +261,7 @@ async def snapshot(
         "ledger": _ledger(raw_state, held) if raw_config and lost_state is None else None,
     }
     if raw_config:
-        for stream, group in ((keys.retry, PRODUCERS_GROUP), (keys.prompts, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
+        for stream, group in keys.consumer_groups:
             if await view.group_info(stream, group) is None:
                 snap["missing_groups"].append({"stream": stream, "group": group, "length": await view.length(stream)})
     terms = await read_admission_terms(redis, keys, config) if config is not None else None
