@@ -566,6 +566,17 @@ class Producer:
             # Only a counter, but a Redis outage here must not become a fatal error.
             await self._outage.run(lambda: self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1))
 
+    async def _ack_claimed_deleted(self) -> None:
+        """Redis 6.2's XAUTOCLAIM claims entries deleted from the stream and returns them as nil,
+        without their ids: find them among this producer's own pending ids and acknowledge them."""
+        rows = await self.redis.xpending_range(
+            self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.name
+        )
+        for row in rows:
+            entry_id = row["message_id"]
+            if entry_id not in self._work and not await self.redis.xrange(self.keys.prompts, entry_id, entry_id):
+                await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
+
     async def _ack_deleted(self, entry_id: bytes) -> None:
         await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
         await self.redis.xdel(self.keys.prompts, entry_id)
@@ -632,6 +643,8 @@ class Producer:
             self._outage.recovered()
             cursor, claimed = reply[0], reply[1]
             self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            if any(c[0] is None for c in claimed):
+                await self._outage.run(self._ack_claimed_deleted)
             claimed = [c for c in claimed if c[0] is not None]
             if claimed:
                 logger.info(
