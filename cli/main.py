@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 
+from rollstream.common.connection import PASSWORD_ENV, PASSWORD_FILE_ENV
+
 from . import commands, demo, inspect, ops
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_ENV = "ROLLSTREAM_REDIS_URL"
 
 
 class JsonFormatter(logging.Formatter):
@@ -51,9 +55,30 @@ def common_options() -> argparse.ArgumentParser:
     return parent
 
 
+def add_redis_url(parser: argparse.ArgumentParser) -> None:
+    """``--redis`` (default ``$ROLLSTREAM_REDIS_URL``) and ``--redis-password-file``."""
+    parser.add_argument(
+        "--redis", default=os.environ.get(URL_ENV) or DEFAULT_URL, metavar="URL",
+        help=f"Redis URL: redis://, rediss://, redis+sentinel://, redis+cluster:// (default ${URL_ENV} or "
+             f"{DEFAULT_URL}); keep passwords out of it, use ${PASSWORD_ENV} or --redis-password-file",
+    )
+    parser.add_argument(
+        "--redis-password-file", default=None, metavar="PATH",
+        help=f"read the Redis password from this file (sets ${PASSWORD_FILE_ENV} for child processes too)",
+    )
+
+
+def apply_redis_secrets(args: argparse.Namespace) -> None:
+    """A password file given on the command line reaches ``connect()`` through the environment,
+    so the secret itself never appears in any process's argument list."""
+    path = getattr(args, "redis_password_file", None)
+    if path:
+        os.environ[PASSWORD_FILE_ENV] = path
+
+
 def redis_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
+    add_redis_url(parent)
     parent.add_argument("--ns", required=True, metavar="NAME", help="pipeline namespace")
     return parent
 
@@ -75,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_json)
+    apply_redis_secrets(args)
     try:
         code = args.func(args)
     except KeyboardInterrupt:

@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
-    from .main import DEFAULT_URL
+    from .main import add_redis_url
 
     p = sub.add_parser("dead", parents=with_redis, help="list, requeue or drop dead-letter entries")
     p.add_argument("action", choices=["list", "requeue", "drop"])
@@ -47,7 +47,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_dead)
 
     redis_only = argparse.ArgumentParser(add_help=False)
-    redis_only.add_argument("--redis", default=DEFAULT_URL, metavar="URL", help=f"Redis URL (default {DEFAULT_URL})")
+    add_redis_url(redis_only)
     redis_only.add_argument("--ns", default=None, metavar="NAME", help="namespace (show, delete)")
     p = sub.add_parser("ns", parents=[*base, redis_only], help="list, show or delete namespaces")
     p.add_argument("action", choices=["list", "show", "delete"])
