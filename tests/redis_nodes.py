@@ -121,3 +121,57 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class SentinelSet:
+    """A primary, one replica and three sentinels on loopback (Redis 7), service ``mymaster``."""
+
+    service = "mymaster"
+
+    def __init__(self, binary: str, directory: Path, *, down_after_ms: int = 1000) -> None:
+        self.primary = Node(binary, directory / "primary", ["--save", "", "--appendonly", "no"])
+        self.replica = Node(binary, directory / "replica", ["--save", "", "--appendonly", "no"])
+        self.replica.args += ["--replicaof", "127.0.0.1", str(self.primary.port)]
+        self.sentinels = []
+        for i in range(3):
+            conf = (f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 2\n"
+                    f"sentinel down-after-milliseconds mymaster {down_after_ms}\n"
+                    "sentinel failover-timeout mymaster 10000\n"
+                    "sentinel parallel-syncs mymaster 1\n")
+            self.sentinels.append(Node(binary, directory / f"sentinel{i}", [], sentinel=True, conf=conf))
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def start(self) -> SentinelSet:
+        self.primary.start()
+        self.replica.start()
+        deadline = time.monotonic() + 20
+        with self.replica.client() as c:
+            while c.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("replica did not sync: " + self.replica.log()[-2000:])
+                time.sleep(0.05)
+        for sentinel in self.sentinels:
+            sentinel.start()
+        deadline = time.monotonic() + 20
+        for sentinel in self.sentinels:  # every sentinel knows the replica and its peers
+            with sentinel.client() as c:
+                while True:
+                    info = c.sentinel_master(self.service)
+                    if int(info.get("num-slaves", 0)) >= 1 and int(info.get("num-other-sentinels", 0)) >= 2:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"sentinel not ready: {info}")
+                    time.sleep(0.1)
+        return self
+
+    def master_port(self) -> int:
+        with self.sentinels[0].client() as c:
+            return int(c.sentinel_get_master_addr_by_name(self.service)[1])
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, self.replica, self.primary]:
+            node.stop()
