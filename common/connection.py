@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
@@ -259,10 +259,26 @@ def _sentinel(parts: SplitResult, query: dict[str, str], tls: bool, options: dic
     return client
 
 
+class _ClusterPubSub(ClusterPubSub):
+    """redis-py routes SUBSCRIBE by the slots cache, which is empty until the client's first
+    command; a client whose first use is ``pubsub()`` (the producer's control listener) would
+    fail with ``KeyError: <slot>``. Load the cluster's layout first."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.cluster.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
+class _Cluster(RedisCluster):
+    def pubsub(self, node: Any = None, host: str | None = None, port: int | None = None,
+               **kwargs: Any) -> ClusterPubSub:
+        return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)
+
+
 def _cluster(parts: SplitResult, query: dict[str, str], tls: bool, options: dict[str, Any], url: str) -> Redis:
     nodes = [ClusterNode(host, port) for host, port in _hosts(parts, 6379, url)]
     cluster_options = {k: v for k, v in options.items() if k not in ("retry_on_error",)}
-    client: Redis = RedisCluster(startup_nodes=nodes, **cluster_options, **_tls_options(query, tls))
+    client: Redis = _Cluster(startup_nodes=nodes, **cluster_options, **_tls_options(query, tls))
     return client
 
 

@@ -189,10 +189,9 @@ class GroupConsumer:
             raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
 
         async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-                pipe.publish(self.keys.control, f"version {version}")
-                await pipe.execute()
+            # One HSET, then the message (PUBLISH cannot sit in a Redis Cluster transaction).
+            await self.redis.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
+            await self.redis.publish(self.keys.control, f"version {version}")
 
         await self._outage.run(write)
 
@@ -200,10 +199,8 @@ class GroupConsumer:
         """Stop every producer from admitting new prompts (effective at once: ADMIT checks it)."""
 
         async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.state, StateField.PAUSED, 1)
-                pipe.publish(self.keys.control, "pause")
-                await pipe.execute()
+            await self.redis.hset(self.keys.state, StateField.PAUSED, 1)
+            await self.redis.publish(self.keys.control, "pause")
 
         await self._outage.run(write)
 
@@ -213,12 +210,11 @@ class GroupConsumer:
             raise ValueError(f"weight version must be a non-negative integer, got {version!r}")
 
         async def write() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                if version is not None:
-                    pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-                pipe.hset(self.keys.state, StateField.PAUSED, 0)
-                pipe.publish(self.keys.control, "resume" if version is None else f"resume {version}")
-                await pipe.execute()
+            fields: dict[str, int] = {StateField.PAUSED: 0}
+            if version is not None:
+                fields[StateField.WEIGHT_VERSION] = version
+            await self.redis.hset(self.keys.state, mapping=fields)
+            await self.redis.publish(self.keys.control, "resume" if version is None else f"resume {version}")
 
         await self._outage.run(write)
 

@@ -714,6 +714,7 @@ class Producer:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
+                        logger.debug("producer %s: control message %r", self.name, message.get("data"))
                         self._wake.set()
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)

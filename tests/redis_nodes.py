@@ -3,6 +3,7 @@ redis-server / sentinel / cluster-node processes with arbitrary arguments on loo
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import socket
@@ -20,6 +21,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def cluster_free_port() -> int:
+    """A free port P below 55535 with P + 10000 (the cluster bus) free too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def redis7_binary() -> str:
@@ -174,4 +189,65 @@ class SentinelSet:
 
     def stop(self) -> None:
         for node in [*self.sentinels, self.replica, self.primary]:
+            node.stop()
+
+
+class Cluster:
+    """Three primaries and three replicas (Redis 7) on loopback, made with ``redis-cli --cluster``."""
+
+    def __init__(self, binary: str, directory: Path, *, node_timeout_ms: int = 2000) -> None:
+        self.cli = shutil.which("redis-cli") or str(Path(binary).with_name("redis-cli"))
+        if not Path(self.cli).exists():
+            pytest.skip("redis-cli (redis-tools) is not installed; .ci/run installs redis-server, which brings it")
+        self.nodes = [
+            Node(binary, directory / f"node{i}", ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                                  "--cluster-node-timeout", str(node_timeout_ms), "--save", "",
+                                                  "--cluster-require-full-coverage", "no",
+                                                  "--appendonly", "no", "--bind", "127.0.0.1"],
+                 port=cluster_free_port())
+            for i in range(6)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+
+    def start(self) -> Cluster:
+        for node in self.nodes:
+            node.start()
+        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = []
+            for node in self.nodes:
+                if node.process is None or node.process.poll() is not None:
+                    continue
+                with node.client() as c:
+                    states.append(c.execute_command("CLUSTER", "INFO").decode().split("\r\n")[0])
+            if states and all(s == "cluster_state:ok" for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster not ok: {states}")
+
+    def owner_of(self, key: str) -> Node:
+        """The node serving ``key``'s slot now."""
+        with self.nodes[0].client() as c:
+            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                continue
+            with node.client() as c:
+                for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        port = int(primary[1])
+                        return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
             node.stop()
