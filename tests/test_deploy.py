@@ -71,7 +71,7 @@ def test_kubernetes_commands_parse_and_drain_within_the_grace_period() -> None:
         for container in _containers(doc):
             if container.get("image", "").startswith("rollstream"):
                 env = {**config, "POD_NAME": "pod-0"}
-                args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+                args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in container["args"]]
                 parsed = build_parser().parse_args(args)
                 assert not any("PASSWORD" in a.upper() or "@" in a for a in args), args
                 names = {e["name"] for e in container.get("env", [])}
