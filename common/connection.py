@@ -59,6 +59,7 @@ _SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _OWN_QUERY = ("wait_replicas", "wait_timeout_ms", "sentinel_password", "sentinel_username")
 _WAITED_COMMANDS = frozenset({"EVALSHA", "EVAL"})
+_MAX_WAIT_MS = 5000
 
 
 def redact_url(url: str) -> str:
@@ -163,6 +164,11 @@ def connect(
         )
     wait_replicas = _int_option(query, "wait_replicas", wait_replicas, url)
     wait_timeout_ms = _int_option(query, "wait_timeout_ms", wait_timeout_ms, url)
+    if wait_replicas and not 1 <= (wait_timeout_ms or 1000) <= _MAX_WAIT_MS:
+        raise ConfigError(
+            f"bad Redis URL {redact_url(url)}: wait_timeout_ms must be 1..{_MAX_WAIT_MS} "
+            "(0 would block forever; more would outlast the socket timeout and re-send the script)"
+        )
     username, secret = _credentials(parts, password)
     socket_timeout = 10.0 if block_ms is None else block_ms / 1000 + 10.0
     options: dict[str, Any] = {

@@ -179,6 +179,7 @@ def test_password_from_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(ConfigError, match="password file"):
         connect("redis://127.0.0.1:1/0")
     for bad in ("http://h/0", "redis+sentinel://h1:26379", "redis://h:1/0?wait_replicas=x",
+                "redis://h:1/0?wait_replicas=1&wait_timeout_ms=0", "redis://h:1/0?wait_replicas=1&wait_timeout_ms=60000",
                 "redis+cluster://h:1?wait_replicas=1"):
         with pytest.raises(ConfigError):
             connect(bad)
