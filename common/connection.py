@@ -13,6 +13,7 @@ Two rules from redis-py's behaviour shape this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -265,20 +266,43 @@ def _sentinel(parts: SplitResult, query: dict[str, str], tls: bool, options: dic
     return client
 
 
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 class _ClusterPubSub(ClusterPubSub):
-    """redis-py routes SUBSCRIBE by the slots cache, which is empty until the client's first
-    command; a client whose first use is ``pubsub()`` (the producer's control listener) would
-    fail with ``KeyError: <slot>``. Load the cluster's layout first."""
+    """Two gaps of redis-py's cluster pub/sub, closed for the producer's control listener:
+
+    * SUBSCRIBE is routed by the slots cache, which is empty until the client's first command:
+      a client whose first use is ``pubsub()`` failed with ``KeyError: <slot>``; load it first;
+    * a connection error here does not refresh the cache, so after a failover every new
+      ``pubsub()`` picked the dead node again, forever; refresh it, then raise as before.
+    """
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         await self.cluster.initialize()
-        return await super().execute_command(*args, **kwargs)
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await self.cluster.nodes_manager.initialize()
+            raise
 
 
 class _Cluster(RedisCluster):
     def pubsub(self, node: Any = None, host: str | None = None, port: int | None = None,
                **kwargs: Any) -> ClusterPubSub:
         return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        """XREAD and XREADGROUP have "movable keys": redis-py asks one fixed node (``COMMAND
+        GETKEYS``) where their keys are, outside its failover handling, so once that node died
+        every blocking read failed forever. Their key follows STREAMS: hash it here."""
+        if _text(command).upper() in ("XREAD", "XREADGROUP"):
+            words = [_text(a).upper() for a in args]
+            if "STREAMS" in words and words.index("STREAMS") + 1 < len(args):
+                return int(self.keyslot(args[words.index("STREAMS") + 1]))
+        return int(await super()._determine_slot(command, *args))
 
 
 def _cluster(parts: SplitResult, query: dict[str, str], tls: bool, options: dict[str, Any], url: str) -> Redis:

@@ -203,6 +203,7 @@ class Cluster:
             Node(binary, directory / f"node{i}", ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                                   "--cluster-node-timeout", str(node_timeout_ms), "--save", "",
                                                   "--cluster-require-full-coverage", "no",
+                                                  "--repl-diskless-sync-delay", "0",
                                                   "--appendonly", "no", "--bind", "127.0.0.1"],
                  port=cluster_free_port())
             for i in range(6)
@@ -229,14 +230,29 @@ class Cluster:
                     continue
                 with node.client() as c:
                     states.append(c.execute_command("CLUSTER", "INFO").decode().split("\r\n")[0])
-            if states and all(s == "cluster_state:ok" for s in states):
+            if states and all(s == "cluster_state:ok" for s in states) and self._replicas_synced():
                 return
             time.sleep(0.1)
         raise RuntimeError(f"cluster not ok: {states}")
 
+    def _replicas_synced(self) -> bool:
+        """Every replica finished its first sync: one that has not cannot be failed over to."""
+        replicas = 0
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                continue
+            with node.client() as c:
+                info = c.info("replication")
+            if info.get("role") == "slave":
+                replicas += 1
+                if info.get("master_link_status") != "up":
+                    return False
+        return replicas >= 3
+
     def owner_of(self, key: str) -> Node:
         """The node serving ``key``'s slot now."""
-        with self.nodes[0].client() as c:
+        live = [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+        with live[0].client() as c:
             slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
         for node in self.nodes:
             if node.process is None or node.process.poll() is not None:

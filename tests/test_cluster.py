@@ -5,7 +5,8 @@ transaction touches one slot. Three namespaces whose slots live on three differe
 run at once, each with a producer process and a trainer on a ``redis+cluster://`` URL; the
 trainers' pause/resume/version messages (pub/sub, which Cluster broadcasts to every node) reach
 each producer; then the primary serving one namespace is SIGKILLed mid-run, its replica takes
-over, and all three pipelines finish with every prompt exactly once. Marked slow.
+over, and all three pipelines finish with every prompt exactly once; the failed-over namespace's
+producer hears control messages again (from the promoted replica). Marked slow.
 """
 
 from __future__ import annotations
@@ -91,10 +92,21 @@ async def test_three_namespaces_on_three_primaries_survive_a_primary_failover(
                     victim.kill()
                     killed_at.append(time.monotonic())
 
-    async with asyncio.timeout(180):
+    async with asyncio.timeout(60):
         await asyncio.gather(*(train(name) for name in names))
     promoted = cluster.owner_of(Keys(names[0]).state)
     assert promoted.port != victim.port
+    # The failed-over namespace's producer listens again: its control channel now lives on the
+    # promoted replica, and a new version message reaches it.
+    victim_log = procs.children[0][0]
+    async with await GroupConsumer.connect(url, names[0], "trainer") as consumer:
+        deadline = time.monotonic() + 20
+        for version in range(100, 200):
+            await consumer.set_weight_version(version)
+            await asyncio.sleep(0.5)
+            if "control message b'version 1" in procs.log_of(victim_log):
+                break
+            assert time.monotonic() < deadline, procs.log_of(victim_log)[-3000:]
     await procs.astop_all()
     for child, _ in procs.children:
         assert child.returncode == 0, procs.logs()
