@@ -144,8 +144,9 @@ class SentinelSet:
     service = "mymaster"
 
     def __init__(self, binary: str, directory: Path, *, down_after_ms: int = 1000) -> None:
-        self.primary = Node(binary, directory / "primary", ["--save", "", "--appendonly", "no"])
-        self.replica = Node(binary, directory / "replica", ["--save", "", "--appendonly", "no"])
+        fast_sync = ["--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0"]
+        self.primary = Node(binary, directory / "primary", list(fast_sync))
+        self.replica = Node(binary, directory / "replica", list(fast_sync))
         self.replica.args += ["--replicaof", "127.0.0.1", str(self.primary.port)]
         self.sentinels = []
         for i in range(3):
