@@ -61,10 +61,12 @@ _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _OWN_QUERY = ("wait_replicas", "wait_timeout_ms", "sentinel_password", "sentinel_username")
 _WAITED_COMMANDS = frozenset({"EVALSHA", "EVAL"})
 _MAX_WAIT_MS = 5000
+_SECRET_WORDS = ("password", "secret", "token", "key", "auth")
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (and any ``password``-like query value) replaced by ``***``."""
+    """``url`` with its password, and query values named like secrets (password, token, key),
+    replaced by ``***``. Used for Redis and engine URLs alike."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -75,7 +77,7 @@ def redact_url(url: str) -> str:
         user, colon, _secret = userinfo.partition(":")
         netloc = f"{user}:***@{hosts}" if colon else f"{user}@{hosts}"
     query = "&".join(
-        f"{k}=***" if "password" in k.lower() or "secret" in k.lower() else f"{k}={v}"
+        f"{k}=***" if any(w in k.lower() for w in _SECRET_WORDS) and not k.startswith("ssl_") else f"{k}={v}"
         for k, v in parse_qsl(parts.query, keep_blank_values=True)
     )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

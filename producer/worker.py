@@ -45,6 +45,7 @@ from rollstream.common.connection import (
     connect,
     is_nogroup,
     nogroup_error,
+    redact_url,
 )
 from rollstream.common.errors import (
     ConfigError,
@@ -202,7 +203,8 @@ class Producer:
         n = self.config.n_samples_per_prompt
         logger.info(
             "producer %s (ns %s) starting: concurrency %d samples, n=%d, engines %s",
-            self.name, self.keys.namespace, self.settings.concurrency, n, ", ".join(self.engine.settings.urls),
+            self.name, self.keys.namespace, self.settings.concurrency, n,
+            ", ".join(redact_url(u) for u in self.engine.settings.urls),
         )
         self._state = "running"
         await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
@@ -682,7 +684,7 @@ class Producer:
             "duplicates": self.duplicates,
             "reclaimed": self.reclaimed,
             "engine_retries": self.engine.retries,
-            "engines": list(self.engine.settings.urls),
+            "engines": [redact_url(u) for u in self.engine.settings.urls],
             "started_ms": int(self._started * 1000),
             "last_seen_ms": now_ms(),
         }

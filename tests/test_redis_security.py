@@ -161,6 +161,7 @@ def test_redact_url() -> None:
         "redis+sentinel://a:***@h1:26379,h2:26379/m/0?sentinel_password=***"
     )
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    assert redact_url("https://u:tok@gw:31000/v1?api_key=k&model=m") == "https://u:***@gw:31000/v1?api_key=***&model=m"
 
 
 def test_password_from_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
