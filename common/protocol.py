@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -195,7 +195,10 @@ def _check_version(version: int) -> None:
 
 
 class Control:
-    """Weight version and pause/resume: written to ``state``, announced on ``control``."""
+    """Weight version and pause/resume: written to ``state``, then announced on ``control``.
+
+    The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
+    Cluster transaction, and the message only wakes producers early (ADMIT reads the state)."""
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
@@ -210,26 +213,21 @@ class Control:
 
     async def set_weight_version(self, version: int) -> None:
         _check_version(version)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-            pipe.publish(self.keys.control, f"version {version}")
-            await pipe.execute()
+        await self.redis.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
+        await self.redis.publish(self.keys.control, f"version {version}")
 
     async def pause(self) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.state, StateField.PAUSED, 1)
-            pipe.publish(self.keys.control, "pause")
-            await pipe.execute()
+        await self.redis.hset(self.keys.state, StateField.PAUSED, 1)
+        await self.redis.publish(self.keys.control, "pause")
 
     async def resume(self, version: int | None = None) -> None:
         if version is not None:
             _check_version(version)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if version is not None:
-                pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-            pipe.hset(self.keys.state, StateField.PAUSED, 0)
-            pipe.publish(self.keys.control, "resume" if version is None else f"resume {version}")
-            await pipe.execute()
+        fields: dict[str, int] = {StateField.PAUSED: 0}
+        if version is not None:
+            fields[StateField.WEIGHT_VERSION] = version
+        await self.redis.hset(self.keys.state, mapping=fields)
+        await self.redis.publish(self.keys.control, "resume" if version is None else f"resume {version}")
 
     async def subscribe(self, blocking: Redis) -> PubSub:
         """A pub/sub subscription to the control channel, on a client that may block; the caller
@@ -310,16 +308,29 @@ class PromptQueue:
         )
         return bool(due)
 
-    async def reclaim(self, lease_ms: int, count: int) -> list[Entry]:
+    async def reclaim(self, lease_ms: int, count: int, held: Container[bytes] = ()) -> list[Entry]:
         """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the kept cursor).
-        Entries deleted meanwhile come back with empty fields (Redis 6.2): see :meth:`ack_deleted`."""
+        Entries deleted meanwhile come back with empty fields (see :meth:`ack_deleted`) or, on
+        Redis 6.2, as nil without their ids: those are found among this consumer's own pending
+        entries (except the ``held`` ones it works on) and acknowledged here."""
         reply = await self.redis.xautoclaim(
             self.keys.prompts, PRODUCERS_GROUP, self.consumer, lease_ms,
             start_id=self._reclaim_cursor, count=max(1, count),
         )
-        cursor = reply[0]
+        cursor, rows = reply[0], reply[1]
         self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        return _flat_entries(reply[1])
+        if any(row[0] is None for row in rows):
+            await self._ack_claimed_deleted(held)
+        return _flat_entries(rows)
+
+    async def _ack_claimed_deleted(self, held: Container[bytes]) -> None:
+        rows = await self.redis.xpending_range(
+            self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.consumer
+        )
+        for row in rows:
+            entry_id = row["message_id"]
+            if entry_id not in held and not await self.redis.xrange(self.keys.prompts, entry_id, entry_id):
+                await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
 
     @property
     def reclaim_scanned(self) -> bool:
