@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
-    """Create both streams and their consumer groups (idempotent)."""
-    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
+    """Create the work streams and their consumer groups (idempotent)."""
+    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.retry, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
         try:
             await redis.xgroup_create(stream, group, id="0", mkstream=True)
         except ResponseError as exc:

@@ -12,12 +12,13 @@ import dataclasses
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common.admission import DEFAULT_STALL_AFTER
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.parse import damaged_fields
-from rollstream.common.protocol import Heartbeat, StreamView, read_heartbeats
+from rollstream.common.protocol import Heartbeat, StreamView, admission_refusals, read_admission_terms, read_heartbeats
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -71,6 +72,14 @@ async def _prompts_section(view: StreamView, keys: Keys, lease_s: float, now: in
         section["max_pending_idle_s"] = round(max(idles) / 1000, 3) if idles else None
         section["leases_expiring"] = sum(1 for i in idles if i > LEASE_WARNING_FRACTION * lease_s * 1000)
     return section
+
+
+async def _retry_section(view: StreamView, keys: Keys) -> dict[str, Any]:
+    """The retry stream: recycled, returned and requeued prompts, admitted before fresh ones."""
+    length = await view.length(keys.retry)
+    summary = await view.pending_summary(keys.retry, PRODUCERS_GROUP)
+    pending = int(summary["pending"]) if summary is not None else 0
+    return {"queued": length, "in_flight": pending, "waiting": max(0, length - pending)}
 
 
 async def _groups_section(view: StreamView, keys: Keys, now: int) -> dict[str, Any]:
@@ -131,6 +140,8 @@ def _producer_rows(
                 "long_request_s": beat.long_request_s,
                 "last_seen_ms": beat.last_seen_ms,
                 "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
+                "admission": beat.admission,
+                "admission_refused_for_s": _age_s(now, beat.admission_since_ms) if beat.admission else None,
             }
         )
     rows.sort(key=lambda r: (not r["alive"], r["name"]))
@@ -152,11 +163,16 @@ def _event_row(event: Any, now: int) -> dict[str, Any]:
 
 
 async def snapshot(
-    redis: Redis, keys: Keys, *, stuck_after: float = DEFAULT_STUCK_AFTER, events: int = 5
+    redis: Redis,
+    keys: Keys,
+    *,
+    stuck_after: float = DEFAULT_STUCK_AFTER,
+    events: int = 5,
+    stall_after: float = DEFAULT_STALL_AFTER,
 ) -> dict[str, Any]:
     """Everything an operator needs about one namespace, with a health verdict."""
-    if stuck_after <= 0:
-        raise ConfigError(f"stuck_after must be positive, got {stuck_after!r}")
+    if stuck_after <= 0 or stall_after <= 0:
+        raise ConfigError(f"stuck_after and stall_after must be positive, got {stuck_after!r}, {stall_after!r}")
     now = now_ms()
     view = StreamView(redis, keys)
     raw_config = await view.config_hash()
@@ -206,6 +222,7 @@ async def snapshot(
         "config": dataclasses.asdict(config) if config else None,
         "config_error": config_error,
         "prompts": prompts,
+        "retry": await _retry_section(view, keys),
         "groups": await _groups_section(view, keys, now),
         "dead": {"length": await view.length(keys.dead)},
         "producers": producers,
@@ -220,5 +237,14 @@ async def snapshot(
         "events": errors,
         "damaged": damaged,
     }
-    snap["health"] = judge(snap, stuck_after, now)
+    terms = await read_admission_terms(redis, keys, config) if config is not None else None
+    snap["admission"] = {
+        "enabled": bool(config and config.admission_enabled),
+        **(terms.as_dict() if terms is not None else {}),
+        "last_admit_ms": when(StateField.LAST_ADMIT_MS),
+        "last_admit_age_s": _age_s(now, when(StateField.LAST_ADMIT_MS)),
+        "refusals": admission_refusals(raw_beats, now, timeout_s),
+        "stall_after_s": stall_after,
+    }
+    snap["health"] = judge(snap, stuck_after, now, terms=terms)
     return snap
