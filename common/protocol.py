@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Container, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -259,7 +259,10 @@ def _check_version(version: int) -> None:
 
 
 class Control:
-    """Weight version and pause/resume: written to ``state``, announced on ``control``."""
+    """Weight version and pause/resume: written to ``state``, then announced on ``control``.
+
+    The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
+    Cluster transaction, and the message only wakes producers early (ADMIT reads the state)."""
 
     def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
         self.redis = redis
@@ -280,10 +283,8 @@ class Control:
         await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
 
     async def pause(self) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.state, StateField.PAUSED, 1)
-            pipe.publish(self.keys.control, "pause")
-            await pipe.execute()
+        await self.redis.hset(self.keys.state, StateField.PAUSED, 1)
+        await self.redis.publish(self.keys.control, "pause")
 
     async def resume(self, version: int | None = None) -> None:
         if version is not None:
@@ -400,10 +401,11 @@ class PromptQueue(_Guarded):
                 return True
         return False
 
-    async def reclaim(self, lease_ms: int, count: int) -> list[Admitted]:
+    async def reclaim(self, lease_ms: int, count: int, held: Container[bytes] = ()) -> list[Admitted]:
         """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the cursor kept
-        per stream, retry first). Entries deleted meanwhile come back with empty fields (Redis
-        6.2): see :meth:`ack_deleted`."""
+        per stream, retry first). Entries deleted meanwhile come back with empty fields (see
+        :meth:`ack_deleted`) or, on Redis 6.2, as nil without their ids: those are found among this
+        consumer's own pending entries (except the ``held`` ones it works on) and acknowledged."""
         out: list[Admitted] = []
         for stream in self.streams:
             want = max(1, count) - len(out)
@@ -412,10 +414,21 @@ class PromptQueue(_Guarded):
             reply = await self.redis.xautoclaim(
                 stream, PRODUCERS_GROUP, self.consumer, lease_ms, start_id=self._reclaim_cursors[stream], count=want,
             )
-            cursor = reply[0]
+            cursor, rows = reply[0], reply[1]
             self._reclaim_cursors[stream] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(reply[1]))
+            if any(row[0] is None for row in rows):
+                await self._ack_claimed_deleted(stream, held)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(rows))
         return out
+
+    async def _ack_claimed_deleted(self, stream: str, held: Container[bytes]) -> None:
+        rows = await self.redis.xpending_range(
+            stream, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.consumer
+        )
+        for row in rows:
+            entry_id = row["message_id"]
+            if entry_id not in held and not await self.redis.xrange(stream, entry_id, entry_id):
+                await self.redis.xack(stream, PRODUCERS_GROUP, entry_id)
 
     @property
     def reclaim_scanned(self) -> bool:
