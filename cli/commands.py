@@ -78,6 +78,12 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds one engine request may take in total, reply body included")
     p.add_argument("--max-reply-mib", type=float, default=64.0,
                    help="largest engine reply accepted, in MiB (checked while reading)")
+    p.add_argument("--reward-timeout", type=float, default=300.0,
+                   help="seconds the reward may take on one group; past it the group fails (recycled)")
+    p.add_argument("--reward-failure-limit", type=int, default=8,
+                   help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
+    p.add_argument("--long-request-after", type=float, default=600.0,
+                   help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.set_defaults(func=cmd_produce)
@@ -217,13 +223,15 @@ def cmd_produce(args: argparse.Namespace) -> int:
         n_samples=args.n_samples,
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        reward_failure_limit=args.reward_failure_limit,
+        long_request_after=args.long_request_after,
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics
     if is_framework_reward(args.reward):
-        reward: RewardFunction = load_framework_reward(args.reward)
+        reward: RewardFunction = load_framework_reward(args.reward, timeout=args.reward_timeout)
     else:
-        reward = load_reward(args.reward)
+        reward = load_reward(args.reward, timeout=args.reward_timeout)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
     stop_requested = False

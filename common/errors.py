@@ -5,6 +5,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     RollstreamError
     ├── ConfigError (also ValueError)         bad or inconsistent configuration
     │   ├── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    │   ├── ConsumerNameInUse                 another live trainer holds this consumer name
     │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
@@ -39,6 +40,20 @@ class NamespaceNotInitialized(ConfigError):
             f"`rollstream init --ns {namespace} --n-samples N --batch-size B` first"
         )
         self.namespace = namespace
+
+
+class ConsumerNameInUse(ConfigError):
+    """Another live trainer holds this consumer name (two would train the same groups)."""
+
+    def __init__(self, namespace: str, name: str, holder: str | None, detail: str) -> None:
+        super().__init__(
+            f"consumer name {name!r} of namespace {namespace!r} is held by another live trainer "
+            f"({holder or 'holder unknown'}): {detail}. Stop that trainer, or use another name "
+            f"(a crashed trainer's hold expires by itself)"
+        )
+        self.namespace = namespace
+        self.name = name
+        self.holder = holder
 
 
 class ExtraNotInstalled(ConfigError):

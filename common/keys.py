@@ -90,7 +90,17 @@ class Keys:
         """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
         return f"{self.base}:journal:*"
 
+    def consumer_lease(self, consumer: str) -> str:
+        """String with a TTL: the token of the one live trainer holding a consumer name."""
+        return f"{self.base}:lease:{consumer}"
+
+    @property
+    def per_consumer_patterns(self) -> tuple[str, ...]:
+        """SCAN MATCH patterns of the per-trainer-consumer keys (journals, name leases)."""
+        return (self.journal_pattern, f"{self.base}:lease:*")
+
     def all_keys(self) -> list[str]:
+        """The fixed keys; the per-consumer ones are found with :attr:`per_consumer_patterns`."""
         return [
             self.prompts,
             self.groups,

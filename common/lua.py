@@ -153,6 +153,21 @@ def _field_name(name: str | bytes) -> str:
     return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
 
 
+# KEYS: lease. ARGV: token, ttl ms. Takes a free lease or renews our own; 0 when another holds it.
+LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: lease. ARGV: token. Deletes the lease only if we still hold it.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     out: list[Any] = []
     for key, value in fields.items():
@@ -173,6 +188,8 @@ class Scripts:
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
         self._requeue = redis.register_script(REQUEUE)
+        self._lease = redis.register_script(LEASE)
+        self._release = redis.register_script(RELEASE)
 
     async def publish(self, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int) -> bytes | None:
         """Publish a group and ack its prompt; None when the prompt was already acknowledged."""
@@ -313,3 +330,11 @@ class Scripts:
             args=[expected_next, next_after, epoch, position, dataset, width or 2, *flat],
         )
         return None if result is None else int(result)
+
+    async def lease(self, key: str, token: str, ttl_ms: int) -> bool:
+        """Take the lease ``key`` if free, or renew it if ``token`` holds it; False when another does."""
+        return bool(await self._lease(keys=[key], args=[token, ttl_ms]))
+
+    async def release(self, key: str, token: str) -> bool:
+        """Delete the lease ``key`` if ``token`` still holds it."""
+        return bool(await self._release(keys=[key], args=[token]))

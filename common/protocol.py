@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -84,6 +85,12 @@ class Heartbeat:
     engines: list[str] = field(default_factory=list)
     started_ms: int = 0
     last_seen_ms: int = 0
+    long_requests: int = 0
+    """Samples whose engine request has been in flight longer than ``long_request_s``."""
+    oldest_request_s: float = 0.0
+    """Age of the oldest engine request in flight (0 when none)."""
+    long_request_s: float = 0.0
+    """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -98,10 +105,14 @@ class Heartbeat:
         beat = cls()
         for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
                      "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
-                     "last_seen_ms"):
+                     "last_seen_ms", "long_requests"):
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 setattr(beat, name, int(value))
+        for name in ("oldest_request_s", "long_request_s"):
+            value = obj.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                setattr(beat, name, float(value))
         for name in ("host", "state"):
             if isinstance(obj.get(name), str):
                 setattr(beat, name, obj[name])
@@ -312,6 +323,31 @@ class PromptQueue:
             )
 
 
+# -- trainer consumer name lease -------------------------------------------------------------
+
+
+class NameLease:
+    """A trainer consumer name held by one live process: its token in a key with a TTL, renewed
+    while it is connected and deleted on close (a crashed holder's lease just expires)."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.key = keys.consumer_lease(consumer)
+        self.token = token
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def hold(self, ttl_ms: int) -> bool:
+        """Take the name if free or renew it if ours; False while another process holds it."""
+        return await self.scripts.lease(self.key, self.token, ttl_ms)
+
+    async def holder(self) -> str | None:
+        raw = await self.redis.get(self.key)
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+    async def release(self) -> bool:
+        return await self.scripts.release(self.key, self.token)
+
+
 # -- group queue (trainer) -------------------------------------------------------------------
 
 
@@ -479,16 +515,19 @@ async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
     return [key async for key in redis.scan_iter(match=match, count=1000)]
 
 
+async def _per_consumer_keys(redis: Redis, keys: Keys) -> list[bytes]:
+    return [key for pattern in keys.per_consumer_patterns for key in await scan_namespace_keys(redis, pattern)]
+
+
 async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
     fixed = [key for key in keys.all_keys() if await redis.exists(key)]
-    journals = sorted(k.decode() for k in await scan_namespace_keys(redis, keys.journal_pattern))
-    return fixed + journals
+    return fixed + sorted(k.decode() for k in await _per_consumer_keys(redis, keys))
 
 
 async def delete_namespace(redis: Redis, keys: Keys) -> int:
-    """Delete exactly this namespace's keys (journals included); the number of keys that existed."""
-    journals = await scan_namespace_keys(redis, keys.journal_pattern)
-    return int(await redis.delete(*keys.all_keys(), *journals))
+    """Delete exactly this namespace's keys (journals and name leases included); the number of
+    keys that existed."""
+    return int(await redis.delete(*keys.all_keys(), *await _per_consumer_keys(redis, keys)))
 
 
 class JournalHash:

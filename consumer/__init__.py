@@ -7,6 +7,7 @@ surface as redis-py's ``redis.exceptions.ConnectionError``.
 
 from rollstream.common.errors import (
     ConfigError,
+    ConsumerNameInUse,
     DecodeError,
     NamespaceNotInitialized,
     PipelineError,
@@ -23,6 +24,7 @@ __all__ = [
     "Batch",
     "ConfigError",
     "Connecting",
+    "ConsumerNameInUse",
     "DecodeError",
     "Group",
     "GroupConsumer",

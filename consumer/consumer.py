@@ -23,19 +23,29 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
+import secrets
+import socket
+import threading
 import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
-from rollstream.common.connection import Outage, connect
-from rollstream.common.errors import ConfigError, DecodeError, PipelineStalled, ProducerFailed
+from rollstream.common.connection import TRANSIENT_ERRORS, Outage, connect
+from rollstream.common.errors import (
+    ConfigError,
+    ConsumerNameInUse,
+    DecodeError,
+    PipelineStalled,
+    ProducerFailed,
+)
 from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys, StateField
@@ -45,6 +55,7 @@ from rollstream.common.protocol import (
     Control,
     Entry,
     GroupQueue,
+    NameLease,
     live_producers,
     mark_take,
     read_heartbeats,
@@ -59,10 +70,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
+NAME_LEASE_SECONDS = 10.0
+"""A trainer's hold on its consumer name lasts this long unless renewed (every quarter of it)."""
+NAME_WAIT_SECONDS = NAME_LEASE_SECONDS + 2.0
+"""How long ``connect`` waits for a consumer name held by another trainer (it may have crashed)."""
 
 
 @dataclass(slots=True)
@@ -183,6 +200,9 @@ class GroupConsumer:
         # The stall clock lives here, not in one take(): short calls (asyncio.timeout) add up.
         self._no_producer_since: float | None = None
         self._health_checked = 0.0
+        self._lease: NameLease | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        self._lease_lost: ConsumerNameInUse | None = None
 
     @classmethod
     def connect(
@@ -198,6 +218,7 @@ class GroupConsumer:
         stall_timeout: float = 300.0,
         warn_interval: float = 30.0,
         limits: CodecLimits = DEFAULT_LIMITS,
+        name_wait: float = NAME_WAIT_SECONDS,
     ) -> Connecting:
         """Connect and check the namespace config against what this trainer expects.
 
@@ -207,13 +228,16 @@ class GroupConsumer:
         ``keep`` is the dynamic-sampling filter (named only here, by the trainer's own code: nothing is
         imported from Redis); ``on_producer_failure="warn"`` logs
         instead of raising ``ProducerFailed``; ``stall_timeout`` is how long without a live
-        producer before ``take()`` raises ``PipelineStalled``.
+        producer before ``take()`` raises ``PipelineStalled``. The consumer ``name`` is held by
+        one live trainer at a time: while another holds it, ``connect`` waits up to ``name_wait``
+        seconds (a crashed holder's hold expires within ``NAME_LEASE_SECONDS``), then raises
+        ``ConsumerNameInUse``.
         """
         return Connecting(
             cls._open(
                 url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
                 on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
-                warn_interval=warn_interval, limits=limits,
+                warn_interval=warn_interval, limits=limits, name_wait=name_wait,
             )
         )
 
@@ -231,24 +255,34 @@ class GroupConsumer:
         stall_timeout: float,
         warn_interval: float,
         limits: CodecLimits,
+        name_wait: float,
     ) -> GroupConsumer:
+        if not name_wait >= 0:
+            raise ConfigError(f"name_wait must be >= 0 seconds, got {name_wait!r}")
+        keys = Keys(namespace)
         redis = connect(url, name=f"rollstream-consumer-{name}")
+        lease = NameLease(redis, keys, name, f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}")
         try:
-            config = await load_config(redis, Keys(namespace))
+            config = await load_config(redis, keys)
             config.check_matches(n_samples_per_prompt=n_samples, batch_size=batch_size)
+            await _hold_name(lease, keys, name, name_wait)
         except BaseException:
             await redis.aclose()
             raise
         blocking = connect(url, block_ms=_READ_BLOCK_MS, name=f"rollstream-consumer-{name}-read")
         try:
-            return cls(
+            consumer = cls(
                 url, namespace, name, config, redis, blocking, keep=keep, on_producer_failure=on_producer_failure,
                 stall_timeout=stall_timeout, warn_interval=warn_interval, limits=limits,
             )
         except BaseException:
+            await _release_name(lease)
             await redis.aclose()
             await blocking.aclose()
             raise
+        consumer._lease = lease
+        consumer._lease_task = asyncio.create_task(consumer._keep_name(lease), name=f"rollstream-lease-{name}")
+        return consumer
 
     async def __aenter__(self) -> GroupConsumer:
         return self
@@ -259,8 +293,39 @@ class GroupConsumer:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
-        await self._blocking.aclose()
+        """Give up the consumer name and close the connections."""
+        try:
+            if self._lease_task is not None:
+                self._lease_task.cancel()
+                await asyncio.wait({self._lease_task}, timeout=5)
+            if self._lease is not None:
+                await _release_name(self._lease)
+        finally:
+            await self.redis.aclose()
+            await self._blocking.aclose()
+
+    async def _keep_name(self, lease: NameLease) -> None:
+        """Renew the hold on the consumer name while connected (a task; cancelled by aclose)."""
+        while True:
+            await asyncio.sleep(NAME_LEASE_SECONDS / 4)
+            try:
+                if await lease.hold(int(NAME_LEASE_SECONDS * 1000)):
+                    continue
+                holder = await lease.holder()
+            except TRANSIENT_ERRORS as exc:
+                logger.debug("consumer %s: renewing the name lease failed (%s); retrying", self.name, exc)
+                continue
+            self._lease_lost = ConsumerNameInUse(
+                self.keys.namespace, self.name, holder,
+                f"this trainer's hold lapsed (Redis unreachable for over {NAME_LEASE_SECONDS:.0f} s?) and another "
+                "trainer took the name; this one stops taking and committing",
+            )
+            logger.error("%s", self._lease_lost)
+            return
+
+    def _check_name(self) -> None:
+        if self._lease_lost is not None:
+            raise self._lease_lost
 
     # -- trainer state ------------------------------------------------------------------
 
@@ -295,6 +360,7 @@ class GroupConsumer:
         """
         if isinstance(target, bool) or not isinstance(target, int) or target < 1:
             raise ValueError(f"target must be a positive integer, got {target!r}")
+        self._check_name()
         staleness_limit = self.config.max_staleness if max_staleness is _UNSET else max_staleness
         keep_filter = self.keep if keep is _UNSET else keep
         started = time.monotonic()
@@ -362,6 +428,7 @@ class GroupConsumer:
 
     async def commit(self, batch: Batch) -> int:
         """Acknowledge and delete the batch's groups; the number acknowledged now."""
+        self._check_name()
         acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids))
         self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
@@ -603,6 +670,32 @@ class GroupConsumer:
         )
 
 
+async def _hold_name(lease: NameLease, keys: Keys, name: str, wait: float) -> None:
+    """Take the consumer name, waiting up to ``wait`` seconds for another holder to go."""
+    deadline = time.monotonic() + wait
+    announced = False
+    while not await lease.hold(int(NAME_LEASE_SECONDS * 1000)):
+        holder = await lease.holder()
+        if time.monotonic() >= deadline:
+            raise ConsumerNameInUse(keys.namespace, name, holder, f"still held after waiting {wait:.0f} s")
+        if not announced:
+            announced = True
+            logger.warning(
+                "consumer %s (ns %s): the name is held by %s; waiting up to %.0f s for it to be released or expire",
+                name, keys.namespace, holder, wait,
+            )
+        await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+async def _release_name(lease: NameLease) -> None:
+    """Best effort: if Redis cannot be reached, the hold expires by itself."""
+    try:
+        async with asyncio.timeout(2):
+            await lease.release()
+    except (TimeoutError, *TRANSIENT_ERRORS) as exc:
+        logger.debug("releasing the consumer name lease failed (%s); it expires by itself", exc)
+
+
 class Connecting:
     """What ``GroupConsumer.connect()`` returns: await it for the consumer, or use it as an
     async context manager that closes the consumer on exit."""
@@ -635,8 +728,32 @@ class Connecting:
             self._opening.close()
 
 
+class _LoopThread:
+    """An event loop running in a daemon thread, so the consumer's tasks (the name lease) go on
+    between the calls of a synchronous trainer."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt in the calling thread: stop the call too
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
 class SyncGroupConsumer:
-    """The same API for trainers that are not asyncio: runs its own event loop in this thread."""
+    """The same API for trainers that are not asyncio: its event loop runs in a daemon thread."""
 
     def __init__(
         self,
@@ -651,15 +768,16 @@ class SyncGroupConsumer:
         stall_timeout: float = 300.0,
         warn_interval: float = 30.0,
         limits: CodecLimits = DEFAULT_LIMITS,
+        name_wait: float = NAME_WAIT_SECONDS,
     ) -> None:
         """The options of :meth:`GroupConsumer.connect`."""
-        self._runner = asyncio.Runner()
+        self._runner = _LoopThread(f"rollstream-consumer-{name}")
         try:
             self._consumer: GroupConsumer = self._runner.run(
                 GroupConsumer._open(
                     url, namespace, name, n_samples=n_samples, batch_size=batch_size, keep=keep,
                     on_producer_failure=on_producer_failure, stall_timeout=stall_timeout,
-                    warn_interval=warn_interval, limits=limits,
+                    warn_interval=warn_interval, limits=limits, name_wait=name_wait,
                 )
             )
         except BaseException:

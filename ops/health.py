@@ -59,6 +59,13 @@ def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
             f"{prompts['leases_expiring']} prompt lease(s) idle past {LEASE_WARNING_FRACTION:.0%} of "
             f"{prompts['lease_seconds']:.0f} s: their producer may be gone"
         )
+    for p in alive:
+        if p.get("long_requests"):
+            warnings.append(
+                f"{p['name']}: {p['long_requests']} sample(s) with an engine request in flight for over "
+                f"{p['long_request_s']:.0f} s (oldest {p['oldest_request_s']:.0f} s): a stuck engine or a very "
+                "long generation"
+            )
     if snap["dead"]["length"]:
         warnings.append(f"{snap['dead']['length']} dead-letter entries (see `rollstream dead list`)")
     if trainer["paused"]:

@@ -124,6 +124,9 @@ def _producer_rows(
                 "published": beat.published,
                 "groups_last_minute": beat.groups_last_minute,
                 "engine_retries": beat.engine_retries,
+                "long_requests": beat.long_requests,
+                "oldest_request_s": beat.oldest_request_s,
+                "long_request_s": beat.long_request_s,
                 "last_seen_ms": beat.last_seen_ms,
                 "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
             }

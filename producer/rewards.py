@@ -45,27 +45,37 @@ A reward function is loaded from a spec string by :func:`load_reward`:
       ``fn(sample: Sample, prompt, label) -> Reward``.
 
     Both sync and async callables work (an awaitable result is awaited). Async per-sample
-    functions score the samples of a group concurrently; sync ones are called directly, in order,
-    on the event loop: a heavy sync reward blocks the producer, so make it async (e.g. with
-    ``asyncio.to_thread``) or serve it as a remote reward. ``timeout`` bounds each ``score()``
-    call of an async callable (a sync call cannot be interrupted).
+    functions score the samples of a group concurrently. Sync ones never run on the event loop:
+    each group's call (all its samples, in order) runs in a daemon thread, at most ``threads``
+    at once. A thread cannot be stopped: one still running past the deadline is counted as
+    stuck, and when ``max_stuck`` are stuck at once, :meth:`score` raises :class:`RewardBroken`
+    (the producer stops with a fatal error instead of leaking threads).
+
+Every kind gets a **deadline**: ``score()`` raises :class:`RewardError` when one call takes
+longer than ``deadline`` seconds (``load_reward(timeout=...)``, the producer's
+``--reward-timeout``, default :data:`DEFAULT_REWARD_TIMEOUT`).
 
 A :class:`Reward` is a finite ``float`` (ints are converted; ``bool`` is refused) or a
 ``dict[str, float]``. :meth:`RewardFunction.score` validates what it gets and raises
 :class:`RewardError` (chained to the cause) for anything unusable, including any exception raised
-by a user function; :class:`asyncio.CancelledError` is never swallowed. The producer assigns the
-returned rewards to ``sample.reward``.
+by a user function, ``SystemExit``, ``KeyboardInterrupt`` and a ``CancelledError`` the function
+raised itself included; a cancellation of the caller is never swallowed. The producer assigns
+the returned rewards to ``sample.reward``, or fails the samples with the error (one bad prompt
+costs one failed group, see :mod:`rollstream.producer.rollout`).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import inspect
 import json
+import logging
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
@@ -77,13 +87,23 @@ from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.imports import import_callable
 from rollstream.common.models import PromptContent, Reward, Sample
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_CAP = 10.0
 """Seconds: the longest ``Retry-After`` honoured, and the longest backoff between attempts."""
+REMOTE_ATTEMPTS = 3
+"""Attempts of a remote reward request (connection errors, timeouts, 429, 5xx)."""
+DEFAULT_REWARD_TIMEOUT = 300.0
+"""Seconds one ``score()`` call (one group) may take by default; generous on purpose."""
+REWARD_THREADS = 4
+"""Sync Python rewards: groups scored in threads at once."""
 
 __all__ = [
+    "DEFAULT_REWARD_TIMEOUT",
     "MathReward",
     "PythonReward",
     "RemoteReward",
+    "RewardBroken",
     "RewardFunction",
     "answers_match",
     "extract_answer",
@@ -99,14 +119,20 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
+class RewardBroken(RewardError):
+    """The reward function cannot be used any more (not one prompt's problem): fatal."""
+
+
 class RewardFunction(abc.ABC):
     """Scores the samples of one group; subclasses implement :meth:`_score`.
 
-    :meth:`score` wraps :meth:`_score`: it turns every exception into :class:`RewardError`
-    (re-raising :class:`asyncio.CancelledError`) and validates the result.
+    :meth:`score` wraps :meth:`_score`: it bounds it by :attr:`deadline`, turns every exception
+    into :class:`RewardError` (re-raising the caller's own cancellation) and validates the result.
     """
 
     name: str
+    deadline: float | None = None
+    """Seconds one :meth:`score` call may take; None: no bound."""
 
     async def score(
         self,
@@ -119,13 +145,17 @@ class RewardFunction(abc.ABC):
         """One reward per sample, in order. ``metadata`` is the group's (remote rewards send it)."""
         if not samples:
             return []
+        deadline = asyncio.timeout(self.deadline)
         try:
-            result = await self._score(prompt, label, samples, metadata or {})
-        except asyncio.CancelledError:
-            raise
+            async with deadline:
+                result = await self._score(prompt, label, samples, metadata or {})
         except RewardError:
             raise
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: one prompt's problem too
+            if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+                raise
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                raise RewardError(f"reward {self.name!r} timed out after {self.deadline:g} s") from exc
             raise RewardError(f"reward {self.name!r} failed: {_describe(exc)}") from exc
         return validate_rewards(result, len(samples), f"reward {self.name!r}")
 
@@ -151,6 +181,13 @@ class RewardFunction(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task is being cancelled (a CancelledError a user function raised by
+    itself is its own failure, not a cancellation)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _describe(exc: BaseException) -> str:
@@ -592,16 +629,25 @@ class PythonReward(RewardFunction):
         fn: Callable[..., Any],
         *,
         name: str | None = None,
-        timeout: float | None = 30.0,
+        timeout: float | None = DEFAULT_REWARD_TIMEOUT,
         per_group: bool | None = None,
+        threads: int = REWARD_THREADS,
+        max_stuck: int | None = None,
     ) -> None:
         if not callable(fn):
             raise ConfigError(f"reward function must be callable, got {type(fn).__name__}")
+        if threads < 1:
+            raise ConfigError(f"reward threads must be at least 1, got {threads!r}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or repr(fn)
-        self.timeout = timeout
+        self.deadline = timeout
         self.per_group = _is_per_group(fn) if per_group is None else per_group
         self.concurrent = _is_async(fn)
+        self.max_stuck = threads if max_stuck is None else max_stuck
+        self._slots = asyncio.Semaphore(threads)
+        """Held from a thread's start until its end is seen on the loop: at most ``threads`` run."""
+        self._stuck: set[threading.Thread] = set()
+        """Threads of calls that outlived their deadline and are still running."""
         try:
             signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -620,6 +666,12 @@ class PythonReward(RewardFunction):
             result = await result
         return result
 
+    @property
+    def stuck(self) -> int:
+        """Sync calls still running past their deadline (their threads cannot be stopped)."""
+        self._stuck = {t for t in self._stuck if t.is_alive()}
+        return len(self._stuck)
+
     async def _score(
         self,
         prompt: PromptContent,
@@ -627,24 +679,20 @@ class PythonReward(RewardFunction):
         samples: list[Sample],
         metadata: Mapping[str, Any],
     ) -> Any:
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await self._run(prompt, label, samples)
-        except TimeoutError as exc:
-            raise RewardError(
-                f"reward {self.name!r} timed out after {self.timeout} s"
-                if self.timeout is not None
-                else f"reward {self.name!r} raised TimeoutError: {exc}"
-            ) from exc
-
-    async def _run(self, prompt: PromptContent, label: Any, samples: list[Sample]) -> Any:
+        if not self.concurrent:
+            result = await self._in_thread(self._sync_group, list(samples), prompt, label)
+            if inspect.isawaitable(result):
+                result = await result
+            if self.per_group:
+                return result
+            rewards = []
+            for sample, value in zip(samples, result, strict=True):
+                if inspect.isawaitable(value):
+                    value = await value
+                rewards.append(validate_reward(value, f"reward {self.name!r}: sample {sample.index}"))
+            return rewards
         if self.per_group:
             return await self._call(list(samples), prompt, label)
-        if not self.concurrent:
-            results = []
-            for sample in samples:
-                results.append(await self._per_sample(sample, prompt, label))
-            return results
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
@@ -661,15 +709,78 @@ class PythonReward(RewardFunction):
     async def _per_sample(self, sample: Sample, prompt: PromptContent, label: Any) -> Reward:
         try:
             result = await self._call(sample, prompt, label)
-        except asyncio.CancelledError:
-            raise
         except RewardError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+                raise
             raise RewardError(
                 f"reward {self.name!r} failed on sample {sample.index}: {_describe(exc)}"
             ) from exc
         return validate_reward(result, f"reward {self.name!r}: sample {sample.index}")
+
+    def _sync_group(self, samples: list[Sample], prompt: PromptContent, label: Any) -> Any:
+        """A sync function over one group (in a reward thread): per group, or per sample in order."""
+        if self.per_group:
+            return self.fn(samples, prompt, label)
+        results = []
+        for sample in samples:
+            try:
+                results.append(self.fn(sample, prompt, label))
+            except BaseException as exc:
+                raise RewardError(
+                    f"reward {self.name!r} failed on sample {sample.index}: {_describe(exc)}"
+                ) from exc
+        return results
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a daemon thread (a stuck one never blocks the process's exit), at
+        most ``threads`` at once; a call cancelled by the deadline leaves its thread running,
+        counted in :attr:`stuck`."""
+        if self.stuck >= self.max_stuck:
+            raise RewardBroken(
+                f"reward {self.name!r}: {self.stuck} calls are still running past the "
+                f"{self.deadline:g} s deadline (threads cannot be stopped); the reward function hangs"
+            )
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        await self._slots.acquire()
+
+        def finish(result: Any, error: BaseException | None) -> None:  # on the loop
+            self._slots.release()
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def target() -> None:
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the awaiting task, which wraps it
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(finish, result, error)
+
+        thread = threading.Thread(target=target, name=f"reward-{self.name}", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            return await done
+        except asyncio.CancelledError:
+            if thread.is_alive():
+                self._stuck.add(thread)
+                logger.warning(
+                    "reward %r: a call outlived its deadline and its thread cannot be stopped "
+                    "(%d stuck, %d allowed)", self.name, self.stuck, self.max_stuck,
+                )
+            raise
 
 
 def _import_callable(spec: str) -> Callable[..., Any]:
@@ -685,11 +796,11 @@ def _import_callable(spec: str) -> Callable[..., Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def load_reward(spec: str, *, timeout: float = 30.0) -> RewardFunction:
+def load_reward(spec: str, *, timeout: float = DEFAULT_REWARD_TIMEOUT) -> RewardFunction:
     """Build the reward function named by ``spec``: ``"math"``, ``"remote:URL"`` or
     ``"module.path:function"``. Raises ConfigError for a bad spec, an unknown module, a missing
-    attribute or a non-callable. ``timeout`` (seconds) is the HTTP timeout of a remote reward and
-    bounds each ``score()`` of an async Python reward."""
+    attribute or a non-callable. ``timeout`` (seconds) is the deadline of each ``score()`` call
+    of any kind; a remote reward's HTTP requests get a share of it (one per attempt)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(
             f"reward spec must be 'math', 'remote:URL' or 'module.path:function', got {spec!r}"
@@ -697,13 +808,18 @@ def load_reward(spec: str, *, timeout: float = 30.0) -> RewardFunction:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"reward timeout must be a positive number of seconds, got {timeout!r}")
     spec = spec.strip()
+    reward: RewardFunction
     if spec == "math":
-        return MathReward()
+        reward = MathReward()
+        reward.deadline = float(timeout)
+        return reward
     if spec.startswith("remote:"):
         url = spec[len("remote:") :].strip()
         if not url:
             raise ConfigError("reward spec 'remote:' needs a URL, e.g. 'remote:http://host:8000/reward'")
-        return RemoteReward(url, timeout=float(timeout))
+        remote = RemoteReward(url, timeout=float(timeout) / REMOTE_ATTEMPTS, attempts=REMOTE_ATTEMPTS)
+        remote.deadline = float(timeout)
+        return remote
     if ":" not in spec:
         raise ConfigError(
             f"unknown reward spec {spec!r}: expected 'math', 'remote:URL' or 'module.path:function'"

@@ -8,14 +8,26 @@ It knows nothing of streams, leases or admission: the producer runtime
 (:mod:`rollstream.producer.worker`) hands it a decoded prompt and the weight version the prompt
 was admitted under, and publishes what comes back.
 
-Engine refusals (:class:`~rollstream.common.errors.EngineRejected`) become FAILED samples, which
-the consumer recycles; any other error (an engine that keeps failing, a broken reward) propagates.
+One bad prompt or one bad reply costs one failed group, never the producer: engine refusals and
+unusable replies (:class:`~rollstream.common.errors.EngineRejected`, which
+:class:`~rollstream.producer.replies.EngineReplyInvalid` is) fail the sample, and a reward that
+fails on a group (:class:`~rollstream.common.errors.RewardError`: it raised, returned something
+unusable, timed out) fails every sample of the group, with the reason in ``Sample.error``. The
+consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
+``max_attempts``. Each reason is logged once per :data:`FAILURE_LOG_INTERVAL`, with a count of
+the ones not logged.
+
+What propagates (fatal for the producer): an engine that keeps failing after its retries, and a
+reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
+raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
+scored in between), or when too many sync reward calls are stuck past their deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from array import array
@@ -23,14 +35,41 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollstream.common.errors import EngineRejected, PromptNotSupported
+from rollstream.common.errors import ConfigError, EngineRejected, PromptNotSupported, RewardError
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
-from .rewards import RewardFunction
+from .replies import EngineReplyInvalid
+from .rewards import RewardBroken, RewardFunction
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
+
+FAILURE_LOG_INTERVAL = 60.0
+"""Seconds between two log lines of the same failure reason (the others are counted)."""
+REWARD_FAILURE_LIMIT = 8
+"""Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
+
+
+class FailureLog:
+    """Logs a failure once per ``reason`` and ``interval``; the next line says how many were not."""
+
+    def __init__(self, interval: float = FAILURE_LOG_INTERVAL) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def report(self, reason: str, message: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.interval:
+            self._quiet[reason] = self._quiet.get(reason, 0) + 1
+            return
+        self._last[reason] = now
+        quiet = self._quiet.pop(reason, 0)
+        more = f" ({quiet} more like it in the last {self.interval:.0f} s)" if quiet else ""
+        logger.warning("%s%s", message, more)
+
 
 SampleDone = Callable[[int], None]
 """Called with a number of samples whose engine work has just ended."""
@@ -52,10 +91,14 @@ class RolloutSettings:
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     producer: str = ""
     """Written into every group's ``producer`` field."""
+    reward_failure_limit: int = REWARD_FAILURE_LIMIT
+    """A reward that failed on this many distinct prompts in a row is broken: fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
             raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
+        if self.reward_failure_limit < 1:
+            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
 
 
 class Rollout:
@@ -72,6 +115,12 @@ class Rollout:
         self.reward = reward
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
+        self.failures = FailureLog()
+        self._requests_in_flight: dict[int, tuple[float, int]] = {}
+        """Engine requests in flight: token -> (monotonic start, samples asked for)."""
+        self._request_tokens = itertools.count()
+        self._reward_failed_on: set[tuple[int, int]] = set()
+        """(index, epoch) of the prompts the reward failed on since it last scored a group."""
 
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
@@ -92,9 +141,7 @@ class Rollout:
         else:
             samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
-            rewards = await self.reward.score(prompt.prompt, prompt.label, samples, metadata=prompt.metadata)
-            for sample, reward in zip(samples, rewards, strict=True):
-                sample.reward = reward
+            await self._score(prompt, samples)
         return Group(
             index=prompt.index,
             epoch=prompt.epoch,
@@ -106,6 +153,37 @@ class Rollout:
             producer=self.settings.producer,
             history=prompt.history,
         )
+
+    async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
+        """Set the samples' rewards, or fail them all with the reward's error."""
+        try:
+            rewards = await self.reward.score(prompt.prompt, prompt.label, samples, metadata=prompt.metadata)
+        except RewardBroken:
+            raise
+        except RewardError as exc:
+            self._reward_failed_on.add((prompt.index, prompt.epoch))
+            failed = len(self._reward_failed_on)
+            if failed >= self.settings.reward_failure_limit:
+                raise RewardBroken(
+                    f"reward {self.reward.name!r} failed on {failed} distinct prompts in a row, "
+                    f"none scored in between: it is broken, not the prompts; last error: {exc}"
+                ) from exc
+            cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "invalid"
+            self.failures.report(
+                f"reward:{cause}", f"prompt {prompt.index} (attempt {prompt.attempt}): group failed: {exc}"
+            )
+            self.metrics.error("reward")
+            for sample in samples:
+                sample.status = Status.FAILED
+                sample.error = f"reward: {exc}"[:1000]
+            return
+        self._reward_failed_on.clear()
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.reward = reward
+
+    def _engine_refused(self, prompt: Prompt, exc: EngineRejected) -> None:
+        reason = f"reply:{exc.reason}" if isinstance(exc, EngineReplyInvalid) else f"http_{exc.status_code}"
+        self.failures.report(reason, f"prompt {prompt.index} (attempt {prompt.attempt}): sample failed: {exc}")
 
     async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
         if prompt.input_ids is not None:
@@ -149,15 +227,26 @@ class Rollout:
             raise first from None
         return [t.result() for t in tasks]
 
+    def requests_older_than(self, seconds: float) -> tuple[int, float]:
+        """(samples whose engine request is in flight for longer than ``seconds``, age of the
+        oldest request in flight or 0): what the heartbeat reports, and inspect warns about."""
+        now = time.monotonic()
+        old = sum(count for started, count in self._requests_in_flight.values() if now - started > seconds)
+        oldest = min((started for started, _ in self._requests_in_flight.values()), default=now)
+        return old, now - oldest
+
     @contextlib.contextmanager
     def _requests(self, count: int) -> Iterator[None]:
-        """Account ``count`` engine requests in flight, and their latency, in the metrics."""
+        """Account ``count`` engine requests in flight, their age, and their latency in the metrics."""
         started = time.monotonic()
+        token = next(self._request_tokens)
+        self._requests_in_flight[token] = (started, count)
         for _ in range(count):
             self.metrics.request_started()
         try:
             yield
         finally:
+            del self._requests_in_flight[token]
             for _ in range(count):
                 self.metrics.request_finished(time.monotonic() - started)
 
@@ -204,6 +293,7 @@ class Rollout:
                     source = self._prompt_input(prompt, prompt_ids)
                     generation = await self.engine.generate(**source, max_new_tokens=max_new)
         except EngineRejected as exc:
+            self._engine_refused(prompt, exc)
             return _rejected(index, prompt_ids, exc)
         self.metrics.tokens_generated(len(generation.output_ids))
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
@@ -218,6 +308,7 @@ class Rollout:
                     n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
                 )
         except EngineRejected as exc:
+            self._engine_refused(prompt, exc)
             done(n)
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)

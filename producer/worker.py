@@ -22,7 +22,11 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
 SIGTERM/SIGINT drain: stop admitting, wait up to ``drain_timeout`` for in-flight groups, then
 return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, a
 broken reward function) is recorded in ``events`` with its traceback, the prompts go back,
-and :meth:`Producer.run` raises it so the process exits non-zero.
+and :meth:`Producer.run` raises it so the process exits non-zero; so is an error while starting.
+One bad prompt is never fatal: an undecodable entry is dead-lettered, and a failed sample or
+reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
+turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
+so no library swallowing a cancellation can hang the process.
 """
 
 from __future__ import annotations
@@ -57,13 +61,15 @@ from rollstream.common.protocol import Control, Entry, Heartbeat, PromptQueue, w
 
 from .engine import EngineClient
 from .rewards import RewardFunction
-from .rollout import Rollout, RolloutSettings
+from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
+LONG_REQUEST_AFTER = 600.0
+"""Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
 TASK_EXIT_TIMEOUT = 5.0
 """Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
 
@@ -101,15 +107,22 @@ class ProducerSettings:
     """Default: a quarter of the lease, at most 5 s."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
+    reward_failure_limit: int = REWARD_FAILURE_LIMIT
+    """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
+    long_request_after: float = LONG_REQUEST_AFTER
+    """Engine requests in flight longer than this (seconds) are reported in the heartbeat
+    (``long_requests``) and shown by ``inspect`` as a warning."""
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):
             raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")
-        for name in ("heartbeat_interval", "drain_timeout"):
+        for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.reward_failure_limit < 1:
+            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -204,6 +217,7 @@ class Producer:
                 partial_rollout=config.partial_rollout,
                 tokenize_prompts=settings.tokenize_prompts,
                 producer=settings.name,
+                reward_failure_limit=settings.reward_failure_limit,
             ),
             self.metrics,
         )
@@ -560,6 +574,7 @@ class Producer:
             self._blocked_total += now - self._blocked_since
             self._blocked_since = now
         blocked_ms = int((self._blocked_total - self._blocked_reported) * 1000)
+        long_requests, oldest_request = self.rollout.requests_older_than(self.settings.long_request_after)
         beat = Heartbeat(
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -575,6 +590,9 @@ class Producer:
             engines=list(self.engine.settings.urls),
             started_ms=int(self._started * 1000),
             last_seen_ms=now_ms(),
+            long_requests=long_requests,
+            oldest_request_s=round(oldest_request, 1),
+            long_request_s=self.settings.long_request_after,
         )
         await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 from rollstream.common.models import Sample
@@ -101,6 +103,32 @@ async def raising_async_reward(sample: Sample, prompt: Any, label: Any) -> float
     await asyncio.sleep(0)
     if sample.index == 1:
         raise ZeroDivisionError("sample one is broken")
+    return 0.0
+
+
+def exiting_reward(sample: Sample, prompt: Any, label: Any) -> float:
+    raise SystemExit(3)
+
+
+async def exiting_async_reward(sample: Sample, prompt: Any, label: Any) -> float:
+    raise SystemExit(3)
+
+
+async def interrupting_group(samples: list[Sample], prompt: Any, label: Any) -> list[float]:
+    raise KeyboardInterrupt
+
+
+def sleepy_sync_reward(sample: Sample, prompt: Any, label: Any) -> float:
+    time.sleep(0.2)
+    return 1.0
+
+
+HANG = threading.Event()
+"""``hanging_sync_reward`` blocks until this is set (the tests set it when done)."""
+
+
+def hanging_sync_reward(sample: Sample, prompt: Any, label: Any) -> float:
+    HANG.wait(30)
     return 0.0
 
 

@@ -7,17 +7,29 @@ prompt fed is committed once or dead-lettered, nothing else.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import os
 import subprocess
+import sys
 import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
 import msgpack
+import pytest
+from aiohttp import web
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
+from rollstream.common.codec import prompt_fields
 from rollstream.common.events import recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
+from rollstream.common.models import Group, Prompt, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimEngine
 
+TESTS_DIR = Path(__file__).resolve().parent
 NO_ENGINE = "http://127.0.0.1:9"
 """Nothing listens there: a request fails at once (connection refused)."""
 
@@ -101,3 +113,265 @@ async def test_a_producer_failing_in_its_first_milliseconds_records_it_and_exits
     dead = await dead_reasons(redis, ns)
     assert len(dead) <= 1 and await redis.xlen(keys.prompts) + len(dead) == 2
     assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+
+
+# -- item 2: poison prompts and broken rewards ---------------------------------------------------
+
+
+class Trainer:
+    """A consumer taking and committing ``count`` usable groups one at a time in the background
+    (FAILED groups it meets are recycled or dead-lettered by ``take()`` as they are read)."""
+
+    def __init__(self, url: str, ns: str, count: int) -> None:
+        self.groups: list[Group] = []
+        self.task = asyncio.create_task(self._run(url, ns, count))
+
+    async def _run(self, url: str, ns: str, count: int) -> None:
+        async with await GroupConsumer.connect(url, ns, "trainer-h") as consumer:
+            while len(self.groups) < count:
+                batch = await consumer.take(1)
+                self.groups += batch.groups
+                assert await consumer.commit(batch) == len(batch)
+
+    async def result(self, timeout: float) -> list[Group]:
+        async with asyncio.timeout(timeout):
+            await self.task
+        return self.groups
+
+
+async def add_prompt(redis: Redis, ns: str, index: int, text: str, label: Any = "1") -> None:
+    await redis.xadd(Keys(ns).prompts, prompt_fields(Prompt(index=index, prompt=text, label=label)))
+
+
+@pytest.fixture
+def tests_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Producer processes can import the tests' reward modules."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+
+
+POISON = {
+    "sync": ["raise", "exit", "interrupt", "nan", "inf", "string", "short", "hang"],
+    "async": ["raise", "exit", "nan", "hang"],
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_poison_prompts_cost_one_failed_group_each_and_are_dead_lettered(
+    mode: str, redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tests_on_pythonpath: None
+) -> None:
+    """Each poison prompt fails its group on every attempt (raises, SystemExit, NaN, a string, a
+    wrong-length list, hangs past the 1 s reward timeout, ...): recycled with attempt + 1, then
+    dead-lettered; the good prompts are committed once each; the producer never exits."""
+    await make_namespace(redis, ns, max_attempts=2)
+    kinds = POISON[mode]
+    for i, kind in enumerate(kinds):
+        await add_prompt(redis, ns, i, f"Compute {i} + 1.")
+        await add_prompt(redis, ns, 100 + i, f"BADREWARD:{kind} compute {i}.")
+    fn = "poison_group" if mode == "sync" else "poison_group_async"
+    producer = procs.producer(redis_url, ns, sim.url, "--reward-timeout", "1", "--reward-failure-limit", "50",
+                              name=f"poisoned-{mode}", reward=f"hostile_rewards:{fn}")
+    trainer = Trainer(redis_url, ns, len(kinds) + 1)
+    await wait_until(lambda: _len(redis, Keys(ns).dead, len(kinds)), timeout=90, message=f"{len(kinds)} dead letters")
+    await add_prompt(redis, ns, 99, "Compute 99 + 1.")  # the last one the trainer takes
+    groups = await trainer.result(60)
+    assert sorted(g.index for g in groups) == [*range(len(kinds)), 99]
+    assert all(s.status == Status.COMPLETED and s.reward == 1.0 for g in groups for s in g.samples)
+    dead = {int(f[b"index"]): f[b"reason"].decode() for _, f in await redis.xrange(Keys(ns).dead)}
+    assert sorted(dead) == [100 + i for i in range(len(kinds))]
+    assert all("max_attempts" in reason and "reward" in reason for reason in dead.values()), dead
+    assert producer.poll() is None, procs.log_of(producer)
+    st = await counters(redis, ns)
+    assert st["committed"] == len(kinds) + 1 and st["dead_lettered"] == len(kinds)
+    assert st["recycled_failed"] == 2 * len(kinds)  # attempts 0 and 1 recycled, attempt 2 dead
+    assert await redis.xlen(Keys(ns).prompts) == 0 and await redis.xlen(Keys(ns).groups) == 0
+    assert not [e for e in await recent_events(redis, Keys(ns)) if e.kind == "fatal"]
+    # Logged once per cause (ValueError, SystemExit, ..., "invalid" for unusable values) and
+    # minute, not once per failed group (3 x len(kinds) of them).
+    failed_lines = [line for line in procs.log_of(producer).splitlines() if "group failed" in line]
+    assert any("timed out after 1 s" in line for line in failed_lines)
+    assert len(failed_lines) == {"sync": 5, "async": 4}[mode], failed_lines
+
+
+async def test_a_math_reward_on_a_prompt_without_a_label_fails_that_prompt_only(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    await make_namespace(redis, ns, max_attempts=1)
+    await add_prompts(redis, ns, 3)
+    await add_prompt(redis, ns, 50, "Compute 50 + 1 and box it.", label=None)
+    producer = procs.producer(redis_url, ns, sim.url, name="math-nolabel")
+    trainer = Trainer(redis_url, ns, 4)
+    await wait_until(lambda: _len(redis, Keys(ns).dead, 1), timeout=60, message="the unlabelled prompt dead-lettered")
+    await add_prompts(redis, ns, 1, start=3)
+    assert sorted(g.index for g in await trainer.result(60)) == [0, 1, 2, 3]
+    [(_, dead)] = await redis.xrange(Keys(ns).dead)
+    assert int(dead[b"index"]) == 50 and b"needs a label" in dead[b"reason"]
+    assert producer.poll() is None
+    st = await counters(redis, ns)
+    assert st["committed"] == 4 and st["dead_lettered"] == 1 and st["recycled_failed"] == 1
+
+
+async def test_a_reward_broken_for_every_prompt_is_fatal_with_a_clear_message(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tests_on_pythonpath: None
+) -> None:
+    """Not one poison prompt but a broken reward: after 3 distinct prompts failed in a row
+    (``--reward-failure-limit 3``) the producer records a fatal event and exits 1."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns)
+    await add_prompts(redis, ns, 6)
+    producer = procs.producer(redis_url, ns, sim.url, "--reward-failure-limit", "3", name="broken-reward",
+                              concurrency=2, reward="hostile_rewards:always_raises")
+    assert await wait_exit(producer, 60) == 1, procs.log_of(producer)
+    [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+    assert "failed on 3 distinct prompts in a row" in fatal.message and "this reward is broken" in fatal.message
+    # Accounting: the failed groups published so far, plus the prompts returned or never admitted.
+    groups = [int(f[b"index"]) for _, f in await redis.xrange(keys.groups)]
+    prompts = [int(f[b"index"]) for _, f in await redis.xrange(keys.prompts)]
+    assert len(groups) == 2 and sorted(groups + prompts) == list(range(6))
+    assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+
+
+async def _len(redis: Redis, key: str, n: int) -> bool:
+    return await redis.xlen(key) >= n
+
+
+# -- items 3 and 4: garbage engine replies, requests in flight for too long ----------------------
+
+
+def _valid_reply(tokens: int = 8) -> dict[str, Any]:
+    return {
+        "text": "The answer is \\boxed{1}",
+        "output_ids": list(range(1, tokens + 1)),
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.5, i, None] for i in range(1, tokens + 1)],
+            "weight_version": 0,
+        },
+    }
+
+
+GARBAGE: dict[str, Callable[[], bytes]] = {
+    "empty": lambda: b"{}",
+    "no_meta": lambda: json.dumps({"text": "\\boxed{1}", "output_ids": [1, 2, 3]}).encode(),
+    "nan": lambda: json.dumps(_valid_reply()).replace("-0.5", "NaN", 1).encode(),
+    "inf": lambda: json.dumps(_valid_reply()).replace("-0.5", "-Infinity", 1).encode(),
+    "huge": lambda: json.dumps(_valid_reply()).replace("-0.5", "-1e999", 1).encode(),
+    "float32_overflow": lambda: json.dumps(_valid_reply()).replace("-0.5", "-1e39", 1).encode(),
+    "short_logprobs": lambda: json.dumps(
+        {**_valid_reply(), "meta_info": {**_valid_reply()["meta_info"], "output_token_logprobs": [[-0.5, 1, None]] * 2}}
+    ).encode(),
+}
+
+
+class HostileEngine:
+    """An SGLang-shaped ``/generate`` served in-process: a prompt ``GARBAGE:<kind> ...`` gets the
+    garbage body of that kind, ``SLOW:<seconds> ...`` a valid reply after that long, any other
+    prompt a valid reply at once. Nothing else is served (``/tokenize``, ``/model_info``: 404)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        text = str((await request.json()).get("text", ""))
+        head, _, arg = text.split(" ", 1)[0].partition(":")
+        self.requests[head] = self.requests.get(head, 0) + 1
+        if head == "GARBAGE":
+            return web.Response(body=GARBAGE[arg](), content_type="application/json")
+        if head == "SLOW":
+            await asyncio.sleep(float(arg))
+        return web.json_response(_valid_reply())
+
+    async def __aenter__(self) -> HostileEngine:
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def hostile_engine() -> AsyncIterator[HostileEngine]:
+    async with HostileEngine() as engine:
+        yield engine
+
+
+async def test_garbage_engine_replies_fail_their_sample_and_are_never_trained_on(
+    redis: Redis, redis_url: str, ns: str, hostile_engine: HostileEngine, procs: ProcessPool
+) -> None:
+    """Each garbage shape (``{}``, no ``meta_info``, NaN / inf / out-of-range log-probs, 2
+    log-probs for 8 tokens) fails its samples, never COMPLETED: the group is recycled, then
+    dead-lettered with the parser's reason; the good prompts are trained on once each."""
+    await make_namespace(redis, ns, max_attempts=1)
+    kinds = list(GARBAGE)
+    for i, kind in enumerate(kinds):
+        await add_prompt(redis, ns, i, f"Compute {i} + 1.")
+        await add_prompt(redis, ns, 100 + i, f"GARBAGE:{kind} compute {i}.")
+    producer = procs.producer(redis_url, ns, hostile_engine.url, name="garbage-fed")
+    trainer = Trainer(redis_url, ns, len(kinds) + 1)
+    await wait_until(lambda: _len(redis, Keys(ns).dead, len(kinds)), timeout=60, message="every garbage prompt dead")
+    await add_prompt(redis, ns, 99, "Compute 99 + 1.")
+    groups = await trainer.result(60)
+    assert sorted(g.index for g in groups) == [*range(len(kinds)), 99]  # 0 garbage groups trained on
+    for sample in (s for g in groups for s in g.samples):
+        assert sample.status == Status.COMPLETED and sample.rollout_log_probs is not None
+        assert len(sample.rollout_log_probs) == sample.response_length == 8
+        assert all(math.isfinite(lp) for lp in sample.rollout_log_probs)
+    dead = {int(f[b"index"]): f[b"reason"].decode() for _, f in await redis.xrange(Keys(ns).dead)}
+    assert sorted(dead) == [100 + i for i in range(len(kinds))]
+    expected = {"empty": "schema", "no_meta": "schema", "nan": "not_json", "inf": "not_json", "huge": "schema",
+                "float32_overflow": "non_finite_logprob", "short_logprobs": "count_mismatch"}
+    for i, kind in enumerate(kinds):
+        assert f"invalid engine reply from {hostile_engine.url}/generate: {expected[kind]}" in dead[100 + i], dead
+    st = await counters(redis, ns)
+    assert st["committed"] == len(kinds) + 1 and st["dead_lettered"] == len(kinds)
+    assert st["recycled_failed"] == len(kinds)
+    assert await redis.xlen(Keys(ns).prompts) == 0 and await redis.xlen(Keys(ns).groups) == 0
+    assert producer.poll() is None
+    # One log line per reason (rate-limited), not one per failed sample (2 x 2 x 7 of them).
+    lines = [line for line in procs.log_of(producer).splitlines() if "sample failed: invalid engine reply" in line]
+    assert len(lines) == len(set(expected.values())), lines
+
+
+async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warning(
+    redis: Redis, redis_url: str, ns: str, hostile_engine: HostileEngine, procs: ProcessPool
+) -> None:
+    await make_namespace(redis, ns)
+    await add_prompts(redis, ns, 2)
+    await add_prompt(redis, ns, 50, "SLOW:6 compute 50.")
+    procs.producer(redis_url, ns, hostile_engine.url, "--long-request-after", "2", name="slow-engine")
+
+    async def warned() -> dict[str, Any] | None:
+        _, snap = await inspect_json(redis_url, ns)
+        row = next((p for p in snap["producers"] if p["name"] == "slow-engine"), None)
+        if row and row["long_requests"]:
+            return {"row": row, "warnings": snap["health"]["warnings"]}
+        return None
+
+    seen = await wait_until(warned, timeout=30, interval=0.3, message="long requests in the heartbeat")
+    row = seen["row"]
+    assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] > 2
+    assert any("slow-engine: 2 sample(s) with an engine request in flight for over 2 s" in w for w in seen["warnings"])
+    assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
+    _, snap = await inspect_json(redis_url, ns)  # the slow requests ended: no warning any more
+    assert not any("engine request in flight" in w for w in snap["health"]["warnings"])
+    st = await counters(redis, ns)
+    assert st["committed"] == 3 and st.get("dead_lettered", 0) == 0
+
+
+async def inspect_json(redis_url: str, ns: str) -> tuple[int, dict[str, Any]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollstream.cli", "inspect", "--redis", redis_url, "--ns", ns, "--json",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode in (0, 1), err.decode()
+    return proc.returncode, json.loads(out)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
@@ -15,8 +17,10 @@ from redis.asyncio import Redis
 from rollstream.common.codec import group_fields
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample, Status
-from rollstream.consumer import GroupConsumer, PipelineStalled
+from rollstream.consumer import ConsumerNameInUse, GroupConsumer, PipelineStalled
+from rollstream.consumer.consumer import NAME_LEASE_SECONDS
 from rollstream.testing.sim import SimEngine
+from test_faults import TRAINER, _run_trainer
 
 
 def _group(index: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
@@ -128,3 +132,59 @@ async def test_code_named_in_redis_is_never_imported(
         batch = await filtered.take(1)
         assert batch.metrics["filtered"] == 1 and await filtered.commit(batch) == 1
     assert await _counter(redis, ns, "committed") == 3 and await _counter(redis, ns, "filtered") == 1
+
+
+async def test_one_live_trainer_per_consumer_name(redis: Redis, redis_url: str, ns: str, tmp_path: Path) -> None:
+    """A second trainer under a live trainer's name is refused; a SIGKILLed holder's name frees
+    itself within the lease, and the next trainer gets its batch back: 4 groups, each committed once."""
+    await make_namespace(redis, ns)
+    keys = Keys(ns)
+    for index in range(4):
+        await redis.xadd(keys.groups, group_fields(_group(index)))
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    first, taken = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "hang")
+    try:
+        with pytest.raises(ConsumerNameInUse, match="trainer-k") as refused:
+            await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0)
+        assert f"pid {first.pid}" in str(refused.value)
+        started = time.monotonic()
+        with pytest.raises(ConsumerNameInUse):
+            await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=1)
+        assert 0.9 < time.monotonic() - started < 3
+        first.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(first.wait, 10)
+        started = time.monotonic()
+        async with GroupConsumer.connect(redis_url, ns, "trainer-k") as second:
+            assert time.monotonic() - started <= NAME_LEASE_SECONDS + 1
+            again = await second.take(2)
+            assert again.id == taken["id"] and again.redelivered
+            assert await second.commit(again) == 2
+            with pytest.raises(ConsumerNameInUse):  # held by `second` now
+                await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0)
+        async with GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0) as third:  # released on close
+            rest = await third.take(2)
+            assert await third.commit(rest) == 2
+    finally:
+        first.kill()
+    assert sorted(taken["indexes"] + [g.index for g in rest.groups]) == [0, 1, 2, 3]
+    assert await _counter(redis, ns, "committed") == 4
+    assert not await redis.exists(keys.consumer_lease("trainer-k"))
+
+
+async def test_a_trainer_whose_name_was_taken_stops(redis: Redis, redis_url: str, ns: str) -> None:
+    """The hold lapsed (e.g. Redis unreachable past the lease) and another trainer took the name:
+    the first one's next take() / commit() raises instead of training the same groups."""
+    await make_namespace(redis, ns)
+    keys = Keys(ns)
+    await redis.xadd(keys.groups, group_fields(_group(0)))
+    async with GroupConsumer.connect(redis_url, ns, "trainer-l") as consumer:
+        batch = await consumer.take(1)
+        await redis.set(keys.consumer_lease("trainer-l"), "another host pid 1", px=60_000)
+        await asyncio.sleep(NAME_LEASE_SECONDS / 4 + 1)  # one renewal
+        with pytest.raises(ConsumerNameInUse, match="another host pid 1"):
+            await consumer.commit(batch)
+        with pytest.raises(ConsumerNameInUse):
+            await consumer.take(1)
+    assert await redis.get(keys.consumer_lease("trainer-l")) == b"another host pid 1"  # not released by the loser
+    assert await _counter(redis, ns, "committed") == 0

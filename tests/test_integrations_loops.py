@@ -80,11 +80,12 @@ async def test_slime_loop_resumes_from_checkpoint_without_doubles_or_losses(
             if rollout_id == 3:
                 await asyncio.to_thread(manager.save, 3)
             await _push_weights(http, sim.url, rollout_id + 2)
-        # The dying process had already started taking rollout 6 (slime's train_async prefetches).
+        # The dying process had already started taking rollout 6 (slime's train_async prefetches);
+        # one live trainer per consumer name, so its session is closed first.
+        await asyncio.to_thread(manager.data_source.close)
         async with AsyncExitStack() as stack:
             consumer = await open_consumer(stack, redis_url, ns, "slime-trainer")
             orphan = sorted(g.index for g in (await asyncio.wait_for(consumer.take(4), 60)).groups)
-        await asyncio.to_thread(manager.data_source.close)
 
         resumed = await asyncio.to_thread(rollout.RolloutManager, args)
         await asyncio.to_thread(resumed.load, 3)

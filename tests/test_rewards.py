@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import math
 import socket
@@ -12,12 +13,14 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from conftest import wait_until
 from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.models import Sample
 from rollstream.producer.rewards import (
     MathReward,
     PythonReward,
     RemoteReward,
+    RewardBroken,
     RewardFunction,
     answers_match,
     extract_answer,
@@ -405,10 +408,55 @@ async def test_exceptions_become_reward_errors() -> None:
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
-async def test_cancelled_error_propagates() -> None:
+async def test_a_cancelled_error_the_function_raises_itself_is_its_failure() -> None:
     reward = load_reward("reward_fns:cancelled_reward")
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(RewardError, match="CancelledError"):
         await reward.score("p", None, samples_of("a"))
+
+
+@pytest.mark.parametrize("spec", ["reward_fns:exiting_reward", "reward_fns:exiting_async_reward",
+                                  "reward_fns:interrupting_group"])
+async def test_base_exceptions_of_the_function_become_reward_errors(spec: str) -> None:
+    reward = load_reward(spec)
+    with pytest.raises(RewardError, match=r"SystemExit|KeyboardInterrupt"):
+        await reward.score("p", None, samples_of("a", "b"))
+
+
+async def test_a_sync_reward_runs_off_the_event_loop() -> None:
+    reward = load_reward("reward_fns:sleepy_sync_reward")
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        assert await reward.score("p", None, samples_of("a", "b")) == [1.0, 1.0]  # 2 x 0.2 s
+    finally:
+        ticker.cancel()
+    assert ticks >= 10
+
+
+async def test_a_hung_sync_reward_times_out_and_too_many_stuck_is_fatal() -> None:
+    reward = load_reward("reward_fns:hanging_sync_reward", timeout=0.2)
+    assert isinstance(reward, PythonReward)
+    release = importlib.import_module("reward_fns").HANG
+    release.clear()
+    try:
+        for expected_stuck in range(1, reward.max_stuck + 1):
+            with pytest.raises(RewardError, match=r"timed out after 0\.2 s"):
+                await reward.score("p", None, samples_of("a"))
+            assert reward.stuck == expected_stuck
+        with pytest.raises(RewardBroken, match=r"still running past the 0\.2 s deadline"):
+            await reward.score("p", None, samples_of("a"))
+    finally:
+        release.set()
+    await wait_until(lambda: reward.stuck == 0, timeout=5, message="the stuck threads to end")
+    reward_ok = load_reward("reward_fns:hanging_sync_reward", timeout=5)
+    assert await reward_ok.score("p", None, samples_of("a")) == [0.0]
 
 
 async def test_cancelling_the_caller_is_not_swallowed() -> None:
