@@ -39,6 +39,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
     p.add_argument("--heartbeat-timeout", type=float, default=15.0)
+    p.add_argument(
+        "--steps-per-version", type=int, default=1,
+        help="training steps per weight version (staleness-aware admission; docs/staleness.md)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite a different existing config")
     p.set_defaults(func=cmd_init)
 
@@ -167,6 +171,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         admission_control=False if args.no_admission_control else None,
         recycle_filtered=args.recycle_filtered,
         heartbeat_timeout=args.heartbeat_timeout,
+        steps_per_version=args.steps_per_version,
     )
     keys = Keys(args.ns)
     written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))

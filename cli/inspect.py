@@ -17,7 +17,7 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
-from rollstream.ops import DEFAULT_STUCK_AFTER, snapshot
+from rollstream.ops import DEFAULT_STALL_AFTER, DEFAULT_STUCK_AFTER, snapshot
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -34,6 +34,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument(
         "--stuck-after", type=float, default=DEFAULT_STUCK_AFTER, metavar="SECONDS",
         help=f"groups waiting with no take/commit for this long is unhealthy (default {DEFAULT_STUCK_AFTER:.0f})",
+    )
+    p.add_argument(
+        "--stall-after", type=float, default=DEFAULT_STALL_AFTER, metavar="SECONDS",
+        help="prompts queued, nothing ready and nothing admitted for this long is an admission stall "
+        f"(default {DEFAULT_STALL_AFTER:.0f})",
     )
     p.add_argument("--events", type=int, default=5, help="error events to show (default 5)")
     p.set_defaults(func=cmd_inspect)
@@ -91,6 +96,10 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         f"max lease idle {_secs(p['max_pending_idle_s'])} of {p['lease_seconds']:.0f}s, "
         f"leases expiring {p['leases_expiring']}",
     )
+    r = snap["retry"]
+    streams.add_row(
+        "retry", str(r["queued"]), f"waiting {r['waiting']}, in flight {r['in_flight']} (admitted before prompts)"
+    )
     taken = ", ".join(f"{c['name']}={c['pending']}" for c in g["consumers"] if c["pending"]) or "none"
     streams.add_row(
         "groups", str(g["length"]),
@@ -115,6 +124,20 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             str(row.get("groups_last_minute", 0)), str(row.get("published", 0)), _age(row.get("heartbeat_age_s")),
         )
     parts.append(producers)
+
+    a = snap["admission"]
+    if a.get("capacity") is not None:
+        admission = _table(
+            "admission" + ("" if a["enabled"] else " (staleness rule off)"), plain,
+            "outstanding", "capacity", "c", "G", "K", "S", "B", "last admit", "refusals",
+        )
+        refusals = ", ".join(f"{k} {v:.0f}s" for k, v in sorted(a["refusals"].items())) or "none"
+        admission.add_row(
+            str(a["outstanding"]), str(a["capacity"]), str(a["c"]), str(a["groups_per_version"]),
+            str(a["steps_per_version"]), str(a["max_staleness"]), str(a["batch_size"]),
+            _age(a["last_admit_age_s"]), refusals,
+        )
+        parts.append(admission)
 
     trainer = _table("trainer", plain, "weight version", "paused", "last take", "last commit", "last publish")
     trainer.add_row(
@@ -154,7 +177,9 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
 
 
 async def _snap(args: argparse.Namespace, redis: Any, keys: Keys) -> dict[str, Any]:
-    return await snapshot(redis, keys, stuck_after=args.stuck_after, events=args.events)
+    return await snapshot(
+        redis, keys, stuck_after=args.stuck_after, events=args.events, stall_after=args.stall_after
+    )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -196,8 +221,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     require_extra("rich", "ops", "the inspect screen")
-    if args.stuck_after <= 0:
-        raise ConfigError("--stuck-after must be positive")
+    if args.stuck_after <= 0 or args.stall_after <= 0:
+        raise ConfigError("--stuck-after and --stall-after must be positive")
     if args.watch is not None and args.watch <= 0:
         raise ConfigError("--watch interval must be positive")
     try:

@@ -32,6 +32,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from .errors import ConfigError, DecodeError
 from .models import FloatArray, Group, IntArray, Prompt, Sample, Status
+from .parse import utf8
 
 SCHEMA_VERSION = 2
 """Written by this build. Version 1 entries (before ``pl``, ``err`` and the filled ``lm``) are
@@ -447,7 +448,11 @@ def group_fields(group: Group) -> Fields:
 
 
 def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
-    """The ``data`` field of a raw stream entry, or DecodeError when it is missing."""
+    """The ``data`` field of a raw stream entry, or DecodeError when it is missing (or a field name
+    is not UTF-8: such an entry was not written by rollstream)."""
+    for name in fields:
+        if isinstance(name, bytes) and utf8(name) is None:
+            raise DecodeError("bad_field", f"field name {name[:40]!r} is not UTF-8")
     data = fields.get(b"data", fields.get("data"))
     if data is None:
         raise DecodeError("missing_field", "entry has no data field")

@@ -38,6 +38,8 @@ class PipelineConfig:
     """Groups rejected by the dynamic-sampling filter are recycled instead of dropped."""
     heartbeat_timeout: float = 15.0
     """A producer whose last heartbeat is older than this counts as dead."""
+    steps_per_version: int = 1
+    """Training steps per weight version the trainer declares (staleness-aware admission)."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -49,6 +51,7 @@ class PipelineConfig:
         positive_int("batch_size")
         positive_int("max_backlog")
         positive_int("max_attempts")
+        positive_int("steps_per_version")
         if self.max_staleness is not None and (
             isinstance(self.max_staleness, bool)
             or not isinstance(self.max_staleness, int)

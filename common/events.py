@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from .keys import EVENTS_MAXLEN, Keys
+from .parse import parse_int, text
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ class Event:
     ts_ms: int
     message: str
     traceback: str
+    damaged: str = ""
+    """What is wrong with the entry (a ``ts_ms`` that is not an integer: then ``ts_ms`` is 0 and the
+    event never counts as an unrecovered failure), else empty."""
 
 
 def _text(fields: dict[bytes, bytes], key: str) -> str:
-    return fields.get(key.encode(), b"").decode("utf-8", "replace")
+    return text(fields.get(key.encode()))
 
 
 async def recent_events(redis: Redis, keys: Keys, count: int = 20, kind: str | None = None) -> list[Event]:
@@ -69,13 +73,18 @@ async def recent_events(redis: Redis, keys: Keys, count: int = 20, kind: str | N
     raw = await redis.xrevrange(keys.events, count=count if kind is None else count * 20)
     events = []
     for entry_id, fields in raw:
+        ts_raw = fields.get(b"ts_ms")
+        ts_ms = parse_int(ts_raw)
         event = Event(
-            id=entry_id.decode(),
+            id=text(entry_id),
             kind=_text(fields, "kind"),
             source=_text(fields, "producer"),
-            ts_ms=int(_text(fields, "ts_ms") or 0),
+            ts_ms=ts_ms or 0,
             message=_text(fields, "message"),
             traceback=_text(fields, "traceback"),
+            damaged="" if ts_ms is not None else (
+                f"{keys.events} entry {text(entry_id)}: ts_ms = {text(ts_raw)[:60]!r} is not an integer"
+            ),
         )
         if kind is None or event.kind == kind:
             events.append(event)

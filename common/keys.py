@@ -47,6 +47,12 @@ class Keys:
         return f"{self.base}:prompts"
 
     @property
+    def retry(self) -> str:
+        """Stream of prompts that came back (recycled, returned, requeued); consumer group
+        ``producers``; admitted before ``prompts``."""
+        return f"{self.base}:retry"
+
+    @property
     def groups(self) -> str:
         """Stream of completed groups; consumer group ``trainer``."""
         return f"{self.base}:groups"
@@ -103,6 +109,7 @@ class Keys:
         """The fixed keys; the per-consumer ones are found with :attr:`per_consumer_patterns`."""
         return [
             self.prompts,
+            self.retry,
             self.groups,
             self.dead,
             self.events,
@@ -153,15 +160,23 @@ class StateField:
     LAST_COMMIT_MS = "last_commit_ms"
     ADMISSION_BLOCKED_MS = "admission_blocked_ms"
     """Total time producers' admission was refused (paused, backlog, staleness), summed."""
+    LAST_ADMIT_MS = "last_admit_ms"
+    """When ADMIT last handed out a prompt."""
+    VERSION_START_CONSUMED = "version_start_consumed"
+    """Groups consumed (committed + taken) when the current weight version began."""
+    PREV_VERSION_CONSUMED = "prev_version_consumed"
+    """Groups consumed during the previous weight version (the measured cadence)."""
     REQUEUED = "requeued"
-    """Dead-letter entries put back into the prompt stream by an operator."""
+    """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
     """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
 
     @staticmethod
     def filtered(reason: str) -> str:
         """The per-reason counter of groups rejected by the dynamic-sampling filter."""
-        return f"filtered:{reason}"
+        return f"{StateField.FILTERED_PREFIX}{reason}"
+
+    FILTERED_PREFIX = "filtered:"
 
     COUNTERS = (
         FED,
@@ -178,3 +193,22 @@ class StateField:
         RETURNED,
         RECLAIMED,
     )
+
+    INTEGERS = (
+        *COUNTERS,
+        WEIGHT_VERSION,
+        PAUSED,
+        FEED_NEXT_INDEX,
+        FEED_EPOCH,
+        FEED_POSITION,
+        LAST_PUBLISH_MS,
+        LAST_TAKE_MS,
+        LAST_COMMIT_MS,
+        ADMISSION_BLOCKED_MS,
+        REQUEUED,
+        RELEASED,
+        LAST_ADMIT_MS,
+        VERSION_START_CONSUMED,
+        PREV_VERSION_CONSUMED,
+    )
+    """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

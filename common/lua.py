@@ -13,31 +13,48 @@ fields of the ``state`` hash are written ``$NAME`` and filled in from :class:`~.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from string import Template
 from typing import Any
 
 from redis.asyncio import Redis
 
+from .admission import MEASURED_CADENCE_CAP
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
 
 
+# Every script starts with these helpers: a value read back from Redis is parsed defensively
+# (``num``: not a number -> 0), and a counter holding garbage (``HSET state committed abc``) is
+# reset before HINCRBY, which would otherwise fail the whole hand-over.
+_HELPERS = """
+local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
+local function num(v) if isint(v) then return tonumber(v) end return 0 end
+local function incr(key, field, n)
+  local v = redis.call('HGET', key, field)
+  if v and not isint(v) then redis.call('HSET', key, field, 0) end
+  return redis.call('HINCRBY', key, field, n)
+end
+"""
+
+
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
-    (an unknown name fails the import)."""
-    return Template(source).substitute(_STATE_FIELDS)
+    (an unknown name fails the import), after the helpers."""
+    return _HELPERS + Template(source).substitute(_STATE_FIELDS)
 
 
-# KEYS: prompts, groups, state. ARGV: consumer group, prompt id, now ms, group fields...
+# KEYS: source prompt stream (prompts or retry), groups, state. ARGV: consumer group, prompt id,
+# now ms, group fields...
 PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  redis.call('HINCRBY', KEYS[3], '$DUPLICATES', 1)
+  incr(KEYS[3], '$DUPLICATES', 1)
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], '$PUBLISHED', 1)
+incr(KEYS[3], '$PUBLISHED', 1)
 redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
 """)
@@ -45,7 +62,7 @@ return id
 # KEYS: source stream, target stream, state.
 # ARGV: consumer group, entry id, counter field, fields of the new entry...
 # Acknowledges and deletes an entry of the source stream and adds a new entry to the target
-# stream: a prompt recycled (groups -> prompts), returned (prompts -> prompts) or
+# stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry) or
 # dead-lettered (any -> dead).
 MOVE = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
@@ -53,7 +70,7 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+incr(KEYS[3], ARGV[3], 1)
 return id
 """)
 
@@ -64,40 +81,94 @@ ACK_DELETE = _template("""
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
 if acked > 0 then
   redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
-  redis.call('HINCRBY', KEYS[2], ARGV[2], acked)
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], acked) end
+  incr(KEYS[2], ARGV[2], acked)
+  if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
 """)
 
-# KEYS: prompts, groups, state. ARGV: group, consumer, max backlog, admission on (1/0),
-# max staleness, batch size. Returns {reason} (paused | backlog | staleness | empty) or
-# {'ok', id, fields, weight version}. Reads at most one prompt, and counts it as admitted, only when the
-# pipeline is not paused, the group backlog is under its cap and (with admission control)
-# admitted - recycled - filtered - dead - returned < (version + max_staleness + 1) * batch.
-ADMIT = _template("""
-local st = redis.call('HMGET', KEYS[3], '$PAUSED', '$WEIGHT_VERSION', '$ADMITTED',
-  '$RECYCLED_ABORTED', '$RECYCLED_STALE', '$RECYCLED_FAILED', '$RECYCLED_FILTERED', '$FILTERED',
-  '$DEAD', '$RETURNED')
+# Shared by ADMIT and SET_VERSION: a consumer group's pending count (0 when the stream or group
+# does not exist).
+_PENDING = """
+local function pending(key, group)
+  local p = redis.pcall('XPENDING', key, group)
+  if type(p) ~= 'table' or p.err then return 0 end
+  return tonumber(p[1]) or 0
+end
+"""
+
+# KEYS: retry, prompts, groups, state. ARGV: producers group, consumer, max backlog,
+# admission on (1/0), max staleness S, batch size B, steps per version K, count, trainer group,
+# measured cadence cap, now ms.
+# Returns {reason, ...} or {'ok', weight version, (stream index, id, fields)...}: reads up to
+# ``count`` prompts, retry stream first (stream index 1) then prompts (2), and counts them as
+# admitted, only when the pipeline is not paused, the READY backlog (XLEN groups - pending in
+# groups) is under its cap and (with admission control) outstanding < capacity, where
+#   outstanding = pending(retry) + pending(prompts) + ready
+#   c = max(0, committed + pending(groups) - version_start_consumed)
+#   G = max(K * B, min(prev_version_consumed, cap * K * B))
+#   capacity = max(1, (S + 1) * G - min(c, G))
+# (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
+# at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
+# Refusals: {'paused'}, {'backlog', ready}, {'staleness', outstanding, capacity, c, G}, {'empty'}.
+ADMIT = _template(_PENDING + """
+local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
+  '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED')
 if st[1] == '1' then return {'paused'} end
-if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[3]) then return {'backlog'} end
+local taken = pending(KEYS[3], ARGV[9])
+local ready = math.max(0, redis.call('XLEN', KEYS[3]) - taken)
+if ready >= tonumber(ARGV[3]) then return {'backlog', ready} end
+local room = math.min(tonumber(ARGV[8]), tonumber(ARGV[3]) - ready)
 if ARGV[4] == '1' then
-  local outstanding = tonumber(st[3] or '0')
-  for i = 4, 10 do outstanding = outstanding - tonumber(st[i] or '0') end
-  local version = tonumber(st[2] or '0')
-  if outstanding >= (version + tonumber(ARGV[5]) + 1) * tonumber(ARGV[6]) then
-    return {'staleness'}
+  local outstanding = pending(KEYS[1], ARGV[1]) + pending(KEYS[2], ARGV[1]) + ready
+  local c = math.max(0, num(st[3]) + taken - num(st[4]))
+  local declared = tonumber(ARGV[7]) * tonumber(ARGV[6])
+  local g = math.max(declared, math.min(num(st[5]), tonumber(ARGV[10]) * declared))
+  local capacity = math.max(1, (tonumber(ARGV[5]) + 1) * g - math.min(c, g))
+  if outstanding >= capacity then return {'staleness', outstanding, capacity, c, g} end
+  room = math.min(room, capacity - outstanding)
+end
+local out = {'ok', tostring(math.max(0, num(st[2])))}
+local got = 0
+for i = 1, 2 do
+  if got >= room then break end
+  local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', room - got, 'STREAMS', KEYS[i], '>')
+  if res then
+    for _, entry in ipairs(res[1][2]) do
+      table.insert(out, i)
+      table.insert(out, entry[1])
+      table.insert(out, entry[2])
+      got = got + 1
+    end
   end
 end
-local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
-if not res then return {'empty'} end
-local entry = res[1][2][1]
-redis.call('HINCRBY', KEYS[3], '$ADMITTED', 1)
-return {'ok', entry[1], entry[2], st[2] or '0'}
+if got == 0 then return {'empty'} end
+incr(KEYS[4], '$ADMITTED', got)
+redis.call('HSET', KEYS[4], '$LAST_ADMIT_MS', ARGV[11])
+return out
 """)
 
-# KEYS: prompts. ARGV: group, consumer, ids... Renews the lease of each id still
+# KEYS: state, groups. ARGV: new version or '', paused ('1', '0' or '' = unchanged), control
+# channel, message, trainer group. A version change records where the new version began
+# (version_start_consumed = committed + taken) and what the previous one consumed
+# (prev_version_consumed), in the same step as the version itself: the terms of ADMIT's rule.
+SET_VERSION = _template(_PENDING + """
+if ARGV[1] ~= '' then
+  local st = redis.call('HMGET', KEYS[1], '$WEIGHT_VERSION', '$COMMITTED', '$VERSION_START_CONSUMED')
+  if st[1] == false or num(st[1]) ~= tonumber(ARGV[1]) then
+    local consumed = num(st[2]) + pending(KEYS[2], ARGV[5])
+    redis.call('HSET', KEYS[1], '$VERSION_START_CONSUMED', consumed,
+      '$PREV_VERSION_CONSUMED', math.max(0, consumed - num(st[3])))
+  end
+  redis.call('HSET', KEYS[1], '$WEIGHT_VERSION', ARGV[1])
+end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], '$PAUSED', ARGV[2]) end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return true
+""")
+
+# KEYS: prompts or retry. ARGV: group, consumer, ids... Renews the lease of each id still
 # owned by this consumer (XCLAIM JUSTID resets its idle time) and returns the ids it no longer
 # owns: never steals back an entry another producer has taken over.
 RENEW = _template("""
@@ -127,12 +198,12 @@ for i = 7, #ARGV, width do
 end
 redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
   '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
-redis.call('HINCRBY', KEYS[2], '$FED', added)
+incr(KEYS[2], '$FED', added)
 return added
 """)
 
 
-# KEYS: dead, prompts, state. ARGV: dead entry id, counter, fields of the prompt entry...
+# KEYS: dead, retry, state. ARGV: dead entry id, counter, fields of the prompt entry...
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
 REQUEUE = _template("""
@@ -140,9 +211,20 @@ if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+incr(KEYS[3], ARGV[2], 1)
 return id
 """)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    """ADMIT's answer: ``ok`` with entries (source stream key, id, fields), else a refusal with
+    its numbers (``backlog``: ready; ``staleness``: outstanding, capacity, c, G)."""
+
+    status: str
+    weight_version: int
+    entries: list[tuple[str, bytes, dict[bytes, bytes]]]
+    terms: list[int]
 
 
 _DEAD_LETTER_FIELDS = frozenset({"source", "reason", "entry_id", "ts_ms"})
@@ -185,17 +267,21 @@ class Scripts:
         self._move = redis.register_script(MOVE)
         self._ack_delete = redis.register_script(ACK_DELETE)
         self._admit = redis.register_script(ADMIT)
+        self._set_version = redis.register_script(SET_VERSION)
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
         self._requeue = redis.register_script(REQUEUE)
         self._lease = redis.register_script(LEASE)
         self._release = redis.register_script(RELEASE)
 
-    async def publish(self, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int) -> bytes | None:
-        """Publish a group and ack its prompt; None when the prompt was already acknowledged."""
+    async def publish(
+        self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int
+    ) -> bytes | None:
+        """Publish a group and ack its prompt (an entry of ``source``: prompts or retry); None when
+        the prompt was already acknowledged."""
         k = self.keys
         result = await self._publish(
-            keys=[k.prompts, k.groups, k.state],
+            keys=[source, k.groups, k.state],
             args=[PRODUCERS_GROUP, prompt_id, now_ms, *_flatten(group_fields)],
         )
         return result or None
@@ -220,14 +306,15 @@ class Scripts:
     async def recycle(self, group_id: str | bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
         k = self.keys
         return await self.move(
-            source=k.groups, group=TRAINER_GROUP, entry_id=group_id, target=k.prompts,
+            source=k.groups, group=TRAINER_GROUP, entry_id=group_id, target=k.retry,
             counter=counter, fields=prompt_fields,
         )
 
-    async def return_prompt(self, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
+    async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
+        """A draining producer's unfinished prompt (an entry of ``source``) to the retry stream."""
         k = self.keys
         return await self.move(
-            source=k.prompts, group=PRODUCERS_GROUP, entry_id=prompt_id, target=k.prompts,
+            source=source, group=PRODUCERS_GROUP, entry_id=prompt_id, target=k.retry,
             counter=StateField.RETURNED, fields=prompt_fields,
         )
 
@@ -242,7 +329,7 @@ class Scripts:
         now_ms: int,
     ) -> bool:
         """Move an entry to the dead-letter stream with a reason; its original fields are kept."""
-        kind = "prompts" if source == self.keys.prompts else "groups"
+        kind = "groups" if source == self.keys.groups else "prompts"
         # Field names are kept as they came (bytes that are not UTF-8 included: a hostile entry
         # must be dead-lettered, not crash the process that reads it).
         original = {k: v for k, v in fields.items() if _field_name(k) not in _DEAD_LETTER_FIELDS}
@@ -280,32 +367,53 @@ class Scripts:
         admission: bool,
         max_staleness: int,
         batch_size: int,
-    ) -> tuple[str, bytes | None, dict[bytes, bytes] | None, int]:
+        steps_per_version: int = 1,
+        count: int = 1,
+        now_ms: int = 0,
+    ) -> AdmitReply:
+        """Run ADMIT: up to ``count`` prompts (retry stream first), or why none."""
         k = self.keys
         result = await self._admit(
-            keys=[k.prompts, k.groups, k.state],
-            args=[PRODUCERS_GROUP, consumer, max_backlog, 1 if admission else 0, max_staleness, batch_size],
+            keys=[k.retry, k.prompts, k.groups, k.state],
+            args=[
+                PRODUCERS_GROUP, consumer, max_backlog, 1 if admission else 0, max_staleness, batch_size,
+                steps_per_version, max(1, count), TRAINER_GROUP, MEASURED_CADENCE_CAP, now_ms,
+            ],
         )
-        status = result[0].decode() if isinstance(result[0], bytes) else result[0]
+        status = result[0].decode() if isinstance(result[0], bytes) else str(result[0])
         if status != "ok":
-            return status, None, None, 0
-        flat = result[2] or []
-        return status, result[1], dict(zip(flat[::2], flat[1::2], strict=True)), int(result[3])
+            return AdmitReply(status, 0, [], [int(x) for x in result[1:]])
+        streams = (k.retry, k.prompts)
+        entries = []
+        for i in range(2, len(result), 3):
+            flat = result[i + 2] or []
+            entries.append((streams[int(result[i]) - 1], result[i + 1], dict(zip(flat[::2], flat[1::2], strict=True))))
+        return AdmitReply(status, int(result[1]), entries, [])
 
     async def requeue(self, dead_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bytes | None:
-        """Move a dead-letter entry back to the prompt stream; None when it was already gone."""
+        """Move a dead-letter entry back to the retry stream; None when it was already gone."""
         k = self.keys
         result = await self._requeue(
-            keys=[k.dead, k.prompts, k.state], args=[dead_id, StateField.REQUEUED, *_flatten(prompt_fields)]
+            keys=[k.dead, k.retry, k.state], args=[dead_id, StateField.REQUEUED, *_flatten(prompt_fields)]
         )
         return result or None
 
-    async def renew(self, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
+    async def renew(self, stream: str, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
         ids = list(ids)
         if not ids:
             return []
-        return list(
-            await self._renew(keys=[self.keys.prompts], args=[PRODUCERS_GROUP, consumer, *ids])
+        return list(await self._renew(keys=[stream], args=[PRODUCERS_GROUP, consumer, *ids]))
+
+    async def set_version(self, *, version: int | None, paused: bool | None, message: str) -> None:
+        """Set the weight version (recording the consumption terms when it changes) and/or the
+        paused flag, and announce ``message`` on the control channel, atomically."""
+        k = self.keys
+        await self._set_version(
+            keys=[k.state, k.groups],
+            args=[
+                "" if version is None else version, "" if paused is None else (1 if paused else 0),
+                k.control, message, TRAINER_GROUP,
+            ],
         )
 
     async def feed(

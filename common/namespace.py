@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from redis.asyncio import Redis
@@ -11,13 +10,14 @@ from redis.exceptions import ResponseError
 from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .parse import int_or, text
 
 logger = logging.getLogger(__name__)
 
 
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
-    """Create both streams and their consumer groups (idempotent)."""
-    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
+    """Create the work streams and their consumer groups (idempotent)."""
+    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.retry, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
         try:
             await redis.xgroup_create(stream, group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -68,11 +68,11 @@ async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
 
 
 async def read_state(redis: Redis, keys: Keys) -> dict[str, str]:
+    """The ``state`` hash as text (damaged bytes replaced, never raised on)."""
     raw = await redis.hgetall(keys.state)
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    return {text(k): text(v) for k, v in raw.items()}
 
 
 def state_int(state: dict[str, str], field: str) -> int:
-    with contextlib.suppress(ValueError):
-        return int(state.get(field) or 0)
-    return 0
+    """An integer field of :func:`read_state`'s result; 0 when missing or damaged."""
+    return int_or(state.get(field))

@@ -3,7 +3,7 @@
 The producer, the consumer and the operator tools talk to Redis through these typed operations;
 the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this module calls.
 
-* :class:`PromptQueue`: a producer's side of the prompt stream: admit, renew leases, take over
+* :class:`PromptQueue`: a producer's side of the prompt streams (retry first): admit, renew leases, take over
   idle prompts with XAUTOCLAIM (keeping its cursor), adopt its own pending prompts, publish a
   group, return or dead-letter a prompt.
 * :class:`GroupQueue`: the trainer's side of the group stream: read, own pending, orphans,
@@ -31,10 +31,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
+from .admission import AdmissionTerms, admission_capacity
+from .config import PipelineConfig
 from .errors import ConfigError
 from .events import now_ms
 from .keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from .lua import Scripts
+from .parse import int_or, text
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id and its raw fields (empty for an entry deleted meanwhile)."""
@@ -66,6 +69,27 @@ def translate_nogroup(namespace: str) -> Iterator[None]:
 
 # -- heartbeats ------------------------------------------------------------------------------
 
+_HEARTBEAT_INTS = (
+    "pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published", "groups_last_minute",
+    "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms", "long_requests",
+    "admission_since_ms",
+)
+_HEARTBEAT_FLOATS = ("oldest_request_s", "long_request_s")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _heartbeat_object(raw: bytes | str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        raise ValueError("heartbeat is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError("heartbeat is not a JSON object")
+    return obj
+
 
 @dataclass(slots=True)
 class Heartbeat:
@@ -85,6 +109,11 @@ class Heartbeat:
     engines: list[str] = field(default_factory=list)
     started_ms: int = 0
     last_seen_ms: int = 0
+    admission: str = ""
+    """The last ADMIT refusal (``paused``, ``backlog``, ``staleness``) while it lasts, else ``""``
+    (admitting, or waiting for prompts: ``empty``)."""
+    admission_since_ms: int = 0
+    """When the refusal in ``admission`` began."""
     long_requests: int = 0
     """Samples whose engine request has been in flight longer than ``long_request_s``."""
     oldest_request_s: float = 0.0
@@ -98,27 +127,35 @@ class Heartbeat:
     @classmethod
     def parse(cls, raw: bytes | str) -> Heartbeat:
         """The heartbeat in ``raw``; ValueError when it is not a JSON object. Unknown keys are
-        ignored and missing ones take their defaults (older and newer producers both parse)."""
-        obj = json.loads(raw)
-        if not isinstance(obj, dict):
-            raise ValueError("heartbeat is not an object")
+        ignored and missing or damaged ones take their defaults (older and newer producers both
+        parse); :meth:`damage` says what was damaged."""
+        obj = _heartbeat_object(raw)
         beat = cls()
-        for name in ("pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published",
-                     "groups_last_minute", "duplicates", "reclaimed", "engine_retries", "started_ms",
-                     "last_seen_ms", "long_requests"):
+        for name in _HEARTBEAT_INTS:
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, int | float) and _is_number(value):
                 setattr(beat, name, int(value))
-        for name in ("oldest_request_s", "long_request_s"):
+        for name in _HEARTBEAT_FLOATS:
             value = obj.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, int | float) and _is_number(value):
                 setattr(beat, name, float(value))
-        for name in ("host", "state"):
+        for name in ("host", "state", "admission"):
             if isinstance(obj.get(name), str):
                 setattr(beat, name, obj[name])
         if isinstance(obj.get("engines"), list):
             beat.engines = [str(e) for e in obj["engines"]]
         return beat
+
+    @staticmethod
+    def damage(raw: bytes | str) -> str | None:
+        """What is wrong with a raw heartbeat (for ``inspect``), or None."""
+        try:
+            obj = _heartbeat_object(raw)
+        except ValueError as exc:
+            return str(exc)
+        bad = [n for n in (*_HEARTBEAT_INTS, *_HEARTBEAT_FLOATS) if n in obj and not _is_number(obj[n])]
+        bad += [n for n in ("host", "state", "admission") if n in obj and not isinstance(obj[n], str)]
+        return f"fields {', '.join(bad)} have the wrong type" if bad else None
 
     def fresh(self, now: int, timeout_s: float) -> bool:
         """Seen within ``timeout_s`` seconds before ``now`` (ms)."""
@@ -141,6 +178,21 @@ def live_producers(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> tu
             alive += 1
             in_flight += beat.in_flight_samples
     return alive, in_flight
+
+
+def admission_refusals(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> dict[str, float]:
+    """ADMIT refusal -> the longest time (s) a live producer has been getting it, from the raw
+    ``producers`` hash."""
+    out: dict[str, float] = {}
+    for value in raw.values():
+        try:
+            beat = Heartbeat.parse(value)
+        except ValueError:
+            continue
+        if beat.alive(now, timeout_s) and beat.admission and beat.admission_since_ms:
+            age = max(0.0, (now - beat.admission_since_ms) / 1000)
+            out[beat.admission] = max(out.get(beat.admission, 0.0), age)
+    return out
 
 
 async def write_heartbeat(redis: Redis, keys: Keys, name: str, beat: Heartbeat, blocked_ms: int) -> None:
@@ -168,22 +220,23 @@ def _check_version(version: int) -> None:
 class Control:
     """Weight version and pause/resume: written to ``state``, announced on ``control``."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
 
     async def weight_version(self) -> int:
-        return int(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION) or 0)
+        """The trainer's weight version; 0 when unset or damaged (``inspect`` reports the damage)."""
+        return max(0, int_or(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION)))
 
     async def paused(self) -> bool:
         return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
 
     async def set_weight_version(self, version: int) -> None:
+        """Record a new version; a change also records where it began in the consumption count
+        (the terms of staleness-aware admission), in the same script."""
         _check_version(version)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-            pipe.publish(self.keys.control, f"version {version}")
-            await pipe.execute()
+        await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
 
     async def pause(self) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -194,12 +247,9 @@ class Control:
     async def resume(self, version: int | None = None) -> None:
         if version is not None:
             _check_version(version)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if version is not None:
-                pipe.hset(self.keys.state, StateField.WEIGHT_VERSION, version)
-            pipe.hset(self.keys.state, StateField.PAUSED, 0)
-            pipe.publish(self.keys.control, "resume" if version is None else f"resume {version}")
-            await pipe.execute()
+        await self.scripts.set_version(
+            version=version, paused=False, message="resume" if version is None else f"resume {version}"
+        )
 
     async def subscribe(self, blocking: Redis) -> PubSub:
         """A pub/sub subscription to the control channel, on a client that may block; the caller
@@ -217,13 +267,25 @@ class Control:
 
 
 @dataclass(frozen=True, slots=True)
+class Admitted:
+    """A prompt entry handed to a producer, with the stream it came from (``prompts`` or
+    ``retry``): every later operation on it (publish, renew, return, dead-letter) names it."""
+
+    stream: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
-    """The ADMIT script's answer: ``ok`` with one prompt entry, else why nothing was read."""
+    """The ADMIT script's answer: ``ok`` with prompt entries, else why nothing was read."""
 
     status: str
     """``ok``, ``empty``, ``paused``, ``backlog`` or ``staleness``."""
-    entry: Entry | None = None
+    entries: list[Admitted] = field(default_factory=list)
     weight_version: int = 0
+    terms: list[int] = field(default_factory=list)
+    """A refusal's numbers: ``backlog``: [ready]; ``staleness``: [outstanding, capacity, c, G]."""
 
 
 def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
@@ -231,94 +293,117 @@ def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
 
 
 class PromptQueue:
-    """One producer's operations on the prompt stream (consumer group ``producers``)."""
+    """One producer's operations on the prompt streams (``retry`` and ``prompts``, consumer
+    group ``producers``); every operation on an admitted entry names its stream."""
 
     def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
-        self._reclaim_cursor = "0-0"
+        self._reclaim_cursors = {keys.retry: "0-0", keys.prompts: "0-0"}
+
+    @property
+    def streams(self) -> tuple[str, str]:
+        """The prompt streams in admission order: retry first."""
+        return (self.keys.retry, self.keys.prompts)
 
     async def admit(
-        self, *, max_backlog: int, admission: bool, max_staleness: int, batch_size: int
+        self,
+        *,
+        max_backlog: int,
+        admission: bool,
+        max_staleness: int,
+        batch_size: int,
+        steps_per_version: int = 1,
+        count: int = 1,
     ) -> Admission:
-        """Read one prompt if the pipeline is not paused, the backlog has room and staleness-aware
-        admission allows it (one atomic script)."""
+        """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
+        ready backlog has room and staleness-aware admission allows it (one atomic script)."""
         with translate_nogroup(self.keys.namespace):
-            status, entry_id, fields, version = await self.scripts.admit(
+            reply = await self.scripts.admit(
                 consumer=self.consumer, max_backlog=max_backlog, admission=admission,
-                max_staleness=max_staleness, batch_size=batch_size,
+                max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
+                count=count, now_ms=now_ms(),
             )
-        if status == "ok" and entry_id is not None and fields is not None:
-            return Admission("ok", (entry_id, fields), version)
-        return Admission(status, None, version)
+        entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
+        return Admission(reply.status, entries, reply.weight_version, reply.terms)
 
     async def wait_for_new(self, blocking: Redis, block_ms: int) -> None:
         """Block (on a client made for blocking) until a prompt is added, or ``block_ms`` pass."""
-        await blocking.xread({self.keys.prompts: "$"}, count=1, block=block_ms)
+        await blocking.xread({stream: "$" for stream in self.streams}, count=1, block=block_ms)
 
-    async def renew(self, ids: Sequence[bytes]) -> list[bytes]:
-        """Renew the leases of ``ids``; the ids this producer no longer owns."""
-        return await self.scripts.renew(self.consumer, list(ids))
+    async def renew(self, stream: str, ids: Sequence[bytes]) -> list[bytes]:
+        """Renew the leases of ``ids`` (entries of ``stream``); the ids this producer no longer owns."""
+        return await self.scripts.renew(stream, self.consumer, list(ids))
 
-    async def own_pending(self, count: int = 1000) -> list[Entry]:
+    async def own_pending(self, count: int = 1000) -> list[Admitted]:
         """Claim back the prompts pending under this producer's name (a restart with the same name)."""
-        with translate_nogroup(self.keys.namespace):
-            pending = await self.redis.xpending_range(
-                self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
-            )
-        if not pending:
-            return []
-        ids = [p["message_id"] for p in pending]
-        return _flat_entries(await self.redis.xclaim(self.keys.prompts, PRODUCERS_GROUP, self.consumer, 0, ids))
+        out: list[Admitted] = []
+        for stream in self.streams:
+            with translate_nogroup(self.keys.namespace):
+                pending = await self.redis.xpending_range(
+                    stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
+                )
+            if not pending:
+                continue
+            ids = [p["message_id"] for p in pending]
+            claimed = await self.redis.xclaim(stream, PRODUCERS_GROUP, self.consumer, 0, ids)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(claimed))
+        return out
 
     async def any_idle(self, lease_ms: int) -> bool:
         """Whether some prompt sits idle past the lease (its producer is gone)."""
-        due = await self.redis.xpending_range(
-            self.keys.prompts, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms
-        )
-        return bool(due)
+        for stream in self.streams:
+            if await self.redis.xpending_range(stream, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms):
+                return True
+        return False
 
-    async def reclaim(self, lease_ms: int, count: int) -> list[Entry]:
-        """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the kept cursor).
-        Entries deleted meanwhile come back with empty fields (Redis 6.2): see :meth:`ack_deleted`."""
-        reply = await self.redis.xautoclaim(
-            self.keys.prompts, PRODUCERS_GROUP, self.consumer, lease_ms,
-            start_id=self._reclaim_cursor, count=max(1, count),
-        )
-        cursor = reply[0]
-        self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        return _flat_entries(reply[1])
+    async def reclaim(self, lease_ms: int, count: int) -> list[Admitted]:
+        """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the cursor kept
+        per stream, retry first). Entries deleted meanwhile come back with empty fields (Redis
+        6.2): see :meth:`ack_deleted`."""
+        out: list[Admitted] = []
+        for stream in self.streams:
+            want = max(1, count) - len(out)
+            if want <= 0:
+                break
+            reply = await self.redis.xautoclaim(
+                stream, PRODUCERS_GROUP, self.consumer, lease_ms, start_id=self._reclaim_cursors[stream], count=want,
+            )
+            cursor = reply[0]
+            self._reclaim_cursors[stream] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(reply[1]))
+        return out
 
     @property
     def reclaim_scanned(self) -> bool:
-        """Whether the last :meth:`reclaim` reached the end of the stream."""
-        return self._reclaim_cursor in ("0-0", "0")
+        """Whether the last :meth:`reclaim` reached the end of both streams."""
+        return all(cursor in ("0-0", "0") for cursor in self._reclaim_cursors.values())
 
-    async def ack_deleted(self, entry_id: bytes) -> None:
+    async def ack_deleted(self, stream: str, entry_id: bytes) -> None:
         """Acknowledge (and delete) an entry that came back without fields."""
-        await self.redis.xack(self.keys.prompts, PRODUCERS_GROUP, entry_id)
-        await self.redis.xdel(self.keys.prompts, entry_id)
+        await self.redis.xack(stream, PRODUCERS_GROUP, entry_id)
+        await self.redis.xdel(stream, entry_id)
 
     async def count_reclaimed(self) -> None:
         await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
 
-    async def publish(self, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
+    async def publish(self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
         was taken over and acknowledged by another producer)."""
         with translate_nogroup(self.keys.namespace):
-            return await self.scripts.publish(entry_id, group_fields, now_ms())
+            return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
 
-    async def give_back(self, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
-        """Put an unfinished prompt at the end of the stream, attempt unchanged."""
+    async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
+        """Put an unfinished prompt into the retry stream, attempt unchanged."""
         with translate_nogroup(self.keys.namespace):
-            return await self.scripts.return_prompt(entry_id, fields)
+            return await self.scripts.return_prompt(stream, entry_id, fields)
 
-    async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
+    async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
         with translate_nogroup(self.keys.namespace):
             return await self.scripts.dead_letter(
-                source=self.keys.prompts, group=PRODUCERS_GROUP, entry_id=entry_id,
+                source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
                 reason=reason, fields=fields, now_ms=now_ms(),
             )
 
@@ -421,7 +506,7 @@ class GroupQueue:
                 if await self.scripts.move(
                     source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
                     target=self.keys.groups, counter=StateField.RELEASED,
-                    fields={k.decode(): v for k, v in fields.items()},
+                    fields=fields,
                 ):
                     moved += 1
         await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
@@ -461,8 +546,17 @@ class Feed:
             self.keys.state,
             [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
         )
-        next_index, epoch, position = (int(v or 0) for v in raw[:3])
-        return FeedCursor(next_index, epoch, position, raw[3].decode() if raw[3] else None)
+        names = (StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION)
+        values = []
+        for name, value in zip(names, raw[:3], strict=True):
+            number = 0 if value is None else int_or(value, -1)
+            if number < 0:  # never guess a cursor: feeding again from 0 would double the dataset
+                raise ConfigError(
+                    f"the feeder cursor is damaged: {self.keys.state} field {name!r} = {text(value)[:60]!r} is "
+                    "not a non-negative integer; fix it (HSET) or re-create the namespace"
+                )
+            values.append(number)
+        return FeedCursor(values[0], values[1], values[2], text(raw[3]) if raw[3] else None)
 
     async def queued(self) -> int:
         """Entries in the prompt stream (waiting or in flight)."""
@@ -502,7 +596,7 @@ class DeadLetters:
         return _flat_entries(rows)
 
     async def requeue(self, entry_id: str, prompt_fields: Mapping[str, Any]) -> bytes | None:
-        """Delete a dead entry and add its prompt to the prompt stream, atomically; None when the
+        """Delete a dead entry and add its prompt to the retry stream, atomically; None when the
         entry was already gone."""
         return await self.scripts.requeue(entry_id, prompt_fields)
 
@@ -618,6 +712,7 @@ class TakeStats:
     groups_length: int
     groups_pending: int
     prompts_pending: int
+    """In flight: pending in the prompt and retry streams."""
     admission_blocked_ms: int
     heartbeats: dict[bytes, bytes]
 
@@ -629,25 +724,59 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         pipe.xlen(keys.groups)
         pipe.xpending(keys.groups, TRAINER_GROUP)
         pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+        pipe.xpending(keys.retry, PRODUCERS_GROUP)
         pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
         pipe.hgetall(keys.producers)
-        _, groups_len, groups_pending, prompts_pending, blocked_raw, beats = await pipe.execute()
+        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
     return TakeStats(
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),
-        prompts_pending=int(prompts_pending["pending"]),
-        admission_blocked_ms=int(blocked_raw or 0),
+        prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
+        admission_blocked_ms=int_or(blocked_raw),
         heartbeats=dict(beats),
     )
 
 
+async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig) -> AdmissionTerms:
+    """The admission rule's terms now (what ADMIT would compute), read in one round trip; a
+    stream or group that does not exist counts as empty."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+        pipe.xpending(keys.retry, PRODUCERS_GROUP)
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        pipe.hmget(
+            keys.state,
+            [StateField.COMMITTED, StateField.VERSION_START_CONSUMED, StateField.PREV_VERSION_CONSUMED],
+        )
+        replies = await pipe.execute(raise_on_error=False)
+
+    def pending(reply: Any) -> int:
+        return int(reply["pending"]) if isinstance(reply, dict) else 0
+
+    committed, start, prev = (int_or(v) for v in replies[4])
+    return admission_capacity(
+        prompts_pending=pending(replies[0]),
+        retry_pending=pending(replies[1]),
+        groups_length=int_or(replies[2]),
+        groups_pending=pending(replies[3]),
+        committed=committed,
+        version_start_consumed=start,
+        prev_version_consumed=prev,
+        steps_per_version=config.steps_per_version,
+        max_staleness=config.max_staleness or 0,
+        batch_size=config.batch_size,
+    )
+
+
 async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
-    """(entries in the group stream, entries in the prompt stream)."""
+    """(entries in the group stream, entries in the prompt and retry streams)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.groups)
         pipe.xlen(keys.prompts)
-        groups, prompts = await pipe.execute()
-    return int(groups), int(prompts)
+        pipe.xlen(keys.retry)
+        groups, prompts, retry = await pipe.execute()
+    return int(groups), int(prompts) + int(retry)
 
 
 async def waiting_groups(redis: Redis, keys: Keys) -> int:

@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from redis.asyncio import Redis
+from rollstream.common.admission import wait_cause
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage, connect
@@ -55,9 +56,12 @@ from rollstream.common.protocol import (
     Control,
     Entry,
     GroupQueue,
+    Heartbeat,
     NameLease,
+    admission_refusals,
     live_producers,
     mark_take,
+    read_admission_terms,
     read_heartbeats,
     stream_lengths,
     waiting_groups,
@@ -602,25 +606,37 @@ class GroupConsumer:
         return health
 
     async def _health(self) -> tuple[int, str]:
-        """Raise ProducerFailed if due; (live producers, a one-line summary for warnings)."""
-        alive, in_flight = await self._live_producers()
+        """Raise ProducerFailed if due; (live producers, a one-line summary for warnings that
+        names the likeliest cause of the wait: ``common.admission.wait_cause``)."""
+        now = now_ms()
+        beats = await self._outage.run(lambda: read_heartbeats(self.redis, self.keys))
+        alive, in_flight = live_producers(beats, now, self.config.heartbeat_timeout)
+        refusals = admission_refusals(beats, now, self.config.heartbeat_timeout)
         state = await self._outage.run(lambda: read_state(self.redis, self.keys))
         backlog, queued = await self._outage.run(lambda: stream_lengths(self.redis, self.keys))
+        terms = await self._outage.run(lambda: read_admission_terms(self.redis, self.keys, self.config))
         fatal = await self._outage.run(lambda: recent_events(self.redis, self.keys, count=1, kind=FATAL))
         last_error = ""
         if fatal:
             event = fatal[0]
-            last_error = f"{event.source}: {event.message}"
             if unrecovered(event.ts_ms, state_int(state, StateField.LAST_PUBLISH_MS)):
+                last_error = f"{event.source}: {event.message}"
                 if self.on_producer_failure == "raise":
                     raise ProducerFailed(event.source, event.message, event.traceback)
                 if self._warned_fatal != event.id:
                     self._warned_fatal = event.id
                     logger.warning("producer %s failed: %s\n%s", event.source, event.message, event.traceback)
+        in_flight_prompts = terms.outstanding - terms.ready
+        paused = state.get(StateField.PAUSED, "0") == "1"
+        cause = wait_cause(
+            producers_alive=alive, paused=paused, prompts_waiting=max(0, queued - in_flight_prompts),
+            in_flight_prompts=in_flight_prompts, ready=terms.ready, refusals=refusals,
+            terms=terms if self.config.admission_enabled else None,
+            engine_retries=_engine_retries(beats, now, self.config.heartbeat_timeout), last_error=last_error,
+        )
         summary = (
-            f"backlog {backlog}, prompts queued {queued}, in flight {in_flight} samples, "
-            f"live producers {alive}, paused {state.get(StateField.PAUSED, '0') == '1'}"
-            + (f", last error: {last_error}" if last_error else "")
+            f"{cause} (backlog {backlog}, prompts queued {queued}, in flight {in_flight} samples, "
+            f"live producers {alive}, paused {paused})"
         )
         return alive, summary
 
@@ -668,6 +684,19 @@ class GroupConsumer:
             weight_version=version,
             redelivered=redelivered,
         )
+
+
+def _engine_retries(beats: Mapping[bytes, bytes], now: int, timeout_s: float) -> int:
+    """Engine requests retried by the live producers (their heartbeats)."""
+    total = 0
+    for raw in beats.values():
+        try:
+            beat = Heartbeat.parse(raw)
+        except ValueError:
+            continue
+        if beat.alive(now, timeout_s):
+            total += beat.engine_retries
+    return total
 
 
 async def _hold_name(lease: NameLease, keys: Keys, name: str, wait: float) -> None:

@@ -2,6 +2,8 @@
 pause/resume and releasing a gone trainer. The CLI is a thin layer over these functions; they
 are plain async functions over a redis client so scripts and dashboards can call them too."""
 
+from rollstream.common.admission import DEFAULT_STALL_AFTER
+
 from .control import pause, release_consumer, resume
 from .deadletter import DeadEntry, dead_entries, dead_entry, drop_dead, requeue_dead
 from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, judge
@@ -9,6 +11,7 @@ from .namespaces import delete_namespace, existing_keys, list_namespaces
 from .snapshot import SCHEMA_VERSION, snapshot
 
 __all__ = [
+    "DEFAULT_STALL_AFTER",
     "DEFAULT_STUCK_AFTER",
     "LEASE_WARNING_FRACTION",
     "SCHEMA_VERSION",

@@ -1,18 +1,16 @@
 """Reading raw Redis replies (bytes or str, possibly missing) as text and integers, leniently:
-operator views must show a damaged entry, not crash on it."""
+operator views must show a damaged entry, not crash on it. The parsers are the protocol
+layer's (:mod:`rollstream.common.parse`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rollstream.common.parse import int_or, text
 
-def text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+__all__ = ["as_int", "text"]
 
 
 def as_int(value: Any) -> int:
     """The integer in ``value``; 0 when it is missing or not an integer."""
-    try:
-        return int(text(value)) if value not in (None, b"", "") else 0
-    except ValueError:
-        return 0
+    return int_or(value)

@@ -72,8 +72,8 @@ async def dead_entries(
 
 
 async def requeue_dead(redis: Redis, keys: Keys, entry: DeadEntry) -> str | None:
-    """Move one dead entry back to the prompt stream as a fresh attempt; the new prompt id,
-    or None when it was already gone. Raises ValueError for entries that cannot be decoded."""
+    """Move one dead entry back as a fresh attempt (to the retry stream, admitted first); the new
+    prompt id, or None when it was already gone. Raises ValueError for entries that cannot be decoded."""
     if entry.prompt is None:
         raise ValueError(f"dead entry {entry.id} cannot be requeued: {entry.error}")
     fresh = dataclasses.replace(

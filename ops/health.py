@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollstream.common.admission import AdmissionTerms, admission_stall
 from rollstream.common.events import FATAL, unrecovered
 
 DEFAULT_STUCK_AFTER = 300.0
@@ -16,12 +17,18 @@ LEASE_WARNING_FRACTION = 0.8
 """A lease idle for more than this fraction of ``lease_seconds`` is about to be taken over."""
 
 
-def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
-    """The verdict on one snapshot: problems make it unhealthy, warnings do not."""
+def judge(
+    snap: dict[str, Any], stuck_after: float, now: int, *, terms: AdmissionTerms | None = None
+) -> dict[str, Any]:
+    """The verdict on one snapshot: problems make it unhealthy, warnings do not. ``terms``: the
+    admission rule's terms, named in an "admission stalled" problem."""
     problems: list[str] = []
     warnings: list[str] = []
-    if snap["config"] is None:
+    if snap.get("config_error"):
+        problems.append(f"the config hash is damaged: {snap['config_error']}")
+    elif snap["config"] is None:
         problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
+    problems += [f"damaged value: {line}" for line in snap.get("damaged", [])]
     producers = snap["producers"]
     alive = [p for p in producers if p["alive"]]
     dead = [p for p in producers if p["status"] == "dead"]
@@ -54,6 +61,21 @@ def judge(snap: dict[str, Any], stuck_after: float, now: int) -> dict[str, Any]:
             f"for {(now - last_trainer) / 1000:.0f} s (> {stuck_after:.0f} s)"
         )
     prompts = snap["prompts"]
+    retry = snap.get("retry") or {"waiting": 0, "in_flight": 0}
+    admission = snap.get("admission")
+    if admission is not None and alive:
+        stall = admission_stall(
+            producers_alive=len(alive),
+            prompts_waiting=prompts["waiting"] + retry["waiting"],
+            in_flight_prompts=prompts["in_flight"] + retry["in_flight"],
+            ready=groups["backlog"],
+            last_admit_age_s=admission["last_admit_age_s"],
+            refusals=admission["refusals"],
+            terms=terms,
+            stall_after=admission["stall_after_s"],
+        )
+        if stall is not None:
+            problems.append(stall)
     if prompts["leases_expiring"]:
         warnings.append(
             f"{prompts['leases_expiring']} prompt lease(s) idle past {LEASE_WARNING_FRACTION:.0%} of "

@@ -12,11 +12,13 @@ import dataclasses
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common.admission import DEFAULT_STALL_AFTER
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.protocol import Heartbeat, StreamView, read_heartbeats
+from rollstream.common.parse import damaged_fields
+from rollstream.common.protocol import Heartbeat, StreamView, admission_refusals, read_admission_terms, read_heartbeats
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -72,6 +74,14 @@ async def _prompts_section(view: StreamView, keys: Keys, lease_s: float, now: in
     return section
 
 
+async def _retry_section(view: StreamView, keys: Keys) -> dict[str, Any]:
+    """The retry stream: recycled, returned and requeued prompts, admitted before fresh ones."""
+    length = await view.length(keys.retry)
+    summary = await view.pending_summary(keys.retry, PRODUCERS_GROUP)
+    pending = int(summary["pending"]) if summary is not None else 0
+    return {"queued": length, "in_flight": pending, "waiting": max(0, length - pending)}
+
+
 async def _groups_section(view: StreamView, keys: Keys, now: int) -> dict[str, Any]:
     length = await view.length(keys.groups)
     section: dict[str, Any] = {
@@ -104,8 +114,9 @@ def _producer_rows(
         name = _text(name_raw)
         try:
             beat = Heartbeat.parse(value)
-        except ValueError:
-            rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200]})
+        except ValueError as exc:
+            rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200],
+                         "damage": str(exc)})
             continue
         alive = beat.alive(now, timeout_s)
         status = beat.state if (beat.fresh(now, timeout_s) or beat.state not in ALIVE_STATES) else "dead"
@@ -129,6 +140,8 @@ def _producer_rows(
                 "long_request_s": beat.long_request_s,
                 "last_seen_ms": beat.last_seen_ms,
                 "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
+                "admission": beat.admission,
+                "admission_refused_for_s": _age_s(now, beat.admission_since_ms) if beat.admission else None,
             }
         )
     rows.sort(key=lambda r: (not r["alive"], r["name"]))
@@ -150,11 +163,16 @@ def _event_row(event: Any, now: int) -> dict[str, Any]:
 
 
 async def snapshot(
-    redis: Redis, keys: Keys, *, stuck_after: float = DEFAULT_STUCK_AFTER, events: int = 5
+    redis: Redis,
+    keys: Keys,
+    *,
+    stuck_after: float = DEFAULT_STUCK_AFTER,
+    events: int = 5,
+    stall_after: float = DEFAULT_STALL_AFTER,
 ) -> dict[str, Any]:
     """Everything an operator needs about one namespace, with a health verdict."""
-    if stuck_after <= 0:
-        raise ConfigError(f"stuck_after must be positive, got {stuck_after!r}")
+    if stuck_after <= 0 or stall_after <= 0:
+        raise ConfigError(f"stuck_after and stall_after must be positive, got {stuck_after!r}, {stall_after!r}")
     now = now_ms()
     view = StreamView(redis, keys)
     raw_config = await view.config_hash()
@@ -168,11 +186,18 @@ async def snapshot(
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
     lease_s = float(config.lease_seconds if config else defaults["lease_seconds"])  # type: ignore[arg-type]
     timeout_s = float(config.heartbeat_timeout if config else defaults["heartbeat_timeout"])  # type: ignore[arg-type]
-    state = {_text(k): _text(v) for k, v in (await view.state_hash()).items()}
+    raw_state = await view.state_hash()
+    state = {_text(k): _text(v) for k, v in raw_state.items()}
     prompts = await _prompts_section(view, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
-    producers = _producer_rows(await read_heartbeats(redis, keys), pending_by_producer, timeout_s, now)
+    raw_beats = await read_heartbeats(redis, keys)
+    producers = _producer_rows(raw_beats, pending_by_producer, timeout_s, now)
     recent = await recent_events(redis, keys, count=50)
+    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX,))
+    for name, value in raw_beats.items():
+        if (what := Heartbeat.damage(value)) is not None:
+            damaged.append(f"{keys.producers} field {_text(name)!r}: {what}")
+    damaged += [e.damaged for e in recent if e.damaged]
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
     counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
     counters["admission_blocked_s"] = round(_int(state.get(StateField.ADMISSION_BLOCKED_MS)) / 1000, 3)
@@ -197,6 +222,7 @@ async def snapshot(
         "config": dataclasses.asdict(config) if config else None,
         "config_error": config_error,
         "prompts": prompts,
+        "retry": await _retry_section(view, keys),
         "groups": await _groups_section(view, keys, now),
         "dead": {"length": await view.length(keys.dead)},
         "producers": producers,
@@ -209,6 +235,16 @@ async def snapshot(
             "dataset": state.get(StateField.FEED_DATASET) or None,
         },
         "events": errors,
+        "damaged": damaged,
     }
-    snap["health"] = judge(snap, stuck_after, now)
+    terms = await read_admission_terms(redis, keys, config) if config is not None else None
+    snap["admission"] = {
+        "enabled": bool(config and config.admission_enabled),
+        **(terms.as_dict() if terms is not None else {}),
+        "last_admit_ms": when(StateField.LAST_ADMIT_MS),
+        "last_admit_age_s": _age_s(now, when(StateField.LAST_ADMIT_MS)),
+        "refusals": admission_refusals(raw_beats, now, timeout_s),
+        "stall_after_s": stall_after,
+    }
+    snap["health"] = judge(snap, stuck_after, now, terms=terms)
     return snap

@@ -3,9 +3,11 @@
 One asyncio process, several cooperating loops (all tasks referenced, all cancelled on exit):
 
 * **admission**: waits for room for ``n`` samples under ``concurrency``, then runs the ADMIT
-  script, which reads one prompt only if the pipeline is not paused, the group backlog is
-  under ``max_backlog`` and staleness-aware admission allows it. Nothing blocks the event loop
-  and nothing is buffered: a prompt is read only when it can start at once.
+  script for as many prompts as it has room for (``free samples // n``); ADMIT reads them
+  (retry stream first) only if the pipeline is not paused, the ready backlog is under
+  ``max_backlog`` and staleness-aware admission allows it, and at most as many as the rule
+  allows. Nothing blocks the event loop and nothing is buffered: a prompt is read only when it
+  can start at once. The last refusal and since when go into the heartbeat.
 * **work**: one task per admitted prompt; publishing the group and acknowledging the prompt is
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
   never published twice. Capacity goes back **per sample**: as each sample's engine request
@@ -57,7 +59,7 @@ from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_e
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, Entry, Heartbeat, PromptQueue, write_heartbeat
+from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
 
 from .engine import EngineClient
 from .rewards import RewardFunction
@@ -172,6 +174,8 @@ class _Capacity:
 
 @dataclass(slots=True)
 class _Work:
+    stream: str
+    """The prompt stream the entry belongs to (``prompts`` or ``retry``)."""
     prompt_id: bytes
     fields: dict[bytes, bytes]
     version: int
@@ -232,6 +236,8 @@ class Producer:
         self._reclaim_due = False
         self._outage = Outage(logger, f"producer {self.name}")
         self._blocked_since: float | None = None
+        self._refusal = ""
+        self._refusal_since_ms = 0
         self._blocked_total = 0.0
         self._blocked_reported = 0.0
         self._started = time.time()
@@ -356,13 +362,16 @@ class Producer:
 
     # -- admission ----------------------------------------------------------------------
 
-    def _blocked(self, blocked: bool) -> None:
+    def _blocked(self, blocked: bool, reason: str = "") -> None:
         now = time.monotonic()
         if blocked and self._blocked_since is None:
             self._blocked_since = now
         elif not blocked and self._blocked_since is not None:
             self._blocked_total += now - self._blocked_since
             self._blocked_since = None
+        if reason != self._refusal:
+            self._refusal = reason
+            self._refusal_since_ms = now_ms() if reason else 0
 
     async def _admission_loop(self) -> None:
         n = self.config.n_samples_per_prompt
@@ -374,31 +383,34 @@ class Producer:
                 continue
             if not await self._capacity.take(n, self._stopping):
                 return
-            admitted = False
+            extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
+            self._capacity.free -= extra * n
+            held = count = 1 + extra
             try:
                 admission = await self._outage.run(
-                    lambda: self.prompts.admit(
+                    lambda count=count: self.prompts.admit(
                         max_backlog=cfg.max_backlog,
                         admission=cfg.admission_enabled,
                         max_staleness=cfg.max_staleness or 0,
                         batch_size=cfg.batch_size,
+                        steps_per_version=cfg.steps_per_version,
+                        count=count,
                     )
                 )
-                if admission.entry is not None:
-                    self._blocked(False)
-                    entry_id, fields = admission.entry
-                    self._start_work(entry_id, fields, admission.weight_version)
-                    admitted = True
-                    continue
+                for item in admission.entries:
+                    self._start_work(item, admission.weight_version)
+                    held -= 1
             finally:
-                if not admitted:
-                    self._capacity.give(n)
+                if held:
+                    self._capacity.give(held * n)
             status = admission.status
-            if status == "empty":
+            if status == "ok":
+                self._blocked(False)
+            elif status == "empty":
                 self._blocked(False)
                 await self._wait_for_prompts()
             else:
-                self._blocked(True)
+                self._blocked(True, status)
                 self.metrics.admission_blocked(status)
                 await self._nap(0.2 if status == "backlog" else 1.0)
 
@@ -418,11 +430,14 @@ class Producer:
         if isinstance(results[0], TRANSIENT_ERRORS):
             await self._outage.failed(results[0])
 
-    def _start_work(self, prompt_id: bytes, fields: dict[bytes, bytes], version: int) -> None:
+    def _start_work(self, item: Admitted, version: int) -> None:
         """Run a prompt whose ``n`` units of capacity were just taken."""
-        work = _Work(prompt_id=prompt_id, fields=fields, version=version, held=self.config.n_samples_per_prompt)
-        self._work[prompt_id] = work
-        work.task = asyncio.create_task(self._run_work(work), name=f"work-{prompt_id.decode()}")
+        work = _Work(
+            stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
+            held=self.config.n_samples_per_prompt,
+        )
+        self._work[item.entry_id] = work
+        work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
 
     # -- one prompt ---------------------------------------------------------------------
 
@@ -445,7 +460,7 @@ class Producer:
             work.prompt = prompt
             group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
             fields = group_fields(group)
-            result = await self._outage.run(lambda: self.prompts.publish(work.prompt_id, fields))
+            result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
             if result is None:
                 self.duplicates += 1
@@ -467,7 +482,7 @@ class Producer:
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
         logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
-        await self._outage.run(lambda: self.prompts.dead_letter(work.prompt_id, work.fields, reason))
+        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
@@ -478,21 +493,23 @@ class Producer:
             logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
             await self._take_over(claimed)
 
-    async def _take_over(self, claimed: list[Entry]) -> None:
+    async def _take_over(self, claimed: list[Admitted]) -> None:
         n = self.config.n_samples_per_prompt
         version = await self._trainer_version()
-        for entry_id, fields in claimed:
-            if not fields:
-                await self._outage.run(lambda e=entry_id: self.prompts.ack_deleted(e))
+        for item in claimed:
+            if not item.fields:
+                await self._outage.run(lambda i=item: self.prompts.ack_deleted(i.stream, i.entry_id))
                 continue
-            if entry_id in self._work:
+            if item.entry_id in self._work:
                 continue
             if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[entry_id] = _Work(prompt_id=entry_id, fields=fields, version=version)
+                self._work[item.entry_id] = _Work(
+                    stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version
+                )
                 continue
             self.reclaimed += 1
-            self._start_work(entry_id, fields, version)
+            self._start_work(item, version)
             # Only a counter, but a Redis outage here must not become a fatal error.
             await self._outage.run(self.prompts.count_reclaimed)
 
@@ -504,11 +521,16 @@ class Producer:
         while True:
             _check_cancelled()
             await asyncio.sleep(interval)
-            ids = [pid for pid, w in self._work.items() if not w.lease_lost]
-            if not ids:
+            by_stream: dict[str, list[bytes]] = {}
+            for pid, w in self._work.items():
+                if not w.lease_lost:
+                    by_stream.setdefault(w.stream, []).append(pid)
+            if not by_stream:
                 continue
+            lost: list[bytes] = []
             try:
-                lost = await self.prompts.renew(ids)
+                for stream, ids in by_stream.items():
+                    lost.extend(await self.prompts.renew(stream, ids))
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
                 continue
@@ -590,6 +612,8 @@ class Producer:
             engines=list(self.engine.settings.urls),
             started_ms=int(self._started * 1000),
             last_seen_ms=now_ms(),
+            admission=self._refusal,
+            admission_since_ms=self._refusal_since_ms,
             long_requests=long_requests,
             oldest_request_s=round(oldest_request, 1),
             long_request_s=self.settings.long_request_after,
@@ -673,11 +697,11 @@ class Producer:
         )
 
     async def _return_unfinished(self) -> None:
-        """Put the prompts still held back at the end of the stream, with their attempt unchanged."""
+        """Put the prompts still held into the retry stream, with their attempt unchanged."""
         for work in list(self._work.values()):
             try:
                 returned = await self._outage.run(
-                    lambda w=work: self.prompts.give_back(w.prompt_id, w.fields), give_up_after=30
+                    lambda w=work: self.prompts.give_back(w.stream, w.prompt_id, w.fields), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(

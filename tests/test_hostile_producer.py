@@ -108,11 +108,14 @@ async def test_a_producer_failing_in_its_first_milliseconds_records_it_and_exits
         assert time.monotonic() - started < 30
         fatal = [e for e in await recent_events(redis, keys) if e.kind == "fatal" and e.source == f"early-{round_}"]
         assert fatal and "EngineError" in fatal[0].message + fatal[0].traceback
-    # Each prompt is back in the stream (returned by the failing producer) or dead-lettered (the
-    # bad one, once its task ran before the shutdown); nothing is left pending or doubled.
+    # Each prompt is back (in the prompt stream, or the retry stream when returned by the failing
+    # producer) or dead-lettered (the bad one, once its task ran before the shutdown); nothing is
+    # left pending or doubled.
     dead = await dead_reasons(redis, ns)
-    assert len(dead) <= 1 and await redis.xlen(keys.prompts) + len(dead) == 2
-    assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    queued = await redis.xlen(keys.prompts) + await redis.xlen(keys.retry)
+    assert len(dead) <= 1 and queued + len(dead) == 2
+    for stream in (keys.prompts, keys.retry):
+        assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
 
 
 # -- item 2: poison prompts and broken rewards ---------------------------------------------------
@@ -225,9 +228,10 @@ async def test_a_reward_broken_for_every_prompt_is_fatal_with_a_clear_message(
     assert "failed on 3 distinct prompts in a row" in fatal.message and "this reward is broken" in fatal.message
     # Accounting: the failed groups published so far, plus the prompts returned or never admitted.
     groups = [int(f[b"index"]) for _, f in await redis.xrange(keys.groups)]
-    prompts = [int(f[b"index"]) for _, f in await redis.xrange(keys.prompts)]
+    prompts = [int(f[b"index"]) for stream in (keys.prompts, keys.retry) for _, f in await redis.xrange(stream)]
     assert len(groups) == 2 and sorted(groups + prompts) == list(range(6))
-    assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    for stream in (keys.prompts, keys.retry):
+        assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
 
 
 async def _len(redis: Redis, key: str, n: int) -> bool:

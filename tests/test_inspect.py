@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 from conftest import add_prompts, make_namespace, wait_until
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
@@ -72,8 +73,9 @@ async def test_inspect_json_counts_after_feed_take_commit_recycle_and_a_killed_p
     assert code == 0, snap["health"]
     assert snap["schema"] == 1 and snap["namespace"] == ns
     assert snap["prompts"] == {
-        **snap["prompts"], "queued": 1, "in_flight": 0, "waiting": 1, "leases_expiring": 0,
+        **snap["prompts"], "queued": 0, "in_flight": 0, "waiting": 0, "leases_expiring": 0,
     }
+    assert snap["retry"] == {"queued": 1, "in_flight": 0, "waiting": 1}  # the recycled (failed) prompt
     groups = snap["groups"]
     assert (groups["length"], groups["backlog"], groups["taken_uncommitted"]) == (5, 0, 5)
     assert [(c["name"], c["pending"]) for c in groups["consumers"]] == [("trainer-0", 5)]
@@ -151,3 +153,51 @@ async def test_a_fatal_event_with_no_group_published_since_is_unhealthy(redis_ur
     assert fatal and fatal[0]["source"] == "broken" and "Traceback" in fatal[0]["traceback_head"][0]
     assert "EngineError" in fatal[0]["exception"]
     assert {p["name"]: p["status"] for p in snap["producers"]} == {"broken": "failed"}
+
+
+async def test_inspect_reports_an_admission_stall_with_its_terms_and_take_names_it(
+    redis_url, ns, redis, sim, procs, caplog
+):
+    """A gone producer's 8 leases fill the admission capacity ((S + 1) * G = 8): the live producer
+    is refused (staleness), nothing is ready, 40 prompts wait. Stalled (exit 1) past
+    ``--stall-after``, with the rule's terms; HEALTHY again once the leases are released."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, max_staleness=1, lease_seconds=120.0)
+    await add_prompts(redis, ns, 48)
+    ghost = await redis.xreadgroup("producers", "ghost", {keys.prompts: ">"}, count=8)
+    ghost_ids = [eid for eid, _ in ghost[0][1]]
+    procs.producer(redis_url, ns, sim.url, name="live")
+
+    async def stalled() -> bool:
+        code, snap = await inspect_json(redis_url, ns, "--stall-after", "1")
+        return code == 1 and any("admission stalled" in p for p in snap["health"]["problems"])
+
+    await wait_until(stalled, timeout=20, interval=0.5, message=f"inspect to report the stall\n{procs.logs()}")
+    code, snap = await inspect_json(redis_url, ns, "--stall-after", "1")
+    (problem,) = [p for p in snap["health"]["problems"] if "admission stalled" in p]
+    assert "staleness" in problem and "40 prompts queued" in problem, problem
+    admission = snap["admission"]
+    assert {k: admission[k] for k in ("outstanding", "capacity", "c", "groups_per_version", "room")} == {
+        "outstanding": 8, "capacity": 8, "c": 0, "groups_per_version": 4, "room": 0,
+    }
+    assert (admission["steps_per_version"], admission["max_staleness"], admission["batch_size"]) == (1, 1, 4)
+    assert admission["refusals"]["staleness"] > 1 and admission["last_admit_ms"] is None
+    assert [p["admission"] for p in snap["producers"]] == ["staleness"]
+    code, text = await run_inspect(redis_url, ns, "--stall-after", "1")
+    assert code == 1 and "admission stalled" in text and "outstanding" in text
+
+    # take() waits, and its warning says why.
+    caplog.set_level("WARNING", logger="rollstream.consumer.consumer")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer", warn_interval=0.3) as consumer:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await consumer.take(4)
+    assert "admission blocked by staleness: outstanding 8 >= capacity 8" in caplog.text, caplog.text
+
+    # The gone producer's prompts are dealt with (here: acknowledged): admission flows again.
+    await redis.xack(keys.prompts, "producers", *ghost_ids)
+    await redis.xdel(keys.prompts, *ghost_ids)
+    await wait_until(lambda: _eq(redis.xlen(keys.groups), 8), message=f"8 groups\n{procs.logs()}")
+    code, snap = await inspect_json(redis_url, ns, "--stall-after", "1")
+    assert code == 0 and snap["health"]["problems"] == [], snap["health"]
+    assert snap["admission"]["last_admit_ms"] is not None

@@ -44,7 +44,9 @@ async def _pending(redis: Redis, ns: str) -> int:
 async def _left_in_streams(redis: Redis, ns: str) -> list[int]:
     keys = Keys(ns)
     groups = [decode_group_entry(f).index for _, f in await redis.xrange(keys.groups)]
-    prompts = [decode_prompt_entry(f).index for _, f in await redis.xrange(keys.prompts)]
+    prompts = [
+        decode_prompt_entry(f).index for stream in (keys.retry, keys.prompts) for _, f in await redis.xrange(stream)
+    ]
     return groups + prompts
 
 

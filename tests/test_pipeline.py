@@ -86,7 +86,8 @@ async def test_backlog_stays_under_max_backlog_without_a_trainer(
     keys = Keys(ns)
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_backlog=5)
     await add_prompts(redis, ns, 40)
-    procs.producer(redis_url, ns, sim.url, concurrency=8)  # up to 4 prompts in flight
+    # Up to 8 prompts in flight: capacity goes back per sample, and a prompt holds at least one.
+    procs.producer(redis_url, ns, sim.url, concurrency=8)
     lengths = []
     for _ in range(60):
         lengths.append(await redis.xlen(keys.groups))
@@ -94,7 +95,7 @@ async def test_backlog_stays_under_max_backlog_without_a_trainer(
     await wait_until(lambda: _at_least(redis.xlen(keys.groups), 5), timeout=20, message="backlog at its cap")
     await asyncio.sleep(1.0)
     lengths.append(await redis.xlen(keys.groups))
-    assert max(lengths) <= 5 + 4
+    assert max(lengths) <= 5 + 8
     assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0  # nothing admitted past the cap
 
 
@@ -134,9 +135,9 @@ async def test_engine_that_keeps_failing_is_fatal_and_the_prompt_stays(
     events = await recent_events(redis, keys, kind=FATAL)
     assert events and events[0].source == "doomed"
     assert "EngineError" in events[0].message and "Traceback" in events[0].traceback
-    rows = await redis.xrange(keys.prompts)
-    assert [int(r[1][b"index"]) for r in rows] == [0]
-    assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
+    rows = await redis.xrange(keys.retry)  # returned prompts are served first
+    assert [int(r[1][b"index"]) for r in rows] == [0] and await redis.xlen(keys.prompts) == 0
+    assert (await redis.xpending(keys.retry, PRODUCERS_GROUP))["pending"] == 0
 
 
 async def test_producer_refuses_a_namespace_without_config_or_with_other_flags(

@@ -55,7 +55,8 @@ async def _publish(redis: Redis, ns: str, group: Group) -> None:
 
 
 async def _prompts(redis: Redis, ns: str) -> list[Any]:
-    return [decode_prompt_entry(fields) for _, fields in await redis.xrange(Keys(ns).prompts)]
+    """The recycled prompts (the retry stream, served before fresh prompts)."""
+    return [decode_prompt_entry(fields) for _, fields in await redis.xrange(Keys(ns).retry)]
 
 
 async def _state(redis: Redis, ns: str) -> dict[str, str]:
@@ -194,7 +195,7 @@ async def test_filter_drops_zero_variance_groups_without_recycling(redis: Redis,
     assert batch.metrics["filtered"] == 2
     assert batch.metrics["filtered/zero_variance"] == 2
     assert batch.metrics["recycled_filtered"] == 0
-    assert await redis.xlen(Keys(ns).prompts) == 0  # dropped, not recycled
+    assert await redis.xlen(Keys(ns).prompts) == await redis.xlen(Keys(ns).retry) == 0  # dropped, not recycled
     assert await redis.xlen(Keys(ns).groups) == 0
     state = await _state(redis, ns)
     assert state["filtered"] == "2" and state["filtered:zero_variance"] == "2"

@@ -61,7 +61,7 @@ async def test_publish_adds_group_acks_prompt_and_counts(r: Redis, ns: str) -> N
     keys, scripts = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     pid = await _read_prompt(r, keys)
-    gid = await scripts.publish(pid, {"index": 0, "data": b"x"}, now_ms=1234)
+    gid = await scripts.publish(keys.prompts, pid, {"index": 0, "data": b"x"}, now_ms=1234)
     assert gid is not None
     assert await r.xlen(keys.prompts) == 0  # acknowledged and deleted
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
@@ -75,8 +75,8 @@ async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(r: Red
     keys, scripts = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     pid = await _read_prompt(r, keys)
-    assert await scripts.publish(pid, {"index": 0}, now_ms=1) is not None
-    assert await scripts.publish(pid, {"index": 0}, now_ms=2) is None
+    assert await scripts.publish(keys.prompts, pid, {"index": 0}, now_ms=1) is not None
+    assert await scripts.publish(keys.prompts, pid, {"index": 0}, now_ms=2) is None
     assert await r.xlen(keys.groups) == 1
     state = await _state(r, keys)
     assert state["published"] == "1" and state["duplicates_discarded"] == "1"
@@ -86,32 +86,33 @@ async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(r: Red
 # -- MOVE (recycle, return, dead-letter) --------------------------------------------------
 
 
-async def test_recycle_moves_group_back_to_prompts_and_counts(r: Redis, ns: str) -> None:
+async def test_recycle_moves_group_back_to_the_retry_stream_and_counts(r: Redis, ns: str) -> None:
     keys, scripts = await _setup(r, ns)
     gid = await r.xadd(keys.groups, {"index": 3})
     await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
     assert await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
     assert await r.xlen(keys.groups) == 0
-    rows = await r.xrange(keys.prompts)
+    rows = await r.xrange(keys.retry)
     assert len(rows) == 1 and rows[0][1] == {b"index": b"3", b"attempt": b"1"}
+    assert await r.xlen(keys.prompts) == 0
     assert (await _state(r, keys))["recycled_stale"] == "1"
     # Re-sent (or a second holder): nothing happens.
     assert not await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
-    assert await r.xlen(keys.prompts) == 1
+    assert await r.xlen(keys.retry) == 1
     assert (await _state(r, keys))["recycled_stale"] == "1"
 
 
-async def test_return_prompt_requeues_at_the_end_and_counts(r: Redis, ns: str) -> None:
+async def test_return_prompt_goes_to_the_retry_stream_and_counts(r: Redis, ns: str) -> None:
     keys, scripts = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     await r.xadd(keys.prompts, {"index": 1})
     pid = await _read_prompt(r, keys)
-    assert await scripts.return_prompt(pid, {"index": 0})
-    rows = await r.xrange(keys.prompts)
-    assert [row[1][b"index"] for row in rows] == [b"1", b"0"]
+    assert await scripts.return_prompt(keys.prompts, pid, {"index": 0})
+    assert [row[1][b"index"] for row in await r.xrange(keys.prompts)] == [b"1"]
+    assert [row[1][b"index"] for row in await r.xrange(keys.retry)] == [b"0"]
     assert (await _state(r, keys))["returned"] == "1"
-    assert not await scripts.return_prompt(pid, {"index": 0})
-    assert await r.xlen(keys.prompts) == 2
+    assert not await scripts.return_prompt(keys.prompts, pid, {"index": 0})
+    assert await r.xlen(keys.retry) == 1
 
 
 async def test_dead_letter_keeps_fields_and_reason(r: Redis, ns: str) -> None:
@@ -188,53 +189,48 @@ async def test_admit_refuses_while_paused(r: Redis, ns: str) -> None:
     keys, scripts = await _setup(r, ns, max_staleness=1)
     await r.xadd(keys.prompts, {"index": 0})
     await r.hset(keys.state, StateField.PAUSED, 1)
-    assert (await scripts.admit(**_admit_args()))[0] == "paused"
+    assert (await scripts.admit(**_admit_args())).status == "paused"
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
     assert "admitted" not in await _state(r, keys)
 
 
-async def test_admit_refuses_at_the_backlog_cap(r: Redis, ns: str) -> None:
+async def test_admit_refuses_at_the_ready_backlog_cap(r: Redis, ns: str) -> None:
     keys, scripts = await _setup(r, ns, max_staleness=1)
     await r.xadd(keys.prompts, {"index": 0})
     for i in range(3):
         await r.xadd(keys.groups, {"index": i})
-    assert (await scripts.admit(**_admit_args(max_backlog=3)))[0] == "backlog"
+    reply = await scripts.admit(**_admit_args(max_backlog=3, admission=False))
+    assert (reply.status, reply.terms) == ("backlog", [3])
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
 
 
-async def test_admit_staleness_rule_boundary(r: Redis, ns: str) -> None:
-    """outstanding = admitted - recycled_* - filtered - dead - returned vs (v + s + 1) * B."""
-    keys, scripts = await _setup(r, ns, max_staleness=1)
-    await r.xadd(keys.prompts, {"index": 0})
-    # v=0, s=1, B=2: capacity 4. 4 outstanding -> refused.
-    await r.hset(keys.state, mapping={"weight_version": 0, "admitted": 4})
-    assert (await scripts.admit(**_admit_args()))[0] == "staleness"
-    # Every "not outstanding any more" counter frees one slot each.
-    for counter in (
-        "recycled_aborted", "recycled_stale", "recycled_failed", "recycled_filtered", "filtered",
-        "dead_lettered", "returned",
-    ):
-        await r.hset(keys.state, mapping={"admitted": 5, counter: 1})
-        assert (await scripts.admit(**_admit_args()))[0] == "staleness", counter  # 4 outstanding
-        await r.hset(keys.state, counter, 2)
-        status = (await scripts.admit(**_admit_args(max_backlog=0)))[0]
-        assert status == "backlog", counter  # passed the staleness check (3 < 4)
-        await r.hdel(keys.state, counter)
-    # Committed groups are not subtracted; a higher version raises the cap instead.
-    await r.hset(keys.state, mapping={"admitted": 4, "committed": 4})
-    assert (await scripts.admit(**_admit_args()))[0] == "staleness"
-    await r.hset(keys.state, "weight_version", 1)  # (1 + 1 + 1) * 2 = 6 > 4
-    assert (await scripts.admit(**_admit_args(max_backlog=0)))[0] == "backlog"
-    # max_staleness 0 at v=1: (1 + 0 + 1) * 2 = 4, not above 4 outstanding.
-    assert (await scripts.admit(**_admit_args(max_staleness=0)))[0] == "staleness"
-    await r.hset(keys.state, "admitted", 3)
-    assert (await scripts.admit(**_admit_args(max_staleness=0, max_backlog=0)))[0] == "backlog"
+async def test_admit_backlog_cap_ignores_taken_groups(redis: Redis, ns: str) -> None:
+    """Taken-but-uncommitted groups are not backlog: a trainer that commits only at checkpoints
+    must not block admission."""
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    await redis.xadd(keys.prompts, {"index": 0})
+    for i in range(3):
+        await redis.xadd(keys.groups, {"index": i})
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"}, count=1)
+    assert (await scripts.admit(**_admit_args(max_backlog=3, admission=False))).status == "ok"
 
 
-async def test_admit_without_admission_control_ignores_staleness(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns, max_staleness=1)
-    await r.hset(keys.state, "admitted", 1000)
-    assert (await scripts.admit(**_admit_args(admission=False, max_backlog=0)))[0] == "backlog"
+async def test_admit_reads_no_more_than_the_backlog_room(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    for i in range(10):
+        await redis.xadd(keys.prompts, {"index": i})
+    for i in range(3):
+        await redis.xadd(keys.groups, {"index": i})
+    reply = await scripts.admit(**_admit_args(max_backlog=5, admission=False, count=8))
+    assert reply.status == "ok" and len(reply.entries) == 2
+
+
+async def test_admit_without_admission_control_ignores_staleness(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    for i in range(20):
+        await redis.xadd(keys.prompts, {"index": i})
+    reply = await scripts.admit(**_admit_args(admission=False, count=20, max_backlog=100))
+    assert reply.status == "ok" and len(reply.entries) == 20
 
 
 async def test_admit_reads_one_prompt_counts_it_and_reports_version(redis: Redis, ns: str) -> None:
@@ -243,17 +239,31 @@ async def test_admit_reads_one_prompt_counts_it_and_reports_version(redis: Redis
     await redis.hset(keys.state, "weight_version", 7)
     first = await redis.xadd(keys.prompts, {"index": 0, "data": b"\x00\xff"})
     await redis.xadd(keys.prompts, {"index": 1})
-    status, entry_id, fields, version = await scripts.admit(**_admit_args())
-    assert (status, entry_id, version) == ("ok", first, 7)
-    assert fields == {b"index": b"0", b"data": b"\x00\xff"}
+    reply = await scripts.admit(**_admit_args(now_ms=555))
+    assert (reply.status, reply.weight_version) == ("ok", 7)
+    assert reply.entries == [(keys.prompts, first, {b"index": b"0", b"data": b"\x00\xff"})]
     pending = await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(first, b"p1")]
-    assert (await _state(redis, keys))["admitted"] == "1"
+    state = await _state(redis, keys)
+    assert state["admitted"] == "1" and state["last_admit_ms"] == "555"
 
 
-async def test_admit_on_an_empty_stream(redis: Redis, ns: str) -> None:
+async def test_admit_reads_the_retry_stream_first_fifo_then_prompts(redis: Redis, ns: str) -> None:
+    keys, scripts = await _setup(redis, ns)
+    fresh = [await redis.xadd(keys.prompts, {"index": i}) for i in range(3)]
+    retry = [await redis.xadd(keys.retry, {"index": 10 + i}) for i in range(2)]
+    reply = await scripts.admit(**_admit_args(admission=False, count=4))
+    assert [(s, e) for s, e, _ in reply.entries] == [
+        (keys.retry, retry[0]), (keys.retry, retry[1]), (keys.prompts, fresh[0]), (keys.prompts, fresh[1]),
+    ]
+    assert (await _state(redis, keys))["admitted"] == "4"
+    assert (await redis.xpending(keys.retry, PRODUCERS_GROUP))["pending"] == 2
+
+
+async def test_admit_on_empty_streams(redis: Redis, ns: str) -> None:
     keys, scripts = await _setup(redis, ns, max_staleness=1)
-    assert await scripts.admit(**_admit_args()) == ("empty", None, None, 0)
+    reply = await scripts.admit(**_admit_args())
+    assert (reply.status, reply.entries) == ("empty", [])
     assert "admitted" not in await _state(redis, keys)
 
 
@@ -266,12 +276,12 @@ async def test_renew_own_entries_and_report_lost_ones(r: Redis, ns: str) -> None
     await r.xadd(keys.prompts, {"index": 1})
     mine = await _read_prompt(r, keys, "p1")
     theirs = await _read_prompt(r, keys, "p2")
-    assert await scripts.renew("p1", [mine]) == []
+    assert await scripts.renew(keys.prompts, "p1", [mine]) == []
     # Taken over by p2, acknowledged, or never existed: lost, and never stolen back.
-    assert sorted(await scripts.renew("p1", [mine, theirs, b"1-1"])) == sorted([theirs, b"1-1"])
+    assert sorted(await scripts.renew(keys.prompts, "p1", [mine, theirs, b"1-1"])) == sorted([theirs, b"1-1"])
     pending = await r.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
     assert {p["message_id"]: p["consumer"] for p in pending} == {mine: b"p1", theirs: b"p2"}
-    assert await scripts.renew("p1", []) == []
+    assert await scripts.renew(keys.prompts, "p1", []) == []
 
 
 async def test_renew_resets_idle_time(redis: Redis, ns: str) -> None:
@@ -281,7 +291,7 @@ async def test_renew_resets_idle_time(redis: Redis, ns: str) -> None:
     await redis.xclaim(keys.prompts, PRODUCERS_GROUP, "p1", 0, [mine], idle=60_000, justid=True)
     before = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
     assert before["time_since_delivered"] >= 60_000
-    assert await scripts.renew("p1", [mine]) == []
+    assert await scripts.renew(keys.prompts, "p1", [mine]) == []
     after = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
     assert after["time_since_delivered"] < 10_000
 
