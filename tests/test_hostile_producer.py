@@ -365,8 +365,12 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
     assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] > 2
     assert any("slow-engine: 2 sample(s) with an engine request in flight for over 2 s" in w for w in seen["warnings"])
     assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
-    _, snap = await inspect_json(redis_url, ns)  # the slow requests ended: no warning any more
-    assert not any("engine request in flight" in w for w in snap["health"]["warnings"])
+
+    async def cleared() -> bool:  # the slow requests ended: no warning from the next heartbeat on
+        _, snap = await inspect_json(redis_url, ns)
+        return not any("engine request in flight" in w for w in snap["health"]["warnings"])
+
+    await wait_until(cleared, timeout=15, interval=0.3, message="the warning to go")
     st = await counters(redis, ns)
     assert st["committed"] == 3 and st.get("dead_lettered", 0) == 0
 
