@@ -406,7 +406,7 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
 
     seen = await wait_until(warned, timeout=30, interval=0.3, message="long requests in the heartbeat")
     row = seen["row"]
-    assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] > 2
+    assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] >= 2
     assert any("slow-engine: 2 sample(s) with an engine request in flight for over 2 s" in w for w in seen["warnings"])
     assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
 
