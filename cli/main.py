@@ -18,7 +18,7 @@ from rollstream import __version__
 from rollstream.common.errors import RollstreamError
 
 from . import commands, demo, inspect, ops
-from .options import common_options, redis_options
+from .options import apply_redis_secrets, common_options, redis_options
 
 
 class JsonFormatter(logging.Formatter):
@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_json)
+    apply_redis_secrets(args)
     try:
         code = args.func(args)
     except KeyboardInterrupt:

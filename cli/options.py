@@ -6,9 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from rollstream.common.connection import PASSWORD_ENV, PASSWORD_FILE_ENV
+
 REDIS_URL_ENV = "ROLLSTREAM_REDIS_URL"
 FALLBACK_URL = "redis://127.0.0.1:6379/0"
-REDIS_HELP = f"Redis URL (default ${REDIS_URL_ENV}, else {FALLBACK_URL})"
+REDIS_HELP = (
+    f"Redis URL: redis://, rediss://, redis+sentinel://, redis+cluster:// (default ${REDIS_URL_ENV}, "
+    f"else {FALLBACK_URL}); keep passwords out of it, use ${PASSWORD_ENV} or --redis-password-file"
+)
 
 
 def default_redis_url() -> str:
@@ -17,7 +22,20 @@ def default_redis_url() -> str:
 
 
 def add_redis_url(parser: argparse.ArgumentParser) -> None:
+    """``--redis`` (default ``$ROLLSTREAM_REDIS_URL``) and ``--redis-password-file``."""
     parser.add_argument("--redis", default=default_redis_url(), metavar="URL", help=REDIS_HELP)
+    parser.add_argument(
+        "--redis-password-file", default=None, metavar="PATH",
+        help=f"read the Redis password from this file (sets ${PASSWORD_FILE_ENV} for child processes too)",
+    )
+
+
+def apply_redis_secrets(args: argparse.Namespace) -> None:
+    """A password file given on the command line reaches ``connect()`` through the environment,
+    so the secret itself never appears in any process's argument list."""
+    path = getattr(args, "redis_password_file", None)
+    if path:
+        os.environ[PASSWORD_FILE_ENV] = path
 
 
 def common_options() -> argparse.ArgumentParser:

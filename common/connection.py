@@ -12,21 +12,28 @@ Two rules from redis-py's behaviour shape this module:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backoff import Backoff
+from .errors import ConfigError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     RedisConnectionError,
@@ -38,19 +45,272 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 """Errors that mean "Redis is (briefly) unreachable": retry, do not fail."""
 
 
-def connect(url: str, *, block_ms: int | None = None, name: str | None = None) -> Redis:
-    """A client for ``url``. With ``block_ms``, the socket timeout leaves room for BLOCK."""
-    socket_timeout = 10.0 if block_ms is None else block_ms / 1000 + 10.0
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=5.0,
-        health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
-        client_name=name,
-        decode_responses=False,
+PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
+"""Environment variable with the Redis password (used when the URL carries none)."""
+PASSWORD_FILE_ENV = "ROLLSTREAM_REDIS_PASSWORD_FILE"
+"""Environment variable naming a file whose first line is the Redis password."""
+USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
+"""Environment variable with the ACL user name (used when the URL carries none)."""
+SENTINEL_PASSWORD_ENV = "ROLLSTREAM_SENTINEL_PASSWORD"
+"""Environment variable with the password of the Sentinels themselves (``requirepass`` there)."""
+
+_PLAIN_SCHEMES = ("redis", "rediss", "unix")
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+_OWN_QUERY = ("wait_replicas", "wait_timeout_ms", "sentinel_password", "sentinel_username")
+_WAITED_COMMANDS = frozenset({"EVALSHA", "EVAL"})
+_MAX_WAIT_MS = 5000
+_SECRET_WORDS = ("password", "secret", "token", "key", "auth")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, and query values named like secrets (password, token, key),
+    replaced by ``***``. Used for Redis and engine URLs alike."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable Redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hosts = netloc.rpartition("@")
+        user, colon, _secret = userinfo.partition(":")
+        netloc = f"{user}:***@{hosts}" if colon else f"{user}@{hosts}"
+    query = "&".join(
+        f"{k}=***" if any(w in k.lower() for w in _SECRET_WORDS) and not k.startswith("ssl_") else f"{k}={v}"
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
     )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _read_password_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the Redis password file {path!r}: {exc.strerror}") from None
+
+
+def _credentials(parts: SplitResult, password: str | None) -> tuple[str | None, str | None]:
+    """(username, password): the URL's, else the ``password`` argument, else the environment."""
+    username = unquote(parts.username) if parts.username else None
+    secret = unquote(parts.password) if parts.password else None
+    if secret is None:
+        secret = password
+    if secret is None and os.environ.get(PASSWORD_ENV):
+        secret = os.environ[PASSWORD_ENV]
+    if secret is None and os.environ.get(PASSWORD_FILE_ENV):
+        secret = _read_password_file(os.environ[PASSWORD_FILE_ENV])
+    if username is None and os.environ.get(USERNAME_ENV):
+        username = os.environ[USERNAME_ENV]
+    return username, secret
+
+
+class _ReplicatedRedis(Redis):
+    """A client that follows each script (every state move) with ``WAIT replicas timeout`` on
+    the same connection, so the call returns once that many replicas have the write."""
+
+    wait_replicas = 1
+    wait_timeout_ms = 1000
+    unreplicated = 0
+
+    async def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
+        result = await super()._send_command_parse_response(conn, command_name, *args, **options)
+        name = command_name.decode() if isinstance(command_name, bytes) else str(command_name)
+        if name.upper() in _WAITED_COMMANDS:
+            await conn.send_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            acked = int(await conn.read_response())
+            if acked < self.wait_replicas:
+                self.unreplicated += 1
+                if self.unreplicated == 1 or self.unreplicated % 100 == 0:
+                    logger.warning(
+                        "WAIT: %d of %d replicas acknowledged within %d ms (%d writes so far)",
+                        acked, self.wait_replicas, self.wait_timeout_ms, self.unreplicated,
+                    )
+        return result
+
+
+def connect(
+    url: str,
+    *,
+    block_ms: int | None = None,
+    name: str | None = None,
+    password: str | None = None,
+    wait_replicas: int | None = None,
+    wait_timeout_ms: int | None = None,
+) -> Redis:
+    """A client for ``url``. With ``block_ms``, the socket timeout leaves room for BLOCK.
+
+    URL forms (see docs/deploy.md):
+
+    * ``redis://[[user]:pass@]host:port/db``, ``rediss://...`` (TLS; ``?ssl_ca_certs=PATH``,
+      ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``), ``unix:///path?db=0``;
+    * ``redis+sentinel://[[user]:pass@]host1:26379,host2:26379/SERVICE[/db]`` (``rediss+sentinel``
+      for TLS; ``?sentinel_password=`` or ``$ROLLSTREAM_SENTINEL_PASSWORD`` for the Sentinels);
+    * ``redis+cluster://[[user]:pass@]host1:port,host2:port`` (``rediss+cluster`` for TLS).
+
+    A password missing from the URL comes from ``password``, ``$ROLLSTREAM_REDIS_PASSWORD`` or
+    the file named by ``$ROLLSTREAM_REDIS_PASSWORD_FILE`` (so it stays out of ``ps``);
+    ``$ROLLSTREAM_REDIS_USERNAME`` names the ACL user. ``?wait_replicas=N&wait_timeout_ms=T``
+    (or the keyword options) make every script wait for ``N`` replicas (``WAIT N T``).
+    """
+    try:
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    except ValueError as exc:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _PLAIN_SCHEMES + _SENTINEL_SCHEMES + _CLUSTER_SCHEMES:
+        raise ConfigError(
+            f"bad Redis URL {redact_url(url)}: scheme must be one of "
+            f"{', '.join(_PLAIN_SCHEMES + _SENTINEL_SCHEMES + _CLUSTER_SCHEMES)}"
+        )
+    wait_replicas = _int_option(query, "wait_replicas", wait_replicas, url)
+    wait_timeout_ms = _int_option(query, "wait_timeout_ms", wait_timeout_ms, url)
+    if wait_replicas and not 1 <= (wait_timeout_ms or 1000) <= _MAX_WAIT_MS:
+        raise ConfigError(
+            f"bad Redis URL {redact_url(url)}: wait_timeout_ms must be 1..{_MAX_WAIT_MS} "
+            "(0 would block forever; more would outlast the socket timeout and re-send the script)"
+        )
+    username, secret = _credentials(parts, password)
+    socket_timeout = 10.0 if block_ms is None else block_ms / 1000 + 10.0
+    options: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": 5.0,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=2),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
+        "client_name": name,
+        "decode_responses": False,
+        "username": username,
+        "password": secret,
+    }
+    logger.debug("connecting to %s as %s", redact_url(url), name or "(unnamed)")
+    if scheme in _CLUSTER_SCHEMES:
+        if wait_replicas:
+            raise ConfigError("wait_replicas is not supported with redis+cluster URLs")
+        return _cluster(parts, query, scheme.startswith("rediss"), options, url)
+    redis_class: type[Redis] = Redis
+    if wait_replicas:
+        redis_class = type(
+            "ReplicatedRedis", (_ReplicatedRedis,),
+            {"wait_replicas": wait_replicas, "wait_timeout_ms": wait_timeout_ms or 1000},
+        )
+    if scheme in _SENTINEL_SCHEMES:
+        return _sentinel(parts, query, scheme.startswith("rediss"), options, redis_class, url)
+    plain_query = urlencode({k: v for k, v in query.items() if k not in _OWN_QUERY})
+    netloc = parts.netloc.rpartition("@")[2]
+    plain_url = urlunsplit((parts.scheme, netloc, parts.path, plain_query, parts.fragment))
+    try:
+        return redis_class.from_url(plain_url, health_check_interval=15, **options)
+    except ValueError as exc:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+
+
+def _int_option(query: dict[str, str], key: str, given: int | None, url: str) -> int | None:
+    if key not in query:
+        return given
+    try:
+        value = int(query[key])
+    except ValueError:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: {key} must be an integer") from None
+    if value < 0:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: {key} must be >= 0")
+    return value
+
+
+def _hosts(parts: SplitResult, default_port: int, url: str) -> list[tuple[str, int]]:
+    hosts = []
+    for item in parts.netloc.rpartition("@")[2].split(","):
+        host, _, port = item.strip().rpartition(":") if item.count(":") == 1 or "]" in item else (item, "", "")
+        host = host.strip("[]") or item.strip("[]")
+        try:
+            hosts.append((host, int(port) if port else default_port))
+        except ValueError:
+            raise ConfigError(f"bad Redis URL {redact_url(url)}: bad port in {item!r}") from None
+    if not hosts or not all(h for h, _ in hosts):
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: no host")
+    return hosts
+
+
+def _tls_options(query: dict[str, str], tls: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {k: v for k, v in query.items() if k.startswith("ssl_")}
+    if "ssl_check_hostname" in out:
+        out["ssl_check_hostname"] = out["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    if tls:
+        out["ssl"] = True
+    return out
+
+
+def _sentinel(parts: SplitResult, query: dict[str, str], tls: bool, options: dict[str, Any],
+              redis_class: type[Redis], url: str) -> Redis:
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: expected redis+sentinel://HOSTS/SERVICE[/DB]")
+    try:
+        db = int(path[1]) if len(path) == 2 else int(query.get("db", 0))
+    except ValueError:
+        raise ConfigError(f"bad Redis URL {redact_url(url)}: the database must be an integer") from None
+    tls_options = _tls_options(query, tls)
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": 2.0,
+        "socket_connect_timeout": 2.0,
+        "password": query.get("sentinel_password") or os.environ.get(SENTINEL_PASSWORD_ENV) or None,
+        "username": query.get("sentinel_username"),
+        **tls_options,
+    }
+    sentinel = Sentinel(
+        _hosts(parts, 26379, url), sentinel_kwargs=sentinel_options,
+        **{k: v for k, v in options.items() if k not in ("retry",)}, **tls_options,
+    )
+    client: Redis = sentinel.master_for(
+        path[0], redis_class=redis_class, db=db, retry=options["retry"], health_check_interval=15,
+    )
+    return client
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class _ClusterPubSub(ClusterPubSub):
+    """Two gaps of redis-py's cluster pub/sub, closed for the producer's control listener:
+
+    * SUBSCRIBE is routed by the slots cache, which is empty until the client's first command:
+      a client whose first use is ``pubsub()`` failed with ``KeyError: <slot>``; load it first;
+    * a connection error here does not refresh the cache, so after a failover every new
+      ``pubsub()`` picked the dead node again, forever; refresh it, then raise as before.
+    """
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.cluster.initialize()
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await self.cluster.nodes_manager.initialize()
+            raise
+
+
+class _Cluster(RedisCluster):
+    def pubsub(self, node: Any = None, host: str | None = None, port: int | None = None,
+               **kwargs: Any) -> ClusterPubSub:
+        return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        """XREAD and XREADGROUP have "movable keys": redis-py asks one fixed node (``COMMAND
+        GETKEYS``) where their keys are, outside its failover handling, so once that node died
+        every blocking read failed forever. Their key follows STREAMS: hash it here."""
+        if _text(command).upper() in ("XREAD", "XREADGROUP"):
+            words = [_text(a).upper() for a in args]
+            if "STREAMS" in words and words.index("STREAMS") + 1 < len(args):
+                return int(self.keyslot(args[words.index("STREAMS") + 1]))
+        return int(await super()._determine_slot(command, *args))
+
+
+def _cluster(parts: SplitResult, query: dict[str, str], tls: bool, options: dict[str, Any], url: str) -> Redis:
+    nodes = [ClusterNode(host, port) for host, port in _hosts(parts, 6379, url)]
+    cluster_options = {k: v for k, v in options.items() if k not in ("retry_on_error",)}
+    client: Redis = _Cluster(startup_nodes=nodes, **cluster_options, **_tls_options(query, tls))
+    return client
 
 
 class Outage:

@@ -5,6 +5,8 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     RollstreamError
     ├── ConfigError (also ValueError)         bad or inconsistent configuration
     │   ├── NamespaceNotInitialized           `rollstream init` was never run for the namespace
+    │   ├── NamespaceGone                     its streams or consumer groups vanished under a running process
+    │   │   └── RedisDataLost                 ... because Redis restarted without persistence
     │   ├── ConsumerNameInUse                 another live trainer holds this consumer name
     │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
@@ -54,6 +56,14 @@ class ConsumerNameInUse(ConfigError):
         self.namespace = namespace
         self.name = name
         self.holder = holder
+
+
+class NamespaceGone(ConfigError):
+    """The namespace's streams or consumer groups vanished under a running process (NOGROUP)."""
+
+
+class RedisDataLost(NamespaceGone):
+    """Redis restarted since this process connected and came back without the namespace."""
 
 
 class ExtraNotInstalled(ConfigError):

@@ -96,6 +96,17 @@ class Keys:
         """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
         return f"{self.base}:journal:*"
 
+    @property
+    def work_streams(self) -> tuple[str, ...]:
+        """The streams holding prompts and groups that are not finished yet (what ``inspect``'s
+        ledger counts: fed + requeued - committed - filtered - dead-lettered entries must be there)."""
+        return (self.retry, self.prompts, self.groups)
+
+    @property
+    def consumer_groups(self) -> tuple[tuple[str, str], ...]:
+        """(stream, consumer group) of every work stream."""
+        return ((self.retry, PRODUCERS_GROUP), (self.prompts, PRODUCERS_GROUP), (self.groups, TRAINER_GROUP))
+
     def consumer_lease(self, consumer: str) -> str:
         """String with a TTL: the token of the one live trainer holding a consumer name."""
         return f"{self.base}:lease:{consumer}"
@@ -103,7 +114,12 @@ class Keys:
     @property
     def per_consumer_patterns(self) -> tuple[str, ...]:
         """SCAN MATCH patterns of the per-trainer-consumer keys (journals, name leases)."""
-        return (self.journal_pattern, f"{self.base}:lease:*")
+        return (self.journal_pattern, self.lease_pattern)
+
+    @property
+    def lease_pattern(self) -> str:
+        """SCAN MATCH pattern of every trainer consumer name lease of the namespace."""
+        return f"{self.base}:lease:*"
 
     def all_keys(self) -> list[str]:
         """The fixed keys; the per-consumer ones are found with :attr:`per_consumer_patterns`."""
@@ -160,6 +176,9 @@ class StateField:
     LAST_COMMIT_MS = "last_commit_ms"
     ADMISSION_BLOCKED_MS = "admission_blocked_ms"
     """Total time producers' admission was refused (paused, backlog, staleness), summed."""
+    NAMESPACE_ID = "namespace_id"
+    """A random id written by ``init`` to both the config and the state hash: a state hash without
+    it (deleted, or Redis lost data) no longer holds the feeder cursor and counters of this namespace."""
     LAST_ADMIT_MS = "last_admit_ms"
     """When ADMIT last handed out a prompt."""
     VERSION_START_CONSUMED = "version_start_consumed"

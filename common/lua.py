@@ -31,6 +31,9 @@ _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name
 _HELPERS = """
 local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
 local function num(v) if isint(v) then return tonumber(v) end return 0 end
+local function group_exists(stream, group)  -- XACK answers 0 for a missing group: raise NOGROUP instead
+  redis.call('XPENDING', stream, group)
+end
 local function incr(key, field, n)
   local v = redis.call('HGET', key, field)
   if v and not isint(v) then redis.call('HSET', key, field, 0) end
@@ -49,6 +52,7 @@ def _template(source: str) -> str:
 # now ms, group fields...
 PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  group_exists(KEYS[1], ARGV[1])
   incr(KEYS[3], '$DUPLICATES', 1)
   return false
 end
@@ -66,6 +70,7 @@ return id
 # dead-lettered (any -> dead).
 MOVE = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  group_exists(KEYS[1], ARGV[1])
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -79,6 +84,7 @@ return id
 # acknowledged ones only.
 ACK_DELETE = _template("""
 local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
+if acked == 0 then group_exists(KEYS[1], ARGV[1]) end
 if acked > 0 then
   redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
   incr(KEYS[2], ARGV[2], acked)

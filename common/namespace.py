@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import logging
+import secrets
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
-from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .events import now_ms
+from .keys import Keys, StateField
 from .parse import int_or, text
+from .protocol import held_consumer_names, live_producers, read_heartbeats
 
 logger = logging.getLogger(__name__)
 
 
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
     """Create the work streams and their consumer groups (idempotent)."""
-    for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.retry, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
+    for stream, group in keys.consumer_groups:
         try:
             await redis.xgroup_create(stream, group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -27,8 +30,11 @@ async def ensure_groups(redis: Redis, keys: Keys) -> None:
 
 async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, force: bool = False) -> bool:
     """Write the namespace config; True when written. An existing, different config is kept
-    unless ``force``: changing n or the batch size under running producers corrupts groups."""
+    unless ``force``, and even then refused while a producer or a trainer is alive: changing n or
+    the batch size under running producers corrupts groups. The namespace id is kept across a
+    ``--force`` (the state hash, with the feeder cursor, stays valid)."""
     existing = await redis.hgetall(keys.config)
+    namespace_id = text(existing.get(StateField.NAMESPACE_ID.encode())) or None
     if existing:
         try:
             current = PipelineConfig.from_redis(existing)
@@ -42,14 +48,31 @@ async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, fo
                 f"namespace {keys.namespace!r} already has a different config ({current}); "
                 "pass --force to overwrite it"
             )
+        await _refuse_while_alive(redis, keys, current.heartbeat_timeout if current else 15.0)
+    fresh_id = namespace_id or secrets.token_hex(8)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.config)
-        pipe.hset(keys.config, mapping=config.to_redis())
+        pipe.hset(keys.config, mapping={**config.to_redis(), StateField.NAMESPACE_ID: fresh_id})
+        if namespace_id is None:  # a new namespace: its state hash is this namespace's from now on
+            pipe.hsetnx(keys.state, StateField.NAMESPACE_ID, fresh_id)
         pipe.hsetnx(keys.state, StateField.WEIGHT_VERSION, 0)
         pipe.hsetnx(keys.state, StateField.PAUSED, 0)
         await pipe.execute()
     await ensure_groups(redis, keys)
     return True
+
+
+async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float) -> None:
+    beats = await read_heartbeats(redis, keys)
+    now = now_ms()
+    alive = sorted(text(name) for name, raw in beats.items() if live_producers({name: raw}, now, heartbeat_timeout)[0])
+    trainers = await held_consumer_names(redis, keys)
+    if alive or trainers:
+        raise ConfigError(
+            f"namespace {keys.namespace!r} is in use (live producers: {', '.join(alive) or 'none'}; "
+            f"connected trainers: {', '.join(trainers) or 'none'}): changing its config now would "
+            "dead-letter the groups in flight. Stop them first (SIGTERM drains a producer), then init --force"
+        )
 
 
 async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:

@@ -14,8 +14,9 @@ the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this 
   liveness rule (:meth:`Heartbeat.alive`).
 * :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys; :func:`mark_take` and
   :func:`stream_lengths` (what ``take()`` reports).
-* :func:`translate_nogroup`: a missing consumer group (the namespace was deleted) becomes a
-  :class:`~.errors.ConfigError` naming the namespace.
+* NOGROUP (the namespace was deleted, a consumer group destroyed; also raised inside a Lua
+  script) becomes :class:`~.errors.NamespaceGone` naming the namespace, or
+  :class:`~.errors.RedisDataLost` when Redis restarted without persistence since the first call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Container, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,7 +34,8 @@ from redis.exceptions import ResponseError
 
 from .admission import AdmissionTerms, admission_capacity
 from .config import PipelineConfig
-from .errors import ConfigError
+from .connection import TRANSIENT_ERRORS
+from .errors import ConfigError, NamespaceGone, RedisDataLost
 from .events import now_ms
 from .keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from .lua import Scripts
@@ -46,25 +48,64 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 def is_nogroup(exc: BaseException) -> bool:
-    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
+    """Redis' NOGROUP reply, also when a Lua script's call raised it (then it is inside the message)."""
+    return isinstance(exc, ResponseError) and "NOGROUP" in str(exc)
 
 
-def nogroup_error(namespace: str, exc: BaseException) -> ConfigError:
-    return ConfigError(
-        f"the streams of namespace {namespace!r} are gone ({exc}); was the namespace deleted? "
-        f"Run `rollstream init --ns {namespace} ...` to create it again"
+def nogroup_error(namespace: str, exc: BaseException) -> NamespaceGone:
+    return NamespaceGone(
+        f"the streams of namespace {namespace!r} are gone ({str(exc)[:300]}); was the namespace deleted, or "
+        f"a consumer group destroyed? Run `rollstream init --ns {namespace} ...` (the same config) to create "
+        "them again"
     )
 
 
-@contextlib.contextmanager
-def translate_nogroup(namespace: str) -> Iterator[None]:
-    """Turn Redis' NOGROUP reply (the namespace's streams are gone) into a ConfigError."""
+async def server_run_id(redis: Redis) -> str:
+    """The Redis server's ``run_id`` (changes when it restarts); empty when INFO is not allowed."""
     try:
-        yield
-    except ResponseError as exc:
-        if is_nogroup(exc):
-            raise nogroup_error(namespace, exc) from exc
-        raise
+        info = await redis.info("server")
+    except ResponseError:  # an ACL user without INFO
+        return ""
+    return text(info.get("run_id", ""))
+
+
+async def namespace_gone(redis: Redis, keys: Keys, run_id: str, exc: BaseException) -> NamespaceGone:
+    """The error for a NOGROUP reply: ``RedisDataLost`` when Redis restarted since ``run_id`` was
+    read and came back without the namespace (no persistence), else ``nogroup_error``."""
+    try:
+        now_id = await server_run_id(redis)
+        config_left = bool(await redis.exists(keys.config))
+    except TRANSIENT_ERRORS:
+        return nogroup_error(keys.namespace, exc)
+    if run_id and now_id and now_id != run_id and not config_left:
+        return RedisDataLost(
+            f"Redis restarted since this process connected (run_id {run_id[:8]}… -> {now_id[:8]}…) and came back "
+            f"without namespace {keys.namespace!r}: it runs without persistence (or lost its data files). "
+            "Everything in flight is lost; re-running `init` + `feed` would feed the dataset again from its start. "
+            "Turn on AOF (`appendonly yes`, `appendfsync always`), then start over deliberately "
+            f"(`rollstream ns delete --ns {keys.namespace}`, `init`, `feed`)"
+        )
+    return nogroup_error(keys.namespace, exc)
+
+
+class _Guarded:
+    """A namespace client whose NOGROUP replies become :class:`NamespaceGone` (or
+    :class:`RedisDataLost`), remembering the server's run_id from its first call."""
+
+    redis: Redis
+    keys: Keys
+    _run_id: str | None = None
+
+    @contextlib.asynccontextmanager
+    async def _guard(self) -> AsyncIterator[None]:
+        if self._run_id is None:
+            self._run_id = await server_run_id(self.redis)
+        try:
+            yield
+        except ResponseError as exc:
+            if is_nogroup(exc):
+                raise await namespace_gone(self.redis, self.keys, self._run_id, exc) from exc
+            raise
 
 
 # -- heartbeats ------------------------------------------------------------------------------
@@ -218,7 +259,10 @@ def _check_version(version: int) -> None:
 
 
 class Control:
-    """Weight version and pause/resume: written to ``state``, announced on ``control``."""
+    """Weight version and pause/resume: written to ``state``, then announced on ``control``.
+
+    The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
+    Cluster transaction, and the message only wakes producers early (ADMIT reads the state)."""
 
     def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
         self.redis = redis
@@ -239,10 +283,8 @@ class Control:
         await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
 
     async def pause(self) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.state, StateField.PAUSED, 1)
-            pipe.publish(self.keys.control, "pause")
-            await pipe.execute()
+        await self.redis.hset(self.keys.state, StateField.PAUSED, 1)
+        await self.redis.publish(self.keys.control, "pause")
 
     async def resume(self, version: int | None = None) -> None:
         if version is not None:
@@ -292,7 +334,7 @@ def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
     return [(entry_id, dict(fields or {})) for entry_id, fields in rows if entry_id is not None]
 
 
-class PromptQueue:
+class PromptQueue(_Guarded):
     """One producer's operations on the prompt streams (``retry`` and ``prompts``, consumer
     group ``producers``); every operation on an admitted entry names its stream."""
 
@@ -320,7 +362,7 @@ class PromptQueue:
     ) -> Admission:
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
         ready backlog has room and staleness-aware admission allows it (one atomic script)."""
-        with translate_nogroup(self.keys.namespace):
+        async with self._guard():
             reply = await self.scripts.admit(
                 consumer=self.consumer, max_backlog=max_backlog, admission=admission,
                 max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
@@ -341,7 +383,7 @@ class PromptQueue:
         """Claim back the prompts pending under this producer's name (a restart with the same name)."""
         out: list[Admitted] = []
         for stream in self.streams:
-            with translate_nogroup(self.keys.namespace):
+            async with self._guard():
                 pending = await self.redis.xpending_range(
                     stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
                 )
@@ -359,10 +401,11 @@ class PromptQueue:
                 return True
         return False
 
-    async def reclaim(self, lease_ms: int, count: int) -> list[Admitted]:
+    async def reclaim(self, lease_ms: int, count: int, held: Container[bytes] = ()) -> list[Admitted]:
         """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the cursor kept
-        per stream, retry first). Entries deleted meanwhile come back with empty fields (Redis
-        6.2): see :meth:`ack_deleted`."""
+        per stream, retry first). Entries deleted meanwhile come back with empty fields (see
+        :meth:`ack_deleted`) or, on Redis 6.2, as nil without their ids: those are found among this
+        consumer's own pending entries (except the ``held`` ones it works on) and acknowledged."""
         out: list[Admitted] = []
         for stream in self.streams:
             want = max(1, count) - len(out)
@@ -371,10 +414,21 @@ class PromptQueue:
             reply = await self.redis.xautoclaim(
                 stream, PRODUCERS_GROUP, self.consumer, lease_ms, start_id=self._reclaim_cursors[stream], count=want,
             )
-            cursor = reply[0]
+            cursor, rows = reply[0], reply[1]
             self._reclaim_cursors[stream] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(reply[1]))
+            if any(row[0] is None for row in rows):
+                await self._ack_claimed_deleted(stream, held)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(rows))
         return out
+
+    async def _ack_claimed_deleted(self, stream: str, held: Container[bytes]) -> None:
+        rows = await self.redis.xpending_range(
+            stream, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.consumer
+        )
+        for row in rows:
+            entry_id = row["message_id"]
+            if entry_id not in held and not await self.redis.xrange(stream, entry_id, entry_id):
+                await self.redis.xack(stream, PRODUCERS_GROUP, entry_id)
 
     @property
     def reclaim_scanned(self) -> bool:
@@ -392,16 +446,16 @@ class PromptQueue:
     async def publish(self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
         was taken over and acknowledged by another producer)."""
-        with translate_nogroup(self.keys.namespace):
+        async with self._guard():
             return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged."""
-        with translate_nogroup(self.keys.namespace):
+        async with self._guard():
             return await self.scripts.return_prompt(stream, entry_id, fields)
 
     async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
-        with translate_nogroup(self.keys.namespace):
+        async with self._guard():
             return await self.scripts.dead_letter(
                 source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
                 reason=reason, fields=fields, now_ms=now_ms(),
@@ -433,10 +487,16 @@ class NameLease:
         return await self.scripts.release(self.key, self.token)
 
 
+async def held_consumer_names(redis: Redis, keys: Keys) -> list[str]:
+    """The trainer consumer names held by a live trainer now."""
+    prefix = keys.consumer_lease("")
+    return sorted(text(k)[len(prefix):] for k in await scan_namespace_keys(redis, keys.lease_pattern))
+
+
 # -- group queue (trainer) -------------------------------------------------------------------
 
 
-class GroupQueue:
+class GroupQueue(_Guarded):
     """One trainer consumer's operations on the group stream (consumer group ``trainer``)."""
 
     def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
@@ -447,7 +507,7 @@ class GroupQueue:
 
     async def read(self, blocking: Redis, count: int, block_ms: int) -> list[Entry]:
         """New groups, up to ``count``, waiting up to ``block_ms`` (on a client made for blocking)."""
-        with translate_nogroup(self.keys.namespace):
+        async with self._guard():
             reply = await blocking.xreadgroup(
                 TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
             )
@@ -455,14 +515,16 @@ class GroupQueue:
 
     async def own_pending_page(self, after: str, count: int = 1000) -> list[Entry]:
         """Groups delivered to this consumer and not committed, after entry id ``after``."""
-        reply = await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: after}, count=count)
+        async with self._guard():
+            reply = await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: after}, count=count)
         return _flat_entries(reply[0][1] if reply else [])
 
     async def pending_ids(self, count: int = 10_000) -> list[bytes]:
         """Ids pending under this consumer (including those of reads whose reply was lost)."""
-        pending = await self.redis.xpending_range(
-            self.keys.groups, TRAINER_GROUP, min="-", max="+", count=count, consumername=self.consumer
-        )
+        async with self._guard():
+            pending = await self.redis.xpending_range(
+                self.keys.groups, TRAINER_GROUP, min="-", max="+", count=count, consumername=self.consumer
+            )
         return [p["message_id"] for p in pending]
 
     async def fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
@@ -474,19 +536,22 @@ class GroupQueue:
         await self.redis.xack(self.keys.groups, TRAINER_GROUP, entry_id)
 
     async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
-        return await self.scripts.recycle(entry_id, counter, prompt_fields)
+        async with self._guard():
+            return await self.scripts.recycle(entry_id, counter, prompt_fields)
 
     async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
-        return await self.scripts.dead_letter(
-            source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(),
-        )
+        async with self._guard():
+            return await self.scripts.dead_letter(
+                source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
+                reason=reason, fields=fields, now_ms=now_ms(),
+            )
 
     async def drop_filtered(self, entry_id: bytes, reason: str) -> int:
-        return await self.scripts.ack_delete(
-            stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
-            counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
-        )
+        async with self._guard():
+            return await self.scripts.ack_delete(
+                stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
+                counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
+            )
 
     async def release(self) -> int:
         """Give this (gone) consumer's pending groups back to the stream as new entries, then
@@ -514,13 +579,26 @@ class GroupQueue:
 
     async def commit(self, ids: Sequence[bytes]) -> int:
         """Acknowledge and delete ``ids``; the number acknowledged now."""
-        return await self.scripts.ack_delete(
-            stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
-            counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
-        )
+        async with self._guard():
+            return await self.scripts.ack_delete(
+                stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
+                counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
+            )
 
 
 # -- feed ------------------------------------------------------------------------------------
+
+
+def state_mismatch(keys: Keys, config_id: bytes | str | None, state_id: bytes | str | None) -> str | None:
+    """Why the state hash is not this namespace's (its id differs from the config's), or None.
+    A namespace made before ids existed (no id in its config) is never flagged."""
+    if not config_id or text(config_id) == text(state_id):
+        return None
+    return (
+        f"the state hash {keys.state} does not belong to namespace {keys.namespace!r} any more (its "
+        f"{StateField.NAMESPACE_ID} is {text(state_id)[:40]!r}, the config's {text(config_id)[:40]!r}): it was "
+        "deleted (DEL) or replaced, or Redis lost its data; its counters and the feeder cursor are gone"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,6 +620,18 @@ class Feed:
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
 
     async def cursor(self) -> FeedCursor:
+        """Where the feeder stands; ConfigError when the state hash is not this namespace's any
+        more (deleted, Redis lost data) or the cursor is damaged: never feed again from 0."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self.keys.config, StateField.NAMESPACE_ID)
+            pipe.hget(self.keys.state, StateField.NAMESPACE_ID)
+            config_id, state_id = await pipe.execute()
+        if (why := state_mismatch(self.keys, config_id, state_id)) is not None:
+            raise ConfigError(
+                f"{why}. The feeder cursor went with it: feeding now would feed the dataset again from its "
+                f"start (every prompt trained twice). Restore the state hash, or start over with "
+                f"`rollstream ns delete --ns {self.keys.namespace}` then `init` and `feed`"
+            )
         raw = await self.redis.hmget(
             self.keys.state,
             [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
@@ -694,6 +784,16 @@ class StreamView:
         """The id of the first entry after ``entry_id``, or None."""
         rows = await self.redis.xrange(stream, min=f"({entry_id}", max="+", count=1)
         return rows[0][0] if rows else None
+
+    async def ledger(self) -> tuple[dict[bytes, bytes], int]:
+        """The state hash and the entries in the work streams, read atomically (MULTI), so the
+        counters and the stream lengths describe the same instant."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.state)
+            for stream in self.keys.work_streams:
+                pipe.xlen(stream)
+            state, *lengths = await pipe.execute()
+        return dict(state), sum(int(n) for n in lengths)
 
     async def config_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.config))

@@ -29,6 +29,22 @@ def judge(
     elif snap["config"] is None:
         problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
     problems += [f"damaged value: {line}" for line in snap.get("damaged", [])]
+    for missing in snap.get("missing_groups", []):
+        problems.append(
+            f"consumer group {missing['group']!r} of {missing['stream']} is missing (XGROUP DESTROY?): its "
+            f"{missing['length']} entries cannot be delivered. Restart the trainer and producers, or run "
+            "`rollstream init` with the same config: it re-creates the group at id 0 (finished entries are deleted, "
+            "so nothing finished is delivered again)"
+        )
+    ledger = snap.get("ledger")
+    if ledger and ledger["vanished"]:
+        problems.append(
+            f"{ledger['vanished']} prompts / groups vanished from the streams: the counters (fed + requeued - "
+            f"committed - filtered - dead-lettered) say {ledger['expected']} are unfinished, the streams hold "
+            f"{ledger['held']} (an XTRIM, XDEL or DEL of a stream, or Redis lost data); they cannot be recovered"
+        )
+    if snap.get("lost_state"):
+        problems.append(f"{snap['lost_state']}; `rollstream feed` refuses to start again")
     producers = snap["producers"]
     alive = [p for p in producers if p["alive"]]
     dead = [p for p in producers if p["status"] == "dead"]

@@ -18,7 +18,14 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.parse import damaged_fields
-from rollstream.common.protocol import Heartbeat, StreamView, admission_refusals, read_admission_terms, read_heartbeats
+from rollstream.common.protocol import (
+    Heartbeat,
+    StreamView,
+    admission_refusals,
+    read_admission_terms,
+    read_heartbeats,
+    state_mismatch,
+)
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -148,6 +155,17 @@ def _producer_rows(
     return rows
 
 
+def _ledger(raw_state: dict[bytes, bytes], held: int) -> dict[str, int]:
+    """Entries the counters say are unfinished vs entries the work streams hold; ``vanished`` > 0
+    means entries were removed behind rollstream's back (XTRIM, XDEL, DEL of a stream)."""
+    def count(field: str) -> int:
+        return _int(raw_state.get(field.encode()))
+
+    expected = (count(StateField.FED) + count(StateField.REQUEUED) - count(StateField.COMMITTED)
+                - count(StateField.FILTERED) - count(StateField.DEAD))
+    return {"expected": expected, "held": held, "vanished": max(0, expected - held)}
+
+
 def _event_row(event: Any, now: int) -> dict[str, Any]:
     lines = [line for line in event.traceback.splitlines() if line.strip()]
     return {
@@ -186,7 +204,7 @@ async def snapshot(
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
     lease_s = float(config.lease_seconds if config else defaults["lease_seconds"])  # type: ignore[arg-type]
     timeout_s = float(config.heartbeat_timeout if config else defaults["heartbeat_timeout"])  # type: ignore[arg-type]
-    raw_state = await view.state_hash()
+    raw_state, held = await view.ledger()
     state = {_text(k): _text(v) for k, v in raw_state.items()}
     prompts = await _prompts_section(view, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
@@ -198,6 +216,8 @@ async def snapshot(
         if (what := Heartbeat.damage(value)) is not None:
             damaged.append(f"{keys.producers} field {_text(name)!r}: {what}")
     damaged += [e.damaged for e in recent if e.damaged]
+    id_field = StateField.NAMESPACE_ID.encode()
+    lost_state = state_mismatch(keys, raw_config.get(id_field), raw_state.get(id_field)) if raw_config else None
     errors = [_event_row(e, now) for e in recent if e.kind in (FATAL, WARNING)][:events]
     counters: dict[str, float] = {name: _int(state.get(name)) for name in (*StateField.COUNTERS, StateField.REQUEUED)}
     counters["admission_blocked_s"] = round(_int(state.get(StateField.ADMISSION_BLOCKED_MS)) / 1000, 3)
@@ -236,7 +256,14 @@ async def snapshot(
         },
         "events": errors,
         "damaged": damaged,
+        "lost_state": lost_state,
+        "missing_groups": [],
+        "ledger": _ledger(raw_state, held) if raw_config and lost_state is None else None,
     }
+    if raw_config:
+        for stream, group in keys.consumer_groups:
+            if await view.group_info(stream, group) is None:
+                snap["missing_groups"].append({"stream": stream, "group": group, "length": await view.length(stream)})
     terms = await read_admission_terms(redis, keys, config) if config is not None else None
     snap["admission"] = {
         "enabled": bool(config and config.admission_enabled),

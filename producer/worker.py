@@ -50,6 +50,7 @@ from rollstream.common.connection import (
     TRANSIENT_ERRORS,
     Outage,
     connect,
+    redact_url,
 )
 from rollstream.common.errors import (
     ConfigError,
@@ -288,7 +289,8 @@ class Producer:
         n = self.config.n_samples_per_prompt
         logger.info(
             "producer %s (ns %s) starting: concurrency %d samples, n=%d, engines %s",
-            self.name, self.keys.namespace, self.settings.concurrency, n, ", ".join(self.engine.settings.urls),
+            self.name, self.keys.namespace, self.settings.concurrency, n,
+            ", ".join(redact_url(u) for u in self.engine.settings.urls),
         )
         self._state = "running"
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
@@ -566,7 +568,7 @@ class Producer:
                         continue
                     self._reclaim_due = True
                 await self._capacity.room(n, self._stopping)
-                claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n)
+                claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
             except TRANSIENT_ERRORS as exc:
                 self._reclaim_due = False
                 await self._outage.failed(exc)
@@ -609,7 +611,7 @@ class Producer:
             duplicates=self.duplicates,
             reclaimed=self.reclaimed,
             engine_retries=self.engine.retries,
-            engines=list(self.engine.settings.urls),
+            engines=[redact_url(u) for u in self.engine.settings.urls],
             started_ms=int(self._started * 1000),
             last_seen_ms=now_ms(),
             admission=self._refusal,
@@ -648,6 +650,7 @@ class Producer:
                     _check_cancelled()
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
+                        logger.debug("producer %s: control message %r", self.name, message.get("data"))
                         self._wake.set()
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)

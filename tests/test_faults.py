@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, redis_binary_under_test, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import CodecLimits, decode_prompt_entry, group_fields
 from rollstream.common.connection import connect
@@ -267,7 +267,8 @@ async def test_trainer_killed_before_commit_gets_the_same_batch(
 
 async def test_redis_restart_mid_run_loses_nothing(ns: str, procs: ProcessPool, tmp_path: Path) -> None:
     config = SimConfig(seed=2, mean_tokens=16, length_sigma=0.3, latency_per_token=0.02, accuracy=0.5)
-    with EmbeddedRedis(dir=tmp_path / "redis", appendonly=True, appendfsync="always") as server:
+    with EmbeddedRedis(dir=tmp_path / "redis", appendonly=True, appendfsync="always",
+                       binary=redis_binary_under_test()) as server:
         redis = connect(server.url)
         try:
             async with SimEngine(config) as engine:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ResponseError
 from rollstream.common.errors import ConfigError
-from rollstream.common.protocol import Heartbeat, live_producers, translate_nogroup
+from rollstream.common.protocol import Heartbeat, is_nogroup, live_producers, nogroup_error
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL_MODULES = {"common/protocol.py", "common/lua.py", "common/namespace.py", "common/events.py"}
@@ -68,7 +68,8 @@ def test_one_liveness_rule_a_fresh_heartbeat_of_a_live_state() -> None:
 
 
 def test_nogroup_becomes_a_config_error_naming_the_namespace() -> None:
-    with pytest.raises(ConfigError, match="namespace 'ns-1'"), translate_nogroup("ns-1"):
-        raise ResponseError("NOGROUP No such key or consumer group")
-    with pytest.raises(ResponseError, match="WRONGTYPE"), translate_nogroup("ns-1"):
-        raise ResponseError("WRONGTYPE Operation against a key")
+    assert isinstance(nogroup_error("ns-1", ResponseError("NOGROUP No such key")), ConfigError)
+    assert "namespace 'ns-1'" in str(nogroup_error("ns-1", ResponseError("NOGROUP No such key")))
+    assert is_nogroup(ResponseError("NOGROUP No such key or consumer group"))
+    assert is_nogroup(ResponseError("Error running script (call to f_1): @user_script:3: NOGROUP No such key"))
+    assert not is_nogroup(ResponseError("WRONGTYPE Operation against a key"))

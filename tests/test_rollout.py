@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import pytest
 from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.rewards import PythonReward, RewardFunction
+from rollstream.producer.rewards import PythonReward, RewardBroken, RewardFunction
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.telemetry import Metrics
 
@@ -174,3 +175,27 @@ async def test_the_reward_function_receives_the_group_metadata() -> None:
     )
     assert reward.seen == [{"difficulty": "hard"}]
     assert [s.reward for s in group.samples] == [1.0, 1.0]
+
+
+async def test_a_reward_failing_on_a_prompt_fails_its_group_and_a_broken_one_is_fatal() -> None:
+    def picky(sample: Sample, prompt: PromptContent, label: Any) -> float:
+        if prompt != "good":
+            raise ValueError(f"cannot score {prompt!r}")
+        return 1.0
+
+    client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(FakeEngine()))
+    roll = Rollout(client, PythonReward(picky, name="picky"), RolloutSettings(n_samples=2, reward_failure_limit=3))
+    bad = await roll.run(Prompt(index=0, prompt="bad"), admitted_version=0)
+    assert bad.status == Status.FAILED
+    assert all(s.status == Status.FAILED and s.reward is None for s in bad.samples)
+    assert all(s.error is not None and "reward: reward 'picky' failed" in s.error for s in bad.samples)
+    assert all(s.response_length == 2 for s in bad.samples)  # the generation is kept, only unscored
+    # The same prompt again, then one scored group: the count of distinct failures starts over.
+    await roll.run(Prompt(index=0, prompt="bad", attempt=1), admitted_version=0)
+    await roll.run(Prompt(index=1, prompt="bad"), admitted_version=0)
+    assert (await roll.run(Prompt(index=2, prompt="good"), admitted_version=0)).status == Status.COMPLETED
+    await roll.run(Prompt(index=3, prompt="bad"), admitted_version=0)
+    await roll.run(Prompt(index=4, prompt="bad"), admitted_version=0)
+    with pytest.raises(RewardBroken, match="failed on 3 distinct prompts in a row"):
+        await roll.run(Prompt(index=5, prompt="bad"), admitted_version=0)
+    await client.aclose()
