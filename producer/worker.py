@@ -718,6 +718,11 @@ class Producer:
                     if message is not None:
                         logger.debug("producer %s: control message %r", self.name, message.get("data"))
                         self._wake.set()
+                    # redis-py's get_message can swallow a cancellation (seen under load): without
+                    # this check the loop went on and the producer never finished shutting down.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise asyncio.CancelledError
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
             finally:
