@@ -286,6 +286,7 @@ class Producer:
         n = self.config.n_samples_per_prompt
         cfg = self.config
         while not self._stopping.is_set():
+            _raise_if_cancel_requested()
             if self._reclaim_due:  # prompts of a dead producer come first
                 await self._nap(0.2)
                 continue
@@ -590,6 +591,7 @@ class Producer:
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
         while True:
+            _raise_if_cancel_requested()
             await asyncio.sleep(interval)
             ids = [pid for pid, w in self._work.items() if not w.lease_lost]
             if not ids:
@@ -616,6 +618,7 @@ class Producer:
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
         while True:
+            _raise_if_cancel_requested()
             if not self._reclaim_due:
                 await asyncio.sleep(interval)
             if self._stopping.is_set():
@@ -699,6 +702,7 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            _raise_if_cancel_requested()
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._heartbeat_once()
@@ -710,6 +714,7 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
+            _raise_if_cancel_requested()
             pubsub = self._blocking.pubsub()
             try:
                 await pubsub.subscribe(self.keys.control)
@@ -718,11 +723,7 @@ class Producer:
                     if message is not None:
                         logger.debug("producer %s: control message %r", self.name, message.get("data"))
                         self._wake.set()
-                    # redis-py's get_message can swallow a cancellation (seen under load): without
-                    # this check the loop went on and the producer never finished shutting down.
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
-                        raise asyncio.CancelledError
+                    _raise_if_cancel_requested()
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
             finally:
@@ -789,6 +790,15 @@ class Producer:
             if returned:
                 self.returned += 1
             self._work.pop(work.prompt_id, None)
+
+
+def _raise_if_cancel_requested() -> None:
+    """redis-py can swallow a task's cancellation (seen under load, in pub/sub reads and
+    pipelines): a loop that went on after it kept the producer from ever finishing its shutdown.
+    The long-running loops check for a pending cancellation on every turn."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _to_sample(
