@@ -38,9 +38,10 @@ import logging
 import random
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 import msgspec
@@ -176,6 +177,33 @@ def _enc_hook(value: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(value).__name__} as JSON")
 
 
+def _origin(url: httpx.URL) -> str:
+    return f"{url.scheme}://{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+
+
+def _split_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """``url`` without its ``user:password@``, and those credentials (None when there are none)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+class _OriginCredentials(httpx.Auth):
+    """Basic auth for the requests to the engines whose URL carried credentials (by origin)."""
+
+    def __init__(self, credentials: dict[str, httpx.BasicAuth]) -> None:
+        self._credentials = credentials
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        auth = self._credentials.get(_origin(request.url))
+        if auth is None or "authorization" in request.headers:
+            yield request
+            return
+        yield from auth.auth_flow(request)
+
+
 class _Engine:
     __slots__ = ("has_model_info", "in_flight", "url", "version", "version_checked", "workers", "workers_checked")
 
@@ -202,7 +230,15 @@ class EngineClient:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self._engines = [_Engine(url) for url in settings.urls]
+        # Credentials in an engine URL (user:password@) travel as an Authorization header only:
+        # the engines' URLs (logs, errors, the heartbeat) never hold them.
+        credentials: dict[str, httpx.BasicAuth] = {}
+        self._engines = []
+        for url in settings.urls:
+            bare, auth = _split_credentials(url)
+            self._engines.append(_Engine(bare))
+            if auth is not None:
+                credentials[_origin(httpx.URL(bare))] = auth
         limits = httpx.Limits(
             max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
         )
@@ -210,6 +246,7 @@ class EngineClient:
             timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
             limits=limits,
             transport=transport if transport is not None else AiohttpTransport(limits=limits),
+            auth=_OriginCredentials(credentials) if credentials else None,
         )
         self.retries = 0
         self.errors: dict[str, int] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from rollstream.common.errors import ConfigError, EngineRejected
 from rollstream.producer.engine import EngineClient, EngineSettings
@@ -64,3 +65,22 @@ def test_tokenizer_errors_are_clear() -> None:
             load_tokenizer("org/some-model")
     with pytest.raises(ConfigError, match="--model"):
         EngineSettings(urls=("http://x",), api="openai")
+
+
+async def test_url_credentials_travel_as_basic_auth_only(sim: SimEngine) -> None:
+    """`http://user:pw@host` works (aiohttp refuses credentials in the URL beside a header): the
+    request carries `Authorization: Basic`, the engine's URL as shown holds no password."""
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        assert "@" not in str(request.url)
+        return httpx.Response(200, json={"text": "x", "output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"},
+                                                                                       "output_token_logprobs": [[-0.1, 1, None]]}})
+
+    url = sim.url.replace("http://", "http://user:p%40ss@")
+    async with EngineClient(EngineSettings(urls=(url,)), transport=httpx.MockTransport(handler)) as engine:
+        await engine.generate(input_ids=[1, 2])
+        assert "p%40ss" not in repr(engine._engines[0].url) and "user" not in engine._engines[0].url
+    expected = httpx.BasicAuth("user", "p@ss")._auth_header
+    assert seen and all(h == expected for h in seen)

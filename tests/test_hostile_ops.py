@@ -12,17 +12,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
-from rollstream.consumer import GroupConsumer, NamespaceGone, RedisDataLost
+from rollstream.consumer import GroupConsumer, NamespaceGone, ProducerFailed, RedisDataLost
 from rollstream.testing.server import EmbeddedRedis
 from rollstream.testing.sim import SimEngine
 from test_hostile_trainer import _group
-from test_inspect import inspect_json
+from test_inspect import inspect_json, run_inspect
 
 
 async def _take_all(url: str, ns: str, count: int) -> Counter[int]:
@@ -222,3 +223,39 @@ async def test_init_force_with_a_different_n_is_refused_while_producers_live(
     assert accepted.returncode == 0, accepted.stderr
     assert await redis.hget(keys.config, "n_samples_per_prompt") == b"4"
     assert await redis.xlen(keys.dead) == 0
+
+
+async def test_engine_credentials_are_shown_nowhere(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """An engine URL with `user:password@` (and a failing engine, so the error paths run too): the
+    password is in no log line, no Redis key or value, no `inspect` output, no exception text."""
+    secret = "s3cret-PW-4711"
+    await make_namespace(redis, ns)
+    keys = Keys(ns)
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(f"{sim.url}/sim/faults", json={"generate_errors": -1, "generate_error_status": 500})
+        assert reply.status_code == 200
+    await add_prompts(redis, ns, 2)
+    engine = sim.url.replace("http://", f"http://trainer:{secret}@")
+    producer = procs.producer(redis_url, ns, engine, "--max-retries", "1", name="prod-s", concurrency=2)
+    async with GroupConsumer.connect(redis_url, ns, "trainer-s") as consumer:
+        with pytest.raises(ProducerFailed) as caught:
+            async with asyncio.timeout(30):
+                await consumer.take(1)
+    assert await asyncio.to_thread(producer.wait, 30) == 1
+    failure = caught.value
+    shown = [str(failure), failure.remote_traceback, procs.log_of(producer)]
+    for key in await redis.keys(f"{keys.base}:*"):
+        kind = (await redis.type(key)).decode()
+        if kind == "hash":
+            shown.append(repr(await redis.hgetall(key)))
+        elif kind == "stream":
+            shown.append(repr(await redis.xrange(key)))
+        else:
+            shown.append(repr(await redis.get(key)))
+    shown.append(json.dumps((await inspect_json(redis_url, ns))[1]))
+    shown.append((await run_inspect(redis_url, ns))[1])
+    assert "trainer:***@" in "\n".join(shown)  # the URL is shown, redacted
+    for text in shown:
+        assert secret not in text, text[text.find(secret) - 300:text.find(secret) + 100]
