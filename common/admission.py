@@ -111,16 +111,17 @@ def admission_stall(
     stall_after: float,
 ) -> str | None:
     """The "admission stalled" problem, or None: producers are alive, prompts are queued, no
-    group is ready and nothing was admitted for longer than ``stall_after`` while the producers
-    were refused (or had nothing in flight). ``refusals``: refusal -> the longest time a live
-    producer has been getting it. A pause is the operator's choice, not a stall."""
+    group is ready and nothing was admitted for longer than ``stall_after`` while a live producer
+    was refused that long (or, after an earlier admission, nothing is in flight). ``refusals``:
+    refusal -> the longest time a live producer has been getting it. A pause is the operator's
+    choice, not a stall."""
     if producers_alive == 0 or prompts_waiting == 0 or ready > 0 or "paused" in refusals:
         return None
     if last_admit_age_s is not None and last_admit_age_s <= stall_after:
         return None
     long_refusals = {reason: age for reason, age in refusals.items() if age > stall_after}
-    if not long_refusals and in_flight_prompts > 0:
-        return None  # producers are busy generating: slow, not stalled
+    if not long_refusals and (in_flight_prompts > 0 or last_admit_age_s is None):
+        return None  # busy generating (slow, not stalled), or just started
     since = "never admitted" if last_admit_age_s is None else f"nothing admitted for {last_admit_age_s:.0f} s"
     why = ", ".join(f"{reason} for {age:.0f} s" for reason, age in sorted(long_refusals.items())) or "none"
     detail = f"; {terms.describe()}" if "staleness" in long_refusals and terms is not None else ""

@@ -8,7 +8,13 @@ from __future__ import annotations
 import random
 
 from redis.asyncio import Redis
-from rollstream.common.admission import MEASURED_CADENCE_CAP, admission_capacity, groups_per_version
+from rollstream.common.admission import (
+    MEASURED_CADENCE_CAP,
+    admission_capacity,
+    admission_stall,
+    groups_per_version,
+    wait_cause,
+)
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.lua import Scripts
@@ -185,3 +191,49 @@ async def test_version_jump_restarts_c(redis: Redis, ns: str) -> None:
     # Same version set again (a resume): nothing recorded.
     await Control(redis, keys).resume(5)
     assert (await redis.hgetall(keys.state))[StateField.VERSION_START_CONSUMED.encode()] == b"8"
+
+
+def _stall(**overrides: object) -> str | None:
+    args: dict[str, object] = {
+        "producers_alive": 1, "prompts_waiting": 10, "in_flight_prompts": 0, "ready": 0,
+        "last_admit_age_s": 100.0, "refusals": {"staleness": 100.0}, "terms": None, "stall_after": 60.0,
+    }
+    args.update(overrides)
+    return admission_stall(**args)
+
+
+def test_admission_stall_rule() -> None:
+    assert _stall() is not None and "staleness for 100 s" in str(_stall())
+    assert _stall(producers_alive=0) is None  # "no live producer" is its own problem
+    assert _stall(prompts_waiting=0) is None  # nothing to admit
+    assert _stall(ready=1) is None  # the trainer has work
+    assert _stall(last_admit_age_s=10.0) is None  # admitted recently
+    assert _stall(refusals={"paused": 100.0}) is None  # the operator's choice
+    assert _stall(refusals={"staleness": 10.0}, in_flight_prompts=3) is None  # busy, refused only briefly
+    assert _stall(refusals={}, last_admit_age_s=None) is None  # just started
+    assert _stall(refusals={}) is not None  # admitted once, idle since, nothing in flight: stalled
+    assert _stall(last_admit_age_s=None) is not None and "never admitted" in str(_stall(last_admit_age_s=None))
+
+
+def test_wait_cause_names_the_likeliest_cause() -> None:
+    base: dict[str, object] = {
+        "producers_alive": 1, "paused": False, "prompts_waiting": 5, "in_flight_prompts": 2, "ready": 0,
+        "refusals": {}, "terms": None, "engine_retries": 0, "last_error": "",
+    }
+
+    def cause(**overrides: object) -> str:
+        return wait_cause(**{**base, **overrides})
+
+    terms = admission_capacity(
+        prompts_pending=8, retry_pending=0, groups_length=0, groups_pending=0, committed=0,
+        version_start_consumed=0, prev_version_consumed=0, steps_per_version=1, max_staleness=1, batch_size=4,
+    )
+    assert cause(producers_alive=0).startswith("no live producer")
+    assert cause(paused=True).startswith("admission paused")
+    assert cause(refusals={"staleness": 3.0}, terms=terms).startswith(
+        "admission blocked by staleness: outstanding 8 >= capacity 8"
+    )
+    assert cause(refusals={"backlog": 3.0}).startswith("admission blocked by the backlog cap")
+    assert cause(last_error="p1: EngineError").startswith("engines failing: p1: EngineError")
+    assert cause(prompts_waiting=0, in_flight_prompts=0).startswith("no prompts queued")
+    assert cause() == "generating: 2 prompts in flight"

@@ -23,10 +23,14 @@ from aiohttp import web
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
+from rollstream.common.errors import EngineError
 from rollstream.common.events import recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.common.models import Group, Prompt, Status
 from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.rewards import load_reward
+from rollstream.producer.worker import Producer, ProducerSettings
 from rollstream.testing.sim import SimEngine
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -114,6 +118,46 @@ async def test_a_producer_failing_in_its_first_milliseconds_records_it_and_exits
     dead = await dead_reasons(redis, ns)
     queued = await redis.xlen(keys.prompts) + await redis.xlen(keys.retry)
     assert len(dead) <= 1 and queued + len(dead) == 2
+    for stream in (keys.prompts, keys.retry):
+        assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
+
+
+async def test_a_loop_whose_library_swallows_the_cancellation_still_ends(
+    redis: Redis, redis_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The root cause, made deterministic: the control loop's subscribe swallows the cancellation
+    (as Python 3.11's ``asyncio.wait_for`` inside redis-py did) while a fatal error stops the
+    producer. The loop must end at its next turn, the fatal event be recorded, ``run()`` raise."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns)
+    await add_prompts(redis, ns, 1)
+    engine = EngineClient(EngineSettings(urls=(NO_ENGINE,), max_retries=0, connect_timeout=1.0))
+    producer = await Producer.connect(redis_url, ProducerSettings(namespace=ns, concurrency=2, name="swallower"),
+                                      engine, load_reward("math"))
+    subscribe = producer.control.subscribe
+    swallowed = asyncio.Event()
+
+    async def swallowing_subscribe(blocking: Redis) -> Any:
+        try:
+            await asyncio.sleep(2)
+        except asyncio.CancelledError:
+            swallowed.set()  # and carry on as if nothing happened
+        return await subscribe(blocking)
+
+    producer.control.subscribe = swallowing_subscribe  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(20):
+            with pytest.raises(EngineError):
+                await producer.run()
+    finally:
+        await producer.aclose()
+        await engine.aclose()
+    assert swallowed.is_set()
+    # The loop ended by itself at its next turn, not by being left behind after TASK_EXIT_TIMEOUT.
+    assert "left behind" not in caplog.text
+    [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+    assert fatal.source == "swallower" and "EngineError" in fatal.message
+    assert await redis.xlen(keys.prompts) + await redis.xlen(keys.retry) == 1  # returned, not lost
     for stream in (keys.prompts, keys.retry):
         assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
 
