@@ -207,6 +207,9 @@ class GroupConsumer:
         self._lease: NameLease | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._lease_lost: ConsumerNameInUse | None = None
+        # Entries put back after a cancelled take() whose hand-back script may have run meanwhile:
+        # finding them deleted is expected, not a loss.
+        self._handed_back_maybe: set[bytes] = set()
 
     @classmethod
     def connect(
@@ -426,7 +429,9 @@ class GroupConsumer:
             # whose reply was lost is found by the orphan check the next call starts with.
             if self._redeliver is None:
                 self._redeliver = deque()
-            self._redeliver.extendleft(reversed([(eid, {}) for eid, _ in (*taken, *entries)]))
+            held = [eid for eid, _ in (*taken, *entries)]
+            self._redeliver.extendleft(reversed([(eid, {}) for eid in held]))
+            self._handed_back_maybe.update(held)
             self._read_unsure = True
             raise
 
@@ -495,7 +500,14 @@ class GroupConsumer:
         if not fields:
             fields = await self._fetch(entry_id)
             if not fields:  # deleted meanwhile: nothing left to hand back
+                if entry_id not in self._handed_back_maybe:  # not by us: XTRIM, XDEL, a lost AOF tail
+                    logger.warning(
+                        "consumer %s (ns %s): group entry %s was delivered but is gone from the stream "
+                        "(XTRIM / XDEL?): acknowledged, its group is lost (see `rollstream inspect`)",
+                        self.name, self.keys.namespace, entry_id.decode(),
+                    )
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
+                self._handed_back_maybe.discard(entry_id)
                 return None
         try:
             group = decode_group_entry(fields, self.limits, views=True)

@@ -191,3 +191,23 @@ async def test_a_trainer_whose_name_was_taken_stops(redis: Redis, redis_url: str
             await consumer.take(1)
     assert await redis.get(keys.consumer_lease("trainer-l")) == b"another host pid 1"  # not released by the loser
     assert await _counter(redis, ns, "committed") == 0
+
+
+async def test_pending_groups_trimmed_away_are_reported(
+    redis: Redis, redis_url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Groups taken, not committed, then XTRIMmed away: the restarted trainer acknowledges them
+    with a warning naming the loss (it used to say nothing); nothing stays pending."""
+    await make_namespace(redis, ns)
+    keys = Keys(ns)
+    for index in range(2):
+        await redis.xadd(keys.groups, group_fields(_group(index)))
+    async with GroupConsumer.connect(redis_url, ns, "trainer-x") as first:
+        await first.take(2)
+    await redis.xtrim(keys.groups, maxlen=0, approximate=False)
+    async with GroupConsumer.connect(redis_url, ns, "trainer-x") as second:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await second.take(1)
+    assert caplog.text.count("is gone from the stream (XTRIM / XDEL?)") == 2
+    assert (await redis.xpending(keys.groups, TRAINER_GROUP))["pending"] == 0
