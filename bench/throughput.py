@@ -85,17 +85,7 @@ async def rollstream_run(
             pids = [p.pid for p in procs]
             assert server.process is not None
             cpu0 = (cpu_seconds(pids), cpu_seconds([server.process.pid]), time.process_time())
-            if profile is not None:
-                from pyinstrument import Profiler
-
-                profiler = Profiler()
-                profiler.start()
             seconds = await _consume(consumer, batches)
-            if profile is not None:
-                profiler.stop()
-                profile.with_name("profile-trainer.txt").write_text(
-                    profiler.output_text(unicode=False, color=False)
-                )
             cpu1 = (cpu_seconds(pids), cpu_seconds([server.process.pid]), time.process_time())
     await redis.aclose()
     cpu = {k: (b - a) / seconds for k, a, b in zip(("producers", "redis", "trainer"), cpu0, cpu1, strict=True)}

@@ -2,8 +2,8 @@
 
 ``python -m bench.worker produce --redis URL --ns NS --tokens 1024`` runs a real
 :class:`Producer` whose :class:`EngineClient` talks to the in-process instant engine
-(``httpx.MockTransport``), or to ``--engine URL`` (the simulator). ``BENCH_PROFILE=path`` wraps
-the run in pyinstrument and writes its text report there.
+(``httpx.MockTransport``), to no engine at all (``--engine none``) or to ``--engine URL`` (the
+simulator). ``BENCH_PROFILE=path`` wraps the run in cProfile and writes its text report there.
 
 ``python -m bench.worker raw --redis URL --stream S --count K`` XADDs ``K`` copies of the
 encoded payload of a 8 x ``--tokens`` group, pipelined, keeping the stream under ``--cap``.
@@ -98,17 +98,23 @@ def main() -> None:
     run = produce if args.mode == "produce" else raw
     profile = os.environ.get("BENCH_PROFILE")
     if profile and args.mode == "produce":
-        from pyinstrument import Profiler
+        import cProfile
+        import io
+        import pstats
 
-        profiler = Profiler(async_mode="disabled")
-        profiler.start()
+        profiler = cProfile.Profile()
+        profiler.enable()
         try:
             with contextlib.suppress(KeyboardInterrupt):
                 asyncio.run(run(args))
         finally:
-            profiler.stop()
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
             with open(profile, "w") as handle:
-                handle.write(profiler.output_text(unicode=False, color=False, show_all=False))
+                handle.write(text.getvalue())
         return
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(args))

@@ -99,7 +99,8 @@ class Sample:
     """Log-probs of the response tokens, as the engine computed them."""
     loss_mask: IntArray | None = None
     """One ``0``/``1`` per response token (slime's and miles' convention: ``response_length`` long,
-    ``1`` = trained on). The producer always fills it with ones; a trainer may zero parts of it."""
+    ``1`` = trained on). The producer always fills it with ones; a trainer may replace it (groups
+    from ``take()`` hold read-only views: copy before editing in place)."""
     error: str | None = None
     """Why a FAILED sample failed (the engine's refusal), else None."""
     metadata: dict[str, Any] = field(default_factory=dict)

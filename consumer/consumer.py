@@ -105,9 +105,10 @@ class Batch:
     def tokens_numpy(self) -> list[numpy.ndarray]:
         """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
         in batch order, samples in group order. Zero-copy: each array is a view on the sample's
-        packed array (it keeps that buffer alive, so it stays valid after :meth:`commit
-        <GroupConsumer.commit>`, after the consumer is closed and after the batch is dropped;
-        writing to it writes to the sample). Needs numpy (extra ``numpy``)."""
+        packed array, which for groups from ``take()`` is the entry's bytes as Redis sent them; it
+        keeps that buffer alive, so it stays valid after :meth:`commit <GroupConsumer.commit>`,
+        after the consumer is closed and after the batch is dropped. Such arrays are read-only
+        (``.copy()`` one to modify it). Needs numpy (extra ``numpy``)."""
         return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
 
     def log_probs_numpy(self) -> list[numpy.ndarray | None]:

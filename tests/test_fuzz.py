@@ -77,7 +77,8 @@ def _views_agree(payload: Any, limits: CodecLimits) -> None:
             decode_group(payload, limits, views=True)
         assert info.value.reason == exc.reason
         return
-    assert decode_group(payload, limits, views=True) == copied
+    # compared encoded: equal bytes whatever the values (a NaN label is not equal to itself)
+    assert encode_group(decode_group(payload, limits, views=True)) == encode_group(copied)
 
 
 def test_valid_payloads_round_trip() -> None:
