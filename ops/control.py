@@ -7,9 +7,10 @@ same writes a trainer's ``GroupConsumer.pause()/resume()`` make, without registe
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from rollstream.common.errors import ConsumerNameInUse
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, GroupQueue
+from rollstream.common.protocol import Control, GroupQueue, NameLease, held_consumer_names
 
 
 async def pause(redis: Redis, keys: Keys) -> None:
@@ -27,5 +28,12 @@ async def resume(redis: Redis, keys: Keys, version: int | None = None) -> None:
 
 async def release_consumer(redis: Redis, keys: Keys, consumer: str) -> int:
     """Give a gone trainer consumer's pending groups back to the stream, then delete it; the
-    number of groups moved back (see :meth:`~rollstream.common.protocol.GroupQueue.release`)."""
+    number of groups moved back (see :meth:`~rollstream.common.protocol.GroupQueue.release`).
+    Refused with ``ConsumerNameInUse`` while a live trainer holds that name: it would train the
+    released groups a second time."""
+    if consumer in await held_consumer_names(redis, keys):
+        raise ConsumerNameInUse(
+            keys.namespace, consumer, await NameLease(redis, keys, consumer, "").holder(),
+            "release-trainer only hands back the groups of a trainer that is gone",
+        )
     return await GroupQueue(redis, keys, consumer).release()

@@ -19,6 +19,7 @@ from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample, Status
 from rollstream.consumer import ConsumerNameInUse, GroupConsumer, PipelineStalled
 from rollstream.consumer.consumer import NAME_LEASE_SECONDS
+from rollstream.ops.control import release_consumer
 from rollstream.testing.sim import SimEngine
 from test_faults import TRAINER, _run_trainer
 
@@ -162,6 +163,8 @@ async def test_one_live_trainer_per_consumer_name(redis: Redis, redis_url: str, 
             assert await second.commit(again) == 2
             with pytest.raises(ConsumerNameInUse):  # held by `second` now
                 await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0)
+            with pytest.raises(ConsumerNameInUse, match="release-trainer"):
+                await release_consumer(redis, keys, "trainer-k")
         async with GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0) as third:  # released on close
             rest = await third.take(2)
             assert await third.commit(rest) == 2
