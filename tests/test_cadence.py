@@ -1,7 +1,8 @@
 """Staleness-aware admission for any cadence of weight versions, with real producer processes.
 
 A trainer takes 4 groups per step (``max_staleness 1``, ``n 2``, ``max_backlog 12``) for 10
-steps and changes its weight version every step, every 3 steps, never, or once by 5 versions.
+steps and changes its weight version every step, every 3 steps (declared with
+``steps_per_version 3`` or left to the measurement), never, or once by 5 versions.
 The cumulative rule this replaced, ``admitted - ... < (version + S + 1) * B``, deadlocked after
 two steps for the last three. Here every ``take()`` completes, every batch respects
 ``max_staleness``, and what is recycled as stale stays small: at most 2 groups, except at the
@@ -31,11 +32,16 @@ TAKE_TIMEOUT = 20.0
 CADENCES: dict[str, Callable[[int, int], int]] = {
     # (step just trained, current version) -> version for the next step
     "every_step": lambda step, v: v + 1,
-    "every_3_steps": lambda step, v: v + 1 if (step + 1) % 3 == 0 else v,
+    "every_3_steps": lambda step, v: v + 1 if (step + 1) % 3 == 0 else v,  # K not declared: measured
+    "every_3_steps_declared": lambda step, v: v + 1 if (step + 1) % 3 == 0 else v,  # --steps-per-version 3
     "never": lambda step, v: v,
     "jump_of_5": lambda step, v: v + 5 if step == 4 else v,
 }
-STALE_BOUND = {"every_step": 2, "every_3_steps": 2, "never": 0, "jump_of_5": 2 + (MAX_STALENESS + 1) * BATCH}
+STALE_BOUND = {
+    "every_step": 2, "every_3_steps": 2, "every_3_steps_declared": 2, "never": 0,
+    "jump_of_5": 2 + (MAX_STALENESS + 1) * BATCH,
+}
+STEPS_PER_VERSION = {"every_3_steps_declared": 3}
 
 
 async def _run(redis: Redis, redis_url: str, ns: str, procs: ProcessPool, cadence: str) -> dict[str, Any]:
@@ -43,6 +49,7 @@ async def _run(redis: Redis, redis_url: str, ns: str, procs: ProcessPool, cadenc
     async with SimEngine(config) as sim:
         await make_namespace(
             redis, ns, n_samples_per_prompt=2, batch_size=BATCH, max_staleness=MAX_STALENESS, max_backlog=12,
+            steps_per_version=STEPS_PER_VERSION.get(cadence, 1),
         )
         await add_prompts(redis, ns, 600)
         for name in ("a", "b"):
