@@ -312,11 +312,13 @@ GARBAGE: dict[str, Callable[[], bytes]] = {
 
 class HostileEngine:
     """An SGLang-shaped ``/generate`` served in-process: a prompt ``GARBAGE:<kind> ...`` gets the
-    garbage body of that kind, ``SLOW:<seconds> ...`` a valid reply after that long, any other
-    prompt a valid reply at once. Nothing else is served (``/tokenize``, ``/model_info``: 404)."""
+    garbage body of that kind, ``SLOW:<seconds> ...`` a valid reply after that long, ``HOLD ...``
+    a valid reply once the test sets :attr:`release`, any other prompt a valid reply at once.
+    Nothing else is served (``/tokenize``, ``/model_info``: 404)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}
+        self.release = asyncio.Event()
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -328,6 +330,8 @@ class HostileEngine:
             return web.Response(body=GARBAGE[arg](), content_type="application/json")
         if head == "SLOW":
             await asyncio.sleep(float(arg))
+        if head == "HOLD":
+            await self.release.wait()
         return web.json_response(_valid_reply())
 
     async def __aenter__(self) -> HostileEngine:
@@ -342,6 +346,7 @@ class HostileEngine:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -394,20 +399,25 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
 ) -> None:
     await make_namespace(redis, ns)
     await add_prompts(redis, ns, 2)
-    await add_prompt(redis, ns, 50, "SLOW:6 compute 50.")
+    # Held by the engine until the warning was seen: no window for a loaded machine to miss.
+    await add_prompt(redis, ns, 50, "HOLD compute 50.")
     procs.producer(redis_url, ns, hostile_engine.url, "--long-request-after", "2", name="slow-engine")
 
     async def warned() -> dict[str, Any] | None:
         _, snap = await inspect_json(redis_url, ns)
         row = next((p for p in snap["producers"] if p["name"] == "slow-engine"), None)
-        if row and row["long_requests"]:
+        # The two samples' requests start a moment apart: a heartbeat may count only the first.
+        if row and row["long_requests"] >= 2:
             return {"row": row, "warnings": snap["health"]["warnings"]}
         return None
 
     seen = await wait_until(warned, timeout=30, interval=0.3, message="long requests in the heartbeat")
     row = seen["row"]
+    # oldest_request_s is rounded to 0.1 s: an age just over the threshold may read exactly 2.0.
     assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] >= 2
     assert any("slow-engine: 2 sample(s) with an engine request in flight for over 2 s" in w for w in seen["warnings"])
+    assert hostile_engine.requests.get("HOLD") == 2
+    hostile_engine.release.set()
     assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
 
     async def cleared() -> bool:  # the slow requests ended: no warning from the next heartbeat on

@@ -84,11 +84,16 @@ async def test_metrics_endpoint_serves_the_listed_metrics_and_they_move(redis_ur
     # A POISON prompt is refused by the engine (HTTP 400): an error by kind.
     await add_prompts(redis, ns, 1, start=5, text="POISON 1 + 1")
 
+    # The errors are counted while the group is generated, the group published (failed) after
+    # them; prompt 4, admitted on resume, may still be running too: wait for both.
     async def errors() -> dict[str, float] | None:
         metrics = await scrape(url)
-        return metrics if metrics.get("rollstream_errors_total{kind=engine_http_400}", 0) >= 2 else None
+        ok = metrics.get("rollstream_errors_total{kind=engine_http_400}", 0) >= 2 and metrics[
+            "rollstream_groups_published_total{}"] >= 6
+        return metrics if ok else None
 
-    final = await wait_until(errors, timeout=20, interval=0.25, message=f"engine errors\n{procs.logs()}")
+    final = await wait_until(errors, timeout=20, interval=0.25,
+                             message=f"engine errors and 6 groups published\n{procs.logs()}")
     assert "family:rollstream_errors" in final
     assert final["rollstream_groups_published_total{}"] == 6
     assert "family:rollstream_admission_blocked" in final

@@ -11,7 +11,7 @@ import httpx
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.events import FATAL, recent_events
-from rollstream.common.keys import PRODUCERS_GROUP, Keys
+from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimConfig, SimEngine
 
@@ -86,17 +86,37 @@ async def test_backlog_stays_under_max_backlog_without_a_trainer(
     keys = Keys(ns)
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_backlog=5)
     await add_prompts(redis, ns, 40)
-    # Up to 8 prompts in flight: capacity goes back per sample, and a prompt holds at least one.
-    procs.producer(redis_url, ns, sim.url, concurrency=8)
+    # ADMIT reads only while the ready backlog is under 5 (so at most 4 ready then), and at most 8
+    # prompts are in flight after it (capacity goes back per sample, a prompt holds at least one
+    # unit until published); without a trainer only ADMIT raises ready + in flight: at most 4 + 8.
+    procs.producer(redis_url, ns, sim.url, concurrency=8, name="capped")
     lengths = []
     for _ in range(60):
         lengths.append(await redis.xlen(keys.groups))
         await asyncio.sleep(0.05)
     await wait_until(lambda: _at_least(redis.xlen(keys.groups), 5), timeout=20, message="backlog at its cap")
-    await asyncio.sleep(1.0)
+    # From here on every ADMIT is refused: the prompts in flight finish, and nothing follows them.
+    await wait_until(lambda: _pending_prompts(redis, keys, 0), timeout=20,
+                     message=f"the prompts in flight at the cap to be published\n{procs.logs()}")
+    admitted = int(await redis.hget(keys.state, StateField.ADMITTED))
+    assert await redis.xlen(keys.groups) == admitted  # each admitted prompt published once
+    await wait_until(lambda: _refused_at_the_cap(redis, keys, "capped", admitted), timeout=20,
+                     message=f"a heartbeat after the last publish, refused by the backlog\n{procs.logs()}")
     lengths.append(await redis.xlen(keys.groups))
-    assert max(lengths) <= 5 + 8
+    assert 5 <= max(lengths) <= 5 - 1 + 8, lengths
     assert (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0  # nothing admitted past the cap
+    assert int(await redis.hget(keys.state, StateField.ADMITTED)) == admitted == lengths[-1]
+    assert await redis.xlen(keys.prompts) == 40 - admitted  # the rest wait, unread
+
+
+async def _pending_prompts(redis: Redis, keys: Keys, expected: int) -> bool:
+    return (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == expected
+
+
+async def _refused_at_the_cap(redis: Redis, keys: Keys, name: str, published: int) -> bool:
+    beat = json.loads((await redis.hget(keys.producers, name)) or "{}")
+    return (beat.get("published") == published and beat.get("in_flight_prompts") == 0
+            and beat.get("admission") == "backlog")
 
 
 async def test_engine_500s_are_retried(
