@@ -26,14 +26,13 @@ import math
 import os
 import secrets
 import socket
-import threading
 import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from redis.asyncio import Redis
 from rollstream.common.admission import wait_cause
@@ -50,6 +49,7 @@ from rollstream.common.errors import (
 from rollstream.common.events import FATAL, now_ms, recent_events, unrecovered
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys, StateField
+from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import FloatArray, Group, IntArray, Status, retry_prompt
 from rollstream.common.namespace import load_config, read_state, state_int
 from rollstream.common.protocol import (
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
@@ -769,30 +768,6 @@ class Connecting:
             self._opening.close()
 
 
-class _LoopThread:
-    """An event loop running in a daemon thread, so the consumer's tasks (the name lease) go on
-    between the calls of a synchronous trainer."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt in the calling thread: stop the call too
-            raise
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
 class SyncGroupConsumer:
     """The same API for trainers that are not asyncio: its event loop runs in a daemon thread."""
 
@@ -812,7 +787,7 @@ class SyncGroupConsumer:
         name_wait: float = NAME_WAIT_SECONDS,
     ) -> None:
         """The options of :meth:`GroupConsumer.connect`."""
-        self._runner = _LoopThread(f"rollstream-consumer-{name}")
+        self._runner = LoopThread(f"rollstream-consumer-{name}")
         try:
             self._consumer: GroupConsumer = self._runner.run(
                 GroupConsumer._open(

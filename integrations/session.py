@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_callable
+from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import Group
 from rollstream.consumer import GroupConsumer
 
@@ -38,32 +38,6 @@ from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class LoopThread:
-    """An asyncio event loop in a daemon thread; :meth:`run` blocks the caller on a coroutine."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("LoopThread.run() called from its own loop")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 @dataclass(slots=True)
