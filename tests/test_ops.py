@@ -106,6 +106,9 @@ async def test_dead_requeue_brings_prompts_back_and_they_get_trained_on(
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_attempts=1)
     await add_prompts(redis, ns, 2)
     broken = procs.producer(redis_url, ns, rejecting_engine, name="misconfigured")
+    # A process start on a loaded machine takes seconds: the timed waits below are for the work.
+    await wait_until(lambda: _running(redis, keys, "misconfigured"), timeout=60,
+                     message=f"the misconfigured producer running\n{procs.logs()}")
 
     consumer = await GroupConsumer.connect(redis_url, ns, "trainer-0", on_producer_failure="warn")
     try:
@@ -121,6 +124,8 @@ async def test_dead_requeue_brings_prompts_back_and_they_get_trained_on(
         assert code == 0 and out.count("requeueable=yes") == 2 and "max_attempts" in out, out
 
         procs.producer(redis_url, ns, sim.url, name="fixed")
+        await wait_until(lambda: _running(redis, keys, "fixed"), timeout=60,
+                         message=f"the fixed producer running\n{procs.logs()}")
         code, out = await cli("dead", "requeue", "--redis", redis_url, "--ns", ns, "--all")
         assert code == 0 and "requeued 2 of 2" in out, out
         assert await redis.xlen(keys.dead) == 0
@@ -138,6 +143,11 @@ async def test_dead_requeue_brings_prompts_back_and_they_get_trained_on(
 
 async def _eq(value, expected) -> bool:
     return (await value) == expected
+
+
+async def _running(redis, keys: Keys, name: str) -> bool:
+    beat = json.loads((await redis.hget(keys.producers, name)) or "{}")
+    return beat.get("state") == "running"
 
 
 async def test_operator_pause_resume_and_release(redis, ns):
