@@ -79,6 +79,19 @@ _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
+
+
+def _check_cancelled() -> None:
+    """Raise :class:`asyncio.CancelledError` if the current task was cancelled, even when the
+    cancellation was swallowed on the way (Python 3.11's ``asyncio.wait_for``, which redis-py
+    uses, loses one that lands just as the wrapped call finishes): ``take()`` checks once per
+    turn, so a cancelled take (``task.cancel()``, ``asyncio.timeout``) ends at its next turn
+    instead of waiting for groups forever. The producer's loops follow the same rule."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 NAME_LEASE_SECONDS = 10.0
 """A trainer's hold on its consumer name lasts this long unless renewed (every quarter of it)."""
 NAME_WAIT_SECONDS = NAME_LEASE_SECONDS + 2.0
@@ -389,6 +402,7 @@ class GroupConsumer:
                     )
             last_warning = started
             while len(taken) < target:
+                _check_cancelled()
                 if self._read_unsure and not self._redeliver:
                     await self._adopt_orphans(taken)
                 if self._redeliver:

@@ -119,3 +119,29 @@ async def test_numpy_views_of_a_batch_are_zero_copy_and_outlive_commit_and_close
     assert [t.tolist() for t in tokens] == [[g, i, 7, 8, 9] for g in range(3) for i in range(2)]
     assert all(lp is not None and lp.tolist() == [-0.5, -1.0, -1.5] for lp in log_probs)
     assert all(m is not None and m.tolist() == [1, 0, 1] for m in masks)
+
+
+async def test_a_take_whose_read_swallows_the_cancellation_still_ends(redis_url: str, redis: Redis, ns: str) -> None:
+    """A cancelled take() must end even when the library under it loses the cancellation (Python
+    3.11's ``asyncio.wait_for`` in redis-py can): made deterministic with a read that swallows it.
+    Found as test_ops' dead-requeue test hanging in ``take.cancel(); gather(take)`` under load."""
+    await make_namespace(redis, ns)
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-sw", on_producer_failure="warn") as consumer:
+        read = consumer._read
+        reading = asyncio.Event()
+        swallowed = asyncio.Event()
+
+        async def swallowing_read(count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+            reading.set()
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                swallowed.set()  # and carry on as if nothing happened
+            return await read(count)
+
+        consumer._read = swallowing_read  # type: ignore[method-assign]
+        take = asyncio.create_task(consumer.take(1))
+        await asyncio.wait_for(reading.wait(), 10)
+        take.cancel()
+        done, _ = await asyncio.wait([take], timeout=10)  # the next turn is at most one blocking read away
+        assert swallowed.is_set() and take in done and take.cancelled()
