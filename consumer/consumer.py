@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from redis.asyncio import Redis
 from rollstream.common.admission import wait_cause
+from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage, connect
@@ -79,17 +80,6 @@ _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
-
-
-def _check_cancelled() -> None:
-    """Raise :class:`asyncio.CancelledError` if the current task was cancelled, even when the
-    cancellation was swallowed on the way (Python 3.11's ``asyncio.wait_for``, which redis-py
-    uses, loses one that lands just as the wrapped call finishes): ``take()`` checks once per
-    turn, so a cancelled take (``task.cancel()``, ``asyncio.timeout``) ends at its next turn
-    instead of waiting for groups forever. The producer's loops follow the same rule."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 NAME_LEASE_SECONDS = 10.0
@@ -402,7 +392,7 @@ class GroupConsumer:
                     )
             last_warning = started
             while len(taken) < target:
-                _check_cancelled()
+                raise_if_cancelled()
                 if self._read_unsure and not self._redeliver:
                     await self._adopt_orphans(taken)
                 if self._redeliver:

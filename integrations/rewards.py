@@ -84,7 +84,7 @@ class FrameworkReward(RewardFunction):
         self.per_group = per_group
         self.args = args
         self.name = name
-        self.timeout = timeout
+        self.deadline = timeout
 
     async def _score(
         self,
@@ -95,10 +95,9 @@ class FrameworkReward(RewardFunction):
     ) -> Any:
         group = Group(index=0, prompt=prompt, samples=list(samples), label=label, metadata=dict(metadata))
         converted = to_framework(group, self.sample_cls)
-        async with asyncio.timeout(self.timeout):
-            if self.per_group:
-                return list(await _maybe_await(self.fn(self.args, converted)))
-            return list(await asyncio.gather(*(_maybe_await(self.fn(self.args, s)) for s in converted)))
+        if self.per_group:
+            return list(await _maybe_await(self.fn(self.args, converted)))
+        return list(await asyncio.gather(*(_maybe_await(self.fn(self.args, s)) for s in converted)))
 
 
 def load_framework_reward(spec: str, *, timeout: float = 30.0) -> FrameworkReward:

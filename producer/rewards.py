@@ -83,6 +83,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from rollstream.common.backoff import Backoff
+from rollstream.common.cancellation import being_cancelled
 from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.imports import import_callable
 from rollstream.common.models import PromptContent, Reward, Sample
@@ -152,7 +153,7 @@ class RewardFunction(abc.ABC):
         except RewardError:
             raise
         except BaseException as exc:  # SystemExit, KeyboardInterrupt: one prompt's problem too
-            if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+            if isinstance(exc, asyncio.CancelledError) and being_cancelled():
                 raise
             if isinstance(exc, TimeoutError) and deadline.expired():
                 raise RewardError(f"reward {self.name!r} timed out after {self.deadline:g} s") from exc
@@ -181,13 +182,6 @@ class RewardFunction(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
-
-
-def _being_cancelled() -> bool:
-    """Whether the current task is being cancelled (a CancelledError a user function raised by
-    itself is its own failure, not a cancellation)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _describe(exc: BaseException) -> str:
@@ -712,7 +706,7 @@ class PythonReward(RewardFunction):
         except RewardError:
             raise
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+            if isinstance(exc, asyncio.CancelledError) and being_cancelled():
                 raise
             raise RewardError(
                 f"reward {self.name!r} failed on sample {sample.index}: {_describe(exc)}"

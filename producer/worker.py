@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
@@ -75,17 +76,6 @@ LONG_REQUEST_AFTER = 600.0
 """Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
 TASK_EXIT_TIMEOUT = 5.0
 """Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
-
-
-def _check_cancelled() -> None:
-    """Raise :class:`asyncio.CancelledError` if the current task was cancelled, even when the
-    cancellation was swallowed on the way: Python 3.11's ``asyncio.wait_for`` (which redis-py
-    uses to send a command, e.g. during a connection's handshake) loses a cancellation that lands
-    just as the wrapped call finishes. Every loop of the runtime calls this once per turn, so a
-    cancelled loop ends at its next turn whatever the libraries under it did."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def default_producer_name() -> str:
@@ -379,7 +369,7 @@ class Producer:
         n = self.config.n_samples_per_prompt
         cfg = self.config
         while not self._stopping.is_set():
-            _check_cancelled()
+            raise_if_cancelled()
             if self._reclaim_due:  # prompts of a dead producer come first
                 await self._nap(0.2)
                 continue
@@ -521,7 +511,7 @@ class Producer:
     async def _renew_loop(self) -> None:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
         while True:
-            _check_cancelled()
+            raise_if_cancelled()
             await asyncio.sleep(interval)
             by_stream: dict[str, list[bytes]] = {}
             for pid, w in self._work.items():
@@ -553,7 +543,7 @@ class Producer:
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
         while True:
-            _check_cancelled()
+            raise_if_cancelled()
             if not self._reclaim_due:
                 await asyncio.sleep(interval)
             if self._stopping.is_set():
@@ -627,7 +617,7 @@ class Producer:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            _check_cancelled()
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._heartbeat_once()
@@ -639,7 +629,7 @@ class Producer:
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
         while True:
-            _check_cancelled()
+            raise_if_cancelled()
             try:
                 pubsub = await self.control.subscribe(self._blocking)
             except TRANSIENT_ERRORS as exc:
@@ -647,7 +637,7 @@ class Producer:
                 continue
             try:
                 while True:
-                    _check_cancelled()
+                    raise_if_cancelled()
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
                         logger.debug("producer %s: control message %r", self.name, message.get("data"))
