@@ -33,6 +33,14 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--batch-size", type=int, required=True, help="groups per training step")
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--max-backlog", type=int, default=256)
+    p.add_argument(
+        "--max-backlog-bytes", type=parse_bytes, default=0, metavar="SIZE",
+        help="byte budget of the groups held in Redis (e.g. 8GiB; 0 = none); checked against maxmemory",
+    )
+    p.add_argument(
+        "--max-group-bytes", type=parse_bytes, default=512 * 1024 * 1024, metavar="SIZE",
+        help="a larger group is dead-lettered (group_too_large), default 512MiB",
+    )
     p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
     p.add_argument("--max-attempts", type=int, default=5)
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
@@ -159,6 +167,23 @@ async def _with_redis(url: str, work: Any) -> Any:
         await redis.aclose()
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(value: str) -> int:
+    """A size such as ``8GiB``, ``500MB`` or ``1048576`` in bytes (argparse type)."""
+    number = value.strip().rstrip("bBiIkKmMgGtT")
+    unit = value.strip()[len(number):].lower()
+    try:
+        size = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size (e.g. 8GiB, 500MB, 1048576)") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+    return int(size)
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     config = PipelineConfig(
         n_samples_per_prompt=args.n_samples,
@@ -172,6 +197,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         recycle_filtered=args.recycle_filtered,
         heartbeat_timeout=args.heartbeat_timeout,
         steps_per_version=args.steps_per_version,
+        max_backlog_bytes=args.max_backlog_bytes,
+        max_group_bytes=args.max_group_bytes,
     )
     keys = Keys(args.ns)
     written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))

@@ -632,9 +632,11 @@ def prompt_fields(prompt: Prompt) -> Fields:
 
 
 def group_fields(group: Group) -> Fields:
-    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli."""
+    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli
+    (``bytes`` is the size of ``data``)."""
     min_version = group.min_version
     reward = group.reward_mean
+    data = encode_group(group)
     return {
         "index": group.index,
         "epoch": group.epoch,
@@ -644,8 +646,17 @@ def group_fields(group: Group) -> Fields:
         "producer": group.producer,
         "reward_mean": "nan" if math.isnan(reward) else f"{reward:.4f}",
         "n": len(group.samples),
-        "data": encode_group(group),
+        "bytes": len(data),
+        "data": data,
     }
+
+
+def group_too_large(fields: Mapping[str, Any], limit: int) -> str | None:
+    """The dead-letter reason of a group entry whose data exceeds ``limit`` bytes, else None."""
+    size = len(fields.get("data", b""))
+    if size <= limit:
+        return None
+    return f"group_too_large: {size} bytes of group data exceeds max_group_bytes {limit} (rollstream init)"
 
 
 def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
