@@ -45,7 +45,7 @@ local function forget(sizes, state, id)
   local b = num(redis.call('HGET', sizes, id))
   if b > 0 then
     redis.call('HDEL', sizes, id)
-    if incr(state, '$GROUP_BYTES', -b) < 0 then redis.call('HSET', state, '$GROUP_BYTES', 0) end
+    if incr(state, 'GROUP_BYTES', -b) < 0 then redis.call('HSET', state, 'GROUP_BYTES', 0) end
   end
   return b
 end
@@ -55,7 +55,8 @@ end
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
     (an unknown name fails the import), after the helpers."""
-    return _HELPERS + Template(source).substitute(_STATE_FIELDS)
+    helpers = _HELPERS.replace("'GROUP_BYTES'", f"'{StateField.GROUP_BYTES}'")
+    return helpers + Template(source).substitute(_STATE_FIELDS)
 
 
 # KEYS: source prompt stream (prompts or retry), groups, state, group sizes. ARGV: consumer group,
@@ -152,7 +153,8 @@ end
 # With a byte budget (ARGV[12] > 0) and groups ready, the bytes held in the group stream plus the
 # prompts in flight at the mean group size must stay under it:
 #   projected = group_bytes + (pending(retry) + pending(prompts)) * mean, mean = published_bytes / published
-# and at most (budget - projected) / mean more are read. With no group ready the budget does not
+# and one more group of the mean size must fit (projected + mean <= budget); at most
+# (budget - projected) / mean are read. With no group ready the budget does not
 # refuse: a trainer waiting inside take() for a batch larger than the budget must get it.
 # Refusals: {'paused'}, {'backlog', ready}, {'backlog_bytes', projected, budget},
 # {'staleness', outstanding, capacity, c, G}, {'empty'}.
@@ -170,8 +172,8 @@ if budget > 0 and ready > 0 then
   local mean = 0
   if num(st[8]) > 0 then mean = math.ceil(num(st[7]) / num(st[8])) end
   local projected = num(st[6]) + in_flight * mean
-  if projected >= budget then return {'backlog_bytes', projected, budget} end
-  if mean > 0 then room = math.min(room, math.max(1, math.floor((budget - projected) / mean))) end
+  if projected + math.max(mean, 1) > budget then return {'backlog_bytes', projected, budget} end
+  if mean > 0 then room = math.min(room, math.floor((budget - projected) / mean)) end
 end
 if ARGV[4] == '1' then
   local outstanding = in_flight + ready
