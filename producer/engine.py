@@ -47,6 +47,7 @@ import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
 from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
+from rollstream.common.models import Packed
 
 from . import replies
 from .replies import EngineReplyInvalid
@@ -91,6 +92,9 @@ class EngineSettings:
     model_info_timeout: float = 2.0
     model_info_ttl: float = 5.0
     return_logprob: bool = True
+    routed_experts: tuple[int, int, int] | None = None
+    """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
+    the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -115,6 +119,11 @@ class EngineSettings:
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
+                raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
+            if self.api != "sglang":
+                raise ConfigError("--routed-experts needs --engine-api sglang (meta_info.routed_experts)")
 
 
 @dataclass(slots=True)
@@ -132,6 +141,10 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
     prompt_ids: array[int] | None = None
     """Prompt token ids as the engine saw them, when it says (vLLM ``return_token_ids``)."""
+    routed_experts: Packed | None = None
+    """The routing replay of the request's whole sequence (input + output - 1 rows) after
+    ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
+    routed_experts_start: int = 0
 
 
 def parse_version(value: Any) -> int | None:
@@ -154,7 +167,9 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def _generation(parsed: replies.ParsedReply, engine: _Engine, version: int | None) -> Generation:
+def _generation(
+    parsed: replies.ParsedReply, engine: _Engine, version: int | None, routed_experts: Packed | None = None
+) -> Generation:
     return Generation(
         text=parsed.text,
         output_ids=parsed.output_ids,
@@ -163,6 +178,8 @@ def _generation(parsed: replies.ParsedReply, engine: _Engine, version: int | Non
         weight_version=version,
         engine=engine.url,
         prompt_ids=parsed.prompt_ids,
+        routed_experts=routed_experts,
+        routed_experts_start=parsed.routed_experts_start,
     )
 
 
@@ -438,15 +455,33 @@ class EngineClient:
             body["input_ids"] = input_ids if isinstance(input_ids, list | array) else list(input_ids or ())
         if rid is not None:
             body["rid"] = rid
+        shape = self.settings.routed_experts
+        if shape is not None:
+            body["return_routed_experts"] = True
         engine, raw = await self._post("/generate", body)
         want = self.settings.return_logprob
-        parsed = replies.parse_sglang(raw, want_logprobs=want, where=engine.url + "/generate")[0]
+        where = engine.url + "/generate"
+        parsed = replies.parse_sglang(raw, want_logprobs=want, where=where)[0]
+        experts = None
+        if shape is not None and parsed.routed_experts is not None:
+            experts = replies.decode_routed_experts(parsed.routed_experts, *shape, where=where)
+        elif shape is not None and parsed.finish_reason != "abort":
+            raise replies.EngineReplyInvalid(
+                "routed_experts", "asked for but meta_info has none (start SGLang with --enable-return-routed-experts)",
+                where,
+            )
         version = parse_version(parsed.weight_version)
         if version is None:
             version = await self.weight_version(engine)
         else:
             engine.version = version
-        return _generation(parsed, engine, version)
+        return _generation(parsed, engine, version, experts)
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> tuple[str, bytes]:
+        """POST ``body`` to the least-loaded engine with the retries, deadline and reply bound
+        of a generation (a teacher's scoring request); the engine URL and the reply body."""
+        engine, raw = await self._post(path, body)
+        return engine.url, raw
 
     def _openai_body(self, max_new: int, n: int) -> dict[str, Any]:
         return {

@@ -39,8 +39,10 @@ from rollstream.common.errors import ConfigError, EngineRejected, PromptNotSuppo
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
+from .replay import with_routed_experts
 from .replies import EngineReplyInvalid
 from .rewards import RewardBroken, RewardFunction
+from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,11 @@ class Rollout:
         reward: RewardFunction,
         settings: RolloutSettings,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.engine = engine
+        self.teacher = teacher
+        """Scores every response on a teacher model before the reward (``--teacher-engine``)."""
         self.reward = reward
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
@@ -140,6 +145,8 @@ class Rollout:
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
             samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
+        if self.teacher is not None and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
+            await self.teacher.score(samples)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self._score(prompt, samples)
         return Group(
@@ -152,6 +159,7 @@ class Rollout:
             samples=samples,
             producer=self.settings.producer,
             history=prompt.history,
+            multimodal_inputs=prompt.multimodal_inputs,
         )
 
     async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
@@ -296,7 +304,8 @@ class Rollout:
             self._engine_refused(prompt, exc)
             return _rejected(index, prompt_ids, exc)
         self.metrics.tokens_generated(len(generation.output_ids))
-        return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+        sample = _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+        return with_routed_experts(sample, generation, prefix)
 
     async def _generate_together(
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
@@ -313,7 +322,10 @@ class Rollout:
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
-        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
+        return [
+            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version, None), g, None)
+            for i, g in enumerate(generations)
+        ]
 
     def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
         """How the prompt goes to the engine: token ids, else text, else chat messages."""

@@ -66,6 +66,7 @@ from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue
 from .engine import EngineClient
 from .rewards import RewardFunction
 from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class Producer:
         redis: Redis,
         blocking: Redis,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.url = redis_url
         self.settings = settings
@@ -215,6 +217,7 @@ class Producer:
                 reward_failure_limit=settings.reward_failure_limit,
             ),
             self.metrics,
+            teacher,
         )
         self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
@@ -246,6 +249,7 @@ class Producer:
         engine: EngineClient,
         reward: RewardFunction,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> Producer:
         redis = connect(redis_url, name=f"rollstream-producer-{settings.name}")
         try:
@@ -258,7 +262,7 @@ class Producer:
             await redis.aclose()
             raise
         blocking = connect(redis_url, block_ms=2000, name=f"rollstream-producer-{settings.name}-wait")
-        return cls(redis_url, settings, engine, reward, config, redis, blocking, metrics)
+        return cls(redis_url, settings, engine, reward, config, redis, blocking, metrics, teacher)
 
     # -- public -------------------------------------------------------------------------
 
