@@ -625,8 +625,8 @@ async def _generate(request: web.Request) -> web.Response:
     max_new_tokens = _int_param(sampling.get("max_new_tokens"), "max_new_tokens", 128)
     if max_new_tokens == 0 and body.get("return_logprob"):  # a teacher scoring its input
         _check_poison(text)
-        start = _int_param(body.get("logprob_start_len"), "logprob_start_len", 0)
-        return web.json_response(_teacher_reply(input_ids, start))
+        logprob_start = _int_param(body.get("logprob_start_len"), "logprob_start_len", 0)
+        return web.json_response(_teacher_reply(input_ids, logprob_start))
     rid = body.get("rid")
     if rid is None:
         rid = uuid.uuid4().hex
