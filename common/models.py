@@ -482,6 +482,39 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False) -> Pr
     )
 
 
+def prompt_images(prompt: PromptContent) -> list[str]:
+    """The images of a chat prompt: every ``image_url`` (OpenAI: ``{"type": "image_url",
+    "image_url": {"url": ...}}``) or ``image`` (``{"type": "image", "image": ...}``) content part,
+    in order (URLs or ``data:`` URIs, as the engines take them)."""
+    images: list[str] = []
+    if isinstance(prompt, str):
+        return images
+    for message in prompt:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if isinstance(url, str):
+                    images.append(url)
+            elif part.get("type") == "image" and isinstance(part.get("image"), str):
+                images.append(part["image"])
+    return images
+
+
+def multimodal_of(prompt: PromptContent, images: Any = None) -> dict[str, Any] | None:
+    """The ``multimodal_inputs`` of a dataset record: the chat prompt's images, else the record's
+    own ``images`` list (slime's ``--multimodal-keys`` convention); None without images."""
+    found = prompt_images(prompt)
+    if not found and isinstance(images, list) and all(isinstance(i, str) for i in images):
+        found = list(images)
+    return {"images": found} if found else None
+
+
 def as_prompt_content(value: Any) -> PromptContent:
     """Validate a dataset's prompt field: a string or a list of chat messages."""
     if isinstance(value, str):

@@ -375,9 +375,11 @@ class EngineClient:
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
         rid: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> Generation:
-        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages."""
-        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid))[0]
+        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages;
+        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside them."""
+        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, image_data))[0]
 
     async def generate_n(
         self,
@@ -387,16 +389,18 @@ class EngineClient:
         input_ids: Sequence[int] | None = None,
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         """``n`` samples of one prompt: one request with ``n`` (OpenAI API), else ``n`` requests."""
         if n < 1:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
-            return await self._generate(n, text, input_ids, messages, max_new_tokens, None)
+            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, image_data)
         return list(
             await asyncio.gather(
                 *(
-                    self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens)
+                    self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
+                                  image_data=image_data)
                     for _ in range(n)
                 )
             )
@@ -410,10 +414,11 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         self._check_prompt(text, input_ids, messages)
         try:
-            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid)
+            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid, image_data)
         except EngineReplyInvalid:
             self._count_error("bad_reply")
             raise
@@ -426,6 +431,7 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
         if self.settings.api == "openai":
@@ -437,10 +443,15 @@ class EngineClient:
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
                 "template (--tokenizer) or use --engine-api openai",
             )
-        return [await self._generate_sglang(text, input_ids, max_new, rid)]
+        return [await self._generate_sglang(text, input_ids, max_new, rid, image_data)]
 
     async def _generate_sglang(
-        self, text: str | None, input_ids: Sequence[int] | None, max_new: int, rid: str | None
+        self,
+        text: str | None,
+        input_ids: Sequence[int] | None,
+        max_new: int,
+        rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> Generation:
         params = {
             "max_new_tokens": max_new,
@@ -455,6 +466,8 @@ class EngineClient:
             body["input_ids"] = input_ids if isinstance(input_ids, list | array) else list(input_ids or ())
         if rid is not None:
             body["rid"] = rid
+        if image_data:
+            body["image_data"] = list(image_data)
         shape = self.settings.routed_experts
         if shape is not None:
             body["return_routed_experts"] = True

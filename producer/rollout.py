@@ -295,7 +295,7 @@ class Rollout:
             with self._requests(1):
                 if prefix is not None:  # continue the aborted response where it stopped
                     generation = await self.engine.generate(
-                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
+                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length, **_media(prompt)
                     )
                 else:
                     source = self._prompt_input(prompt, prompt_ids)
@@ -328,16 +328,24 @@ class Rollout:
         ]
 
     def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
-        """How the prompt goes to the engine: token ids, else text, else chat messages."""
+        """How the prompt goes to the engine: token ids, else text, else chat messages (which
+        carry their own images); the prompt's images go beside ids or text (SGLang ``image_data``)."""
+        media = _media(prompt)
         if prompt_ids is not None:
-            return {"input_ids": prompt_ids}
+            return {"input_ids": prompt_ids, **media}
         if isinstance(prompt.prompt, str):
-            return {"text": prompt.prompt}
+            return {"text": prompt.prompt, **media}
         if self.engine.accepts_messages:
             return {"messages": prompt.prompt}
         raise PromptNotSupported(
             "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
+
+
+def _media(prompt: Prompt) -> dict[str, Any]:
+    """The prompt's images for the engine (SGLang ``image_data``), if it has any."""
+    images = (prompt.multimodal_inputs or {}).get("images")
+    return {"image_data": images} if images and isinstance(images, list) else {}
 
 
 def _to_sample(

@@ -233,3 +233,21 @@ async def test_r3_and_teacher_log_probs_stay_aligned_across_a_partial_rollout(
     await procs.astop_all()
 
 
+
+
+def test_the_images_of_a_chat_prompt_are_its_multimodal_inputs() -> None:
+    from rollstream.common.models import multimodal_of
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                             {"type": "text", "text": "what?"}, {"type": "image", "image": "b.png"}]}]
+    assert multimodal_of(messages) == {"images": ["data:image/png;base64,AA==", "b.png"]}
+    assert multimodal_of("text", ["c.png"]) == {"images": ["c.png"]}
+    assert multimodal_of("text") is None
+
+
+async def test_a_prompt_with_images_sends_them_and_carries_them_to_the_group() -> None:
+    engine = SplicingEngine()
+    prompt = Prompt(index=0, prompt="describe", input_ids=[7, 8], multimodal_inputs={"images": ["a.png"]})
+    group = await _rollout(engine).run(prompt, 0)
+    assert engine.bodies[0]["image_data"] == ["a.png"]
+    assert group.multimodal_inputs == {"images": ["a.png"]}
