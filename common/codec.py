@@ -78,9 +78,9 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
-def _pack_array(values: array[Any] | memoryview[Any]) -> bytes:
-    if _LITTLE:
-        return values.tobytes()
+def _pack_array(values: array[Any] | memoryview[Any]) -> bytes | memoryview:
+    if _LITTLE:  # msgpack packs the buffer as bin: one copy, into the payload
+        return memoryview(values).cast("B")
     swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
