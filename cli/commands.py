@@ -104,6 +104,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         help="ask SGLang for the MoE routing replay (R3: return_routed_experts; the server runs with "
              "--enable-return-routed-experts), e.g. 48x8x128; checked against this shape",
     )
+    p.add_argument("--engine-stats", action="store_true",
+                   help="record SGLang's prefix-cache and speculative-decoding counters per sample")
     p.add_argument(
         "--teacher-engine", action="append", default=None, metavar="URL",
         help="score every response on this SGLang teacher (log-probs of the response tokens: "
@@ -274,6 +276,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_reply_bytes=int(args.max_reply_mib * 2**20),
         routed_experts=args.routed_experts,
+        engine_stats=args.engine_stats,
     )
     teacher_settings = None
     if args.teacher_engine:

@@ -95,6 +95,9 @@ class EngineSettings:
     routed_experts: tuple[int, int, int] | None = None
     """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
     the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
+    engine_stats: bool = False
+    """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
+    ``prefix_cache_info``: wire format v3)."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -145,6 +148,8 @@ class Generation:
     """The routing replay of the request's whole sequence (input + output - 1 rows) after
     ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
     routed_experts_start: int = 0
+    counters: dict[str, int] | None = None
+    """The engine's prefix-cache / speculative-decoding counters of this request (SGLang)."""
 
 
 def parse_version(value: Any) -> int | None:
@@ -180,6 +185,7 @@ def _generation(
         prompt_ids=parsed.prompt_ids,
         routed_experts=routed_experts,
         routed_experts_start=parsed.routed_experts_start,
+        counters=parsed.counters,
     )
 
 
@@ -488,7 +494,10 @@ class EngineClient:
             version = await self.weight_version(engine)
         else:
             engine.version = version
-        return _generation(parsed, engine, version, experts)
+        generation = _generation(parsed, engine, version, experts)
+        if not self.settings.engine_stats:
+            generation.counters = None
+        return generation
 
     async def post(self, path: str, body: Mapping[str, Any]) -> tuple[str, bytes]:
         """POST ``body`` to the least-loaded engine with the retries, deadline and reply bound

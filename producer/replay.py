@@ -19,7 +19,9 @@ from .engine import Generation
 
 def with_routed_experts(sample: Sample, generation: Generation, prefix: Sample | None) -> Sample:
     """``sample`` with the routing replay of ``generation`` (spliced onto ``prefix``'s rows
-    when the engine skipped them), or the sample FAILED when the rows do not line up."""
+    when the engine skipped them), or the sample FAILED when the rows do not line up; and with
+    the engine's prefix-cache and speculative-decoding counters, added to the prefix's."""
+    _add_counters(sample, generation, prefix)
     experts = generation.routed_experts
     if experts is None:
         return sample
@@ -38,6 +40,26 @@ def with_routed_experts(sample: Sample, generation: Generation, prefix: Sample |
         return _misaligned(sample, f"{len(experts)} rows for {len(sample.tokens)} tokens (expected tokens - 1)")
     sample.routed_experts = experts
     return sample
+
+
+def _add_counters(sample: Sample, generation: Generation, prefix: Sample | None) -> None:
+    """slime's and miles' ``PrefixCacheInfo`` / ``SpecInfo`` from SGLang's ``meta_info``, summed
+    over the engine calls of a continued sample (the frameworks' ``add``)."""
+    got = generation.counters
+    if not got:
+        return
+    cache = dict(prefix.prefix_cache_info or {}) if prefix is not None else {}
+    if "cached_tokens" in got or "prompt_tokens" in got:
+        cache["cached_tokens"] = cache.get("cached_tokens", 0) + got.get("cached_tokens", 0)
+        cache["total_prompt_tokens"] = cache.get("total_prompt_tokens", 0) + got.get("prompt_tokens", 0)
+        sample.prefix_cache_info = cache
+    if "spec_draft_token_num" in got or "spec_verify_ct" in got:
+        spec = dict(prefix.spec_info or {}) if prefix is not None else {}
+        for ours, theirs in (("spec_accept_token_num", "spec_accept_token_num"),
+                             ("spec_draft_token_num", "spec_draft_token_num"), ("spec_verify_ct", "spec_verify_ct"),
+                             ("completion_token_num", "completion_tokens")):
+            spec[ours] = spec.get(ours, 0) + got.get(theirs, 0)
+        sample.spec_info = spec
 
 
 def _misaligned(sample: Sample, detail: str) -> Sample:

@@ -77,6 +77,9 @@ class ParsedReply:
     """SGLang's base64 routing replay, undecoded (see :func:`decode_routed_experts`)."""
     routed_experts_start: int = 0
     """Rows of the sequence the replay leaves out (SGLang ``routed_experts_start_len``)."""
+    counters: dict[str, int] | None = None
+    """SGLang's prefix-cache and speculative-decoding counters of the request (``cached_tokens``,
+    ``prompt_tokens``, ``spec_*``, ``completion_tokens``) when it sent them."""
 
 
 # -- SGLang /generate ---------------------------------------------------------------------------
@@ -100,6 +103,12 @@ class _Meta(msgspec.Struct, gc=False):
     weight_version: int | str | None = None
     routed_experts: str | None = None
     routed_experts_start_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    spec_accept_token_num: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_verify_ct: int | None = None
 
 
 class _Generate(msgspec.Struct, gc=False):
@@ -230,7 +239,19 @@ def _sglang_one(reply: _Generate, want_logprobs: bool, where: str) -> ParsedRepl
     return ParsedReply(
         text=reply.text, output_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=meta.weight_version,
         routed_experts=meta.routed_experts, routed_experts_start=meta.routed_experts_start_len,
+        counters=_counters(meta),
     )
+
+
+_COUNTERS = (
+    "cached_tokens", "prompt_tokens", "completion_tokens", "spec_accept_token_num", "spec_draft_token_num",
+    "spec_verify_ct",
+)
+
+
+def _counters(meta: _Meta) -> dict[str, int] | None:
+    out = {name: value for name in _COUNTERS if isinstance(value := getattr(meta, name), int) and value >= 0}
+    return out or None
 
 
 def decode_routed_experts(encoded: str, layers: int, topk: int, experts: int, where: str = "") -> Packed:

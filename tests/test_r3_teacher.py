@@ -73,6 +73,8 @@ class SplicingEngine:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/tokenize":
             return httpx.Response(200, json={"tokens": [7, 8, 9]})
+        if request.url.path != "/generate":
+            return httpx.Response(404)
         body = json.loads(request.content)
         self.bodies.append(body)
         output = [100 + len(self.bodies), 101 + len(self.bodies)]
@@ -251,3 +253,36 @@ async def test_a_prompt_with_images_sends_them_and_carries_them_to_the_group() -
     group = await _rollout(engine).run(prompt, 0)
     assert engine.bodies[0]["image_data"] == ["a.png"]
     assert group.multimodal_inputs == {"images": ["a.png"]}
+
+
+async def test_engine_stats_sum_over_a_continuation_when_asked_for() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [7, 8, 9]})
+        if request.url.path != "/generate":
+            return httpx.Response(404)
+        calls.append(1)
+        finish = "abort" if len(calls) == 1 else "stop"
+        return httpx.Response(200, json={"text": "a", "output_ids": [1, 2], "meta_info": {
+            "finish_reason": {"type": finish}, "output_token_logprobs": [[-0.5, 1, None], [-0.5, 2, None]],
+            "cached_tokens": 2, "prompt_tokens": 3 + 2 * (len(calls) - 1), "completion_tokens": 2,
+            "spec_accept_token_num": 1, "spec_draft_token_num": 2, "spec_verify_ct": 1, "weight_version": "0"}})
+
+    def make(stats: bool, partial: bool = False) -> Rollout:
+        settings = EngineSettings(urls=("http://e",), max_new_tokens=16, engine_stats=stats)
+        client = EngineClient(settings, transport=httpx.MockTransport(handler))
+        return Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"),
+                       RolloutSettings(n_samples=1, partial_rollout=partial))
+
+    first = (await make(True).run(Prompt(index=0, prompt="hi"), 0)).samples[0]
+    assert first.prefix_cache_info == {"cached_tokens": 2, "total_prompt_tokens": 3}
+    retry = Prompt(index=0, prompt="hi", attempt=1, input_ids=[7, 8, 9], partial=[first])
+    sample = (await make(True, partial=True).run(retry, 0)).samples[0]
+    assert sample.prefix_cache_info == {"cached_tokens": 4, "total_prompt_tokens": 8}
+    assert sample.spec_info == {"spec_accept_token_num": 2, "spec_draft_token_num": 4, "spec_verify_ct": 2,
+                                "completion_token_num": 4}
+    calls.clear()
+    plain = (await make(False).run(Prompt(index=1, prompt="hi"), 0)).samples[0]
+    assert plain.prefix_cache_info is None and plain.spec_info is None  # off by default: wire format v2
