@@ -168,13 +168,9 @@ def _sample_to_wire(sample: Sample) -> dict[str, Any]:
 
 def _version_of(samples: list[dict[str, Any]], multimodal: Any) -> int:
     """3 when a version-3 field is used, else 2 (readable by the previous build)."""
-    if multimodal is not None or any(len(s) > _V2_SAMPLE_LEN for s in samples):
+    if multimodal is not None or any(key in s for s in samples for key in _V3_SAMPLE_KEYS):
         return 3
     return 2
-
-
-_V2_SAMPLE_LEN = 13
-"""Keys of a version-2 sample map (``_sample_to_wire`` without version-3 fields)."""
 
 
 def _packb(obj: Any) -> bytes:

@@ -131,9 +131,14 @@ class Packed:
         if isinstance(values, Packed):
             return values
         if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-            values = values.detach().cpu().numpy()
+            values = values.detach().cpu()
+            if str(values.dtype) in ("torch.bfloat16", "torch.float16"):  # numpy has no bfloat16
+                values = values.float()
+            values = values.numpy()
         if hasattr(values, "dtype") and hasattr(values, "astype") and hasattr(values, "shape"):
             return cls._of_ndarray(values, floats)
+        if shape is None and _code_of(values):  # a flat packed array: one dimension
+            shape = (len(values),)
         if shape is None:
             shape = _shape_of(values)
             flat = _flatten(values, len(shape)) if shape else []

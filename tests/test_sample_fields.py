@@ -103,6 +103,11 @@ def test_packed_arrays_travel_in_their_smallest_exact_dtype(experts: int, code: 
     assert decoded is not None
     np.testing.assert_array_equal(decoded.numpy(), values)
     assert Packed.of([-1, 5]).typecode == "i"  # negative ids (padding) keep int32
+    flat = Packed.of(array("i", [1, 2, 300]))  # a flat packed array: one dimension, narrowed
+    assert (flat.shape, flat.typecode, flat.tolist()) == ((3,), "H", [1, 2, 300])
+    assert Packed.of(np.zeros((2, 3), dtype=np.float64)).typecode == "f"
+    with pytest.raises(ValueError, match="int32"):
+        Packed.of([2**31])
 
 
 def test_numpy_views_of_take_share_the_payload_memory() -> None:
