@@ -166,3 +166,21 @@ async def test_init_refuses_an_evicting_policy_and_a_budget_over_maxmemory(redis
     assert (await redis.xinfo_groups(keys.prompts))[0]["name"] == PRODUCERS_GROUP.encode()
 
 
+
+
+async def test_inspect_shows_the_bytes_held_against_the_budget(redis: Redis, redis_url: str, ns: str) -> None:
+    from rollstream.ops.snapshot import snapshot
+    from test_inspect import run_inspect
+
+    await make_namespace(redis, ns, max_backlog_bytes=3 * 1024 * 1024)
+    keys = Keys(ns)
+    await add_prompts(redis, ns, 2)
+    queue = PromptQueue(redis, keys, "p1")
+    await _publish(redis, keys, queue, _group(0))
+    await _publish(redis, keys, queue, _group(1))
+    held, sizes = await _ledger(redis, keys)
+    groups = (await snapshot(redis, keys))["groups"]
+    assert groups["bytes"] == held == sum(sizes.values()) > 0
+    assert groups["bytes_budget"] == 3 * 1024 * 1024 and groups["mean_group_bytes"] == held // 2
+    _, text = await run_inspect(redis_url, ns)
+    assert f"bytes {held / 1024:.1f} KiB of 3.0 MiB budget" in text, text
