@@ -149,7 +149,9 @@ def _counters(cls: Any, values: dict[str, int] | None) -> Any:
     return from_dict(values) if from_dict is not None else cls(**values)
 
 
-def _v3_kwargs(sample: Sample, group: Group, sample_cls: Any, names: frozenset[str]) -> tuple[dict[str, Any], dict]:
+def _v3_kwargs(
+    sample: Sample, group: Group, sample_cls: Any, names: frozenset[str], replays: bool = True
+) -> tuple[dict[str, Any], dict]:
     """The framework keyword arguments of ``sample``'s version-3 fields, and the values of those
     the framework has no field for (kept in the rollstream metadata entry)."""
     n = len(group.samples)
@@ -157,7 +159,7 @@ def _v3_kwargs(sample: Sample, group: Group, sample_cls: Any, names: frozenset[s
     missing: dict[str, Any] = {}
     for ours, theirs in _ARRAY_FIELDS.items():
         packed = getattr(sample, ours)
-        if packed is None:
+        if packed is None or not replays:
             continue
         if theirs in names:
             kwargs[theirs] = _int32(packed)
@@ -197,11 +199,12 @@ def _v3_kwargs(sample: Sample, group: Group, sample_cls: Any, names: frozenset[s
     return {k: v for k, v in kwargs.items() if k in names}, missing
 
 
-def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False) -> list[Any]:
+def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False, replays: bool = True) -> list[Any]:
     """The group's samples as framework samples (``sample_cls`` is the framework's ``Sample``).
 
     ``for_training`` refuses samples whose prompt ids are unknown: their ``tokens`` would hold
-    the response alone and the trainer would learn without the prompt.
+    the response alone and the trainer would learn without the prompt. ``replays=False`` leaves
+    the routing, indexer and top-p replays out (a reward function: no int32 copies, no numpy).
     """
     n = len(group.samples)
     names = _field_names(sample_cls)
@@ -239,7 +242,7 @@ def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False) -
             "sample_metadata_keys": list(sample.metadata),
             "loss_mask_filled": filled,
         }
-        v3, missing = _v3_kwargs(sample, group, sample_cls, names)
+        v3, missing = _v3_kwargs(sample, group, sample_cls, names, replays)
         if missing:
             info["fields"] = missing
         if sample.rollout_id is not None:
