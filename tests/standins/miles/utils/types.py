@@ -47,3 +47,23 @@ class Sample:
     reward_spec: Any = None
     routing_key: str | None = None
     non_generation_time: float = 0.0
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """Minimum weight version across all turns (generation calls) for this trajectory."""
+        numeric = [int(v) for v in self.weight_versions if str(v).isdigit()]
+        return min(numeric) if numeric else None
+
+    def update_from_meta_info(self, args, meta_info: dict):
+        """Update the sample from an engine reply's meta_info (stand-in: no speculative or
+        prefix-cache statistics)."""
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+
+        match meta_info["finish_reason"]["type"]:
+            case "length":
+                self.status = Sample.Status.TRUNCATED
+            case "abort":
+                self.status = Sample.Status.ABORTED
+            case "stop":
+                self.status = Sample.Status.COMPLETED
