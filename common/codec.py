@@ -90,7 +90,7 @@ def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:
 
 
 def _sample_to_wire(sample: Sample) -> dict[str, Any]:
-    return {
+    wire: dict[str, Any] = {
         "i": sample.index,
         "tok": _pack_array(sample.tokens),
         "resp": sample.response,
@@ -105,6 +105,9 @@ def _sample_to_wire(sample: Sample) -> dict[str, Any]:
         "err": sample.error,
         "md": sample.metadata,
     }
+    if sample.weight_version_spans is not None:  # optional, flat: start, end, version, ...
+        wire["wvs"] = [x for span in sample.weight_version_spans for x in span]
+    return wire
 
 
 def _packb(obj: Any) -> bytes:
@@ -200,6 +203,7 @@ class _SampleView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     wv: Raw | UnsetType = UNSET
     err: Raw | UnsetType = UNSET
     md: Raw | UnsetType = UNSET
+    wvs: Raw | UnsetType = UNSET
 
 
 class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
@@ -330,6 +334,7 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
     finish = obj.get("fr")
     if finish is not None and not isinstance(finish, str):
         raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
+    spans = _spans(obj.get("wvs"), rlen, what)
     return Sample(
         index=_get(obj, "i", int, what),
         tokens=tokens,
@@ -344,7 +349,23 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
         loss_mask=mask,
         error=error,
         metadata=metadata,
+        weight_version_spans=spans,
     )
+
+
+def _spans(raw: Any, rlen: int, what: str) -> list[tuple[int, int, int]] | None:
+    """``wvs`` (optional): flat ``start, end, version`` triples over the response, in order."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) % 3 or not all(type(x) is int for x in raw):
+        raise DecodeError("bad_field", f"{what}.wvs must be a flat list of int triples")
+    spans = [(raw[i], raw[i + 1], raw[i + 2]) for i in range(0, len(raw), 3)]
+    previous = 0
+    for start, end, _ in spans:
+        if not previous <= start <= end <= rlen:
+            raise DecodeError("bad_field", f"{what}.wvs span {start}..{end} is out of order or past {rlen} tokens")
+        previous = end
+    return spans
 
 
 def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:

@@ -104,6 +104,10 @@ class Sample:
     error: str | None = None
     """Why a FAILED sample failed (the engine's refusal), else None."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    weight_version_spans: list[tuple[int, int, int]] | None = None
+    """Optional per-token versions: ``(start, end, version)`` over the response tokens (offsets
+    from ``prompt_length``, end exclusive), one span per engine call, in order; tokens of no span
+    (tool observations) were not generated. Written by multi-turn episodes; None otherwise."""
 
     def __post_init__(self) -> None:
         self.tokens = int_array(self.tokens)
@@ -114,6 +118,11 @@ class Sample:
         self.status = Status(self.status)
         if self.prompt_length < 0:
             self.prompt_length = len(self.tokens) - self.response_length
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version of any engine call of this sample (staleness is judged by it)."""
+        return min(self.weight_versions) if self.weight_versions else None
 
     @property
     def response_tokens(self) -> IntArray:
@@ -149,6 +158,7 @@ def _as_tuple(sample: Sample) -> tuple[Any, ...]:
         None if sample.loss_mask is None else sample.loss_mask.tolist(),
         sample.error,
         sample.metadata,
+        sample.weight_version_spans,
     )
 
 
