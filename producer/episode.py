@@ -52,9 +52,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeAlias
 
-from rollstream.common.errors import EngineError
+from rollstream.common.errors import EngineError, RollstreamError
 from rollstream.common.models import PromptContent, Sample, Status
 
 
@@ -139,7 +139,7 @@ class EpisodeAborted(EngineError):
     recycled whole. Raised out of :meth:`Trajectory.generate`; user code should let it pass."""
 
 
-class GenerateBroken(EngineError):
+class GenerateBroken(RollstreamError):
     """The generate function failed on ``generate_failure_limit`` distinct prompts in a row
     (nothing succeeded in between): it is broken, not the prompts. Fatal for the producer."""
 
@@ -241,6 +241,6 @@ class Episode(Trajectory):
         own sample): same capacity, deadlines, retries and abort handling as :meth:`generate`."""
 
 
-GenerateResult = Sample | Sequence[Sample]
+GenerateResult: TypeAlias = "Sample | Sequence[Sample]"
 GenerateFunction = Callable[[Episode], Awaitable[GenerateResult]]
 """``async def generate(episode) -> Sample | list[Sample]``."""
