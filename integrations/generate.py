@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import inspect
 import json
 import math
@@ -245,6 +246,22 @@ class _Adapter:
         self.env_keys = set(_env_args())
         self.server = server if server is not None else EndpointServer()
         self.__name__ = spec  # the producer names the function in its errors
+        self._clients_ready = False
+
+    def init_clients(self, args: argparse.Namespace) -> None:
+        """Create slime's / miles' module-level HTTP client (``http_utils.init_http_client``), as
+        their rollout managers do before the first generate call: a function of either form may
+        call either ``post``."""
+        if self._clients_ready:
+            return
+        for module_name in ("slime.utils.http_utils", "miles.utils.http_utils"):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            if getattr(module, "_http_client", None) is None and hasattr(module, "init_http_client"):
+                module.init_http_client(args)
+        self._clients_ready = True
 
     def args_for(self, episode: Episode, endpoint: Endpoint) -> argparse.Namespace:
         """This episode's ``args``: the rollout settings are the producer's unless
@@ -272,25 +289,12 @@ class SlimeGenerate(_Adapter):
     def __init__(self, spec: str, fn: Callable[..., Any], args: dict[str, Any], server: EndpointServer | None = None) -> None:
         super().__init__(spec, fn, args, server)
         self.has_evaluation = "evaluation" in inspect.signature(fn).parameters
-        self._client_ready = False
-
-    def _init_client(self, args: argparse.Namespace) -> None:
-        """slime's rollout manager creates http_utils' client before any generate call."""
-        if self._client_ready:
-            return
-        try:
-            from slime.utils import http_utils  # type: ignore[import-not-found]
-        except ImportError:
-            http_utils = None
-        if http_utils is not None and getattr(http_utils, "_http_client", None) is None:
-            http_utils.init_http_client(args)
-        self._client_ready = True
 
     async def __call__(self, episode: Episode) -> GenerateResult:
         sample = framework_sample(SLIME, episode)
         async with self.server.open(episode, sglang=True) as endpoint:
             args = self.args_for(episode, endpoint)
-            self._init_client(args)
+            self.init_clients(args)
             params = _sampling_dict(episode)
             if self.has_evaluation:
                 result = await endpoint.run(self.fn(args, sample, params, evaluation=False))
@@ -316,12 +320,7 @@ class MilesGenerate(_Adapter):
                 GenerateState,
             )
 
-            try:
-                from miles.utils import http_utils  # type: ignore[import-not-found]
-            except ImportError:
-                http_utils = None
-            if http_utils is not None and getattr(http_utils, "_http_client", None) is None:
-                http_utils.init_http_client(args)
+            self.init_clients(args)
             self._state = GenerateState(args)
         state = copy.copy(self._state)
         state.args = args
