@@ -90,6 +90,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
+    add_episode_arguments(p)
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
@@ -118,6 +119,40 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     )
     p.add_argument("--consumer", required=True)
     p.set_defaults(func=cmd_release_trainer)
+
+
+def add_episode_arguments(p: argparse.ArgumentParser) -> None:
+    """The rollout plug-in and its caps (docs/rollouts.md), shared by ``produce`` and ``demo``."""
+    p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
+                   help="the rollout plug-in: async def generate(episode) -> Sample | list[Sample] "
+                        "(default: the single-turn rollout)")
+    p.add_argument("--engine-concurrency", type=int, default=None,
+                   help="engine requests in flight at most (default: --concurrency); tool time holds none")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=K",
+                   help="a named concurrency limit for `async with episode.limit(NAME)` (repeatable)")
+    p.add_argument("--episode-timeout", type=float, default=None,
+                   help="seconds one episode may take in total; past it the sample fails (recycled)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens an episode's trajectory may hold: max_new_tokens is clamped to the room left")
+    p.add_argument("--generate-failure-limit", type=int, default=8,
+                   help="the generate function failing on this many distinct prompts in a row is fatal")
+
+
+def episode_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ProducerSettings keywords from :func:`add_episode_arguments`' flags."""
+    from rollstream.producer.rollout import load_generate
+    from rollstream.producer.session import EpisodeLimits, parse_limits
+
+    return {
+        "generate": load_generate(args.generate) if args.generate else None,
+        "limits": EpisodeLimits(
+            engine_concurrency=args.engine_concurrency,
+            named=parse_limits(args.limit),
+            episode_timeout=args.episode_timeout,
+            max_context=args.max_context,
+        ),
+        "generate_failure_limit": args.generate_failure_limit,
+    }
 
 
 def run_with_signals(main: Any, on_signal: Any) -> None:
@@ -230,6 +265,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         reward_failure_limit=args.reward_failure_limit,
         long_request_after=args.long_request_after,
+        **episode_options(args),
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics

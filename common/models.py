@@ -211,6 +211,15 @@ class Group:
                 return status
         return Status.COMPLETED
 
+    def size_error(self, n: int) -> str | None:
+        """Why this group does not hold ``n`` episodes (None when it does): ``n`` samples, or
+        more whose indices (episode ids, shared by an episode's segments) are exactly ``0..n-1``."""
+        if len(self.samples) == n:
+            return None
+        if len(self.samples) > n and {s.index for s in self.samples} == set(range(n)):
+            return None
+        return f"{len(self.samples)} samples, expected {n}"
+
     @property
     def min_version(self) -> int | None:
         """The oldest weight version any sample was generated with."""
