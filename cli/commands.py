@@ -125,7 +125,8 @@ def add_episode_arguments(p: argparse.ArgumentParser) -> None:
     """The rollout plug-in and its caps (docs/rollouts.md), shared by ``produce`` and ``demo``."""
     p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
                    help="the rollout plug-in: async def generate(episode) -> Sample | list[Sample] "
-                        "(default: the single-turn rollout)")
+                        "(default: the single-turn rollout); slime:pkg.mod.fn / miles:pkg.mod.fn run "
+                        "those frameworks' generate functions, openai:pkg.mod.fn an OpenAI-API agent")
     p.add_argument("--engine-concurrency", type=int, default=None,
                    help="engine requests in flight at most (default: --concurrency); tool time holds none")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=K",
@@ -134,6 +135,9 @@ def add_episode_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds one episode may take in total; past it the sample fails (recycled)")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens an episode's trajectory may hold: max_new_tokens is clamped to the room left")
+    p.add_argument("--endpoint-host", default="127.0.0.1",
+                   help="where the per-episode endpoints of --generate slime:/miles:/openai: listen "
+                        "(loopback by default; the OpenAI endpoint answers only the episode's key)")
     p.add_argument("--generate-failure-limit", type=int, default=8,
                    help="the generate function failing on this many distinct prompts in a row is fatal")
 
@@ -144,7 +148,7 @@ def episode_options(args: argparse.Namespace) -> dict[str, Any]:
     from rollstream.producer.session import EpisodeLimits, parse_limits
 
     return {
-        "generate": load_generate(args.generate) if args.generate else None,
+        "generate": _load_generate(args, load_generate) if args.generate else None,
         "limits": EpisodeLimits(
             engine_concurrency=args.engine_concurrency,
             named=parse_limits(args.limit),
@@ -153,6 +157,24 @@ def episode_options(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "generate_failure_limit": args.generate_failure_limit,
     }
+
+
+def _load_generate(args: argparse.Namespace, load_generate: Any) -> Any:
+    """``--generate``: the integrations' adapters for ``slime:`` / ``miles:`` / ``openai:``, else
+    the producer's own loader."""
+    from rollstream.integrations.generate import is_framework_generate
+
+    if not is_framework_generate(args.generate):
+        return load_generate(args.generate)
+    from rollstream.integrations.endpoints import EndpointServer
+    from rollstream.integrations.generate import load_framework_generate
+
+    return load_framework_generate(
+        args.generate,
+        tokenizer=getattr(args, "tokenizer", None),
+        concurrency=getattr(args, "concurrency", 256) or 256,
+        server=EndpointServer(host=getattr(args, "endpoint_host", "127.0.0.1")),
+    )
 
 
 def run_with_signals(main: Any, on_signal: Any) -> None:

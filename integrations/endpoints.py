@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
-
 from rollstream.common.errors import ConfigError
 from rollstream.producer.episode import Episode, EpisodeAborted, SamplingParams, Trajectory, Turn
 
@@ -208,8 +207,9 @@ class ChatRecorder:
     async def _between_turns(self, tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
         """Ids of the template's text from the end of the engine's last tokens to the next
         generation prompt (mask 0)."""
-        before = await asyncio.to_thread(tokenizer.chat_text, self.messages, add_generation_prompt=False, tools=self.tools)
-        after = await asyncio.to_thread(tokenizer.chat_text, messages, add_generation_prompt=True, tools=self.tools)
+        render = tokenizer.chat_text
+        before = await asyncio.to_thread(render, self.messages, add_generation_prompt=False, tools=self.tools)
+        after = await asyncio.to_thread(render, messages, add_generation_prompt=True, tools=self.tools)
         if not after.startswith(before):
             raise ConversationDiverged(
                 "the chat template renders the extended conversation with a different beginning than the "
@@ -295,7 +295,7 @@ async def _settle(tasks: set[asyncio.Task[Any]] | set[asyncio.Future[Any]]) -> N
     """Wait (bounded) for cancelled tasks to end, even while being cancelled ourselves."""
     pending = {t for t in tasks if not t.done()}
     if pending:
-        done, still = await asyncio.wait(pending, timeout=CANCEL_GRACE)
+        _, still = await asyncio.wait(pending, timeout=CANCEL_GRACE)
         if still:
             logger.warning("%d episode task(s) did not end within %.0f s of being cancelled", len(still), CANCEL_GRACE)
     for task in tasks:
@@ -359,7 +359,8 @@ class EndpointServer:
         finally:
             self._by_port.pop(port, None)
             try:
-                await site.stop()
+                with contextlib.suppress(RuntimeError):  # the runner was cleaned up first (aclose)
+                    await site.stop()
             finally:
                 sock.close()
                 await endpoint.close()
@@ -385,7 +386,8 @@ class EndpointServer:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:
-            raise _Answer(400, f"the request body is not JSON: {exc}", "invalid_json", fail=EndpointRefused(str(exc))) from None
+            message = f"the request body is not JSON: {exc}"
+            raise _Answer(400, message, "invalid_json", fail=EndpointRefused(message)) from None
         except web.HTTPRequestEntityTooLarge:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
             raise _Answer(413, message, "too_large", fail=EndpointRefused(message)) from None
@@ -408,7 +410,8 @@ class EndpointServer:
             if answer.fail is not None and endpoint is not None:
                 endpoint.fail(answer.fail)
             if openai:
-                payload: dict[str, Any] = {"error": {"message": str(answer), "type": "invalid_request_error", "code": answer.code}}
+                error = {"message": str(answer), "type": "invalid_request_error", "code": answer.code}
+                payload: dict[str, Any] = {"error": error}
             else:
                 payload = {"error": {"message": str(answer), "code": answer.status}}
             return web.json_response(payload, status=answer.status)
@@ -423,7 +426,8 @@ class EndpointServer:
         async def info(request: web.Request, endpoint: Endpoint) -> dict[str, Any]:
             if not endpoint.sglang:
                 raise _Answer(404, "not an SGLang endpoint", "not_found")
-            return {"model_path": MODEL_NAME, "is_generation": True, "weight_version": str(endpoint.episode.admitted_version)}
+            version = str(endpoint.episode.admitted_version)
+            return {"model_path": MODEL_NAME, "is_generation": True, "weight_version": version}
 
         return await self._serve(request, info, openai=False)
 
@@ -450,7 +454,8 @@ class EndpointServer:
             ids, sampling, max_new, want_logprob = await _sglang_request(body, episode)
         except EndpointRefused as exc:
             raise _Answer(400, str(exc), "invalid_request", fail=exc) from None
-        rid = body.get("rid") if isinstance(body.get("rid"), str) else secrets.token_hex(8)
+        given = body.get("rid")
+        rid = given if isinstance(given, str) else secrets.token_hex(8)
         try:
             turn = await episode.complete(ids, max_new_tokens=max_new, sampling=sampling)
         except EpisodeAborted as exc:
@@ -461,9 +466,9 @@ class EndpointServer:
             raise _Answer(503, f"engine call failed: {type(exc).__name__}: {exc}", "engine_error") from None
         endpoint.versions.extend(turn.weight_versions)
         if want_logprob and turn.log_probs is None and len(turn.token_ids):
-            exc = EndpointRefused("the engines returned no log-probs (run the producer with log-probs on)")
-            endpoint.fail(exc)
-            raise _Answer(503, str(exc), "no_logprobs")
+            refused = EndpointRefused("the engines returned no log-probs (run the producer with log-probs on)")
+            endpoint.fail(refused)
+            raise _Answer(503, str(refused), "no_logprobs")
         version = min(turn.weight_versions) if turn.weight_versions else episode.admitted_version
         return _sglang_reply(
             rid, turn.text, turn.token_ids, turn.log_probs if want_logprob else None,
@@ -497,7 +502,8 @@ class EndpointServer:
                 endpoint.fail(exc)
                 raise _Answer(503, f"engine call failed: {type(exc).__name__}: {exc}", "engine_error") from None
         endpoint.versions.extend(turn.weight_versions)
-        prompt_tokens = len(endpoint.recorder.trajectory.sample.tokens) - len(turn.token_ids) if endpoint.recorder.trajectory else 0
+        trajectory = endpoint.recorder.trajectory
+        prompt_tokens = len(trajectory.sample.tokens) - len(turn.token_ids) if trajectory is not None else 0
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL_NAME
         return {
             "id": "chatcmpl-" + secrets.token_hex(12),

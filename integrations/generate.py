@@ -286,7 +286,9 @@ class SlimeGenerate(_Adapter):
 
     framework = SLIME
 
-    def __init__(self, spec: str, fn: Callable[..., Any], args: dict[str, Any], server: EndpointServer | None = None) -> None:
+    def __init__(
+        self, spec: str, fn: Callable[..., Any], args: dict[str, Any], server: EndpointServer | None = None
+    ) -> None:
         super().__init__(spec, fn, args, server)
         self.has_evaluation = "evaluation" in inspect.signature(fn).parameters
 
@@ -316,7 +318,7 @@ class MilesGenerate(_Adapter):
         """miles' GenerateState, built once per producer (it loads the tokenizer); each episode
         gets a shallow copy whose ``args`` name its own endpoint."""
         if self._state is None:
-            from miles.rollout.inference_rollout.inference_rollout_common import (  # type: ignore[import-not-found]
+            from miles.rollout.inference_rollout.inference_rollout_common import (
                 GenerateState,
             )
 
@@ -327,14 +329,13 @@ class MilesGenerate(_Adapter):
         return state
 
     async def __call__(self, episode: Episode) -> GenerateResult:
-        from miles.rollout.base_types import GenerateFnInput, GenerateFnOutput  # type: ignore[import-not-found]
+        from miles.rollout.base_types import GenerateFnInput, GenerateFnOutput
 
         sample = framework_sample(MILES, episode)
         async with self.server.open(episode, sglang=True) as endpoint:
             args = self.args_for(episode, endpoint)
             state = self._state_for(args)
-            params = copy.deepcopy(state.sampling_params) if hasattr(state, "sampling_params") else _sampling_dict(episode)
-            params.update(_sampling_dict(episode))
+            params = {**copy.deepcopy(getattr(state, "sampling_params", None) or {}), **_sampling_dict(episode)}
             work = self.fn(GenerateFnInput(state=state, sample=sample, sampling_params=params, evaluation=False))
             output = await endpoint.run(work)
             if not isinstance(output, GenerateFnOutput):
@@ -404,7 +405,7 @@ def load_framework_generate(
                 f"({exc.__cause__}); install it here (the trainer's version)"
             ) from exc
     if scheme == "miles":
-        from miles.rollout.inference_rollout.compatibility import (  # type: ignore[import-not-found]
+        from miles.rollout.inference_rollout.compatibility import (
             load_generate_function,
         )
 
@@ -418,6 +419,8 @@ def load_framework_generate(
         raise ConfigError(f"--generate {spec}: {path!r} is not callable")
     if scheme == "slime":
         if not inspect.iscoroutinefunction(fn):
-            raise ConfigError(f"--generate {spec}: a slime generate function is 'async def generate(args, sample, sampling_params)'")
+            raise ConfigError(
+                f"--generate {spec}: a slime generate function is 'async def generate(args, sample, sampling_params)'"
+            )
         return SlimeGenerate(spec, fn, args, server)
     return OpenAIAgent(spec, fn, args, server)

@@ -99,7 +99,9 @@ class PromptTokenizer:
             kwargs["tools"] = list(tools)
         text = tokenizer.apply_chat_template(list(messages), **kwargs)
         if not isinstance(text, str):
-            raise ValueError(f"tokenizer {self.source}.apply_chat_template(tokenize=False) returned {type(text).__name__}")
+            raise ValueError(
+                f"tokenizer {self.source}.apply_chat_template(tokenize=False) returned {type(text).__name__}"
+            )
         return text
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -118,7 +118,10 @@ async def miles_tool_loop(input):
 
 async def miles_legacy_loop(args, sample, sampling_params):
     """slime's (legacy) form written against miles' modules: run through miles' LegacyGenerateFnAdapter."""
-    from miles.rollout.generate_utils.generate_endpoint_utils import compute_request_payload, update_sample_from_response
+    from miles.rollout.generate_utils.generate_endpoint_utils import (
+        compute_request_payload,
+        update_sample_from_response,
+    )
     from miles.rollout.inference_rollout.inference_rollout_common import GenerateState  # noqa: F401 (as users import it)
     from miles.utils.http_utils import post
 
