@@ -168,7 +168,9 @@ def _versions(values: Any) -> list[int]:
     return out
 
 
-def from_framework_sample(fw: Any, member: int, endpoint: Endpoint | None, episode: Episode) -> Sample:
+def from_framework_sample(
+    fw: Any, member: int, endpoint: Endpoint | None, episode: Episode, *, only: bool = True
+) -> Sample:
     """A rollstream sample of a framework sample the function returned; ValueError when its shape is wrong."""
     if isinstance(fw, list | tuple):
         raise ValueError(f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list")
@@ -194,8 +196,13 @@ def from_framework_sample(fw: Any, member: int, endpoint: Endpoint | None, episo
         error = str(metadata.get("error") or "the generate function returned a FAILED sample")[:1000]
     finish = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort"}.get(status)
     versions = _versions(fw.weight_versions)
+    if (only or not versions) and endpoint is not None and endpoint.versions:
+        # one sample holds every call of the episode: the versions of every engine call as the
+        # endpoint saw them (a call continued after an abort counts each version, where the
+        # function's meta_info says one)
+        versions = list(endpoint.versions)
     if not versions:
-        versions = list(endpoint.versions) if endpoint is not None and endpoint.versions else [episode.admitted_version]
+        versions = [episode.admitted_version]
     mask = None if fw.loss_mask is None else array("B", [int(m) for m in fw.loss_mask])
     if mask is None:
         mask = array("B", b"\x01" * response_length)
@@ -229,7 +236,8 @@ def to_samples(result: Any, endpoint: Endpoint | None, episode: Episode) -> Gene
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
         raise ValueError("returned an empty list: an episode yields at least one sample")
-    samples = [from_framework_sample(fw, episode.member, endpoint, episode) for fw in items]
+    only = len(items) == 1
+    samples = [from_framework_sample(fw, episode.member, endpoint, episode, only=only) for fw in items]
     return samples[0] if not isinstance(result, list | tuple) else samples
 
 

@@ -235,13 +235,18 @@ class _Harness:
         self.spec = spec
         self.server = server
         self.engine_kwargs = engine
+        self.partial = False
+        self.resumed: asyncio.Event | None = None
 
     async def group(self, index: int = 0, prompt: Any = "Compute 1 + 2.") -> Group:
         tokenizer = load_tokenizer(TOKENIZER)
         settings = EngineSettings(urls=(self.sim.url,), max_new_tokens=64, **self.engine_kwargs)
         async with EngineClient(settings, tokenizer=tokenizer) as engine:
             fn = load_framework_generate(self.spec, tokenizer=TOKENIZER, server=self.server)
-            rollout = Rollout(engine, load_reward("math"), RolloutSettings(n_samples=N, generate=fn))
+            settings = RolloutSettings(n_samples=N, generate=fn, partial_rollout=self.partial)
+            resumed = self.resumed
+            wait = None if resumed is None else resumed.wait
+            rollout = Rollout(engine, load_reward("math"), settings, wait_resumed=wait)
             return await rollout.run(Prompt(index=index, prompt=prompt, label="3"), 0)
 
 
@@ -315,6 +320,33 @@ async def test_an_abort_with_partial_rollout_off_aborts_the_episode() -> None:
             await server.aclose()
     assert all(s.status == Status.ABORTED for s in group.samples), [(s.status, s.error) for s in group.samples]
     assert engine.state.requests == N  # no turn after the abort
+
+
+async def test_an_abort_with_partial_rollout_on_is_continued_inside_the_proxy() -> None:
+    """slime's stock generate sees one reply: the aborted call was continued from its tokens
+    under the new weights, and both versions are recorded."""
+    server = EndpointServer()
+    slow = SimConfig(seed=1, mean_tokens=40, length_sigma=0.0, latency_per_token=0.05)
+    async with SimEngine(slow) as engine:
+        harness = _Harness(engine, "slime:slime.rollout.sglang_rollout.generate", server)
+        harness.partial = True
+        harness.resumed = asyncio.Event()
+        task = asyncio.ensure_future(harness.group())
+        try:
+            await wait_until(lambda: len(engine.state.jobs) == N, timeout=20, message="both episodes generating")
+            assert engine.state.abort() == N  # a weight update: abort what is in flight ...
+            await wait_until(lambda: not engine.state.jobs, timeout=20, message="the aborted replies")
+            engine.state.weight_version = 1  # ... load the new weights, resume
+            harness.resumed.set()
+            group = await asyncio.wait_for(task, 60)
+        finally:
+            await server.aclose()
+    for sample in group.samples:
+        assert sample.status == Status.COMPLETED, (sample.status, sample.error)
+        assert sample.weight_versions == [0, 1]
+        assert detokenize(list(sample.tokens[sample.prompt_length :])) == sample.response
+        assert list(sample.loss_mask) == [1] * sample.response_length
+    assert engine.state.requests == 2 * N and engine.state.aborted == N
 
 
 def test_bad_specs_are_config_errors(standins_importable: None) -> None:
