@@ -540,9 +540,7 @@ async def _sglang_request(body: Mapping[str, Any], episode: Episode) -> tuple[li
     if body.get("image_data") or body.get("audio_data") or body.get("video_data"):
         raise EndpointRefused("multimodal inputs are not supported through the producer's endpoint")
     if "input_ids" in body and body["input_ids"] is not None:
-        ids = _int_ids(body["input_ids"], "input_ids")
-        if ids and isinstance(ids[0], list):
-            raise EndpointRefused("batched input_ids are not supported: one prompt per request")
+        ids = _int_ids(body["input_ids"], "input_ids (one prompt per request)")
     elif isinstance(body.get("text"), str):
         ids = await episode.tokenize(body["text"])
     else:
