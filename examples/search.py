@@ -25,8 +25,8 @@ TOOL_CALL = re.compile(r"<tool>search: ([^<]*)</tool>")
 MAX_TURNS = 6
 TOOL_TIMEOUT = 5.0
 CORPUS = {
-    "add": "Addition: the sum of two numbers, e.g. 2 + 3 is five.",
-    "multiply": "Multiplication: repeated addition, e.g. 4 * 3 is twelve.",
+    "add": "Addition: the sum of two numbers, e.g. two plus three is five.",
+    "multiply": "Multiplication: repeated addition, e.g. four times three is twelve.",
     "subtract": "Subtraction: the difference of two numbers.",
     "divide": "Division: how many times one number fits into another.",
 }

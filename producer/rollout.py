@@ -198,6 +198,8 @@ class Rollout:
         """(index, epoch) of the prompts the generate function failed on since it last succeeded."""
         self.episodes_failed = 0
         """Episodes whose function raised, timed out or returned an invalid result."""
+        self.function_failures = 0
+        """Of those, the ones held against the function (raised or invalid, not the deadline)."""
 
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
@@ -289,7 +291,7 @@ class Rollout:
         done: SampleDone,
     ) -> list[Sample]:
         """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates."""
-        failed_before = self.episodes_failed
+        failed_before = self.function_failures
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -307,7 +309,7 @@ class Rollout:
                 first = first.exceptions[0]
             raise first from None
         key = (prompt.index, prompt.epoch)
-        if self.episodes_failed > failed_before:
+        if self.function_failures > failed_before:
             self._generate_failed_on.add(key)
             failed = len(self._generate_failed_on)
             if failed >= self.settings.generate_failure_limit:
@@ -384,6 +386,7 @@ class Rollout:
                 raise session.fatal from None
             if not scope.expired():
                 return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
+            self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
             self.metrics.error("episode_deadline")
             reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
             self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
@@ -416,6 +419,7 @@ class Rollout:
     ) -> Sample:
         """A FAILED sample for a generate function that raised or returned something unusable."""
         self.episodes_failed += 1
+        self.function_failures += 1
         self.metrics.error(f"generate_{kind}")
         reason = f"generate {_name(self.generate)}: {reason}"
         self.failures.report(f"generate:{kind}", f"{where}: sample failed: {reason}")
