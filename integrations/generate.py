@@ -44,6 +44,7 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
 from rollstream.common.errors import ConfigError
 from rollstream.common.models import Sample, Status
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
@@ -158,6 +159,18 @@ def framework_sample(framework: Framework, episode: Episode) -> Any:
     return sample
 
 
+def plain_metadata(metadata: Any, what: str) -> dict[str, Any]:
+    """``metadata`` if it is plain data the wire format can carry; ValueError (the sample fails)
+    otherwise, rather than an unencodable group that would stop the producer at publish."""
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"{what} is a {type(metadata).__name__}, not a dict")
+    try:
+        msgpack.packb(metadata, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
+    return dict(metadata)
+
+
 def _versions(values: Any) -> list[int]:
     out = []
     for value in values or ():
@@ -182,7 +195,7 @@ def from_framework_sample(
     if not 0 <= response_length <= len(tokens):
         raise ValueError(f"response_length {response_length} does not fit the {len(tokens)} tokens")
     raw_status = getattr(fw.status, "value", fw.status)
-    metadata = dict(fw.metadata or {})
+    metadata = plain_metadata(fw.metadata or {}, "the returned sample's metadata")
     error = None
     if raw_status == "pending":  # the function never set it: a response means it finished
         if response_length == 0:
@@ -379,7 +392,7 @@ class OpenAIAgent(_Adapter):
                 raise ValueError("the agent made no chat completion request: nothing to train on")
             sample = trajectory.sample
             if extra:
-                sample.metadata.update(extra)
+                sample.metadata.update(plain_metadata(extra, "the agent's returned metadata"))
             return sample
 
 

@@ -78,6 +78,15 @@ async def slime_nested(args, sample, sampling_params):
     return [[sample]]
 
 
+async def slime_unencodable_metadata(args, sample, sampling_params):
+    """Leaves an object in the metadata that no wire format carries."""
+    from slime.rollout.sglang_rollout import generate
+
+    sample = await generate(args, sample, sampling_params)
+    sample.metadata["handle"] = object()
+    return sample
+
+
 # -- miles' form ----------------------------------------------------------------------------------
 
 

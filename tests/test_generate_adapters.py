@@ -213,15 +213,21 @@ async def test_a_conversation_that_does_not_extend_the_recorded_one_fails_the_sa
     assert "message 1 (assistant) differs" in reason, reason
 
 
-async def test_a_garbage_shape_fails_the_sample_and_is_dead_lettered(
-    redis_url: str, redis: Redis, ns: str, sim: SimEngine, procs: ProcessPool, producer_path: None
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [("slime_nested", "nested list"), ("slime_unencodable_metadata", "metadata is not plain data")],
+)
+async def test_a_garbage_result_fails_the_sample_and_is_dead_lettered(
+    fn: str, expected: str, redis_url: str, redis: Redis, ns: str, sim: SimEngine, procs: ProcessPool,
+    producer_path: None,
 ) -> None:
     await make_namespace(redis, ns, n_samples_per_prompt=N, batch_size=1, max_attempts=2)
     await add_prompts(redis, ns, 1)
-    procs.producer(redis_url, ns, sim.url, "--generate", "slime:adapter_fns.slime_nested",
-                   "--tokenizer", TOKENIZER, name="nested")
+    producer = procs.producer(redis_url, ns, sim.url, "--generate", f"slime:adapter_fns.{fn}",
+                              "--tokenizer", TOKENIZER, name="garbage")
     reason = await _dead_reasons(redis_url, redis, ns)
-    assert "nested list" in reason, reason
+    assert expected in reason, reason
+    assert producer.poll() is None, procs.log_of(producer)  # one sample's problem, not the producer's
 
 
 # -- in process: the endpoint itself --------------------------------------------------------------
