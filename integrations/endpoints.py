@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 from rollstream.common.errors import ConfigError
 from rollstream.producer.episode import Episode, EpisodeAborted, SamplingParams, Trajectory, Turn
@@ -243,6 +244,9 @@ class Endpoint:
         self.failed = asyncio.Event()
         self.closed = False
         self.handlers: set[asyncio.Task[Any]] = set()
+        self.transports: set[asyncio.BaseTransport] = set()
+        """The connections its requests came on: closed with the episode, so clients do not
+        keep idle keep-alive connections to a port that is gone (their pools fill up)."""
         self.recorder = ChatRecorder(episode)
         self.requests = 0
         self.versions: list[int] = []
@@ -271,13 +275,9 @@ class Endpoint:
         waiter = asyncio.ensure_future(self.failed.wait())
         try:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                result = task.result()  # the user's own exception propagates as it is
-                if self.failure is not None:
-                    raise self.failure
-                return result
-            assert self.failure is not None
-            raise self.failure
+            if self.failure is not None:  # the refusal, not what the caller made of the HTTP error
+                raise self.failure
+            return task.result()  # the user's own exception propagates as it is
         finally:
             for pending in (task, waiter):
                 if not pending.done():
@@ -289,6 +289,9 @@ class Endpoint:
         for task in list(self.handlers):
             task.cancel()
         await _settle(self.handlers)
+        for transport in self.transports:
+            transport.close()
+        self.transports.clear()
 
 
 async def _settle(tasks: set[asyncio.Task[Any]] | set[asyncio.Future[Any]]) -> None:
@@ -384,8 +387,8 @@ class EndpointServer:
     @staticmethod
     async def _body(request: web.Request) -> dict[str, Any]:
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = _json_decode(await request.read())
+        except (msgspec.DecodeError, ValueError, UnicodeDecodeError) as exc:
             message = f"the request body is not JSON: {exc}"
             raise _Answer(400, message, "invalid_json", fail=EndpointRefused(message)) from None
         except web.HTTPRequestEntityTooLarge:
@@ -403,9 +406,11 @@ class EndpointServer:
             endpoint = self._endpoint(request)
             if task is not None:
                 endpoint.handlers.add(task)
+            if request.transport is not None:
+                endpoint.transports.add(request.transport)
             endpoint.requests += 1
             result = await handler(request, endpoint)
-            return web.json_response(result)
+            return _json_response(result)
         except _Answer as answer:
             if answer.fail is not None and endpoint is not None:
                 endpoint.fail(answer.fail)
@@ -414,7 +419,7 @@ class EndpointServer:
                 payload: dict[str, Any] = {"error": error}
             else:
                 payload = {"error": {"message": str(answer), "code": answer.status}}
-            return web.json_response(payload, status=answer.status)
+            return _json_response(payload, status=answer.status)
         finally:
             if endpoint is not None and task is not None:
                 endpoint.handlers.discard(task)
@@ -527,6 +532,14 @@ class EndpointServer:
 
 
 # -- request and reply shapes ---------------------------------------------------------------------
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+
+
+def _json_response(payload: Any, status: int = 200) -> web.Response:
+    """JSON with msgspec (token-id and log-prob lists are most of a reply)."""
+    return web.Response(body=_json_encode(payload), status=status, content_type="application/json")
 
 
 def _int_ids(value: Any, what: str) -> list[int]:
