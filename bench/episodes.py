@@ -29,7 +29,7 @@ from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.server import EmbeddedRedis
 
-from bench.common import OUT, Table, add_prompts, children, cpu_seconds, init_ns, spawn
+from bench.common import OUT, Table, add_prompts, children, consume, cpu_seconds, init_ns, spawn
 
 N = 4
 BATCH = 16
@@ -42,13 +42,6 @@ MODES: tuple[tuple[str, str, int, float, int, int | None], ...] = (
     ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256),
 )
 
-
-async def _consume(consumer: GroupConsumer, batches: int) -> float:
-    started = time.perf_counter()
-    for _ in range(batches):
-        batch = await consumer.take(BATCH)
-        await consumer.commit(batch)
-    return time.perf_counter() - started
 
 
 async def one_mode(
@@ -69,10 +62,10 @@ async def one_mode(
     with children() as procs:
         procs.append(spawn(args, OUT / f"worker-{ns}.log", env))
         async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
-            await _consume(consumer, 1)  # warm-up: imports, connections, the first batch
+            await consume(consumer, 1, BATCH)  # warm-up: imports, connections, the first batch
             pid = procs[0].pid
             cpu0 = cpu_seconds([pid])
-            seconds = await _consume(consumer, batches)
+            seconds = await consume(consumer, batches, BATCH)
             cpu1 = cpu_seconds([pid])
             beat = json.loads(await redis.hget(Keys(ns).producers, "p0") or "{}")  # type: ignore[misc]
     await redis.aclose()
