@@ -36,3 +36,12 @@ def test_take_quick_produces_rows() -> None:
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(120)
+def test_episodes_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["episodes"], quick=True)
+    assert [row[0] for row in table.rows] == [
+        "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
+    ]
+    assert all(row[3] > 0 and row[6] > 0 for row in table.rows)
