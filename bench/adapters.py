@@ -164,7 +164,9 @@ async def measure(variant: str, url: str, episodes: int, concurrency: int, token
 
 
 def run(quick: bool = False, episodes: int = 512, concurrency: int = 64, tokens: int = 256) -> list[Table]:
-    sys.path.insert(0, str(ROOT / "tests" / "standins"))  # slime's stand-in modules (http_utils, Sample)
+    standins = str(ROOT / "tests" / "standins")  # slime's stand-in modules (http_utils, Sample)
+    if standins not in sys.path:
+        sys.path.insert(0, standins)
     if quick:
         episodes, concurrency, tokens = 16, 8, 32
     port = _free_port()

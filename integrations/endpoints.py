@@ -311,7 +311,9 @@ class EndpointServer:
 
     def __init__(self, host: str = "127.0.0.1", public_host: str | None = None) -> None:
         self.host = host
-        self.public_host = public_host or host
+        wildcard = host in ("", "0.0.0.0", "::")
+        self.public_host = public_host or (socket.gethostname() if wildcard else host)
+        """The host in the URLs handed to the user's code (this machine's name when listening on all)."""
         self._runner: web.AppRunner | None = None
         self._start_lock = asyncio.Lock()
         self._by_port: dict[int, Endpoint] = {}

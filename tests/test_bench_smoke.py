@@ -45,3 +45,10 @@ def test_episodes_quick_produces_rows() -> None:
         "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
     ]
     assert all(row[3] > 0 and row[6] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(120)
+def test_adapters_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["adapters"], quick=True)
+    assert [row[0] for row in table.rows] == ["episode", "slime", "openai"]
+    assert all(row[1] == table.rows[0][1] and row[2] > 0 for row in table.rows)  # the same calls, measured

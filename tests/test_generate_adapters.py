@@ -261,7 +261,9 @@ def standins_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS_DIR))
 
 
-async def test_the_endpoint_answers_only_its_episode_and_closes_after_it(sim: SimEngine) -> None:
+async def test_the_endpoint_answers_only_its_episode_and_closes_after_it(
+    sim: SimEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = EndpointServer()
     seen: dict[str, Any] = {}
 
@@ -276,12 +278,7 @@ async def test_the_endpoint_answers_only_its_episode_and_closes_after_it(sim: Si
             seen["generate"] = (await client.post(base_url.removesuffix("/v1") + "/generate", json={})).status_code
         seen["base_url"] = base_url
 
-    sys.modules["_adapter_agent"] = type(sys)("_adapter_agent")
-    sys.modules["_adapter_agent"].agent = agent  # type: ignore[attr-defined]
-    try:
-        group = await _Harness(sim, "openai:_adapter_agent:agent", server).group()
-    finally:
-        del sys.modules["_adapter_agent"]
+    group = await _Harness(sim, _agent_module(monkeypatch, agent), server).group()
     assert seen["none"][0] == 401 and seen["wrong"][0] == 401
     assert seen["none"][1]["error"]["code"] == "invalid_api_key"
     assert seen["own"][0] == 200 and seen["own"][1]["choices"][0]["message"]["role"] == "assistant"
@@ -294,6 +291,58 @@ async def test_the_endpoint_answers_only_its_episode_and_closes_after_it(sim: Si
         with pytest.raises(httpx.ConnectError):
             await client.get(seen["base_url"] + "/models")
     await server.aclose()
+
+
+def _agent_module(monkeypatch: pytest.MonkeyPatch, agent: Any) -> str:
+    module = type(sys)("_adapter_agent")
+    module.agent = agent  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "_adapter_agent", module)
+    return "openai:_adapter_agent:agent"
+
+
+@pytest.mark.parametrize(
+    ("second", "expected"),
+    [
+        ("resend", "send every earlier message and at least one new one"),
+        ("drop_first", "message 0 (user) differs"),
+        ("stream", "stream=true is not supported"),
+        ("n2", "n must be 1"),
+        ("tools", "the tools changed"),
+    ],
+)
+async def test_chat_requests_that_cannot_be_recorded_fail_the_sample(
+    second: str, expected: str, sim: SimEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    statuses: list[int] = []
+
+    async def agent(*, base_url: str, api_key: str, prompt: Any, request_kwargs: Any, metadata: Any) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"}
+        first = [{"role": "user", "content": prompt}]
+        async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+            reply = (await client.post(f"{base_url}/chat/completions", json={"messages": first})).json()
+            answer = reply["choices"][0]["message"]
+            longer = [*first, answer, {"role": "user", "content": "and?"}]
+            body: dict[str, Any] = {
+                "resend": {"messages": [*first, answer]},
+                "drop_first": {"messages": [*longer[1:], {"role": "user", "content": "x"}]},
+                "stream": {"messages": longer, "stream": True},
+                "n2": {"messages": longer, "n": 2},
+                "tools": {"messages": longer, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            }[second]
+            # the refusal cancels the agent (usually before it reads the 400); if it gets here, it is a 400
+            response = await client.post(f"{base_url}/chat/completions", json=body)
+            statuses.append(response.status_code)
+            await asyncio.sleep(30)  # never ends by itself
+
+    server = EndpointServer()
+    try:
+        async with asyncio.timeout(20):
+            group = await _Harness(sim, _agent_module(monkeypatch, agent), server).group()
+    finally:
+        await server.aclose()
+    assert set(statuses) <= {400}
+    for sample in group.samples:
+        assert sample.status == Status.FAILED and sample.error and expected in sample.error, sample.error
 
 
 async def test_an_engine_refusal_through_the_proxy_fails_the_sample_at_once(sim: SimEngine) -> None:
