@@ -404,6 +404,20 @@ async def test_an_abort_with_partial_rollout_on_is_continued_inside_the_proxy() 
     assert engine.state.requests == 2 * N and engine.state.aborted == N
 
 
+async def test_a_list_of_samples_is_one_episode_with_segments(sim: SimEngine) -> None:
+    server = EndpointServer()
+    try:
+        group = await _Harness(sim, "slime:adapter_fns.slime_two_segments", server).group()
+    finally:
+        await server.aclose()
+    assert [s.index for s in group.samples] == [0, 0, 1, 1]
+    assert [s.metadata["segment"] for s in group.samples] == [0, 1, 0, 1]
+    assert [s.metadata["agent"] for s in group.samples] == ["a", "b", "a", "b"]
+    for sample in group.samples:  # each keeps the version of its own call
+        assert sample.status == Status.COMPLETED and sample.weight_versions == [0]
+    assert sim.state.requests == 2 * N
+
+
 def test_bad_specs_are_config_errors(standins_importable: None) -> None:
     with pytest.raises(ConfigError, match="must look like"):
         load_framework_generate("torch:x.y")
