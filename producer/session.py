@@ -234,17 +234,18 @@ class _Trajectory(Trajectory):
 
     @property
     def sample(self) -> Sample:
+        """A snapshot (its own arrays: a sample taken before a later turn stays consistent)."""
         return Sample(
             index=self._session.info.member,
-            tokens=self.tokens,
+            tokens=array("i", self.tokens),
             response="".join(self.text),
             response_length=self.response_length,
             prompt_length=self.prompt_length,
             status=self.status,
             finish_reason=self.finish_reason,
             weight_versions=list(self.versions),
-            rollout_log_probs=self.log_probs,
-            loss_mask=self.mask,
+            rollout_log_probs=None if self.log_probs is None else array("f", self.log_probs),
+            loss_mask=array("B", self.mask),
             metadata=dict(self.metadata),
             weight_version_spans=list(self.spans) if self._session.multi_turn else None,
         )
