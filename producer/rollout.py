@@ -97,7 +97,8 @@ class RolloutSettings:
     n_samples: int
     """Samples per prompt (the namespace's ``n_samples_per_prompt``)."""
     partial_rollout: bool = False
-    """Continue the aborted samples of an earlier attempt instead of regenerating them."""
+    """Continue an aborted engine call inside its episode after the resume, and (default
+    rollout) the aborted samples of an earlier attempt, instead of regenerating them."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     producer: str = ""
