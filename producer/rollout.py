@@ -361,7 +361,11 @@ class Rollout:
             admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
             partial=partial,
         )
-        session = EpisodeSession(self.runtime, info, self._prompt_source(prompt, prompt_ids))
+        try:
+            source: dict[str, Any] | PromptNotSupported = self._prompt_source(prompt, prompt_ids)
+        except PromptNotSupported as exc:  # raised when the episode sends the prompt: the sample fails
+            source = exc
+        session = EpisodeSession(self.runtime, info, source)
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
                 session.main.continue_from(partial)

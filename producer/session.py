@@ -199,13 +199,15 @@ def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
 class _Trajectory(Trajectory):
     """One growing token sequence; every append keeps tokens, mask, log-probs and spans aligned."""
 
-    def __init__(self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any]) -> None:
+    def __init__(
+        self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any] | PromptNotSupported
+    ) -> None:
         self._session = session
         self.tokens = array("i", prompt_ids or ())
         self.prompt_length = len(self.tokens)
         self.known_prompt = prompt_ids is not None
         self._source = source
-        """How to send the prompt while its ids are unknown (text or messages)."""
+        """How to send the prompt while its ids are unknown (text or messages), or why it cannot be."""
         self.mask = array("B")
         self.log_probs: array[float] | None = array("f")
         self.text: list[str] = []
@@ -272,6 +274,8 @@ class _Trajectory(Trajectory):
         if self.known_prompt:
             source: dict[str, Any] = {"input_ids": self.tokens}
         elif self.response_length == 0:
+            if isinstance(self._source, PromptNotSupported):
+                raise self._source
             source = self._source
         else:
             raise PromptNotSupported(
@@ -326,7 +330,9 @@ class _Trajectory(Trajectory):
 class EpisodeSession(Episode):
     """One episode: the object a generate function gets (see :class:`~.episode.Episode`)."""
 
-    def __init__(self, runtime: EpisodeRuntime, info: EpisodeInfo, source: dict[str, Any]) -> None:
+    def __init__(
+        self, runtime: EpisodeRuntime, info: EpisodeInfo, source: dict[str, Any] | PromptNotSupported
+    ) -> None:
         self.runtime = runtime
         self._info = info
         self.multi_turn = False

@@ -13,9 +13,9 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
   never published twice. Capacity goes back **per episode**: as each member's episode (for the
   default rollout: its engine request) ends, its unit is free for the next admission, except
-  the group's last unit, held until the group is published (so groups being scored or published count too, and prompts in flight
-  never exceed ``concurrency``). A long-tailed group holds one unit, not ``n``, while its
-  slowest sample runs.
+  the group's last unit, held until the group is published (so groups being scored or
+  published count too, and prompts in flight never exceed ``concurrency``). A long-tailed group
+  holds one unit, not ``n``, while its slowest sample runs.
 * **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
