@@ -317,7 +317,7 @@ class Rollout:
                 raise GenerateBroken(
                     f"the generate function {_name(self.generate)} failed on {failed} distinct prompts in a "
                     "row, none succeeded in between: it is broken, not the prompts; last error: "
-                    + next(s.error or "" for t in tasks for s in t.result() if s.status == Status.FAILED)
+                    + next((s.error or "" for t in tasks for s in t.result() if s.status == Status.FAILED), "")
                 )
         elif any(s.status != Status.FAILED for t in tasks for s in t.result()):
             self._generate_failed_on.clear()  # the function worked on this prompt
