@@ -27,9 +27,24 @@ from typing import Any
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine import EngineSettings
+from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.testing.server import EmbeddedRedis
 
-from bench.common import OUT, Table, add_prompts, children, consume, cpu_seconds, init_ns, spawn
+from bench import episode_fns
+from bench.common import (
+    OUT,
+    ConstReward,
+    NoEngine,
+    Table,
+    add_prompts,
+    bench_prompt,
+    children,
+    consume,
+    cpu_seconds,
+    init_ns,
+    spawn,
+)
 
 N = 4
 BATCH = 16
@@ -79,8 +94,28 @@ async def one_mode(
     }
 
 
+async def session_only(generate: Any, turns: int, prompts: int) -> float:
+    """µs of CPU per engine call in-process on ``NoEngine`` (a prebuilt reply, no HTTP, no JSON):
+    what the rollout and the session cost per turn without the engine client and Redis."""
+    engine = NoEngine(TOKENS, EngineSettings(urls=("http://none",), max_new_tokens=TOKENS))
+    rollout = Rollout(engine, ConstReward(), RolloutSettings(n_samples=N, generate=generate))
+    episode_fns.TURNS, episode_fns.TOOL_SLEEP = turns, 0.0
+    started = time.process_time()
+    for start in range(0, prompts, 64):
+        await asyncio.gather(*(rollout.run(bench_prompt(i), 0) for i in range(start, min(prompts, start + 64))))
+    cpu = time.process_time() - started
+    await engine.aclose()
+    return 1e6 * cpu / (prompts * N * turns)
+
+
 def run(quick: bool = False) -> list[Table]:
     batches = 4 if quick else 100
+    prompts = 64 if quick else 1000
+
+    async def in_process() -> list[float]:
+        return [await session_only(None, 1, prompts), await session_only(episode_fns.turns, 3, prompts)]
+
+    single_us, multi_us = asyncio.run(in_process())
 
     async def measure() -> list[dict[str, Any]]:
         with EmbeddedRedis() as server:
@@ -104,5 +139,13 @@ def run(quick: bool = False) -> list[Table]:
             "a turn is one engine call here (ms/turn = ms/request); multi-turn requests carry the whole "
             "trajectory so far (prompt + earlier replies + tool tokens) as input ids.",
         ],
+        command="python -m bench episodes",
+    ), Table(
+        name="episodes-session",
+        title="Episodes: the rollout + session's own CPU per engine call (in-process, no engine client, no Redis)",
+        headers=["mode", "µs of CPU per engine call"],
+        rows=[["single-turn (default plug-in)", single_us], ["3 turns (generate + observe)", multi_us]],
+        notes=[f"{prompts} prompts x n={N} on bench.common.NoEngine (a prebuilt {TOKENS}-token reply), 64 prompts at a "
+               "time, reward constant; includes validation (check_sample) and the reward call."],
         command="python -m bench episodes",
     )]

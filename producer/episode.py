@@ -150,7 +150,8 @@ class Trajectory(abc.ABC):
     @property
     @abc.abstractmethod
     def sample(self) -> Sample:
-        """The sample so far (``tokens``, ``loss_mask``, ``rollout_log_probs``, versions aligned)."""
+        """A snapshot of the sample so far (``tokens``, ``loss_mask``, ``rollout_log_probs``,
+        versions aligned; its own arrays, so later turns do not change it)."""
 
     @property
     @abc.abstractmethod

@@ -97,7 +97,8 @@ class RolloutSettings:
     n_samples: int
     """Samples per prompt (the namespace's ``n_samples_per_prompt``)."""
     partial_rollout: bool = False
-    """Continue the aborted samples of an earlier attempt instead of regenerating them."""
+    """Continue an aborted engine call inside its episode after the resume, and (default
+    rollout) the aborted samples of an earlier attempt, instead of regenerating them."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     producer: str = ""
@@ -316,7 +317,7 @@ class Rollout:
                 raise GenerateBroken(
                     f"the generate function {_name(self.generate)} failed on {failed} distinct prompts in a "
                     "row, none succeeded in between: it is broken, not the prompts; last error: "
-                    + next(s.error or "" for t in tasks for s in t.result() if s.status == Status.FAILED)
+                    + next((s.error or "" for t in tasks for s in t.result() if s.status == Status.FAILED), "")
                 )
         elif any(s.status != Status.FAILED for t in tasks for s in t.result()):
             self._generate_failed_on.clear()  # the function worked on this prompt
@@ -360,7 +361,11 @@ class Rollout:
             admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
             partial=partial,
         )
-        session = EpisodeSession(self.runtime, info, self._prompt_source(prompt, prompt_ids))
+        try:
+            source: dict[str, Any] | PromptNotSupported = self._prompt_source(prompt, prompt_ids)
+        except PromptNotSupported as exc:  # raised when the episode sends the prompt: the sample fails
+            source = exc
+        session = EpisodeSession(self.runtime, info, source)
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
                 session.main.continue_from(partial)

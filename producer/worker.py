@@ -8,13 +8,14 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   ``max_backlog`` and staleness-aware admission allows it, and at most as many as the rule
   allows. Nothing blocks the event loop and nothing is buffered: a prompt is read only when it
   can start at once. The last refusal and since when go into the heartbeat.
-* **work**: one task per admitted prompt; publishing the group and acknowledging the prompt is
+* **work**: one task per admitted prompt, running its ``n`` episodes (the generate function,
+  :mod:`.rollout`); publishing the group and acknowledging the prompt is
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
-  never published twice. Capacity goes back **per sample**: as each sample's engine request
-  ends, its unit is free for the next admission, except the group's last unit, held until the
-  group is published (so groups being scored or published count too, and prompts in flight
-  never exceed ``concurrency``). A long-tailed group holds one unit, not ``n``, while its
-  slowest sample runs.
+  never published twice. Capacity goes back **per episode**: as each member's episode (for the
+  default rollout: its engine request) ends, its unit is free for the next admission, except
+  the group's last unit, held until the group is published (so groups being scored or
+  published count too, and prompts in flight never exceed ``concurrency``). A long-tailed group
+  holds one unit, not ``n``, while its slowest sample runs.
 * **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
@@ -90,7 +91,8 @@ class ProducerSettings:
 
     namespace: str
     concurrency: int
-    """Samples in flight at most (a prompt needs ``n_samples_per_prompt`` of them)."""
+    """Samples (episodes) in flight at most (a prompt needs ``n_samples_per_prompt`` of them);
+    engine requests are capped apart by ``limits.engine_concurrency``."""
     name: str = field(default_factory=default_producer_name)
     n_samples: int | None = None
     """When given, must match the namespace's ``n_samples_per_prompt``."""

@@ -40,7 +40,8 @@ def test_take_quick_produces_rows() -> None:
 
 @pytest.mark.timeout(120)
 def test_episodes_quick_produces_rows() -> None:
-    (table,) = bench_main.run(["episodes"], quick=True)
+    table, session = bench_main.run(["episodes"], quick=True)
+    assert all(row[1] > 0 for row in session.rows) and len(session.rows) == 2
     assert [row[0] for row in table.rows] == [
         "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
     ]

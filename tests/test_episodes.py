@@ -325,3 +325,15 @@ def test_check_sample_rules() -> None:
     spans = Sample(index=0, tokens=[1, 2], response_length=2, loss_mask=[1, 1], weight_version_spans=[(1, 3, 0)])
     assert "span" in (check_sample(spans) or "")
     assert check_sample(Sample(index=0, tokens=array("i", [1]), response_length=1)) is not None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_check_sample_finds_a_non_finite_log_prob_anywhere(bad: float) -> None:
+    for position in (0, 1, 2, 3, 1022):
+        log_probs = array("f", [-0.5] * 1023)
+        log_probs[position] = bad
+        sample = Sample(index=0, tokens=[0] * 1024, response_length=1023, loss_mask=b"\x01" * 1023,
+                        rollout_log_probs=log_probs)
+        assert check_sample(sample) == "a non-finite log-prob on a trained token (loss mask 1)"
+    huge = Sample(index=0, tokens=[0] * 3, response_length=2, loss_mask=[1, 1], rollout_log_probs=[-3e38, -1.0])
+    assert check_sample(huge) is None  # finite, however large

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -181,3 +183,22 @@ async def test_sigterm_mid_episode_hands_the_episode_back(
         await consumer.commit(batch)
     (group,) = batch.groups
     assert (group.index, group.attempt, group.producer) == (0, 0, "b") and group.status == Status.COMPLETED
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--generate", str(EXAMPLES / "calculator.py") + ":generate"],
+        ["--generate", str(EXAMPLES / "search.py") + ":generate", "--tool", "search", "--limit", "sandbox=4",
+         "--episode-timeout", "60", "--engine-concurrency", "16"],
+    ],
+    ids=["calculator", "search"],
+)
+def test_the_demo_runs_the_examples(flags: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rollstream.cli", "demo", "--steps", "2", "--producers", "1", "--no-plot", *flags],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "16 groups committed" in result.stdout
