@@ -9,6 +9,7 @@ import platform
 import random
 import subprocess
 import sys
+import time
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group, Packed, Prompt, Sample
 from rollstream.common.namespace import init_namespace
+from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, Generation
 from rollstream.producer.rewards import RewardFunction
 from rollstream.testing.children import stop_processes
@@ -168,6 +170,15 @@ async def add_prompts(redis: Redis, keys: Keys, start: int, count: int, *, with_
         for i in range(start, start + count):
             pipe.xadd(keys.prompts, prompt_fields(bench_prompt(i, with_ids=with_ids)))  # type: ignore[arg-type]
         await pipe.execute()
+
+
+async def consume(consumer: GroupConsumer, batches: int, batch_size: int) -> float:
+    """Seconds to take and commit ``batches`` batches of ``batch_size`` groups."""
+    started = time.perf_counter()
+    for _ in range(batches):
+        batch = await consumer.take(batch_size)
+        await consumer.commit(batch)
+    return time.perf_counter() - started
 
 
 # -- processes -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from bench.common import (
     add_prompts,
     bench_prompt,
     children,
+    consume,
     cpu_seconds,
     init_ns,
     instant_transport,
@@ -54,13 +55,6 @@ class Result:
         return self.groups / self.seconds
 
 
-async def _consume(consumer: GroupConsumer, batches: int) -> float:
-    started = time.perf_counter()
-    for _ in range(batches):
-        batch = await consumer.take(BATCH)
-        await consumer.commit(batch)
-    return time.perf_counter() - started
-
 
 async def rollstream_run(
     server: EmbeddedRedis, producers: int, batches: int, tokens: int, *, engine: str = "",
@@ -81,11 +75,11 @@ async def rollstream_run(
                 OUT / f"worker-{ns}-{i}.log", env,
             ))
         async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=60) as consumer:
-            await _consume(consumer, 1)  # warm-up: imports, connections, first batch
+            await consume(consumer, 1, BATCH)  # warm-up: imports, connections, first batch
             pids = [p.pid for p in procs]
             assert server.process is not None
             cpu0 = (cpu_seconds(pids), cpu_seconds([server.process.pid]), time.process_time())
-            seconds = await _consume(consumer, batches)
+            seconds = await consume(consumer, batches, BATCH)
             cpu1 = (cpu_seconds(pids), cpu_seconds([server.process.pid]), time.process_time())
     await redis.aclose()
     cpu = {k: (b - a) / seconds for k, a, b in zip(("producers", "redis", "trainer"), cpu0, cpu1, strict=True)}

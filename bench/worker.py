@@ -22,6 +22,8 @@ from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
+from rollstream.producer.rollout import load_generate
+from rollstream.producer.session import EpisodeLimits
 from rollstream.producer.worker import Producer, ProducerSettings
 
 from bench.common import ConstReward, NoEngine, instant_transport, make_group
@@ -41,6 +43,8 @@ async def produce(args: argparse.Namespace) -> None:
     reward = load_reward(args.reward) if args.reward != "const" else ConstReward()
     settings = ProducerSettings(
         namespace=args.ns, concurrency=args.concurrency, name=args.name, tokenize_prompts=False, drain_timeout=5.0,
+        generate=load_generate(args.generate) if args.generate else None,
+        limits=EpisodeLimits(engine_concurrency=args.engine_concurrency),
     )
     producer = await Producer.connect(args.redis, settings, engine, reward)
     loop = asyncio.get_running_loop()
@@ -87,6 +91,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=16384)
     p.add_argument("--reward", default="const")
+    p.add_argument("--generate", default="", help="a rollout plug-in (module:function); default single-turn")
+    p.add_argument("--engine-concurrency", type=int, default=None)
     r = sub.add_parser("raw")
     r.add_argument("--redis", required=True)
     r.add_argument("--stream", required=True)

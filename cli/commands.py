@@ -111,6 +111,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         help="score every response on this SGLang teacher (log-probs of the response tokens: "
              "teacher_log_probs, on-policy distillation); repeatable",
     )
+    add_episode_arguments(p)
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
@@ -141,6 +142,62 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     )
     p.add_argument("--consumer", required=True)
     p.set_defaults(func=cmd_release_trainer)
+
+
+def add_episode_arguments(p: argparse.ArgumentParser) -> None:
+    """The rollout plug-in and its caps (docs/rollouts.md), shared by ``produce`` and ``demo``."""
+    p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
+                   help="the rollout plug-in: async def generate(episode) -> Sample | list[Sample] "
+                        "(default: the single-turn rollout); slime:pkg.mod.fn / miles:pkg.mod.fn run "
+                        "those frameworks' generate functions, openai:pkg.mod.fn an OpenAI-API agent")
+    p.add_argument("--engine-concurrency", type=int, default=None,
+                   help="engine requests in flight at most (default: --concurrency); tool time holds none")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=K",
+                   help="a named concurrency limit for `async with episode.limit(NAME)` (repeatable)")
+    p.add_argument("--episode-timeout", type=float, default=None,
+                   help="seconds one episode may take in total; past it the sample fails (recycled)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens an episode's trajectory may hold: max_new_tokens is clamped to the room left")
+    p.add_argument("--endpoint-host", default="127.0.0.1",
+                   help="where the per-episode endpoints of --generate slime:/miles:/openai: listen "
+                        "(loopback by default; the OpenAI endpoint answers only the episode's key)")
+    p.add_argument("--generate-failure-limit", type=int, default=8,
+                   help="the generate function failing on this many distinct prompts in a row is fatal")
+
+
+def episode_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ProducerSettings keywords from :func:`add_episode_arguments`' flags."""
+    from rollstream.producer.rollout import load_generate
+    from rollstream.producer.session import EpisodeLimits, parse_limits
+
+    return {
+        "generate": _load_generate(args, load_generate) if args.generate else None,
+        "limits": EpisodeLimits(
+            engine_concurrency=args.engine_concurrency,
+            named=parse_limits(args.limit),
+            episode_timeout=args.episode_timeout,
+            max_context=args.max_context,
+        ),
+        "generate_failure_limit": args.generate_failure_limit,
+    }
+
+
+def _load_generate(args: argparse.Namespace, load_generate: Any) -> Any:
+    """``--generate``: the integrations' adapters for ``slime:`` / ``miles:`` / ``openai:``, else
+    the producer's own loader."""
+    from rollstream.integrations.generate import is_framework_generate
+
+    if not is_framework_generate(args.generate):
+        return load_generate(args.generate)
+    from rollstream.integrations.endpoints import EndpointServer
+    from rollstream.integrations.generate import load_framework_generate
+
+    return load_framework_generate(
+        args.generate,
+        tokenizer=getattr(args, "tokenizer", None),
+        concurrency=getattr(args, "concurrency", 256) or 256,
+        server=EndpointServer(host=getattr(args, "endpoint_host", "127.0.0.1")),
+    )
 
 
 def run_with_signals(main: Any, on_signal: Any) -> None:
@@ -292,6 +349,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         reward_failure_limit=args.reward_failure_limit,
         long_request_after=args.long_request_after,
+        **episode_options(args),
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics

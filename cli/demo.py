@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -78,7 +79,44 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--ns", default="demo")
     p.add_argument("--out", default=None, help="directory for the plot (default ./runs/demo-TIMESTAMP)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
+                   help="run producers with this rollout plug-in, e.g. examples/calculator.py:generate "
+                        "(the prompts then ask the simulator for --tool-turns tool calls)")
+    p.add_argument("--tool", default="calc", help="tool name the simulated model calls (calc, search)")
+    p.add_argument("--tool-turns", type=int, default=2, help="tool calls per episode with --generate")
+    p.add_argument("--engine-concurrency", type=int, default=None, help="engine requests in flight per producer")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=K", help="a named limit (repeatable)")
+    p.add_argument("--episode-timeout", type=float, default=None, help="seconds one episode may take")
     p.set_defaults(func=cmd_demo)
+
+
+def episode_flags(args: argparse.Namespace) -> list[str]:
+    """The ``produce`` flags of the demo's rollout plug-in options."""
+    if not args.generate:
+        return []
+    path, sep, attr = args.generate.rpartition(":")
+    spec = f"{Path(path).resolve()}:{attr}" if sep and path.endswith(".py") else args.generate
+    flags = ["--generate", spec]
+    if args.engine_concurrency is not None:
+        flags += ["--engine-concurrency", str(args.engine_concurrency)]
+    for limit in args.limit:
+        flags += ["--limit", limit]
+    if args.episode_timeout is not None:
+        flags += ["--episode-timeout", str(args.episode_timeout)]
+    return flags
+
+
+def tool_dataset(source: Path, target: Path, turns: int, tool: str) -> Path:
+    """The demo dataset with ``[tools=K:name]`` on every prompt: the simulator's tool calls."""
+    if turns < 0 or not tool.isidentifier():
+        raise ConfigError("--tool-turns must be >= 0 and --tool an identifier")
+    with source.open() as src, target.open("w") as out:
+        for line in src:
+            if line.strip():
+                record = json.loads(line)
+                record["prompt"] = f"{record['prompt']} [tools={turns}:{tool}]"
+                out.write(json.dumps(record) + "\n")
+    return target
 
 
 @dataclass
@@ -228,8 +266,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             init.append("--partial-rollout")
         subprocess.run([sys.executable, "-m", "rollstream.cli", *init, "--log-level", "WARNING"], check=True)
         wait_for_http(engine_url)
+        dataset = dataset_path()
+        if args.generate:
+            dataset = tool_dataset(dataset, workdir / "dataset.jsonl", args.tool_turns, args.tool)
         processes.start(
-            ["feed", str(dataset_path()), "--redis", url, "--ns", args.ns, "--forever", "--shuffle",
+            ["feed", str(dataset), "--redis", url, "--ns", args.ns, "--forever", "--shuffle",
              "--window", str(8 * args.batch_size)],
             workdir / "feeder.log",
         )
@@ -237,7 +278,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             processes.start(
                 ["produce", "--redis", url, "--ns", args.ns, "--engine", engine_url,
                  "--concurrency", str(args.concurrency), "--reward", "math", "--max-new-tokens", "512",
-                 "--name", f"demo-producer-{i}"],
+                 "--name", f"demo-producer-{i}", *episode_flags(args)],
                 workdir / f"producer-{i}.log",
             )
         console.print(

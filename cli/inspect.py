@@ -127,7 +127,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
 
     producers = _table(
         f"producers ({snap['producers_alive']} alive of {len(snap['producers'])})", plain,
-        "name", "host", "pid", "status", "in flight", "leases", "groups/min", "published", "heartbeat",
+        "name", "host", "pid", "status", "in flight", "engine reqs", "leases", "groups/min", "published",
+        "heartbeat",
     )
     for row in snap["producers"]:
         status = row["status"]
@@ -136,7 +137,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         conc = row.get("concurrency")
         producers.add_row(
             row["name"], str(row.get("host") or "-"), str(row.get("pid") or "-"), Text(shown, style=style),
-            f"{row.get('in_flight_samples', 0)}/{conc if conc is not None else '?'}", str(row.get("leases_held", 0)),
+            f"{row.get('in_flight_samples', 0)}/{conc if conc is not None else '?'}",
+            str(row.get("engine_requests", 0)), str(row.get("leases_held", 0)),
             str(row.get("groups_last_minute", 0)), str(row.get("published", 0)), _age(row.get("heartbeat_age_s")),
         )
     parts.append(producers)

@@ -148,7 +148,7 @@ def _v3_sample_fields(sample: Sample) -> dict[str, Any]:
 
 
 def _sample_to_wire(sample: Sample) -> dict[str, Any]:
-    return {
+    wire: dict[str, Any] = {
         "i": sample.index,
         "tok": _pack_array(sample.tokens),
         "resp": sample.response,
@@ -164,6 +164,9 @@ def _sample_to_wire(sample: Sample) -> dict[str, Any]:
         "md": sample.metadata,
         **_v3_sample_fields(sample),
     }
+    if sample.weight_version_spans is not None:  # optional, flat: start, end, version, ...
+        wire["wvs"] = [x for span in sample.weight_version_spans for x in span]
+    return wire
 
 
 def _version_of(samples: list[dict[str, Any]], multimodal: Any) -> int:
@@ -284,6 +287,7 @@ class _SampleView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     ngt: Raw | UnsetType = UNSET
     ad: Raw | UnsetType = UNSET
     mti: Raw | UnsetType = UNSET
+    wvs: Raw | UnsetType = UNSET
 
 
 class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
@@ -415,6 +419,7 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
     finish = obj.get("fr")
     if finish is not None and not isinstance(finish, str):
         raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
+    spans = _spans(obj.get("wvs"), rlen, what)
     sample = Sample(
         index=_get(obj, "i", int, what),
         tokens=tokens,
@@ -429,6 +434,7 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
         loss_mask=mask,
         error=error,
         metadata=metadata,
+        weight_version_spans=spans,
     )
     if version >= 3:
         _v3_sample_from_wire(sample, obj, what, limits)
@@ -540,6 +546,21 @@ def _multimodal(obj: Mapping[str, Any], what: str) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise DecodeError("bad_field", f"{what}.mmi must be a map or nil")
     return value
+
+
+def _spans(raw: Any, rlen: int, what: str) -> list[tuple[int, int, int]] | None:
+    """``wvs`` (optional): flat ``start, end, version`` triples over the response, in order."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) % 3 or not all(type(x) is int for x in raw):
+        raise DecodeError("bad_field", f"{what}.wvs must be a flat list of int triples")
+    spans = [(raw[i], raw[i + 1], raw[i + 2]) for i in range(0, len(raw), 3)]
+    previous = 0
+    for start, end, _ in spans:
+        if not previous <= start <= end <= rlen:
+            raise DecodeError("bad_field", f"{what}.wvs span {start}..{end} is out of order or past {rlen} tokens")
+        previous = end
+    return spans
 
 
 def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:

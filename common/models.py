@@ -310,6 +310,10 @@ class Sample:
     """The LoRA adapter of a multi-LoRA run (miles)."""
     multimodal_train_inputs: dict[str, Any] | None = None
     """Processed media for the trainer (e.g. ``pixel_values``): plain data or :class:`Packed`."""
+    weight_version_spans: list[tuple[int, int, int]] | None = None
+    """Optional per-token versions: ``(start, end, version)`` over the response tokens (offsets
+    from ``prompt_length``, end exclusive), one span per engine call, in order; tokens of no span
+    (tool observations) were not generated. Written by multi-turn episodes; None otherwise."""
 
     def __post_init__(self) -> None:
         self.tokens = int_array(self.tokens)
@@ -330,6 +334,11 @@ class Sample:
         self.status = Status(self.status)
         if self.prompt_length < 0:
             self.prompt_length = len(self.tokens) - self.response_length
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version of any engine call of this sample (staleness is judged by it)."""
+        return min(self.weight_versions) if self.weight_versions else None
 
     @property
     def response_tokens(self) -> IntArray:
@@ -379,6 +388,7 @@ def _as_tuple(sample: Sample) -> tuple[Any, ...]:
         sample.non_generation_time,
         sample.adapter,
         sample.multimodal_train_inputs,
+        sample.weight_version_spans,
     )
 
 
@@ -435,6 +445,15 @@ class Group:
             if status in statuses:
                 return status
         return Status.COMPLETED
+
+    def size_error(self, n: int) -> str | None:
+        """Why this group does not hold ``n`` episodes (None when it does): ``n`` samples, or
+        more whose indices (episode ids, shared by an episode's segments) are exactly ``0..n-1``."""
+        if len(self.samples) == n:
+            return None
+        if len(self.samples) > n and {s.index for s in self.samples} == set(range(n)):
+            return None
+        return f"{len(self.samples)} samples, expected {n}"
 
     @property
     def min_version(self) -> int | None:

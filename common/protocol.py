@@ -113,7 +113,8 @@ class _Guarded:
 _HEARTBEAT_INTS = (
     "pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published", "groups_last_minute",
     "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms", "long_requests",
-    "admission_since_ms",
+    "admission_since_ms", "episodes", "episodes_peak", "engine_requests", "engine_requests_peak",
+    "episodes_failed", "aborts_continued",
 )
 _HEARTBEAT_FLOATS = ("oldest_request_s", "long_request_s")
 
@@ -161,6 +162,16 @@ class Heartbeat:
     """Age of the oldest engine request in flight (0 when none)."""
     long_request_s: float = 0.0
     """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
+    episodes: int = 0
+    """Episodes running now (inside the generate function), engine call or tool time."""
+    episodes_peak: int = 0
+    engine_requests: int = 0
+    """Engine requests in flight now: tool time holds none (``--engine-concurrency`` caps it)."""
+    engine_requests_peak: int = 0
+    episodes_failed: int = 0
+    """Episodes whose generate function raised, timed out or returned an invalid result."""
+    aborts_continued: int = 0
+    """Aborted engine calls continued inside their episode (partial rollout on)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

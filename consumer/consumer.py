@@ -555,8 +555,9 @@ class GroupConsumer:
             await self._dead_letter(entry_id, fields, f"{exc.reason}: {exc.detail}", tally)
             return None
         n = self.config.n_samples_per_prompt
-        if len(group.samples) != n:
-            wrong_size = f"wrong_group_size: {len(group.samples)} samples, expected {n}"
+        size_error = group.size_error(n)
+        if size_error is not None:
+            wrong_size = f"wrong_group_size: {size_error}"
             # dead letters hold prompts: what `rollstream dead requeue` puts back
             await self._dead_letter(entry_id, prompt_fields(retry_prompt(group, wrong_size)), wrong_size, tally)
             return None

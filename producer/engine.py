@@ -381,11 +381,15 @@ class EngineClient:
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
         rid: str | None = None,
+        sampling: Mapping[str, Any] | None = None,
         image_data: Sequence[str] | None = None,
     ) -> Generation:
-        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages;
-        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside them."""
-        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, image_data))[0]
+        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages.
+
+        ``sampling`` (temperature, top_p and engine extras, without the length limit) replaces
+        the settings' sampling parameters for this request (an episode's own copy);
+        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside the prompt."""
+        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, sampling, image_data))[0]
 
     async def generate_n(
         self,
@@ -401,7 +405,7 @@ class EngineClient:
         if n < 1:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
-            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, image_data)
+            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, None, image_data)
         return list(
             await asyncio.gather(
                 *(
@@ -420,11 +424,12 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        sampling: Mapping[str, Any] | None,
         image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         self._check_prompt(text, input_ids, messages)
         try:
-            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid, image_data)
+            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid, sampling, image_data)
         except EngineReplyInvalid:
             self._count_error("bad_reply")
             raise
@@ -437,34 +442,33 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        sampling: Mapping[str, Any] | None,
         image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        params = self._sampling(sampling)
         if self.settings.api == "openai":
             if messages is not None:
-                return await self._chat_openai(messages, max_new, n)
-            return await self._complete_openai(text, input_ids, max_new, n)
+                return await self._chat_openai(messages, max_new, n, params)
+            return await self._complete_openai(text, input_ids, max_new, n, params)
         if messages is not None:
             raise PromptNotSupported(
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
                 "template (--tokenizer) or use --engine-api openai",
             )
-        return [await self._generate_sglang(text, input_ids, max_new, rid, image_data)]
+        return [await self._generate_sglang(text, input_ids, max_new, rid, params, image_data)]
+
+    def _sampling(self, sampling: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The request's sampling parameters (without the length limit): given, else the settings'."""
+        if sampling is not None:
+            return sampling
+        return {"temperature": self.settings.temperature, "top_p": self.settings.top_p, **self.settings.sampling_params}
 
     async def _generate_sglang(
-        self,
-        text: str | None,
-        input_ids: Sequence[int] | None,
-        max_new: int,
-        rid: str | None,
-        image_data: Sequence[str] | None = None,
+        self, text: str | None, input_ids: Sequence[int] | None, max_new: int, rid: str | None,
+        sampling: Mapping[str, Any], image_data: Sequence[str] | None = None,
     ) -> Generation:
-        params = {
-            "max_new_tokens": max_new,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
-            **self.settings.sampling_params,
-        }
+        params = {"max_new_tokens": max_new, **sampling}
         body: dict[str, Any] = {"sampling_params": params, "return_logprob": self.settings.return_logprob}
         if text is not None:
             body["text"] = text
@@ -505,22 +509,20 @@ class EngineClient:
         engine, raw = await self._post(path, body)
         return engine.url, raw
 
-    def _openai_body(self, max_new: int, n: int) -> dict[str, Any]:
+    def _openai_body(self, max_new: int, n: int, sampling: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "model": self.settings.model,
             "n": n,
             "max_tokens": max_new,
-            "temperature": self.settings.temperature,
-            "top_p": self.settings.top_p,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
-            **self.settings.sampling_params,
+            **sampling,
         }
 
     async def _complete_openai(
-        self, text: str | None, input_ids: Sequence[int] | None, max_new: int, n: int
+        self, text: str | None, input_ids: Sequence[int] | None, max_new: int, n: int, sampling: Mapping[str, Any]
     ) -> list[Generation]:
-        body = self._openai_body(max_new, n)
+        body = self._openai_body(max_new, n, sampling)
         body["prompt"] = text if text is not None else list(input_ids or ())
         if self.settings.return_logprob:
             body["logprobs"] = 0  # the sampled token's log-prob only
@@ -530,8 +532,10 @@ class EngineClient:
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 
-    async def _chat_openai(self, messages: Messages, max_new: int, n: int) -> list[Generation]:
-        body = self._openai_body(max_new, n)
+    async def _chat_openai(
+        self, messages: Messages, max_new: int, n: int, sampling: Mapping[str, Any]
+    ) -> list[Generation]:
+        body = self._openai_body(max_new, n, sampling)
         body["messages"] = [dict(m) for m in messages]
         if self.settings.return_logprob:
             body["logprobs"] = True

@@ -10,6 +10,7 @@ reason: a misaligned replay must never reach the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from rollstream.common.models import Sample, Status
@@ -17,21 +18,31 @@ from rollstream.common.models import Sample, Status
 from .engine import Generation
 
 
-def with_routed_experts(sample: Sample, generation: Generation, prefix: Sample | None) -> Sample:
-    """``sample`` with the routing replay of ``generation`` (spliced onto ``prefix``'s rows
-    when the engine skipped them), or the sample FAILED when the rows do not line up; and with
-    the engine's prefix-cache and speculative-decoding counters, added to the prefix's."""
-    _add_counters(sample, generation, prefix)
-    experts = generation.routed_experts
-    if experts is None:
+def with_routed_experts(sample: Sample, generations: Sequence[Generation], prefix: Sample | None) -> Sample:
+    """``sample`` with the routing replay of its engine calls ``generations`` (in order; each
+    request's replay covers its whole input, or the rows after ``routed_experts_start``, which are
+    spliced onto the rows held so far, starting from ``prefix``'s), or the sample FAILED when the
+    rows do not line up; and with the engine's prefix-cache and speculative-decoding counters,
+    added to the prefix's."""
+    experts = prefix.routed_experts if prefix is not None else None
+    asked = False
+    for generation in generations:
+        _add_counters(sample, generation, prefix if generation is generations[0] else sample)
+        if generation.routed_experts is None:
+            continue
+        asked = True
+        start = generation.routed_experts_start
+        if start:
+            if experts is None or len(experts) < start:
+                held = 0 if experts is None else len(experts)
+                return _misaligned(
+                    sample, f"routed_experts_start_len {start} but the continued sample holds {held} rows"
+                )
+            experts = experts.rows(start).concat(generation.routed_experts)
+        else:
+            experts = generation.routed_experts
+    if not asked or experts is None:
         return sample
-    start = generation.routed_experts_start
-    if start:
-        base = prefix.routed_experts if prefix is not None else None
-        if base is None or len(base) < start:
-            held = 0 if base is None else len(base)
-            return _misaligned(sample, f"routed_experts_start_len {start} but the continued sample holds {held} rows")
-        experts = base.rows(start).concat(experts)
     if sample.prompt_length == 0 and sample.status != Status.ABORTED:
         return _misaligned(sample, "a routing replay needs the prompt token ids (--tokenizer, or tokenised prompts)")
     if len(experts) != len(sample.tokens) - 1:

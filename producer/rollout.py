@@ -1,9 +1,10 @@
 """One prompt in, one scored group out: the rollout itself, without Redis.
 
-:class:`Rollout` tokenizes the prompt (when it can), asks the engines for ``n`` samples (one
-request with ``n`` where the engine API batches them, else one request per sample, concurrently),
-continues the samples of an aborted attempt where partial rollout is on, builds the
-:class:`~rollstream.common.models.Sample` objects and scores the group with the reward function.
+:class:`Rollout` tokenizes the prompt (when it can), runs the generate function (the rollout
+plug-in, :mod:`.episode`; the default :data:`single_turn` is one engine call per sample, and on
+the OpenAI API one request with ``n`` for the group) once per group member, concurrently, each
+episode under its deadline, validates every sample it returns (:func:`.session.check_sample`)
+and scores the group with the reward function.
 It knows nothing of streams, leases or admission: the producer runtime
 (:mod:`rollstream.producer.worker`) hands it a decoded prompt and the weight version the prompt
 was admitted under, and publishes what comes back.
@@ -17,7 +18,10 @@ consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
 ``max_attempts``. Each reason is logged once per :data:`FAILURE_LOG_INTERVAL`, with a count of
 the ones not logged.
 
-What propagates (fatal for the producer): an engine that keeps failing after its retries, and a
+A generate function that raises, times out (``--episode-timeout``) or returns something
+unusable fails its sample with the reason, like an engine refusal. What propagates (fatal for
+the producer): an engine that keeps failing after its retries, a generate function that failed
+on ``generate_failure_limit`` distinct prompts in a row (:class:`~.episode.GenerateBroken`), and a
 reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
 raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
 scored in between), or when too many sync reward calls are stuck past their deadline.
@@ -26,22 +30,27 @@ scored in between), or when too many sync reward calls are stuck past their dead
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
+import importlib.util
+import inspect
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, cast
 
-from rollstream.common.errors import ConfigError, EngineRejected, PromptNotSupported, RewardError
+from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported, RewardError
+from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
+from .episode import Episode, EpisodeAborted, EpisodeInfo, GenerateBroken, GenerateFunction
 from .replay import with_routed_experts
 from .replies import EngineReplyInvalid
 from .rewards import RewardBroken, RewardFunction
+from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession, InvalidResult, as_samples, check_sample
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
@@ -51,6 +60,8 @@ FAILURE_LOG_INTERVAL = 60.0
 """Seconds between two log lines of the same failure reason (the others are counted)."""
 REWARD_FAILURE_LIMIT = 8
 """Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
+GENERATE_FAILURE_LIMIT = 8
+"""Default: a generate function that failed on this many distinct prompts in a row is broken (fatal)."""
 
 
 class FailureLog:
@@ -74,7 +85,7 @@ class FailureLog:
 
 
 SampleDone = Callable[[int], None]
-"""Called with a number of samples whose engine work has just ended."""
+"""Called with a number of group members (episodes) whose work has just ended."""
 
 
 def _ignore(count: int) -> None:
@@ -88,23 +99,79 @@ class RolloutSettings:
     n_samples: int
     """Samples per prompt (the namespace's ``n_samples_per_prompt``)."""
     partial_rollout: bool = False
-    """Continue the aborted samples of an earlier attempt instead of regenerating them."""
+    """Continue an aborted engine call inside its episode after the resume, and (default
+    rollout) the aborted samples of an earlier attempt, instead of regenerating them."""
     tokenize_prompts: bool = True
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     producer: str = ""
     """Written into every group's ``producer`` field."""
     reward_failure_limit: int = REWARD_FAILURE_LIMIT
     """A reward that failed on this many distinct prompts in a row is broken: fatal."""
+    generate: GenerateFunction | None = None
+    """The rollout plug-in (``--generate``); None: :data:`single_turn`."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Engine concurrency, named limits, the episode deadline and the context budget."""
+    generate_failure_limit: int = GENERATE_FAILURE_LIMIT
+    """A generate function that failed on this many distinct prompts in a row is broken: fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
             raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
-        if self.reward_failure_limit < 1:
-            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
+        for name in ("reward_failure_limit", "generate_failure_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+
+
+class SingleTurn:
+    """The default rollout: one engine call per sample (today's single-turn rollout, as a plug-in).
+
+    ``continues_partial``: with partial rollout on, its trajectory starts from this member's
+    ABORTED sample of the earlier attempt, and a COMPLETED or TRUNCATED one is kept as it is."""
+
+    continues_partial = True
+
+    async def __call__(self, episode: Episode) -> Sample:
+        await episode.generate(max_new_tokens=episode.sampling.max_new_tokens - episode.sample.response_length)
+        return episode.sample
+
+
+single_turn = SingleTurn()
+"""The default generate function (``rollstream produce`` without ``--generate``)."""
+
+
+def load_generate(spec: str) -> GenerateFunction:
+    """The generate function named by ``module.path:function`` or ``path/to/file.py:function``
+    (``--generate``); ConfigError otherwise."""
+    path, _, attr = spec.rpartition(":")
+    if path.endswith(".py"):
+        fn = _from_file(Path(path), attr, spec)
+    else:
+        fn = import_callable(spec, "--generate")
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+        raise ConfigError(f"--generate {spec!r} must be an async function: async def generate(episode) -> Sample")
+    return cast(GenerateFunction, fn)
+
+
+def _from_file(path: Path, attr: str, spec: str) -> Any:
+    """``attr`` of the Python file at ``path``, imported as a module named after the file."""
+    if not path.is_file():
+        raise ConfigError(f"--generate {spec!r}: no file {str(path)!r}")
+    module_spec = importlib.util.spec_from_file_location(f"rollstream_generate_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"--generate {spec!r}: cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ConfigError(f"--generate {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"--generate {spec!r}: {str(path)!r} has no function {attr!r}")
+    return fn
 
 
 class Rollout:
-    """Turns a prompt into a scored group with an engine client and a reward function."""
+    """Turns a prompt into a scored group: ``n`` episodes of the generate function, then the reward."""
 
     def __init__(
         self,
@@ -113,6 +180,8 @@ class Rollout:
         settings: RolloutSettings,
         metrics: Metrics | None = None,
         teacher: TeacherScorer | None = None,
+        *,
+        wait_resumed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
         self.teacher = teacher
@@ -120,12 +189,23 @@ class Rollout:
         self.reward = reward
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
+        self.generate: GenerateFunction = settings.generate if settings.generate is not None else single_turn
+        self.runtime = EpisodeRuntime(
+            engine,
+            settings.limits,
+            partial_rollout=settings.partial_rollout,
+            metrics=self.metrics,
+            **({"wait_resumed": wait_resumed} if wait_resumed is not None else {}),
+        )
         self.failures = FailureLog()
-        self._requests_in_flight: dict[int, tuple[float, int]] = {}
-        """Engine requests in flight: token -> (monotonic start, samples asked for)."""
-        self._request_tokens = itertools.count()
         self._reward_failed_on: set[tuple[int, int]] = set()
         """(index, epoch) of the prompts the reward failed on since it last scored a group."""
+        self._generate_failed_on: set[tuple[int, int]] = set()
+        """(index, epoch) of the prompts the generate function failed on since it last succeeded."""
+        self.episodes_failed = 0
+        """Episodes whose function raised, timed out or returned an invalid result."""
+        self.function_failures = 0
+        """Of those, the ones held against the function (raised or invalid, not the deadline)."""
 
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
@@ -133,18 +213,18 @@ class Rollout:
         """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
         prompt was admitted) stands in for engines that do not report their own.
 
-        ``sample_done(k)`` is called as soon as ``k`` samples' engine work has ended (each
-        sample's request, or the one request of ``n``), before the group is scored: the
-        producer releases engine capacity per sample with it. Over a run that returns, it is
-        called for ``n`` samples in total; a run that raises may have called it for fewer."""
+        ``sample_done(k)`` is called as soon as ``k`` episodes have ended (each member's, or the
+        one request of ``n``), before the group is scored: the producer releases capacity per
+        episode with it. Over a run that returns, it is called for ``n`` in total; a run that
+        raises may have called it for fewer."""
         n = self.settings.n_samples
         done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.settings.partial_rollout else None
-        if partial is None and self.engine.batches_samples:  # one request with n
+        if self.generate is single_turn and partial is None and self.engine.batches_samples:  # one request with n
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
-            samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
+            samples = await self._episodes(prompt, prompt_ids, n, admitted_version, partial, done)
         if self.teacher is not None and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self.teacher.score(samples)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
@@ -161,6 +241,10 @@ class Rollout:
             history=prompt.history,
             multimodal_inputs=prompt.multimodal_inputs,
         )
+
+    def requests_older_than(self, seconds: float) -> tuple[int, float]:
+        """See :meth:`EpisodeRuntime.requests_older_than`."""
+        return self.runtime.requests_older_than(seconds)
 
     async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
         """Set the samples' rewards, or fail them all with the reward's error."""
@@ -206,7 +290,7 @@ class Rollout:
                 return array("i", ids)
         return None
 
-    async def _generate_each(
+    async def _episodes(
         self,
         prompt: Prompt,
         prompt_ids: array[int] | None,
@@ -215,15 +299,15 @@ class Rollout:
         partial: list[Sample] | None,
         done: SampleDone,
     ) -> list[Sample]:
-        """One request per sample, concurrently; the first real error (not the group wrapper) propagates."""
+        """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates."""
+        failed_before = self.function_failures
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(
-                        self._generate_sample(
+                        self._member(
                             prompt, prompt_ids, i, admitted_version,
-                            partial[i] if partial is not None and i < len(partial) else None,
-                            done,
+                            partial[i] if partial is not None and i < len(partial) else None, done,
                         )
                     )
                     for i in range(n)
@@ -233,88 +317,140 @@ class Rollout:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from None
-        return [t.result() for t in tasks]
+        key = (prompt.index, prompt.epoch)
+        if self.function_failures > failed_before:
+            self._generate_failed_on.add(key)
+            failed = len(self._generate_failed_on)
+            if failed >= self.settings.generate_failure_limit:
+                raise GenerateBroken(
+                    f"the generate function {_name(self.generate)} failed on {failed} distinct prompts in a "
+                    "row, none succeeded in between: it is broken, not the prompts; last error: "
+                    + next((s.error or "" for t in tasks for s in t.result() if s.status == Status.FAILED), "")
+                )
+        elif any(s.status != Status.FAILED for t in tasks for s in t.result()):
+            self._generate_failed_on.clear()  # the function worked on this prompt
+        return [s for t in tasks for s in t.result()]
 
-    def requests_older_than(self, seconds: float) -> tuple[int, float]:
-        """(samples whose engine request is in flight for longer than ``seconds``, age of the
-        oldest request in flight or 0): what the heartbeat reports, and inspect warns about."""
-        now = time.monotonic()
-        old = sum(count for started, count in self._requests_in_flight.values() if now - started > seconds)
-        oldest = min((started for started, _ in self._requests_in_flight.values()), default=now)
-        return old, now - oldest
-
-    @contextlib.contextmanager
-    def _requests(self, count: int) -> Iterator[None]:
-        """Account ``count`` engine requests in flight, their age, and their latency in the metrics."""
-        started = time.monotonic()
-        token = next(self._request_tokens)
-        self._requests_in_flight[token] = (started, count)
-        for _ in range(count):
-            self.metrics.request_started()
-        try:
-            yield
-        finally:
-            del self._requests_in_flight[token]
-            for _ in range(count):
-                self.metrics.request_finished(time.monotonic() - started)
-
-    async def _generate_sample(
+    async def _member(
         self,
         prompt: Prompt,
         prompt_ids: array[int] | None,
-        index: int,
+        member: int,
         admitted_version: int,
         partial: Sample | None,
         done: SampleDone,
-    ) -> Sample:
-        # A request that raised is not reported: the caller releases what a failed run still holds.
-        sample = await self._sample(prompt, prompt_ids, index, admitted_version, partial)
+    ) -> list[Sample]:
+        # A member that raised is not reported: the caller releases what a failed run still holds.
+        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial)
         done(1)
-        return sample
+        return samples
 
-    async def _sample(
+    async def _episode(
         self,
         prompt: Prompt,
         prompt_ids: array[int] | None,
-        index: int,
+        member: int,
         admitted_version: int,
         partial: Sample | None,
-    ) -> Sample:
-        if partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
-            return replace(partial, index=index)
+    ) -> list[Sample]:
+        """One member's episode: run the function under its deadline, validate what it returned;
+        every failure becomes a FAILED (or ABORTED) sample with the reason."""
+        fn = self.generate
+        resumable = bool(getattr(fn, "continues_partial", False))
+        if resumable and partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
+            return [replace(partial, index=member)]
+        timeout = self.settings.limits.episode_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        info = EpisodeInfo(
+            index=prompt.index, epoch=prompt.epoch, attempt=prompt.attempt, member=member,
+            n=self.settings.n_samples, prompt=prompt.prompt, label=prompt.label,
+            metadata=MappingProxyType(dict(prompt.metadata)),
+            prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
+            admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
+            partial=partial,
+        )
+        try:
+            source: dict[str, Any] | PromptNotSupported = self._prompt_source(prompt, prompt_ids)
+        except PromptNotSupported as exc:  # raised when the episode sends the prompt: the sample fails
+            source = exc
+        session = EpisodeSession(self.runtime, info, source, _media(prompt))
         prefix: Sample | None = None
-        if partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
+        if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
+                session.main.continue_from(partial)
                 prefix = partial
             else:
                 logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
-        max_new = self.engine.settings.max_new_tokens
-        if prefix is not None and prefix.response_length >= max_new:
-            return replace(prefix, index=index, status=Status.TRUNCATED, finish_reason="length")
+        where = f"prompt {prompt.index} (attempt {prompt.attempt}) member {member}"
         try:
-            with self._requests(1):
-                if prefix is not None:  # continue the aborted response where it stopped
-                    generation = await self.engine.generate(
-                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length, **_media(prompt)
-                    )
-                else:
-                    source = self._prompt_input(prompt, prompt_ids)
-                    generation = await self.engine.generate(**source, max_new_tokens=max_new)
-        except EngineRejected as exc:
+            with self.runtime.episode():
+                async with asyncio.timeout(timeout) as scope:
+                    result = await fn(session)
+            samples = as_samples(result)
+        except EpisodeAborted:
+            if session.fatal is not None:
+                raise session.fatal from None
+            aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
+            return [with_routed_experts(aborted, session.main.generations, prefix)]
+        except EngineRejected as exc:  # the engine refused a request (or the prompt cannot be sent)
+            if session.fatal is not None:
+                raise session.fatal from None
             self._engine_refused(prompt, exc)
-            return _rejected(index, prompt_ids, exc)
-        self.metrics.tokens_generated(len(generation.output_ids))
-        sample = _to_sample(index, prompt_ids, generation, admitted_version, prefix)
-        return with_routed_experts(sample, generation, prefix)
+            return [_rejected(member, prompt_ids, exc)]
+        except TimeoutError as exc:
+            if session.fatal is not None:
+                raise session.fatal from None
+            if not scope.expired():
+                return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
+            self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
+            self.metrics.error("episode_deadline")
+            reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
+            self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
+            return [_failed(member, prompt_ids, reason, "deadline")]
+        except InvalidResult as exc:
+            if session.fatal is not None:
+                raise session.fatal from None
+            return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")]
+        except Exception as exc:  # the user's code or a tool raised: this sample fails, not the producer
+            if session.fatal is not None:
+                raise session.fatal from None
+            if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):
+                raise  # an engine that keeps failing is fatal, as in the single-turn rollout
+            return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
+        if session.fatal is not None:
+            raise session.fatal
+        if session.aborted:  # an abort the user's code caught: the episode is ABORTED all the same
+            return [replace(session.sample, status=Status.ABORTED, finish_reason="abort")]
+        for k, sample in enumerate(samples):
+            sample.index = member  # the episode's id inside the group, shared by its segments
+            if len(samples) > 1:
+                sample.metadata = {**sample.metadata, "segment": k}
+            problem = check_sample(sample)
+            if problem is not None:
+                return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid sample {k}: {problem}")]
+        if len(samples) == 1 and session.main.generations:  # the engine's arrays of the main trajectory
+            samples = [with_routed_experts(samples[0], session.main.generations, prefix)]
+        return samples
+
+    def _function_failed(
+        self, where: str, member: int, prompt_ids: array[int] | None, kind: str, reason: str
+    ) -> Sample:
+        """A FAILED sample for a generate function that raised or returned something unusable."""
+        self.episodes_failed += 1
+        self.function_failures += 1
+        self.metrics.error(f"generate_{kind}")
+        reason = f"generate {_name(self.generate)}: {reason}"
+        self.failures.report(f"generate:{kind}", f"{where}: sample failed: {reason}")
+        return _failed(member, prompt_ids, reason, kind)
 
     async def _generate_together(
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
     ) -> list[Sample]:
         """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
         try:
-            with self._requests(n):
+            async with self.runtime.request(n):
                 generations = await self.engine.generate_n(
-                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_input(prompt, prompt_ids)
+                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_source(prompt, prompt_ids)
                 )
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)
@@ -323,11 +459,11 @@ class Rollout:
         done(n)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [
-            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version, None), g, None)
+            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version), [g], None)
             for i, g in enumerate(generations)
         ]
 
-    def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
+    def _prompt_source(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
         """How the prompt goes to the engine: token ids, else text, else chat messages (which
         carry their own images); the prompt's images go beside ids or text (SGLang ``image_data``)."""
         media = _media(prompt)
@@ -348,40 +484,23 @@ def _media(prompt: Prompt) -> dict[str, Any]:
     return {"image_data": images} if images and isinstance(images, list) else {}
 
 
-def _to_sample(
-    index: int,
-    prompt_ids: array[int] | None,
-    generation: Generation,
-    admitted_version: int,
-    prefix: Sample | None,
-) -> Sample:
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _to_sample(index: int, prompt_ids: array[int] | None, generation: Generation, admitted_version: int) -> Sample:
+    """A sample of the one request of ``n`` (OpenAI ``n``)."""
     metadata: dict[str, Any] = {"engine": generation.engine}
-    if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
+    if prompt_ids is None and generation.prompt_ids is not None:
         prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
     version = generation.weight_version
     if version is None:
         version = admitted_version
         metadata["weight_version_source"] = "trainer_at_admission"
-    status = Status.from_finish_reason(generation.finish_reason)
-    if prefix is not None:
-        log_probs = None
-        if prefix.rollout_log_probs is not None and generation.log_probs is not None:
-            log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
-        metadata["continued_from"] = prefix.response_length
-        response_length = prefix.response_length + len(generation.output_ids)
-        return Sample(
-            index=index,
-            tokens=prefix.tokens + array("i", generation.output_ids),
-            response=prefix.response + generation.text,
-            response_length=response_length,
-            prompt_length=prefix.prompt_length,
-            loss_mask=_ones(response_length),
-            status=status,
-            finish_reason=generation.finish_reason,
-            weight_versions=[*prefix.weight_versions, version],
-            rollout_log_probs=log_probs,
-            metadata={**prefix.metadata, **metadata},
-        )
     tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
     return Sample(
         index=index,
@@ -390,7 +509,7 @@ def _to_sample(
         response_length=len(generation.output_ids),
         prompt_length=0 if prompt_ids is None else len(prompt_ids),
         loss_mask=_ones(len(generation.output_ids)),
-        status=status,
+        status=Status.from_finish_reason(generation.finish_reason),
         finish_reason=generation.finish_reason,
         weight_versions=[version],
         rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
@@ -398,17 +517,22 @@ def _to_sample(
     )
 
 
-def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
-    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
+def _failed(index: int, prompt_ids: array[int] | None, reason: str, kind: str) -> Sample:
+    """A FAILED sample of an episode that raised, timed out or returned something unusable."""
     return Sample(
         index=index,
         tokens=prompt_ids if prompt_ids is not None else array("i"),
         prompt_length=0 if prompt_ids is None else len(prompt_ids),
         loss_mask=array("B"),
         status=Status.FAILED,
-        finish_reason="rejected",
-        error=str(exc)[:1000],
+        finish_reason=kind,
+        error=reason[:1000],
     )
+
+
+def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
+    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
+    return _failed(index, prompt_ids, str(exc), "rejected")
 
 
 def _ones(count: int) -> array[int]:

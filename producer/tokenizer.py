@@ -74,6 +74,36 @@ class PromptTokenizer:
         """Prompt ids of a text prompt (with the special tokens the engine would add)."""
         return _as_ids(self._get().encode(text), f"tokenizer {self.source}.encode")
 
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of a piece of a longer sequence (tool output, chat markup): no special tokens added."""
+        tokenizer = self._get()
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:  # a custom tokenizer without the keyword
+            ids = tokenizer.encode(text)
+        return _as_ids(ids, f"tokenizer {self.source}.encode")
+
+    def chat_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for ``messages`` (the OpenAI endpoint diffs two renderings)."""
+        tokenizer = self._get()
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ConfigError(f"tokenizer {self.source} has no apply_chat_template")
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            kwargs["tools"] = list(tools)
+        text = tokenizer.apply_chat_template(list(messages), **kwargs)
+        if not isinstance(text, str):
+            raise ValueError(
+                f"tokenizer {self.source}.apply_chat_template(tokenize=False) returned {type(text).__name__}"
+            )
+        return text
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids of chat messages rendered with the model's chat template."""
         tokenizer = self._get()

@@ -8,13 +8,14 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   ``max_backlog`` and staleness-aware admission allows it, and at most as many as the rule
   allows. Nothing blocks the event loop and nothing is buffered: a prompt is read only when it
   can start at once. The last refusal and since when go into the heartbeat.
-* **work**: one task per admitted prompt; publishing the group and acknowledging the prompt is
+* **work**: one task per admitted prompt, running its ``n`` episodes (the generate function,
+  :mod:`.rollout`); publishing the group and acknowledging the prompt is
   one Lua script that checks the XACK first, so a prompt taken over by another producer is
-  never published twice. Capacity goes back **per sample**: as each sample's engine request
-  ends, its unit is free for the next admission, except the group's last unit, held until the
-  group is published (so groups being scored or published count too, and prompts in flight
-  never exceed ``concurrency``). A long-tailed group holds one unit, not ``n``, while its
-  slowest sample runs.
+  never published twice. Capacity goes back **per episode**: as each member's episode (for the
+  default rollout: its engine request) ends, its unit is free for the next admission, except
+  the group's last unit, held until the group is published (so groups being scored or
+  published count too, and prompts in flight never exceed ``concurrency``). A long-tailed group
+  holds one unit, not ``n``, while its slowest sample runs.
 * **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
@@ -64,8 +65,10 @@ from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
 
 from .engine import EngineClient
+from .episode import GenerateFunction
 from .rewards import RewardFunction
-from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .rollout import GENERATE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .session import RESUME_POLL, EpisodeLimits
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
@@ -89,7 +92,8 @@ class ProducerSettings:
 
     namespace: str
     concurrency: int
-    """Samples in flight at most (a prompt needs ``n_samples_per_prompt`` of them)."""
+    """Samples (episodes) in flight at most (a prompt needs ``n_samples_per_prompt`` of them);
+    engine requests are capped apart by ``limits.engine_concurrency``."""
     name: str = field(default_factory=default_producer_name)
     n_samples: int | None = None
     """When given, must match the namespace's ``n_samples_per_prompt``."""
@@ -106,6 +110,12 @@ class ProducerSettings:
     long_request_after: float = LONG_REQUEST_AFTER
     """Engine requests in flight longer than this (seconds) are reported in the heartbeat
     (``long_requests``) and shown by ``inspect`` as a warning."""
+    generate: GenerateFunction | None = None
+    """The rollout plug-in (``--generate module:function``); None: the single-turn rollout."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Episode caps: engine requests in flight, named limits, episode deadline, context budget."""
+    generate_failure_limit: int = GENERATE_FAILURE_LIMIT
+    """The generate function failed on this many distinct prompts in a row: fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -115,8 +125,9 @@ class ProducerSettings:
         for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.reward_failure_limit < 1:
-            raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
+        for limit in ("reward_failure_limit", "generate_failure_limit"):
+            if getattr(self, limit) < 1:
+                raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -215,10 +226,16 @@ class Producer:
                 tokenize_prompts=settings.tokenize_prompts,
                 producer=settings.name,
                 reward_failure_limit=settings.reward_failure_limit,
+                generate=settings.generate,
+                limits=settings.limits,
+                generate_failure_limit=settings.generate_failure_limit,
             ),
             self.metrics,
             teacher,
+            wait_resumed=self._wait_resumed,
         )
+        self._control_changed = asyncio.Event()
+        """Set (and replaced) on every control message: wakes episodes waiting for a resume."""
         self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
         self._abandoned: set[asyncio.Task[Any]] = set()
@@ -355,6 +372,15 @@ class Producer:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
+
+    async def _wait_resumed(self) -> None:
+        """Return once the pipeline is not paused: an episode whose engine call was aborted (a
+        weight update) continues after the resume. Woken by control messages, else polled."""
+        while await self._outage.run(self.control.paused):
+            changed = self._control_changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RESUME_POLL):
+                    await changed.wait()
 
     # -- admission ----------------------------------------------------------------------
 
@@ -618,6 +644,12 @@ class Producer:
             long_requests=long_requests,
             oldest_request_s=round(oldest_request, 1),
             long_request_s=self.settings.long_request_after,
+            episodes=self.rollout.runtime.episodes,
+            episodes_peak=self.rollout.runtime.episodes_peak,
+            engine_requests=self.rollout.runtime.engine_requests,
+            engine_requests_peak=self.rollout.runtime.engine_slots.peak,
+            episodes_failed=self.rollout.episodes_failed,
+            aborts_continued=self.rollout.runtime.aborts_continued,
         )
         await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
@@ -651,6 +683,8 @@ class Producer:
                     if message is not None:
                         logger.debug("producer %s: control message %r", self.name, message.get("data"))
                         self._wake.set()
+                        changed, self._control_changed = self._control_changed, asyncio.Event()
+                        changed.set()
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
             finally:

@@ -9,13 +9,24 @@ from typing import Any
 class FakeChatTokenizer:
     """Byte ids; chat rendered as ``[FAKE]role: content|`` per message, then ``[FAKE]assistant:``."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode(errors="replace")
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tokenize: bool = True, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tokenize: bool = True,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        **kwargs: Any,
     ) -> Any:
-        text = "".join(f"[FAKE]{m['role']}: {m['content']}|" for m in messages)
+        text = "".join(f"[FAKE]{m['role']}: {m.get('content') or ''}|" for m in messages)
         if add_generation_prompt:
             text += "[FAKE]assistant:"
         # like transformers 5, answer a mapping: the producer must cope with both shapes

@@ -47,3 +47,18 @@ def test_r3_quick_produces_rows() -> None:
     assert [row[1] for row in take.rows] == ["raw", "raw+decode", "take"]
     filled = redis_table.rows[1]
     assert filled[1] == "filled until OOM" and filled[5] > 0
+@pytest.mark.timeout(120)
+def test_episodes_quick_produces_rows() -> None:
+    table, session = bench_main.run(["episodes"], quick=True)
+    assert all(row[1] > 0 for row in session.rows) and len(session.rows) == 2
+    assert [row[0] for row in table.rows] == [
+        "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
+    ]
+    assert all(row[3] > 0 and row[6] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(120)
+def test_adapters_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["adapters"], quick=True)
+    assert [row[0] for row in table.rows] == ["episode", "slime", "openai"]
+    assert all(row[1] == table.rows[0][1] and row[2] > 0 for row in table.rows)  # the same calls, measured

@@ -263,3 +263,24 @@ def test_retry_prompt_is_the_next_attempt_with_prompt_ids_and_history() -> None:
     assert prompt.input_ids is not None and prompt.input_ids.tolist() == list(range(10))
     assert prompt.history == ["aborted"] and prompt.partial == group.samples
     assert retry_prompt(group, "failed").partial is None
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_weight_version_spans_travel_optionally(views: bool) -> None:
+    group = make_group(2)
+    group.samples[0].weight_version_spans = [(0, 40, 3), (60, 100, 4)]
+    raw = msgpack.unpackb(encode_group(group))
+    assert raw["samples"][0]["wvs"] == [0, 40, 3, 60, 100, 4] and "wvs" not in raw["samples"][1]
+    decoded = decode_group(encode_group(group), views=views)
+    assert decoded == group
+    assert decoded.samples[0].weight_version_spans == [(0, 40, 3), (60, 100, 4)]
+    assert decoded.samples[1].weight_version_spans is None
+
+
+@pytest.mark.parametrize("spans", [[0, 40], [0, 40, "3"], [50, 40, 3], [0, 101, 3], [0, 60, 3, 50, 90, 4], "x"])
+def test_malformed_weight_version_spans_are_rejected(spans: Any) -> None:
+    raw = msgpack.unpackb(encode_group(make_group(1)))
+    raw["samples"][0]["wvs"] = spans
+    for views in (False, True):
+        with pytest.raises(DecodeError, match="wvs"):
+            decode_group(msgpack.packb(raw), views=views)

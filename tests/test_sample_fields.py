@@ -39,7 +39,7 @@ def _plain(sample: Sample) -> Sample:
 def test_every_field_of_the_data_model_is_covered_here() -> None:
     """A field added to Sample without a wire key (and a test here) fails this test."""
     v2 = {"index", "tokens", "response", "response_length", "prompt_length", "reward", "status", "finish_reason",
-          "weight_versions", "rollout_log_probs", "loss_mask", "error", "metadata"}
+          "weight_versions", "rollout_log_probs", "loss_mask", "error", "metadata", "weight_version_spans"}
     assert {f.name for f in dataclasses.fields(Sample)} == v2 | set(V3_FIELDS)
     sample = full_sample(1)
     defaults = {f.name: f.default for f in dataclasses.fields(Sample) if f.name in V3_FIELDS}

@@ -1,9 +1,10 @@
 """Weight versions: best-effort ``/model_info`` never breaks generation; partial rollout
-continues an aborted sample under the new weights and records both versions."""
+continues an aborted call inside its episode under the new weights and records both versions."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from typing import Any
 
@@ -11,12 +12,13 @@ import httpx
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
-from rollstream.common.codec import decode_group_entry
 from rollstream.common.keys import Keys
-from rollstream.common.models import Status
+from rollstream.common.models import Group, Status
+from rollstream.common.protocol import Heartbeat
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, parse_version
 from rollstream.testing.sim import SimConfig, SimEngine
+from rollstream.testing.sim.engine import detokenize
 from test_staleness import stop_producers
 
 
@@ -75,41 +77,61 @@ async def slow_sim() -> Any:
         yield engine
 
 
-async def test_partial_rollout_continues_aborted_samples_across_versions(
-    redis: Redis, redis_url: str, ns: str, slow_sim: SimEngine, procs: ProcessPool
-) -> None:
-    await make_namespace(redis, ns, partial_rollout=True, max_staleness=3)
-    keys = Keys(ns)
+async def _weight_update_mid_turn(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, *, partial: bool
+) -> tuple[Group, subprocess.Popen[bytes]]:
+    """One prompt of n=2 generating; the trainer pauses, the engines abort both calls, the
+    weights go to version 1, the trainer resumes: the group the trainer then takes."""
+    await make_namespace(redis, ns, partial_rollout=partial, max_staleness=3)
     await add_prompts(redis, ns, 1)
-    procs.producer(redis_url, ns, slow_sim.url, concurrency=2)
-    async with httpx.AsyncClient(base_url=slow_sim.url) as http:
-        # Both samples generating; let some tokens accrue, then abort everything (version 0).
-        await wait_until(lambda: slow_sim.state.running == 2, timeout=20, message="both samples generating")
-        await asyncio.sleep(0.3)
-        await http.post("/abort_request", json={"abort_all": True})
-        await wait_until(lambda: redis.xlen(keys.groups), timeout=20, message="the aborted group")
-        ((_, fields),) = await redis.xrange(keys.groups)
-        aborted = decode_group_entry(fields)
-        assert aborted.status == Status.ABORTED
-        assert all(s.weight_versions == [0] and s.response_length > 0 for s in aborted.samples)
-        # The weight update: the engine's version goes to 1, so does the trainer's.
-        await http.post("/update_weights_from_disk", json={"model_path": "step-0"})
-    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-        await consumer.set_weight_version(1)
+    producer = procs.producer(redis_url, ns, sim.url, concurrency=2)
+    async with httpx.AsyncClient(base_url=sim.url) as http, await GroupConsumer.connect(
+        redis_url, ns, "trainer"
+    ) as consumer:
+        await wait_until(lambda: sim.state.running == 2, timeout=20, message="both samples generating")
+        await asyncio.sleep(0.3)  # some tokens accrue (any number works)
+        await consumer.pause()
+        await http.post("/pause_generation", json={"mode": "abort"})
+        await wait_until(lambda: sim.state.stats()["aborted"] == 2, message="both calls aborted")
+        await http.post("/update_weights_from_disk", json={"weight_version": "1"})
+        await consumer.resume(1)
+        await http.post("/continue_generation", json={})
         async with asyncio.timeout(25):
             batch = await consumer.take(1)
         await consumer.commit(batch)
+    assert batch.metrics["staleness_max"] == (1 if partial else 0)  # judged by the oldest version
     (group,) = batch.groups
-    assert (group.index, group.attempt) == (0, 1)
-    assert group.status in (Status.COMPLETED, Status.TRUNCATED)
-    assert batch.metrics["staleness_max"] == 1
-    for partial, sample in zip(aborted.samples, group.samples, strict=True):
-        assert sample.tokens[: len(partial.tokens)] == partial.tokens  # continued, not regenerated
-        assert sample.response_length > partial.response_length
-        assert sample.response.startswith(partial.response)
+    return group, producer
+
+
+async def test_partial_rollout_continues_an_aborted_call_inside_the_episode(
+    redis: Redis, redis_url: str, ns: str, slow_sim: SimEngine, procs: ProcessPool
+) -> None:
+    """With partial rollout on each aborted call waits for the resume and continues from its
+    tokens inside its episode: one group, attempt 0, nothing recycled, both versions recorded
+    per call and as spans, no token lost or repeated."""
+    group, producer = await _weight_update_mid_turn(redis, redis_url, ns, slow_sim, procs, partial=True)
+    assert (group.index, group.attempt) == (0, 0) and group.status in (Status.COMPLETED, Status.TRUNCATED)
+    for sample in group.samples:
         assert sample.weight_versions == [0, 1]
-        assert sample.metadata["continued_from"] == partial.response_length
+        spans = sample.weight_version_spans
+        assert spans is not None and [v for _, _, v in spans] == [0, 1]
+        assert spans[0][0] == 0 and spans[0][1] == spans[1][0] > 0 and spans[1][1] == sample.response_length
+        assert detokenize(sample.response_tokens.tolist()) == sample.response
+        assert sample.response.count("The answer is") == 1  # continued, not restarted
         assert sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length
-    state = await redis.hgetall(keys.state)
-    assert state[b"recycled_aborted"] == b"1"
+    keys = Keys(ns)
+    assert b"recycled_aborted" not in await redis.hgetall(keys.state)
+    beat = Heartbeat.parse((await redis.hgetall(keys.producers))[next(iter(await redis.hkeys(keys.producers)))])
+    assert beat.aborts_continued == 2, procs.log_of(producer)
+    await stop_producers(procs)
+
+
+async def test_without_partial_rollout_an_aborted_episode_is_recycled_whole(
+    redis: Redis, redis_url: str, ns: str, slow_sim: SimEngine, procs: ProcessPool
+) -> None:
+    group, _ = await _weight_update_mid_turn(redis, redis_url, ns, slow_sim, procs, partial=False)
+    assert (group.index, group.attempt) == (0, 1)  # recycled whole, regenerated from scratch
+    assert all(s.weight_versions == [1] and "continued_from" not in s.metadata for s in group.samples)
+    assert (await redis.hgetall(Keys(ns).state))[b"recycled_aborted"] == b"1"
     await stop_producers(procs)

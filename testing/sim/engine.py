@@ -35,6 +35,13 @@ Routing replay and teacher scoring
     a teacher scoring its input: ``meta_info.input_token_logprobs`` has ``[logprob, token_id,
     null]`` for every input token from ``logprob_start_len`` on (null at position 0), the
     log-prob being :func:`teacher_logprob` of the token and the one before it.
+Multi-turn (tool calls)
+    A prompt holding ``[tools=K]`` (or ``[tools=K:search]``) is answered, for its first K
+    replies, with ``<filler> <tool>calc: EXPR</tool>`` (EXPR: the input's last arithmetic
+    expression; finish reason ``stop``); a reply whose input already holds K closed tool calls
+    answers as usual. The input is the whole trajectory (prompt, replies, tool results), so a
+    rollout that appends tool results (e.g. ``<result>5</result>``) and asks again gets exactly K
+    tool turns, then the answer: deterministic, for tests and the demo (:func:`tool_turn`).
 
 SGLang endpoints
     ``POST /generate``, ``POST /abort_request``, ``POST /pause_generation``,
@@ -246,13 +253,8 @@ def _as_number(value: Fraction) -> int | float:
     return round(float(value), 2)
 
 
-def evaluate_last_expression(text: str) -> int | float | None:
-    """Value of the last arithmetic expression in ``text`` (``None`` when there is none).
-
-    An expression is a run of digits, spaces, ``+ - * / ( )`` with at least one binary
-    operator; it is evaluated exactly over the rationals without ``eval``. An integral result
-    is an ``int``, any other a ``float`` rounded to 2 decimals.
-    """
+def _last_expression(text: str) -> tuple[str, int | float] | None:
+    """The last arithmetic expression in ``text`` and its value (None when there is none)."""
     for match in reversed(list(_EXPR_RUN.finditer(text))):
         candidate = match.group().strip()
         if not any(c.isdigit() for c in candidate) or len(candidate) > 1000:
@@ -261,10 +263,40 @@ def evaluate_last_expression(text: str) -> int | float | None:
             tree = ast.parse(candidate, mode="eval")
             if not _has_binop(tree):
                 continue
-            return _as_number(_eval_node(tree))
+            return candidate, _as_number(_eval_node(tree))
         except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
             continue
     return None
+
+
+def evaluate_last_expression(text: str) -> int | float | None:
+    """Value of the last arithmetic expression in ``text`` (``None`` when there is none).
+
+    An expression is a run of digits, spaces, ``+ - * / ( )`` with at least one binary
+    operator; it is evaluated exactly over the rationals without ``eval``. An integral result
+    is an ``int``, any other a ``float`` rounded to 2 decimals.
+    """
+    found = _last_expression(text)
+    return None if found is None else found[1]
+
+
+TOOL_MARKER = re.compile(r"\[tools=(\d+)(?::([A-Za-z_]\w*))?\]")
+"""``[tools=K]`` or ``[tools=K:name]`` in a prompt: the simulated model calls a tool K times."""
+TOOL_CALL = re.compile(r"<tool>([A-Za-z_]\w*): ([^<]*)</tool>")
+"""A simulated tool call in a reply: ``<tool>calc: 2 + 3</tool>`` (name, argument)."""
+
+
+def tool_turn(text: str) -> str | None:
+    """The tool call the simulated model makes next for the input ``text``, or None (it answers).
+
+    A prompt with ``[tools=K]`` (or ``[tools=K:name]``, default name ``calc``) gets a tool call
+    in each of its first K replies: ``<tool>name: EXPR</tool>`` with the last arithmetic
+    expression of the input; the replies after K closed calls in the input answer as usual."""
+    marker = TOOL_MARKER.search(text)
+    if marker is None or text.count("</tool>") >= int(marker.group(1)):
+        return None
+    found = _last_expression(text)
+    return f" <tool>{marker.group(2) or 'calc'}: {found[0] if found else '1 + 1'}</tool>"
 
 
 def _format_number(value: int | float) -> str:
@@ -300,7 +332,7 @@ class _Plan:
 
 
 def _plan_response(config: SimConfig, text: str, rng: random.Random) -> _Plan:
-    answer_part = f" The answer is \\boxed{{{_answer(text, config.accuracy, rng)}}}."
+    answer_part = tool_turn(text) or f" The answer is \\boxed{{{_answer(text, config.accuracy, rng)}}}."
     if config.length_sigma > 0:
         mu = math.log(config.mean_tokens) - config.length_sigma**2 / 2
         drawn = round(rng.lognormvariate(mu, config.length_sigma))

@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from argparse import Namespace
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.rollout.data_source import DataSource
 from miles.utils.types import Sample
+
+if TYPE_CHECKING:
+    from miles.rollout.inference_rollout.inference_rollout_common import GenerateState
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,22 @@ def call_rollout_fn(fn, *args, evaluation: bool, **kwargs):
     if not isinstance(output, (RolloutFnTrainOutput, RolloutFnEvalOutput)):
         output = RolloutFnEvalOutput(data=output) if evaluation else RolloutFnTrainOutput(samples=output)
     return output
+
+
+@dataclass(frozen=True)
+class GenerateFnInput:
+    state: GenerateState
+    sample: Sample
+    sampling_params: dict[str, Any]
+    evaluation: bool
+
+    @property
+    def args(self) -> Namespace:
+        return self.state.args
+
+
+@dataclass(frozen=True)
+class GenerateFnOutput:
+    # One generate may lead to multiple samples, such as multi-agent, tree-like exploration, or
+    # multi-turn with removing thinking tokens.
+    samples: Sample | list[Sample]

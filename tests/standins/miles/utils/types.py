@@ -138,3 +138,22 @@ class Sample:
             assert actual in (expect, expect + extra), f"rollout_routed_experts length {actual} != {expect}"
         if self.rollout_indexer_topk is not None:
             assert len(self.rollout_indexer_topk) == len(self.tokens) - 1
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """Minimum weight version across all turns (generation calls) for this trajectory."""
+        numeric = [int(v) for v in self.weight_versions if str(v).isdigit()]
+        return min(numeric) if numeric else None
+
+    def update_from_meta_info(self, args, meta_info: dict):
+        """Update the sample from an engine reply's meta_info (stand-in: no speculative or
+        prefix-cache statistics)."""
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+
+        match meta_info["finish_reason"]["type"]:
+            case "length":
+                self.status = Sample.Status.TRUNCATED
+            case "abort":
+                self.status = Sample.Status.ABORTED
+            case "stop":
+                self.status = Sample.Status.COMPLETED

@@ -1,6 +1,11 @@
 """Stand-in for slime.utils.types @ 624b824: every field of ``Sample`` with its published name,
 type and default, the Status values, SpecInfo and PrefixCacheInfo; no torch (array fields hold
-what rollstream hands over: numpy arrays or lists)."""
+what rollstream hands over: numpy arrays or lists).
+
+``append_response_tokens`` follows the published method: the same argument checks, the same
+alignment of tokens / loss mask / log-probs, and the terminal info it reads from ``meta_info``
+(``weight_version`` appended, ``finish_reason.type`` -> status).
+"""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -110,3 +115,61 @@ class Sample:
     @property
     def effective_response_length(self):
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def append_response_tokens(
+        self,
+        args=None,
+        *,
+        tokens=None,
+        log_probs=None,
+        trainable: bool = True,
+        meta_info: dict | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ):
+        """Append response-side tokens and keep training metadata aligned."""
+        tokens = [int(t) for t in (tokens or [])]
+        log_probs = None if log_probs is None else [float(v) for v in log_probs]
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("trainable response tokens require rollout log probabilities.")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable response tokens should not pass rollout log probabilities.")
+            log_probs = [0.0] * len(tokens)
+
+        if text is not None:
+            self.response += text
+
+        previous_response_length = self.response_length
+        if tokens:
+            self.tokens += tokens
+            self.response_length += len(tokens)
+            if self.loss_mask is None:
+                self.loss_mask = [1] * previous_response_length
+            self.loss_mask += [1 if trainable else 0] * len(tokens)
+
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and previous_response_length:
+                    raise ValueError(
+                        "Cannot append trainable rollout log probabilities to a sample with existing response "
+                        "tokens but no existing rollout_log_probs."
+                    )
+                self.rollout_log_probs = [0.0] * previous_response_length
+            self.rollout_log_probs += log_probs
+
+        if meta_info is not None and update_terminal_info and "finish_reason" in meta_info:
+            if "weight_version" in meta_info:
+                self.weight_versions.append(meta_info["weight_version"])
+            match meta_info["finish_reason"]["type"]:
+                case "length":
+                    self.status = Sample.Status.TRUNCATED
+                case "abort":
+                    self.status = Sample.Status.ABORTED
+                case "stop":
+                    self.status = Sample.Status.COMPLETED
+
+        if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
+            raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")

@@ -1,0 +1,151 @@
+"""Episodes (user-written rollouts): producer CPU per engine request and per episode turn, and
+episodes per producer core with a tool that sleeps.
+
+One producer process (``bench.worker produce``) on the *fake engine* of bench.common (the
+in-process ``httpx.MockTransport`` double answering a precomputed 1k-token SGLang reply after
+``DELAY`` seconds without holding a slot: HTTP client + reply parsing included, no socket), a
+trainer taking batches of 16 groups of n=4. Modes, measured side by side in one run:
+
+* ``single-turn``: the default plug-in (one request per episode), 256 episodes in flight;
+* ``3 turns``: ``bench.episode_fns:turns`` (generate, observe 16 tool tokens, x3: each request
+  sends the whole trajectory so far, up to ~3k ids), 256 episodes in flight;
+* ``3 turns, tool sleeps``: the same with a 0.2 s tool between turns, 1024 episodes in flight
+  on 256 engine slots (``--engine-concurrency``): tool time holds no slot.
+
+Producer CPU is the producer process's CPU-seconds over the measured window (after one warm-up
+batch) divided by the engine requests, turns and episodes completed in it; "episodes per
+producer core" is episodes per CPU-second of the producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from rollstream.common.connection import connect
+from rollstream.common.keys import Keys
+from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine import EngineSettings
+from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.testing.server import EmbeddedRedis
+
+from bench import episode_fns
+from bench.common import (
+    OUT,
+    ConstReward,
+    NoEngine,
+    Table,
+    add_prompts,
+    bench_prompt,
+    children,
+    consume,
+    cpu_seconds,
+    init_ns,
+    spawn,
+)
+
+N = 4
+BATCH = 16
+TOKENS = 1024
+DELAY = 0.05
+MODES: tuple[tuple[str, str, int, float, int, int | None], ...] = (
+    # name, generate, turns, tool sleep, episodes in flight, engine slots
+    ("single-turn (default plug-in)", "", 1, 0.0, 256, None),
+    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None),
+    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256),
+)
+
+
+
+async def one_mode(
+    server: EmbeddedRedis, name: str, generate: str, turns: int, sleep: float, concurrency: int,
+    engine_slots: int | None, batches: int,
+) -> dict[str, Any]:
+    ns = f"ep-{time.monotonic_ns()}"
+    redis = connect(server.url)
+    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * BATCH)
+    await add_prompts(redis, keys, 0, (batches + 2) * BATCH + concurrency // N + 8 * BATCH)
+    args = ["-m", "bench.worker", "produce", "--redis", server.url, "--ns", ns, "--tokens", str(TOKENS),
+            "--delay", str(DELAY), "--concurrency", str(concurrency), "--name", "p0"]
+    if generate:
+        args += ["--generate", generate]
+    if engine_slots is not None:
+        args += ["--engine-concurrency", str(engine_slots)]
+    env = {"BENCH_TURNS": str(turns), "BENCH_TOOL_SLEEP": str(sleep)}
+    with children() as procs:
+        procs.append(spawn(args, OUT / f"worker-{ns}.log", env))
+        async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
+            await consume(consumer, 1, BATCH)  # warm-up: imports, connections, the first batch
+            pid = procs[0].pid
+            cpu0 = cpu_seconds([pid])
+            seconds = await consume(consumer, batches, BATCH)
+            cpu1 = cpu_seconds([pid])
+            beat = json.loads(await redis.hget(Keys(ns).producers, "p0") or "{}")  # type: ignore[misc]
+    await redis.aclose()
+    episodes = batches * BATCH * N
+    cpu = cpu1 - cpu0
+    return {
+        "mode": name, "episodes_s": episodes / seconds, "requests_s": episodes * turns / seconds,
+        "ms_request": 1000 * cpu / (episodes * turns), "ms_episode": 1000 * cpu / episodes,
+        "per_core": episodes / cpu, "cores": cpu / seconds,
+        "peaks": f"{beat.get('episodes_peak', '?')} / {beat.get('engine_requests_peak', '?')}",
+    }
+
+
+async def session_only(generate: Any, turns: int, prompts: int) -> float:
+    """µs of CPU per engine call in-process on ``NoEngine`` (a prebuilt reply, no HTTP, no JSON):
+    what the rollout and the session cost per turn without the engine client and Redis."""
+    engine = NoEngine(TOKENS, EngineSettings(urls=("http://none",), max_new_tokens=TOKENS))
+    rollout = Rollout(engine, ConstReward(), RolloutSettings(n_samples=N, generate=generate))
+    episode_fns.TURNS, episode_fns.TOOL_SLEEP = turns, 0.0
+    started = time.process_time()
+    for start in range(0, prompts, 64):
+        await asyncio.gather(*(rollout.run(bench_prompt(i), 0) for i in range(start, min(prompts, start + 64))))
+    cpu = time.process_time() - started
+    await engine.aclose()
+    return 1e6 * cpu / (prompts * N * turns)
+
+
+def run(quick: bool = False) -> list[Table]:
+    batches = 4 if quick else 100
+    prompts = 64 if quick else 1000
+
+    async def in_process() -> list[float]:
+        return [await session_only(None, 1, prompts), await session_only(episode_fns.turns, 3, prompts)]
+
+    single_us, multi_us = asyncio.run(in_process())
+
+    async def measure() -> list[dict[str, Any]]:
+        with EmbeddedRedis() as server:
+            return [await one_mode(server, *mode, batches=batches) for mode in MODES]
+
+    results = asyncio.run(measure())
+    rows = [
+        [r["mode"], r["episodes_s"], r["requests_s"], r["ms_request"], r["ms_request"], r["ms_episode"],
+         r["per_core"], r["cores"], r["peaks"]]
+        for r in results
+    ]
+    return [Table(
+        name="episodes",
+        title=f"Episodes: producer CPU per engine request / turn / episode ({TOKENS}-token replies, fake engine)",
+        headers=["mode", "episodes/s", "requests/s", "producer CPU ms/request", "ms/turn", "ms/episode",
+                 "episodes per producer core (per CPU-s)", "producer cores used", "peak episodes / engine requests"],
+        rows=rows,
+        notes=[
+            f"{batches} batches of {BATCH} groups x n={N} measured after one warm-up batch; replies after "
+            f"{DELAY} s (no slot held), 1 producer process.",
+            "a turn is one engine call here (ms/turn = ms/request); multi-turn requests carry the whole "
+            "trajectory so far (prompt + earlier replies + tool tokens) as input ids.",
+        ],
+        command="python -m bench episodes",
+    ), Table(
+        name="episodes-session",
+        title="Episodes: the rollout + session's own CPU per engine call (in-process, no engine client, no Redis)",
+        headers=["mode", "µs of CPU per engine call"],
+        rows=[["single-turn (default plug-in)", single_us], ["3 turns (generate + observe)", multi_us]],
+        notes=[f"{prompts} prompts x n={N} on bench.common.NoEngine (a prebuilt {TOKENS}-token reply), 64 prompts at a "
+               "time, reward constant; includes validation (check_sample) and the reward call."],
+        command="python -m bench episodes",
+    )]

@@ -1,0 +1,560 @@
+"""The episode engine session behind :mod:`.episode`: token-in/token-out calls, caps, validation.
+
+:class:`EpisodeRuntime` is the producer-wide part: engine slots (held only while a request runs,
+so tool time frees them), the named limits, the counters the heartbeat and the tests read
+(engine requests and episodes in flight, and their peaks), the requests-in-flight ages, and the
+wait for the pipeline to resume after an abort. :class:`EpisodeSession` is one episode (the
+:class:`~.episode.Episode` a generate function gets) and :class:`_Trajectory` one token
+sequence of it, whose tokens, loss mask, log-probs, versions and version spans grow together,
+so they cannot drift apart. :func:`check_sample` is the one validation of what is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import sys
+import time
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
+from rollstream.common.models import Sample, Status
+
+from .engine import EngineClient, Generation
+from .episode import Episode, EpisodeAborted, EpisodeInfo, SamplingParams, Trajectory, Turn
+from .telemetry import Metrics
+
+logger = logging.getLogger(__name__)
+
+MAX_ABORTS_PER_CALL = 64
+"""Aborts one engine call survives (partial rollout on) before the episode is ABORTED whole."""
+RESUME_POLL = 0.5
+"""Seconds between two checks of the pause flag while an aborted call waits for resume."""
+
+
+async def _resumed_at_once() -> None:
+    """The default resume wait (no pipeline to ask): continue at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeLimits:
+    """The caps of a producer's episodes (``rollstream produce`` flags)."""
+
+    engine_concurrency: int | None = None
+    """Engine requests in flight at most (``--engine-concurrency``); None: as many as episodes."""
+    named: Mapping[str, int] = field(default_factory=dict)
+    """Named limits (``--limit sandbox=4``), held with ``async with episode.limit(name)``."""
+    episode_timeout: float | None = None
+    """Wall-clock seconds an episode may take (``--episode-timeout``); past it: FAILED."""
+    max_context: int | None = None
+    """Tokens a trajectory may hold (``--max-context``): max_new_tokens is clamped to the room left."""
+
+    def __post_init__(self) -> None:
+        if self.engine_concurrency is not None and self.engine_concurrency < 1:
+            raise ConfigError(f"engine concurrency must be at least 1, got {self.engine_concurrency!r}")
+        for name, size in self.named.items():
+            if not name or not name.isidentifier():
+                raise ConfigError(f"limit name {name!r} must be an identifier (--limit name=K)")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"limit {name!r} must be a positive integer, got {size!r}")
+        if self.episode_timeout is not None and not self.episode_timeout > 0:
+            raise ConfigError(f"episode timeout must be positive, got {self.episode_timeout!r}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError(f"max context must be at least 1 token, got {self.max_context!r}")
+
+
+def parse_limits(specs: Sequence[str]) -> dict[str, int]:
+    """``["sandbox=4", ...]`` -> ``{"sandbox": 4}``; ConfigError on a malformed or repeated one."""
+    limits: dict[str, int] = {}
+    for spec in specs:
+        name, sep, size = spec.partition("=")
+        name = name.strip()
+        if not sep or not size.strip().isdigit():
+            raise ConfigError(f"--limit {spec!r} must look like name=K (K a positive integer)")
+        if name in limits:
+            raise ConfigError(f"--limit {name!r} given twice")
+        limits[name] = int(size)
+    EpisodeLimits(named=limits)
+    return limits
+
+
+class _Slots:
+    """A weighted counting semaphore with counters: ``busy``, its ``peak``, ``waiting``."""
+
+    def __init__(self, total: int | None) -> None:
+        self.total = total
+        self.busy = 0
+        self.peak = 0
+        self.waiting = 0
+        self._changed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, weight: int = 1) -> AsyncIterator[None]:
+        if self.total is not None:
+            need = min(weight, self.total)  # a request of n on a smaller cap waits for all of it
+            self.waiting += 1
+            try:
+                while self.total - self.busy < need:
+                    self._changed.clear()
+                    await self._changed.wait()
+            finally:
+                self.waiting -= 1
+        self.busy += weight
+        self.peak = max(self.peak, self.busy)
+        try:
+            yield
+        finally:
+            self.busy -= weight
+            self._changed.set()
+
+
+class EpisodeRuntime:
+    """What all episodes of a producer share: the engine client, slots, limits and counters."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        limits: EpisodeLimits | None = None,
+        *,
+        partial_rollout: bool = False,
+        metrics: Metrics | None = None,
+        wait_resumed: Callable[[], Awaitable[None]] = _resumed_at_once,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits if limits is not None else EpisodeLimits()
+        self.partial_rollout = partial_rollout
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.wait_resumed = wait_resumed
+        self.engine_slots = _Slots(self.limits.engine_concurrency)
+        self.named = {name: _Slots(size) for name, size in self.limits.named.items()}
+        self.episodes = 0
+        """Episodes running now (inside the generate function)."""
+        self.episodes_peak = 0
+        self.episode_turns = 0
+        """Engine calls made by episodes (continuations after an abort counted)."""
+        self.aborts_continued = 0
+        """Aborted engine calls continued in the session (partial rollout on)."""
+        self._requests_in_flight: dict[int, tuple[float, int]] = {}
+        self._request_tokens = itertools.count()
+
+    @property
+    def engine_requests(self) -> int:
+        """Engine requests in flight now (a request for ``n`` samples counts ``n``)."""
+        return self.engine_slots.busy
+
+    def sampling(self) -> SamplingParams:
+        s = self.engine.settings
+        return SamplingParams(s.max_new_tokens, s.temperature, s.top_p, dict(s.sampling_params))
+
+    @contextlib.contextmanager
+    def episode(self) -> Iterator[None]:
+        self.episodes += 1
+        self.episodes_peak = max(self.episodes_peak, self.episodes)
+        try:
+            yield
+        finally:
+            self.episodes -= 1
+
+    @contextlib.asynccontextmanager
+    async def request(self, count: int = 1) -> AsyncIterator[None]:
+        """One engine request for ``count`` samples: an engine slot, its age, the metrics."""
+        async with self.engine_slots.hold(count):
+            started = time.monotonic()
+            token = next(self._request_tokens)
+            self._requests_in_flight[token] = (started, count)
+            for _ in range(count):
+                self.metrics.request_started()
+            try:
+                yield
+            finally:
+                del self._requests_in_flight[token]
+                for _ in range(count):
+                    self.metrics.request_finished(time.monotonic() - started)
+
+    def requests_older_than(self, seconds: float) -> tuple[int, float]:
+        """(samples whose engine request is in flight for longer than ``seconds``, age of the
+        oldest request in flight or 0): what the heartbeat reports, and inspect warns about."""
+        now = time.monotonic()
+        old = sum(count for started, count in self._requests_in_flight.values() if now - started > seconds)
+        oldest = min((started for started, _ in self._requests_in_flight.values()), default=now)
+        return old, now - oldest
+
+    def limit(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        slots = self.named.get(name)
+        if slots is None:
+            known = ", ".join(sorted(self.named)) or "none"
+            raise KeyError(f"no limit named {name!r} (--limit {name}=K; configured: {known})")
+        return slots.hold()
+
+
+def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, **sampling.extra}
+
+
+class _Trajectory(Trajectory):
+    """One growing token sequence; every append keeps tokens, mask, log-probs and spans aligned."""
+
+    def __init__(
+        self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any] | PromptNotSupported
+    ) -> None:
+        self._session = session
+        self.tokens = array("i", prompt_ids or ())
+        self.prompt_length = len(self.tokens)
+        self.known_prompt = prompt_ids is not None
+        self._source = source
+        """How to send the prompt while its ids are unknown (text or messages), or why it cannot be."""
+        self.mask = array("B")
+        self.log_probs: array[float] | None = array("f")
+        self.text: list[str] = []
+        self.versions: list[int] = []
+        self.spans: list[tuple[int, int, int]] = []
+        self.finish_reason: str | None = None
+        self.status = Status.COMPLETED
+        self.metadata: dict[str, Any] = {}
+        self.generations: list[Generation] = []
+        """Every engine reply that added to this trajectory, in order (the routing replay's source)."""
+
+    def continue_from(self, prefix: Sample) -> None:
+        """Seed with an earlier attempt's aborted sample (the default rollout, partial rollout on)."""
+        self.tokens = array("i", prefix.tokens)
+        self.prompt_length = prefix.prompt_length
+        self.known_prompt = True
+        mask = prefix.loss_mask
+        self.mask = array("B", mask) if mask is not None else array("B", b"\x01" * prefix.response_length)
+        self.log_probs = None if prefix.rollout_log_probs is None else array("f", prefix.rollout_log_probs)
+        self.text = [prefix.response]
+        self.versions = list(prefix.weight_versions)
+        self.spans = list(prefix.weight_version_spans or ())
+        self.metadata = {**prefix.metadata, "continued_from": prefix.response_length}
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def sample(self) -> Sample:
+        """A snapshot (its own arrays: a sample taken before a later turn stays consistent)."""
+        return Sample(
+            index=self._session.info.member,
+            tokens=array("i", self.tokens),
+            response="".join(self.text),
+            response_length=self.response_length,
+            prompt_length=self.prompt_length,
+            status=self.status,
+            finish_reason=self.finish_reason,
+            weight_versions=list(self.versions),
+            rollout_log_probs=None if self.log_probs is None else array("f", self.log_probs),
+            loss_mask=array("B", self.mask),
+            metadata=dict(self.metadata),
+            weight_version_spans=list(self.spans) if self._session.multi_turn else None,
+        )
+
+    @property
+    def room(self) -> int | None:
+        budget = self._session.runtime.limits.max_context
+        return None if budget is None else max(0, budget - len(self.tokens))
+
+    async def generate(
+        self, *, max_new_tokens: int | None = None, sampling: SamplingParams | None = None, **params: Any
+    ) -> Turn:
+        session = self._session
+        sampling = sampling if sampling is not None else session.info.sampling
+        if params:
+            sampling = sampling.replace(**params)
+        limit = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+        room = self.room
+        if room is not None:
+            limit = min(limit, room)
+        if limit <= 0:  # nothing may be added: the trajectory is at its length budget
+            self.finish_reason, self.status = "length", Status.TRUNCATED
+            return Turn("", array("i"), array("f"), "length", ())
+        if self.known_prompt:
+            source: dict[str, Any] = {"input_ids": self.tokens}
+        elif self.response_length == 0:
+            if isinstance(self._source, PromptNotSupported):
+                raise self._source
+            source = self._source
+        else:
+            raise PromptNotSupported(
+                "a multi-turn episode needs the prompt's token ids: give --tokenizer, or an engine "
+                "with /tokenize (or one that returns prompt token ids)"
+            )
+        turn, prompt_ids = await session.call(source, limit, sampling, continuable=self.known_prompt)
+        if not self.known_prompt and prompt_ids is not None:  # the engine said (vLLM return_token_ids)
+            self.tokens = array("i", prompt_ids)
+            self.prompt_length = len(self.tokens)
+            self.known_prompt = True
+        start = self.response_length
+        self.tokens.extend(turn.token_ids)
+        self.mask.frombytes(b"\x01" * len(turn.token_ids))
+        if self.log_probs is not None:
+            if turn.log_probs is None:
+                self.log_probs = None  # the engine does not give them: none for the whole sample
+            else:
+                self.log_probs.extend(turn.log_probs)
+        self.text.append(turn.text)
+        self.versions.extend(turn.weight_versions)
+        self.generations.extend(session.last_generations)
+        self.spans.extend((start + s, start + e, v) for s, e, v in turn.weight_version_spans)
+        self.finish_reason = turn.finish_reason
+        self.status = turn.status
+        self.metadata.update(session.last_call_metadata)
+        session.turns += 1
+        if session.aborted:
+            self.status = Status.ABORTED
+            raise _aborted()
+        return turn
+
+    async def observe(self, content: str | Sequence[int]) -> int:
+        if not self.known_prompt:
+            raise PromptNotSupported("observing tokens needs the prompt's token ids (--tokenizer or /tokenize)")
+        if isinstance(content, str):
+            ids: Sequence[int] = await self._session.tokenize(content)
+            self.text.append(content)
+        else:
+            ids = content
+        room = self.room
+        if room is not None and len(ids) > room:
+            ids = ids[:room]
+        before = len(self.tokens)
+        self.tokens.extend(ids)  # TypeError / OverflowError on anything but int32 ids: the sample fails
+        added = len(self.tokens) - before
+        self.mask.frombytes(b"\x00" * added)
+        if self.log_probs is not None:
+            self.log_probs.frombytes(b"\x00" * (4 * added))
+        return added
+
+
+class EpisodeSession(Episode):
+    """One episode: the object a generate function gets (see :class:`~.episode.Episode`)."""
+
+    def __init__(
+        self,
+        runtime: EpisodeRuntime,
+        info: EpisodeInfo,
+        source: dict[str, Any] | PromptNotSupported,
+        media: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.media = dict(media or {})
+        """The prompt's images (SGLang ``image_data``), sent with every request of the episode."""
+        self._info = info
+        self.multi_turn = False
+        """Whether a second call or an observation happened (then spans are published)."""
+        self.turns = 0
+        self.aborted = False
+        """An engine call was aborted and could not be continued: the sample is ABORTED."""
+        self.fatal: BaseException | None = None
+        """An engine that keeps failing (EngineError after retries): fatal, even if user code caught it."""
+        self.last_call_metadata: dict[str, Any] = {}
+        self.last_generations: list[Generation] = []
+        """The engine replies of the last call (one per request: continuations after aborts)."""
+        self.main = _Trajectory(self, info.prompt_ids, source)
+        self.segments: list[_Trajectory] = []
+
+    @property
+    def info(self) -> EpisodeInfo:
+        return self._info
+
+    @property
+    def sample(self) -> Sample:
+        return self.main.sample
+
+    @property
+    def room(self) -> int | None:
+        return self.main.room
+
+    async def generate(
+        self, *, max_new_tokens: int | None = None, sampling: SamplingParams | None = None, **params: Any
+    ) -> Turn:
+        if self.turns:
+            self.multi_turn = True
+        return await self.main.generate(max_new_tokens=max_new_tokens, sampling=sampling, **params)
+
+    async def observe(self, content: str | Sequence[int]) -> int:
+        self.multi_turn = True
+        return await self.main.observe(content)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.runtime.engine.tokenizer
+
+    async def tokenize(self, text: str) -> list[int]:
+        ids = await self.runtime.engine.tokenize(text)
+        if ids is None:
+            raise PromptNotSupported("no tokenizer: give --tokenizer, or an engine with /tokenize")
+        return ids
+
+    def limit(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.runtime.limit(name)
+
+    async def segment(self, prompt: str | Sequence[int]) -> Trajectory:
+        self.multi_turn = True
+        ids = await self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        trajectory = _Trajectory(self, ids, {})
+        self.segments.append(trajectory)
+        return trajectory
+
+    async def complete(
+        self, input_ids: Sequence[int], *, max_new_tokens: int | None = None,
+        sampling: SamplingParams | None = None, **params: Any,
+    ) -> Turn:
+        sampling = sampling if sampling is not None else self.info.sampling
+        if params:
+            sampling = sampling.replace(**params)
+        limit = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+        budget = self.runtime.limits.max_context
+        if budget is not None:
+            limit = min(limit, budget - len(input_ids))
+        if limit <= 0:
+            return Turn("", array("i"), array("f"), "length", ())
+        turn, _ = await self.call({"input_ids": array("i", input_ids)}, limit, sampling, continuable=True)
+        if self.aborted:
+            raise _aborted()
+        return turn
+
+    async def call(
+        self, source: dict[str, Any], max_new: int, sampling: SamplingParams, *, continuable: bool
+    ) -> tuple[Turn, array[int] | None]:
+        """One turn: engine requests until it ends, continuing after aborts with partial rollout
+        on (from ``source`` + the tokens so far, after the pipeline resumed); its prompt ids
+        when the engine reported them."""
+        runtime = self.runtime
+        params = _sampling_dict(sampling)
+        ids = array("i")
+        log_probs: array[float] | None = array("f")
+        text: list[str] = []
+        versions: list[int] = []
+        spans: list[tuple[int, int, int]] = []
+        prompt_ids: array[int] | None = None
+        self.last_generations = []
+        for aborts in itertools.count():
+            request = source if not ids else {"input_ids": source["input_ids"] + ids}
+            generation = await self._request(request, max_new - len(ids), params)
+            self.last_generations.append(generation)
+            if prompt_ids is None and generation.prompt_ids is not None:
+                prompt_ids = generation.prompt_ids
+            version = self._version(generation)
+            spans.append((len(ids), len(ids) + len(generation.output_ids), version))
+            versions.append(version)
+            ids.extend(generation.output_ids)
+            text.append(generation.text)
+            if log_probs is not None:
+                log_probs = None if generation.log_probs is None else log_probs + generation.log_probs
+            runtime.metrics.tokens_generated(len(generation.output_ids))
+            runtime.episode_turns += 1
+            finish = generation.finish_reason
+            if finish != "abort":
+                break
+            if not runtime.partial_rollout or not continuable or aborts >= MAX_ABORTS_PER_CALL:
+                self.aborted = True  # the caller appends what came, then raises EpisodeAborted
+                break
+            if len(ids) >= max_new:
+                finish = "length"
+                break
+            runtime.aborts_continued += 1
+            await runtime.wait_resumed()
+        if len(versions) > 1:
+            self.multi_turn = True
+        return Turn("".join(text), ids, log_probs, finish, tuple(versions), tuple(spans)), prompt_ids
+
+    async def _request(self, source: dict[str, Any], max_new: int, params: dict[str, Any]) -> Generation:
+        runtime = self.runtime
+        try:
+            async with runtime.request(1):
+                generation = await runtime.engine.generate(
+                    **{**self.media, **source}, max_new_tokens=max_new, sampling=params
+                )
+        except Exception as exc:
+            if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):
+                self.fatal = exc  # kept even if the user's code swallows it
+            raise
+        self.last_call_metadata = {"engine": generation.engine}
+        return generation
+
+    def _version(self, generation: Generation) -> int:
+        if generation.weight_version is not None:
+            return generation.weight_version
+        self.last_call_metadata["weight_version_source"] = "trainer_at_admission"
+        return self.info.admitted_version
+
+
+def _aborted() -> EpisodeAborted:
+    return EpisodeAborted(
+        "an engine call was aborted (a weight update?) and could not be continued (partial rollout "
+        "off, or no prompt ids): the episode is recycled whole"
+    )
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+class InvalidResult(ValueError):
+    """What a generate function returned cannot be published; the message says why."""
+
+
+def as_samples(result: Any) -> list[Sample]:
+    """The samples of a generate function's result: one Sample or a non-empty list of them."""
+    if isinstance(result, Sample):
+        return [result]
+    if isinstance(result, list | tuple):
+        if not result:
+            raise InvalidResult("returned an empty list: an episode yields at least one sample")
+        for i, item in enumerate(result):
+            if isinstance(item, list | tuple):
+                raise InvalidResult(f"returned a nested list (item {i} is a {type(item).__name__}): give a flat list")
+            if not isinstance(item, Sample):
+                raise InvalidResult(f"item {i} of the returned list is a {type(item).__name__}, not a Sample")
+        return list(result)
+    raise InvalidResult(f"returned a {type(result).__name__}, not a Sample or a list of Samples")
+
+
+_HIGH_BYTE = 3 if sys.byteorder == "little" else 0
+_NOT_HUGE = bytes(b for b in range(256) if b & 0x7F != 0x7F)
+
+
+def _maybe_non_finite(values: Any) -> bool:
+    """False when no float32 in ``values`` can be NaN or infinite, in C loops: a non-finite
+    float32 has all exponent bits set, so the byte holding the sign and the top seven of them
+    is 0x7f or 0xff (as it is only for magnitudes of ~1.7e38 and more). True: look closer."""
+    high = memoryview(values).cast("B")[_HIGH_BYTE::4].tobytes()
+    return bool(high.translate(None, _NOT_HUGE))
+
+
+def check_sample(sample: Sample) -> str | None:
+    """Why ``sample`` cannot be published (None when it can): tokens = prompt + response, one
+    loss-mask entry (0/1) and one log-prob per response token, finite log-probs where the mask
+    is 1, version spans inside the response. FAILED samples are published as they are."""
+    if sample.status == Status.FAILED:
+        return None
+    tokens, rlen, plen = sample.tokens, sample.response_length, sample.prompt_length
+    if rlen < 0 or plen < 0 or plen + rlen != len(tokens):
+        return f"tokens ({len(tokens)}) != prompt ({plen}) + response ({rlen})"
+    mask = sample.loss_mask
+    if mask is None or len(mask) != rlen:
+        return f"loss mask has {'no' if mask is None else len(mask)} entries for {rlen} response tokens"
+    if bytes(mask).translate(None, b"\x00\x01"):  # C speed: anything left is neither 0 nor 1
+        return "loss mask holds values other than 0 and 1"
+    log_probs = sample.rollout_log_probs
+    if log_probs is not None:
+        if len(log_probs) != rlen:
+            return f"{len(log_probs)} log-probs for {rlen} response tokens"
+        if _maybe_non_finite(log_probs) and not all(
+            math.isfinite(lp) for lp, m in zip(log_probs, mask, strict=True) if m
+        ):
+            return "a non-finite log-prob on a trained token (loss mask 1)"
+    if not all(type(v) is int for v in sample.weight_versions):
+        return "weight_versions must be ints"
+    if sample.weight_version_spans is not None:
+        end = 0
+        for span in sample.weight_version_spans:
+            if len(span) != 3 or not all(type(x) is int for x in span) or not end <= span[0] <= span[1] <= rlen:
+                return f"weight version span {span!r} is out of order or outside the response"
+            end = span[1]
+    return None
