@@ -14,10 +14,12 @@ from .events import now_ms
 from .keys import Keys, StateField
 from .parse import int_or, text
 from .protocol import held_consumer_names, live_producers, read_heartbeats
+from .redis_errors import translate_errors
 
 logger = logging.getLogger(__name__)
 
 
+@translate_errors
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
     """Create the work streams and their consumer groups (idempotent)."""
     for stream, group in keys.consumer_groups:
@@ -28,6 +30,7 @@ async def ensure_groups(redis: Redis, keys: Keys) -> None:
                 raise
 
 
+@translate_errors
 async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, force: bool = False) -> bool:
     """Write the namespace config; True when written. An existing, different config is kept
     unless ``force``, and even then refused while a producer or a trainer is alive: changing n or
@@ -62,6 +65,7 @@ async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, fo
     return True
 
 
+@translate_errors
 async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float) -> None:
     beats = await read_heartbeats(redis, keys)
     now = now_ms()
@@ -75,6 +79,7 @@ async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float
         )
 
 
+@translate_errors
 async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
     raw = await redis.hgetall(keys.config)
     if not raw:
@@ -90,6 +95,7 @@ async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
     return config
 
 
+@translate_errors
 async def read_state(redis: Redis, keys: Keys) -> dict[str, str]:
     """The ``state`` hash as text (damaged bytes replaced, never raised on)."""
     raw = await redis.hgetall(keys.state)
