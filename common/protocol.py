@@ -76,6 +76,20 @@ async def server_run_id(redis: Redis) -> str:
     return text(info.get("run_id", ""))
 
 
+async def server_memory(redis: Redis) -> dict[str, Any] | None:
+    """Redis' ``used_memory``, ``maxmemory`` (0: no limit) and ``maxmemory_policy`` (INFO memory);
+    None when INFO is not allowed (an ACL user without it) or unreachable."""
+    try:
+        info = await redis.info("memory")
+    except (ResponseError, *TRANSIENT_ERRORS):
+        return None
+    return {
+        "used_memory": int_or(info.get("used_memory")),
+        "maxmemory": int_or(info.get("maxmemory")),
+        "maxmemory_policy": text(info.get("maxmemory_policy", "")),
+    }
+
+
 async def namespace_gone(redis: Redis, keys: Keys, run_id: str, exc: BaseException) -> NamespaceGone:
     """The error for a NOGROUP reply: ``RedisDataLost`` when Redis restarted since ``run_id`` was
     read and came back without the namespace (no persistence), else ``nogroup_error``."""
@@ -830,12 +844,23 @@ class StreamView(_Guarded):
     async def ledger(self) -> tuple[dict[bytes, bytes], int]:
         """The state hash and the entries in the work streams, read atomically (MULTI), so the
         counters and the stream lengths describe the same instant."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        try:
+            state, lengths = await self._ledger_reads(transaction=True)
+        except ResponseError as exc:
+            if not is_oom(exc):
+                raise
+            # At maxmemory Redis refuses every command queued in a MULTI, reads too: read the same
+            # things without it (a hand-over between the reads can show as one entry off).
+            state, lengths = await self._ledger_reads(transaction=False)
+        return dict(state), sum(int(n) for n in lengths)
+
+    async def _ledger_reads(self, *, transaction: bool) -> tuple[Any, list[Any]]:
+        async with self.redis.pipeline(transaction=transaction) as pipe:
             pipe.hgetall(self.keys.state)
             for stream in self.keys.work_streams:
                 pipe.xlen(stream)
             state, *lengths = await pipe.execute()
-        return dict(state), sum(int(n) for n in lengths)
+        return state, lengths
 
     async def config_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.config))
