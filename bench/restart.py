@@ -60,7 +60,8 @@ async def _phase(
 
 
 async def restart_pair(
-    server: EmbeddedRedis, batches: int, *, profile_dir: Path | None = None, engine: str = ""
+    server: EmbeddedRedis, batches: int, *, profile_dir: Path | None = None, engine: str = "",
+    names: tuple[str, str] = ("first", "second"),
 ) -> tuple[float, float]:
     """(first, second) producer CPU ms per published sample."""
     ns = f"restart-{time.monotonic_ns()}"
@@ -72,8 +73,8 @@ async def restart_pair(
     out: list[float] = []
     with children() as procs:
         async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
-            for epochs, name in ((1, "first"), (2, "second")):
-                profile = profile_dir / f"restart-{name}.prof.txt" if profile_dir is not None else None
+            for epochs, name in ((1, names[0]), (2, names[1])):
+                profile = profile_dir / f"restart-{epochs}.prof.txt" if profile_dir is not None else None
                 cpu, samples, producer = await _phase(
                     server, consumer, ns, dataset, name, epochs, batches, profile, engine
                 )

@@ -36,3 +36,11 @@ def test_take_quick_produces_rows() -> None:
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(180)
+def test_restart_quick_measures_both_producers() -> None:
+    (table,) = bench_main.run(["restart"], quick=True)
+    assert table.name == "restart"
+    ((pair, first, second, ratio),) = table.rows
+    assert pair == 1 and first > 0 and second > 0 and ratio == pytest.approx(second / first)
