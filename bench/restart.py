@@ -61,7 +61,7 @@ async def _phase(
 
 async def restart_pair(
     server: EmbeddedRedis, batches: int, *, profile_dir: Path | None = None, engine: str = "",
-    names: tuple[str, str] = ("first", "second"),
+    names: tuple[str, str] = ("first", "second"), extra_prompts: int = 0,
 ) -> tuple[float, float]:
     """(first, second) producer CPU ms per published sample."""
     ns = f"restart-{time.monotonic_ns()}"
@@ -69,7 +69,7 @@ async def restart_pair(
     await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * BATCH)
     await redis.aclose()
     dataset = OUT / f"{ns}.jsonl"
-    _dataset(dataset, (batches + 1) * BATCH)  # each phase trains exactly one epoch
+    _dataset(dataset, (batches + 1) * BATCH + extra_prompts)  # 0: each phase trains exactly one epoch
     out: list[float] = []
     with children() as procs:
         async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
