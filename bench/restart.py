@@ -7,6 +7,8 @@ batches of 64 and commits them; then it takes SIGTERM (drains, returns its unfin
 the retry stream) and a second producer starts on the same namespace while the feeder resumes
 with epoch 2. Each producer's CPU-seconds over its measured window (after one warm-up batch) are
 divided by the samples *it* published in that window (groups name their producer).
+``BENCH_RESTART_PROFILE=DIR`` profiles both producers (cProfile: ``DIR/restart-{1,2}.prof.txt`` and
+``.pstats``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ async def measure(quick: bool, pairs: int) -> list[list[Any]]:
     return rows
 
 
-def run(quick: bool = False, pairs: Sequence[int] = ()) -> list[Table]:
+def run(quick: bool = False) -> list[Table]:
     rows = asyncio.run(measure(quick, 1 if quick else 4))
     return [Table(
         "restart",
