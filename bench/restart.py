@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.common.connection import connect
+from rollstream.common.protocol import Heartbeat, read_heartbeats
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.server import EmbeddedRedis
 
@@ -63,15 +64,17 @@ async def _phase(
 async def restart_pair(
     server: EmbeddedRedis, batches: int, *, profile_dir: Path | None = None, engine: str = "",
     names: tuple[str, str] = ("first", "second"), extra_prompts: int = 0,
-) -> tuple[float, float]:
-    """(first, second) producer CPU ms per published sample."""
+) -> tuple[float, float, float, float]:
+    """(first, second) producer CPU ms per published sample over the measured window, then the
+    same over each one's whole life (its CPU from start to SIGTERM, the groups its last heartbeat
+    reports as published: start-up and idle time included)."""
     ns = f"restart-{time.monotonic_ns()}"
     redis = connect(server.url)
-    await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * BATCH)
-    await redis.aclose()
+    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * BATCH)
     dataset = OUT / f"{ns}.jsonl"
     _dataset(dataset, (batches + 1) * BATCH + extra_prompts)  # 0: each phase trains exactly one epoch
-    out: list[float] = []
+    window: list[float] = []
+    life: list[float] = []
     with children() as procs:
         async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
             for epochs, name in ((1, names[0]), (2, names[1])):
@@ -80,11 +83,15 @@ async def restart_pair(
                     server, consumer, ns, dataset, name, epochs, batches, profile, engine
                 )
                 procs.append(producer)
-                out.append(cpu / max(1, samples) * 1e3)
+                window.append(cpu / max(1, samples) * 1e3)
+                lifetime_cpu = cpu_seconds([producer.pid])
                 os.kill(producer.pid, signal.SIGTERM)
                 await asyncio.to_thread(producer.wait, 60)
+                beat = Heartbeat.parse((await read_heartbeats(redis, keys))[name.encode()])
+                life.append(lifetime_cpu / max(1, beat.published * N) * 1e3)
+    await redis.aclose()
     dataset.unlink()
-    return out[0], out[1]
+    return window[0], window[1], life[0], life[1]
 
 
 async def measure(quick: bool, pairs: int) -> list[list[Any]]:
@@ -94,8 +101,8 @@ async def measure(quick: bool, pairs: int) -> list[list[Any]]:
     profile_dir = Path(os.environ["BENCH_RESTART_PROFILE"]) if "BENCH_RESTART_PROFILE" in os.environ else None
     with EmbeddedRedis() as server:
         for i in range(pairs):
-            first, second = await restart_pair(server, batches, profile_dir=profile_dir)
-            rows.append([i + 1, first, second, second / first])
+            first, second, first_life, second_life = await restart_pair(server, batches, profile_dir=profile_dir)
+            rows.append([i + 1, first, second, second / first, first_life, second_life, second_life / first_life])
     return rows
 
 
@@ -104,14 +111,16 @@ def run(quick: bool = False) -> list[Table]:
     return [Table(
         "restart",
         "A restarted producer's CPU per sample: first producer vs its replacement (8 x 1k tokens)",
-        ["pair", "first producer CPU ms/sample", "second producer CPU ms/sample", "second/first"],
+        ["pair", "first producer CPU ms/sample", "second producer CPU ms/sample", "second/first",
+         "first, whole life", "second, whole life", "second/first, whole life"],
         rows,
         [
             "Each pair: one namespace; producer 1 (python -m bench.worker produce, instant engine, 1024-token "
             "replies, concurrency 64) with `rollstream feed --epochs 1`, this process taking 64 groups and "
             "committing; SIGTERM; producer 2 (new name) with `rollstream feed --epochs 2` resuming at epoch 2.",
             "CPU ms/sample: the producer process's CPU-seconds over 24 batches after one warm-up batch, divided "
-            "by the samples of the groups that producer published in them.",
+            "by the samples of the groups that producer published in them. Whole life: its CPU-seconds from "
+            "start (imports included) to SIGTERM, divided by the samples its last heartbeat reports published.",
         ],
         "python -m bench restart",
     )]

@@ -42,5 +42,6 @@ def test_take_quick_produces_rows() -> None:
 def test_restart_quick_measures_both_producers() -> None:
     (table,) = bench_main.run(["restart"], quick=True)
     assert table.name == "restart"
-    ((pair, first, second, ratio),) = table.rows
+    ((pair, first, second, ratio, first_life, second_life, life_ratio),) = table.rows
     assert pair == 1 and first > 0 and second > 0 and ratio == pytest.approx(second / first)
+    assert first_life > 0 and second_life > 0 and life_ratio == pytest.approx(second_life / first_life)
