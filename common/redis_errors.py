@@ -118,8 +118,8 @@ def permission_denied(
         roles = (OPERATOR_ROLE,)
     message = (
         f"Redis ACL user {user!r} may not run {what}: {raw[:240]}. In {ACL_TEMPLATE} the role "
-        f"{' / '.join(roles)} grants it: give {user!r} that role's rules (commands, ~rollstream:{{NS}}:* keys, "
-        f"&rollstream:{{NS}}:control channel; docs/deploy.md), or connect as that role's user"
+        f"{' / '.join(roles)} grants it: give {user!r} that role's rules (its commands, key and "
+        f"channel patterns; docs/deploy.md), or connect as that role's user"
     )
     return RedisPermissionDenied(message, command=command, user=user, roles=roles)
 
