@@ -1,7 +1,8 @@
 """``python -m bench [--quick] [NAME ...]``: run the benchmarks, print markdown tables.
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
-plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters.
+plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
+restart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
+    "restart",
 )
 
 

@@ -115,6 +115,7 @@ def main() -> None:
                 asyncio.run(run(args))
         finally:
             profiler.disable()
+            profiler.dump_stats(profile + ".pstats")  # for pstats / snakeviz: callers, callees
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats("tottime").print_stats(30)

@@ -25,12 +25,12 @@ from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backoff import Backoff
-from .errors import ConfigError
+from .errors import ConfigError, RedisOutOfMemory
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -41,8 +41,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     BusyLoadingError,
     ConnectionError,
     OSError,
+    RedisOutOfMemory,
+    OutOfMemoryError,
 )
-"""Errors that mean "Redis is (briefly) unreachable": retry, do not fail."""
+"""Errors that mean "Redis is (briefly) unreachable" or "refuses writes at maxmemory until
+memory is freed": retry with backoff, do not fail."""
 
 
 PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
@@ -314,43 +317,73 @@ def _cluster(parts: SplitResult, query: dict[str, str], tls: bool, options: dict
 
 
 class Outage:
-    """Tracks one component's view of Redis availability: bounded backoff, one log line each way."""
+    """Tracks one component's view of Redis availability: bounded backoff, one log line each way.
+
+    Two kinds of outage, tracked apart: Redis unreachable (ends at the next successful call) and
+    Redis out of memory (``maxmemory`` reached: reads and some scripts still work, so it ends only
+    when a call that was refused for memory succeeds: ``recovered(wrote=True)``)."""
 
     def __init__(self, logger: logging.Logger, what: str, *, max_delay: float = 2.0) -> None:
         self._logger = logger
         self._what = what
         self._backoff = Backoff(base=0.05, cap=max_delay)
         self._since: float | None = None
+        self._oom_since: float | None = None
         self._attempt = 0
         self.count = 0
+        self.oom_count = 0
+
+    @property
+    def out_of_memory(self) -> bool:
+        """Whether a write was refused for memory and none has succeeded since."""
+        return self._oom_since is not None
 
     async def failed(self, exc: BaseException) -> None:
         """Record a failure, log it if it starts an outage, and sleep the backoff."""
-        if self._since is None:
+        if isinstance(exc, RedisOutOfMemory | OutOfMemoryError):
+            if self._oom_since is None:
+                self._oom_since = time.monotonic()
+                self.oom_count += 1
+                self._logger.warning(
+                    "%s: Redis is out of memory (used_memory reached maxmemory; under maxmemory-policy "
+                    "noeviction it refuses writes): %s; backing off until memory is freed (the trainer's "
+                    "commits free it) or maxmemory is raised", self._what, exc,
+                )
+        elif self._since is None:
             self._since = time.monotonic()
             self.count += 1
             self._logger.warning("%s: lost Redis (%s: %s); reconnecting", self._what, type(exc).__name__, exc)
         self._attempt += 1
         await self._backoff.sleep(self._attempt)
 
-    def recovered(self) -> None:
+    def recovered(self, *, wrote: bool = False) -> None:
+        """A call succeeded; ``wrote``: one that had been refused for memory (ends that outage)."""
         if self._since is not None:
             self._logger.warning(
                 "%s: Redis is back after %.1f s", self._what, time.monotonic() - self._since
             )
         self._since = None
-        self._attempt = 0
+        if wrote and self._oom_since is not None:
+            self._logger.warning(
+                "%s: Redis accepts writes again after %.1f s out of memory", self._what,
+                time.monotonic() - self._oom_since,
+            )
+            self._oom_since = None
+        if self._oom_since is None:
+            self._attempt = 0
 
     async def run(self, step: Callable[[], Awaitable[T]], *, give_up_after: float | None = None) -> T:
-        """Run ``step`` until it succeeds, riding out transient Redis errors."""
+        """Run ``step`` until it succeeds, riding out transient Redis errors (out of memory too)."""
         started = time.monotonic()
+        refused = False
         while True:
             try:
                 result = await step()
             except TRANSIENT_ERRORS as exc:
                 if give_up_after is not None and time.monotonic() - started > give_up_after:
                     raise
+                refused = refused or isinstance(exc, RedisOutOfMemory | OutOfMemoryError)
                 await self.failed(exc)
                 continue
-            self.recovered()
+            self.recovered(wrote=refused)
             return result

@@ -8,8 +8,10 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   ├── NamespaceGone                     its streams or consumer groups vanished under a running process
     │   │   └── RedisDataLost                 ... because Redis restarted without persistence
     │   ├── ConsumerNameInUse                 another live trainer holds this consumer name
+    │   ├── RedisPermissionDenied             the Redis ACL user lacks a command (NOPERM), naming the role
     │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
+    ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
     │   └── EngineRejected                    the engine refused the request (4xx): not retried
@@ -19,7 +21,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
         └── PipelineStalled                   no producer has been alive for too long
 
 Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;
-the long-running loops retry them with bounded backoff.
+the long-running loops retry them with bounded backoff, and ``RedisOutOfMemory`` too.
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ class NamespaceGone(ConfigError):
 
 class RedisDataLost(NamespaceGone):
     """Redis restarted since this process connected and came back without the namespace."""
+
+
+class RedisPermissionDenied(ConfigError):
+    """The Redis ACL user may not run a command rollstream needs (NOPERM, also inside a script):
+    a deployment error, never retried. ``roles`` are the roles of
+    ``deploy/redis/users.acl.template`` that grant ``command``."""
+
+    def __init__(self, message: str, *, command: str, user: str, roles: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.command = command
+        self.user = user
+        self.roles = roles
+
+
+class RedisOutOfMemory(RollstreamError):
+    """Redis refused a write because ``used_memory`` reached ``maxmemory`` (OOM, also inside a
+    script, which then changed nothing). Transient: the loops back off until memory is freed."""
 
 
 class ExtraNotInstalled(ConfigError):

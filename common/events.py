@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from .keys import EVENTS_MAXLEN, Keys
 from .parse import parse_int, text
+from .redis_errors import translate_errors
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+@translate_errors
 async def record_event(
     redis: Redis,
     keys: Keys,
@@ -68,6 +70,7 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
     return text(fields.get(key.encode()))
 
 
+@translate_errors
 async def recent_events(redis: Redis, keys: Keys, count: int = 20, kind: str | None = None) -> list[Event]:
     """The newest events first, optionally of one kind."""
     raw = await redis.xrevrange(keys.events, count=count if kind is None else count * 20)

@@ -12,6 +12,7 @@ fields of the ``state`` hash are written ``$NAME`` and filled in from :class:`~.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from string import Template
@@ -21,6 +22,7 @@ from redis.asyncio import Redis
 
 from .admission import MEASURED_CADENCE_CAP
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .redis_errors import translated
 
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
 
@@ -261,7 +263,7 @@ return added
 # KEYS: groups, state, group sizes. ARGV: trainer group, entry id. A delivered group found gone
 # from the stream (XTRIM, XDEL): acknowledged, and out of the byte ledger.
 FORGET = _template("""
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then group_exists(KEYS[1], ARGV[1]) end
 return forget(KEYS[3], KEYS[2], ARGV[2])
 """)
 
@@ -298,9 +300,12 @@ def _field_name(name: str | bytes) -> str:
 
 
 # KEYS: lease. ARGV: token, ttl ms. Takes a free lease or renews our own; 0 when another holds it.
+# A renewal is a PEXPIRE, which Redis allows at maxmemory (SET is refused there), so a trainer
+# keeps its name while Redis is out of memory.
 LEASE = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
+if holder then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -320,22 +325,43 @@ def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     return out
 
 
+def script_commands(source: str) -> tuple[str, ...]:
+    """The Redis commands a script calls, in order of first use (the helpers' included)."""
+    return tuple(dict.fromkeys(re.findall(r"redis\.p?call\('([A-Z]+)'", source)))
+
+
+class _Bound:
+    """One script on one client, its NOPERM and OOM replies translated (naming the script and the
+    commands it calls: Redis 6.2 does not say which one was refused)."""
+
+    def __init__(self, redis: Redis, name: str, source: str) -> None:
+        self.redis = redis
+        self.name = name
+        self.source = source
+        self.commands = script_commands(source)
+        self._script = redis.register_script(source)
+
+    async def __call__(self, *, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        with translated(self.redis, script=self.name, commands=self.commands, source=self.source):
+            return await self._script(keys=keys, args=args)
+
+
 class Scripts:
     """The scripts bound to one namespace and one client; redis-py reloads them on NOSCRIPT."""
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.keys = keys
-        self._publish = redis.register_script(PUBLISH)
-        self._move = redis.register_script(MOVE)
-        self._ack_delete = redis.register_script(ACK_DELETE)
-        self._admit = redis.register_script(ADMIT)
-        self._set_version = redis.register_script(SET_VERSION)
-        self._renew = redis.register_script(RENEW)
-        self._feed = redis.register_script(FEED)
-        self._requeue = redis.register_script(REQUEUE)
-        self._forget = redis.register_script(FORGET)
-        self._lease = redis.register_script(LEASE)
-        self._release = redis.register_script(RELEASE)
+        self._publish = _Bound(redis, "PUBLISH", PUBLISH)
+        self._move = _Bound(redis, "MOVE", MOVE)
+        self._ack_delete = _Bound(redis, "ACK_DELETE", ACK_DELETE)
+        self._admit = _Bound(redis, "ADMIT", ADMIT)
+        self._set_version = _Bound(redis, "SET_VERSION", SET_VERSION)
+        self._renew = _Bound(redis, "RENEW", RENEW)
+        self._feed = _Bound(redis, "FEED", FEED)
+        self._requeue = _Bound(redis, "REQUEUE", REQUEUE)
+        self._forget = _Bound(redis, "FORGET", FORGET)
+        self._lease = _Bound(redis, "LEASE", LEASE)
+        self._release = _Bound(redis, "RELEASE", RELEASE)
 
     async def publish(
         self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int

@@ -14,10 +14,12 @@ from .events import now_ms
 from .keys import Keys, StateField
 from .parse import int_or, text
 from .protocol import held_consumer_names, live_producers, read_heartbeats
+from .redis_errors import translate_errors
 
 logger = logging.getLogger(__name__)
 
 
+@translate_errors
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
     """Create the work streams and their consumer groups (idempotent)."""
     for stream, group in keys.consumer_groups:
@@ -53,6 +55,7 @@ def memory_problem(maxmemory: int, policy: str, used: int, held: int, budget: in
     return None
 
 
+@translate_errors
 async def check_memory(redis: Redis, keys: Keys, config: PipelineConfig) -> None:
     """Refuse a Redis that can evict keys, or whose ``maxmemory`` cannot hold the byte budget
     (``INFO memory``: also answered where ``CONFIG`` is disabled)."""
@@ -74,6 +77,7 @@ async def check_memory(redis: Redis, keys: Keys, config: PipelineConfig) -> None
                     "max_backlog groups only", keys.namespace)
 
 
+@translate_errors
 async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, force: bool = False) -> bool:
     """Write the namespace config; True when written. An existing, different config is kept
     unless ``force``, and even then refused while a producer or a trainer is alive: changing n or
@@ -110,6 +114,7 @@ async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, fo
     return True
 
 
+@translate_errors
 async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float) -> None:
     beats = await read_heartbeats(redis, keys)
     now = now_ms()
@@ -123,6 +128,7 @@ async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float
         )
 
 
+@translate_errors
 async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
     raw = await redis.hgetall(keys.config)
     if not raw:
@@ -138,6 +144,7 @@ async def load_config(redis: Redis, keys: Keys) -> PipelineConfig:
     return config
 
 
+@translate_errors
 async def read_state(redis: Redis, keys: Keys) -> dict[str, str]:
     """The ``state`` hash as text (damaged bytes replaced, never raised on)."""
     raw = await redis.hgetall(keys.state)

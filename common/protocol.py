@@ -16,12 +16,18 @@ the atomic hand-overs themselves are the Lua scripts of :mod:`.lua`, which this 
   :func:`stream_lengths` (what ``take()`` reports).
 * NOGROUP (the namespace was deleted, a consumer group destroyed; also raised inside a Lua
   script) becomes :class:`~.errors.NamespaceGone` naming the namespace, or
-  :class:`~.errors.RedisDataLost` when Redis restarted without persistence since the first call.
+  :class:`~.errors.RedisDataLost` when Redis restarted without persistence since the first call;
+  NOPERM becomes :class:`~.errors.RedisPermissionDenied` and OOM :class:`~.errors.RedisOutOfMemory`
+  (:mod:`.redis_errors`). Every public coroutine method of a namespace client (:class:`_Guarded`)
+  is wrapped in that guard when its class is made, so no method can forget it; the module's
+  functions are decorated with :func:`~.redis_errors.translate_errors`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import math
 from collections.abc import AsyncIterator, Container, Mapping, Sequence
@@ -40,6 +46,7 @@ from .events import now_ms
 from .keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from .lua import Scripts
 from .parse import int_or, text
+from .redis_errors import is_noperm, is_oom, translate_errors, translated
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id and its raw fields (empty for an entry deleted meanwhile)."""
@@ -69,6 +76,20 @@ async def server_run_id(redis: Redis) -> str:
     return text(info.get("run_id", ""))
 
 
+async def server_memory(redis: Redis) -> dict[str, Any] | None:
+    """Redis' ``used_memory``, ``maxmemory`` (0: no limit) and ``maxmemory_policy`` (INFO memory);
+    None when INFO is not allowed (an ACL user without it) or unreachable."""
+    try:
+        info = await redis.info("memory")
+    except (ResponseError, *TRANSIENT_ERRORS):
+        return None
+    return {
+        "used_memory": int_or(info.get("used_memory")),
+        "maxmemory": int_or(info.get("maxmemory")),
+        "maxmemory_policy": text(info.get("maxmemory_policy", "")),
+    }
+
+
 async def namespace_gone(redis: Redis, keys: Keys, run_id: str, exc: BaseException) -> NamespaceGone:
     """The error for a NOGROUP reply: ``RedisDataLost`` when Redis restarted since ``run_id`` was
     read and came back without the namespace (no persistence), else ``nogroup_error``."""
@@ -88,24 +109,50 @@ async def namespace_gone(redis: Redis, keys: Keys, run_id: str, exc: BaseExcepti
     return nogroup_error(keys.namespace, exc)
 
 
+def _guarded(method: Any) -> Any:
+    @functools.wraps(method)
+    async def call(self: _Guarded, *args: Any, **kwargs: Any) -> Any:
+        async with self._guard():
+            return await method(self, *args, **kwargs)
+
+    call.__rollstream_guarded__ = True  # type: ignore[attr-defined]
+    return call
+
+
 class _Guarded:
     """A namespace client whose NOGROUP replies become :class:`NamespaceGone` (or
-    :class:`RedisDataLost`), remembering the server's run_id from its first call."""
+    :class:`RedisDataLost`), remembering the server's run_id from its first call, and whose NOPERM
+    and OOM replies become rollstream's errors. Subclasses get every public coroutine method
+    wrapped in :meth:`_guard` automatically."""
 
     redis: Redis
     keys: Keys
     _run_id: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            if not name.startswith("_") and inspect.iscoroutinefunction(value):
+                setattr(cls, name, _guarded(value))
 
     @contextlib.asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
         if self._run_id is None:
             self._run_id = await server_run_id(self.redis)
         try:
-            yield
+            with translated(self.redis):
+                yield
         except ResponseError as exc:
             if is_nogroup(exc):
                 raise await namespace_gone(self.redis, self.keys, self._run_id, exc) from exc
             raise
+
+
+def _raise_if_refused(exc: ResponseError) -> None:
+    """For the views that read a missing stream or group as empty: a refusal (NOPERM, OOM) is not
+    a missing stream."""
+    if is_noperm(exc) or is_oom(exc):
+        raise exc
 
 
 # -- heartbeats ------------------------------------------------------------------------------
@@ -247,6 +294,7 @@ def admission_refusals(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -
     return out
 
 
+@translate_errors
 async def write_heartbeat(redis: Redis, keys: Keys, name: str, beat: Heartbeat, blocked_ms: int) -> None:
     """Write ``beat`` and add ``blocked_ms`` of refused admission to the namespace's total."""
     async with redis.pipeline(transaction=False) as pipe:
@@ -256,6 +304,7 @@ async def write_heartbeat(redis: Redis, keys: Keys, name: str, beat: Heartbeat, 
         await pipe.execute()
 
 
+@translate_errors
 async def read_heartbeats(redis: Redis, keys: Keys) -> dict[bytes, bytes]:
     """The raw ``producers`` hash: producer name -> heartbeat JSON (parse with :meth:`Heartbeat.parse`)."""
     return dict(await redis.hgetall(keys.producers))
@@ -269,7 +318,7 @@ def _check_version(version: int) -> None:
         raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 
-class Control:
+class Control(_Guarded):
     """Weight version and pause/resume: written to ``state``, then announced on ``control``.
 
     The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
@@ -342,6 +391,14 @@ class Admission:
     ``staleness``: [outstanding, capacity, c, G]."""
 
 
+async def _ack_or_nogroup(redis: Redis, stream: str, group: str, entry_id: bytes) -> int:
+    """XACK, which answers 0 for a missing group: then XPENDING raises its NOGROUP."""
+    acked = int(await redis.xack(stream, group, entry_id))
+    if not acked:
+        await redis.xpending(stream, group)
+    return acked
+
+
 def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
     return [(entry_id, dict(fields or {})) for entry_id, fields in rows if entry_id is not None]
 
@@ -375,12 +432,11 @@ class PromptQueue(_Guarded):
     ) -> Admission:
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
         ready backlog has room and staleness-aware admission allows it (one atomic script)."""
-        async with self._guard():
-            reply = await self.scripts.admit(
-                consumer=self.consumer, max_backlog=max_backlog, admission=admission,
-                max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
-                count=count, now_ms=now_ms(), max_backlog_bytes=max_backlog_bytes,
-            )
+        reply = await self.scripts.admit(
+            consumer=self.consumer, max_backlog=max_backlog, admission=admission,
+            max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
+            count=count, now_ms=now_ms(), max_backlog_bytes=max_backlog_bytes,
+        )
         entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
         return Admission(reply.status, entries, reply.weight_version, reply.terms)
 
@@ -396,10 +452,9 @@ class PromptQueue(_Guarded):
         """Claim back the prompts pending under this producer's name (a restart with the same name)."""
         out: list[Admitted] = []
         for stream in self.streams:
-            async with self._guard():
-                pending = await self.redis.xpending_range(
-                    stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
-                )
+            pending = await self.redis.xpending_range(
+                stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
+            )
             if not pending:
                 continue
             ids = [p["message_id"] for p in pending]
@@ -450,7 +505,7 @@ class PromptQueue(_Guarded):
 
     async def ack_deleted(self, stream: str, entry_id: bytes) -> None:
         """Acknowledge (and delete) an entry that came back without fields."""
-        await self.redis.xack(stream, PRODUCERS_GROUP, entry_id)
+        await _ack_or_nogroup(self.redis, stream, PRODUCERS_GROUP, entry_id)
         await self.redis.xdel(stream, entry_id)
 
     async def count_reclaimed(self) -> None:
@@ -459,31 +514,29 @@ class PromptQueue(_Guarded):
     async def publish(self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
         was taken over and acknowledged by another producer)."""
-        async with self._guard():
-            return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
+        return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged."""
-        async with self._guard():
-            return await self.scripts.return_prompt(stream, entry_id, fields)
+        return await self.scripts.return_prompt(stream, entry_id, fields)
 
     async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
-        async with self._guard():
-            return await self.scripts.dead_letter(
-                source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
-                reason=reason, fields=fields, now_ms=now_ms(),
-            )
+        return await self.scripts.dead_letter(
+            source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
+            reason=reason, fields=fields, now_ms=now_ms(),
+        )
 
 
 # -- trainer consumer name lease -------------------------------------------------------------
 
 
-class NameLease:
+class NameLease(_Guarded):
     """A trainer consumer name held by one live process: its token in a key with a TTL, renewed
     while it is connected and deleted on close (a crashed holder's lease just expires)."""
 
     def __init__(self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None) -> None:
         self.redis = redis
+        self.keys = keys
         self.key = keys.consumer_lease(consumer)
         self.token = token
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
@@ -500,6 +553,7 @@ class NameLease:
         return await self.scripts.release(self.key, self.token)
 
 
+@translate_errors
 async def held_consumer_names(redis: Redis, keys: Keys) -> list[str]:
     """The trainer consumer names held by a live trainer now."""
     prefix = keys.consumer_lease("")
@@ -520,24 +574,21 @@ class GroupQueue(_Guarded):
 
     async def read(self, blocking: Redis, count: int, block_ms: int) -> list[Entry]:
         """New groups, up to ``count``, waiting up to ``block_ms`` (on a client made for blocking)."""
-        async with self._guard():
-            reply = await blocking.xreadgroup(
-                TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
-            )
+        reply = await blocking.xreadgroup(
+            TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
+        )
         return _flat_entries(reply[0][1] if reply else [])
 
     async def own_pending_page(self, after: str, count: int = 1000) -> list[Entry]:
         """Groups delivered to this consumer and not committed, after entry id ``after``."""
-        async with self._guard():
-            reply = await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: after}, count=count)
+        reply = await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: after}, count=count)
         return _flat_entries(reply[0][1] if reply else [])
 
     async def pending_ids(self, count: int = 10_000) -> list[bytes]:
         """Ids pending under this consumer (including those of reads whose reply was lost)."""
-        async with self._guard():
-            pending = await self.redis.xpending_range(
-                self.keys.groups, TRAINER_GROUP, min="-", max="+", count=count, consumername=self.consumer
-            )
+        pending = await self.redis.xpending_range(
+            self.keys.groups, TRAINER_GROUP, min="-", max="+", count=count, consumername=self.consumer
+        )
         return [p["message_id"] for p in pending]
 
     async def fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
@@ -546,25 +597,23 @@ class GroupQueue(_Guarded):
         return dict(rows[0][1]) if rows else {}
 
     async def ack_deleted(self, entry_id: bytes) -> None:
+        """Acknowledge a delivered entry that is gone from the stream (and forget its bytes)."""
         await self.scripts.forget_group(entry_id)
 
     async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
-        async with self._guard():
-            return await self.scripts.recycle(entry_id, counter, prompt_fields)
+        return await self.scripts.recycle(entry_id, counter, prompt_fields)
 
     async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
-        async with self._guard():
-            return await self.scripts.dead_letter(
-                source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                reason=reason, fields=fields, now_ms=now_ms(),
-            )
+        return await self.scripts.dead_letter(
+            source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
+            reason=reason, fields=fields, now_ms=now_ms(),
+        )
 
     async def drop_filtered(self, entry_id: bytes, reason: str) -> int:
-        async with self._guard():
-            return await self.scripts.ack_delete(
-                stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
-                counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
-            )
+        return await self.scripts.ack_delete(
+            stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
+            counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
+        )
 
     async def release(self) -> int:
         """Give this (gone) consumer's pending groups back to the stream as new entries, then
@@ -592,11 +641,10 @@ class GroupQueue(_Guarded):
 
     async def commit(self, ids: Sequence[bytes]) -> int:
         """Acknowledge and delete ``ids``; the number acknowledged now."""
-        async with self._guard():
-            return await self.scripts.ack_delete(
-                stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
-                counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
-            )
+        return await self.scripts.ack_delete(
+            stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
+            counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
+        )
 
 
 # -- feed ------------------------------------------------------------------------------------
@@ -624,7 +672,7 @@ class FeedCursor:
     dataset: str | None
 
 
-class Feed:
+class Feed(_Guarded):
     """The feeder's operations: its cursor in ``state`` and the prompt stream it fills."""
 
     def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
@@ -680,7 +728,7 @@ class Feed:
 # -- dead letters, namespaces ----------------------------------------------------------------
 
 
-class DeadLetters:
+class DeadLetters(_Guarded):
     """The dead-letter stream of a namespace (no consumer group: operators read and remove)."""
 
     def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
@@ -707,32 +755,37 @@ class DeadLetters:
         return int(await self.redis.xdel(self.keys.dead, *ids)) if ids else 0
 
 
+@translate_errors
 async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
     """Keys matching ``match``, found with SCAN (never KEYS: it blocks the server)."""
     return [key async for key in redis.scan_iter(match=match, count=1000)]
 
 
+@translate_errors
 async def _per_consumer_keys(redis: Redis, keys: Keys) -> list[bytes]:
     return [key for pattern in keys.per_consumer_patterns for key in await scan_namespace_keys(redis, pattern)]
 
 
+@translate_errors
 async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
     fixed = [key for key in keys.all_keys() if await redis.exists(key)]
     return fixed + sorted(k.decode() for k in await _per_consumer_keys(redis, keys))
 
 
+@translate_errors
 async def delete_namespace(redis: Redis, keys: Keys) -> int:
     """Delete exactly this namespace's keys (journals and name leases included); the number of
     keys that existed."""
     return int(await redis.delete(*keys.all_keys(), *await _per_consumer_keys(redis, keys)))
 
 
-class JournalHash:
+class JournalHash(_Guarded):
     """The raw hash behind the integrations' checkpoint journal (one per trainer consumer);
     what its fields hold is the journal's business (``rollstream.integrations.journal``)."""
 
     def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
         self.redis = redis
+        self.keys = keys
         self.key = keys.journal(consumer)
 
     async def field_names(self) -> list[str]:
@@ -751,7 +804,7 @@ class JournalHash:
 # -- read-only views (operators) ------------------------------------------------------------
 
 
-class StreamView:
+class StreamView(_Guarded):
     """Read-only looks at a namespace's streams and hashes (XINFO, XPENDING, XLEN, XRANGE, HGETALL);
     a stream or consumer group that does not exist yet reads as empty."""
 
@@ -766,14 +819,16 @@ class StreamView:
         """XINFO CONSUMERS rows (name, pending, idle, inactive on Redis >= 7.2)."""
         try:
             return list(await self.redis.xinfo_consumers(stream, group))
-        except ResponseError:  # no stream or no group yet
+        except ResponseError as exc:  # no stream or no group yet
+            _raise_if_refused(exc)
             return []
 
     async def group_info(self, stream: str, group: str) -> dict[str, Any] | None:
         """The XINFO GROUPS row of ``group``, or None."""
         try:
             groups = await self.redis.xinfo_groups(stream)
-        except ResponseError:
+        except ResponseError as exc:
+            _raise_if_refused(exc)
             return None
         for row in groups:
             name = row["name"]
@@ -785,7 +840,8 @@ class StreamView:
         """XPENDING's summary (``pending``, ``min``, ``max``, ``consumers``), or None without the group."""
         try:
             return dict(await self.redis.xpending(stream, group))
-        except ResponseError:
+        except ResponseError as exc:
+            _raise_if_refused(exc)
             return None
 
     async def pending_idle_ms(self, stream: str, group: str, count: int) -> list[int]:
@@ -801,12 +857,23 @@ class StreamView:
     async def ledger(self) -> tuple[dict[bytes, bytes], int]:
         """The state hash and the entries in the work streams, read atomically (MULTI), so the
         counters and the stream lengths describe the same instant."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        try:
+            state, lengths = await self._ledger_reads(transaction=True)
+        except ResponseError as exc:
+            if not is_oom(exc):
+                raise
+            # At maxmemory Redis refuses every command queued in a MULTI, reads too: read the same
+            # things without it (a hand-over between the reads can show as one entry off).
+            state, lengths = await self._ledger_reads(transaction=False)
+        return dict(state), sum(int(n) for n in lengths)
+
+    async def _ledger_reads(self, *, transaction: bool) -> tuple[Any, list[Any]]:
+        async with self.redis.pipeline(transaction=transaction) as pipe:
             pipe.hgetall(self.keys.state)
             for stream in self.keys.work_streams:
                 pipe.xlen(stream)
             state, *lengths = await pipe.execute()
-        return dict(state), sum(int(n) for n in lengths)
+        return state, lengths
 
     async def config_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.config))
@@ -830,8 +897,10 @@ class TakeStats:
     heartbeats: dict[bytes, bytes]
 
 
+@translate_errors
 async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
-    """Record the time of a ``take()`` and read its statistics (one round trip)."""
+    """Record the time of a ``take()`` (not when Redis is out of memory) and read its statistics
+    (one round trip)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
         pipe.xlen(keys.groups)
@@ -840,7 +909,14 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         pipe.xpending(keys.retry, PRODUCERS_GROUP)
         pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
         pipe.hgetall(keys.producers)
-        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+    # The time of the take is a statistic: Redis refuses it at maxmemory, and take() goes on.
+    if isinstance(replies[0], Exception) and not is_oom(replies[0]):
+        raise replies[0]
+    for reply in replies[1:]:
+        if isinstance(reply, Exception):
+            raise reply
+    _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = replies
     return TakeStats(
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),
@@ -850,6 +926,7 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
     )
 
 
+@translate_errors
 async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig) -> AdmissionTerms:
     """The admission rule's terms now (what ADMIT would compute), read in one round trip; a
     stream or group that does not exist counts as empty."""
@@ -882,6 +959,7 @@ async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig)
     )
 
 
+@translate_errors
 async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
     """(entries in the group stream, entries in the prompt and retry streams)."""
     async with redis.pipeline(transaction=False) as pipe:
@@ -892,6 +970,7 @@ async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
     return int(groups), int(prompts) + int(retry)
 
 
+@translate_errors
 async def waiting_groups(redis: Redis, keys: Keys) -> int:
     """Groups in the group stream not delivered to any trainer consumer yet."""
     async with redis.pipeline(transaction=False) as pipe:

@@ -15,6 +15,31 @@ DEFAULT_STUCK_AFTER = 300.0
 """Groups waiting (or taken) with no take or commit for this long make a namespace unhealthy."""
 LEASE_WARNING_FRACTION = 0.8
 """A lease idle for more than this fraction of ``lease_seconds`` is about to be taken over."""
+MEMORY_WARNING_FRACTION = 0.9
+"""Redis' ``used_memory`` above this fraction of ``maxmemory`` is a warning; at it, a problem."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _memory(memory: dict[str, Any] | None, problems: list[str], warnings: list[str]) -> None:
+    """``maxmemory`` reached: Redis refuses writes (the feeder, heartbeats, events, version)."""
+    if not memory or not memory.get("maxmemory"):
+        return
+    used, limit, policy = memory["used_memory"], memory["maxmemory"], memory.get("maxmemory_policy") or "?"
+    if used >= limit:
+        problems.append(
+            f"Redis is out of memory: used_memory {_mib(used)} >= maxmemory {_mib(limit)} (maxmemory-policy "
+            f"{policy}): it refuses writes, so the feeder, heartbeats (producers may show as dead) and events "
+            "wait, backing off; the trainer's commits free memory. Raise maxmemory (CONFIG SET maxmemory), or "
+            "lower max_backlog and the feeder --window (docs/operations.md)"
+        )
+    elif used >= MEMORY_WARNING_FRACTION * limit:
+        warnings.append(
+            f"Redis memory at {used / limit:.0%} of maxmemory ({_mib(used)} of {_mib(limit)}, policy {policy}): "
+            "at maxmemory it refuses writes"
+        )
 
 
 def judge(
@@ -29,6 +54,7 @@ def judge(
     elif snap["config"] is None:
         problems.append(f"namespace {snap['namespace']!r} is not initialised (no config hash)")
     problems += [f"damaged value: {line}" for line in snap.get("damaged", [])]
+    _memory(snap.get("redis_memory"), problems, warnings)
     for missing in snap.get("missing_groups", []):
         problems.append(
             f"consumer group {missing['group']!r} of {missing['stream']} is missing (XGROUP DESTROY?): its "

@@ -24,6 +24,7 @@ from rollstream.common.protocol import (
     admission_refusals,
     read_admission_terms,
     read_heartbeats,
+    server_memory,
     state_mismatch,
 )
 
@@ -283,5 +284,10 @@ async def snapshot(
         "refusals": admission_refusals(raw_beats, now, timeout_s),
         "stall_after_s": stall_after,
     }
+    memory = await server_memory(redis)
+    if memory is not None:
+        limit = memory["maxmemory"]
+        memory["used_fraction"] = round(memory["used_memory"] / limit, 4) if limit else None
+    snap["redis_memory"] = memory
     snap["health"] = judge(snap, stuck_after, now, terms=terms)
     return snap

@@ -665,7 +665,7 @@ class Producer:
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
                 continue
-            self._outage.recovered()
+            self._outage.recovered(wrote=True)  # a write Redis refuses at maxmemory
 
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""

@@ -62,3 +62,12 @@ def test_adapters_quick_produces_rows() -> None:
     (table,) = bench_main.run(["adapters"], quick=True)
     assert [row[0] for row in table.rows] == ["episode", "slime", "openai"]
     assert all(row[1] == table.rows[0][1] and row[2] > 0 for row in table.rows)  # the same calls, measured
+
+
+@pytest.mark.timeout(180)
+def test_restart_quick_measures_both_producers() -> None:
+    (table,) = bench_main.run(["restart"], quick=True)
+    assert table.name == "restart"
+    ((pair, first, second, ratio, first_life, second_life, life_ratio),) = table.rows
+    assert pair == 1 and first > 0 and second > 0 and ratio == pytest.approx(second / first)
+    assert first_life > 0 and second_life > 0 and life_ratio == pytest.approx(second_life / first_life)

@@ -1,0 +1,145 @@
+"""Redis out of memory (``maxmemory`` reached under ``noeviction``), on a redis-server of the test's
+own: the feeder and the producers back off (logged once per outage, naming maxmemory) and
+resume, ``take()`` and ``commit()`` go on with what is there (commits free memory), ``inspect``
+reports a problem naming maxmemory, and every prompt is trained exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from conftest import ProcessPool, make_namespace, redis_binary_under_test, wait_until
+from redis.exceptions import OutOfMemoryError
+from rollstream.common.connection import Outage, connect
+from rollstream.common.errors import RedisOutOfMemory
+from rollstream.common.keys import Keys
+from rollstream.common.protocol import Feed, GroupQueue, mark_take
+from rollstream.consumer import GroupConsumer
+from rollstream.ops.snapshot import snapshot
+from rollstream.testing.server import EmbeddedRedis
+from rollstream.testing.sim import SimConfig, SimEngine
+
+OOM_LINE = "Redis is out of memory (used_memory reached maxmemory"
+BACK_LINE = "Redis accepts writes again"
+
+
+async def _fill(redis: object, key: str) -> int:
+    """Add entries until Redis refuses one for memory; how many it took."""
+    added = 0
+    while True:
+        try:
+            await redis.xadd(key, {"pad": "x" * 4000})  # type: ignore[attr-defined]
+        except OutOfMemoryError:
+            return added
+        added += 1
+
+
+async def test_scripts_refused_at_maxmemory_change_nothing_and_commit_frees_memory(tmp_path: Path) -> None:
+    """The building blocks: the feeder's script is refused whole (typed, transient), take's
+    bookkeeping write is skipped, and a commit still runs and frees memory."""
+    with EmbeddedRedis(binary=redis_binary_under_test(), dir=tmp_path / "redis") as server:
+        redis = connect(server.url)
+        try:
+            keys = Keys("oom-unit")
+            await make_namespace(redis, keys.namespace)
+            used = int((await redis.info("memory"))["used_memory"])
+            await redis.config_set("maxmemory", used + 256 * 1024)
+            filler = keys.groups  # group-sized entries in the group stream, delivered to a trainer
+            assert await _fill(redis, filler) > 10
+            queue = GroupQueue(redis, keys, "t")
+            delivered = await queue.read(redis, 1000, 10)
+            feed = Feed(redis, keys)
+            with pytest.raises(RedisOutOfMemory, match=r"maxmemory.*FEED script changed nothing"):
+                await feed.add(expected_next=0, next_after=1, epoch=0, position=1, dataset="d", entries=[{"a": "b"}])
+            assert await redis.xlen(keys.prompts) == 0 and await redis.hget(keys.state, "feed_next_index") is None
+            stats = await mark_take(redis, keys)  # the take's time is refused, its statistics are read
+            assert stats.groups_pending == len(delivered)
+            assert await queue.commit([eid for eid, _ in delivered]) == len(delivered)
+            assert await redis.xlen(keys.groups) == 0
+            added = await feed.add(expected_next=0, next_after=1, epoch=0, position=1, dataset="d", entries=[{"a": "b"}])
+            assert added == 1  # memory freed by the commit: writes are accepted again
+        finally:
+            await redis.aclose()
+
+
+async def test_outage_logs_out_of_memory_once_per_outage(caplog: pytest.LogCaptureFixture) -> None:
+    outage = Outage(logging.getLogger("oom-test"), "feeder", max_delay=0.05)
+    calls = 0
+
+    async def refused_twice() -> int:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RedisOutOfMemory("refused")
+        return calls
+
+    with caplog.at_level(logging.WARNING, logger="oom-test"):
+        assert await outage.run(refused_twice) == 3
+        outage.recovered()  # a read succeeding meanwhile does not end an out-of-memory outage
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(OOM_LINE in line and "maxmemory" in line for line in lines) == 1
+    assert sum(BACK_LINE in line for line in lines) == 1
+    assert (outage.oom_count, outage.count, outage.out_of_memory) == (1, 0, False)
+
+
+async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_once(
+    procs: ProcessPool, tmp_path: Path
+) -> None:
+    prompts, batch = 96, 4
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"Compute {i} + 1.", "label": str(i + 1)}) + "\n"
+                               for i in range(prompts)))
+    with EmbeddedRedis(binary=redis_binary_under_test(), dir=tmp_path / "redis") as server:
+        url = server.url
+        admin = connect(url)
+        ns = "oomflood"
+        keys = Keys(ns)
+        try:
+            await make_namespace(admin, ns, n_samples_per_prompt=2, batch_size=batch)
+            # the trainer holds its name before Redis fills up (taking a new name is a write)
+            async with SimEngine(SimConfig(seed=5, mean_tokens=256, length_sigma=0.0)) as sim, \
+                    GroupConsumer.connect(url, ns, "oom-trainer") as trainer:
+                producer = procs.producer(url, ns, sim.url, name="oom-producer", concurrency=16)
+                feeder = procs.start("feed", "--redis", url, "--ns", ns, str(dataset), "--window", "24",
+                                     "--log-level", "INFO", log_name="feed")
+                await wait_until(lambda: admin.xlen(keys.groups), timeout=60, message="the first groups")
+                used = int((await admin.info("memory"))["used_memory"])
+                await admin.config_set("maxmemory", used + 64 * 1024)  # the flood of groups fills it
+                await wait_until(lambda: OOM_LINE in procs.log_of(feeder), timeout=90,
+                                 message="the feeder refused for memory")
+                # memory hovers at the limit (the feeder gets a chunk in whenever it dips below), and
+                # the groups published from what was fed push it over: inspect sees it there
+                async def memory_problems() -> list[str]:
+                    health = (await snapshot(admin, keys))["health"]
+                    return [p for p in health["problems"] if "maxmemory" in p]
+
+                problems = await wait_until(memory_problems, timeout=60, message="inspect's maxmemory problem")
+                assert "noeviction" in problems[0] and "used_memory" in problems[0], problems
+                snap = await snapshot(admin, keys)
+                assert snap["redis_memory"]["maxmemory"] == used + 64 * 1024
+
+                seen: list[int] = []
+                while len(seen) < prompts:
+                    async with asyncio.timeout(120):
+                        got = await trainer.take(batch)
+                    seen += [g.index for g in got.groups]
+                    assert await trainer.commit(got) == batch
+                await wait_until(lambda: feeder.poll() is not None, timeout=60, message="the feeder to finish")
+                assert feeder.returncode == 0, procs.logs()
+            # exact accounting: every prompt trained once, nothing dead-lettered or left over
+            assert sorted(seen) == list(range(prompts)), procs.logs()
+            assert await admin.xlen(keys.dead) == 0 and await admin.xlen(keys.groups) == 0
+            state = await admin.hgetall(keys.state)
+            assert int(state[b"fed"]) == int(state[b"committed"]) == prompts
+            # once per outage: each out-of-memory warning is followed by one recovery line
+            log = procs.log_of(feeder)
+            assert log.count(OOM_LINE) == log.count(BACK_LINE), log[-3000:]
+            await wait_until(lambda: procs.log_of(producer).count(OOM_LINE) == procs.log_of(producer).count(BACK_LINE),
+                             timeout=30, message="the producer's outages each logged once and ended")
+            assert procs.log_of(feeder).count(OOM_LINE) >= 1
+            assert producer.poll() is None, procs.logs()  # backed off, never failed
+        finally:
+            await admin.aclose()
