@@ -86,6 +86,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds the reward may take on one group; past it the group fails (recycled)")
     p.add_argument("--reward-failure-limit", type=int, default=8,
                    help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
+    p.add_argument("--engine-failure-limit", type=int, default=8,
+                   help="an engine (or all engines) refusing or answering unusable replies on this many "
+                        "distinct prompts in a row is fatal (a broken engine)")
     p.add_argument("--long-request-after", type=float, default=600.0,
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -229,6 +232,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
         reward_failure_limit=args.reward_failure_limit,
+        engine_failure_limit=args.engine_failure_limit,
         long_request_after=args.long_request_after,
     )
     if args.metrics_port is not None:

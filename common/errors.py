@@ -12,7 +12,8 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
-    │   └── EngineRejected                    the engine refused the request (4xx): not retried
+    │   ├── EngineRejected                    the engine refused the request (4xx): not retried
+    │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
     ├── RewardError                           the reward function failed
     └── PipelineError                         raised by ``take()`` instead of hanging
         ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
@@ -95,6 +96,18 @@ class EngineRejected(EngineError):
         super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
         self.status_code = status_code
         self.body = body
+        self.engine = ""
+        """The engine's URL (set by the client), so a run of refusals can be blamed on one engine."""
+
+
+class EngineBroken(EngineError):
+    """An engine (or every engine) answered nothing usable on many distinct prompts in a row:
+    the engine is broken, not the prompts. Fatal for the producer, like a broken reward."""
+
+    def __init__(self, engine: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.reason = reason
 
 
 class PromptNotSupported(ConfigError, EngineRejected):
@@ -107,6 +120,7 @@ class PromptNotSupported(ConfigError, EngineRejected):
         RollstreamError.__init__(self, f"prompt not supported by this producer's configuration: {detail}")
         self.status_code = 400
         self.body = detail
+        self.engine = ""
 
 
 class RewardError(RollstreamError):

@@ -34,11 +34,12 @@ to a worker's ``/tokenize``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from array import array
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -218,6 +219,17 @@ class _Engine:
         self.workers_checked = -float("inf")
 
 
+@contextlib.contextmanager
+def _blame(engine: _Engine) -> Iterator[None]:
+    """Name ``engine`` on the refusals and unusable replies raised inside (``EngineRejected.engine``)."""
+    try:
+        yield
+    except EngineRejected as exc:
+        if not exc.engine:
+            exc.engine = engine.url
+        raise
+
+
 class EngineClient:
     """Generates against one or more engines; use as ``async with`` or call ``aclose()``."""
 
@@ -292,7 +304,11 @@ class EngineClient:
             engine = self._pick()
             engine.in_flight += weight
             try:
-                status, raw = await self._send(engine.url + path, content)
+                with _blame(engine):
+                    status, raw = await self._send(engine.url + path, content)
+                    if status != 200 and status not in RETRY_STATUS:
+                        self._count_error(f"http_{status}")
+                        raise EngineRejected(status, raw.decode("utf-8", "replace"))
             except httpx.TransportError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 self._count_error("connection")
@@ -300,8 +316,6 @@ class EngineClient:
                 if status == 200:
                     return engine, raw
                 self._count_error(f"http_{status}")
-                if status not in RETRY_STATUS:
-                    raise EngineRejected(status, raw.decode("utf-8", "replace"))
                 failure = f"HTTP {status}"
             finally:
                 engine.in_flight -= weight
@@ -440,7 +454,8 @@ class EngineClient:
             body["rid"] = rid
         engine, raw = await self._post("/generate", body)
         want = self.settings.return_logprob
-        parsed = replies.parse_sglang(raw, want_logprobs=want, where=engine.url + "/generate")[0]
+        with _blame(engine):
+            parsed = replies.parse_sglang(raw, want_logprobs=want, where=engine.url + "/generate")[0]
         version = parse_version(parsed.weight_version)
         if version is None:
             version = await self.weight_version(engine)
@@ -469,7 +484,8 @@ class EngineClient:
             body["logprobs"] = 0  # the sampled token's log-prob only
         engine, raw = await self._post("/v1/completions", body, weight=n)
         where = engine.url + "/v1/completions"
-        parsed = replies.parse_completions(raw, n, want_logprobs=self.settings.return_logprob, where=where)
+        with _blame(engine):
+            parsed = replies.parse_completions(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 
@@ -480,7 +496,8 @@ class EngineClient:
             body["logprobs"] = True
         engine, raw = await self._post("/v1/chat/completions", body, weight=n)
         where = engine.url + "/v1/chat/completions"
-        parsed = replies.parse_chat(raw, n, want_logprobs=self.settings.return_logprob, where=where)
+        with _blame(engine):
+            parsed = replies.parse_chat(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 

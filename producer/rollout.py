@@ -17,10 +17,14 @@ consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
 ``max_attempts``. Each reason is logged once per :data:`FAILURE_LOG_INTERVAL`, with a count of
 the ones not logged.
 
-What propagates (fatal for the producer): an engine that keeps failing after its retries, and a
-reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
-raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
-scored in between), or when too many sync reward calls are stuck past their deadline.
+What propagates (fatal for the producer): an engine that keeps failing after its retries, an
+engine that is broken rather than unlucky (:class:`~rollstream.common.errors.EngineBroken`: its
+replies were refused or unusable on ``engine_failure_limit`` distinct prompts in a row with no
+usable reply from it in between; or the same across all engines), and a reward that is broken:
+:class:`~rollstream.producer.rewards.RewardBroken`, raised when the reward failed on
+``reward_failure_limit`` distinct prompts in a row (no group scored in between), or when too many
+sync reward calls are stuck past their deadline. One bad reply, or one poison prompt retried, stays
+a failed sample: prompts are counted once each.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollstream.common.errors import ConfigError, EngineRejected, PromptNotSupported, RewardError
+from rollstream.common.errors import ConfigError, EngineBroken, EngineRejected, PromptNotSupported, RewardError
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
@@ -49,6 +53,11 @@ FAILURE_LOG_INTERVAL = 60.0
 """Seconds between two log lines of the same failure reason (the others are counted)."""
 REWARD_FAILURE_LIMIT = 8
 """Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
+ENGINE_FAILURE_LIMIT = 8
+"""Default: an engine (or all engines) with no usable reply on this many distinct prompts in a
+row is broken (fatal)."""
+ALL_ENGINES = "all engines"
+"""What :class:`EngineBroken` names when no engine in particular is to blame."""
 
 
 class FailureLog:
@@ -93,12 +102,17 @@ class RolloutSettings:
     """Written into every group's ``producer`` field."""
     reward_failure_limit: int = REWARD_FAILURE_LIMIT
     """A reward that failed on this many distinct prompts in a row is broken: fatal."""
+    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
+    """An engine (or all of them) with no usable reply on this many distinct prompts in a row is
+    broken: fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
             raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
         if self.reward_failure_limit < 1:
             raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
+        if self.engine_failure_limit < 1:
+            raise ConfigError(f"engine_failure_limit must be at least 1, got {self.engine_failure_limit!r}")
 
 
 class Rollout:
@@ -121,6 +135,10 @@ class Rollout:
         self._request_tokens = itertools.count()
         self._reward_failed_on: set[tuple[int, int]] = set()
         """(index, epoch) of the prompts the reward failed on since it last scored a group."""
+        self._engine_failed_on: dict[str, set[tuple[int, int]]] = {}
+        """Engine URL -> (index, epoch) of the prompts it gave no usable reply for since its last usable one."""
+        self._engines_failed_on: set[tuple[int, int]] = set()
+        """The same over all engines: since any engine last gave a usable reply."""
 
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
@@ -182,8 +200,30 @@ class Rollout:
             sample.reward = reward
 
     def _engine_refused(self, prompt: Prompt, exc: EngineRejected) -> None:
+        """Log the failed sample; raise :class:`EngineBroken` when the engine (or every engine)
+        has now failed on ``engine_failure_limit`` distinct prompts in a row."""
         reason = f"reply:{exc.reason}" if isinstance(exc, EngineReplyInvalid) else f"http_{exc.status_code}"
+        if not isinstance(exc, PromptNotSupported):  # decided here, no engine was asked
+            key = (prompt.index, prompt.epoch)
+            engine = exc.engine or ALL_ENGINES
+            failed_on = self._engine_failed_on.setdefault(engine, set())
+            failed_on.add(key)
+            self._engines_failed_on.add(key)
+            limit = self.settings.engine_failure_limit
+            for who, count in ((engine, len(failed_on)), (ALL_ENGINES, len(self._engines_failed_on))):
+                if count >= limit:
+                    scope = "" if who == ALL_ENGINES else " from it"
+                    raise EngineBroken(
+                        who, reason,
+                        f"engine {who} gave no usable reply for {count} distinct prompts in a row (none usable{scope} "
+                        f"in between): it is broken, not the prompts; last: {reason}: {exc}",
+                    ) from exc
         self.failures.report(reason, f"prompt {prompt.index} (attempt {prompt.attempt}): sample failed: {exc}")
+
+    def _engine_answered(self, engine: str) -> None:
+        """A usable reply from ``engine``: its run of failures (and the all-engines one) ends."""
+        self._engine_failed_on.pop(engine, None)
+        self._engines_failed_on.clear()
 
     async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
         if prompt.input_ids is not None:
@@ -295,6 +335,7 @@ class Rollout:
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)
             return _rejected(index, prompt_ids, exc)
+        self._engine_answered(generation.engine)
         self.metrics.tokens_generated(len(generation.output_ids))
         return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
 
@@ -312,6 +353,8 @@ class Rollout:
             done(n)
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
+        for engine in {g.engine for g in generations}:
+            self._engine_answered(engine)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
 

@@ -22,9 +22,10 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
 * **heartbeat** and **control** (pub/sub: pause, resume and new versions wake admission at once).
 
 SIGTERM/SIGINT drain: stop admitting, wait up to ``drain_timeout`` for in-flight groups, then
-return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, a
-broken reward function) is recorded in ``events`` with its traceback, the prompts go back,
-and :meth:`Producer.run` raises it so the process exits non-zero; so is an error while starting.
+return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, an
+engine whose replies are all unusable, a broken reward function) is recorded in ``events`` with
+its traceback, the prompts go back, and :meth:`Producer.run` raises it so the process exits
+non-zero; so is an error while starting.
 One bad prompt is never fatal: an undecodable entry is dead-lettered, and a failed sample or
 reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
 turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
@@ -65,7 +66,7 @@ from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue
 
 from .engine import EngineClient
 from .rewards import RewardFunction
-from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .rollout import ENGINE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class ProducerSettings:
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     reward_failure_limit: int = REWARD_FAILURE_LIMIT
     """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
+    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
+    """An engine (or all engines) gave no usable reply on this many distinct prompts in a row: fatal."""
     long_request_after: float = LONG_REQUEST_AFTER
     """Engine requests in flight longer than this (seconds) are reported in the heartbeat
     (``long_requests``) and shown by ``inspect`` as a warning."""
@@ -116,6 +119,8 @@ class ProducerSettings:
                 raise ConfigError(f"{name} must be positive")
         if self.reward_failure_limit < 1:
             raise ConfigError(f"reward_failure_limit must be at least 1, got {self.reward_failure_limit!r}")
+        if self.engine_failure_limit < 1:
+            raise ConfigError(f"engine_failure_limit must be at least 1, got {self.engine_failure_limit!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)
@@ -213,6 +218,7 @@ class Producer:
                 tokenize_prompts=settings.tokenize_prompts,
                 producer=settings.name,
                 reward_failure_limit=settings.reward_failure_limit,
+                engine_failure_limit=settings.engine_failure_limit,
             ),
             self.metrics,
         )

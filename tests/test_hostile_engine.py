@@ -1,0 +1,155 @@
+"""A hostile engine and a pipeline whose engines never get new weights (issue 18, items 2-4).
+Real Redis, real producer processes, the simulator over real HTTP; every test accounts for each
+prompt fed: committed, published, queued again or dead-lettered, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace
+from redis.asyncio import Redis
+from rollstream.common.errors import ProducerFailed
+from rollstream.common.events import recent_events
+from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.sim import SimConfig, SimEngine
+
+
+async def wait_exit(child: subprocess.Popen[bytes], timeout: float) -> int | None:
+    try:
+        return await asyncio.to_thread(child.wait, timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+async def inspect_json(redis_url: str, ns: str) -> tuple[int, dict[str, Any]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollstream.cli", "inspect", "--redis", redis_url, "--ns", ns, "--json",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode in (0, 1), err.decode()
+    return proc.returncode, json.loads(out)
+
+
+async def set_faults(engine: SimEngine, **faults: Any) -> None:
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(engine.url + "/sim/faults", json=faults)
+        assert reply.status_code == 200, reply.text
+
+
+async def counters(redis: Redis, ns: str) -> dict[str, int]:
+    raw = await redis.hgetall(Keys(ns).state)
+    return {k.decode(): int(v) for k, v in raw.items() if v.lstrip(b"-").isdigit()}
+
+
+async def indexes_held(redis: Redis, ns: str) -> list[int]:
+    """The prompt index of every entry in the work and dead-letter streams, sorted."""
+    keys = Keys(ns)
+    out = []
+    for stream in (keys.prompts, keys.retry, keys.groups, keys.dead):
+        out += [int(f[b"index"]) for _, f in await redis.xrange(stream)]
+    return sorted(out)
+
+
+async def nothing_pending_in_prompt_streams(redis: Redis, ns: str) -> None:
+    keys = Keys(ns)
+    for stream in (keys.prompts, keys.retry):
+        assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
+
+
+# -- item 2: an engine whose every reply is unusable ---------------------------------------------
+
+BAD = {
+    "not_json": ({"bad_reply": "not_json"}, (), "reply:not_json"),
+    "schema": ({"bad_reply": "schema"}, (), "reply:schema"),
+    "too_large": ({"bad_reply": "too_large", "bad_reply_bytes": 65536}, ("--max-reply-mib", "0.01"), "reply:too_large"),
+    "deadline": ({"bad_reply": "hang"}, ("--request-timeout", "0.5"), "reply:deadline"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+async def test_an_engine_whose_every_reply_is_unusable_is_fatal_and_loud(
+    kind: str, redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    keys = Keys(ns)
+    faults, args, reason = BAD[kind]
+    await make_namespace(redis, ns, max_attempts=3, heartbeat_timeout=3.0)
+    await add_prompts(redis, ns, 8)
+    await set_faults(sim, bad_replies=-1, **faults)
+    producer = procs.producer(redis_url, ns, sim.url, "--engine-failure-limit", "4", *args,
+                              name=f"bad-{kind}", concurrency=2)
+    assert await wait_exit(producer, 90) == 1, procs.log_of(producer)
+    [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+    assert fatal.source == f"bad-{kind}" and "EngineBroken" in fatal.message
+    assert f"engine {sim.url} gave no usable reply for 4 distinct prompts in a row" in fatal.message
+    assert reason in fatal.message, fatal.message
+    # The trainer is told, naming the engine and the reason, instead of waiting.
+    async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
+        with pytest.raises(ProducerFailed) as caught:
+            async with asyncio.timeout(30):
+                await consumer.take(4)
+    assert caught.value.producer == f"bad-{kind}" and sim.url in caught.value.error and reason in caught.value.error
+    code, snap = await inspect_json(redis_url, ns)
+    problems = " | ".join(snap["health"]["problems"])
+    assert code == 1 and f"fatal error in bad-{kind}" in problems and reason in problems, problems
+    # Nothing lost: each prompt is in exactly one stream (the failed groups recycled into retry by
+    # the take, the returned and unread ones queued); nothing dead-lettered, nothing pending.
+    assert await indexes_held(redis, ns) == list(range(8))
+    assert await redis.xlen(keys.dead) == 0 and await redis.xlen(keys.groups) == 0
+    await nothing_pending_in_prompt_streams(redis, ns)
+    assert (await redis.xpending(keys.groups, TRAINER_GROUP))["pending"] == 0
+    assert sim.state.bad_replies_sent >= 4
+
+
+async def test_one_bad_reply_costs_one_failed_sample_and_the_pipeline_goes_on(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, max_attempts=3)
+    await add_prompts(redis, ns, 6)
+    await set_faults(sim, bad_replies=2, bad_reply="not_json")
+    producer = procs.producer(redis_url, ns, sim.url, "--engine-failure-limit", "4", name="unlucky", concurrency=2)
+    taken: list[int] = []
+    async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
+        async with asyncio.timeout(60):
+            while len(taken) < 6:
+                batch = await consumer.take(1)
+                taken += [g.index for g in batch.groups]
+                await consumer.commit(batch)
+    assert sorted(taken) == list(range(6))
+    assert producer.poll() is None, procs.log_of(producer)
+    st = await counters(redis, ns)
+    assert sim.state.bad_replies_sent == 2
+    assert 1 <= st["recycled_failed"] <= 2 and st["committed"] == 6 and st.get("dead_lettered", 0) == 0
+    assert not [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+
+
+async def test_a_broken_engine_among_good_ones_is_named_and_fatal(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, max_attempts=3, heartbeat_timeout=3.0)
+    await add_prompts(redis, ns, 12)
+    async with SimEngine(SimConfig(seed=2, mean_tokens=16)) as broken:
+        await set_faults(broken, bad_replies=-1, bad_reply="schema")
+        producer = procs.producer(redis_url, ns, sim.url, "--engine", broken.url, "--engine-failure-limit", "3",
+                                  name="mixed", concurrency=2)
+        assert await wait_exit(producer, 90) == 1, procs.log_of(producer)
+    [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+    assert f"engine {broken.url} gave no usable reply for 3 distinct prompts" in fatal.message, fatal.message
+    assert "reply:schema" in fatal.message
+    # The good engine's groups are there to take; past them the trainer hears of the failure.
+    async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
+        with pytest.raises(ProducerFailed, match=broken.url.replace(".", r"\.")):
+            async with asyncio.timeout(30):
+                await consumer.take(12)
+    assert await indexes_held(redis, ns) == list(range(12))
+    await nothing_pending_in_prompt_streams(redis, ns)
