@@ -18,6 +18,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     └── PipelineError                         raised by ``take()`` instead of hanging
         ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
         └── PipelineStalled                   no producer has been alive for too long
+            └── AllGroupsStale                every group read for too long was recycled as stale
 
 Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;
 the long-running loops retry them with bounded backoff.
@@ -145,3 +146,8 @@ class ProducerFailed(PipelineError):
 
 class PipelineStalled(PipelineError):
     """No producer has sent a heartbeat for longer than the stall timeout."""
+
+
+class AllGroupsStale(PipelineStalled):
+    """Every group ``take()`` read for longer than its stall timeout was recycled as stale, none
+    usable: the engines are not getting the trainer's weights (or generation outlasts them)."""

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
-from rollstream.common.errors import ProducerFailed
+from rollstream.common.errors import AllGroupsStale, ProducerFailed
 from rollstream.common.events import recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.consumer import GroupConsumer
@@ -153,3 +153,56 @@ async def test_a_broken_engine_among_good_ones_is_named_and_fatal(
                 await consumer.take(12)
     assert await indexes_held(redis, ns) == list(range(12))
     await nothing_pending_in_prompt_streams(redis, ns)
+
+
+# -- item 4: engines that never get new weights ---------------------------------------------------
+
+
+async def test_engines_stuck_at_an_old_version_are_diagnosed_not_dead_lettered(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The simulator stays at version 0 while the trainer is at 2 (max_staleness 1): every group
+    is recycled as stale. No prompt uses up an attempt or is dead-lettered; take() says why at
+    once and, past its stall timeout, raises AllGroupsStale; inspect reports the same problem until
+    the weights reach the engines and a take() returns."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, max_staleness=1, max_attempts=2, heartbeat_timeout=3.0)
+    await add_prompts(redis, ns, 6)
+    producer = procs.producer(redis_url, ns, sim.url, name="stuck-weights", concurrency=4)
+    async with GroupConsumer.connect(redis_url, ns, "trainer-s", warn_interval=0.5, stall_timeout=6) as consumer:
+        await consumer.set_weight_version(2)
+        with pytest.raises(AllGroupsStale) as caught:
+            async with asyncio.timeout(90):
+                await consumer.take(4)
+        message = str(caught.value)
+        assert "recycled as stale" in message and "weight version 0 while the trainer is at 2" in message, message
+        assert "do the new weights reach the engines?" in message
+        warned = [r.getMessage() for r in caplog.records if "recycled as stale" in r.getMessage()]
+        assert warned and "take(4) waiting" in warned[0] and "trainer is at 2" in warned[0], warned
+        st = await counters(redis, ns)
+        assert st["recycled_stale"] > 2 * 6  # each prompt recycled more often than max_attempts allows
+        assert st.get("dead_lettered", 0) == 0 and await redis.xlen(keys.dead) == 0
+        code, snap = await inspect_json(redis_url, ns)
+        stale = snap["stale_recycling"]
+        assert stale["active"] and stale["streak"] >= 4 and stale["trainer_version"] == 2, stale
+        assert (stale["engine_version_oldest"], stale["engine_version_newest"], stale["max_staleness"]) == (0, 0, 1)
+        problems = " | ".join(snap["health"]["problems"])
+        assert code == 1 and "recycled as stale" in problems and "do the new weights reach the engines" in problems
+        # The weights reach the engines: fresh groups come, with their first attempt intact.
+        async with httpx.AsyncClient() as client:
+            await client.post(sim.url + "/update_weights_from_disk", json={"weight_version": 2})
+        taken: list[int] = []
+        async with asyncio.timeout(60):
+            while len(taken) < 6:
+                batch = await consumer.take(2)
+                assert all(g.attempt == 0 for g in batch.groups), [g.history for g in batch.groups]
+                assert all(h.startswith("stale: staleness 2 > 1") for g in batch.groups for h in g.history)
+                taken += [g.index for g in batch.groups]
+                await consumer.commit(batch)
+    assert sorted(taken) == list(range(6))
+    code, snap = await inspect_json(redis_url, ns)
+    assert not snap["stale_recycling"]["active"] and not any("stale" in p for p in snap["health"]["problems"])
+    assert producer.poll() is None, procs.log_of(producer)
+    st = await counters(redis, ns)
+    assert st["committed"] == 6 and st.get("dead_lettered", 0) == 0
+    assert await redis.xlen(keys.prompts) + await redis.xlen(keys.retry) + await redis.xlen(keys.groups) == 0

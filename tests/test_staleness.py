@@ -82,7 +82,8 @@ async def test_stale_group_is_recycled_and_the_batch_is_still_full(redis: Redis,
         assert batch.metrics["staleness_mean"] == 1.5
         await consumer.commit(batch)
     (prompt,) = await _prompts(redis, ns)
-    assert (prompt.index, prompt.attempt, prompt.partial) == (1, 1, None)
+    # Staleness is not the prompt's fault: the attempt is not used up, the reason is recorded.
+    assert (prompt.index, prompt.attempt, prompt.partial) == (1, 0, None)
     assert prompt.history == ["stale: staleness 5 > 2"]
     assert (await _state(redis, ns))["recycled_stale"] == "1"
     assert await redis.xlen(Keys(ns).groups) == 0
