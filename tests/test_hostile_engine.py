@@ -19,6 +19,15 @@ from rollstream.common.errors import AllGroupsStale, ProducerFailed
 from rollstream.common.events import recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine import (
+    REPLY_BASE_BYTES,
+    REPLY_LOGPROB_BYTES,
+    REPLY_TOKEN_BYTES,
+    EngineClient,
+    EngineSettings,
+    reply_byte_bound,
+)
+from rollstream.producer.replies import EngineReplyInvalid
 from rollstream.testing.sim import SimConfig, SimEngine
 
 
@@ -206,3 +215,72 @@ async def test_engines_stuck_at_an_old_version_are_diagnosed_not_dead_lettered(
     st = await counters(redis, ns)
     assert st["committed"] == 6 and st.get("dead_lettered", 0) == 0
     assert await redis.xlen(keys.prompts) + await redis.xlen(keys.retry) + await redis.xlen(keys.groups) == 0
+
+
+# -- item 3: the reply bound follows what the request can return -----------------------------------
+
+
+def test_the_default_reply_bound_follows_the_request_and_bounds_the_producer() -> None:
+    one = reply_byte_bound(max_new_tokens=1024, n=1, log_probs=True)
+    assert one == REPLY_BASE_BYTES + 1024 * (REPLY_TOKEN_BYTES + REPLY_LOGPROB_BYTES)
+    assert one < 2**20  # was 64 MiB per request whatever it asked for
+    assert reply_byte_bound(max_new_tokens=1024, n=1, log_probs=False) < one
+    assert reply_byte_bound(max_new_tokens=1024, n=4, log_probs=True) - REPLY_BASE_BYTES == 4 * (one - REPLY_BASE_BYTES)
+    assert reply_byte_bound(max_new_tokens=1024, n=1, log_probs=True, extra_bytes_per_token=100) == one + 102_400
+    # --concurrency 256 samples of 1024 tokens: at most 256 one-sample replies in flight.
+    assert 256 * one < 256 * 2**20
+    explicit = EngineClient(EngineSettings(urls=("http://e",), max_reply_bytes=5000))
+    derived = EngineClient(EngineSettings(urls=("http://e",), max_new_tokens=64, return_logprob=False))
+    assert explicit.reply_limit(10_000, 8) == 5000
+    assert derived.reply_limit(64, 2, 100, 3) == REPLY_BASE_BYTES + 2 * 64 * REPLY_TOKEN_BYTES + 3 * 100 * 12
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai", "chat"])
+async def test_the_longest_legitimate_reply_fits_the_derived_bound_with_a_margin(api: str) -> None:
+    """Every sample uses all of max_new_tokens (fixed length, no stop), log-probs on, n = 4 in one
+    request where the API batches: accepted under the derived bound; the bound is within a few
+    times the reply's real size (measured by asking the simulator the same directly)."""
+    tokens = 4096
+    config = SimConfig(seed=3, mean_tokens=tokens * 2, length_sigma=0.0)
+    async with SimEngine(config) as engine:
+        settings = EngineSettings(urls=(engine.url,), api="sglang" if api == "sglang" else "openai",
+                                  model="m", max_new_tokens=tokens)
+        async with EngineClient(settings) as client:
+            prompt = "Compute 1 + 2 and box it. " * 40
+            if api == "chat":
+                samples = await client.generate_n(4, messages=[{"role": "user", "content": prompt}])
+                path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "n": 4,
+                                                      "max_tokens": tokens, "logprobs": True,
+                                                      "return_tokens_as_token_ids": True, "return_token_ids": True}
+                bound = client.reply_limit(tokens, 4, len(json.dumps(body["messages"])) + 256, 5)
+            elif api == "openai":
+                samples = await client.generate_n(4, text=prompt)
+                path, body = "/v1/completions", {"prompt": prompt, "n": 4, "max_tokens": tokens, "logprobs": 0,
+                                                 "return_tokens_as_token_ids": True, "return_token_ids": True}
+                bound = client.reply_limit(tokens, 4, len(prompt.encode()) + 16, 5)
+            else:
+                samples = await client.generate_n(4, text=prompt)
+                path, body = "/generate", {"text": prompt, "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": tokens}}
+                bound = client.reply_limit(tokens)
+            assert len(samples) == 4 and all(len(s.output_ids) == tokens and s.log_probs is not None for s in samples)
+            async with httpx.AsyncClient() as raw:
+                size = len((await raw.post(engine.url + path, json=body, timeout=60)).content)
+    # Measured: sglang 27 bytes per token (the simulator's log-probs have 4 decimals, one-byte
+    # tokens; real engines send about twice that), completions 37, chat 73: bound / size 15, 10, 5.
+    assert 2 * size < bound < 16 * size, (size, bound)
+
+
+async def test_a_reply_over_the_derived_bound_is_too_large() -> None:
+    """No --max-reply-mib: a 16-token request's reply may not be 1 MiB (it was accepted up to 64)."""
+    async with SimEngine(SimConfig(seed=4, mean_tokens=8)) as engine:
+        async with EngineClient(EngineSettings(urls=(engine.url,), max_new_tokens=16)) as client:
+            bound = client.reply_limit(16)
+            await set_faults(engine, bad_replies=1, bad_reply="too_large", bad_reply_bytes=bound + 1)
+            with pytest.raises(EngineReplyInvalid, match="too_large") as caught:
+                await client.generate(input_ids=[1, 2, 3])
+            assert caught.value.engine == engine.url
+            await set_faults(engine, bad_replies=1, bad_reply="too_large", bad_reply_bytes=bound - 1)
+            with pytest.raises(EngineReplyInvalid, match="schema"):  # read in full, then refused as JSON
+                await client.generate(input_ids=[1, 2, 3])
+            assert len((await client.generate(input_ids=[1, 2, 3])).output_ids) > 0
