@@ -154,6 +154,21 @@ RECYCLE_COUNTERS = {
 """Why a group is recycled -> its counter in the state hash (also its ``recycled_*`` metric)."""
 
 
+STALE_STREAK_MIN = 4
+"""Groups recycled as stale in a row (and at least a batch of them) before ``take()`` reports
+that everything goes stale."""
+MAX_STALE_RECYCLES = 20
+"""A prompt recycled as stale this many times in a row while other groups were fresh (its own
+generation outlasts the staleness window) is dead-lettered; at most ``MAX_HISTORY``."""
+ALL_STALE_MARK = " (all groups stale)"
+"""Appended to a stale recycle's reason in the prompt's history when every group was going stale
+(the pipeline's fault): those never count towards :data:`MAX_STALE_RECYCLES`."""
+
+
+def _stale_alone(reason: str) -> bool:
+    return reason.startswith("stale:") and not reason.endswith(ALL_STALE_MARK)
+
+
 @dataclass(slots=True)
 class _StaleStreak:
     """Groups recycled as stale in a row with no usable group in between (across takes)."""
@@ -246,6 +261,7 @@ class GroupConsumer:
         self._handed_back_maybe: set[bytes] = set()
         # The groups recycled as stale since the last usable one (None: the last group was usable).
         self._stale: _StaleStreak | None = None
+        self._fresh_seen = False
 
     @classmethod
     def connect(
@@ -574,6 +590,7 @@ class GroupConsumer:
             await self._recycle(entry_id, group, "stale", f"staleness {staleness} > {staleness_limit}", tally)
             return None
         self._stale = None  # a fresh group: whatever went stale before, weights reach the engines
+        self._fresh_seen = True
         if keep_filter is not None:
             reason = rejection_reason(keep_filter(group))
             if reason is not None:
@@ -590,8 +607,9 @@ class GroupConsumer:
 
     @property
     def _stale_reportable(self) -> bool:
-        """A streak long enough to be reported: a whole batch's worth of groups, all stale."""
-        return self._stale is not None and self._stale.count >= self.config.batch_size
+        """A streak long enough to be reported: a whole batch's worth of groups (at least
+        :data:`STALE_STREAK_MIN`), all stale."""
+        return self._stale is not None and self._stale.count >= max(self.config.batch_size, STALE_STREAK_MIN)
 
     async def _stale_check(self, target: int, started: float, have: int) -> None:
         """Report a streak of stale recycles at once, then every ``warn_interval`` (log and the
@@ -641,8 +659,22 @@ class GroupConsumer:
         # Staleness is the pipeline's doing, not the prompt's: it does not use up an attempt
         # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
         stale = kind == "stale"
+        alone = stale and self._fresh_seen and not self._stale_reportable  # other groups are fresh
+        if stale and not alone:
+            reason += ALL_STALE_MARK
         prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not stale)
         fields = prompt_fields(prompt)
+        recent = prompt.history[-MAX_STALE_RECYCLES:]
+        if alone and len(recent) == MAX_STALE_RECYCLES and all(_stale_alone(h) for h in recent):
+            # The one loop staleness can make for a prompt: its generation always outlasts the window.
+            dead_reason = (
+                f"stale_recycles: recycled as stale {MAX_STALE_RECYCLES} times in a row while other groups "
+                f"were fresh: its generation outlasts max_staleness versions (raise max_staleness or lower "
+                f"max_new_tokens); last: {reason}"
+            )
+            logger.warning("consumer %s: prompt %d dead-lettered: %s", self.name, group.index, dead_reason)
+            await self._dead_letter(entry_id, fields, dead_reason, tally, log=False)
+            return
         if not stale and prompt.attempt > self.config.max_attempts:
             dead_reason = (
                 f"max_attempts: recycled {prompt.attempt} times (> {self.config.max_attempts}); last: {reason}"
