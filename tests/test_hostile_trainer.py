@@ -82,7 +82,8 @@ async def test_cancelled_takes_strand_nothing(
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.2):
                     await consumer.take(1)
-            assert time.monotonic() - started < 1.2
+            # Ends with its timeout, not after a blocking read or never (slack for a loaded machine).
+            assert time.monotonic() - started < 5
     assert cancellations >= 50
     assert max(late) < 1.0, f"a cancelled take() ran on for {max(late):.2f} s"
     assert committed == Counter(range(prompts)), "every group committed exactly once"
@@ -107,7 +108,7 @@ async def test_stalled_fires_when_every_take_is_short(redis: Redis, redis_url: s
                         await consumer.take(4)
                 except TimeoutError:
                     continue
-        assert time.monotonic() - started < 6
+        assert time.monotonic() - started < 12  # stall_timeout 1.5 s; the loop gives up at 15 s
 
 
 async def test_code_named_in_redis_is_never_imported(
@@ -152,7 +153,7 @@ async def test_one_live_trainer_per_consumer_name(redis: Redis, redis_url: str, 
         started = time.monotonic()
         with pytest.raises(ConsumerNameInUse):
             await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=1)
-        assert 0.9 < time.monotonic() - started < 3
+        assert 0.9 < time.monotonic() - started < 10  # waited name_wait out, then gave up
         first.send_signal(signal.SIGKILL)
         await asyncio.to_thread(first.wait, 10)
         started = time.monotonic()
