@@ -36,3 +36,10 @@ def test_take_quick_produces_rows() -> None:
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(60)
+def test_reply_bound_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["reply_bound"], quick=True)
+    assert table.name == "reply_bound" and len(table.rows) == 4
+    assert all(row[5] > 1 for row in table.rows)  # every legitimate reply under its bound
