@@ -146,7 +146,7 @@ async def procs(tmp_path: Path) -> AsyncIterator[ProcessPool]:
     await pool.astop_all()
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+async def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05,
                      message: str = "condition") -> Any:
     """Poll an (async or sync) predicate until truthy; fail with ``message`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.errors import AllGroupsStale, ProducerFailed
 from rollstream.common.events import recent_events
@@ -43,7 +43,7 @@ async def inspect_json(redis_url: str, ns: str) -> tuple[int, dict[str, Any]]:
         sys.executable, "-m", "rollstream.cli", "inspect", "--redis", redis_url, "--ns", ns, "--json",
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode in (0, 1), err.decode()
     return proc.returncode, json.loads(out)
 
@@ -95,7 +95,7 @@ async def test_an_engine_whose_every_reply_is_unusable_is_fatal_and_loud(
     await set_faults(sim, bad_replies=-1, **faults)
     producer = procs.producer(redis_url, ns, sim.url, "--engine-failure-limit", "4", *args,
                               name=f"bad-{kind}", concurrency=2)
-    assert await wait_exit(producer, 90) == 1, procs.log_of(producer)
+    assert await wait_exit(producer, 180) == 1, procs.log_of(producer)
     [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
     assert fatal.source == f"bad-{kind}" and "EngineBroken" in fatal.message
     assert f"engine {sim.url} gave no usable reply for 4 distinct prompts in a row" in fatal.message
@@ -103,7 +103,7 @@ async def test_an_engine_whose_every_reply_is_unusable_is_fatal_and_loud(
     # The trainer is told, naming the engine and the reason, instead of waiting.
     async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
         with pytest.raises(ProducerFailed) as caught:
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(60):
                 await consumer.take(4)
     assert caught.value.producer == f"bad-{kind}" and sim.url in caught.value.error and reason in caught.value.error
     code, snap = await inspect_json(redis_url, ns)
@@ -128,7 +128,7 @@ async def test_one_bad_reply_costs_one_failed_sample_and_the_pipeline_goes_on(
     producer = procs.producer(redis_url, ns, sim.url, "--engine-failure-limit", "4", name="unlucky", concurrency=2)
     taken: list[int] = []
     async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(180):
             while len(taken) < 6:
                 batch = await consumer.take(1)
                 taken += [g.index for g in batch.groups]
@@ -151,14 +151,14 @@ async def test_a_broken_engine_among_good_ones_is_named_and_fatal(
         await set_faults(broken, bad_replies=-1, bad_reply="schema")
         producer = procs.producer(redis_url, ns, sim.url, "--engine", broken.url, "--engine-failure-limit", "3",
                                   name="mixed", concurrency=2)
-        assert await wait_exit(producer, 90) == 1, procs.log_of(producer)
+        assert await wait_exit(producer, 180) == 1, procs.log_of(producer)
     [fatal] = [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
     assert f"engine {broken.url} gave no usable reply for 3 distinct prompts" in fatal.message, fatal.message
     assert "reply:schema" in fatal.message
     # The good engine's groups are there to take; past them the trainer hears of the failure.
     async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
         with pytest.raises(ProducerFailed, match=broken.url.replace(".", r"\.")):
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(60):
                 await consumer.take(12)
     assert await indexes_held(redis, ns) == list(range(12))
     await nothing_pending_in_prompt_streams(redis, ns)
@@ -175,9 +175,13 @@ async def test_engines_stuck_at_an_old_version_are_diagnosed_not_dead_lettered(
     once and, past its stall timeout, raises AllGroupsStale; inspect reports the same problem until
     the weights reach the engines and a take() returns."""
     keys = Keys(ns)
-    await make_namespace(redis, ns, max_staleness=1, max_attempts=2, heartbeat_timeout=3.0)
+    await make_namespace(redis, ns, max_staleness=1, max_attempts=2)
     await add_prompts(redis, ns, 6)
     producer = procs.producer(redis_url, ns, sim.url, name="stuck-weights", concurrency=4)
+    # stall_timeout (6 s) also bounds the wait for a live producer: wait for its heartbeat first,
+    # however long a loaded machine takes to start it.
+    await wait_until(lambda: redis.hexists(keys.producers, "stuck-weights"), timeout=120,
+                     message=f"the producer's heartbeat\n{procs.logs()}")
     async with GroupConsumer.connect(redis_url, ns, "trainer-s", warn_interval=0.5, stall_timeout=6) as consumer:
         await consumer.set_weight_version(2)
         with pytest.raises(AllGroupsStale) as caught:
@@ -201,7 +205,7 @@ async def test_engines_stuck_at_an_old_version_are_diagnosed_not_dead_lettered(
         async with httpx.AsyncClient() as client:
             await client.post(sim.url + "/update_weights_from_disk", json={"weight_version": 2})
         taken: list[int] = []
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(180):
             while len(taken) < 6:
                 batch = await consumer.take(2)
                 assert all(g.attempt == 0 for g in batch.groups), [g.history for g in batch.groups]
