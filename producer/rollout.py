@@ -212,11 +212,11 @@ class Rollout:
             limit = self.settings.engine_failure_limit
             for who, count in ((engine, len(failed_on)), (ALL_ENGINES, len(self._engines_failed_on))):
                 if count >= limit:
-                    scope = "" if who == ALL_ENGINES else " from it"
+                    subject, scope = (who, "any") if who == ALL_ENGINES else (f"engine {who}", "it")
                     raise EngineBroken(
                         who, reason,
-                        f"engine {who} gave no usable reply for {count} distinct prompts in a row (none usable{scope} "
-                        f"in between): it is broken, not the prompts; last: {reason}: {exc}",
+                        f"{subject} gave no usable reply for {count} distinct prompts in a row (none usable from "
+                        f"{scope} in between): it is broken, not the prompts; last: {reason}: {exc}",
                     ) from exc
         self.failures.report(reason, f"prompt {prompt.index} (attempt {prompt.attempt}): sample failed: {exc}")
 

@@ -272,7 +272,8 @@ async def test_a_broken_engine_among_good_ones_is_named_and_all_broken_engines_a
     roll = Rollout(client, reward, settings)
     for index in range(2):
         assert (await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status == Status.FAILED
-    with pytest.raises(EngineBroken, match="engine all engines gave no usable reply for 3 distinct") as caught:
+    expected = r"^all engines gave no usable reply for 3 distinct prompts in a row \(none usable from any"
+    with pytest.raises(EngineBroken, match=expected) as caught:
         await roll.run(Prompt(index=2, prompt="x"), admitted_version=0)
     assert caught.value.engine == "all engines" and caught.value.reason == "http_400"
     await client.aclose()
