@@ -56,9 +56,9 @@ async def test_inspect_json_counts_after_feed_take_commit_recycle_and_a_killed_p
         pa.send_signal(signal.SIGKILL)
         pa.wait(10)
         procs.producer(redis_url, ns, sim.url, name="pb")
-        first = await asyncio.wait_for(consumer.take(4), 20)
+        first = await asyncio.wait_for(consumer.take(4), 120)
         await consumer.commit(first)
-        second = await asyncio.wait_for(consumer.take(5), 20)
+        second = await asyncio.wait_for(consumer.take(5), 120)
         assert len(first) + len(second) == 9
     finally:
         await consumer.aclose()
