@@ -237,6 +237,11 @@ def test_the_default_reply_bound_follows_the_request_and_bounds_the_producer() -
     derived = EngineClient(EngineSettings(urls=("http://e",), max_new_tokens=64, return_logprob=False))
     assert explicit.reply_limit(10_000, 8) == 5000
     assert derived.reply_limit(64, 2, 100, 3) == REPLY_BASE_BYTES + 2 * 64 * REPLY_TOKEN_BYTES + 3 * 100 * 12
+    # A routing replay (48 layers x top-8, base64 int32): a row per output and per prompt token.
+    r3 = EngineClient(EngineSettings(urls=("http://e",), routed_experts=(48, 8, 128)))
+    row = -(-16 * 48 * 8 // 3) + 4
+    assert r3.reply_limit(1024, replay_prompt_tokens=100) == one + 1024 * row + 100 * row
+    assert r3.reply_limit(1024, replay_prompt_tokens=100) > 4 * 48 * 8 * 1124 * 4 // 3  # the replay itself fits
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai", "chat"])
