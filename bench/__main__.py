@@ -2,7 +2,7 @@
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
-restart.
+restart, reply_bound.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
-    "restart",
+    "restart", "reply_bound",
 )
 
 

@@ -89,12 +89,16 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds one engine request may take in total, reply body included")
-    p.add_argument("--max-reply-mib", type=float, default=64.0,
-                   help="largest engine reply accepted, in MiB (checked while reading)")
+    p.add_argument("--max-reply-mib", type=float, default=None,
+                   help="largest engine reply accepted, in MiB (checked while reading); default: derived per "
+                        "request from --max-new-tokens, n and log-probs (docs/engines.md)")
     p.add_argument("--reward-timeout", type=float, default=300.0,
                    help="seconds the reward may take on one group; past it the group fails (recycled)")
     p.add_argument("--reward-failure-limit", type=int, default=8,
                    help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
+    p.add_argument("--engine-failure-limit", type=int, default=8,
+                   help="an engine (or all engines) refusing or answering unusable replies on this many "
+                        "distinct prompts in a row is fatal (a broken engine)")
     p.add_argument("--long-request-after", type=float, default=600.0,
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -331,7 +335,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         max_retries=args.max_retries,
         request_timeout=args.request_timeout,
-        max_reply_bytes=int(args.max_reply_mib * 2**20),
+        max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
         routed_experts=args.routed_experts,
         engine_stats=args.engine_stats,
     )
@@ -348,6 +352,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
         reward_failure_limit=args.reward_failure_limit,
+        engine_failure_limit=args.engine_failure_limit,
         long_request_after=args.long_request_after,
         **episode_options(args),
     )

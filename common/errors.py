@@ -14,11 +14,13 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
-    │   └── EngineRejected                    the engine refused the request (4xx): not retried
+    │   ├── EngineRejected                    the engine refused the request (4xx): not retried
+    │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
     ├── RewardError                           the reward function failed
     └── PipelineError                         raised by ``take()`` instead of hanging
         ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
         └── PipelineStalled                   no producer has been alive for too long
+            └── AllGroupsStale                every group read for too long was recycled as stale
 
 Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;
 the long-running loops retry them with bounded backoff, and ``RedisOutOfMemory`` too.
@@ -114,6 +116,18 @@ class EngineRejected(EngineError):
         super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
         self.status_code = status_code
         self.body = body
+        self.engine = ""
+        """The engine's URL (set by the client), so a run of refusals can be blamed on one engine."""
+
+
+class EngineBroken(EngineError):
+    """An engine (or every engine) answered nothing usable on many distinct prompts in a row:
+    the engine is broken, not the prompts. Fatal for the producer, like a broken reward."""
+
+    def __init__(self, engine: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.reason = reason
 
 
 class PromptNotSupported(ConfigError, EngineRejected):
@@ -126,6 +140,7 @@ class PromptNotSupported(ConfigError, EngineRejected):
         RollstreamError.__init__(self, f"prompt not supported by this producer's configuration: {detail}")
         self.status_code = 400
         self.body = detail
+        self.engine = ""
 
 
 class RewardError(RollstreamError):
@@ -150,3 +165,8 @@ class ProducerFailed(PipelineError):
 
 class PipelineStalled(PipelineError):
     """No producer has sent a heartbeat for longer than the stall timeout."""
+
+
+class AllGroupsStale(PipelineStalled):
+    """Every group ``take()`` read for longer than its stall timeout was recycled as stale, none
+    usable: the engines are not getting the trainer's weights (or generation outlasts them)."""

@@ -196,6 +196,20 @@ class StateField:
     """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
     """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
+    STALE_STREAK = "stale_streak"
+    """Groups a trainer recycled as stale in a row, none usable in between, when it last reported
+    them (``take()``'s stale-recycling diagnosis; ``inspect`` shows it)."""
+    STALE_SINCE_MS = "stale_since_ms"
+    """When that streak began."""
+    STALE_REPORTED_MS = "stale_reported_ms"
+    """When it was last reported: unresolved while no ``take()`` returned after it."""
+    STALE_ENGINE_OLDEST = "stale_engine_oldest"
+    STALE_ENGINE_NEWEST = "stale_engine_newest"
+    """The oldest and newest sample weight versions (the engines') of the streak's groups."""
+    STALE_TRAINER_VERSION = "stale_trainer_version"
+    """The trainer's weight version they were judged against."""
+    STALE = (STALE_STREAK, STALE_SINCE_MS, STALE_REPORTED_MS, STALE_ENGINE_OLDEST, STALE_ENGINE_NEWEST,
+             STALE_TRAINER_VERSION)
     GROUP_BYTES = "group_bytes"
     """Bytes of group data held in the group stream (ready and taken but not committed), kept
     atomically by PUBLISH and the scripts that remove groups: what the byte budget bounds."""
@@ -241,6 +255,7 @@ class StateField:
         LAST_ADMIT_MS,
         VERSION_START_CONSUMED,
         PREV_VERSION_CONSUMED,
+        *STALE,
         GROUP_BYTES,
         PUBLISHED_BYTES,
     )

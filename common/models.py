@@ -482,10 +482,11 @@ MAX_HISTORY = 20
 """Recycle reasons a prompt keeps (the newest)."""
 
 
-def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False) -> Prompt:
-    """The prompt of ``group`` for its next attempt: ``attempt + 1``, ``reason`` added to its
-    history, the prompt ids of its samples kept (when the producer knew them) and, with
-    ``keep_partial``, the samples themselves (partial rollout continues them).
+def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_attempt: bool = True) -> Prompt:
+    """The prompt of ``group`` for its next attempt: ``attempt + 1`` (unchanged when not
+    ``uses_attempt``: a group recycled as stale is the pipeline's doing, not the prompt's),
+    ``reason`` added to its history, the prompt ids of its samples kept (when the producer knew
+    them) and, with ``keep_partial``, the samples themselves (partial rollout continues them).
 
     The one group -> prompt conversion: recycling and dead-lettering a group both use it."""
     first = group.samples[0] if group.samples else None
@@ -497,7 +498,7 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False) -> Pr
         prompt=group.prompt,
         label=group.label,
         epoch=group.epoch,
-        attempt=group.attempt + 1,
+        attempt=group.attempt + 1 if uses_attempt else group.attempt,
         metadata=dict(group.metadata),
         input_ids=input_ids,
         partial=group.samples if keep_partial else None,

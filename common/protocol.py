@@ -927,6 +927,12 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
 
 
 @translate_errors
+async def record_stale_streak(redis: Redis, keys: Keys, values: Mapping[str, int]) -> None:
+    """Write a trainer's stale-recycling diagnosis (the ``StateField.STALE`` fields) for ``inspect``."""
+    await redis.hset(keys.state, mapping={name: int(values[name]) for name in StateField.STALE})
+
+
+@translate_errors
 async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig) -> AdmissionTerms:
     """The admission rule's terms now (what ADMIT would compute), read in one round trip; a
     stream or group that does not exist counts as empty."""

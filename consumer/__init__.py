@@ -6,6 +6,7 @@ surface as redis-py's ``redis.exceptions.ConnectionError``.
 """
 
 from rollstream.common.errors import (
+    AllGroupsStale,
     ConfigError,
     ConsumerNameInUse,
     DecodeError,
@@ -23,6 +24,7 @@ from .consumer import Batch, Connecting, GroupConsumer, SyncGroupConsumer
 from .filters import KeepFilter, rejection_reason, reward_variance
 
 __all__ = [
+    "AllGroupsStale",
     "Batch",
     "ConfigError",
     "Connecting",

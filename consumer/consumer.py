@@ -6,7 +6,10 @@ Each entry is checked as it arrives and either accepted or handed back in one Lu
 * undecodable, wrong sample count, over the size limits -> dead-letter stream, with the reason;
 * any FAILED or ABORTED sample -> prompt recycled (``attempt + 1``, state reset, or with
   partial rollout the partial samples kept); past ``max_attempts`` -> dead-letter stream;
-* staleness (trainer version - oldest sample version) above ``max_staleness`` -> recycled;
+* staleness (trainer version - oldest sample version) above ``max_staleness`` -> recycled with
+  its attempt unchanged (staleness is not the prompt's fault); a streak of nothing but stale
+  groups is reported at once (log, state hash for ``inspect``) and, past ``stall_timeout``,
+  raises :class:`AllGroupsStale`;
 * rejected by the dynamic-sampling ``keep`` filter -> dropped and counted (or recycled).
 
 It keeps reading until it holds exactly ``target`` usable groups; the surplus stays in the
@@ -41,6 +44,7 @@ from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_en
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage, connect
 from rollstream.common.errors import (
+    AllGroupsStale,
     ConfigError,
     ConsumerNameInUse,
     DecodeError,
@@ -64,6 +68,7 @@ from rollstream.common.protocol import (
     mark_take,
     read_admission_terms,
     read_heartbeats,
+    record_stale_streak,
     stream_lengths,
     waiting_groups,
 )
@@ -186,6 +191,48 @@ RECYCLE_COUNTERS = {
 """Why a group is recycled -> its counter in the state hash (also its ``recycled_*`` metric)."""
 
 
+STALE_STREAK_MIN = 4
+"""Groups recycled as stale in a row (and at least a batch of them) before ``take()`` reports
+that everything goes stale."""
+MAX_STALE_RECYCLES = 20
+"""A prompt recycled as stale this many times in a row while other groups were fresh (its own
+generation outlasts the staleness window) is dead-lettered; at most ``MAX_HISTORY``."""
+ALL_STALE_MARK = " (all groups stale)"
+"""Appended to a stale recycle's reason in the prompt's history when every group was going stale
+(the pipeline's fault): those never count towards :data:`MAX_STALE_RECYCLES`."""
+
+
+def _stale_alone(reason: str) -> bool:
+    return reason.startswith("stale:") and not reason.endswith(ALL_STALE_MARK)
+
+
+@dataclass(slots=True)
+class _StaleStreak:
+    """Groups recycled as stale in a row with no usable group in between (across takes)."""
+
+    since: float
+    since_ms: int
+    oldest: int
+    newest: int
+    trainer: int
+    limit: int
+    count: int = 0
+    reported: float = -math.inf
+
+    def add(self, oldest: int, newest: int, trainer: int, limit: int) -> None:
+        self.count += 1
+        self.oldest, self.newest = min(self.oldest, oldest), max(self.newest, newest)
+        self.trainer, self.limit = trainer, limit
+
+    def describe(self) -> str:
+        versions = str(self.oldest) if self.oldest == self.newest else f"{self.oldest}..{self.newest}"
+        return (
+            f"groups are being recycled as stale: {self.count} in a row over {time.monotonic() - self.since:.0f} s, "
+            f"none usable; the engines generated them at weight version {versions} while the trainer is at "
+            f"{self.trainer} (max_staleness {self.limit}): do the new weights reach the engines?"
+        )
+
+
 @dataclass(slots=True)
 class _Tally:
     recycled: Counter[str] = field(default_factory=Counter)
@@ -249,6 +296,9 @@ class GroupConsumer:
         # Entries put back after a cancelled take() whose hand-back script may have run meanwhile:
         # finding them deleted is expected, not a loss.
         self._handed_back_maybe: set[bytes] = set()
+        # The groups recycled as stale since the last usable one (None: the last group was usable).
+        self._stale: _StaleStreak | None = None
+        self._fresh_seen = False
 
     @classmethod
     def connect(
@@ -448,6 +498,8 @@ class GroupConsumer:
                     entries.popleft()
                     if group is not None:
                         taken.append((entry_id, group))
+                if self._stale is not None:
+                    await self._stale_check(target, started, len(taken))
                 if got or len(taken) >= target:
                     continue
                 now = time.monotonic()
@@ -572,14 +624,57 @@ class GroupConsumer:
             await self._recycle(entry_id, group, "aborted", "", tally)
             return None
         if staleness_limit is not None and staleness > staleness_limit:
+            self._count_stale(group, version, staleness_limit)
             await self._recycle(entry_id, group, "stale", f"staleness {staleness} > {staleness_limit}", tally)
             return None
+        self._stale = None  # a fresh group: whatever went stale before, weights reach the engines
+        self._fresh_seen = True
         if keep_filter is not None:
             reason = rejection_reason(keep_filter(group))
             if reason is not None:
                 await self._filter(entry_id, group, reason, tally)
                 return None
         return group
+
+    def _count_stale(self, group: Group, version: int, limit: int) -> None:
+        versions = [v for s in group.samples for v in s.weight_versions]
+        oldest, newest = (min(versions), max(versions)) if versions else (0, 0)
+        if self._stale is None:
+            self._stale = _StaleStreak(time.monotonic(), now_ms(), oldest, newest, version, limit)
+        self._stale.add(oldest, newest, version, limit)
+
+    @property
+    def _stale_reportable(self) -> bool:
+        """A streak long enough to be reported: a whole batch's worth of groups (at least
+        :data:`STALE_STREAK_MIN`), all stale."""
+        return self._stale is not None and self._stale.count >= max(self.config.batch_size, STALE_STREAK_MIN)
+
+    async def _stale_check(self, target: int, started: float, have: int) -> None:
+        """Report a streak of stale recycles at once, then every ``warn_interval`` (log and the
+        state hash, for ``inspect``); past ``stall_timeout`` of nothing but stale groups, raise
+        :class:`AllGroupsStale`: recycling them for ever would only burn engine time."""
+        streak = self._stale
+        if streak is None or not self._stale_reportable:
+            return
+        now = time.monotonic()
+        if now - streak.reported >= self.warn_interval:
+            streak.reported = now
+            logger.warning(
+                "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
+                self.name, self.keys.namespace, target, now - started, have, streak.describe(),
+            )
+            values = {
+                StateField.STALE_STREAK: streak.count, StateField.STALE_SINCE_MS: streak.since_ms,
+                StateField.STALE_REPORTED_MS: now_ms(), StateField.STALE_ENGINE_OLDEST: streak.oldest,
+                StateField.STALE_ENGINE_NEWEST: streak.newest, StateField.STALE_TRAINER_VERSION: streak.trainer,
+            }
+            await self._outage.run(lambda: record_stale_streak(self.redis, self.keys, values))
+        if now - streak.since > self.stall_timeout:
+            self._stale = None  # a trainer that goes on (new weights pushed) gets a fresh window
+            raise AllGroupsStale(
+                f"take({target}) of namespace {self.keys.namespace!r}: for more than the {self.stall_timeout:.0f} s "
+                f"stall timeout every group read was recycled as stale; {streak.describe()}"
+            )
 
     async def _fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
         return await self._outage.run(lambda: self.queue.fetch(entry_id))
@@ -599,9 +694,26 @@ class GroupConsumer:
         """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
         reason = f"{kind}: {detail}" if detail else kind
         keep_partial = kind == "aborted" and self.config.partial_rollout
-        prompt = retry_prompt(group, reason, keep_partial=keep_partial)
+        # Staleness is the pipeline's doing, not the prompt's: it does not use up an attempt
+        # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
+        stale = kind == "stale"
+        alone = stale and self._fresh_seen and not self._stale_reportable  # other groups are fresh
+        if stale and not alone:
+            reason += ALL_STALE_MARK
+        prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not stale)
         fields = prompt_fields(prompt)
-        if prompt.attempt > self.config.max_attempts:
+        recent = prompt.history[-MAX_STALE_RECYCLES:]
+        if alone and len(recent) == MAX_STALE_RECYCLES and all(_stale_alone(h) for h in recent):
+            # The one loop staleness can make for a prompt: its generation always outlasts the window.
+            dead_reason = (
+                f"stale_recycles: recycled as stale {MAX_STALE_RECYCLES} times in a row while other groups "
+                f"were fresh: its generation outlasts max_staleness versions (raise max_staleness or lower "
+                f"max_new_tokens); last: {reason}"
+            )
+            logger.warning("consumer %s: prompt %d dead-lettered: %s", self.name, group.index, dead_reason)
+            await self._dead_letter(entry_id, fields, dead_reason, tally, log=False)
+            return
+        if not stale and prompt.attempt > self.config.max_attempts:
             dead_reason = (
                 f"max_attempts: recycled {prompt.attempt} times (> {self.config.max_attempts}); last: {reason}"
             )
@@ -687,6 +799,8 @@ class GroupConsumer:
             terms=terms if self.config.admission_enabled else None,
             engine_retries=_engine_retries(beats, now, self.config.heartbeat_timeout), last_error=last_error,
         )
+        if self._stale is not None and self._stale_reportable:
+            cause = self._stale.describe()
         summary = (
             f"{cause} (backlog {backlog}, prompts queued {queued}, in flight {in_flight} samples, "
             f"live producers {alive}, paused {paused})"

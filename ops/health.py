@@ -88,6 +88,16 @@ def judge(
             f"fatal error in {newest['source']} {newest['age_s']:.0f} s ago, no group published since: "
             f"{newest['message']}"
         )
+    stale = snap.get("stale_recycling")
+    if stale and stale["active"]:
+        oldest, newest = stale["engine_version_oldest"], stale["engine_version_newest"]
+        versions = str(oldest) if oldest == newest else f"{oldest}..{newest}"
+        problems.append(
+            f"groups are being recycled as stale: {stale['streak']} in a row (since {stale['since_age_s']:.0f} s ago), "
+            f"no take() returned since; the engines generated them at weight version {versions} while the trainer "
+            f"is at {stale['trainer_version']} (max_staleness {stale['max_staleness']}): do the new weights reach the "
+            "engines? (the trainer's weight sync; engines that report no version stand in the version at admission)"
+        )
     groups = snap["groups"]
     last_trainer = max(trainer["last_take_ms"] or 0, last_commit)
     if groups["backlog"] > 0 and groups["oldest_waiting_age_s"] is not None:

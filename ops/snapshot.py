@@ -242,6 +242,19 @@ async def snapshot(
         "last_commit_age_s": _age_s(now, when(StateField.LAST_COMMIT_MS)),
         "last_publish_age_s": _age_s(now, when(StateField.LAST_PUBLISH_MS)),
     }
+    reported = when(StateField.STALE_REPORTED_MS)
+    last_take = trainer["last_take_ms"] or 0
+    stale_recycling = {
+        "recycled_stale": counters[StateField.RECYCLED_STALE],
+        "active": bool(reported and reported > last_take and _int(state.get(StateField.STALE_STREAK))),
+        "streak": _int(state.get(StateField.STALE_STREAK)),
+        "since_age_s": _age_s(now, when(StateField.STALE_SINCE_MS)),
+        "reported_age_s": _age_s(now, reported),
+        "engine_version_oldest": _int(state.get(StateField.STALE_ENGINE_OLDEST)),
+        "engine_version_newest": _int(state.get(StateField.STALE_ENGINE_NEWEST)),
+        "trainer_version": _int(state.get(StateField.STALE_TRAINER_VERSION)),
+        "max_staleness": config.max_staleness if config else None,
+    }
     snap: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "namespace": keys.namespace,
@@ -256,6 +269,7 @@ async def snapshot(
         "producers_alive": sum(1 for p in producers if p["alive"]),
         "trainer": trainer,
         "counters": counters,
+        "stale_recycling": stale_recycling,
         "feeder": {
             "next_index": _int(state.get(StateField.FEED_NEXT_INDEX)),
             "epoch": _int(state.get(StateField.FEED_EPOCH)),

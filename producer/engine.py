@@ -3,13 +3,14 @@
 One ``httpx.AsyncClient`` for all engines (connection limits, timeouts) over the aiohttp transport
 (``httpx-aiohttp``: httpx's own pool costs 13-24 ms of CPU per request at 256 concurrent requests,
 the aiohttp transport ~0.6 ms; see docs/benchmarks.md); tests may pass any ``httpx`` transport
-(``httpx.MockTransport``). Replies are read within ``max_reply_bytes`` and ``request_timeout``
-seconds in total, and parsed and validated by :mod:`.replies` straight into packed arrays; an
-unusable reply raises :class:`EngineReplyInvalid` (an :class:`EngineRejected`, not retried), so
-the producer records a FAILED sample. Requests go to the engine
-with the fewest samples in flight; connection errors, 5xx and 429 are retried with exponential
-backoff and jitter, possibly on another engine; any other 4xx is not retried
-(:class:`EngineRejected`). After the retries, :class:`EngineError`.
+(``httpx.MockTransport``). Replies are read within a byte bound (derived per request from
+``max_new_tokens``, ``n`` and log-probs by :func:`reply_byte_bound`, or ``max_reply_bytes``) and
+``request_timeout`` seconds in total, and parsed and validated by :mod:`.replies` straight into
+packed arrays; an unusable reply raises :class:`EngineReplyInvalid` (an :class:`EngineRejected`,
+not retried), so the producer records a FAILED sample. Requests go to the engine with the
+fewest samples in flight; connection errors, 5xx and 429 are retried with exponential backoff
+and jitter, possibly on another engine; any other 4xx is not retried (:class:`EngineRejected`).
+After the retries, :class:`EngineError`.
 
 Engine APIs (``EngineSettings.api``):
 
@@ -34,11 +35,13 @@ to a worker's ``/tokenize``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import random
 import time
 from array import array
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -63,6 +66,33 @@ ERROR_BODY_BYTES = 65536
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
+REPLY_BASE_BYTES = 256 * 2**10
+"""Reply bound, per request: the envelope and metadata (usage, ids, finish reasons; < 2 KiB
+in practice), and the margin of short replies."""
+REPLY_TOKEN_BYTES = 96
+"""Per output token: its id (``output_ids`` / ``token_ids``, <= 11 bytes) and its text,
+JSON-escaped (typically 1-8 bytes; a long whitespace or code token more)."""
+REPLY_LOGPROB_BYTES = 256
+"""Per output token with log-probs asked for: SGLang's ``[logprob, id, null]`` (~25 bytes), vLLM's
+``"token_id:N"`` token, log-prob, offset and top-log-prob entry (~80), or a chat log-prob object
+with the token's ``bytes`` (~100, more for long tokens)."""
+REPLY_PROMPT_TOKEN_BYTES = 12
+"""Per prompt token echoed back (vLLM ``return_token_ids``: the reply's and each choice's
+``prompt_token_ids``)."""
+
+
+def reply_byte_bound(
+    *, max_new_tokens: int, n: int, log_probs: bool, prompt_tokens: int = 0, prompt_copies: int = 0,
+    extra_bytes_per_token: int = 0,
+) -> int:
+    """The most bytes a legitimate reply to one request can hold, with a margin (about 3x what
+    SGLang and vLLM send for typical tokens): ``n`` samples of ``max_new_tokens`` each, their
+    log-probs when asked for, ``prompt_copies`` echoes of a ``prompt_tokens`` prompt. The one
+    place the default bound is derived: per-token data asked for beside the tokens (routed
+    experts, teacher log-probs) adds ``extra_bytes_per_token``."""
+    per_token = REPLY_TOKEN_BYTES + (REPLY_LOGPROB_BYTES if log_probs else 0) + extra_bytes_per_token
+    return REPLY_BASE_BYTES + n * max_new_tokens * per_token + prompt_copies * prompt_tokens * REPLY_PROMPT_TOKEN_BYTES
+
 Messages = Sequence[Mapping[str, Any]]
 
 
@@ -83,8 +113,11 @@ class EngineSettings:
     """Seconds one generation request may take in total, body included (not per read); past
     it the sample fails with :class:`EngineReplyInvalid` ``deadline``."""
     connect_timeout: float = 5.0
-    max_reply_bytes: int = 64 * 2**20
-    """Largest reply body accepted (bytes, checked while reading); larger fails the sample."""
+    max_reply_bytes: int | None = None
+    """Largest reply body accepted (bytes, checked while reading); larger fails the sample.
+    None (the default): derived per request from what it can legitimately return
+    (:func:`reply_byte_bound`), so the replies in flight take at most about ``concurrency`` x
+    the bound of one sample."""
     max_retries: int = 5
     backoff_base: float = 0.2
     backoff_max: float = 10.0
@@ -115,7 +148,7 @@ class EngineSettings:
             raise ConfigError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p must be in (0, 1]")
-        if self.max_reply_bytes < 1024:
+        if self.max_reply_bytes is not None and self.max_reply_bytes < 1024:
             raise ConfigError("max_reply_bytes must be at least 1024")
         if self.max_retries < 0:
             raise ConfigError("max_retries must be non-negative")
@@ -241,6 +274,17 @@ class _Engine:
         self.workers_checked = -float("inf")
 
 
+@contextlib.contextmanager
+def _blame(engine: _Engine) -> Iterator[None]:
+    """Name ``engine`` on the refusals and unusable replies raised inside (``EngineRejected.engine``)."""
+    try:
+        yield
+    except EngineRejected as exc:
+        if not exc.engine:
+            exc.engine = engine.url
+        raise
+
+
 class EngineClient:
     """Generates against one or more engines; use as ``async with`` or call ``aclose()``."""
 
@@ -305,8 +349,30 @@ class EngineClient:
     def _count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    async def _post(self, path: str, body: Mapping[str, Any], weight: int = 1) -> tuple[_Engine, bytes]:
-        """POST to the least-loaded engine with retries; the reply's body (HTTP 200).
+    def reply_limit(
+        self, max_new_tokens: int, n: int = 1, prompt_tokens: int = 0, prompt_copies: int = 0, *,
+        replay_prompt_tokens: int = 0, log_probs: bool | None = None,
+    ) -> int:
+        """The reply bound of one request: ``max_reply_bytes`` when set, else derived from
+        what the request asks for (:func:`reply_byte_bound`); with ``routed_experts``, the
+        replay's base64 int32 rows (one per output token and per ``replay_prompt_tokens``)."""
+        if self.settings.max_reply_bytes is not None:
+            return self.settings.max_reply_bytes
+        replay = 0
+        if self.settings.routed_experts is not None:
+            layers, topk, _ = self.settings.routed_experts
+            replay = math.ceil(4 * layers * topk * 4 / 3) + 4  # base64 of int32 ids, with padding
+        return reply_byte_bound(
+            max_new_tokens=max_new_tokens, n=n,
+            log_probs=self.settings.return_logprob if log_probs is None else log_probs,
+            prompt_tokens=prompt_tokens, prompt_copies=prompt_copies, extra_bytes_per_token=replay,
+        ) + replay * replay_prompt_tokens
+
+    async def _post(
+        self, path: str, body: Mapping[str, Any], weight: int = 1, *, limit: int
+    ) -> tuple[_Engine, bytes]:
+        """POST to the least-loaded engine with retries; the reply's body (HTTP 200), at most
+        ``limit`` bytes.
 
         ``weight`` is the number of samples the request asks for (its in-flight count)."""
         content = _encode(body)
@@ -315,7 +381,11 @@ class EngineClient:
             engine = self._pick()
             engine.in_flight += weight
             try:
-                status, raw = await self._send(engine.url + path, content)
+                with _blame(engine):
+                    status, raw = await self._send(engine.url + path, content, limit)
+                    if status != 200 and status not in RETRY_STATUS:
+                        self._count_error(f"http_{status}")
+                        raise EngineRejected(status, raw.decode("utf-8", "replace"))
             except httpx.TransportError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
                 self._count_error("connection")
@@ -323,8 +393,6 @@ class EngineClient:
                 if status == 200:
                     return engine, raw
                 self._count_error(f"http_{status}")
-                if status not in RETRY_STATUS:
-                    raise EngineRejected(status, raw.decode("utf-8", "replace"))
                 failure = f"HTTP {status}"
             finally:
                 engine.in_flight -= weight
@@ -337,10 +405,9 @@ class EngineClient:
             logger.info("engine %s%s: %s; retry %d in %.2f s", engine.url, path, failure, attempt, delay)
             await asyncio.sleep(delay)
 
-    async def _send(self, url: str, content: bytes) -> tuple[int, bytes]:
-        """One POST: the status and the body, read within ``max_reply_bytes`` (error bodies:
-        their first 64 KiB) and ``request_timeout`` seconds in total."""
-        limit = self.settings.max_reply_bytes
+    async def _send(self, url: str, content: bytes, limit: int) -> tuple[int, bytes]:
+        """One POST: the status and the body, read within ``limit`` bytes (error bodies: their
+        first 64 KiB) and ``request_timeout`` seconds in total."""
         try:
             async with asyncio.timeout(self.settings.request_timeout):
                 async with self._http.stream("POST", url, content=content, headers=JSON_HEADERS) as response:
@@ -481,18 +548,22 @@ class EngineClient:
         shape = self.settings.routed_experts
         if shape is not None:
             body["return_routed_experts"] = True
-        engine, raw = await self._post("/generate", body)
+        # SGLang echoes no prompt ids; a routing replay has a row per prompt and output token.
+        prompt_tokens = len(input_ids or ()) if text is None else len(text.encode("utf-8")) + 16
+        limit = self.reply_limit(max_new, replay_prompt_tokens=prompt_tokens if shape is not None else 0)
+        engine, raw = await self._post("/generate", body, limit=limit)
         want = self.settings.return_logprob
         where = engine.url + "/generate"
-        parsed = replies.parse_sglang(raw, want_logprobs=want, where=where)[0]
-        experts = None
-        if shape is not None and parsed.routed_experts is not None:
-            experts = replies.decode_routed_experts(parsed.routed_experts, *shape, where=where)
-        elif shape is not None and parsed.finish_reason != "abort":
-            raise replies.EngineReplyInvalid(
-                "routed_experts", "asked for but meta_info has none (start SGLang with --enable-return-routed-experts)",
-                where,
-            )
+        with _blame(engine):
+            parsed = replies.parse_sglang(raw, want_logprobs=want, where=where)[0]
+            experts = None
+            if shape is not None and parsed.routed_experts is not None:
+                experts = replies.decode_routed_experts(parsed.routed_experts, *shape, where=where)
+            elif shape is not None and parsed.finish_reason != "abort":
+                raise replies.EngineReplyInvalid(
+                    "routed_experts",
+                    "asked for but meta_info has none (start SGLang with --enable-return-routed-experts)", where,
+                )
         version = parse_version(parsed.weight_version)
         if version is None:
             version = await self.weight_version(engine)
@@ -506,7 +577,9 @@ class EngineClient:
     async def post(self, path: str, body: Mapping[str, Any]) -> tuple[str, bytes]:
         """POST ``body`` to the least-loaded engine with the retries, deadline and reply bound
         of a generation (a teacher's scoring request); the engine URL and the reply body."""
-        engine, raw = await self._post(path, body)
+        # The teacher scores every input token: bound as that many output tokens with log-probs.
+        tokens = len(body.get("input_ids") or ())
+        engine, raw = await self._post(path, body, limit=self.reply_limit(max(1, tokens), log_probs=True))
         return engine.url, raw
 
     def _openai_body(self, max_new: int, n: int, sampling: Mapping[str, Any]) -> dict[str, Any]:
@@ -526,9 +599,14 @@ class EngineClient:
         body["prompt"] = text if text is not None else list(input_ids or ())
         if self.settings.return_logprob:
             body["logprobs"] = 0  # the sampled token's log-prob only
-        engine, raw = await self._post("/v1/completions", body, weight=n)
+        # A prompt has at most one token per UTF-8 byte (+ special tokens); vLLM echoes its ids
+        # on the reply and on each choice.
+        prompt_tokens = len(input_ids or ()) if text is None else len(text.encode("utf-8")) + 16
+        limit = self.reply_limit(max_new, n, prompt_tokens, prompt_copies=n + 1)
+        engine, raw = await self._post("/v1/completions", body, weight=n, limit=limit)
         where = engine.url + "/v1/completions"
-        parsed = replies.parse_completions(raw, n, want_logprobs=self.settings.return_logprob, where=where)
+        with _blame(engine):
+            parsed = replies.parse_completions(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 
@@ -539,9 +617,12 @@ class EngineClient:
         body["messages"] = [dict(m) for m in messages]
         if self.settings.return_logprob:
             body["logprobs"] = True
-        engine, raw = await self._post("/v1/chat/completions", body, weight=n)
+        prompt_tokens = len(_encode({"messages": body["messages"]})) + 256  # the template adds some
+        limit = self.reply_limit(max_new, n, prompt_tokens, prompt_copies=n + 1)
+        engine, raw = await self._post("/v1/chat/completions", body, weight=n, limit=limit)
         where = engine.url + "/v1/chat/completions"
-        parsed = replies.parse_chat(raw, n, want_logprobs=self.settings.return_logprob, where=where)
+        with _blame(engine):
+            parsed = replies.parse_chat(raw, n, want_logprobs=self.settings.return_logprob, where=where)
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 

@@ -60,6 +60,7 @@ class EngineReplyInvalid(EngineRejected):
         self.reason = reason
         self.detail = detail
         self.where = where
+        self.engine = ""
 
 
 @dataclass(slots=True)

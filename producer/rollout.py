@@ -20,11 +20,15 @@ the ones not logged.
 
 A generate function that raises, times out (``--episode-timeout``) or returns something
 unusable fails its sample with the reason, like an engine refusal. What propagates (fatal for
-the producer): an engine that keeps failing after its retries, a generate function that failed
-on ``generate_failure_limit`` distinct prompts in a row (:class:`~.episode.GenerateBroken`), and a
+the producer): an engine that keeps failing after its retries; an engine that is broken rather
+than unlucky (:class:`~rollstream.common.errors.EngineBroken`: its replies were refused or
+unusable on ``engine_failure_limit`` distinct prompts in a row with no usable reply from it in
+between, or the same across all engines); a generate function that failed on
+``generate_failure_limit`` distinct prompts in a row (:class:`~.episode.GenerateBroken`); and a
 reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
 raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
-scored in between), or when too many sync reward calls are stuck past their deadline.
+scored in between), or when too many sync reward calls are stuck past their deadline. One bad
+reply, or one poison prompt retried, stays a failed sample: prompts are counted once each.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
 
-from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported, RewardError
+from rollstream.common.errors import (
+    ConfigError,
+    EngineBroken,
+    EngineError,
+    EngineRejected,
+    PromptNotSupported,
+    RewardError,
+)
 from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
@@ -62,6 +73,11 @@ REWARD_FAILURE_LIMIT = 8
 """Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
 GENERATE_FAILURE_LIMIT = 8
 """Default: a generate function that failed on this many distinct prompts in a row is broken (fatal)."""
+ENGINE_FAILURE_LIMIT = 8
+"""Default: an engine (or all engines) with no usable reply on this many distinct prompts in a
+row is broken (fatal)."""
+ALL_ENGINES = "all engines"
+"""What :class:`EngineBroken` names when no engine in particular is to blame."""
 
 
 class FailureLog:
@@ -113,11 +129,14 @@ class RolloutSettings:
     """Engine concurrency, named limits, the episode deadline and the context budget."""
     generate_failure_limit: int = GENERATE_FAILURE_LIMIT
     """A generate function that failed on this many distinct prompts in a row is broken: fatal."""
+    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
+    """An engine (or all of them) with no usable reply on this many distinct prompts in a row is
+    broken: fatal."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
             raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
-        for name in ("reward_failure_limit", "generate_failure_limit"):
+        for name in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
 
@@ -195,6 +214,7 @@ class Rollout:
             settings.limits,
             partial_rollout=settings.partial_rollout,
             metrics=self.metrics,
+            on_reply=self._engine_answered,
             **({"wait_resumed": wait_resumed} if wait_resumed is not None else {}),
         )
         self.failures = FailureLog()
@@ -206,6 +226,10 @@ class Rollout:
         """Episodes whose function raised, timed out or returned an invalid result."""
         self.function_failures = 0
         """Of those, the ones held against the function (raised or invalid, not the deadline)."""
+        self._engine_failed_on: dict[str, set[tuple[int, int]]] = {}
+        """Engine URL -> (index, epoch) of the prompts it gave no usable reply for since its last usable one."""
+        self._engines_failed_on: set[tuple[int, int]] = set()
+        """The same over all engines: since any engine last gave a usable reply."""
 
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
@@ -274,8 +298,30 @@ class Rollout:
             sample.reward = reward
 
     def _engine_refused(self, prompt: Prompt, exc: EngineRejected) -> None:
+        """Log the failed sample; raise :class:`EngineBroken` when the engine (or every engine)
+        has now failed on ``engine_failure_limit`` distinct prompts in a row."""
         reason = f"reply:{exc.reason}" if isinstance(exc, EngineReplyInvalid) else f"http_{exc.status_code}"
+        if not isinstance(exc, PromptNotSupported):  # decided here, no engine was asked
+            key = (prompt.index, prompt.epoch)
+            engine = exc.engine or ALL_ENGINES
+            failed_on = self._engine_failed_on.setdefault(engine, set())
+            failed_on.add(key)
+            self._engines_failed_on.add(key)
+            limit = self.settings.engine_failure_limit
+            for who, count in ((engine, len(failed_on)), (ALL_ENGINES, len(self._engines_failed_on))):
+                if count >= limit:
+                    subject, scope = (who, "any") if who == ALL_ENGINES else (f"engine {who}", "it")
+                    raise EngineBroken(
+                        who, reason,
+                        f"{subject} gave no usable reply for {count} distinct prompts in a row (none usable from "
+                        f"{scope} in between): it is broken, not the prompts; last: {reason}: {exc}",
+                    ) from exc
         self.failures.report(reason, f"prompt {prompt.index} (attempt {prompt.attempt}): sample failed: {exc}")
+
+    def _engine_answered(self, engine: str) -> None:
+        """A usable reply from ``engine``: its run of failures (and the all-engines one) ends."""
+        self._engine_failed_on.pop(engine, None)
+        self._engines_failed_on.clear()
 
     async def _prompt_ids(self, prompt: Prompt) -> array[int] | None:
         if prompt.input_ids is not None:
@@ -457,6 +503,8 @@ class Rollout:
             done(n)
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
+        for engine in {g.engine for g in generations}:
+            self._engine_answered(engine)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [
             with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version), [g], None)

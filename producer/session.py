@@ -125,8 +125,11 @@ class EpisodeRuntime:
         partial_rollout: bool = False,
         metrics: Metrics | None = None,
         wait_resumed: Callable[[], Awaitable[None]] = _resumed_at_once,
+        on_reply: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_reply = on_reply
+        """Called with the engine's URL after every usable reply (the broken-engine count resets)."""
         self.limits = limits if limits is not None else EpisodeLimits()
         self.partial_rollout = partial_rollout
         self.metrics = metrics if metrics is not None else Metrics()
@@ -475,6 +478,8 @@ class EpisodeSession(Episode):
             if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):
                 self.fatal = exc  # kept even if the user's code swallows it
             raise
+        if runtime.on_reply is not None:
+            runtime.on_reply(generation.engine)
         self.last_call_metadata = {"engine": generation.engine}
         return generation
 

@@ -23,9 +23,10 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
 * **heartbeat** and **control** (pub/sub: pause, resume and new versions wake admission at once).
 
 SIGTERM/SIGINT drain: stop admitting, wait up to ``drain_timeout`` for in-flight groups, then
-return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, a
-broken reward function) is recorded in ``events`` with its traceback, the prompts go back,
-and :meth:`Producer.run` raises it so the process exits non-zero; so is an error while starting.
+return the unfinished prompts to the stream. A fatal error (an engine that keeps failing, an
+engine whose replies are all unusable, a broken reward function) is recorded in ``events`` with
+its traceback, the prompts go back, and :meth:`Producer.run` raises it so the process exits
+non-zero; so is an error while starting.
 One bad prompt is never fatal: an undecodable entry is dead-lettered, and a failed sample or
 reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
 turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
@@ -67,7 +68,7 @@ from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue
 from .engine import EngineClient
 from .episode import GenerateFunction
 from .rewards import RewardFunction
-from .rollout import GENERATE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .rollout import ENGINE_FAILURE_LIMIT, GENERATE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
 from .session import RESUME_POLL, EpisodeLimits
 from .teacher import TeacherScorer
 from .telemetry import Metrics
@@ -107,6 +108,8 @@ class ProducerSettings:
     """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
     reward_failure_limit: int = REWARD_FAILURE_LIMIT
     """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
+    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
+    """An engine (or all engines) gave no usable reply on this many distinct prompts in a row: fatal."""
     long_request_after: float = LONG_REQUEST_AFTER
     """Engine requests in flight longer than this (seconds) are reported in the heartbeat
     (``long_requests``) and shown by ``inspect`` as a warning."""
@@ -125,7 +128,7 @@ class ProducerSettings:
         for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        for limit in ("reward_failure_limit", "generate_failure_limit"):
+        for limit in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, limit) < 1:
                 raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")
 
@@ -229,6 +232,7 @@ class Producer:
                 generate=settings.generate,
                 limits=settings.limits,
                 generate_failure_limit=settings.generate_failure_limit,
+                engine_failure_limit=settings.engine_failure_limit,
             ),
             self.metrics,
             teacher,

@@ -146,9 +146,16 @@ async def procs(tmp_path: Path) -> AsyncIterator[ProcessPool]:
     await pool.astop_all()
 
 
-async def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+MIN_WAIT = 60.0
+"""The shortest deadline :func:`wait_until` gives a condition: a deadline only ends a failing test,
+it is never a claim about speed, and a process start on a loaded machine takes tens of seconds."""
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = MIN_WAIT, interval: float = 0.05,
                      message: str = "condition") -> Any:
-    """Poll an (async or sync) predicate until truthy; fail with ``message`` after ``timeout``."""
+    """Poll an (async or sync) predicate until truthy; fail with ``message`` after ``timeout``
+    (at least :data:`MIN_WAIT`) seconds."""
+    timeout = max(timeout, MIN_WAIT)
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

@@ -71,3 +71,10 @@ def test_restart_quick_measures_both_producers() -> None:
     ((pair, first, second, ratio, first_life, second_life, life_ratio),) = table.rows
     assert pair == 1 and first > 0 and second > 0 and ratio == pytest.approx(second / first)
     assert first_life > 0 and second_life > 0 and life_ratio == pytest.approx(second_life / first_life)
+
+
+@pytest.mark.timeout(60)
+def test_reply_bound_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["reply_bound"], quick=True)
+    assert table.name == "reply_bound" and len(table.rows) == 4
+    assert all(row[5] > 1 for row in table.rows)  # every legitimate reply under its bound

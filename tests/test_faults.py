@@ -192,7 +192,7 @@ async def test_producer_failure_raises_in_take_with_remote_traceback(
     a = procs.producer(redis_url, ns, sim.url, "--max-retries", "1", name="prod-a", concurrency=2)
     async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
         with pytest.raises(ProducerFailed) as caught:
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(120):
                 await consumer.take(1)
     failure = caught.value
     assert failure.producer == "prod-a"

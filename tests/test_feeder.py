@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_namespace
+from conftest import make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry
 from rollstream.common.errors import ConfigError
@@ -41,7 +41,8 @@ async def test_window_epochs_and_exact_resume(redis: Redis, ns: str, tmp_path: P
 
     feeder = Feeder(redis, records, settings)
     task = asyncio.create_task(feeder.run())
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: _xlen_at_least(redis, keys.prompts, 3), message="the window filled")
+    await asyncio.sleep(0.3)  # ~15 more polls on an idle machine: it stays full, never more
     assert await redis.xlen(keys.prompts) == 3  # the window holds
     feeder.stop()
     await task
@@ -80,3 +81,7 @@ def test_bad_dataset_lines_name_the_line(tmp_path: Path) -> None:
         load_jsonl(path)
     with pytest.raises(ConfigError):
         FeedSettings(namespace="x", window=0)
+
+
+async def _xlen_at_least(redis: Redis, key: str, count: int) -> bool:
+    return await redis.xlen(key) >= count

@@ -12,7 +12,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -104,12 +103,10 @@ async def test_a_producer_failing_in_its_first_milliseconds_records_it_and_exits
     await redis.xadd(keys.prompts, {b"\xff\xfe": b"x"})
     await add_prompts(redis, ns, 1)
     for round_ in range(3):
-        started = time.monotonic()
         child = procs.producer(redis_url, ns, NO_ENGINE, "--max-retries", "0", name=f"early-{round_}")
         code = await wait_exit(child, 30)
         assert code is not None, f"round {round_}: still running after 30 s\n{procs.log_of(child)}"
         assert code == 1, procs.log_of(child)
-        assert time.monotonic() - started < 30
         fatal = [e for e in await recent_events(redis, keys) if e.kind == "fatal" and e.source == f"early-{round_}"]
         assert fatal and "EngineError" in fatal[0].message + fatal[0].traceback
     # Each prompt is back (in the prompt stream, or the retry stream when returned by the failing

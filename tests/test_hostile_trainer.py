@@ -41,7 +41,9 @@ async def test_cancelled_takes_strand_nothing(
     redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
 ) -> None:
     """50-80 cancellations at random points (asyncio.timeout and bare cancel after k loop turns),
-    against two real producers: every group is committed exactly once, none is stranded."""
+    against two real producers: every group is committed exactly once, none is stranded. How
+    many cancellations land before their take returns depends on the machine's speed: prompts
+    are fed 200 at first, then 50 more at a time until 50 cancellations landed."""
     prompts = 200
     await make_namespace(redis, ns, max_backlog=16)
     await add_prompts(redis, ns, prompts)
@@ -53,9 +55,12 @@ async def test_cancelled_takes_strand_nothing(
     late: list[float] = []
     typical = 0.005
     async with GroupConsumer.connect(redis_url, ns, "trainer-c", stall_timeout=60) as consumer:
-        deadline = time.monotonic() + 150
-        while sum(committed.values()) < prompts:
+        deadline = time.monotonic() + 300
+        while sum(committed.values()) < prompts or cancellations < 50:
             assert time.monotonic() < deadline, f"stuck at {sum(committed.values())} committed\n{procs.logs()}"
+            if sum(committed.values()) == prompts:  # all taken, too few cancellations landed yet
+                await add_prompts(redis, ns, 50, start=prompts)
+                prompts += 50
             target = min(2, prompts - sum(committed.values()))
             started = time.monotonic()
             task = asyncio.create_task(consumer.take(target))
@@ -82,7 +87,8 @@ async def test_cancelled_takes_strand_nothing(
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.2):
                     await consumer.take(1)
-            assert time.monotonic() - started < 1.2
+            # Ends with its timeout, not after a blocking read or never (slack for a loaded machine).
+            assert time.monotonic() - started < 5
     assert cancellations >= 50
     assert max(late) < 1.0, f"a cancelled take() ran on for {max(late):.2f} s"
     assert committed == Counter(range(prompts)), "every group committed exactly once"
@@ -107,7 +113,7 @@ async def test_stalled_fires_when_every_take_is_short(redis: Redis, redis_url: s
                         await consumer.take(4)
                 except TimeoutError:
                     continue
-        assert time.monotonic() - started < 6
+        assert time.monotonic() - started < 12  # stall_timeout 1.5 s; the loop gives up at 15 s
 
 
 async def test_code_named_in_redis_is_never_imported(
@@ -152,7 +158,7 @@ async def test_one_live_trainer_per_consumer_name(redis: Redis, redis_url: str, 
         started = time.monotonic()
         with pytest.raises(ConsumerNameInUse):
             await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=1)
-        assert 0.9 < time.monotonic() - started < 3
+        assert 0.9 < time.monotonic() - started < 10  # waited name_wait out, then gave up
         first.send_signal(signal.SIGKILL)
         await asyncio.to_thread(first.wait, 10)
         started = time.monotonic()

@@ -47,7 +47,8 @@ async def test_metrics_endpoint_serves_the_listed_metrics_and_they_move(redis_ur
         except httpx.HTTPError:
             return None
 
-    before = await wait_until(served, timeout=20, interval=0.2, message=f"metrics endpoint\n{procs.logs()}")
+    # A generous deadline: a producer process can take tens of seconds to start on a loaded machine.
+    before = await wait_until(served, timeout=90, interval=0.2, message=f"metrics endpoint\n{procs.logs()}")
     for name in UNLABELLED:
         assert f"family:{name}" in before, (name, sorted(k for k in before if k.startswith("family:")))
     assert before["rollstream_groups_published_total{}"] == 0

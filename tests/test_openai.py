@@ -55,7 +55,7 @@ async def test_completions_round_trip_token_ids_and_logprobs_one_request_per_gro
     producer = procs.producer(redis_url, ns, sim.url, *OPENAI, name="vllm", concurrency=8)
     async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await consumer.set_weight_version(3)
-        batches = [await asyncio.wait_for(consumer.take(3), 30) for _ in range(2)]
+        batches = [await asyncio.wait_for(consumer.take(3), 120) for _ in range(2)]
         for batch in batches:
             await consumer.commit(batch)
     groups = [g for b in batches for g in b.groups]
@@ -91,7 +91,7 @@ async def test_finish_reasons_map_on_both_apis(
     async with SimEngine(SimConfig(seed=3, mean_tokens=30, length_sigma=0.5)) as sim:
         procs.producer(redis_url, ns, sim.url, *APIS[api], "--max-new-tokens", "30", name=f"fin-{api}")
         async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-            batch = await asyncio.wait_for(consumer.take(4), 30)
+            batch = await asyncio.wait_for(consumer.take(4), 120)
     samples = [s for g in batch.groups for s in g.samples]
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"stop", "length"}, f"want both reasons in 16 samples, got {reasons}"
@@ -111,7 +111,7 @@ async def test_engine_500s_are_retried_on_both_apis(
     await add_prompts(redis, ns, 2)
     producer = procs.producer(redis_url, ns, sim.url, *APIS[api], name=f"retry-{api}")
     async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-        batch = await asyncio.wait_for(consumer.take(2), 30)
+        batch = await asyncio.wait_for(consumer.take(2), 120)
     assert sorted(g.index for g in batch.groups) == [0, 1]
     assert sim.state.faults_injected == 2
     await wait_until(
@@ -138,7 +138,7 @@ async def test_abort_all_recycles_the_group_on_both_apis(
         async with httpx.AsyncClient() as http:
             (await http.post(f"{sim.url}/abort_request", json={"abort_all": True})).raise_for_status()
         async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-            batch = await asyncio.wait_for(consumer.take(2), 30)
+            batch = await asyncio.wait_for(consumer.take(2), 120)
         assert sim.state.aborted >= 2
         assert batch.metrics.get("recycled_aborted", 0) >= 1 or int(
             await redis.hget(Keys(ns).state, "recycled_aborted") or 0
@@ -156,7 +156,7 @@ async def test_chat_prompts_on_the_openai_api_use_chat_completions(
     chats = await _add_chat(redis, ns, 2)
     procs.producer(redis_url, ns, sim.url, *OPENAI, name="chat")
     async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-        batch = await asyncio.wait_for(consumer.take(2), 30)
+        batch = await asyncio.wait_for(consumer.take(2), 120)
     for group in batch.groups:
         prompt_ids = tokenize(render_chat(chats[group.index]))  # the server's template, reported back
         for sample in group.samples:
@@ -178,7 +178,7 @@ async def test_chat_prompts_with_a_tokenizer_go_as_input_ids(
         redis_url, ns, sim.url, *APIS[api], "--tokenizer", "fake_tokenizer:FakeChatTokenizer", name=f"tok-{api}"
     )
     async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
-        batch = await asyncio.wait_for(consumer.take(2), 30)
+        batch = await asyncio.wait_for(consumer.take(2), 120)
     for group in batch.groups:
         rendered = "".join(f"[FAKE]{m['role']}: {m['content']}|" for m in chats[group.index]) + "[FAKE]assistant:"
         for sample in group.samples:

@@ -34,14 +34,14 @@ async def test_pause_stops_admission_at_once_and_resume_restarts_it(
             await wait_until(_in_flight(redis, keys), timeout=20, message="prompts in flight")
             await consumer.pause()
             paused_at = time.monotonic()
+            # Read after pause() returned, however late: from then on ADMIT hands out nothing.
             admitted = await _admitted(redis, keys)
             pending = (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"]
-            read_after = time.monotonic() - paused_at
-            assert read_after < 0.1, f"reading the counters took {read_after:.3f} s"
-            # Over the next second nothing new is admitted, though the engine keeps generating.
+            # Over the next second (and 20 looks at least) nothing new is admitted, though the
+            # engine keeps generating.
             published_before = int(await redis.hget(keys.state, "published") or 0)
-            samples = []
-            while time.monotonic() - paused_at < 1.0:
+            samples: list[tuple[int, int]] = []
+            while len(samples) < 20 or time.monotonic() - paused_at < 1.0:
                 now_admitted = await _admitted(redis, keys)
                 now_pending = (await redis.xpending(keys.prompts, PRODUCERS_GROUP))["pending"]
                 samples.append((now_admitted, now_pending))

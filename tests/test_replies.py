@@ -281,5 +281,5 @@ async def test_a_dripping_reply_fails_at_the_total_deadline(stub: str) -> None:
         start = loop.time()
         with pytest.raises(EngineReplyInvalid, match="deadline") as info:
             await asyncio.wait_for(engine.generate(input_ids=[1]), 30)
-        assert 0.9 < loop.time() - start < 5
+        assert 0.9 < loop.time() - start < 10  # the 1 s deadline, not the endless drip
     assert info.value.reason == "deadline"

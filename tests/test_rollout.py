@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from rollstream.common.errors import EngineBroken
 from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import PythonReward, RewardBroken, RewardFunction
@@ -198,4 +199,81 @@ async def test_a_reward_failing_on_a_prompt_fails_its_group_and_a_broken_one_is_
     await roll.run(Prompt(index=4, prompt="bad"), admitted_version=0)
     with pytest.raises(RewardBroken, match="failed on 3 distinct prompts in a row"):
         await roll.run(Prompt(index=5, prompt="bad"), admitted_version=0)
+    await client.aclose()
+
+
+class RoutedEngines:
+    """Engines by host: ``good`` answers usable replies, ``garbage`` an HTML page, ``refusing``
+    HTTP 400; ``garbage_for`` prompts get garbage from every engine."""
+
+    def __init__(self, garbage_for: str = "") -> None:
+        self.good = FakeEngine()
+        self.garbage_for = garbage_for
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+            text = json.loads(request.content).get("text")
+            if request.url.host == "garbage" or (self.garbage_for and text == self.garbage_for):
+                return httpx.Response(200, text="<html>oops</html>")
+            if request.url.host == "refusing":
+                return httpx.Response(400, text="no")
+        return self.good(request)
+
+
+def _alternating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client picks engines in turn (among the least loaded), not at random."""
+    import itertools
+
+    from rollstream.producer import engine as engine_module
+
+    turn = itertools.count()
+    monkeypatch.setattr(engine_module.random, "choice", lambda seq: seq[next(turn) % len(seq)])
+
+
+async def test_one_bad_reply_fails_one_sample_and_an_engine_failing_on_every_prompt_is_fatal() -> None:
+    client = EngineClient(EngineSettings(urls=("http://good",), max_new_tokens=16),
+                          transport=httpx.MockTransport(RoutedEngines(garbage_for="bad")))
+    roll = Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"),
+                   RolloutSettings(n_samples=2, engine_failure_limit=3, tokenize_prompts=False))
+    bad = await roll.run(Prompt(index=0, prompt="bad"), admitted_version=0)
+    assert bad.status == Status.FAILED and all("not_json" in (s.error or "") for s in bad.samples)
+    # The same prompt again (a retry) counts once; a usable reply ends the run of failures.
+    await roll.run(Prompt(index=0, prompt="bad", attempt=1), admitted_version=0)
+    await roll.run(Prompt(index=1, prompt="bad"), admitted_version=0)
+    assert (await roll.run(Prompt(index=2, prompt="good"), admitted_version=0)).status == Status.COMPLETED
+    await roll.run(Prompt(index=3, prompt="bad"), admitted_version=0)
+    await roll.run(Prompt(index=4, prompt="bad"), admitted_version=0)
+    with pytest.raises(EngineBroken, match="3 distinct prompts in a row") as caught:
+        await roll.run(Prompt(index=5, prompt="bad"), admitted_version=0)
+    assert caught.value.engine == "http://good" and caught.value.reason == "reply:not_json"
+    await client.aclose()
+
+
+async def test_a_broken_engine_among_good_ones_is_named_and_all_broken_engines_are_fatal_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _alternating(monkeypatch)
+    reward = PythonReward(lambda s, p, lab: 1.0, name="one")
+    settings = RolloutSettings(n_samples=1, engine_failure_limit=3, tokenize_prompts=False)
+    # One engine of two answers garbage: the good one's replies do not hide it.
+    client = EngineClient(EngineSettings(urls=("http://good", "http://garbage"), max_new_tokens=16),
+                          transport=httpx.MockTransport(RoutedEngines()))
+    roll = Rollout(client, reward, settings)
+    statuses = []
+    with pytest.raises(EngineBroken) as caught:
+        for index in range(10):
+            statuses.append((await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status)
+    assert caught.value.engine == "http://garbage" and caught.value.reason == "reply:not_json"
+    assert statuses == [Status.COMPLETED, Status.FAILED] * 2 + [Status.COMPLETED]  # the 6th prompt was fatal
+    await client.aclose()
+    # Two engines broken in different ways: after 3 prompts neither has 3 alone, all engines have.
+    client = EngineClient(EngineSettings(urls=("http://refusing", "http://garbage"), max_new_tokens=16),
+                          transport=httpx.MockTransport(RoutedEngines()))
+    roll = Rollout(client, reward, settings)
+    for index in range(2):
+        assert (await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status == Status.FAILED
+    expected = r"^all engines gave no usable reply for 3 distinct prompts in a row \(none usable from any"
+    with pytest.raises(EngineBroken, match=expected) as caught:
+        await roll.run(Prompt(index=2, prompt="x"), admitted_version=0)
+    assert caught.value.engine == "all engines" and caught.value.reason == "http_400"
     await client.aclose()

@@ -181,7 +181,8 @@ async def test_poison_and_bad_requests_are_refused(sim: Factory) -> None:
 
 
 async def test_abort_all_mid_generation(sim: Factory) -> None:
-    engine, client = await sim(mean_tokens=200, length_sigma=0.0, latency_per_token=0.005)
+    # 200 tokens over 10 s: aborted early, some tokens and far from all, loaded machine or not.
+    engine, client = await sim(mean_tokens=200, length_sigma=0.0, latency_per_token=0.05)
     task = asyncio.create_task(
         client.post("/generate", json={"text": QUESTION, "return_logprob": True, "rid": "x"})
     )
@@ -204,7 +205,7 @@ async def test_abort_all_mid_generation(sim: Factory) -> None:
 
 
 async def test_abort_by_rid(sim: Factory) -> None:
-    engine, client = await sim(mean_tokens=100, length_sigma=0.0, latency_per_token=0.004)
+    engine, client = await sim(mean_tokens=100, length_sigma=0.0, latency_per_token=0.02)  # 2 s each
     a = asyncio.create_task(client.post("/generate", json={"text": "a", "rid": "a"}))
     b = asyncio.create_task(client.post("/generate", json={"text": "b", "rid": "b"}))
     await _wait_for(lambda: engine.state.running == 2)
@@ -320,7 +321,8 @@ async def test_completions_defaults_and_token_prompt(sim: Factory) -> None:
 
 
 async def test_completions_abort(sim: Factory) -> None:
-    engine, client = await sim(mean_tokens=200, length_sigma=0.0, latency_per_token=0.005)
+    # 200 tokens over 10 s: aborted early, some tokens and far from all, loaded machine or not.
+    engine, client = await sim(mean_tokens=200, length_sigma=0.0, latency_per_token=0.05)
     task = asyncio.create_task(
         client.post("/v1/completions", json={"prompt": QUESTION, "max_tokens": 500, "n": 2})
     )

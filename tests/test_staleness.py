@@ -82,7 +82,8 @@ async def test_stale_group_is_recycled_and_the_batch_is_still_full(redis: Redis,
         assert batch.metrics["staleness_mean"] == 1.5
         await consumer.commit(batch)
     (prompt,) = await _prompts(redis, ns)
-    assert (prompt.index, prompt.attempt, prompt.partial) == (1, 1, None)
+    # Staleness is not the prompt's fault: the attempt is not used up, the reason is recorded.
+    assert (prompt.index, prompt.attempt, prompt.partial) == (1, 0, None)
     assert prompt.history == ["stale: staleness 5 > 2"]
     assert (await _state(redis, ns))["recycled_stale"] == "1"
     assert await redis.xlen(Keys(ns).groups) == 0
@@ -224,3 +225,35 @@ def test_reward_variance_verdicts() -> None:
     assert reward_variance(_group(0, [0], rewards=(0.5, 0.5))) == "zero_variance"
     assert reward_variance(_group(0, [0], rewards=(0.0, 1.0))) is True
     assert reward_variance(_group(0, [0], rewards=(math.nan, math.nan))) is True  # unscored: not judged
+
+
+async def test_a_prompt_stale_on_its_own_again_and_again_is_dead_lettered_not_one_stale_with_all(
+    redis: Redis, redis_url: str, ns: str
+) -> None:
+    """The one loop staleness can make for a single prompt (its generation always outlasts the
+    window while other groups are fresh): after MAX_STALE_RECYCLES stale recycles in a row it is
+    dead-lettered. Recycles marked as made while every group went stale (the pipeline's fault)
+    never count, and neither attempt is used up."""
+    from rollstream.consumer.consumer import ALL_STALE_MARK, MAX_STALE_RECYCLES
+
+    await make_namespace(redis, ns, max_staleness=1, max_attempts=2)
+    alone = _group(1, [0])
+    alone.history = ["stale: staleness 3 > 1"] * (MAX_STALE_RECYCLES - 1)
+    with_all = _group(2, [0])
+    with_all.history = [f"stale: staleness 3 > 1{ALL_STALE_MARK}"] * (MAX_STALE_RECYCLES - 1)
+    await _publish(redis, ns, _group(0, [3]))
+    await _publish(redis, ns, alone)
+    await _publish(redis, ns, _group(3, [3]))
+    await _publish(redis, ns, with_all)
+    await _publish(redis, ns, _group(4, [3]))
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        await consumer.set_weight_version(3)
+        async with asyncio.timeout(15):
+            batch = await consumer.take(3)
+        assert [g.index for g in batch.groups] == [0, 3, 4]
+        assert batch.metrics["recycled_stale"] == 1 and batch.metrics["dead_lettered"] == 1
+        await consumer.commit(batch)
+    [(_, dead)] = await redis.xrange(Keys(ns).dead)
+    assert int(dead[b"index"]) == 1 and dead[b"reason"].startswith(b"stale_recycles: recycled as stale 20 times")
+    (prompt,) = await _prompts(redis, ns)
+    assert (prompt.index, prompt.attempt) == (2, 0) and prompt.history[-1] == "stale: staleness 3 > 1"

@@ -41,7 +41,7 @@ async def test_model_info_faults_keep_the_cached_version(sim: SimEngine, mode: s
         await http.post("/update_weights_from_disk", json={"weight_version": "4"})
         started = time.monotonic()
         assert await engine.weight_version() == 3  # never raises, keeps the last good value
-        assert time.monotonic() - started < 2.9  # the 2 s timeout bounds a hanging engine
+        assert time.monotonic() - started < 10  # the 2 s timeout bounds an engine hanging for 30 s
         # Generation goes on and is labelled with the cached version.
         generation = await engine.generate(text="Compute 1 + 2.")
         assert generation.weight_version == 3
@@ -71,8 +71,9 @@ async def test_reply_version_wins_and_updates_the_cache(sim: SimEngine) -> None:
 
 @pytest.fixture
 async def slow_sim() -> Any:
-    """Fixed-length, slow generations (200 tokens at 5 ms: one second) to abort mid-way."""
-    config = SimConfig(seed=2, mean_tokens=200, length_sigma=0.0, latency_per_token=0.005, accuracy=0.5)
+    """Fixed-length, slow generations (200 tokens at 20 ms: four seconds) to abort mid-way, with
+    time to spare on a loaded machine."""
+    config = SimConfig(seed=2, mean_tokens=200, length_sigma=0.0, latency_per_token=0.02, accuracy=0.5)
     async with SimEngine(config) as engine:
         yield engine
 

@@ -71,11 +71,17 @@ Fault injection (for tests of retries and fallbacks)
       ``/model_info`` and ``/get_model_info``.
     * ``"report_weight_version": bool``: whether ``/generate`` replies carry
       ``meta_info.weight_version``.
+    * ``"bad_replies": K`` and ``"bad_reply": MODE``: the next ``K`` generation requests (``-1``:
+      forever, ``0`` clears) get an unusable HTTP 200 reply instead of a generation: ``not_json``
+      (an HTML page), ``schema`` (JSON of the wrong shape), ``too_large`` (a JSON body of
+      ``"bad_reply_bytes"`` bytes, default 1 MiB) or ``hang`` (no reply until the client gives up,
+      at most 30 s). Injected faults (``generate_errors``) are answered first.
 
     ``GET /sim/stats`` answers ``{"running", "waiting", "max_running_seen", "requests",
     "aborted", "weight_version", "paused", ...}``: ``running`` counts the requests holding a
     generation slot, ``max_running_seen`` its peak, ``requests`` every generation request
-    received (including the refused ones) and ``aborted`` the generations that ended aborted.
+    received (including the refused ones), ``aborted`` the generations that ended aborted and
+    ``bad_replies_sent`` the unusable replies sent.
 """
 
 from __future__ import annotations
@@ -111,6 +117,7 @@ MAX_MODEL_LEN = 32768
 POISON_MARKER = "POISON"
 MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang")
 FAULT_STATUSES = (429, 500, 503)
+BAD_REPLY_MODES = ("not_json", "schema", "too_large", "hang")
 HANG_SECONDS = 30.0
 
 _FILLER_WORDS = (
@@ -386,6 +393,10 @@ class SimState:
     generate_errors: int = 0
     generate_error_status: int = 500
     model_info_mode: str = "ok"
+    bad_replies: int = 0
+    bad_reply_mode: str = "not_json"
+    bad_reply_bytes: int = 2**20
+    bad_replies_sent: int = 0
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimState:
@@ -422,6 +433,7 @@ class SimState:
             "aborted": self.aborted,
             "generated_tokens": self.generated_tokens,
             "faults_injected": self.faults_injected,
+            "bad_replies_sent": self.bad_replies_sent,
             "weight_version": self.weight_version,
             "paused": self.paused,
         }
@@ -435,6 +447,15 @@ class SimState:
             self.generate_errors -= 1
         self.faults_injected += 1
         return self.generate_error_status
+
+    def take_bad_reply(self) -> str | None:
+        """The unusable-reply mode to answer this request with, if that fault is armed."""
+        if self.bad_replies == 0:
+            return None
+        if self.bad_replies > 0:
+            self.bad_replies -= 1
+        self.bad_replies_sent += 1
+        return self.bad_reply_mode
 
     async def wait_resumed(self) -> bool:
         """Wait while paused; ``False`` when the engine is shutting down."""
@@ -627,12 +648,30 @@ def _faultable(handler: Handler) -> Handler:
     """A generation endpoint that first answers an injected fault (``/sim/faults``), if one is due."""
 
     async def handle(request: web.Request) -> web.Response:
-        status = request.app[STATE_KEY].take_fault()
+        state = request.app[STATE_KEY]
+        status = state.take_fault()
         if status is not None:
             return _error(status, f"injected fault: HTTP {status}")
+        bad = state.take_bad_reply()
+        if bad is not None:
+            return await _bad_reply(state, bad)
         return await handler(request)
 
     return handle
+
+
+async def _bad_reply(state: SimState, mode: str) -> web.Response:
+    """An HTTP 200 reply no client can use (``/sim/faults`` ``bad_reply``)."""
+    if mode == "hang":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.closing.wait(), timeout=HANG_SECONDS)
+        return _error(503, "the engine is shutting down")
+    if mode == "schema":
+        return web.json_response({"unexpected": "shape", "meta_info": 7})
+    if mode == "too_large":
+        filler = state.bad_reply_bytes - len('{"text": ""}')
+        return web.Response(body=b'{"text": "' + b"x" * max(0, filler) + b'"}', content_type="application/json")
+    return web.Response(text="<html>502 bad gateway</html>", content_type="application/json")
 
 
 # --------------------------------------------------------------------------- SGLang API
@@ -968,12 +1007,23 @@ async def _set_faults(request: web.Request) -> web.Response:
         if not isinstance(body["report_weight_version"], bool):
             raise _BadRequest("report_weight_version must be a boolean")
         state.report_weight_version = body["report_weight_version"]
+    if "bad_replies" in body:
+        count = body["bad_replies"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+            raise _BadRequest("bad_replies must be an integer >= -1")
+        mode = body.get("bad_reply", "not_json")
+        if mode not in BAD_REPLY_MODES:
+            raise _BadRequest(f"bad_reply must be one of {BAD_REPLY_MODES}")
+        size = _int_param(body.get("bad_reply_bytes"), "bad_reply_bytes", 2**20, minimum=16)
+        state.bad_replies, state.bad_reply_mode, state.bad_reply_bytes = count, mode, size
     return web.json_response(
         {
             "generate_errors": state.generate_errors,
             "generate_error_status": state.generate_error_status,
             "model_info": state.model_info_mode,
             "report_weight_version": state.report_weight_version,
+            "bad_replies": state.bad_replies,
+            "bad_reply": state.bad_reply_mode,
         }
     )
 
