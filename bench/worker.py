@@ -18,13 +18,52 @@ import os
 import signal
 from typing import Any
 
+from rollstream.common import lua
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
+from rollstream.common.protocol import Control, PromptQueue
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.worker import Producer, ProducerSettings
 
 from bench.common import ConstReward, NoEngine, instant_transport, make_group
+
+PENDING_BEFORE = """
+local function pending(key, group)
+  local p = redis.pcall('XPENDING', key, group)
+  if type(p) ~= 'table' or p.err then return 0 end
+  return tonumber(p[1]) or 0
+end
+"""
+"""ADMIT's pending-count helper before docs/scale.md's fix (XPENDING's summary: O(consumers))."""
+
+ADMIT_BEFORE = lua.ADMIT.replace(lua._PENDING, PENDING_BEFORE)
+
+
+def _before() -> None:
+    """The producer as it was before docs/scale.md's two fixes: ADMIT with the XPENDING-summary
+    helper, and every producer looking for idle prompts every reclaim interval (no turn, no
+    announcement)."""
+    assert ADMIT_BEFORE != lua.ADMIT
+    original = lua.Scripts.__init__
+
+    def init(self: lua.Scripts, redis: Any, keys: Any) -> None:
+        original(self, redis, keys)
+        self._admit = redis.register_script(ADMIT_BEFORE)
+
+    async def every_producer_scans(self: PromptQueue, interval_ms: int) -> bool:
+        return True
+
+    async def no_announcement(self: Control) -> None:
+        return None
+
+    lua.Scripts.__init__ = init
+    PromptQueue.reclaim_turn = every_producer_scans
+    Control.announce_reclaim = no_announcement
+
+
+VARIANTS: dict[str, Any] = {"before": _before}
+"""Name -> a function that patches the producer back to an earlier version of one path."""
 
 
 async def produce(args: argparse.Namespace) -> None:
@@ -42,6 +81,8 @@ async def produce(args: argparse.Namespace) -> None:
     settings = ProducerSettings(
         namespace=args.ns, concurrency=args.concurrency, name=args.name, tokenize_prompts=False, drain_timeout=5.0,
     )
+    if args.variant:
+        VARIANTS[args.variant]()
     producer = await Producer.connect(args.redis, settings, engine, reward)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,6 +128,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=16384)
     p.add_argument("--reward", default="const")
+    p.add_argument("--variant", default="", choices=["", *VARIANTS],
+                   help="run an earlier version of one producer path (bench.scale's before/after)")
     r = sub.add_parser("raw")
     r.add_argument("--redis", required=True)
     r.add_argument("--stream", required=True)

@@ -87,6 +87,12 @@ class Keys:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
 
+    @property
+    def reclaim_check(self) -> str:
+        """String with a TTL of one reclaim interval: the producer holding it is the one that
+        looks for idle prompts this interval (one scan of the pending lists for the whole fleet)."""
+        return f"{self.base}:reclaim_check"
+
     def journal(self, consumer: str) -> str:
         """Hash: the slime/miles integration's checkpoint journal of one trainer consumer."""
         return f"{self.base}:journal:{consumer}"
@@ -132,6 +138,7 @@ class Keys:
             self.config,
             self.state,
             self.producers,
+            self.reclaim_check,
         ]
 
 

@@ -258,6 +258,10 @@ def _check_version(version: int) -> None:
         raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 
+RECLAIM_MESSAGE = "reclaim"
+"""The control message of a producer that found prompts idle past the lease."""
+
+
 class Control:
     """Weight version and pause/resume: written to ``state``, then announced on ``control``.
 
@@ -292,6 +296,10 @@ class Control:
         await self.scripts.set_version(
             version=version, paused=False, message="resume" if version is None else f"resume {version}"
         )
+
+    async def announce_reclaim(self) -> None:
+        """Tell every producer that prompts sit idle past the lease (they take them over)."""
+        await self.redis.publish(self.keys.control, RECLAIM_MESSAGE)
 
     async def subscribe(self, blocking: Redis) -> PubSub:
         """A pub/sub subscription to the control channel, on a client that may block; the caller
@@ -393,6 +401,12 @@ class PromptQueue(_Guarded):
             claimed = await self.redis.xclaim(stream, PRODUCERS_GROUP, self.consumer, 0, ids)
             out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(claimed))
         return out
+
+    async def reclaim_turn(self, interval_ms: int) -> bool:
+        """Whether this producer is the one to look for idle prompts this interval (SET NX PX):
+        one scan per interval for the fleet instead of one per producer, since the scan walks
+        the whole pending list (docs/scale.md)."""
+        return bool(await self.redis.set(self.keys.reclaim_check, self.consumer, nx=True, px=max(1, interval_ms)))
 
     async def any_idle(self, lease_ms: int) -> bool:
         """Whether some prompt sits idle past the lease (its producer is gone)."""

@@ -61,7 +61,7 @@ from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_e
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
+from rollstream.common.protocol import RECLAIM_MESSAGE, Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
 
 from .engine import EngineClient
 from .rewards import RewardFunction
@@ -538,7 +538,12 @@ class Producer:
 
     async def _reclaim_loop(self) -> None:
         """Take over prompts idle past the lease; while some are due, admission holds off so the
-        next free capacity goes to them (a dead producer's prompts do not wait behind new ones)."""
+        next free capacity goes to them (a dead producer's prompts do not wait behind new ones).
+
+        Looking for idle prompts walks the whole pending list, so one producer per interval does
+        it for the fleet (``reclaim_turn``) and, when it finds some, tells the others on the
+        control channel (each then reclaims what it has room for); with P producers the scans
+        cost P times less than one per producer (docs/scale.md)."""
         n = self.config.n_samples_per_prompt
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
@@ -550,6 +555,8 @@ class Producer:
                 self._reclaim_due = False
                 continue
             try:
+                if not self._reclaim_due and not await self.prompts.reclaim_turn(int(interval * 900)):
+                    continue
                 if await self.control.paused():
                     self._reclaim_due = False
                     continue
@@ -557,6 +564,7 @@ class Producer:
                     if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
+                    await self.control.announce_reclaim()
                 await self._capacity.room(n, self._stopping)
                 claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
             except TRANSIENT_ERRORS as exc:
@@ -627,7 +635,8 @@ class Producer:
             self._outage.recovered()
 
     async def _control_loop(self) -> None:
-        """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
+        """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT);
+        a ``reclaim`` message makes this producer look for idle prompts at its next reclaim turn."""
         while True:
             raise_if_cancelled()
             try:
@@ -641,6 +650,8 @@ class Producer:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
                         logger.debug("producer %s: control message %r", self.name, message.get("data"))
+                        if message.get("data") in (RECLAIM_MESSAGE, RECLAIM_MESSAGE.encode()):
+                            self._reclaim_due = True  # another producer found prompts idle past the lease
                         self._wake.set()
             except TRANSIENT_ERRORS as exc:
                 await self._outage.failed(exc)
