@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -84,6 +85,8 @@ class Spec:
     tail_batches: int = 6
     """Batches after the SIGKILL (the reclaim happens while they are taken)."""
     kill_fraction: float = 0.25
+    full_backlog_s: float = 5.0
+    """Each of the two windows with the trainer holding off and the backlog full."""
     sizes: list[list[int]] = field(default_factory=lambda: [[8, 1024], [8, 8192], [16, 32768]])
     size_repeats: int = 24
     admit_consumers: list[int] = field(default_factory=lambda: [8, 32, 128, 512, 2048])
@@ -111,12 +114,13 @@ QUICK = Spec(producers=[8], hosts=2, measured_batches=3, tail_batches=4, sizes=[
 
 _SCRIPTS = {
     hashlib.sha1(getattr(lua, name).encode()).hexdigest().encode(): name
-    for name in ("PUBLISH", "MOVE", "ACK_DELETE", "ADMIT", "SET_VERSION", "RENEW", "FEED", "REQUEUE", "LEASE", "RELEASE")
+    for name in ("PUBLISH", "MOVE", "ACK_DELETE", "ADMIT", "SET_VERSION", "RENEW", "FEED", "REQUEUE", "LEASE", "RELEASE",
+                 "RECLAIM_TURN")
 }
 _SCRIPTS[hashlib.sha1(ADMIT_BEFORE.encode()).hexdigest().encode()] = "ADMIT"
 _SCRIPT_KIND = {"PUBLISH": "publish", "ADMIT": "admit", "RENEW": "renew", "ACK_DELETE": "commit",
                 "SET_VERSION": "version", "MOVE": "move", "FEED": "feed", "LEASE": "trainer lease",
-                "RELEASE": "trainer lease", "REQUEUE": "requeue"}
+                "RELEASE": "trainer lease", "REQUEUE": "requeue", "RECLAIM_TURN": "reclaim"}
 KINDS = ("admit", "publish", "heartbeat", "renew", "reclaim", "wait for prompts", "take", "commit", "version",
          "trainer lease", "other")
 METER = "rsscale-meter"
@@ -136,12 +140,12 @@ def classify(args: list[bytes], client: bytes) -> str | None:
         return "heartbeat"
     if cmd == b"HINCRBY" and len(args) > 2:
         return {b"admission_blocked_ms": "heartbeat", b"reclaimed": "reclaim"}.get(args[2], "other")
+    if cmd == b"HSET" and len(args) > 2 and args[2] == b"reclaim_due_ms":
+        return "reclaim"  # the producer that found idle prompts tells the others
     if cmd in (b"XAUTOCLAIM", b"XCLAIM") or (cmd == b"XPENDING" and b"IDLE" in (a.upper() for a in args)):
         return "reclaim"
     if cmd == b"HGET" and len(args) > 2 and args[2] == b"paused":
         return "reclaim"  # the reclaim loop's check before it looks for idle prompts
-    if (cmd == b"SET" and key.endswith(b":reclaim_check")) or (cmd == b"PUBLISH" and args[2:3] == [b"reclaim"]):
-        return "reclaim"
     if cmd == b"XREAD":
         return "wait for prompts"
     if trainer:
@@ -257,9 +261,13 @@ class Trainer:
         self.batches = batches
         self.taken: list[Taken] = []
         self.changed = asyncio.Event()
+        self.go = asyncio.Event()
+        """Cleared: the trainer holds off (trains), so the backlog fills."""
+        self.go.set()
 
     async def run(self) -> None:
         for _ in range(self.batches):
+            await self.go.wait()
             started = time.monotonic()
             async with asyncio.timeout(300):
                 batch = await self.consumer.take(self.batch)
@@ -310,7 +318,7 @@ async def step(spec: Spec, hosts: netns.Hosts, url: str, meter: Meter, sims: lis
     total = batch * spec.batches()
     ns = f"scale{producers}{variant}-{time.monotonic_ns() % 10**9}"
     redis = connect(url)
-    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=batch, max_backlog=4 * batch,
+    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=batch, max_backlog=2 * batch,
                          max_staleness=spec.max_staleness, lease_seconds=spec.lease, heartbeat_timeout=15.0)
     for start in range(0, total, 1000):
         await add_prompts(redis, keys, start, min(1000, total - start))
@@ -406,8 +414,6 @@ async def _phases(spec: Spec, meter: Meter, keys: Keys, trainer: Trainer, task: 
         "spread_min": min(spread), "spread_max": max(spread), "spread_mean": sum(spread) / len(spread),
         "starved": sum(1 for s in spread if s == 0),
     })
-    command_usec = sum(c["usec"] for c in result["commands"].values())
-    result["command_us_per_group"] = command_usec / groups
 
     # Slowlog window: every command with its duration and client.
     await meter.slowlog_on(400_000)
@@ -419,11 +425,15 @@ async def _phases(spec: Spec, meter: Meter, keys: Keys, trainer: Trainer, task: 
     slow_groups = sum(len(t.groups) for t in trainer.taken[s0:s0 + spec.slowlog_batches])
     result["slowlog"] = {"groups": slow_groups, "seconds": time.monotonic() - t0, "complete": complete,
                          "entries": len(entries), "kinds": kinds}
+    result["command_us_per_group"] = sum(k["usec"] for k in kinds.values()) / max(1, slow_groups)
 
     # One inspect.
     t = time.perf_counter()
     await snapshot(meter.redis, keys)
     result["inspect_ms"] = (time.perf_counter() - t) * 1e3
+
+    # The trainer holds off until the backlog is full: what refused producers cost.
+    result["full_backlog"] = await _full_backlog(spec, meter, keys, trainer, len(procs))
 
     # SIGKILL a quarter of the producers; time until their prompts are all taken over.
     names = sorted(procs)
@@ -441,6 +451,40 @@ async def _phases(spec: Spec, meter: Meter, keys: Keys, trainer: Trainer, task: 
     await _wait(released, 10 * spec.lease + 120, "the killed producers' prompts to be taken over")
     result["kill"] = {"killed": len(victims), "held_at_kill": held, "reclaim_s": time.monotonic() - killed_at,
                       "lease_s": spec.lease}
+
+
+async def _full_backlog(spec: Spec, meter: Meter, keys: Keys, trainer: Trainer, producers: int) -> dict[str, Any]:
+    """Hold the trainer until the ready backlog is at its cap, then measure the refused
+    producers: Redis CPU share (a plain window), then ADMIT calls per producer and second (a
+    slowlog window); then let the trainer go on."""
+    cap = 2 * spec.batch(producers)
+
+    async def full() -> bool:
+        length = int(await meter.redis.xlen(keys.groups))
+        taken = int((await meter.redis.xpending(keys.groups, "trainer"))["pending"])
+        return length - taken >= cap
+
+    trainer.go.clear()
+    try:
+        await _wait(full, 120 + 10 * spec.latency, "the backlog to fill")
+        a = await meter.mark()
+        await asyncio.sleep(spec.full_backlog_s)
+        b = await meter.mark()
+        await meter.slowlog_on(400_000)
+        t0 = time.monotonic()
+        await asyncio.sleep(spec.full_backlog_s)
+        entries = await meter.slowlog_off()
+        seconds = time.monotonic() - t0
+    finally:
+        trainer.go.set()
+    kinds, complete = slowlog_breakdown(entries)
+    admit = kinds.get("admit", {"calls": 0, "usec": 0})
+    return {
+        "redis_cpu_share": (b["redis_cpu"] - a["redis_cpu"]) / (b["t"] - a["t"]),
+        "admit_per_producer_s": admit["calls"] / seconds / producers,
+        "admit_us_per_call": admit["usec"] / admit["calls"] if admit["calls"] else 0.0,
+        "kinds": kinds, "complete": complete, "seconds": seconds,
+    }
 
 
 async def _accounting(meter: Meter, keys: Keys, trainer: Trainer, total: int) -> dict[str, Any]:
@@ -657,9 +701,11 @@ def measure(spec: Spec, logs: Path) -> dict[str, Any]:
 def tables(result: dict[str, Any]) -> list[Table]:
     steps = result["steps"]
     spec = result["spec"]
-    rows = []
+    rows: list[list[Any]] = []
+    backlog_rows: list[list[Any]] = []
     for s in steps:
         acc = s["accounting"]
+        s["command_us_per_group"] = sum(k["usec"] for k in s["slowlog"]["kinds"].values()) / s["slowlog"]["groups"]
         rows.append([
             s["producers"], s["hosts"], s["variant"], s["groups_per_s"], s["ideal_groups_per_s"],
             s["redis_cpu_us_per_group"], s["command_us_per_group"], s["redis_cpu_share"], s["used_memory_mb"],
@@ -670,6 +716,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
             f"{acc['lost']} / {acc['doubled']}", f"{s['producer_cpu_mean']:.3f} / {s['producer_cpu_max']:.3f}",
             s["host_idle"],
         ])
+        if "full_backlog" in s:
+            fb = s["full_backlog"]
+            backlog_rows.append([s["producers"], s["variant"], fb["admit_per_producer_s"],
+                                 fb["admit_per_producer_s"] * s["producers"], fb["admit_us_per_call"],
+                                 fb["redis_cpu_share"], s["redis_cpu_share"]])
     main = Table(
         "scale",
         f"Scale: producer processes on network-namespace hosts against one Redis {result.get('redis_version', '')}",
@@ -685,7 +736,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
             f"batch = one round of every producer's groups; max_staleness {spec['max_staleness']}, weight "
             "version standing still; heartbeat 2 s; lease as shown (renew every third, reclaim check every quarter).",
             "Redis CPU us/group: Redis process CPU (user + sys) in the measured window / groups committed in it "
-            "(networking included); command us/group: the sum of INFO commandstats usec over the same window.",
+            "(networking included); command us/group: the time of the commands themselves (the clients' "
+            "commands, scripts whole), from the slowlog window below.",
             "take() wall includes waiting for the engines (latency-bound); publish->take: time from the XADD of the "
             "batch's newest group (its entry id) to take() returning.",
             "producer CPU: CPU-seconds per wall-second of each producer process (1.0 = a core); host idle: share "
@@ -749,7 +801,133 @@ def tables(result: dict[str, Any]) -> list[Table]:
         ["Every producer runs it for both prompt streams every min(5 s, lease / 4)."],
         "python -m bench scale",
     )
-    return [main, kinds, by_size, admit, check]
+    backlog = Table(
+        "scale-backlog",
+        "The trainer holding off, the ready backlog full: what the refused producers cost Redis",
+        ["producers", "code", "ADMIT calls per producer per s", "ADMIT calls per s", "us per ADMIT (slowlog)",
+         "Redis cores, backlog full", "Redis cores, flowing (main table)"],
+        backlog_rows,
+        ["A refused producer retries ADMIT after its nap (this code: 2 s, or at once when a take() announces "
+         "`taken`; before: every 0.2 s)."],
+        "python -m bench scale",
+    )
+    tables = [main, kinds, by_size, admit, check, backlog]
+    if steps and result.get("sizes") and result.get("admit") and result.get("reclaim_check"):
+        tables.append(ceiling(result))
+    return tables
+
+
+# -- the ceiling, projected --------------------------------------------------------------------
+
+LARGE_RUN = {"engines": 1024, "prompts_per_step": 512, "n": 16, "step_s": 60.0, "max_staleness": 1}
+"""The large run the ceiling is compared with: 1,024 engines, 512 prompts x 16 samples a step, a step a minute."""
+PRODUCTION = {"heartbeat_s": 2.0, "lease_s": 120.0, "reclaim_s": 5.0, "concurrency": 256}
+"""A producer's defaults in such a run (heartbeat 2 s, lease 120 s: renew every 40 s, reclaim turn every 5 s)."""
+NIC_BYTES_PER_S = 1.25e9
+"""10 Gbit/s."""
+
+
+def _per_call(step: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """(Redis CPU us of one round trip beyond its command, Redis CPU us per call of each kind),
+    from the largest step: the process CPU per group minus the commands' own time, spread over
+    the round trips of a group."""
+    sl = step["slowlog"]
+    calls = sum(k["calls"] for k in sl["kinds"].values()) / sl["groups"]
+    command = sum(k["usec"] for k in sl["kinds"].values()) / sl["groups"]
+    overhead = max(0.0, (step["redis_cpu_us_per_group"] - command) / calls)
+    return overhead, {k: overhead + v["usec"] / v["calls"] for k, v in sl["kinds"].items() if v["calls"]}
+
+
+def _interpolate(rows: list[tuple[float, float]], x: float) -> float:
+    rows = sorted(rows)
+    if x <= rows[0][0]:
+        return rows[0][1] * x / rows[0][0] if rows[0][0] else rows[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(rows):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = rows[-2], rows[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def projection(result: dict[str, Any]) -> dict[str, Any]:
+    """The arithmetic of docs/scale.md's ceiling, from one result: per-producer costs per second
+    at production defaults, per-group costs by size, groups/s one Redis core carries."""
+    step = max((s for s in result["steps"] if s["variant"] == "this code"), key=lambda s: s["producers"])
+    overhead, per_call = _per_call(step)
+    in_flight = PRODUCTION["concurrency"] // LARGE_RUN["n"]
+    sl = step["slowlog"]
+    renew = sl["kinds"].get("renew", {"calls": 0, "usec": 0})
+    ids_per_renew = result["spec"]["concurrency"] // N
+    renew_us_per_id = (renew["usec"] / renew["calls"] / ids_per_renew) if renew["calls"] else 0.0
+    scan = [(r["pending"], r["cpu_us"]) for r in result["reclaim_check"]]
+    admit_now = [(r["consumers"], r["this code"]["cpu_us"]) for r in result["admit"]]
+    admit_before = [(r["consumers"], r["before"]["cpu_us"]) for r in result["admit"]]
+    refused = [s["full_backlog"]["admit_us_per_call"] for s in result["steps"] if s.get("full_backlog", {}).get(
+        "admit_us_per_call")]
+    refused_us = overhead + (sum(refused) / len(refused) if refused else per_call.get("admit", overhead) - overhead)
+    out: dict[str, Any] = {"overhead_us": overhead, "per_call_us": per_call, "producers": {}, "sizes": [],
+                           "refused_admit_us": refused_us}
+    for producers in (128, 1024):
+        outstanding = (LARGE_RUN["max_staleness"] + 1) * LARGE_RUN["prompts_per_step"]
+        pel = min(producers * in_flight, outstanding)
+        fixed = {
+            "heartbeat": per_call.get("heartbeat", overhead) / PRODUCTION["heartbeat_s"],
+            "renew": (overhead + renew_us_per_id * pel / producers) / (PRODUCTION["lease_s"] / 3),
+            "reclaim turn": overhead / PRODUCTION["reclaim_s"],
+        }
+        fleet_scan = 2 * _interpolate(scan, pel) / PRODUCTION["reclaim_s"]
+        before_scans = producers * (overhead + 2 * _interpolate(scan, pel)) / PRODUCTION["reclaim_s"]
+        out["producers"][producers] = {
+            "pending": pel, "fixed_us_per_s": fixed, "fixed_total_us_per_s": producers * sum(fixed.values()) + fleet_scan,
+            "reclaim_scans_before_us_per_s": before_scans, "reclaim_scans_now_us_per_s": fleet_scan + producers * fixed[
+                "reclaim turn"],
+            "refused_admit_now_us_per_s": producers * _interpolate(admit_now, producers),
+            "refused_admit_before_us_per_s": producers * _interpolate(admit_before, producers),
+            "admit_now_us": _interpolate(admit_now, producers), "admit_before_us": _interpolate(admit_before, producers),
+            "backlog_polls_before_us_per_s": producers / 0.2 * refused_us,
+            "backlog_polls_now_us_per_s": producers * (1 / 2.0 + 1 / LARGE_RUN["step_s"]) * refused_us,
+        }
+    demand = LARGE_RUN["prompts_per_step"] / LARGE_RUN["step_s"]
+    for z in result["sizes"]:
+        per_group = {"publish": z["publish"]["cpu_us"], "take": z["take"]["cpu_us"], "commit": z["commit"]["cpu_us"]}
+        row = {"n": z["n"], "tokens": z["tokens"], "wire_bytes": z["wire_bytes"], "memory_bytes": z["memory_bytes"],
+               "per_group_us": per_group, "bw_groups_per_s": NIC_BYTES_PER_S / (2 * z["wire_bytes"]), "runs": {}}
+        for producers, p in out["producers"].items():
+            admit = p["admit_now_us"]
+            g = sum(per_group.values()) + admit
+            free = 1e6 - p["fixed_total_us_per_s"]
+            row["runs"][producers] = {"us_per_group": g, "groups_per_s": free / g,
+                                      "demand_share": (p["fixed_total_us_per_s"] + demand * g) / 1e6}
+        out["sizes"].append(row)
+    out["demand_groups_per_s"] = demand
+    return out
+
+
+def ceiling(result: dict[str, Any]) -> Table:
+    proj = projection(result)
+    rows = []
+    for z in proj["sizes"]:
+        for producers, r in z["runs"].items():
+            p = proj["producers"][producers]
+            rows.append([f"{z['n']} x {z['tokens']}", producers, r["us_per_group"], p["fixed_total_us_per_s"] / 1e3,
+                         r["groups_per_s"], z["bw_groups_per_s"], z["memory_bytes"] / 1e6,
+                         f"{100 * r['demand_share']:.1f} %"])
+    demand = proj["demand_groups_per_s"]
+    return Table(
+        "scale-ceiling",
+        f"Projected: what one Redis core carries (the large run: {LARGE_RUN['engines']:,} engines, "
+        f"{LARGE_RUN['prompts_per_step']} prompts x {LARGE_RUN['n']} samples a step, a step a minute = "
+        f"{demand:.2f} groups/s)",
+        ["group", "producers", "Redis CPU us/group", "producers' fixed cost ms/s", "groups/s on one core",
+         "groups/s on 10 Gbit/s", "Redis MB per group held", "the large run's share of one core"],
+        rows,
+        [f"Per round trip beyond its command: {proj['overhead_us']:.0f} us of Redis CPU (measured at the largest "
+         "step); per group: PUBLISH + read + commit of that size (measured alone) + one ADMIT with that many "
+         "producers; fixed: heartbeats, lease renewals, reclaim turns at production defaults "
+         f"({PRODUCTION}).",
+         "docs/scale.md walks through the arithmetic."],
+        "python -m bench.scale render",
+    )
 
 
 def plot(result: dict[str, Any]) -> None:
@@ -765,7 +943,8 @@ def plot(result: dict[str, Any]) -> None:
     ax[0].plot(ps, [s["ideal_groups_per_s"] for s in steps], linestyle="--", label="latency-bound ideal")
     ax[0].set_ylabel("groups/s")
     ax[1].plot(ps, [s["redis_cpu_us_per_group"] for s in steps], marker="o", label="Redis process CPU")
-    ax[1].plot(ps, [s["command_us_per_group"] for s in steps], marker="s", label="commands (commandstats)")
+    ax[1].plot(ps, [sum(k["usec"] for k in s["slowlog"]["kinds"].values()) / s["slowlog"]["groups"] for s in steps],
+               marker="s", label="the commands themselves (slowlog)")
     ax[1].set_ylabel("Redis CPU us per group")
     for a in ax:
         a.set_xscale("log", base=2)
@@ -806,11 +985,20 @@ def run(quick: bool = False) -> list[Table]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="bench.scale")
     sub = parser.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("render", help="the tables and plots again from a result file (no new run)")
+    r.add_argument("result", nargs="?", default=str(OUT / "scale.json"))
     d = sub.add_parser("drive", help="(inside the trainer's namespace) run the steps, write the result")
     d.add_argument("--spec", required=True)
     d.add_argument("--logs", required=True)
     d.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.mode == "render":
+        result = json.loads(Path(args.result).read_text())
+        plot(result)
+        text = "".join(t.markdown() + "\n" for t in tables(result))
+        (OUT / "scale.md").write_text(text)
+        sys.stdout.write(text)
+        return
     spec = Spec(**json.loads(args.spec))
     result = asyncio.run(drive(spec, Path(args.logs)))
     Path(args.out).write_text(json.dumps(result, default=str))

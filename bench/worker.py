@@ -21,7 +21,8 @@ from typing import Any
 from rollstream.common import lua
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
-from rollstream.common.protocol import Control, PromptQueue
+from rollstream.common.protocol import PromptQueue
+from rollstream.producer import worker
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.worker import Producer, ProducerSettings
@@ -41,9 +42,9 @@ ADMIT_BEFORE = lua.ADMIT.replace(lua._PENDING, PENDING_BEFORE)
 
 
 def _before() -> None:
-    """The producer as it was before docs/scale.md's two fixes: ADMIT with the XPENDING-summary
-    helper, and every producer looking for idle prompts every reclaim interval (no turn, no
-    announcement)."""
+    """The producer as it was before docs/scale.md's fixes: ADMIT with the XPENDING-summary
+    helper, every producer looking for idle prompts every reclaim interval (no turn, no
+    announcement), and a full backlog polled every 0.2 s."""
     assert ADMIT_BEFORE != lua.ADMIT
     original = lua.Scripts.__init__
 
@@ -51,15 +52,16 @@ def _before() -> None:
         original(self, redis, keys)
         self._admit = redis.register_script(ADMIT_BEFORE)
 
-    async def every_producer_scans(self: PromptQueue, interval_ms: int) -> bool:
-        return True
+    async def every_producer_scans(self: PromptQueue, interval_ms: int) -> tuple[bool, int]:
+        return True, 0
 
-    async def no_announcement(self: Control) -> None:
+    async def no_announcement(self: PromptQueue) -> None:
         return None
 
     lua.Scripts.__init__ = init
+    worker.BACKLOG_RETRY = 0.2
     PromptQueue.reclaim_turn = every_producer_scans
-    Control.announce_reclaim = no_announcement
+    PromptQueue.announce_reclaim = no_announcement
 
 
 VARIANTS: dict[str, Any] = {"before": _before}

@@ -87,12 +87,6 @@ class Keys:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
 
-    @property
-    def reclaim_check(self) -> str:
-        """String with a TTL of one reclaim interval: the producer holding it is the one that
-        looks for idle prompts this interval (one scan of the pending lists for the whole fleet)."""
-        return f"{self.base}:reclaim_check"
-
     def journal(self, consumer: str) -> str:
         """Hash: the slime/miles integration's checkpoint journal of one trainer consumer."""
         return f"{self.base}:journal:{consumer}"
@@ -138,7 +132,6 @@ class Keys:
             self.config,
             self.state,
             self.producers,
-            self.reclaim_check,
         ]
 
 
@@ -192,6 +185,12 @@ class StateField:
     """Groups consumed (committed + taken) when the current weight version began."""
     PREV_VERSION_CONSUMED = "prev_version_consumed"
     """Groups consumed during the previous weight version (the measured cadence)."""
+    RECLAIM_TURN_MS = "reclaim_turn_ms"
+    """When a producer last took its turn to look for idle prompts (RECLAIM_TURN: one look per
+    reclaim interval for the whole fleet)."""
+    RECLAIM_DUE_MS = "reclaim_due_ms"
+    """When a producer last found prompts idle past the lease: every producer takes over what it
+    has room for when it sees a newer value."""
     REQUEUED = "requeued"
     """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
@@ -236,5 +235,7 @@ class StateField:
         LAST_ADMIT_MS,
         VERSION_START_CONSUMED,
         PREV_VERSION_CONSUMED,
+        RECLAIM_TURN_MS,
+        RECLAIM_DUE_MS,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

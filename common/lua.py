@@ -199,6 +199,21 @@ end
 return lost
 """)
 
+# KEYS: state. ARGV: now ms, interval ms. The fleet's reclaim turn: the first producer to call it
+# an interval after the last turn takes it (returns 1) and looks for idle prompts; every call
+# also returns when idle prompts were last found (reclaim_due_ms), so the others take them over.
+# A turn stamped far in the future (a producer's clock ahead) is taken over too.
+RECLAIM_TURN = _template("""
+local st = redis.call('HMGET', KEYS[1], '$RECLAIM_TURN_MS', '$RECLAIM_DUE_MS')
+local now, interval, last = tonumber(ARGV[1]), tonumber(ARGV[2]), num(st[1])
+local won = 0
+if now - last >= interval or last - now > interval then
+  redis.call('HSET', KEYS[1], '$RECLAIM_TURN_MS', ARGV[1])
+  won = 1
+end
+return {won, num(st[2])}
+""")
+
 # KEYS: prompts, state. ARGV: expected next index, next index after, epoch, position,
 # dataset id, fields per entry, entries' fields... The feeder's XADD and its cursor move
 # together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
@@ -286,6 +301,7 @@ class Scripts:
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
         self._requeue = redis.register_script(REQUEUE)
+        self._reclaim_turn = redis.register_script(RECLAIM_TURN)
         self._lease = redis.register_script(LEASE)
         self._release = redis.register_script(RELEASE)
 
@@ -418,6 +434,11 @@ class Scripts:
         if not ids:
             return []
         return list(await self._renew(keys=[stream], args=[PRODUCERS_GROUP, consumer, *ids]))
+
+    async def reclaim_turn(self, now_ms: int, interval_ms: int) -> tuple[bool, int]:
+        """(whether this call took the fleet's reclaim turn, when idle prompts were last found)."""
+        won, due = await self._reclaim_turn(keys=[self.keys.state], args=[now_ms, interval_ms])
+        return bool(won), int(due)
 
     async def set_version(self, *, version: int | None, paused: bool | None, message: str) -> None:
         """Set the weight version (recording the consumption terms when it changes) and/or the

@@ -258,8 +258,8 @@ def _check_version(version: int) -> None:
         raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 
-RECLAIM_MESSAGE = "reclaim"
-"""The control message of a producer that found prompts idle past the lease."""
+TAKEN_MESSAGE = "taken"
+"""The control message of a ``take()``: the ready backlog went down, refused producers retry."""
 
 
 class Control:
@@ -296,10 +296,6 @@ class Control:
         await self.scripts.set_version(
             version=version, paused=False, message="resume" if version is None else f"resume {version}"
         )
-
-    async def announce_reclaim(self) -> None:
-        """Tell every producer that prompts sit idle past the lease (they take them over)."""
-        await self.redis.publish(self.keys.control, RECLAIM_MESSAGE)
 
     async def subscribe(self, blocking: Redis) -> PubSub:
         """A pub/sub subscription to the control channel, on a client that may block; the caller
@@ -402,11 +398,17 @@ class PromptQueue(_Guarded):
             out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(claimed))
         return out
 
-    async def reclaim_turn(self, interval_ms: int) -> bool:
-        """Whether this producer is the one to look for idle prompts this interval (SET NX PX):
-        one scan per interval for the fleet instead of one per producer, since the scan walks
-        the whole pending list (docs/scale.md)."""
-        return bool(await self.redis.set(self.keys.reclaim_check, self.consumer, nx=True, px=max(1, interval_ms)))
+    async def reclaim_turn(self, interval_ms: int) -> tuple[bool, int]:
+        """(whether this producer looks for idle prompts this interval, when idle prompts were
+        last found): one look per interval for the fleet instead of one per producer, since it
+        walks the whole pending list (docs/scale.md)."""
+        async with self._guard():
+            return await self.scripts.reclaim_turn(now_ms(), max(1, interval_ms))
+
+    async def announce_reclaim(self) -> None:
+        """Record that prompts sit idle past the lease: every producer takes over what it has
+        room for at its next turn."""
+        await self.redis.hset(self.keys.state, StateField.RECLAIM_DUE_MS, now_ms())
 
     async def any_idle(self, lease_ms: int) -> bool:
         """Whether some prompt sits idle past the lease (its producer is gone)."""
@@ -832,8 +834,11 @@ class TakeStats:
 
 
 async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
-    """Record the time of a ``take()`` and read its statistics (one round trip)."""
+    """Record the time of a ``take()``, announce it (producers refused for a full backlog retry
+    at once instead of polling ADMIT every 0.2 s: docs/scale.md) and read its statistics (one
+    round trip)."""
     async with redis.pipeline(transaction=False) as pipe:
+        pipe.publish(keys.control, TAKEN_MESSAGE)
         pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
         pipe.xlen(keys.groups)
         pipe.xpending(keys.groups, TRAINER_GROUP)
@@ -841,7 +846,7 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         pipe.xpending(keys.retry, PRODUCERS_GROUP)
         pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
         pipe.hgetall(keys.producers)
-        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
+        _, _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
     return TakeStats(
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),
