@@ -438,6 +438,14 @@ async def _phases(spec: Spec, meter: Meter, keys: Keys, trainer: Trainer, task: 
     # SIGKILL a quarter of the producers; time until their prompts are all taken over.
     names = sorted(procs)
     victims = set(names[:: max(1, round(1 / spec.kill_fraction))][: max(1, int(len(names) * spec.kill_fraction))])
+    # Back to flowing first: after the full backlog the producers hold nothing (a kill then
+    # would take over nothing).
+    await until(len(trainer.taken) + 1)
+
+    async def holding() -> bool:
+        return await _pending_of(meter, keys, victims) >= len(victims)
+
+    await _wait(holding, 60 + 10 * spec.latency, "the producers to be killed to hold prompts")
     held = await _pending_of(meter, keys, victims)
     killed_at = time.monotonic()
     for name in victims:
@@ -712,7 +720,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
             s["clients"], f"{s['take_wall_p50_ms']:.0f} / {s['take_wall_p99_ms']:.0f}",
             f"{s['take_lag_p50_ms']:.1f} / {s['take_lag_p99_ms']:.1f}",
             f"{s['spread_min']}-{s['spread_max']} ({s['starved']} starved)", s["inspect_ms"],
-            f"{s['kill']['reclaim_s']:.1f} ({s['kill']['killed']} killed, {s['kill']['held_at_kill']} held)",
+            (f"{s['kill']['reclaim_s']:.1f} ({s['kill']['killed']} killed, {s['kill']['held_at_kill']} held)"
+             if s["kill"]["held_at_kill"] else f"not measured: the {s['kill']['killed']} killed held nothing"),
             f"{acc['lost']} / {acc['doubled']}", f"{s['producer_cpu_mean']:.3f} / {s['producer_cpu_max']:.3f}",
             s["host_idle"],
         ])
@@ -840,7 +849,7 @@ def _per_call(step: dict[str, Any]) -> tuple[float, dict[str, float]]:
 
 def _interpolate(rows: list[tuple[float, float]], x: float) -> float:
     rows = sorted(rows)
-    if x <= rows[0][0]:
+    if len(rows) == 1 or x <= rows[0][0]:  # proportional below the first measured point
         return rows[0][1] * x / rows[0][0] if rows[0][0] else rows[0][1]
     for (x0, y0), (x1, y1) in itertools.pairwise(rows):
         if x <= x1:

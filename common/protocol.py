@@ -834,11 +834,10 @@ class TakeStats:
 
 
 async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
-    """Record the time of a ``take()``, announce it (producers refused for a full backlog retry
-    at once instead of polling ADMIT every 0.2 s: docs/scale.md) and read its statistics (one
-    round trip)."""
+    """Record the time of a ``take()`` and read its statistics (one round trip), then announce
+    it: producers refused for a full backlog retry at once instead of polling ADMIT every 0.2 s
+    (docs/scale.md). The PUBLISH is a command of its own: a Redis Cluster pipeline cannot route it."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.publish(keys.control, TAKEN_MESSAGE)
         pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
         pipe.xlen(keys.groups)
         pipe.xpending(keys.groups, TRAINER_GROUP)
@@ -846,7 +845,8 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         pipe.xpending(keys.retry, PRODUCERS_GROUP)
         pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
         pipe.hgetall(keys.producers)
-        _, _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
+        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = await pipe.execute()
+    await redis.publish(keys.control, TAKEN_MESSAGE)
     return TakeStats(
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),
