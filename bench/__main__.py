@@ -1,7 +1,7 @@
 """``python -m bench [--quick] [NAME ...]``: run the benchmarks, print markdown tables.
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
-plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout; and
+plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3; and
 scale, run only by name (it needs root for its network namespaces: bench/scale.py, docs/scale.md).
 """
 
@@ -13,7 +13,7 @@ import time
 
 from bench.common import OUT, Table, machine
 
-BENCHMARKS = ("codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "scale")
+BENCHMARKS = ("codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "scale")
 DEFAULT = tuple(name for name in BENCHMARKS if name != "scale")
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own)."""
 

@@ -585,7 +585,7 @@ async def admit_costs(spec: Spec, url: str, meter: Meter) -> list[dict[str, Any]
         row: dict[str, Any] = {"consumers": consumers}
         for label, source in (("before", ADMIT_BEFORE), ("this code", lua.ADMIT)):
             script = redis.register_script(source)
-            args = [PRODUCERS_GROUP, "admitter", 10**6, 1, 10**6, 64, 1, 1, "trainer", 4, 0]
+            args = [PRODUCERS_GROUP, "admitter", 10**6, 1, 10**6, 64, 1, 1, "trainer", 4, 0, 0]
             await script(keys=[keys.retry, keys.prompts, keys.groups, keys.state], args=args)
             a = await meter.mark()
             for _ in range(calls):
