@@ -2,7 +2,8 @@
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
-restart, reply_bound.
+restart, reply_bound; and scale, run only by name (it needs root for its network namespaces: bench/scale.py,
+docs/scale.md).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
-    "restart", "reply_bound",
+    "restart", "reply_bound", "scale",
 )
+DEFAULT = tuple(name for name in BENCHMARKS if name != "scale")
+"""What ``python -m bench`` runs without names (scale needs root and takes minutes of its own)."""
 
 
 def run(names: list[str], quick: bool) -> list[Table]:
@@ -36,16 +39,16 @@ def run(names: list[str], quick: bool) -> list[Table]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: {', '.join(DEFAULT)}); also: scale")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = parser.parse_args()
-    names = args.names or list(BENCHMARKS)
+    names = args.names or list(DEFAULT)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     print(f"machine: {machine()}\n", flush=True)
     tables = run(names, args.quick)
-    if not args.quick and set(names) == set(BENCHMARKS):
+    if not args.quick and set(names) == set(DEFAULT):
         (OUT / "results.md").write_text(f"machine: {machine()}\n\n" + "\n".join(t.markdown() for t in tables))
 
 

@@ -18,8 +18,11 @@ import os
 import signal
 from typing import Any
 
+from rollstream.common import lua
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
+from rollstream.common.protocol import PromptQueue
+from rollstream.producer import worker
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.rollout import load_generate
@@ -27,6 +30,44 @@ from rollstream.producer.session import EpisodeLimits
 from rollstream.producer.worker import Producer, ProducerSettings
 
 from bench.common import ConstReward, NoEngine, instant_transport, make_group
+
+PENDING_BEFORE = """
+local function pending(key, group)
+  local p = redis.pcall('XPENDING', key, group)
+  if type(p) ~= 'table' or p.err then return 0 end
+  return tonumber(p[1]) or 0
+end
+"""
+"""ADMIT's pending-count helper before docs/scale.md's fix (XPENDING's summary: O(consumers))."""
+
+ADMIT_BEFORE = lua.ADMIT.replace(lua._PENDING, PENDING_BEFORE)
+
+
+def _before() -> None:
+    """The producer as it was before docs/scale.md's fixes: ADMIT with the XPENDING-summary
+    helper, every producer looking for idle prompts every reclaim interval (no turn, no
+    announcement), and a full backlog polled every 0.2 s."""
+    assert ADMIT_BEFORE != lua.ADMIT
+    original = lua.Scripts.__init__
+
+    def init(self: lua.Scripts, redis: Any, keys: Any) -> None:
+        original(self, redis, keys)
+        self._admit = redis.register_script(ADMIT_BEFORE)
+
+    async def every_producer_scans(self: PromptQueue, interval_ms: int) -> tuple[bool, int]:
+        return True, 0
+
+    async def no_announcement(self: PromptQueue) -> None:
+        return None
+
+    lua.Scripts.__init__ = init
+    worker.BACKLOG_RETRY = 0.2
+    PromptQueue.reclaim_turn = every_producer_scans
+    PromptQueue.announce_reclaim = no_announcement
+
+
+VARIANTS: dict[str, Any] = {"before": _before}
+"""Name -> a function that patches the producer back to an earlier version of one path."""
 
 
 async def produce(args: argparse.Namespace) -> None:
@@ -46,6 +87,8 @@ async def produce(args: argparse.Namespace) -> None:
         generate=load_generate(args.generate) if args.generate else None,
         limits=EpisodeLimits(engine_concurrency=args.engine_concurrency),
     )
+    if args.variant:
+        VARIANTS[args.variant]()
     producer = await Producer.connect(args.redis, settings, engine, reward)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,6 +136,8 @@ def main() -> None:
     p.add_argument("--reward", default="const")
     p.add_argument("--generate", default="", help="a rollout plug-in (module:function); default single-turn")
     p.add_argument("--engine-concurrency", type=int, default=None)
+    p.add_argument("--variant", default="", choices=["", *VARIANTS],
+                   help="run an earlier version of one producer path (bench.scale's before/after)")
     r = sub.add_parser("raw")
     r.add_argument("--redis", required=True)
     r.add_argument("--stream", required=True)

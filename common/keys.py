@@ -192,6 +192,12 @@ class StateField:
     """Groups consumed (committed + taken) when the current weight version began."""
     PREV_VERSION_CONSUMED = "prev_version_consumed"
     """Groups consumed during the previous weight version (the measured cadence)."""
+    RECLAIM_TURN_MS = "reclaim_turn_ms"
+    """When a producer last took its turn to look for idle prompts (RECLAIM_TURN: one look per
+    reclaim interval for the whole fleet)."""
+    RECLAIM_DUE_MS = "reclaim_due_ms"
+    """When a producer last found prompts idle past the lease: every producer takes over what it
+    has room for when it sees a newer value."""
     REQUEUED = "requeued"
     """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
@@ -256,6 +262,8 @@ class StateField:
         VERSION_START_CONSUMED,
         PREV_VERSION_CONSUMED,
         *STALE,
+        RECLAIM_TURN_MS,
+        RECLAIM_DUE_MS,
         GROUP_BYTES,
         PUBLISHED_BYTES,
     )

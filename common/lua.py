@@ -130,12 +130,21 @@ return acked
 """)
 
 # Shared by ADMIT and SET_VERSION: a consumer group's pending count (0 when the stream or group
-# does not exist).
+# does not exist). XINFO GROUPS, not XPENDING: XPENDING's summary walks every consumer of the
+# group and lists each one's count (two per producer in ADMIT, which every producer runs for
+# every group it starts), XINFO GROUPS reads each group's pending-list size once (O(groups):
+# one group per stream). docs/scale.md has the before/after.
 _PENDING = """
 local function pending(key, group)
-  local p = redis.pcall('XPENDING', key, group)
-  if type(p) ~= 'table' or p.err then return 0 end
-  return tonumber(p[1]) or 0
+  local groups = redis.pcall('XINFO', 'GROUPS', key)
+  if type(groups) ~= 'table' or groups.err then return 0 end
+  for _, g in ipairs(groups) do
+    for i = 1, #g - 1, 2 do
+      if g[i] == 'name' and g[i + 1] ~= group then break end
+      if g[i] == 'pending' then return tonumber(g[i + 1]) or 0 end
+    end
+  end
+  return 0
 end
 """
 
@@ -239,6 +248,21 @@ for i = 3, #ARGV do
   end
 end
 return lost
+""")
+
+# KEYS: state. ARGV: now ms, interval ms. The fleet's reclaim turn: the first producer to call it
+# an interval after the last turn takes it (returns 1) and looks for idle prompts; every call
+# also returns when idle prompts were last found (reclaim_due_ms), so the others take them over.
+# A turn stamped far in the future (a producer's clock ahead) is taken over too.
+RECLAIM_TURN = _template("""
+local st = redis.call('HMGET', KEYS[1], '$RECLAIM_TURN_MS', '$RECLAIM_DUE_MS')
+local now, interval, last = tonumber(ARGV[1]), tonumber(ARGV[2]), num(st[1])
+local won = 0
+if now - last >= interval or last - now > interval then
+  redis.call('HSET', KEYS[1], '$RECLAIM_TURN_MS', ARGV[1])
+  won = 1
+end
+return {won, num(st[2])}
 """)
 
 # KEYS: prompts, state. ARGV: expected next index, next index after, epoch, position,
@@ -359,6 +383,7 @@ class Scripts:
         self._renew = _Bound(redis, "RENEW", RENEW)
         self._feed = _Bound(redis, "FEED", FEED)
         self._requeue = _Bound(redis, "REQUEUE", REQUEUE)
+        self._reclaim_turn = _Bound(redis, "RECLAIM_TURN", RECLAIM_TURN)
         self._forget = _Bound(redis, "FORGET", FORGET)
         self._lease = _Bound(redis, "LEASE", LEASE)
         self._release = _Bound(redis, "RELEASE", RELEASE)
@@ -506,6 +531,11 @@ class Scripts:
         if not ids:
             return []
         return list(await self._renew(keys=[stream], args=[PRODUCERS_GROUP, consumer, *ids]))
+
+    async def reclaim_turn(self, now_ms: int, interval_ms: int) -> tuple[bool, int]:
+        """(whether this call took the fleet's reclaim turn, when idle prompts were last found)."""
+        won, due = await self._reclaim_turn(keys=[self.keys.state], args=[now_ms, interval_ms])
+        return bool(won), int(due)
 
     async def set_version(self, *, version: int | None, paused: bool | None, message: str) -> None:
         """Set the weight version (recording the consumption terms when it changes) and/or the

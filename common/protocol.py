@@ -318,6 +318,10 @@ def _check_version(version: int) -> None:
         raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 
+TAKEN_MESSAGE = "taken"
+"""The control message of a ``take()``: the ready backlog went down, refused producers retry."""
+
+
 class Control(_Guarded):
     """Weight version and pause/resume: written to ``state``, then announced on ``control``.
 
@@ -461,6 +465,18 @@ class PromptQueue(_Guarded):
             claimed = await self.redis.xclaim(stream, PRODUCERS_GROUP, self.consumer, 0, ids)
             out.extend(Admitted(stream, eid, fields) for eid, fields in _flat_entries(claimed))
         return out
+
+    async def reclaim_turn(self, interval_ms: int) -> tuple[bool, int]:
+        """(whether this producer looks for idle prompts this interval, when idle prompts were
+        last found): one look per interval for the fleet instead of one per producer, since it
+        walks the whole pending list (docs/scale.md)."""
+        async with self._guard():
+            return await self.scripts.reclaim_turn(now_ms(), max(1, interval_ms))
+
+    async def announce_reclaim(self) -> None:
+        """Record that prompts sit idle past the lease: every producer takes over what it has
+        room for at its next turn."""
+        await self.redis.hset(self.keys.state, StateField.RECLAIM_DUE_MS, now_ms())
 
     async def any_idle(self, lease_ms: int) -> bool:
         """Whether some prompt sits idle past the lease (its producer is gone)."""
@@ -900,7 +916,9 @@ class TakeStats:
 @translate_errors
 async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
     """Record the time of a ``take()`` (not when Redis is out of memory) and read its statistics
-    (one round trip)."""
+    (one round trip), then announce it: producers refused for a full backlog retry at once instead
+    of polling ADMIT every 0.2 s (docs/scale.md). The PUBLISH is a command of its own: a Redis
+    Cluster pipeline cannot route it."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
         pipe.xlen(keys.groups)
@@ -917,6 +935,7 @@ async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
         if isinstance(reply, Exception):
             raise reply
     _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = replies
+    await redis.publish(keys.control, TAKEN_MESSAGE)
     return TakeStats(
         groups_length=int(groups_len),
         groups_pending=int(groups_pending["pending"]),

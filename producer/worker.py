@@ -79,6 +79,10 @@ STARTUP_REDIS_WAIT = 60.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
 LONG_REQUEST_AFTER = 600.0
 """Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
+BACKLOG_RETRY = 2.0
+"""Seconds before a producer refused for a full backlog runs ADMIT again, unless a control
+message (a ``take()``'s ``taken``, pause, resume, version) wakes it first. Was 0.2 s of polling:
+with 1,024 producers that is 5,120 ADMITs a second while the trainer trains (docs/scale.md)."""
 TASK_EXIT_TIMEOUT = 5.0
 """Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
 
@@ -249,6 +253,9 @@ class Producer:
         self._fatal_tb = ""
         self._state = "starting"
         self._reclaim_due = False
+        self._reclaim_seen_ms = 0
+        """The newest ``reclaim_due_ms`` this producer acted on (0 at start: its first turn acts on
+        an earlier find once, harmlessly: XAUTOCLAIM finds nothing left)."""
         self._outage = Outage(logger, f"producer {self.name}")
         self._blocked_since: float | None = None
         self._refusal = ""
@@ -439,7 +446,7 @@ class Producer:
             else:
                 self._blocked(True, status)
                 self.metrics.admission_blocked(status)
-                await self._nap(0.2 if status in ("backlog", "backlog_bytes") else 1.0)
+                await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
@@ -577,7 +584,13 @@ class Producer:
 
     async def _reclaim_loop(self) -> None:
         """Take over prompts idle past the lease; while some are due, admission holds off so the
-        next free capacity goes to them (a dead producer's prompts do not wait behind new ones)."""
+        next free capacity goes to them (a dead producer's prompts do not wait behind new ones).
+
+        Looking for idle prompts walks the whole pending list, so one producer per interval does
+        it for the fleet (``reclaim_turn``) and, when it finds some, records when
+        (``announce_reclaim``): every producer sees it at its next turn and reclaims what it has
+        room for. With P producers the looks cost P times less than one per producer
+        (docs/scale.md)."""
         n = self.config.n_samples_per_prompt
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
@@ -589,6 +602,13 @@ class Producer:
                 self._reclaim_due = False
                 continue
             try:
+                if not self._reclaim_due:
+                    my_turn, found_ms = await self.prompts.reclaim_turn(int(interval * 900))
+                    if found_ms > self._reclaim_seen_ms:  # another producer found idle prompts
+                        self._reclaim_seen_ms = found_ms
+                        self._reclaim_due = True
+                    elif not my_turn:
+                        continue
                 if await self.control.paused():
                     self._reclaim_due = False
                     continue
@@ -596,6 +616,8 @@ class Producer:
                     if not await self.prompts.any_idle(lease_ms):
                         continue
                     self._reclaim_due = True
+                    await self.prompts.announce_reclaim()
+                    self._reclaim_seen_ms = now_ms()  # its own find: already acting on it
                 await self._capacity.room(n, self._stopping)
                 claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
             except TRANSIENT_ERRORS as exc:
@@ -672,7 +694,7 @@ class Producer:
             self._outage.recovered(wrote=True)  # a write Redis refuses at maxmemory
 
     async def _control_loop(self) -> None:
-        """Wake admission at once on pause/resume/version messages (the check itself is in ADMIT)."""
+        """Wake admission at once on pause/resume/version/taken messages (the check itself is in ADMIT)."""
         while True:
             raise_if_cancelled()
             try:

@@ -68,6 +68,8 @@ GROUP_CALLS: dict[str, Call] = {
 NO_GROUP_INVOLVED = {
     (PromptQueue, "wait_for_new"): "XREAD of new entries, no consumer group",
     (PromptQueue, "count_reclaimed"): "HINCRBY of the state hash",
+    (PromptQueue, "reclaim_turn"): "RECLAIM_TURN script on the state hash",
+    (PromptQueue, "announce_reclaim"): "HSET of the state hash",
     (GroupQueue, "fetch"): "XRANGE needs no group (see the fetch test below)",
 }
 
