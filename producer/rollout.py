@@ -339,11 +339,19 @@ def _to_sample(
     if prompt_ids is None and prefix is None and generation.prompt_ids is not None:
         prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
     version = generation.weight_version
+    versions = [version] if version is not None else []
+    spans = generation.weight_version_spans
     if version is None:
         version = admitted_version
+        versions = [version]
         metadata["weight_version_source"] = "trainer_at_admission"
+    elif spans:
+        metadata["weight_version_source"] = "engine_spans"
+        versions = list(dict.fromkeys(v for v, _, _ in spans))  # each version once, in order
     status = Status.from_finish_reason(generation.finish_reason)
     if prefix is not None:
+        if spans:
+            metadata.update(_continued_spans(prefix, spans))
         log_probs = None
         if prefix.rollout_log_probs is not None and generation.log_probs is not None:
             log_probs = prefix.rollout_log_probs + array("f", generation.log_probs)
@@ -358,10 +366,12 @@ def _to_sample(
             loss_mask=_ones(response_length),
             status=status,
             finish_reason=generation.finish_reason,
-            weight_versions=[*prefix.weight_versions, version],
+            weight_versions=[*prefix.weight_versions, *versions],
             rollout_log_probs=log_probs,
             metadata={**prefix.metadata, **metadata},
         )
+    if spans is not None and len(versions) > 1:  # the tokens span two versions: say which where
+        metadata["weight_version_spans"] = [list(span) for span in spans]
     tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
     return Sample(
         index=index,
@@ -372,10 +382,23 @@ def _to_sample(
         loss_mask=_ones(len(generation.output_ids)),
         status=status,
         finish_reason=generation.finish_reason,
-        weight_versions=[version],
+        weight_versions=versions,
         rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
         metadata=metadata,
     )
+
+
+def _continued_spans(prefix: Sample, spans: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """``weight_version_spans`` of a continued response (the prefix's, then the new ones shifted),
+    when the whole response spans more than one version and the prefix's spans are known."""
+    offset = prefix.response_length
+    earlier = prefix.metadata.get("weight_version_spans")
+    if not isinstance(earlier, list):
+        if len(set(prefix.weight_versions)) != 1:
+            return {}  # where the prefix's versions change is not known
+        earlier = [[prefix.weight_versions[0], 0, offset]] if offset else []
+    merged = [*earlier, *([v, start + offset, end + offset] for v, start, end in spans)]
+    return {"weight_version_spans": merged} if len({span[0] for span in merged}) > 1 else {}
 
 
 def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
