@@ -124,3 +124,9 @@ def save_weights(model: Any, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def exact_reward(sample: Any, prompt: Any, label: Any) -> float:
+    """1.0 when the response is exactly the label (the sum), else 0.0: the task's reward
+    (``--reward rollstream.testing.tiny_model:exact_reward``)."""
+    return 1.0 if sample.response.strip() == str(label) else 0.0
