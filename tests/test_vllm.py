@@ -153,7 +153,7 @@ async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_
     served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool
 ) -> None:
     prompts = 48
-    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64, admission_enabled=False)
+    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64)
     records = addition_prompts(prompts, seed=3)
     await _add(redis, ns, records)
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
@@ -190,7 +190,7 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
     """mode keep: requests in flight are frozen over the reload and finish on the new weights;
     their samples say where the version changed, and each part matches its own weights."""
     prompts = 24
-    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64, admission_enabled=False)
+    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64)
     await _add(redis, ns, addition_prompts(prompts, seed=4))
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await sync.update(consumer, str(served.weights[1]), 1, mode="abort")  # wherever the last test left it
