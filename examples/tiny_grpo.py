@@ -60,7 +60,7 @@ COLUMNS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=32, help="groups per step")
     p.add_argument("--n-samples", type=int, default=8)
     p.add_argument("--max-staleness", type=int, default=1)
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-operand", type=int, default=9)
     p.add_argument("--sft-steps", type=int, default=70)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=5, help="linear learning-rate warm-up (Adam's first steps are large)")
+    p.add_argument("--warmup-steps", type=int, default=5, help="linear lr warm-up")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--mode", default="abort", choices=["abort", "wait", "keep"], help="engine pause mode")
@@ -95,7 +95,7 @@ def sft_warmup(model: Any, tokenizer: Any, args: argparse.Namespace) -> float:
         for _ in range(64):
             a, b = rng.randint(0, args.max_operand), rng.randint(0, args.max_operand)
             prompt = tokenizer.encode(f"{a}+{b}=")
-            answer = tokenizer.encode(str(a + b), add_special_tokens=False) + [tokenizer.eos_token_id]
+            answer = [*tokenizer.encode(str(a + b), add_special_tokens=False), tokenizer.eos_token_id]
             rows.append((prompt + answer, len(prompt)))
         width = max(len(ids) for ids, _ in rows)
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)

@@ -1,8 +1,10 @@
 """The learning example (examples/tiny_grpo.py) for a bounded number of steps: a tiny Llama on a
 real vLLM, trained with GRPO through rollstream, ends measurably better than it started.
 
-Threshold from runs on the shared 2-core machine (docs/benchmarks.md): over 40 steps the mean
-reward went 0.29-0.40 (first 2 steps) -> 0.50-0.56 (last 5). The test asks for +0.08 over 30 steps.
+Threshold from runs on the shared 2-core machine (docs/benchmarks.md): the mean reward of the
+first 3 steps was 0.29-0.33, of steps 30-39 0.49 and of the last 10 of 50-60 steps 0.53-0.56
+(+0.17 to +0.25). The test asks for +0.10 over 60 steps (~1 s each; the set-up, SFT and the vLLM
+start, takes longer than the training).
 Slow; runs under the vLLM venv (``./scripts/vllm-env``; ``.ci/run`` does both).
 """
 
@@ -29,8 +31,8 @@ pytestmark = [
         "tests/test_learning.py (.ci/run does both)",
     ),
 ]
-STEPS = 30
-GAIN = 0.08
+STEPS = 60
+GAIN = 0.10
 
 
 def test_the_tiny_model_learns_addition_through_rollstream(tmp_path: Path) -> None:
@@ -44,8 +46,8 @@ def test_the_tiny_model_learns_addition_through_rollstream(tmp_path: Path) -> No
     rows = json.loads((out / "steps.json").read_text())["rows"]
     assert len(rows) == STEPS
     assert (out / "learning.png").stat().st_size > 10_000
-    start = sum(r["reward_mean"] for r in rows[:2]) / 2
-    end = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    start = sum(r["reward_mean"] for r in rows[:3]) / 3
+    end = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert end >= start + GAIN, f"reward {start:.3f} -> {end:.3f}: {[round(r['reward_mean'], 3) for r in rows]}"
     # the health signal: samples generated on the trainer's weights agree with its log-probs
     onpolicy = [r["logprob_gap_onpolicy_max"] for r in rows if not math.isnan(r["logprob_gap_onpolicy_max"])]
