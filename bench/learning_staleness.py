@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ def _run(staleness: int, steps: int, out: Path) -> list[dict[str, float]]:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop vLLM and the children on SIGTERM too
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--target", type=float, default=0.45)

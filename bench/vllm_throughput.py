@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ async def rollstream_round(redis_url: str, ns: str, records: list[dict[str, str]
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop vLLM and the children on SIGTERM too
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=32, help="samples in flight, both sides")

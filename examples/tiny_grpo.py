@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -256,6 +257,7 @@ def _fmt(row: dict[str, float], key: str, fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop vLLM and the children on SIGTERM too
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
