@@ -121,10 +121,13 @@ async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(r
     assert code == 0, snap["health"]
     assert snap["health"] == {**snap["health"], "ok": True, "problems": []}
 
-    # Groups waiting and no trainer: healthy under the default threshold, stuck under a tiny one.
-    code, snap = await inspect_json(redis_url, ns, "--stuck-after", "0.5")
-    assert code == 1
-    assert any("backlog stuck" in p for p in snap["health"]["problems"]), snap["health"]
+    # Groups waiting and no trainer: healthy under the default threshold, stuck under a tiny one
+    # once the last publish is older than it (a fast machine gets here sooner than 0.5 s).
+    async def stuck() -> bool:
+        code, snap = await inspect_json(redis_url, ns, "--stuck-after", "0.5")
+        return code == 1 and any("backlog stuck" in p for p in snap["health"]["problems"])
+
+    await wait_until(stuck, timeout=20, interval=0.2, message="inspect --stuck-after 0.5 to report a stuck backlog")
 
     producer.send_signal(signal.SIGKILL)
     producer.wait(10)
