@@ -36,3 +36,14 @@ def test_take_quick_produces_rows() -> None:
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(180)
+def test_r3_quick_produces_rows() -> None:
+    codec, take, redis_table = bench_main.run(["r3"], quick=True)
+    assert [row[1] for row in codec.rows] == ["no R3", "R3 uint8", "R3 as int32"]
+    uint8, int32 = codec.rows[1][3], codec.rows[2][3]
+    assert 3.5 < int32 / uint8 < 4.1  # the replay dominates: 4 bytes an id vs 1
+    assert [row[1] for row in take.rows] == ["raw", "raw+decode", "take"]
+    filled = redis_table.rows[1]
+    assert filled[1] == "filled until OOM" and filled[5] > 0
