@@ -143,7 +143,7 @@ async def _take_all(consumer: GroupConsumer, count: int, batch: int) -> list[Any
 def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, count: int) -> list[Any]:
     return [
         procs.producer(redis_url, ns, served.url, "--engine-api", "vllm", "--tokenizer", str(served.weights[0]),
-                       "--max-new-tokens", "160", "--log-level", "INFO", name=f"vllm-{i}", concurrency=16,
+                       "--max-new-tokens", "400", "--log-level", "INFO", name=f"vllm-{i}", concurrency=16,
                        reward=REWARD)
         for i in range(count)
     ]
@@ -152,7 +152,7 @@ def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, coun
 async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_update(
     served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool
 ) -> None:
-    prompts = 48
+    prompts = 64
     await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64)
     records = addition_prompts(prompts, seed=3)
     await _add(redis, ns, records)
@@ -161,7 +161,9 @@ async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_
         _producers(procs, redis_url, ns, served, 2)
         first = await asyncio.wait_for(consumer.take(4), 240)
         await consumer.commit(first)
-        # the update lands while the producers have work in flight: it is aborted and recycled
+        # the untrained model runs every sample to 400 tokens: with prompts still waiting, the
+        # producers have requests in flight when the update lands; they are aborted and recycled
+        assert int(await redis.xlen(Keys(ns).prompts)) > 0, "the producers already finished everything"
         report = await sync.update(consumer, str(served.weights[1]), 1, mode="abort")
         assert await sync.versions() == {served.url: 1}
         groups = first.groups + await _take_all(consumer, prompts - 4, 8)
