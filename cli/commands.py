@@ -69,7 +69,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
 
     p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
     p.add_argument("--engine", action="append", required=True, metavar="URL", help="engine URL (repeatable)")
-    p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai"])
+    p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai", "vllm"],
+                   help="vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
+    p.add_argument("--request-seed", action="store_true",
+                   help="send a random per-request seed (vllm API; kills vLLM's CPU engine on reschedule)")
     p.add_argument("--model", default=None, help="model name (OpenAI-compatible engines)")
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
                    help="tokenize prompts and render chat templates locally (Hugging Face name/path, "
@@ -336,6 +339,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         max_retries=args.max_retries,
         request_timeout=args.request_timeout,
         max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
+        request_seed=args.request_seed,
         routed_experts=args.routed_experts,
         engine_stats=args.engine_stats,
     )

@@ -20,12 +20,19 @@ Engine APIs (``EngineSettings.api``):
   without a local tokenizer, ``POST /v1/chat/completions``; vLLM's ``return_tokens_as_token_ids``
   and ``return_token_ids`` bring back token ids and log-probs. :meth:`EngineClient.generate_n`
   asks for the ``n`` samples of a group in one request (``n``).
+* ``vllm``: vLLM's token-in/token-out ``POST /inference/v1/generate`` (``--enable-scale-out``):
+  prompt token ids in (from ``--tokenizer`` or the engine's ``/tokenize``), ``n`` samples, token
+  ids, text, log-probs and the **weight version spans** of each sample out; ``GET /weight_info``
+  where a reply has no spans. No per-request ``seed`` is sent unless ``request_seed`` is on: a
+  seeded request that vLLM's CPU engine reschedules (a pause with ``keep``, the recompute after
+  a reload) kills that engine.
 
 Weight versions come from the reply (SGLang's ``meta_info.weight_version``); when a reply has
 none, from a best-effort ``GET /model_info`` then ``GET /get_model_info`` (the gateway only routes
 the latter; 2 s timeout, cached for a short TTL) whose failures of any kind keep the last good
-value and are logged at debug level, never raised. Servers that answer neither (vLLM) report
-``None`` and the producer falls back to the trainer's version at admission.
+value and are logged at debug level, never raised. Servers that answer neither (vLLM's OpenAI
+API) report ``None`` and the producer falls back to the trainer's version at admission. vLLM's
+own API reports spans per sample, falling back to ``GET /weight_info``.
 
 A gateway is detected by ``GET /workers``; :meth:`EngineClient.abort_all` then aborts on each
 worker it lists (the gateway does not route ``/abort_request``), and :meth:`tokenize` falls back
@@ -58,7 +65,9 @@ from .tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
-EngineAPI = Literal["sglang", "openai"]
+EngineAPI = Literal["sglang", "openai", "vllm"]
+ENGINE_APIS = ("sglang", "openai", "vllm")
+VLLM_GENERATE = "/inference/v1/generate"
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 JSON_HEADERS = {"content-type": "application/json"}
 ERROR_BODY_BYTES = 65536
@@ -125,6 +134,9 @@ class EngineSettings:
     model_info_timeout: float = 2.0
     model_info_ttl: float = 5.0
     return_logprob: bool = True
+    request_seed: bool = False
+    """Send a random per-request ``seed`` (vLLM API only). Off: a seeded request that the CPU
+    engine reschedules (pause ``keep``, the recompute after a weight reload) kills it."""
     routed_experts: tuple[int, int, int] | None = None
     """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
     the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
@@ -138,8 +150,13 @@ class EngineSettings:
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
-        if self.api not in ("sglang", "openai"):
-            raise ConfigError(f"engine api must be 'sglang' or 'openai', got {self.api!r}")
+        if self.api not in ENGINE_APIS:
+            raise ConfigError(f"engine api must be one of {', '.join(ENGINE_APIS)}, got {self.api!r}")
+        if self.api == "vllm" and "seed" in self.sampling_params:
+            raise ConfigError(
+                "a per-request seed kills vLLM's CPU engine when the request is rescheduled (pause keep, "
+                "a weight reload): drop 'seed' from sampling_params (or use request_seed=True knowingly)"
+            )
         if self.api == "openai" and not self.model:
             raise ConfigError("--engine-api openai needs --model NAME")
         if self.max_new_tokens < 1:
@@ -177,6 +194,9 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
     prompt_ids: array[int] | None = None
     """Prompt token ids as the engine saw them, when it says (vLLM ``return_token_ids``)."""
+    weight_version_spans: list[tuple[int, int, int]] | None = None
+    """``(version, start, end)`` over the output tokens, from the engine (vLLM API); None when it
+    did not say. ``weight_version`` is then the last span's version."""
     routed_experts: Packed | None = None
     """The routing replay of the request's whole sequence (input + output - 1 rows) after
     ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
@@ -197,6 +217,20 @@ def parse_version(value: Any) -> int | None:
         except ValueError:
             return None
     return None
+
+
+def _int_spans(spans: list[tuple[Any, int, int]] | None) -> list[tuple[int, int, int]] | None:
+    """Spans with integer versions; None when there are none or a version is not an integer
+    (vLLM's ``"default"`` before the first ``/update_weight_version``)."""
+    if not spans:
+        return None
+    out = []
+    for version, start, end in spans:
+        parsed = parse_version(version)
+        if parsed is None:
+            return None
+        out.append((parsed, start, end))
+    return out
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -340,7 +374,12 @@ class EngineClient:
     @property
     def batches_samples(self) -> bool:
         """Whether :meth:`generate_n` asks for a group's samples in one request."""
-        return self.settings.api == "openai"
+        return self.settings.api in ("openai", "vllm")
+
+    async def prepare(self) -> None:
+        """Load what a first prompt needs (the tokenizer) before the producer says ``running``."""
+        if self.tokenizer is not None:
+            await asyncio.to_thread(self.tokenizer.load)
 
     def _pick(self) -> _Engine:
         least = min(e.in_flight for e in self._engines)
@@ -518,6 +557,8 @@ class EngineClient:
             if messages is not None:
                 return await self._chat_openai(messages, max_new, n, params)
             return await self._complete_openai(text, input_ids, max_new, n, params)
+        if self.settings.api == "vllm":
+            return await self._generate_vllm(text, input_ids, messages, max_new, n, params)
         if messages is not None:
             raise PromptNotSupported(
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
@@ -626,6 +667,42 @@ class EngineClient:
         version = await self.weight_version(engine)
         return [_generation(p, engine, version) for p in parsed]
 
+    async def _generate_vllm(
+        self, text: str | None, input_ids: Sequence[int] | None, messages: Messages | None, max_new: int, n: int,
+        sampling: Mapping[str, Any],
+    ) -> list[Generation]:
+        if input_ids is None:
+            ids = await self.chat_ids(messages) if messages is not None else await self.tokenize(text or "")
+            if ids is None:
+                raise PromptNotSupported(
+                    "--engine-api vllm sends token ids: give a tokenizer (--tokenizer) or an engine with /tokenize"
+                )
+            input_ids = ids
+        params: dict[str, Any] = {"n": n, "max_tokens": max_new, **sampling}
+        if self.settings.return_logprob:
+            params["logprobs"] = 0  # the sampled token's log-prob only
+        if self.settings.request_seed:
+            params["seed"] = random.getrandbits(31)
+        body = {
+            "token_ids": input_ids if isinstance(input_ids, list | array) else list(input_ids),
+            "sampling_params": params,
+            "output_mode": "text",
+        }
+        # The reply may echo the prompt ids (on the reply and on each choice), like the completions API.
+        limit = self.reply_limit(max_new, n, len(input_ids), prompt_copies=n + 1)
+        engine, raw = await self._post(VLLM_GENERATE, body, weight=n, limit=limit)
+        parsed = replies.parse_vllm_generate(
+            raw, n, want_logprobs=self.settings.return_logprob, where=engine.url + VLLM_GENERATE
+        )
+        out = []
+        for p in parsed:
+            spans = _int_spans(p.weight_version_spans)
+            version = spans[-1][0] if spans else await self.weight_version(engine)
+            generation = _generation(p, engine, version)
+            generation.weight_version_spans = spans
+            out.append(generation)
+        return out
+
     # -- tokenization -------------------------------------------------------------------
 
     async def tokenize(self, text: str) -> list[int] | None:
@@ -670,14 +747,15 @@ class EngineClient:
         if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
             return engine.version
         engine.version_checked = now
-        for path in ("/model_info", "/get_model_info"):
+        paths = ("/weight_info",) if self.settings.api == "vllm" else ("/model_info", "/get_model_info")
+        for path in paths:
             try:
                 timeout = self.settings.model_info_timeout
                 async with asyncio.timeout(timeout):  # in total, not per read
                     response = await self._http.get(engine.url + path, timeout=timeout)
                 if response.status_code == 404:
-                    if path == "/get_model_info":
-                        engine.has_model_info = False  # vLLM: neither exists; stop asking
+                    if path == paths[-1]:
+                        engine.has_model_info = False  # vLLM's OpenAI server: none exists; stop asking
                         logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
                     continue
                 if response.status_code != 200:
@@ -724,9 +802,14 @@ class EngineClient:
             workers = await self._workers(engine)
             urls.extend(workers if workers is not None else [engine.url])
 
+        vllm = self.settings.api == "vllm"
+
         async def abort(url: str) -> None:
             try:
-                response = await self._http.post(url + "/abort_request", json={"abort_all": True}, timeout=5.0)
+                if vllm:  # vLLM (dev mode): an empty list aborts everything in flight
+                    response = await self._http.post(url + "/abort_requests", json={}, timeout=5.0)
+                else:
+                    response = await self._http.post(url + "/abort_request", json={"abort_all": True}, timeout=5.0)
                 if response.status_code != 200:
                     logger.warning("abort on %s answered HTTP %d", url, response.status_code)
             except httpx.HTTPError as exc:

@@ -12,6 +12,10 @@ One typed msgspec decoder per reply shape checks types and token-id ranges in C 
   (``return_tokens_as_token_ids``), ``prompt_token_ids`` on the choice or the reply.
 * OpenAI ``/v1/chat/completions``: ``choices[i].message.content``,
   ``.logprobs.content[j].token`` / ``.logprob``, the same vLLM id fields.
+* vLLM's token-in/token-out ``/inference/v1/generate``: ``choices[i].token_ids``, ``.text``,
+  ``.finish_reason``, ``.logprobs.content[j].logprob`` and ``.weight_versions``, the weight
+  version spans ``[{version, start, end}]`` over the output tokens (checked: contiguous, in
+  range, covering the output).
 
 With routing replay on, SGLang adds ``meta_info.routed_experts`` (base64 of little-endian int32,
 ``(prompt + output tokens - 1) x layers x topk``, ``routed_experts_start_len`` rows skipped when
@@ -50,7 +54,7 @@ class EngineReplyInvalid(EngineRejected):
     """The engine answered, but the reply cannot be used (malformed, too large, too slow).
 
     ``reason`` is a short slug (``not_json``, ``schema``, ``no_logprobs``, ``count_mismatch``,
-    ``non_finite_logprob``, ``choices``, ``too_large``, ``deadline``); ``detail`` says more.
+    ``non_finite_logprob``, ``choices``, ``spans``, ``too_large``, ``deadline``); ``detail`` says more.
     Not retried: the producer turns it into a FAILED sample with this message."""
 
     def __init__(self, reason: str, detail: str, where: str = "") -> None:
@@ -74,6 +78,8 @@ class ParsedReply:
     weight_version: Any = None
     """As the engine sent it (SGLang sends a string); parse with ``engine.parse_version``."""
     prompt_ids: array[int] | None = None
+    weight_version_spans: list[tuple[Any, int, int]] | None = None
+    """vLLM's ``(version, start, end)`` spans over the output tokens, as sent (versions are strings)."""
     routed_experts: str | None = None
     """SGLang's base64 routing replay, undecoded (see :func:`decode_routed_experts`)."""
     routed_experts_start: int = 0
@@ -172,6 +178,41 @@ class _Chat(msgspec.Struct, gc=False):
 
 _COMPLETION = msgspec.json.Decoder(_Completion)
 _CHAT = msgspec.json.Decoder(_Chat)
+
+
+# -- vLLM /inference/v1/generate ---------------------------------------------------------------------
+
+
+class _GenerateLogProb(msgspec.Struct, gc=False):
+    logprob: float | None
+    token_id: TokenId | None = None
+
+
+class _GenerateLogProbs(msgspec.Struct, gc=False):
+    content: list[_GenerateLogProb] | None = None
+
+
+class _Span(msgspec.Struct, gc=False):
+    version: str | int
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    end: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _GenerateChoice(msgspec.Struct, gc=False):
+    finish_reason: str
+    index: int = 0
+    text: str = ""
+    token_ids: list[TokenId] | None = None
+    logprobs: _GenerateLogProbs | None = None
+    weight_versions: list[_Span] | None = None
+
+
+class _VllmGenerate(msgspec.Struct, gc=False):
+    choices: list[_GenerateChoice]
+    prompt_token_ids: list[TokenId] | None = None
+
+
+_VLLM_GENERATE = msgspec.json.Decoder(_VllmGenerate)
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -380,4 +421,50 @@ def parse_chat(raw: bytes, n: int, *, want_logprobs: bool, where: str = "") -> l
         log_probs = _floats([c.logprob for c in content], where) if content is not None else None
         text = (choice.message.content if choice.message is not None else None) or ""
         out.append(_openai_sample(choice, reply.prompt_token_ids, text, tokens, log_probs, want_logprobs, where))
+    return out
+
+
+def _spans(spans: list[_Span] | None, length: int, where: str) -> list[tuple[Any, int, int]] | None:
+    """Validated ``(version, start, end)`` spans: contiguous from 0 to ``length``."""
+    if spans is None:
+        return None
+    position = 0
+    for span in spans:
+        if span.start != position or span.end < span.start:
+            raise EngineReplyInvalid("spans", f"weight version spans not contiguous at token {position}", where)
+        position = span.end
+    if spans and position != length:
+        raise EngineReplyInvalid("spans", f"weight version spans cover {position} of {length} output tokens", where)
+    return [(span.version, span.start, span.end) for span in spans]
+
+
+def parse_vllm_generate(raw: bytes, n: int, *, want_logprobs: bool, where: str = "") -> list[ParsedReply]:
+    """The ``n`` samples of a vLLM ``/inference/v1/generate`` reply, in ``index`` order."""
+    reply: _VllmGenerate = _decode(_VLLM_GENERATE, raw, where)
+    out = []
+    for choice in _choices(reply.choices, n, where):
+        content = choice.logprobs.content if choice.logprobs is not None else None
+        log_probs = _floats([c.logprob for c in content], where) if content is not None else None
+        ids = _ids(choice.token_ids) if choice.token_ids is not None else None
+        if ids is None:
+            if content is None or any(c.token_id is None for c in content):
+                if choice.finish_reason != "abort":
+                    raise EngineReplyInvalid("schema", "no token_ids", where)
+                ids = array("i")
+            else:
+                ids = array("i", [cast(int, c.token_id) for c in content])
+        if want_logprobs:
+            if log_probs is None and choice.finish_reason != "abort":
+                raise EngineReplyInvalid("no_logprobs", "log-probs were asked for but the choice has none", where)
+            _check_count(ids, log_probs, where)
+        out.append(
+            ParsedReply(
+                text=choice.text,
+                output_ids=ids,
+                log_probs=log_probs,
+                finish_reason=choice.finish_reason,
+                prompt_ids=None if reply.prompt_token_ids is None else _ids(reply.prompt_token_ids),
+                weight_version_spans=_spans(choice.weight_versions, len(ids), where),
+            )
+        )
     return out

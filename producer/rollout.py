@@ -541,14 +541,23 @@ def _describe(exc: BaseException) -> str:
 
 
 def _to_sample(index: int, prompt_ids: array[int] | None, generation: Generation, admitted_version: int) -> Sample:
-    """A sample of the one request of ``n`` (OpenAI ``n``)."""
+    """A sample of the one request of ``n`` (OpenAI ``n``, vLLM's ``/inference/v1/generate``)."""
     metadata: dict[str, Any] = {"engine": generation.engine}
     if prompt_ids is None and generation.prompt_ids is not None:
         prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
-    version = generation.weight_version
-    if version is None:
-        version = admitted_version
+    spans = generation.weight_version_spans
+    if generation.weight_version is None:
+        versions = [admitted_version]
         metadata["weight_version_source"] = "trainer_at_admission"
+    elif spans:
+        metadata["weight_version_source"] = "engine_spans"
+        versions = list(dict.fromkeys(v for v, _, _ in spans))  # each version once, in order
+    else:
+        versions = [generation.weight_version]
+    token_spans = None
+    if spans and len(versions) > 1:  # the tokens span two versions: say which where
+        metadata["weight_version_spans"] = [list(span) for span in spans]
+        token_spans = [(start, end, version) for version, start, end in spans]
     tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
     return Sample(
         index=index,
@@ -559,9 +568,10 @@ def _to_sample(index: int, prompt_ids: array[int] | None, generation: Generation
         loss_mask=_ones(len(generation.output_ids)),
         status=Status.from_finish_reason(generation.finish_reason),
         finish_reason=generation.finish_reason,
-        weight_versions=[version],
+        weight_versions=versions,
         rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
         metadata=metadata,
+        weight_version_spans=token_spans,
     )
 
 

@@ -444,8 +444,13 @@ class EpisodeSession(Episode):
             if prompt_ids is None and generation.prompt_ids is not None:
                 prompt_ids = generation.prompt_ids
             version = self._version(generation)
-            spans.append((len(ids), len(ids) + len(generation.output_ids), version))
-            versions.append(version)
+            engine_spans = generation.weight_version_spans  # vLLM: the versions inside one request
+            if engine_spans and generation.weight_version is not None:
+                spans.extend((len(ids) + start, len(ids) + end, v) for v, start, end in engine_spans)
+                versions.extend(dict.fromkeys(v for v, _, _ in engine_spans))
+            else:
+                spans.append((len(ids), len(ids) + len(generation.output_ids), version))
+                versions.append(version)
             ids.extend(generation.output_ids)
             text.append(generation.text)
             if log_probs is not None:

@@ -4,7 +4,8 @@ With a tokenizer the producer sends ``input_ids`` to every engine API, so chat p
 SGLang's native ``/generate`` (which takes no messages) and samples always carry prompt ids.
 
 ``--tokenizer`` takes a Hugging Face name or path (needs the optional ``transformers`` extra;
-loaded on first use, so a producer that never sees a prompt never pays for it) or
+loaded by the producer before its heartbeat says ``running``, so the first prompt does not wait
+for it, or on first use by other callers) or
 ``module:attribute``, an object (or a zero-argument factory of one) with
 ``apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`` and ``encode(text)``
 like a Hugging Face tokenizer: a way to plug in a custom tokenizer, and the test seam.
@@ -69,6 +70,10 @@ class PromptTokenizer:
                 logger.info("loading tokenizer %s", self.source)
                 self._tokenizer = AutoTokenizer.from_pretrained(self.source)
             return self._tokenizer
+
+    def load(self) -> None:
+        """Load the tokenizer now (blocking: call it in a thread from asyncio code)."""
+        self._get()
 
     def encode(self, text: str) -> list[int]:
         """Prompt ids of a text prompt (with the special tokens the engine would add)."""

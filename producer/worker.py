@@ -314,12 +314,13 @@ class Producer:
             self.name, self.keys.namespace, self.settings.concurrency, n,
             ", ".join(redact_url(u) for u in self.engine.settings.urls),
         )
-        self._state = "running"
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
         heartbeat: asyncio.Task[None] | None = None
         loops: list[asyncio.Task[None]] = []
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
+            await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
+            self._state = "running"
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
             await self._outage.run(self._heartbeat_once)
             await self._adopt_own_pending()

@@ -52,6 +52,14 @@ SGLang endpoints
     other modes only hold new requests. While paused, new generation requests wait (they are
     not rejected) until ``/continue_generation``.
 
+vLLM's RL and token endpoints (as ``vllm ... --enable-scale-out`` with ``VLLM_SERVER_DEV_MODE=1``)
+    ``POST /inference/v1/generate`` (``token_ids``, ``sampling_params.n/max_tokens/logprobs``;
+    each choice has ``token_ids``, ``text``, ``logprobs.content[].logprob``, ``finish_reason`` and
+    ``weight_versions`` spans: a version change while a request runs splits its span at the
+    tokens produced by then), ``POST /pause?mode=abort|wait|keep``, ``POST /resume``,
+    ``POST /collective_rpc`` (``reload_weights`` only; a path containing ``POISON`` fails with
+    500), ``POST /update_weight_version``, ``GET /weight_info``, ``POST /abort_requests``.
+
 vLLM (OpenAI-compatible) endpoint
     ``POST /v1/completions`` with ``prompt`` (a string or a list of token ids), ``n``,
     ``max_tokens``, ``logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``.
@@ -369,6 +377,8 @@ class _Outcome:
     finish: str
     """``stop``, ``length`` or ``abort``."""
     abort_message: str = ""
+    started: float = 0.0
+    """Monotonic time the first token started accruing (after the slot and ``base_latency``)."""
 
 
 @dataclass
@@ -389,6 +399,10 @@ class SimState:
     requests: int = 0
     aborted: int = 0
     generated_tokens: int = 0
+    version_log: list[tuple[float, int]] = field(default_factory=list)
+    """(monotonic time, version) of every weight version change: the vLLM API's spans."""
+    reloads: list[str] = field(default_factory=list)
+    """Weight paths of vLLM ``reload_weights`` calls, in order."""
     faults_injected: int = 0
     generate_errors: int = 0
     generate_error_status: int = 500
@@ -479,6 +493,7 @@ class SimState:
             if not await self._acquire_slot(job):
                 self.aborted += 1
                 return _Outcome([], [], "abort", "Abort in waiting queue")
+            started = time.monotonic() + self.config.base_latency
             try:
                 produced = await self._run(job, n_out)
             finally:
@@ -494,8 +509,38 @@ class SimState:
                 plan.logprobs[:produced],
                 "abort",
                 "Abort in the middle of generation",
+                started=started,
             )
-        return _Outcome(plan.response_ids[:n_out], plan.logprobs[:n_out], finish)
+        return _Outcome(plan.response_ids[:n_out], plan.logprobs[:n_out], finish, started=started)
+
+    def set_version(self, version: int) -> None:
+        self.weight_version = version
+        self.version_log.append((time.monotonic(), version))
+
+    def spans(self, outcome: _Outcome) -> list[dict[str, Any]]:
+        """vLLM's ``weight_versions`` of an outcome: the version in effect as each token accrued
+        (a change while it ran splits the span at the tokens produced by then)."""
+        count = len(outcome.output_ids)
+        start_version = self.config.weight_version
+        changes: list[tuple[int, int]] = []
+        per_token = self.config.latency_per_token
+        for when, version in self.version_log:
+            if when <= outcome.started:
+                start_version = version
+            else:
+                at = count if per_token <= 0 else min(count, int((when - outcome.started) / per_token))
+                changes.append((at, version))
+        spans = [{"version": str(start_version), "start": 0, "end": count}]
+        for at, version in changes:
+            if at >= count:
+                break
+            last = spans[-1]
+            if at == last["start"]:
+                last["version"] = str(version)
+            elif str(version) != last["version"]:
+                last["end"] = at
+                spans.append({"version": str(version), "start": at, "end": count})
+        return spans
 
     async def _acquire_slot(self, job: _Job) -> bool:
         """Take a slot unless aborted first (then ``False``, holding nothing)."""
@@ -776,10 +821,10 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _json_body(request)
     version = body.get("weight_version")
     if version is None:
-        state.weight_version += 1
+        state.set_version(state.weight_version + 1)
     else:
         try:
-            state.weight_version = int(version)
+            state.set_version(int(version))
         except (TypeError, ValueError) as exc:
             raise _BadRequest(f"weight_version must be an integer, got {version!r}") from exc
     logger.info("weights updated from %r, version %d", body.get("model_path"), state.weight_version)
@@ -987,6 +1032,101 @@ async def _chat_completions(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- simulator control
 
 
+# --------------------------------------------------------------------------- vLLM RL / token API
+
+
+async def _vllm_generate(request: web.Request) -> web.Response:
+    """``/inference/v1/generate``: token ids in; ids, text, log-probs and weight spans out."""
+    state = request.app[STATE_KEY]
+    body = await _json_body(request)
+    prompt_ids = _token_ids(body.get("token_ids"), "token_ids")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise _BadRequest("sampling_params must be an object")
+    n = _int_param(sampling.get("n"), "n", 1, minimum=1)
+    max_tokens = _int_param(sampling.get("max_tokens", 16), "max_tokens", state.config.max_tokens_cap)
+    text = detokenize(prompt_ids)
+    _check_poison(text)
+    rid = f"generate-tokens-{uuid.uuid4().hex}"
+    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens)
+    if outcomes is None:
+        return _error(503, "the engine is shutting down")
+    choices = []
+    for i, outcome in enumerate(outcomes):
+        choice: dict[str, Any] = {
+            "index": i,
+            "finish_reason": outcome.finish,
+            "token_ids": outcome.output_ids,
+            "text": detokenize(outcome.output_ids),
+            "weight_versions": state.spans(outcome),
+            "logprobs": None,
+        }
+        if sampling.get("logprobs") is not None:
+            choice["logprobs"] = {
+                "content": [
+                    {"token": detokenize([t]), "logprob": lp, "top_logprobs": []}
+                    for t, lp in zip(outcome.output_ids, outcome.logprobs, strict=True)
+                ]
+            }
+        choices.append(choice)
+    return web.json_response({"request_id": rid, "output_mode": "text", "choices": choices})
+
+
+async def _vllm_pause(request: web.Request) -> web.Response:
+    """``/pause?mode=abort|wait|keep``: new requests wait; abort ends the ones in flight, wait
+    returns when they have finished, keep lets them run (the simulator cannot freeze them)."""
+    state = request.app[STATE_KEY]
+    mode = request.query.get("mode", "abort")
+    if mode not in ("abort", "wait", "keep"):
+        raise _BadRequest(f"unknown pause mode {mode!r}")
+    state.resumed.clear()
+    if mode == "abort":
+        state.abort()
+    elif mode == "wait":
+        while state.jobs and not state.closing.is_set():  # noqa: ASYNC110 (jobs end on their own)
+            await asyncio.sleep(0.01)
+    return web.json_response({"status": "paused"})
+
+
+async def _vllm_resume(request: web.Request) -> web.Response:
+    request.app[STATE_KEY].resumed.set()
+    return web.json_response({"status": "resumed"})
+
+
+async def _vllm_collective_rpc(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _json_body(request)
+    if body.get("method") != "reload_weights":
+        raise _BadRequest(f"the simulator only runs reload_weights, not {body.get('method')!r}")
+    kwargs = body.get("kwargs") or {}
+    path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+    if not isinstance(path, str) or not path:
+        raise _BadRequest("reload_weights needs kwargs.weights_path")
+    if POISON_MARKER in path:
+        return _error(500, f"cannot load weights from {path}")
+    state.reloads.append(path)
+    return web.json_response({"results": [None]})
+
+
+async def _vllm_update_weight_version(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _json_body(request)
+    try:
+        state.set_version(int(body.get("new_version", "")))
+    except (TypeError, ValueError) as exc:
+        raise _BadRequest(f"the simulator takes integer versions, got {body.get('new_version')!r}") from exc
+    return web.json_response({"success": True, "new_version": str(state.weight_version)})
+
+
+async def _vllm_weight_info(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": str(request.app[STATE_KEY].weight_version)})
+
+
+async def _vllm_abort_requests(request: web.Request) -> web.Response:
+    count = request.app[STATE_KEY].abort()
+    return web.json_response({"status": "aborted", "aborted": count})
+
+
 async def _set_faults(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await _json_body(request)
@@ -1059,6 +1199,13 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _faultable(_completions))
     app.router.add_post("/v1/chat/completions", _faultable(_chat_completions))
+    app.router.add_post("/inference/v1/generate", _faultable(_vllm_generate))
+    app.router.add_post("/pause", _vllm_pause)
+    app.router.add_post("/resume", _vllm_resume)
+    app.router.add_post("/collective_rpc", _vllm_collective_rpc)
+    app.router.add_post("/update_weight_version", _vllm_update_weight_version)
+    app.router.add_get("/weight_info", _vllm_weight_info)
+    app.router.add_post("/abort_requests", _vllm_abort_requests)
     app.router.add_post("/sim/faults", _set_faults)
     app.router.add_get("/sim/stats", _stats)
     return app

