@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -64,9 +64,13 @@ async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: s
 class RolloutSession:
     """One trainer's connection to a namespace, its journal, and the checkpoint tie."""
 
-    def __init__(self, settings: Settings, framework: Framework) -> None:
+    def __init__(
+        self, settings: Settings, framework: Framework, *, extra_metrics: Callable[[], dict[str, float]] | None = None
+    ) -> None:
         self.settings = settings
         self.framework = framework
+        self.extra_metrics = extra_metrics
+        """More batch metrics (the one-flag run's ``children_restarted``)."""
         self.loaded_from: int | None = None
         """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
         self._thread: LoopThread | None = None
@@ -192,7 +196,9 @@ class RolloutSession:
             await consumer.set_weight_version(weight_version)
         record = await journal.get(rollout_id)
         if record is not None:
-            return self._replay(record, n_samples, batch_size)
+            replay = self._replay(record, n_samples, batch_size)
+            replay.metrics.update(self.extra_metrics() if self.extra_metrics else {})
+            return replay
         if self._known_ids is None:
             self._known_ids = await journal.entry_ids()
         taken: list[tuple[bytes, Group]] = []
@@ -221,7 +227,10 @@ class RolloutSession:
         self._known_ids.update(record.entry_ids)
         for batch in batches:
             await consumer.commit(batch)
-        return TrainBatch(groups=record.groups, metrics=metrics, replayed=False)
+        return TrainBatch(
+            groups=record.groups, metrics={**metrics, **(self.extra_metrics() if self.extra_metrics else {})},
+            replayed=False,
+        )
 
     def _replay(self, record: JournalRecord, n_samples: int, batch_size: int) -> TrainBatch:
         sizes = {len(g.samples) for g in record.groups}

@@ -32,7 +32,7 @@ ALLOWED = {
     "producer": {"producer", "common"},
     "consumer": {"consumer", "common"},
     "ops": {"ops", "producer", "consumer", "common"},
-    "integrations": {"integrations", "producer", "consumer", "common"},
+    "integrations": {"integrations", "testing", "producer", "consumer", "common"},
     "testing": {"testing", "producer", "consumer", "common"},
     "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "common", "rollstream"},
 }
