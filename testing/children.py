@@ -139,6 +139,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._calls: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._stopping = threading.Event()
+        self._no_restarts = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="rollstream-supervisor", daemon=True)
         self._thread.start()
@@ -164,10 +165,14 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stop restarting, then SIGTERM the children stage by stage (highest first), SIGKILL what
-        is still there after its ``stop_timeout``. Idempotent."""
-        if not self._stopping.is_set():
-            self._stopping.set()
-            self._thread.join(timeout=30)
+        is still there after its ``stop_timeout``; the supervisor's thread ends last (its end is
+        the children's parent death: the kernel would SIGKILL them at once). Idempotent."""
+        self._no_restarts.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            settled: Future[None] = Future()  # the loop's current turn (a restart under way) is over
+            self._calls.put((lambda: None, settled))
+            with contextlib.suppress(Exception):
+                settled.result(timeout=60)
         with self._lock:
             children = list(self.children)
         for stage in sorted({c.spec.stage for c in children}, reverse=True):
@@ -185,11 +190,14 @@ class Supervisor:
                 _signal_group(process, signal.SIGKILL)  # and anything it left in its group
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(10)
+        self._stopping.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     # -- the supervisor's thread --------------------------------------------------------------
 
     def _call(self, fn: Callable[[], T], timeout: float) -> T:
-        if self._stopping.is_set():
+        if self._no_restarts.is_set():
             raise RuntimeError("the supervisor is stopped")
         future: Future[T] = Future()
         self._calls.put((fn, future))
@@ -242,7 +250,7 @@ class Supervisor:
             children = list(self.children)
         for child in children:
             process = child.process
-            if child.done or process is None or self._stopping.is_set():
+            if child.done or process is None or self._no_restarts.is_set():
                 continue
             code = process.poll()
             if code is None:

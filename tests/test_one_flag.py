@@ -283,6 +283,16 @@ def _processes_mentioning(text: str) -> list[tuple[int, str]]:
 
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+TERM_MARKER = textwrap.dedent("""
+    import pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[1])
+    def on_term(*_):
+        out.write_text("SIGTERM")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    out.with_suffix(".ready").write_text("1")
+    time.sleep(600)
+""")
 
 
 async def test_supervisor_restarts_a_dead_child_with_a_backoff_and_stops_them_all(
@@ -307,9 +317,12 @@ async def test_supervisor_restarts_a_dead_child_with_a_backoff_and_stops_them_al
         assert any("sleeper" in r.message and "signal SIGKILL" in r.message and "restarting it" in r.message
                    for r in caplog.records)
         second = sleeper.process.pid
+        graceful = supervisor.start(ChildSpec("graceful", [sys.executable, "-c", TERM_MARKER, str(tmp_path / "termed")]))
+        await wait_until(lambda: (tmp_path / "termed.ready").exists(), message="the graceful child is ready")
     finally:
         await asyncio.to_thread(supervisor.stop)
-    assert not _alive(second)
+    assert not _alive(second) and not _alive(graceful.process.pid)  # type: ignore[union-attr]
+    assert (tmp_path / "termed").read_text() == "SIGTERM"  # stopped with SIGTERM first, not killed
 
 
 async def test_children_die_with_their_owner_even_on_sigkill(tmp_path: Path) -> None:
