@@ -5,6 +5,7 @@ flags are stored for producers on other nodes. Real processes, real Redis, the s
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_namespace, wait_until
+from conftest import ProcessPool, make_namespace, wait_until
 from integration_helpers import STANDINS
 from redis.asyncio import Redis
 from rollstream.cli.commands import apply_stored_flags
@@ -377,6 +378,50 @@ async def test_a_run_with_a_redis_url_starts_nothing(
         await asyncio.to_thread(source.close)
 
 
+async def test_a_shared_redis_run_grows_with_producers_started_by_one_command(
+    redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ROLLSTREAM_REDIS_URL names a shared Redis and ROLLSTREAM_START=feeder: the run initialises the
+    namespace from its flags, stores its rollout flags and feeds; the producers are another
+    node's, started with `rollstream produce --redis URL --ns NS --engine URL` and nothing else."""
+    host, port = sim.url.removeprefix("http://").rsplit(":", 1)
+    monkeypatch.setenv("ROLLSTREAM_REDIS_URL", redis_url)
+    monkeypatch.setenv("ROLLSTREAM_NAMESPACE", ns)
+    monkeypatch.setenv("ROLLSTREAM_CONSUMER_NAME", "t0")
+    monkeypatch.setenv("ROLLSTREAM_START", "feeder")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDINS), os.environ.get("PYTHONPATH")])))
+    args = slime_parse([
+        *ROLLSTREAM_FLAGS, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--prompt-data", str(_dataset(tmp_path / "d.jsonl", 40)), "--label-key", "label",
+        "--custom-rm-path", "user_rm.rm", "--rollout-max-response-len", "64", "--rollout-temperature", "0.5",
+        "--sglang-router-ip", host, "--sglang-router-port", port, "--sglang-server-concurrency", "6",
+        "--save", str(tmp_path / "ckpt"),
+    ])
+    rollout = importlib.import_module("slime.ray.rollout")
+    manager = await asyncio.to_thread(rollout.RolloutManager, args)
+    try:
+        assert manager.data_source.pipeline.components == ("feeder",)
+        config = (await redis.hgetall(Keys(ns).config))
+        assert config[b"batch_size"] == b"4" and config[b"n_samples_per_prompt"] == b"2"
+        remote = procs.start("produce", "--redis", redis_url, "--ns", ns, "--engine", sim.url, "--name", "node-b",
+                             "--heartbeat-interval", "0.5", log_name="node-b")
+        await asyncio.to_thread(manager.load, -1)
+        for rollout_id in range(2):
+            data, _ = await asyncio.wait_for(asyncio.to_thread(manager.generate, rollout_id), 60)
+            assert len(set(data["group_indices"])) == 4
+        beat = json.loads((await redis.hget(Keys(ns).producers, "node-b")) or b"{}")
+        assert beat["concurrency"] == 6, procs.logs()  # the run's --sglang-server-concurrency x 1 engine
+        assert "concurrency, reward, max_new_tokens, temperature, top_p from the run's stored rollout flags" in (
+            procs.log_of(remote)
+        )
+        assert sorted(set(data["rewards"])) <= [0.0, 1.0]
+    finally:
+        await asyncio.to_thread(manager.data_source.close)
+        await procs.astop_all()
+    assert not (tmp_path / "ckpt" / "rollstream" / "redis").exists()  # no Redis of its own
+
+
 # -- the whole run ----------------------------------------------------------------------------
 
 
@@ -420,6 +465,9 @@ async def _one_flag_run_killed_and_resumed(
             "--num-rollout", str(rollouts)]
     first = _start_trainer(framework, argv, tmp_path / "trainer-1.log", ONE_FLAG_HANG_AFTER=str(kill_after))
     try:
+        await wait_until(lambda: len(_trained(save)) >= 2, timeout=180, message="the first run trained 2 rollouts")
+        producer = json.loads((save / "rollstream" / "children.json").read_text())["producer-0"]
+        os.kill(producer, signal.SIGKILL)  # a child dies: the supervisor restarts it, the run goes on
         await wait_until(lambda: any(e.get("hanging") == kill_after for e in _trained(save)), timeout=180,
                          message=f"the first run trained {kill_after + 1} rollouts")
         assert first.poll() is None
@@ -436,6 +484,7 @@ async def _one_flag_run_killed_and_resumed(
     assert _processes_mentioning(str(save)) == []
     run1 = {e["rollout"]: e for e in _trained(save) if "rollout" in e}
     assert sorted(run1) == list(range(kill_after + 1))
+    assert children["producer-0"] != producer and run1[kill_after]["children_restarted"] >= 1
     checkpoint = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert checkpoint < kill_after  # some trained rollouts were not checkpointed: they must be replayed
 
