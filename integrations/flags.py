@@ -258,19 +258,31 @@ def router_url(args: Any) -> str | None:
     return f"http://{ip}:{port}" if ip and port else None
 
 
+def require_engine(args: Any, engine: str | None) -> str:
+    """The producers' engine URL, now that the framework has started its router."""
+    url = engine or router_url(args)
+    if url is None:
+        raise ConfigError(
+            "--sglang-router-ip and --sglang-router-port are not known: the producers send their requests to "
+            "the run's router (or set ROLLSTREAM_ENGINE_URL)"
+        )
+    return url
+
+
 def plan_run(args: Any, framework: str, *, engine: str | None = None) -> RunPlan:
-    """Everything the run's flags say about its pipeline; ConfigError for what cannot be honoured."""
+    """Everything the run's flags say about its pipeline; ConfigError for what cannot be honoured.
+    ``flags.engine`` stays None while the router is unknown (miles builds the data source before
+    it starts the router): :func:`require_engine` resolves it when the producers start."""
     if not getattr(args, "rollout_global_dataset", True):
         raise ConfigError(
             "--disable-rollout-global-dataset: rollstream ties commits to the data source's save(), which "
             f"{framework} calls only with its global dataset on; drop the flag"
         )
-    engine = engine or router_url(args)
-    if engine is None:
+    if not getattr(args, "prompt_data", None):
         raise ConfigError(
-            "--sglang-router-ip and --sglang-router-port are not known: the producers send their requests to "
-            "the run's router (or set ROLLSTREAM_ENGINE_URL)"
+            "--prompt-data is not set: rollstream feeds the prompts the run's data source would have read from it"
         )
+    engine = engine or router_url(args)  # None: miles starts its router after the data source
     config = pipeline_config(args)
     flags = rollout_flags(args, framework, engine)
     dataset, feed = feed_args(args, config, flags.concurrency or 1)

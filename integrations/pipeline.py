@@ -18,12 +18,14 @@ the feeder started by the run, more producers elsewhere with ``rollstream produc
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
@@ -34,7 +36,7 @@ from rollstream.common.protocol import RolloutFlagsHash
 from rollstream.testing.children import ChildSpec, Supervisor
 from rollstream.testing.server import EmbeddedRedis, free_port, wait_for_redis
 
-from .flags import RunPlan
+from .flags import RunPlan, require_engine
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class LocalPipeline:
         self.redis_url = redis_url
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.supervisor: Supervisor | None = None
+        self.producers_started = False
 
     @property
     def data_dir(self) -> Path:
@@ -134,18 +137,24 @@ class LocalPipeline:
                 self.supervisor.start(
                     ChildSpec("feeder", [*base, "feed", self.plan.dataset, *where, *self.plan.feed_args], env=env)
                 )
-            if "producers" in self.components:
-                self._start_producers(base, where, env)
+            if "producers" in self.components and self.plan.flags.engine is not None:
+                self.start_producers(None)
         except BaseException:
             self.close()
             raise
         logger.info(
-            "rollstream pipeline of this %s run: %s, namespace %s (%s started; logs in %s); "
+            "rollstream pipeline of this %s run: %s, namespace %s (%s; logs in %s); "
             "`rollstream inspect --redis %s --ns %s` shows it",
-            self.plan.framework, self.redis_url, self.namespace, ", ".join(self.components) or "nothing",
-            data / "logs", self.redis_url, self.namespace,
+            self.plan.framework, self.redis_url, self.namespace, self._started(), data / "logs",
+            self.redis_url, self.namespace,
         )
         return self.redis_url
+
+    def _started(self) -> str:
+        started = [c for c in self.components if c != "producers" or self.producers_started]
+        pending = "producers" in self.components and not self.producers_started
+        waiting = " (producers when the router is up)" if pending else ""
+        return f"started: {', '.join(started) or 'nothing'}{waiting}"
 
     def _start_redis(self, directory: Path) -> str:
         assert self.supervisor is not None
@@ -179,6 +188,22 @@ class LocalPipeline:
             thread.run(prepare())
         finally:
             thread.close()
+
+    def start_producers(self, args: Any) -> None:
+        """Start the producers once the router is known (idempotent): ``args`` are the framework's,
+        whose ``--sglang-router-ip/port`` it fills in when it starts the router (None: the plan's)."""
+        if self.producers_started or "producers" not in self.components:
+            return
+        assert self.supervisor is not None and self.redis_url is not None
+        if self.plan.flags.engine is None:
+            engine = require_engine(args, None)
+            self.plan = dataclasses.replace(self.plan, flags=dataclasses.replace(self.plan.flags, engine=engine))
+            self._prepare_namespace(self.redis_url)  # the stored flags now name the router
+            logger.info("the %s run's router is %s: starting its producers", self.plan.framework, engine)
+        base = [sys.executable, "-m", "rollstream.cli"]
+        where = ["--redis", self.redis_url, "--ns", self.namespace]
+        self._start_producers(base, where, {"PYTHONPATH": _child_pythonpath()})
+        self.producers_started = True
 
     def _start_producers(self, base: list[str], where: list[str], env: dict[str, str]) -> None:
         assert self.supervisor is not None and self.plan.flags.engine is not None

@@ -94,10 +94,18 @@ class RollstreamDataSourceBase:
             f"groups into its prompt stream itself"
         )
 
+    def ensure_pipeline(self) -> None:
+        """Start the run's producers if they wait for the router (miles starts it after building
+        the data source); called before every use of the session."""
+        if self.pipeline is not None:
+            self.pipeline.start_producers(self.args)
+
     def save(self, rollout_id: int) -> None:
+        self.ensure_pipeline()
         self.session.save(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
+        self.ensure_pipeline()
         self.session.load(rollout_id)
 
     def get_buffer_length(self) -> int:

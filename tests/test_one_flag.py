@@ -28,7 +28,7 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.protocol import RolloutFlagsHash
-from rollstream.integrations.flags import RolloutFlags, plan_run
+from rollstream.integrations.flags import RolloutFlags, plan_run, require_engine
 from rollstream.integrations.journal import Journal
 from rollstream.integrations.pipeline import components
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
@@ -129,9 +129,36 @@ def test_a_run_without_dataset_reward_or_router_is_told_what_to_set() -> None:
         plan_run(slime_parse([*base, "--rm-type", "math"]), "slime")
     with pytest.raises(ConfigError, match="without --custom-rm-path or --rm-type"):
         plan_run(slime_parse([*base, "--prompt-data", "x.jsonl"]), "slime")
+    no_router = slime_parse([*ROLLSTREAM_FLAGS, "--rollout-batch-size", "4", "--rm-type", "m", "--prompt-data", "x"])
+    assert plan_run(no_router, "slime").flags.engine is None  # miles starts its router after the data source
     with pytest.raises(ConfigError, match="--sglang-router-ip"):
-        plan_run(slime_parse([*ROLLSTREAM_FLAGS, "--rollout-batch-size", "4", "--rm-type", "m", "--prompt-data", "x"]),
-                 "slime")
+        require_engine(no_router, None)
+
+
+async def test_producers_start_once_the_framework_has_started_its_router(
+    redis: Redis, redis_url: str, ns: str, sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """miles builds the data source, then starts the router and writes its address into args."""
+    monkeypatch.setenv("ROLLSTREAM_REDIS_URL", redis_url)
+    monkeypatch.setenv("ROLLSTREAM_NAMESPACE", ns)
+    monkeypatch.setenv("ROLLSTREAM_CONSUMER_NAME", "t0")
+    monkeypatch.setenv("ROLLSTREAM_START", "producers")
+    from rollstream.integrations.miles import RollstreamDataSource
+
+    args = miles_parse(["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--prompt-data", "x.jsonl",
+                        "--rm-type", "contains", "--sglang-server-concurrency", "3"])
+    source = RollstreamDataSource(args)
+    try:
+        assert source.pipeline.producers_started is False
+        assert "engine" not in await RolloutFlagsHash(redis, Keys(ns)).read()
+        args.sglang_router_ip, args.sglang_router_port = sim.url.removeprefix("http://").rsplit(":", 1)
+        await asyncio.to_thread(source.load, -1)
+        assert source.pipeline.producers_started is True
+        assert (await RolloutFlagsHash(redis, Keys(ns)).read())["engine"] == sim.url
+        await wait_until(lambda: redis.hexists(Keys(ns).producers, "t0-producer-0"), timeout=60,
+                         message="the producer's heartbeat")
+    finally:
+        await asyncio.to_thread(source.close)
 
 
 def test_custom_generate_function_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,17 +485,23 @@ async def _ledger(data_dir: Path, ns: str) -> tuple[list[int], list[int], int]:
 
 
 async def _one_flag_run_killed_and_resumed(
-    framework: str, argv: list[str], tmp_path: Path, *, batch: int, rollouts: int, save_interval: int, kill_after: int
+    framework: str, argv: list[str], tmp_path: Path, *, batch: int, rollouts: int, save_interval: int, kill_after: int,
+    child_to_kill: str = "producer-0",
 ) -> None:
     save = tmp_path / "ckpt"
     argv = [*argv, "--save", str(save), "--load", str(save), "--save-interval", str(save_interval),
             "--num-rollout", str(rollouts)]
     first = _start_trainer(framework, argv, tmp_path / "trainer-1.log", ONE_FLAG_HANG_AFTER=str(kill_after))
     try:
-        await wait_until(lambda: len(_trained(save)) >= 2, timeout=180, message="the first run trained 2 rollouts")
-        producer = json.loads((save / "rollstream" / "children.json").read_text())["producer-0"]
-        os.kill(producer, signal.SIGKILL)  # a child dies: the supervisor restarts it, the run goes on
-        await wait_until(lambda: any(e.get("hanging") == kill_after for e in _trained(save)), timeout=180,
+        def progress(count: int) -> bool:
+            assert first.poll() is None, (tmp_path / "trainer-1.log").read_text()[-3000:]
+            return len([e for e in _trained(save) if "rollout" in e]) >= count
+
+        await wait_until(lambda: progress(2), timeout=180, message="the first run trained 2 rollouts")
+        victim = json.loads((save / "rollstream" / "children.json").read_text())[child_to_kill]
+        os.kill(victim, signal.SIGKILL)  # a child dies: the supervisor restarts it, the run goes on
+        await wait_until(lambda: progress(kill_after + 1) and any(e.get("hanging") == kill_after for e in _trained(save)),
+                         timeout=180,
                          message=f"the first run trained {kill_after + 1} rollouts")
         assert first.poll() is None
         children = json.loads((save / "rollstream" / "children.json").read_text())
@@ -484,7 +517,7 @@ async def _one_flag_run_killed_and_resumed(
     assert _processes_mentioning(str(save)) == []
     run1 = {e["rollout"]: e for e in _trained(save) if "rollout" in e}
     assert sorted(run1) == list(range(kill_after + 1))
-    assert children["producer-0"] != producer and run1[kill_after]["children_restarted"] >= 1
+    assert children[child_to_kill] != victim and run1[kill_after]["children_restarted"] >= 1
     checkpoint = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert checkpoint < kill_after  # some trained rollouts were not checkpointed: they must be replayed
 
@@ -528,7 +561,8 @@ async def test_slime_one_flag_run_is_killed_and_resumes_exactly(sim: Any, tmp_pa
 @pytest.mark.slow
 async def test_miles_one_flag_run_is_killed_and_resumes_exactly(sim: Any, tmp_path: Path) -> None:
     """The same with miles' rollout class, chat prompts rendered by the producers' tokenizer
-    (--apply-chat-template with --hf-checkpoint) and --max-weight-staleness."""
+    (--apply-chat-template with --hf-checkpoint), --max-weight-staleness, a group reward, and the
+    embedded Redis SIGKILLed mid-run (restarted on its AOF; everyone reconnects)."""
     host, port = sim.url.removeprefix("http://").rsplit(":", 1)
     argv = [
         "--rollout-function-path", "rollstream.integrations.miles.RollstreamRolloutFn",
@@ -539,7 +573,9 @@ async def test_miles_one_flag_run_is_killed_and_resumes_exactly(sim: Any, tmp_pa
         "--custom-rm-path", "user_rm.miles_group_rm", "--group-rm", "--rollout-max-response-len", "64",
         "--sglang-router-ip", host, "--sglang-router-port", port, "--sglang-server-concurrency", "6",
     ]
-    await _one_flag_run_killed_and_resumed("miles", argv, tmp_path, batch=3, rollouts=8, save_interval=3, kill_after=4)
+    await _one_flag_run_killed_and_resumed(
+        "miles", argv, tmp_path, batch=3, rollouts=8, save_interval=3, kill_after=4, child_to_kill="redis"
+    )
 
 
 def test_standins_are_on_the_path() -> None:
