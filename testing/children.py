@@ -215,7 +215,10 @@ class Supervisor:
                         future.set_result(fn())
                     except BaseException as exc:  # handed to the caller of start()
                         future.set_exception(exc)
-            self._check()
+            try:
+                self._check()
+            except Exception:  # this thread's end would kill every child (their parent death)
+                logger.exception("supervisor: checking the children failed; carrying on")
 
     def _spawn(self, child: Child, *, first: bool = False) -> None:
         spec = child.spec
