@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
 import logging
 import os
 import sys
@@ -106,6 +107,7 @@ class LocalPipeline:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.supervisor: Supervisor | None = None
         self.producers_started = False
+        self._lock: Any = None
 
     @property
     def data_dir(self) -> Path:
@@ -123,6 +125,8 @@ class LocalPipeline:
         """Start what the run needs; returns the Redis URL. On any failure, what was started is stopped."""
         data = self.data_dir
         data.mkdir(parents=True, exist_ok=True)
+        if "redis" in self.components:
+            self._lock_data_dir(data)
         self.supervisor = Supervisor(data / "logs", pids_file=data / "children.json")
         atexit.register(self.close)
         try:
@@ -155,6 +159,19 @@ class LocalPipeline:
         pending = "producers" in self.components and not self.producers_started
         waiting = " (producers when the router is up)" if pending else ""
         return f"started: {', '.join(started) or 'nothing'}{waiting}"
+
+    def _lock_data_dir(self, data: Path) -> None:
+        """One run per data directory: two redis-servers appending to one AOF would corrupt it. The
+        lock (flock) goes with this process, however it ends."""
+        handle = open(data / "lock", "a+b")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ConfigError(
+                f"another run is using {data} (its pipeline's data): two runs cannot share a --save directory"
+            ) from None
+        self._lock = handle
 
     def _start_redis(self, directory: Path) -> str:
         assert self.supervisor is not None
@@ -216,6 +233,19 @@ class LocalPipeline:
                 argv += ["--concurrency", str(max(1, share))]
             self.supervisor.start(ChildSpec(f"producer-{i}", argv, env=env))
 
+    def problem(self) -> str | None:
+        """Why the run cannot go on: a child stopped on a configuration error (None: fine)."""
+        if self.supervisor is None:
+            return None
+        fatal = self.supervisor.fatal()
+        if not fatal:
+            return None
+        name, message = next(iter(sorted(fatal.items())))
+        return (
+            f"the run's rollstream {name} stopped on a configuration error: {message} "
+            f"(log {self.supervisor.log_path(name)})"
+        )
+
     def metrics(self) -> dict[str, float]:
         """``children_restarted``: how often the supervisor restarted a child of this run."""
         if self.supervisor is None:
@@ -227,6 +257,9 @@ class LocalPipeline:
         if self.supervisor is not None:
             self.supervisor.stop()
         atexit.unregister(self.close)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

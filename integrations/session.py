@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEALTH_INTERVAL = 1.0
+"""Seconds between checks of the run's own pipeline while a take waits."""
+
 
 @dataclass(slots=True)
 class TrainBatch:
@@ -65,12 +68,19 @@ class RolloutSession:
     """One trainer's connection to a namespace, its journal, and the checkpoint tie."""
 
     def __init__(
-        self, settings: Settings, framework: Framework, *, extra_metrics: Callable[[], dict[str, float]] | None = None
+        self,
+        settings: Settings,
+        framework: Framework,
+        *,
+        extra_metrics: Callable[[], dict[str, float]] | None = None,
+        health: Callable[[], str | None] | None = None,
     ) -> None:
         self.settings = settings
         self.framework = framework
         self.extra_metrics = extra_metrics
         """More batch metrics (the one-flag run's ``children_restarted``)."""
+        self.health = health
+        """Why the run's own pipeline cannot go on (a child stopped for good), checked while taking."""
         self.loaded_from: int | None = None
         """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
         self._thread: LoopThread | None = None
@@ -173,7 +183,7 @@ class RolloutSession:
             )
 
     async def _take(self, consumer: Any, target: int) -> Any:
-        coro = consumer.take(target)
+        coro = self._watched(consumer.take(target))
         if self.settings.take_timeout is None:
             return await coro
         try:
@@ -185,9 +195,32 @@ class RolloutSession:
                 f"(namespace {self.settings.namespace!r}); see `rollstream inspect --ns {self.settings.namespace}`"
             ) from None
 
+    def _check_health(self) -> None:
+        problem = self.health() if self.health is not None else None
+        if problem is not None:
+            raise ConfigError(problem)
+
+    async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, given up with a ConfigError when the run's pipeline breaks for good meanwhile
+        (a feeder refusing the dataset would otherwise leave the take waiting forever)."""
+        if self.health is None:
+            return await coro
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HEALTH_INTERVAL)
+                if done:
+                    return task.result()
+                self._check_health()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=10)
+
     async def _train_batch(
         self, rollout_id: int, n_samples: int, batch_size: int, weight_version: int | None, max_staleness: int | None
     ) -> TrainBatch:
+        self._check_health()
         consumer, journal = await self._ensure()
         if not self._sizes_checked:
             self._check_sizes(consumer.config, n_samples, batch_size, max_staleness)

@@ -37,7 +37,8 @@ class RollstreamDataSourceBase:
         """The children this run started (:class:`rollstream.integrations.pipeline.LocalPipeline`), or None."""
         self.settings = self._start_pipeline(args)
         extra = self.pipeline.metrics if self.pipeline is not None else None
-        self.session = RolloutSession(self.settings, self.framework, extra_metrics=extra)
+        health = self.pipeline.problem if self.pipeline is not None else None
+        self.session = RolloutSession(self.settings, self.framework, extra_metrics=extra, health=health)
         self.first_rollout_id: int | None = None
         """The first rollout id this process generated (slime's fallback weight version)."""
 

@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+FATAL_FILE_ENV = "ROLLSTREAM_FATAL_FILE"
+"""Set for every supervised child: a ``rollstream`` command that stops on a ConfigError writes its
+message there (``cli.main``), and the supervisor does not restart it."""
+
 
 def start_cli(args: Sequence[str], log: Path, *, new_session: bool = True) -> subprocess.Popen[bytes]:
     """``python -m rollstream.cli ARGS`` with stdout and stderr appended to ``log``."""
@@ -96,6 +100,8 @@ class Child:
     restart_at: float | None = None
     done: bool = False
     """Exited 0 on its own (a finished feeder): not restarted."""
+    fatal: str | None = None
+    """Stopped on a configuration error (its message): not restarted."""
 
 
 def _last_line(path: Path, limit: int = 4096) -> str:
@@ -158,6 +164,14 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         with self._lock:
             return {c.spec.name: c.restarts for c in self.children}
+
+    def fatal(self) -> dict[str, str]:
+        """Children stopped for good on a configuration error: name -> message."""
+        with self._lock:
+            return {c.spec.name: c.fatal for c in self.children if c.fatal is not None}
+
+    def fatal_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.fatal"
 
     def pids(self) -> dict[str, int]:
         with self._lock:
@@ -223,13 +237,15 @@ class Supervisor:
     def _spawn(self, child: Child, *, first: bool = False) -> None:
         spec = child.spec
         log = self.log_path(spec.name)
+        fatal = self.fatal_path(spec.name)
+        fatal.unlink(missing_ok=True)
         with open(log, "ab") as handle:
             process = subprocess.Popen(
                 [sys.executable, "-m", "rollstream.testing.guard", str(os.getpid()), "--", *spec.argv],
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env},
+                env={**os.environ, **spec.env, FATAL_FILE_ENV: str(fatal)},
                 start_new_session=True,
             )
         child.process, child.started_at, child.restart_at = process, time.monotonic(), None
@@ -253,7 +269,7 @@ class Supervisor:
             children = list(self.children)
         for child in children:
             process = child.process
-            if child.done or process is None or self._no_restarts.is_set():
+            if child.done or child.fatal is not None or process is None or self._no_restarts.is_set():
                 continue
             code = process.poll()
             if code is None:
@@ -262,6 +278,15 @@ class Supervisor:
                 if code == 0:
                     child.done = True
                     logger.info("%s (pid %d) finished", child.spec.name, process.pid)
+                    continue
+                reason = self._fatal_reason(child)
+                if reason is not None:
+                    with self._lock:
+                        child.fatal = reason
+                    logger.error(
+                        "%s (pid %d) stopped on a configuration error, not restarted (log %s): %s",
+                        child.spec.name, process.pid, self.log_path(child.spec.name), reason,
+                    )
                     continue
                 if now - child.started_at >= self.stable_after:
                     child.failures_in_a_row = 0
@@ -282,6 +307,12 @@ class Supervisor:
                     logger.error("restarting %s failed: %s", child.spec.name, exc)
                     child.started_at = time.monotonic()
                     child.restart_at = None  # counted as another failure at the next check
+
+    def _fatal_reason(self, child: Child) -> str | None:
+        try:
+            return self.fatal_path(child.spec.name).read_text(encoding="utf-8").strip() or "configuration error"
+        except OSError:
+            return None
 
     def _write_pids(self) -> None:
         if self.pids_file is None:

@@ -449,6 +449,35 @@ async def test_a_shared_redis_run_grows_with_producers_started_by_one_command(
     assert not (tmp_path / "ckpt" / "rollstream" / "redis").exists()  # no Redis of its own
 
 
+async def test_a_child_stopped_by_a_config_error_fails_the_rollout_instead_of_restarting(
+    sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The feeder refuses the dataset (a line that is not JSON): restarting it would fail the same
+    way forever, so it is not restarted and the waiting rollout raises the feeder's error."""
+    for var in ("ROLLSTREAM_REDIS_URL", "ROLLSTREAM_START", "ROLLSTREAM_NAMESPACE", "ROLLSTREAM_CONSUMER_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    dataset = _dataset(tmp_path / "d.jsonl", 3)
+    dataset.write_text(dataset.read_text() + "{not json\n")
+    host, port = sim.url.removeprefix("http://").rsplit(":", 1)
+    args = slime_parse([*ROLLSTREAM_FLAGS, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                        "--prompt-data", str(dataset), "--rm-type", "contains", "--sglang-router-ip", host,
+                        "--sglang-router-port", port, "--save", str(tmp_path / "ckpt")])
+    rollout = importlib.import_module("slime.ray.rollout")
+    manager = await asyncio.to_thread(rollout.RolloutManager, args)
+    pids = json.loads((tmp_path / "ckpt" / "rollstream" / "children.json").read_text())
+    try:
+        with pytest.raises(ConfigError, match="two runs cannot share a --save directory"):
+            await asyncio.to_thread(rollout.RolloutManager, args)  # a second run on the same --save
+        await asyncio.to_thread(manager.load, -1)
+        with pytest.raises(ConfigError, match=r"rollstream feeder stopped on a configuration error: .*d\.jsonl:4: not JSON"):
+            await asyncio.wait_for(asyncio.to_thread(manager.generate, 0), 60)
+        assert manager.data_source.pipeline.supervisor.restarts()["feeder"] == 0
+    finally:
+        await asyncio.to_thread(manager.data_source.close)
+    assert not any(_alive(pid) for pid in pids.values())
+    assert _processes_mentioning(str(tmp_path / "ckpt")) == []
+
+
 # -- the whole run ----------------------------------------------------------------------------
 
 
