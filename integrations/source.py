@@ -66,6 +66,7 @@ class RollstreamDataSourceBase:
             validate_namespace(env[NAMESPACE].strip())
         except ValueError as exc:
             raise ConfigError(f"environment variable {NAMESPACE}: {exc}") from None
+        Settings.from_env({**env, REDIS_URL: url or "redis://127.0.0.1:6379/0"})  # every variable checked first
         plan = plan_run(args, name, engine=env.get(ENGINE_URL, "").strip() or None)
         self.pipeline = LocalPipeline(
             plan,
@@ -76,11 +77,7 @@ class RollstreamDataSourceBase:
             producers=producer_count(env),
         )
         env[REDIS_URL] = self.pipeline.start()
-        try:
-            return Settings.from_env(env)
-        except BaseException:
-            self.pipeline.close()
-            raise
+        return Settings.from_env(env)
 
     def get_samples(self, num_samples: int) -> list[list[Any]]:
         raise RuntimeError(
