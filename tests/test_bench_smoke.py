@@ -36,3 +36,11 @@ def test_take_quick_produces_rows() -> None:
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_flag_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["one_flag"], quick=True)
+    assert table.name == "one_flag" and len(table.rows) == 4
+    assert all(row[1] > 0 for row in table.rows)
