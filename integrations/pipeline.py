@@ -33,7 +33,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.namespace import init_namespace
-from rollstream.common.protocol import RolloutFlagsHash
+from rollstream.common.protocol import NameLease, RolloutFlagsHash
 from rollstream.testing.children import ChildSpec, Supervisor
 from rollstream.testing.server import EmbeddedRedis, free_port, wait_for_redis
 
@@ -196,6 +196,8 @@ class LocalPipeline:
             try:
                 written = await init_namespace(redis, keys, self.plan.config)
                 await RolloutFlagsHash(redis, keys).replace(self.plan.flags.to_fields())
+                if "redis" in self.components:
+                    await self._release_dead_trainer(redis, keys)
             finally:
                 await redis.aclose()
             logger.info("namespace %s %s: %s", self.namespace, "initialised" if written else "kept", self.plan.config)
@@ -205,6 +207,17 @@ class LocalPipeline:
             thread.run(prepare())
         finally:
             thread.close()
+
+    async def _release_dead_trainer(self, redis: Any, keys: Keys) -> None:
+        """The run's own Redis: a consumer-name lease still held belongs to a dead earlier run of this
+        ``--save`` (this process holds the data directory's lock), so it is released instead of
+        waited out (its TTL)."""
+        holder = await NameLease(redis, keys, self.consumer, "").holder()
+        if holder is not None and await NameLease(redis, keys, self.consumer, holder).release():
+            logger.info(
+                "consumer name %s was still held by %s, an earlier run of this --save that is gone: released",
+                self.consumer, holder,
+            )
 
     def start_producers(self, args: Any) -> None:
         """Start the producers once the router is known (idempotent): ``args`` are the framework's,
