@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.common.connection import connect
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, PipelineError, RollstreamError
 from rollstream.common.keys import Keys
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.namespace import init_namespace
@@ -246,18 +246,25 @@ class LocalPipeline:
                 argv += ["--concurrency", str(max(1, share))]
             self.supervisor.start(ChildSpec(f"producer-{i}", argv, env=env))
 
-    def problem(self) -> str | None:
-        """Why the run cannot go on: a child stopped on a configuration error (None: fine)."""
+    def problem(self) -> RollstreamError | None:
+        """Why the run cannot go on (None: fine): a child stopped on a configuration error
+        (ConfigError), or one failing again and again (PipelineError)."""
         if self.supervisor is None:
             return None
-        fatal = self.supervisor.fatal()
-        if not fatal:
-            return None
-        name, message = next(iter(sorted(fatal.items())))
-        return (
-            f"the run's rollstream {name} stopped on a configuration error: {message} "
-            f"(log {self.supervisor.log_path(name)})"
-        )
+        for name, message in sorted(self.supervisor.fatal().items()):
+            return ConfigError(
+                f"the run's rollstream {name} stopped on a configuration error: {message} "
+                f"(log {self.supervisor.log_path(name)})"
+            )
+        for name, message in sorted(self.supervisor.failed().items()):
+            return PipelineError(f"the run's rollstream {name} keeps failing, given up: {message}")
+        return None
+
+    @property
+    def supervises_producers(self) -> bool:
+        """Producers restarted by this run: a producer's fatal error is a warning for the trainer
+        (the supervisor restarts it, and gives up loudly when it keeps failing)."""
+        return "producers" in self.components
 
     def metrics(self) -> dict[str, float]:
         """``children_restarted``: how often the supervisor restarted a child of this run."""

@@ -52,9 +52,13 @@ class TrainBatch:
     replayed: bool = False
 
 
-async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None) -> Any:
+async def open_consumer(
+    stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None, on_producer_failure: str = "raise"
+) -> Any:
     """``GroupConsumer.connect`` used as an async context manager when it is one, else awaited."""
-    opened: Any = GroupConsumer.connect(url, namespace, name, keep=keep)
+    opened: Any = GroupConsumer.connect(
+        url, namespace, name, keep=keep, on_producer_failure=on_producer_failure
+    )
     if hasattr(opened, "__aenter__"):
         return await stack.enter_async_context(opened)
     consumer = await opened if inspect.isawaitable(opened) else opened
@@ -73,7 +77,8 @@ class RolloutSession:
         framework: Framework,
         *,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
-        health: Callable[[], str | None] | None = None,
+        health: Callable[[], BaseException | None] | None = None,
+        on_producer_failure: str = "raise",
     ) -> None:
         self.settings = settings
         self.framework = framework
@@ -81,6 +86,8 @@ class RolloutSession:
         """More batch metrics (the one-flag run's ``children_restarted``)."""
         self.health = health
         """Why the run's own pipeline cannot go on (a child stopped for good), checked while taking."""
+        self.on_producer_failure = on_producer_failure
+        """``warn`` when the run supervises its producers (a failed one is restarted)."""
         self.loaded_from: int | None = None
         """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
         self._thread: LoopThread | None = None
@@ -144,6 +151,7 @@ class RolloutSession:
                 consumer = await open_consumer(
                     stack, self.settings.redis_url, self.settings.namespace, self.settings.consumer_name,
                     import_callable(keep, f"{KEEP_FILTER} keep filter") if keep else None,
+                    self.on_producer_failure,
                 )
                 redis = connect(self.settings.redis_url, name=f"rollstream-journal-{self.settings.consumer_name}")
                 stack.push_async_callback(redis.aclose)
@@ -198,11 +206,11 @@ class RolloutSession:
     def _check_health(self) -> None:
         problem = self.health() if self.health is not None else None
         if problem is not None:
-            raise ConfigError(problem)
+            raise problem
 
     async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro``, given up with a ConfigError when the run's pipeline breaks for good meanwhile
-        (a feeder refusing the dataset would otherwise leave the take waiting forever)."""
+        """``coro``, given up with the pipeline's error when it breaks for good meanwhile (a feeder
+        refusing the dataset would otherwise leave the take waiting forever)."""
         if self.health is None:
             return await coro
         task = asyncio.ensure_future(coro)

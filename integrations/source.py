@@ -38,7 +38,11 @@ class RollstreamDataSourceBase:
         self.settings = self._start_pipeline(args)
         extra = self.pipeline.metrics if self.pipeline is not None else None
         health = self.pipeline.problem if self.pipeline is not None else None
-        self.session = RolloutSession(self.settings, self.framework, extra_metrics=extra, health=health)
+        supervised = self.pipeline is not None and self.pipeline.supervises_producers
+        self.session = RolloutSession(
+            self.settings, self.framework, extra_metrics=extra, health=health,
+            on_producer_failure="warn" if supervised else "raise",
+        )
         self.first_rollout_id: int | None = None
         """The first rollout id this process generated (slime's fallback weight version)."""
 

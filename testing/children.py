@@ -88,6 +88,9 @@ class ChildSpec:
     """Stop order: higher stages are stopped first (all children of a stage together)."""
     stop_timeout: float = 40.0
     """Seconds a SIGTERM'd child may take to exit (a producer drains) before SIGKILL."""
+    give_up_after: int | None = 5
+    """Failures in a row (none lasting ``stable_after``) after which the child is not restarted
+    any more and counts as failed (:meth:`Supervisor.failed`); None: restart forever."""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Child:
     """Exited 0 on its own (a finished feeder): not restarted."""
     fatal: str | None = None
     """Stopped on a configuration error (its message): not restarted."""
+    gave_up: str | None = None
+    """Failed ``give_up_after`` times in a row (the last exit and log line): not restarted."""
 
 
 def _last_line(path: Path, limit: int = 4096) -> str:
@@ -169,6 +174,11 @@ class Supervisor:
         """Children stopped for good on a configuration error: name -> message."""
         with self._lock:
             return {c.spec.name: c.fatal for c in self.children if c.fatal is not None}
+
+    def failed(self) -> dict[str, str]:
+        """Children given up after failing ``give_up_after`` times in a row: name -> what happened."""
+        with self._lock:
+            return {c.spec.name: c.gave_up for c in self.children if c.gave_up is not None}
 
     def fatal_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.fatal"
@@ -269,7 +279,7 @@ class Supervisor:
             children = list(self.children)
         for child in children:
             process = child.process
-            if child.done or child.fatal is not None or process is None or self._no_restarts.is_set():
+            if child.done or child.fatal or child.gave_up or process is None or self._no_restarts.is_set():
                 continue
             code = process.poll()
             if code is None:
@@ -292,10 +302,18 @@ class Supervisor:
                     child.failures_in_a_row = 0
                 delay = self.backoff.delay(child.failures_in_a_row)
                 child.failures_in_a_row += 1
+                log = self.log_path(child.spec.name)
+                limit = child.spec.give_up_after
+                if limit is not None and child.failures_in_a_row >= limit:
+                    with self._lock:
+                        child.gave_up = (
+                            f"exited with {_exit_text(code)} {limit} times in a row (log {log}): {_last_line(log)}"
+                        )
+                    logger.error("%s (pid %d) not restarted: %s", child.spec.name, process.pid, child.gave_up)
+                    continue
                 child.restart_at = now + delay
                 with self._lock:
                     child.restarts += 1
-                log = self.log_path(child.spec.name)
                 logger.warning(
                     "%s (pid %d) exited with %s; restarting it in %.1f s (restart %d, log %s): %s",
                     child.spec.name, process.pid, _exit_text(code), delay, child.restarts, log, _last_line(log),

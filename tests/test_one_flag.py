@@ -345,6 +345,10 @@ async def test_supervisor_restarts_a_dead_child_with_a_backoff_and_stops_them_al
         assert any("sleeper" in r.message and "signal SIGKILL" in r.message and "restarting it" in r.message
                    for r in caplog.records)
         second = sleeper.process.pid
+        failing = supervisor.start(ChildSpec("failing", [sys.executable, "-c", "raise SystemExit(3)"], give_up_after=3))
+        await wait_until(lambda: "failing" in supervisor.failed(), timeout=60, message="the failing child given up")
+        assert "exited with code 3 3 times in a row" in supervisor.failed()["failing"]
+        assert supervisor.restarts()["failing"] == 2 and failing.process.poll() == 3  # type: ignore[union-attr]
         graceful = supervisor.start(ChildSpec("graceful", [sys.executable, "-c", TERM_MARKER, str(tmp_path / "termed")]))
         await wait_until(lambda: (tmp_path / "termed.ready").exists(), message="the graceful child is ready")
     finally:
