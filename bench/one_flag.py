@@ -181,7 +181,7 @@ def run(quick: bool = False) -> list[Table]:
         rows=rows,
         notes=[
             "the trainer is tests/one_flag_trainer.py over the stand-in slime; its Python start is in every figure",
-            "the resumed trainer waits for the dead one's consumer-name lease (10 s TTL) to expire",
+            "the resumed trainer releases the dead one's consumer-name lease (its data-dir lock proves it gone)",
         ],
         command="python -m bench one_flag",
     )]
