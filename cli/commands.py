@@ -251,10 +251,14 @@ def apply_stored_flags(args: argparse.Namespace, stored: Mapping[str, str]) -> d
     if flags.reward_args is not None and not os.environ.get(REWARD_ARGS):
         os.environ[REWARD_ARGS] = flags.reward_args  # the run's args for a slime:/miles: reward
     if flags.generate is not None:
-        raise ConfigError(
-            f"namespace {args.ns!r} was started with a custom generate function ({flags.generate}), which "
-            f"this rollstream cannot run on producers yet"
-        )
+        if not hasattr(args, "generate"):
+            raise ConfigError(
+                f"namespace {args.ns!r} was started with a custom generate function ({flags.generate}), which "
+                f"this rollstream cannot run on producers"
+            )
+        if args.generate is None:
+            args.generate = flags.generate
+            taken.append("generate")
     if taken:
         logger.info(
             "produce: %s from the run's stored rollout flags (%s)", ", ".join(taken), Keys(args.ns).rollout_flags
