@@ -1,7 +1,7 @@
 """``python -m bench [--quick] [NAME ...]``: run the benchmarks, print markdown tables.
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
-plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, one_flag.
+plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, one_flag.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 from bench.common import OUT, Table, machine
 
-BENCHMARKS = ("codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "one_flag")
+BENCHMARKS = ("codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "one_flag")
 
 
 def run(names: list[str], quick: bool) -> list[Table]:

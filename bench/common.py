@@ -21,11 +21,12 @@ from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
-from rollstream.common.models import Group, Prompt, Sample
+from rollstream.common.models import Group, Packed, Prompt, Sample
 from rollstream.common.namespace import init_namespace
 from rollstream.producer.engine import EngineClient, EngineSettings, Generation
 from rollstream.producer.rewards import RewardFunction
 from rollstream.testing.children import stop_processes
+from rollstream.testing.samples import routed_experts
 
 ROOT = Path(__file__).resolve().parent.parent
 # ROLLSTREAM_BENCH_OUT redirects tables, logs and plots (the smoke test keeps the committed ones intact).
@@ -37,8 +38,13 @@ PROMPT_TOKENS = 64
 # -- data ----------------------------------------------------------------------------------
 
 
-def make_group(n: int, tokens: int, *, seed: int = 0, index: int = 0) -> Group:
-    """A group of ``n`` samples of ``tokens`` response tokens with log-probs (random values)."""
+R3_SHAPE = (48, 8, 128)
+"""The routing replay of the R3 benchmarks: 48 MoE layers, top-8 of 128 experts (uint8 ids)."""
+
+
+def make_group(n: int, tokens: int, *, seed: int = 0, index: int = 0, r3: bool = False, r3_code: str = "B") -> Group:
+    """A group of ``n`` samples of ``tokens`` response tokens with log-probs (random values);
+    with ``r3``, each sample carries a :data:`R3_SHAPE` routing replay (``r3_code``: its dtype)."""
     rng = random.Random(seed)
     prompt_ids = [rng.randrange(32000) for _ in range(PROMPT_TOKENS)]
     samples = []
@@ -57,6 +63,12 @@ def make_group(n: int, tokens: int, *, seed: int = 0, index: int = 0) -> Group:
                 metadata={"engine": "http://engine"},
             )
         )
+        if r3:
+            layers, topk, experts = R3_SHAPE
+            replay = routed_experts(PROMPT_TOKENS + tokens, layers, topk, experts, seed + i)
+            if r3_code != replay.typecode:
+                replay = Packed(array(r3_code, replay.data), replay.shape)
+            samples[-1].routed_experts = replay
     return Group(index=index, prompt="What is 1+1?", samples=samples, label="2", producer="bench")
 
 

@@ -72,9 +72,10 @@ async def _measure(call: Callable[[], Awaitable[Any]], memory: bool) -> tuple[fl
     return 0.0, peak
 
 
-async def measure(groups: int, tokens: int, repeat: int) -> dict[str, Any]:
-    """Times (medians) and peaks of raw, raw+decode and take with this process's reply parser."""
-    fields: dict[Any, Any] = group_fields(make_group(N, tokens))
+async def measure(groups: int, tokens: int, repeat: int, r3: bool = False) -> dict[str, Any]:
+    """Times (medians) and peaks of raw, raw+decode and take with this process's reply parser
+    (``r3``: every sample with a 48 x 8 routing replay)."""
+    fields: dict[Any, Any] = group_fields(make_group(N, tokens, r3=r3))
     times: dict[str, list[float]] = {"take": [], "raw": [], "raw+decode": []}
     peaks: dict[str, int] = {}
     with EmbeddedRedis() as server:
@@ -110,11 +111,11 @@ async def measure(groups: int, tokens: int, repeat: int) -> dict[str, Any]:
             "times": {k: statistics.median(v) for k, v in times.items()}}
 
 
-def _child(parser: str, groups: int, tokens: int, repeat: int) -> dict[str, Any]:
+def _child(parser: str, groups: int, tokens: int, repeat: int, r3: bool = False) -> dict[str, Any]:
     """``measure`` in a fresh interpreter: redis-py picks its parser at import time."""
     env = {**os.environ, "BENCH_HIDE_HIREDIS": "1" if parser == "python" else ""}
     out = subprocess.run(
-        [sys.executable, "-m", "bench.take_child", str(groups), str(tokens), str(repeat)],
+        [sys.executable, "-m", "bench.take_child", str(groups), str(tokens), str(repeat), "r3" if r3 else ""],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=1800,
     ).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])

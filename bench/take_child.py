@@ -23,7 +23,8 @@ from bench.take import measure
 
 def main() -> None:
     groups, tokens, repeat = (int(a) for a in sys.argv[1:4])
-    result = asyncio.run(measure(groups, tokens, repeat))
+    r3 = len(sys.argv) > 4 and sys.argv[4] == "r3"
+    result = asyncio.run(measure(groups, tokens, repeat, r3))
     result["parser"] = "hiredis" if HIREDIS_AVAILABLE else "python"
     print(json.dumps(result))
 

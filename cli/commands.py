@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -38,6 +39,14 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--batch-size", type=int, required=True, help="groups per training step")
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--max-backlog", type=int, default=256)
+    p.add_argument(
+        "--max-backlog-bytes", type=parse_bytes, default=0, metavar="SIZE",
+        help="byte budget of the groups held in Redis (e.g. 8GiB; 0 = none); checked against maxmemory",
+    )
+    p.add_argument(
+        "--max-group-bytes", type=parse_bytes, default=512 * 1024 * 1024, metavar="SIZE",
+        help="a larger group is dead-lettered (group_too_large), default 512MiB",
+    )
     p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
     p.add_argument("--max-attempts", type=int, default=5)
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
@@ -105,6 +114,18 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument(
+        "--routed-experts", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
+        help="ask SGLang for the MoE routing replay (R3: return_routed_experts; the server runs with "
+             "--enable-return-routed-experts), e.g. 48x8x128; checked against this shape",
+    )
+    p.add_argument("--engine-stats", action="store_true",
+                   help="record SGLang's prefix-cache and speculative-decoding counters per sample")
+    p.add_argument(
+        "--teacher-engine", action="append", default=None, metavar="URL",
+        help="score every response on this SGLang teacher (log-probs of the response tokens: "
+             "teacher_log_probs, on-policy distillation); repeatable",
+    )
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
@@ -119,6 +140,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--no-weight-version", action="store_true", help="omit meta_info.weight_version")
+    p.add_argument("--moe", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
+                   help="answer return_routed_experts with a routing replay of this shape")
     p.set_defaults(func=cmd_sim_engine)
 
     p = sub.add_parser("pause", parents=with_redis, help="stop producers from admitting new prompts")
@@ -174,6 +197,35 @@ async def _with_redis(url: str, work: Any) -> Any:
         await redis.aclose()
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_moe_shape(value: str) -> tuple[int, int, int]:
+    """``LAYERSxTOPKxEXPERTS`` (e.g. ``48x8x128``) as three positive ints (argparse type)."""
+    parts = value.lower().split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not LAYERSxTOPKxEXPERTS (e.g. 48x8x128)")
+    return shape
+
+
+def parse_bytes(value: str) -> int:
+    """A size such as ``8GiB``, ``500MB`` or ``1048576`` in bytes (argparse type)."""
+    number = value.strip().rstrip("bBiIkKmMgGtT")
+    unit = value.strip()[len(number):].lower()
+    try:
+        size = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size (e.g. 8GiB, 500MB, 1048576)") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+    return int(size)
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     config = PipelineConfig(
         n_samples_per_prompt=args.n_samples,
@@ -187,6 +239,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         recycle_filtered=args.recycle_filtered,
         heartbeat_timeout=args.heartbeat_timeout,
         steps_per_version=args.steps_per_version,
+        max_backlog_bytes=args.max_backlog_bytes,
+        max_group_bytes=args.max_group_bytes,
     )
     keys = Keys(args.ns)
     written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))
@@ -294,6 +348,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.integrations.rewards import is_framework_reward, load_framework_reward
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.rewards import RewardFunction, load_reward
+    from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
 
@@ -315,7 +370,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
         max_retries=args.max_retries,
         request_timeout=args.request_timeout,
         max_reply_bytes=int(args.max_reply_mib * 2**20),
+        routed_experts=args.routed_experts,
+        engine_stats=args.engine_stats,
     )
+    teacher_settings = None
+    if args.teacher_engine:
+        teacher_settings = dataclasses.replace(
+            engine_settings, urls=tuple(args.teacher_engine), routed_experts=None, api="sglang"
+        )
     settings = ProducerSettings(
         namespace=args.ns,
         concurrency=args.concurrency,
@@ -345,12 +407,17 @@ def cmd_produce(args: argparse.Namespace) -> int:
     async def main() -> None:
         metrics = ProducerMetrics(args.ns, settings.name) if args.metrics_port is not None else None
         runner = None
-        async with EngineClient(engine_settings, tokenizer=tokenizer) as engine:
+        async with contextlib.AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(EngineClient(engine_settings, tokenizer=tokenizer))
+            teacher = None
+            if teacher_settings is not None:
+                teacher = await stack.enter_async_context(TeacherScorer(EngineClient(teacher_settings)))
             try:
                 if metrics is not None:
                     metrics.attach(engine)
                     runner = await metrics.serve(args.metrics_host, args.metrics_port)
-                producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics)
+                producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics,
+                                                  teacher=teacher)
                 holder["producer"] = producer
                 if stop_requested:
                     producer.stop()
@@ -386,6 +453,7 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         weight_version=args.weight_version,
         report_weight_version=not args.no_weight_version,
+        moe=args.moe,
     )
     task: dict[str, asyncio.Task[None]] = {}
 

@@ -24,6 +24,22 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _bytes_line(g: dict[str, Any]) -> str:
+    """The group stream's bytes, against the byte budget when there is one."""
+    held = _size(g.get("bytes", 0))
+    budget = g.get("bytes_budget", 0)
+    mean = _size(g.get("mean_group_bytes", 0))
+    return f"bytes {held}" + (f" of {_size(budget)} budget" if budget else "") + f", mean group {mean}"
+
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("inspect", parents=with_redis, help="show a namespace's health at a glance")
     p.add_argument("--json", action="store_true", help="print one JSON document (schema in docs/operations.md)")
@@ -104,7 +120,7 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     streams.add_row(
         "groups", str(g["length"]),
         f"backlog {g['backlog']} (oldest waiting {_secs(g['oldest_waiting_age_s'])}), "
-        f"taken uncommitted {g['taken_uncommitted']} ({taken})",
+        f"taken uncommitted {g['taken_uncommitted']} ({taken}); {_bytes_line(g)}",
     )
     streams.add_row("dead", str(snap["dead"]["length"]), "dead-letter entries")
     parts.append(streams)

@@ -95,7 +95,7 @@ DEFAULT_STALL_AFTER = 60.0
 """Seconds without an admission (prompts queued, nothing ready, producers refused) before
 ``rollstream inspect`` reports "admission stalled"."""
 
-REFUSALS = ("paused", "backlog", "staleness")
+REFUSALS = ("paused", "backlog", "backlog_bytes", "staleness")
 """ADMIT's refusals a producer reports in its heartbeat (``empty`` is not one: nothing to admit)."""
 
 
@@ -153,6 +153,8 @@ def wait_cause(
         return f"admission blocked by staleness: {detail}"
     if "backlog" in refusals:
         return f"admission blocked by the backlog cap ({ready} groups ready, not taken)"
+    if "backlog_bytes" in refusals:
+        return f"admission blocked by the byte budget max_backlog_bytes ({ready} groups ready, not taken)"
     if last_error:
         return f"engines failing: {last_error}"
     if prompts_waiting == 0 and in_flight_prompts == 0:

@@ -8,10 +8,16 @@ every malformed input into :class:`~rollstream.common.errors.DecodeError`, never
 Stream entries carry a few plain fields beside ``data`` so that ``redis-cli XRANGE`` is readable
 without msgpack.
 
+Version 3 adds what slime and miles train on (see ``docs/architecture.md`` for the table): the
+routing, indexer and top-p replays as ``[typecode, shape, bin]`` triples in their smallest exact
+dtype (``B`` uint8, ``H`` uint16, ``i`` int32), teacher log-probs and the OPD reverse KL as
+float32 ``bin``, and small plain fields; each key is written only when its field is set.
+
 **Zero-copy groups.** ``decode_group(..., views=True)`` (what ``take()`` uses) returns samples
-whose ``tokens``, ``rollout_log_probs`` and ``loss_mask`` are memoryviews cast to ``i`` /
-``f`` / ``B`` on the payload bytes themselves, not copies: msgspec locates the three ``bin``
-fields of every sample without copying them, and every other field is decoded by msgpack exactly
+whose ``tokens``, ``rollout_log_probs``, ``loss_mask`` and version-3 arrays (routing, indexer
+and top-p replay, teacher log-probs, reverse KL) are memoryviews cast to their typecodes on the
+payload bytes themselves, not copies: msgspec locates the ``bin`` fields of every sample
+without copying them, and every other field is decoded by msgpack exactly
 as the copying decoder does (same options, same limits). A payload the view path cannot read is
 decoded again by the copying decoder, so malformed input gets exactly the same
 :class:`DecodeError`. Views keep the payload bytes alive; big-endian hosts always copy.
@@ -31,13 +37,18 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from .errors import ConfigError, DecodeError
-from .models import FloatArray, Group, IntArray, Prompt, Sample, Status
+from .models import PACKED_CODES, Adapter, FloatArray, Group, IntArray, Packed, Prompt, Sample, Status
 from .parse import utf8
 
-SCHEMA_VERSION = 2
-"""Written by this build. Version 1 entries (before ``pl``, ``err`` and the filled ``lm``) are
-still read, so producers can be upgraded while a pipeline runs."""
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+"""The newest version this build writes, for groups and prompts that use a version-3 field
+(routing replay, teacher log-probs, ... see ``_V3_SAMPLE_KEYS``); an entry without any is written
+as version 2, byte for byte what the previous build wrote, so a trainer still on that build reads
+it until a run turns the new fields on. Version 1 entries (before ``pl``, ``err`` and the filled
+``lm``) are still read, so producers can be upgraded while a pipeline runs."""
+READABLE_VERSIONS = (1, 2, 3)
+_V3_SAMPLE_KEYS = ("re", "ix", "tpi", "tpo", "tlp", "kl", "rm", "tm", "rid", "spec", "pc", "ngt", "ad", "mti")
+"""Version-3 sample keys, each present only when its field is set: absent fields cost nothing."""
 _LITTLE = sys.byteorder == "little"
 
 if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
@@ -48,14 +59,18 @@ if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - e
 class CodecLimits:
     """Upper bounds the decoder enforces, so a bad entry cannot exhaust memory."""
 
-    max_payload_bytes: int = 64 * 1024 * 1024
+    max_payload_bytes: int = 512 * 1024 * 1024
+    """Redis' own ``proto-max-bulk-len`` default: a group of 8 x 32k samples with a 48-layer
+    top-8 routing replay is ~100 MiB."""
     max_samples: int = 4096
     max_tokens: int = 1 << 22
     max_string_bytes: int = 16 * 1024 * 1024
     max_container_len: int = 1 << 20
+    max_array_items: int = 1 << 29
+    """Items of one packed version-3 array (routing replay: tokens x layers x topk)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_payload_bytes", "max_samples", "max_tokens", "max_string_bytes"):
+        for name in ("max_payload_bytes", "max_samples", "max_tokens", "max_string_bytes", "max_array_items"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CodecLimits.{name} must be positive")
 
@@ -63,9 +78,9 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
-def _pack_array(values: array[Any] | memoryview[Any]) -> bytes:
-    if _LITTLE:
-        return values.tobytes()
+def _pack_array(values: array[Any] | memoryview[Any]) -> bytes | memoryview:
+    if _LITTLE:  # msgpack packs the buffer as bin: one copy, into the payload
+        return memoryview(values).cast("B")
     swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
@@ -82,11 +97,54 @@ def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:
     if len(raw) // values.itemsize > limit:
         raise DecodeError("too_large", f"{what}: more than {limit} items")
     if isinstance(raw, memoryview):  # only on little-endian hosts (see decode_group)
-        return raw.cast("f") if typecode == "f" else raw.cast("B") if typecode == "B" else raw.cast("i")
+        return raw.cast(typecode)  # type: ignore[call-overload]
     values.frombytes(raw)
     if not _LITTLE:  # pragma: no cover
         values.byteswap()
     return values
+
+
+def _packed_to_wire(packed: Packed) -> list[Any]:
+    return [packed.typecode, list(packed.shape), _pack_array(packed.data)]
+
+
+def _mm_train_to_wire(inputs: Mapping[str, Any]) -> list[Any]:
+    """Processed media: ``[plain values, {name: packed triple}]`` (tensors travel packed)."""
+    plain = {k: v for k, v in inputs.items() if not isinstance(v, Packed)}
+    packed = {k: _packed_to_wire(v) for k, v in inputs.items() if isinstance(v, Packed)}
+    return [plain, packed]
+
+
+def _v3_sample_fields(sample: Sample) -> dict[str, Any]:
+    """The version-3 keys of ``sample``: only the fields that are set."""
+    out: dict[str, Any] = {}
+    for key, packed in (
+        ("re", sample.routed_experts), ("ix", sample.indexer_topk),
+        ("tpi", sample.top_p_token_ids), ("tpo", sample.top_p_token_offsets),
+    ):
+        if packed is not None:
+            out[key] = _packed_to_wire(packed)
+    if sample.teacher_log_probs is not None:
+        out["tlp"] = _pack_array(sample.teacher_log_probs)
+    if sample.opd_reverse_kl is not None:
+        out["kl"] = _pack_array(sample.opd_reverse_kl)
+    if sample.remove_sample:
+        out["rm"] = True
+    if sample.train_metadata is not None:
+        out["tm"] = sample.train_metadata
+    if sample.rollout_id is not None:
+        out["rid"] = sample.rollout_id
+    if sample.spec_info is not None:
+        out["spec"] = sample.spec_info
+    if sample.prefix_cache_info is not None:
+        out["pc"] = sample.prefix_cache_info
+    if sample.non_generation_time:
+        out["ngt"] = float(sample.non_generation_time)
+    if sample.adapter is not None:
+        out["ad"] = [sample.adapter.name, sample.adapter.slot]
+    if sample.multimodal_train_inputs is not None:
+        out["mti"] = _mm_train_to_wire(sample.multimodal_train_inputs)
+    return out
 
 
 def _sample_to_wire(sample: Sample) -> dict[str, Any]:
@@ -104,7 +162,15 @@ def _sample_to_wire(sample: Sample) -> dict[str, Any]:
         "lm": None if sample.loss_mask is None else _pack_array(sample.loss_mask),
         "err": sample.error,
         "md": sample.metadata,
+        **_v3_sample_fields(sample),
     }
+
+
+def _version_of(samples: list[dict[str, Any]], multimodal: Any) -> int:
+    """3 when a version-3 field is used, else 2 (readable by the previous build)."""
+    if multimodal is not None or any(key in s for s in samples for key in _V3_SAMPLE_KEYS):
+        return 3
+    return 2
 
 
 def _packb(obj: Any) -> bytes:
@@ -115,9 +181,9 @@ def _packb(obj: Any) -> bytes:
 
 
 def encode_group(group: Group) -> bytes:
-    return _packb(
-        {
-            "v": SCHEMA_VERSION,
+    samples = [_sample_to_wire(s) for s in group.samples]
+    obj = {
+            "v": _version_of(samples, group.multimodal_inputs),
             "kind": "group",
             "index": group.index,
             "epoch": group.epoch,
@@ -127,15 +193,17 @@ def encode_group(group: Group) -> bytes:
             "metadata": group.metadata,
             "producer": group.producer,
             "history": group.history,
-            "samples": [_sample_to_wire(s) for s in group.samples],
+            "samples": samples,
         }
-    )
+    if group.multimodal_inputs is not None:
+        obj["mmi"] = group.multimodal_inputs
+    return _packb(obj)
 
 
 def encode_prompt(prompt: Prompt) -> bytes:
-    return _packb(
-        {
-            "v": SCHEMA_VERSION,
+    partial = None if prompt.partial is None else [_sample_to_wire(s) for s in prompt.partial]
+    obj = {
+            "v": _version_of(partial or [], prompt.multimodal_inputs),
             "kind": "prompt",
             "index": prompt.index,
             "epoch": prompt.epoch,
@@ -144,10 +212,12 @@ def encode_prompt(prompt: Prompt) -> bytes:
             "label": prompt.label,
             "metadata": prompt.metadata,
             "input_ids": None if prompt.input_ids is None else _pack_array(prompt.input_ids),
-            "partial": None if prompt.partial is None else [_sample_to_wire(s) for s in prompt.partial],
+            "partial": partial,
             "history": prompt.history,
         }
-    )
+    if prompt.multimodal_inputs is not None:
+        obj["mmi"] = prompt.multimodal_inputs
+    return _packb(obj)
 
 
 def _check_payload(payload: Any, limits: CodecLimits) -> None:
@@ -200,6 +270,20 @@ class _SampleView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     wv: Raw | UnsetType = UNSET
     err: Raw | UnsetType = UNSET
     md: Raw | UnsetType = UNSET
+    re: tuple[str, list[int], memoryview] | UnsetType = UNSET
+    ix: tuple[str, list[int], memoryview] | UnsetType = UNSET
+    tpi: tuple[str, list[int], memoryview] | UnsetType = UNSET
+    tpo: tuple[str, list[int], memoryview] | UnsetType = UNSET
+    tlp: memoryview | UnsetType = UNSET
+    kl: memoryview | UnsetType = UNSET
+    rm: Raw | UnsetType = UNSET
+    tm: Raw | UnsetType = UNSET
+    rid: Raw | UnsetType = UNSET
+    spec: Raw | UnsetType = UNSET
+    pc: Raw | UnsetType = UNSET
+    ngt: Raw | UnsetType = UNSET
+    ad: Raw | UnsetType = UNSET
+    mti: Raw | UnsetType = UNSET
 
 
 class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
@@ -214,6 +298,7 @@ class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     metadata: Raw | UnsetType = UNSET
     producer: Raw | UnsetType = UNSET
     history: Raw | UnsetType = UNSET
+    mmi: Raw | UnsetType = UNSET
 
 
 _GROUP_VIEW_DECODER = msgspec.msgpack.Decoder(_GroupView)
@@ -330,7 +415,7 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
     finish = obj.get("fr")
     if finish is not None and not isinstance(finish, str):
         raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
-    return Sample(
+    sample = Sample(
         index=_get(obj, "i", int, what),
         tokens=tokens,
         response=_get(obj, "resp", str, what),
@@ -345,6 +430,116 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
         error=error,
         metadata=metadata,
     )
+    if version >= 3:
+        _v3_sample_from_wire(sample, obj, what, limits)
+    return sample
+
+
+def _packed_from_wire(raw: Any, what: str, limits: CodecLimits, ndim: int) -> Packed:
+    if not isinstance(raw, list | tuple) or len(raw) != 3:
+        raise DecodeError("bad_field", f"{what} must be [typecode, shape, bin]")
+    code, shape, data = raw
+    if not isinstance(code, str) or code not in PACKED_CODES:
+        raise DecodeError("bad_field", f"{what}: typecode {code!r} is not one of {', '.join(PACKED_CODES)}")
+    if (
+        not isinstance(shape, list | tuple)
+        or len(shape) != ndim
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise DecodeError("bad_field", f"{what}: shape {shape!r} is not {ndim} non-negative ints")
+    values = _unpack_array(code, data, what, limits.max_array_items)
+    if len(values) != math.prod(shape):
+        raise DecodeError("bad_field", f"{what}: {len(values)} values for shape {tuple(shape)}")
+    return Packed(values, tuple(shape))
+
+
+def _plain_map(value: Any, what: str, kinds: type | tuple[type, ...] = object) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(
+        isinstance(v, kinds) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise DecodeError("bad_field", f"{what} must be a map" + ("" if kinds is object else " of ints"))
+    return value
+
+
+def _v3_sample_from_wire(sample: Sample, obj: Mapping[str, Any], what: str, limits: CodecLimits) -> None:
+    """Fill the version-3 fields of ``sample`` from ``obj``, checking every length they imply."""
+    rows = max(0, len(sample.tokens) - 1)
+    if "mti" in obj:
+        raw = obj["mti"]
+        if not isinstance(raw, list | tuple) or len(raw) != 2 or not isinstance(raw[1], dict):
+            raise DecodeError("bad_field", f"{what}.mti must be [plain map, packed map]")
+        inputs = dict(_plain_map(raw[0], f"{what}.mti"))
+        for name, packed in raw[1].items():
+            if not isinstance(packed, list | tuple) or len(packed) != 3 or not isinstance(packed[1], list | tuple):
+                raise DecodeError("bad_field", f"{what}.mti.{name} must be [typecode, shape, bin]")
+            inputs[name] = _packed_from_wire(packed, f"{what}.mti.{name}", limits, len(packed[1]))
+        sample.multimodal_train_inputs = inputs
+    if "re" in obj:
+        experts = _packed_from_wire(obj["re"], f"{what}.re", limits, 3)
+        # media-expanded rows (miles counts vision patches) only with processed media present
+        if len(experts) != rows and not (sample.multimodal_train_inputs and len(experts) > rows):
+            raise DecodeError("bad_field", f"{what}.re has {len(experts)} rows for {len(sample.tokens)} tokens")
+        sample.routed_experts = experts
+    if "ix" in obj:
+        indexer = _packed_from_wire(obj["ix"], f"{what}.ix", limits, 3)
+        if len(indexer) != rows:
+            raise DecodeError("bad_field", f"{what}.ix has {len(indexer)} rows for {len(sample.tokens)} tokens")
+        sample.indexer_topk = indexer
+    if ("tpi" in obj) != ("tpo" in obj):
+        raise DecodeError("bad_field", f"{what}: top-p replay needs both tpi and tpo")
+    if "tpi" in obj:
+        ids = _packed_from_wire(obj["tpi"], f"{what}.tpi", limits, 1)
+        offsets = _packed_from_wire(obj["tpo"], f"{what}.tpo", limits, 1)
+        if len(offsets) != sample.response_length + 1 or offsets.data[0] != 0 or offsets.data[-1] != len(ids):
+            raise DecodeError(
+                "bad_field",
+                f"{what}.tpo: {len(offsets)} offsets for {sample.response_length} response tokens, "
+                f"must run from 0 to {len(ids)}",
+            )
+        sample.top_p_token_ids, sample.top_p_token_offsets = ids, offsets
+    for key, name in (("tlp", "teacher_log_probs"), ("kl", "opd_reverse_kl")):
+        if key in obj:
+            values = _unpack_array("f", obj[key], f"{what}.{key}", limits.max_tokens)
+            if len(values) != sample.response_length:
+                raise DecodeError(
+                    "bad_field", f"{what}.{key} has {len(values)} entries for {sample.response_length} response tokens"
+                )
+            setattr(sample, name, values)
+    if "rm" in obj:
+        if not isinstance(obj["rm"], bool):
+            raise DecodeError("bad_field", f"{what}.rm must be a bool")
+        sample.remove_sample = obj["rm"]
+    if "tm" in obj:
+        sample.train_metadata = _plain_map(obj["tm"], f"{what}.tm")
+    if "rid" in obj:
+        rid = obj["rid"]
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise DecodeError("bad_field", f"{what}.rid must be an int")
+        sample.rollout_id = rid
+    if "spec" in obj:
+        sample.spec_info = _plain_map(obj["spec"], f"{what}.spec", int)
+    if "pc" in obj:
+        sample.prefix_cache_info = _plain_map(obj["pc"], f"{what}.pc", int)
+    if "ngt" in obj:
+        ngt = obj["ngt"]
+        if not isinstance(ngt, int | float) or isinstance(ngt, bool) or not math.isfinite(ngt):
+            raise DecodeError("bad_field", f"{what}.ngt must be a finite number")
+        sample.non_generation_time = float(ngt)
+    if "ad" in obj:
+        ad = obj["ad"]
+        if (
+            not isinstance(ad, list | tuple) or len(ad) != 2 or not isinstance(ad[0], str)
+            or not isinstance(ad[1], int) or isinstance(ad[1], bool)
+        ):
+            raise DecodeError("bad_field", f"{what}.ad must be [name, slot]")
+        sample.adapter = Adapter(ad[0], ad[1])
+
+
+def _multimodal(obj: Mapping[str, Any], what: str) -> dict[str, Any] | None:
+    value = obj.get("mmi")
+    if value is not None and not isinstance(value, dict):
+        raise DecodeError("bad_field", f"{what}.mmi must be a map or nil")
+    return value
 
 
 def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:
@@ -394,6 +589,7 @@ def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
         producer=_get(obj, "producer", str, "group"),
         samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"]),
         history=_history(obj, "group"),
+        multimodal_inputs=_multimodal(obj, "group"),
     )
 
 
@@ -412,6 +608,7 @@ def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
         input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
         partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits, obj["v"]),
         history=_history(obj, "prompt"),
+        multimodal_inputs=_multimodal(obj, "prompt"),
     )
 
 
@@ -431,9 +628,11 @@ def prompt_fields(prompt: Prompt) -> Fields:
 
 
 def group_fields(group: Group) -> Fields:
-    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli."""
+    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli
+    (``bytes`` is the size of ``data``)."""
     min_version = group.min_version
     reward = group.reward_mean
+    data = encode_group(group)
     return {
         "index": group.index,
         "epoch": group.epoch,
@@ -443,8 +642,17 @@ def group_fields(group: Group) -> Fields:
         "producer": group.producer,
         "reward_mean": "nan" if math.isnan(reward) else f"{reward:.4f}",
         "n": len(group.samples),
-        "data": encode_group(group),
+        "bytes": len(data),
+        "data": data,
     }
+
+
+def group_too_large(fields: Mapping[str, Any], limit: int) -> str | None:
+    """The dead-letter reason of a group entry whose data exceeds ``limit`` bytes, else None."""
+    size = len(fields.get("data", b""))
+    if size <= limit:
+        return None
+    return f"group_too_large: {size} bytes of group data exceeds max_group_bytes {limit} (rollstream init)"
 
 
 def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:

@@ -40,6 +40,13 @@ class PipelineConfig:
     """A producer whose last heartbeat is older than this counts as dead."""
     steps_per_version: int = 1
     """Training steps per weight version the trainer declares (staleness-aware admission)."""
+    max_backlog_bytes: int = 0
+    """Byte budget of the group stream: producers stop admitting while the group data held in
+    Redis (ready and taken, not committed) plus the prompts in flight at the mean group size
+    reaches it, and groups are ready. 0 = no budget (``max_backlog`` alone bounds the backlog)."""
+    max_group_bytes: int = 512 * 1024 * 1024
+    """A group whose encoded data is larger is dead-lettered (``group_too_large``), not published
+    (512 MiB: Redis' ``proto-max-bulk-len`` default)."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -62,6 +69,12 @@ class PipelineConfig:
             raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds!r}")
         if not isinstance(self.heartbeat_timeout, int | float) or not self.heartbeat_timeout > 0:
             raise ConfigError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout!r}")
+        for name in ("max_backlog_bytes", "max_group_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer (bytes), got {value!r}")
+        if self.max_group_bytes == 0:
+            raise ConfigError("max_group_bytes must be positive")
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
 

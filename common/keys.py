@@ -78,6 +78,12 @@ class Keys:
         return f"{self.base}:state"
 
     @property
+    def group_bytes(self) -> str:
+        """Hash: group entry id -> the size of its ``data`` (the byte budget's ledger, kept by the
+        scripts that add and remove group entries)."""
+        return f"{self.base}:group_bytes"
+
+    @property
     def producers(self) -> str:
         """Hash: producer id -> JSON heartbeat."""
         return f"{self.base}:producers"
@@ -140,6 +146,7 @@ class Keys:
             self.state,
             self.producers,
             self.rollout_flags,
+            self.group_bytes,
         ]
 
 
@@ -197,6 +204,11 @@ class StateField:
     """Dead-letter entries put back (into the retry stream) by an operator."""
     RELEASED = "released"
     """Groups of a gone trainer consumer moved back into the stream (``release-trainer``)."""
+    GROUP_BYTES = "group_bytes"
+    """Bytes of group data held in the group stream (ready and taken but not committed), kept
+    atomically by PUBLISH and the scripts that remove groups: what the byte budget bounds."""
+    PUBLISHED_BYTES = "published_bytes"
+    """Bytes of group data ever published (with ``published``: the mean group size)."""
 
     @staticmethod
     def filtered(reason: str) -> str:
@@ -237,5 +249,7 @@ class StateField:
         LAST_ADMIT_MS,
         VERSION_START_CONSUMED,
         PREV_VERSION_CONSUMED,
+        GROUP_BYTES,
+        PUBLISHED_BYTES,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

@@ -39,17 +39,29 @@ local function incr(key, field, n)
   if v and not isint(v) then redis.call('HSET', key, field, 0) end
   return redis.call('HINCRBY', key, field, n)
 end
+-- The byte budget's ledger: the size of every group entry's data (hash ``sizes``) and their sum
+-- in the state hash; ``forget`` removes one entry from both (never below zero).
+local function forget(sizes, state, id)
+  local b = num(redis.call('HGET', sizes, id))
+  if b > 0 then
+    redis.call('HDEL', sizes, id)
+    if incr(state, 'GROUP_BYTES', -b) < 0 then redis.call('HSET', state, 'GROUP_BYTES', 0) end
+  end
+  return b
+end
 """
 
 
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
     (an unknown name fails the import), after the helpers."""
-    return _HELPERS + Template(source).substitute(_STATE_FIELDS)
+    helpers = _HELPERS.replace("'GROUP_BYTES'", f"'{StateField.GROUP_BYTES}'")
+    return helpers + Template(source).substitute(_STATE_FIELDS)
 
 
-# KEYS: source prompt stream (prompts or retry), groups, state. ARGV: consumer group, prompt id,
-# now ms, group fields...
+# KEYS: source prompt stream (prompts or retry), groups, state, group sizes. ARGV: consumer group,
+# prompt id, now ms, data bytes, group fields... The group's size goes into the byte ledger in
+# the same step as the group.
 PUBLISH = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
@@ -57,36 +69,57 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 incr(KEYS[3], '$PUBLISHED', 1)
+local b = tonumber(ARGV[4]) or 0
+if b > 0 then
+  redis.call('HSET', KEYS[4], id, b)
+  incr(KEYS[3], '$GROUP_BYTES', b)
+  incr(KEYS[3], '$PUBLISHED_BYTES', b)
+end
 redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
 """)
 
-# KEYS: source stream, target stream, state.
-# ARGV: consumer group, entry id, counter field, fields of the new entry...
+# KEYS: source stream, target stream, state, group sizes.
+# ARGV: consumer group, entry id, counter field, ledger ('' = neither stream is the group stream,
+# 's' = the source is, 'st' = both are), fields of the new entry...
 # Acknowledges and deletes an entry of the source stream and adds a new entry to the target
-# stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry) or
-# dead-lettered (any -> dead).
+# stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
+# (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
+# byte ledger with it.
 MOVE = _template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+local b = 0
+if ARGV[4] ~= '' then b = forget(KEYS[4], KEYS[3], ARGV[2]) end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+if ARGV[4] == 'st' and b > 0 then
+  redis.call('HSET', KEYS[4], id, b)
+  incr(KEYS[3], '$GROUP_BYTES', b)
+end
 incr(KEYS[3], ARGV[3], 1)
 return id
 """)
 
-# KEYS: stream, state. ARGV: consumer group, counter, second counter or '', time field or '',
-# now ms, entry ids... Acknowledges and deletes entries (commit, filtered drop); counts the
-# acknowledged ones only.
+# KEYS: stream, state, group sizes. ARGV: consumer group, counter, second counter or '', time
+# field or '', now ms, entry ids... Acknowledges and deletes entries (commit, filtered drop);
+# counts the acknowledged ones only, and takes those out of the byte ledger (an id the ledger
+# does not hold, e.g. a prompt's, changes nothing).
 ACK_DELETE = _template("""
-local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 6))
+local acked = 0
+for i = 6, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+    acked = acked + 1
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    if KEYS[3] ~= KEYS[1] then forget(KEYS[3], KEYS[2], ARGV[i]) end
+  end
+end
 if acked == 0 then group_exists(KEYS[1], ARGV[1]) end
 if acked > 0 then
-  redis.call('XDEL', KEYS[1], unpack(ARGV, 6))
   incr(KEYS[2], ARGV[2], acked)
   if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
 end
@@ -117,17 +150,33 @@ end
 #   capacity = max(1, (S + 1) * G - min(c, G))
 # (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
 # at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
-# Refusals: {'paused'}, {'backlog', ready}, {'staleness', outstanding, capacity, c, G}, {'empty'}.
+# With a byte budget (ARGV[12] > 0) and groups ready, the bytes held in the group stream plus the
+# prompts in flight at the mean group size must stay under it:
+#   projected = group_bytes + (pending(retry) + pending(prompts)) * mean, mean = published_bytes / published
+# and one more group of the mean size must fit (projected + mean <= budget); at most
+# (budget - projected) / mean are read. With no group ready the budget does not
+# refuse: a trainer waiting inside take() for a batch larger than the budget must get it.
+# Refusals: {'paused'}, {'backlog', ready}, {'backlog_bytes', projected, budget},
+# {'staleness', outstanding, capacity, c, G}, {'empty'}.
 ADMIT = _template(_PENDING + """
 local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
-  '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED')
+  '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED', '$GROUP_BYTES', '$PUBLISHED_BYTES', '$PUBLISHED')
 if st[1] == '1' then return {'paused'} end
 local taken = pending(KEYS[3], ARGV[9])
 local ready = math.max(0, redis.call('XLEN', KEYS[3]) - taken)
 if ready >= tonumber(ARGV[3]) then return {'backlog', ready} end
 local room = math.min(tonumber(ARGV[8]), tonumber(ARGV[3]) - ready)
+local in_flight = pending(KEYS[1], ARGV[1]) + pending(KEYS[2], ARGV[1])
+local budget = tonumber(ARGV[12]) or 0
+if budget > 0 and ready > 0 then
+  local mean = 0
+  if num(st[8]) > 0 then mean = math.ceil(num(st[7]) / num(st[8])) end
+  local projected = num(st[6]) + in_flight * mean
+  if projected + math.max(mean, 1) > budget then return {'backlog_bytes', projected, budget} end
+  if mean > 0 then room = math.min(room, math.floor((budget - projected) / mean)) end
+end
 if ARGV[4] == '1' then
-  local outstanding = pending(KEYS[1], ARGV[1]) + pending(KEYS[2], ARGV[1]) + ready
+  local outstanding = in_flight + ready
   local c = math.max(0, num(st[3]) + taken - num(st[4]))
   local declared = tonumber(ARGV[7]) * tonumber(ARGV[6])
   local g = math.max(declared, math.min(num(st[5]), tonumber(ARGV[10]) * declared))
@@ -209,6 +258,13 @@ return added
 """)
 
 
+# KEYS: groups, state, group sizes. ARGV: trainer group, entry id. A delivered group found gone
+# from the stream (XTRIM, XDEL): acknowledged, and out of the byte ledger.
+FORGET = _template("""
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return forget(KEYS[3], KEYS[2], ARGV[2])
+""")
+
 # KEYS: dead, retry, state. ARGV: dead entry id, counter, fields of the prompt entry...
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
@@ -277,6 +333,7 @@ class Scripts:
         self._renew = redis.register_script(RENEW)
         self._feed = redis.register_script(FEED)
         self._requeue = redis.register_script(REQUEUE)
+        self._forget = redis.register_script(FORGET)
         self._lease = redis.register_script(LEASE)
         self._release = redis.register_script(RELEASE)
 
@@ -284,11 +341,12 @@ class Scripts:
         self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int
     ) -> bytes | None:
         """Publish a group and ack its prompt (an entry of ``source``: prompts or retry); None when
-        the prompt was already acknowledged."""
+        the prompt was already acknowledged. The size of its ``data`` enters the byte ledger."""
         k = self.keys
+        data = group_fields.get("data", b"")
         result = await self._publish(
-            keys=[source, k.groups, k.state],
-            args=[PRODUCERS_GROUP, prompt_id, now_ms, *_flatten(group_fields)],
+            keys=[source, k.groups, k.state, k.group_bytes],
+            args=[PRODUCERS_GROUP, prompt_id, now_ms, len(data), *_flatten(group_fields)],
         )
         return result or None
 
@@ -302,10 +360,13 @@ class Scripts:
         counter: str,
         fields: Mapping[Any, Any],
     ) -> bool:
-        """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically."""
+        """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically
+        (the byte ledger follows a group entry out of, or within, the group stream)."""
+        k = self.keys
+        ledger = ("s" if source == k.groups else "") + ("t" if source == target == k.groups else "")
         result = await self._move(
-            keys=[source, target, self.keys.state],
-            args=[group, entry_id, counter, *_flatten(fields)],
+            keys=[source, target, k.state, k.group_bytes],
+            args=[group, entry_id, counter, ledger, *_flatten(fields)],
         )
         return bool(result)
 
@@ -358,9 +419,11 @@ class Scripts:
     ) -> int:
         if not ids:
             return 0
+        # the ledger holds group ids only: for another stream, pass the stream itself (= none)
+        sizes = self.keys.group_bytes if stream == self.keys.groups else stream
         return int(
             await self._ack_delete(
-                keys=[stream, self.keys.state],
+                keys=[stream, self.keys.state, sizes],
                 args=[group, counter, second_counter, time_field, now_ms, *ids],
             )
         )
@@ -376,6 +439,7 @@ class Scripts:
         steps_per_version: int = 1,
         count: int = 1,
         now_ms: int = 0,
+        max_backlog_bytes: int = 0,
     ) -> AdmitReply:
         """Run ADMIT: up to ``count`` prompts (retry stream first), or why none."""
         k = self.keys
@@ -384,6 +448,7 @@ class Scripts:
             args=[
                 PRODUCERS_GROUP, consumer, max_backlog, 1 if admission else 0, max_staleness, batch_size,
                 steps_per_version, max(1, count), TRAINER_GROUP, MEASURED_CADENCE_CAP, now_ms,
+                max_backlog_bytes,
             ],
         )
         status = result[0].decode() if isinstance(result[0], bytes) else str(result[0])
@@ -395,6 +460,12 @@ class Scripts:
             flat = result[i + 2] or []
             entries.append((streams[int(result[i]) - 1], result[i + 1], dict(zip(flat[::2], flat[1::2], strict=True))))
         return AdmitReply(status, int(result[1]), entries, [])
+
+    async def forget_group(self, entry_id: str | bytes) -> int:
+        """Acknowledge a delivered group entry that is gone from the stream and drop it from the
+        byte ledger; the bytes it held."""
+        k = self.keys
+        return int(await self._forget(keys=[k.groups, k.state, k.group_bytes], args=[TRAINER_GROUP, entry_id]))
 
     async def requeue(self, dead_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bytes | None:
         """Move a dead-letter entry back to the retry stream; None when it was already gone."""

@@ -28,11 +28,59 @@ async def ensure_groups(redis: Redis, keys: Keys) -> None:
                 raise
 
 
+MEMORY_HEADROOM = 0.2
+"""Share of ``maxmemory`` kept out of the byte budget: prompts, the retry and dead-letter streams,
+stream overhead, client buffers, and what the budget admits in flight beyond the projection."""
+
+
+def memory_problem(maxmemory: int, policy: str, used: int, held: int, budget: int) -> str | None:
+    """Why this Redis cannot hold the pipeline safely, or None. ``used``: memory in use now,
+    ``held``: of which this namespace's group data (re-init), ``budget``: ``max_backlog_bytes``."""
+    if policy and policy != "noeviction":
+        return (
+            f"Redis maxmemory-policy is {policy!r}: an evicting policy deletes keys under memory pressure, "
+            "and an evicted stream is silent loss of prompts and groups (DESIGN §4.12). Set "
+            "`CONFIG SET maxmemory-policy noeviction` (and in redis.conf), then run init again"
+        )
+    if maxmemory > 0 and budget > 0:
+        room = int(maxmemory * (1 - MEMORY_HEADROOM)) - max(0, used - held)
+        if budget > room:
+            return (
+                f"max_backlog_bytes {budget} does not fit in Redis maxmemory {maxmemory}: {max(0, used - held)} bytes "
+                f"are in use by other data and {int(maxmemory * MEMORY_HEADROOM)} kept as headroom, leaving {room}; "
+                "lower --max-backlog-bytes or raise maxmemory"
+            )
+    return None
+
+
+async def check_memory(redis: Redis, keys: Keys, config: PipelineConfig) -> None:
+    """Refuse a Redis that can evict keys, or whose ``maxmemory`` cannot hold the byte budget
+    (``INFO memory``: also answered where ``CONFIG`` is disabled)."""
+    try:
+        info = await redis.info("memory")
+    except ResponseError as exc:  # a proxy or server without INFO: nothing to compare with
+        logger.warning("namespace %s: cannot read INFO memory (%s): maxmemory and maxmemory-policy not checked",
+                       keys.namespace, exc)
+        return
+    held = int_or(await redis.hget(keys.state, StateField.GROUP_BYTES), 0)
+    problem = memory_problem(
+        int(info.get("maxmemory", 0) or 0), str(info.get("maxmemory_policy", "") or ""),
+        int(info.get("used_memory", 0) or 0), held, config.max_backlog_bytes,
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+    if int(info.get("maxmemory", 0) or 0) == 0 and config.max_backlog_bytes == 0:
+        logger.info("namespace %s: no maxmemory and no max_backlog_bytes: Redis memory is bounded by "
+                    "max_backlog groups only", keys.namespace)
+
+
 async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, force: bool = False) -> bool:
     """Write the namespace config; True when written. An existing, different config is kept
     unless ``force``, and even then refused while a producer or a trainer is alive: changing n or
     the batch size under running producers corrupts groups. The namespace id is kept across a
-    ``--force`` (the state hash, with the feeder cursor, stays valid)."""
+    ``--force`` (the state hash, with the feeder cursor, stays valid). A Redis that can evict
+    keys, or cannot hold the byte budget, is refused (:func:`check_memory`)."""
+    await check_memory(redis, keys, config)
     existing = await redis.hgetall(keys.config)
     namespace_id = text(existing.get(StateField.NAMESPACE_ID.encode())) or None
     if existing:

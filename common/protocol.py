@@ -323,11 +323,12 @@ class Admission:
     """The ADMIT script's answer: ``ok`` with prompt entries, else why nothing was read."""
 
     status: str
-    """``ok``, ``empty``, ``paused``, ``backlog`` or ``staleness``."""
+    """``ok``, ``empty``, ``paused``, ``backlog``, ``backlog_bytes`` or ``staleness``."""
     entries: list[Admitted] = field(default_factory=list)
     weight_version: int = 0
     terms: list[int] = field(default_factory=list)
-    """A refusal's numbers: ``backlog``: [ready]; ``staleness``: [outstanding, capacity, c, G]."""
+    """A refusal's numbers: ``backlog``: [ready]; ``backlog_bytes``: [projected bytes, budget];
+    ``staleness``: [outstanding, capacity, c, G]."""
 
 
 def _flat_entries(rows: Sequence[Any]) -> list[Entry]:
@@ -359,6 +360,7 @@ class PromptQueue(_Guarded):
         batch_size: int,
         steps_per_version: int = 1,
         count: int = 1,
+        max_backlog_bytes: int = 0,
     ) -> Admission:
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
         ready backlog has room and staleness-aware admission allows it (one atomic script)."""
@@ -366,7 +368,7 @@ class PromptQueue(_Guarded):
             reply = await self.scripts.admit(
                 consumer=self.consumer, max_backlog=max_backlog, admission=admission,
                 max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
-                count=count, now_ms=now_ms(),
+                count=count, now_ms=now_ms(), max_backlog_bytes=max_backlog_bytes,
             )
         entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
         return Admission(reply.status, entries, reply.weight_version, reply.terms)
@@ -533,7 +535,7 @@ class GroupQueue(_Guarded):
         return dict(rows[0][1]) if rows else {}
 
     async def ack_deleted(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.groups, TRAINER_GROUP, entry_id)
+        await self.scripts.forget_group(entry_id)
 
     async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
         async with self._guard():

@@ -124,8 +124,45 @@ class Batch:
         :meth:`tokens_numpy`."""
         return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
 
+    def routed_experts_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's routing replay (R3) as a ``(len(tokens) - 1, layers, topk)`` view in its
+        wire dtype (``uint8`` for up to 256 experts, ``uint16``, ``int32``; ``.astype`` for
+        another), None where absent; zero-copy as :meth:`tokens_numpy`."""
+        return self._packed_numpy("routed_experts")
 
-_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8"}
+    def indexer_topk_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's indexer top-k replay (DSA models), as :meth:`routed_experts_numpy`."""
+        return self._packed_numpy("indexer_topk")
+
+    def top_p_numpy(self) -> list[tuple[numpy.ndarray, numpy.ndarray] | None]:
+        """Every sample's nucleus replay as ``(token_ids, offsets)`` views (response token ``i``
+        kept ``token_ids[offsets[i]:offsets[i + 1]]``), None where absent."""
+        return [
+            (s.top_p_token_ids.numpy(), s.top_p_token_offsets.numpy())
+            if s.top_p_token_ids is not None and s.top_p_token_offsets is not None else None
+            for g in self.groups for s in g.samples
+        ]
+
+    def teacher_log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's teacher log-probs (``response_length`` float32s), as :meth:`tokens_numpy`."""
+        return [_numpy_view(s.teacher_log_probs) if s.teacher_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def opd_reverse_kl_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's OPD reverse-KL estimate (float32s), as :meth:`tokens_numpy`."""
+        return [_numpy_view(s.opd_reverse_kl) if s.opd_reverse_kl is not None else None
+                for g in self.groups for s in g.samples]
+
+    def _packed_numpy(self, name: str) -> list[numpy.ndarray | None]:
+        out: list[numpy.ndarray | None] = []
+        for g in self.groups:
+            for s in g.samples:
+                packed = getattr(s, name)
+                out.append(None if packed is None else packed.numpy())
+        return out
+
+
+_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8", "H": "uint16"}
 
 
 def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:

@@ -226,7 +226,11 @@ def feed_args(args: Any, config: PipelineConfig, concurrency: int) -> tuple[str,
             "--prompt-data is not set: rollstream feeds the prompts the run's data source would have read from it"
         )
     if getattr(args, "multimodal_keys", None):
-        raise ConfigError("--multimodal-keys: rollstream's producers send text and chat prompts only; drop the flag")
+        raise ConfigError(
+            "--multimodal-keys: rollstream's feeder does not map dataset keys to image placeholders; put the "
+            "images in the --input-key chat messages as image parts (they reach the engines as image_data) and "
+            "drop the flag"
+        )
     if getattr(args, "apply_chat_template_kwargs", None):
         raise ConfigError(
             "--apply-chat-template-kwargs: the producers' tokenizer renders the chat template without extra "

@@ -94,7 +94,7 @@ class FrameworkReward(RewardFunction):
         metadata: Mapping[str, Any],
     ) -> Any:
         group = Group(index=0, prompt=prompt, samples=list(samples), label=label, metadata=dict(metadata))
-        converted = to_framework(group, self.sample_cls)
+        converted = to_framework(group, self.sample_cls, replays=False)  # a reward needs no replay
         if self.per_group:
             return list(await _maybe_await(self.fn(self.args, converted)))
         return list(await asyncio.gather(*(_maybe_await(self.fn(self.args, s)) for s in converted)))

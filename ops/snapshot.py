@@ -264,6 +264,10 @@ async def snapshot(
         for stream, group in keys.consumer_groups:
             if await view.group_info(stream, group) is None:
                 snap["missing_groups"].append({"stream": stream, "group": group, "length": await view.length(stream)})
+    published = _int(state.get(StateField.PUBLISHED))
+    snap["groups"]["bytes"] = _int(state.get(StateField.GROUP_BYTES))
+    snap["groups"]["bytes_budget"] = config.max_backlog_bytes if config else 0
+    snap["groups"]["mean_group_bytes"] = _int(state.get(StateField.PUBLISHED_BYTES)) // published if published else 0
     terms = await read_admission_terms(redis, keys, config) if config is not None else None
     snap["admission"] = {
         "enabled": bool(config and config.admission_enabled),

@@ -47,6 +47,7 @@ import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
 from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
+from rollstream.common.models import Packed
 
 from . import replies
 from .replies import EngineReplyInvalid
@@ -91,6 +92,12 @@ class EngineSettings:
     model_info_timeout: float = 2.0
     model_info_ttl: float = 5.0
     return_logprob: bool = True
+    routed_experts: tuple[int, int, int] | None = None
+    """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
+    the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
+    engine_stats: bool = False
+    """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
+    ``prefix_cache_info``: wire format v3)."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -115,6 +122,11 @@ class EngineSettings:
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
+                raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
+            if self.api != "sglang":
+                raise ConfigError("--routed-experts needs --engine-api sglang (meta_info.routed_experts)")
 
 
 @dataclass(slots=True)
@@ -132,6 +144,12 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
     prompt_ids: array[int] | None = None
     """Prompt token ids as the engine saw them, when it says (vLLM ``return_token_ids``)."""
+    routed_experts: Packed | None = None
+    """The routing replay of the request's whole sequence (input + output - 1 rows) after
+    ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
+    routed_experts_start: int = 0
+    counters: dict[str, int] | None = None
+    """The engine's prefix-cache / speculative-decoding counters of this request (SGLang)."""
 
 
 def parse_version(value: Any) -> int | None:
@@ -154,7 +172,9 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def _generation(parsed: replies.ParsedReply, engine: _Engine, version: int | None) -> Generation:
+def _generation(
+    parsed: replies.ParsedReply, engine: _Engine, version: int | None, routed_experts: Packed | None = None
+) -> Generation:
     return Generation(
         text=parsed.text,
         output_ids=parsed.output_ids,
@@ -163,6 +183,9 @@ def _generation(parsed: replies.ParsedReply, engine: _Engine, version: int | Non
         weight_version=version,
         engine=engine.url,
         prompt_ids=parsed.prompt_ids,
+        routed_experts=routed_experts,
+        routed_experts_start=parsed.routed_experts_start,
+        counters=parsed.counters,
     )
 
 
@@ -358,9 +381,11 @@ class EngineClient:
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
         rid: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> Generation:
-        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages."""
-        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid))[0]
+        """One sample for a prompt given as text, token ids or (OpenAI API) chat messages;
+        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside them."""
+        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, image_data))[0]
 
     async def generate_n(
         self,
@@ -370,16 +395,18 @@ class EngineClient:
         input_ids: Sequence[int] | None = None,
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         """``n`` samples of one prompt: one request with ``n`` (OpenAI API), else ``n`` requests."""
         if n < 1:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
-            return await self._generate(n, text, input_ids, messages, max_new_tokens, None)
+            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, image_data)
         return list(
             await asyncio.gather(
                 *(
-                    self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens)
+                    self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
+                                  image_data=image_data)
                     for _ in range(n)
                 )
             )
@@ -393,10 +420,11 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         self._check_prompt(text, input_ids, messages)
         try:
-            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid)
+            return await self._generate_api(n, text, input_ids, messages, max_new_tokens, rid, image_data)
         except EngineReplyInvalid:
             self._count_error("bad_reply")
             raise
@@ -409,6 +437,7 @@ class EngineClient:
         messages: Messages | None,
         max_new_tokens: int | None,
         rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
         max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
         if self.settings.api == "openai":
@@ -420,10 +449,15 @@ class EngineClient:
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
                 "template (--tokenizer) or use --engine-api openai",
             )
-        return [await self._generate_sglang(text, input_ids, max_new, rid)]
+        return [await self._generate_sglang(text, input_ids, max_new, rid, image_data)]
 
     async def _generate_sglang(
-        self, text: str | None, input_ids: Sequence[int] | None, max_new: int, rid: str | None
+        self,
+        text: str | None,
+        input_ids: Sequence[int] | None,
+        max_new: int,
+        rid: str | None,
+        image_data: Sequence[str] | None = None,
     ) -> Generation:
         params = {
             "max_new_tokens": max_new,
@@ -438,15 +472,38 @@ class EngineClient:
             body["input_ids"] = input_ids if isinstance(input_ids, list | array) else list(input_ids or ())
         if rid is not None:
             body["rid"] = rid
+        if image_data:
+            body["image_data"] = list(image_data)
+        shape = self.settings.routed_experts
+        if shape is not None:
+            body["return_routed_experts"] = True
         engine, raw = await self._post("/generate", body)
         want = self.settings.return_logprob
-        parsed = replies.parse_sglang(raw, want_logprobs=want, where=engine.url + "/generate")[0]
+        where = engine.url + "/generate"
+        parsed = replies.parse_sglang(raw, want_logprobs=want, where=where)[0]
+        experts = None
+        if shape is not None and parsed.routed_experts is not None:
+            experts = replies.decode_routed_experts(parsed.routed_experts, *shape, where=where)
+        elif shape is not None and parsed.finish_reason != "abort":
+            raise replies.EngineReplyInvalid(
+                "routed_experts", "asked for but meta_info has none (start SGLang with --enable-return-routed-experts)",
+                where,
+            )
         version = parse_version(parsed.weight_version)
         if version is None:
             version = await self.weight_version(engine)
         else:
             engine.version = version
-        return _generation(parsed, engine, version)
+        generation = _generation(parsed, engine, version, experts)
+        if not self.settings.engine_stats:
+            generation.counters = None
+        return generation
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> tuple[str, bytes]:
+        """POST ``body`` to the least-loaded engine with the retries, deadline and reply bound
+        of a generation (a teacher's scoring request); the engine URL and the reply body."""
+        engine, raw = await self._post(path, body)
+        return engine.url, raw
 
     def _openai_body(self, max_new: int, n: int) -> dict[str, Any]:
         return {

@@ -26,7 +26,7 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
-from rollstream.common.models import Prompt, as_prompt_content
+from rollstream.common.models import Prompt, as_prompt_content, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed
 
@@ -242,6 +242,7 @@ class Feeder:
                 prompt = Prompt(
                     index=next_index + offset, prompt=record.prompt, label=record.label, epoch=ep,
                     metadata={**record.metadata, "dataset_index": record_index},
+                    multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
                 )
                 entries.append(prompt_fields(prompt))
             last_epoch, last_position, _ = chunk[-1]

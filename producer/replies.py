@@ -13,6 +13,13 @@ One typed msgspec decoder per reply shape checks types and token-id ranges in C 
 * OpenAI ``/v1/chat/completions``: ``choices[i].message.content``,
   ``.logprobs.content[j].token`` / ``.logprob``, the same vLLM id fields.
 
+With routing replay on, SGLang adds ``meta_info.routed_experts`` (base64 of little-endian int32,
+``(prompt + output tokens - 1) x layers x topk``, ``routed_experts_start_len`` rows skipped when
+it says so); :func:`decode_routed_experts` turns it into a :class:`~rollstream.common.models.Packed`
+in its smallest dtype, checking the shape and the id range. A teacher's scoring reply
+(``max_new_tokens`` 0, ``logprob_start_len``) carries ``meta_info.input_token_logprobs``:
+:func:`parse_teacher` checks every entry against the scored tokens.
+
 Anything unusable raises :class:`EngineReplyInvalid` with a short ``reason`` slug: not JSON, a
 wrong type or a missing field, a negative or out-of-range token id, a null, NaN or infinite
 log-prob, a log-prob count that differs from the output token count when log-probs were asked
@@ -23,13 +30,17 @@ sample.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import sys
 from array import array
 from dataclasses import dataclass
 from typing import Annotated, Any, cast
 
 import msgspec
 from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.models import Packed
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 """A token id that fits ``array('i')``; negative ids are refused."""
@@ -62,6 +73,13 @@ class ParsedReply:
     weight_version: Any = None
     """As the engine sent it (SGLang sends a string); parse with ``engine.parse_version``."""
     prompt_ids: array[int] | None = None
+    routed_experts: str | None = None
+    """SGLang's base64 routing replay, undecoded (see :func:`decode_routed_experts`)."""
+    routed_experts_start: int = 0
+    """Rows of the sequence the replay leaves out (SGLang ``routed_experts_start_len``)."""
+    counters: dict[str, int] | None = None
+    """SGLang's prefix-cache and speculative-decoding counters of the request (``cached_tokens``,
+    ``prompt_tokens``, ``spec_*``, ``completion_tokens``) when it sent them."""
 
 
 # -- SGLang /generate ---------------------------------------------------------------------------
@@ -83,6 +101,14 @@ class _Meta(msgspec.Struct, gc=False):
     finish_reason: _Finish | str
     output_token_logprobs: list[_LogProb] | None = None
     weight_version: int | str | None = None
+    routed_experts: str | None = None
+    routed_experts_start_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    spec_accept_token_num: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_verify_ct: int | None = None
 
 
 class _Generate(msgspec.Struct, gc=False):
@@ -211,8 +237,79 @@ def _sglang_one(reply: _Generate, want_logprobs: bool, where: str) -> ParsedRepl
             raise EngineReplyInvalid("no_logprobs", "log-probs were asked for but meta_info has none", where)
         _check_count(ids, log_probs, where)
     return ParsedReply(
-        text=reply.text, output_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=meta.weight_version
+        text=reply.text, output_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=meta.weight_version,
+        routed_experts=meta.routed_experts, routed_experts_start=meta.routed_experts_start_len,
+        counters=_counters(meta),
     )
+
+
+_COUNTERS = (
+    "cached_tokens", "prompt_tokens", "completion_tokens", "spec_accept_token_num", "spec_draft_token_num",
+    "spec_verify_ct",
+)
+
+
+def _counters(meta: _Meta) -> dict[str, int] | None:
+    out = {name: value for name in _COUNTERS if isinstance(value := getattr(meta, name), int) and value >= 0}
+    return out or None
+
+
+def decode_routed_experts(encoded: str, layers: int, topk: int, experts: int, where: str = "") -> Packed:
+    """SGLang's base64 int32 routing replay as ``(rows, layers, topk)`` in its smallest exact
+    dtype; ``EngineReplyInvalid`` (``routed_experts``) when it is not base64, not a whole number of
+    ``layers x topk`` int32 rows, or holds an id outside ``0 .. experts - 1``."""
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise EngineReplyInvalid("routed_experts", f"not base64: {exc}", where) from None
+    row = 4 * layers * topk
+    if len(raw) % row:
+        raise EngineReplyInvalid(
+            "routed_experts", f"{len(raw)} bytes is not a whole number of {layers} x {topk} int32 rows", where
+        )
+    rows = len(raw) // row
+    values = array("i")
+    values.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover - SGLang sends little-endian
+        values.byteswap()
+    if not values:
+        return Packed(array("B"), (0, layers, topk))
+    lo, hi = min(values), max(values)  # one C pass each
+    if lo < 0 or hi >= experts:
+        raise EngineReplyInvalid("routed_experts", f"expert id {lo if lo < 0 else hi} outside 0..{experts - 1}", where)
+    code = "B" if experts <= 256 else "H" if experts <= 65536 else "i"  # exact: every id is below experts
+    return Packed(values if code == "i" else array(code, values), (rows, layers, topk))
+
+
+class _Teacher(msgspec.Struct, gc=False):
+    input_token_logprobs: list[_LogProb]
+
+
+class _TeacherReply(msgspec.Struct, gc=False):
+    meta_info: _Teacher
+
+
+_TEACHER = msgspec.json.Decoder(_TeacherReply)
+
+
+def parse_teacher(raw: bytes, tokens: array[int] | memoryview, response_length: int, where: str = "") -> array[float]:
+    """The teacher's log-probs of the last ``response_length`` of ``tokens``, from a scoring
+    reply whose ``input_token_logprobs`` end at the last token: every entry's token id must be
+    the token it scores (an engine that scored other tokens is refused, ``teacher_mismatch``)."""
+    entries = _decode(_TEACHER, raw, where).meta_info.input_token_logprobs
+    if len(entries) < response_length:
+        raise EngineReplyInvalid(
+            "teacher_count", f"{len(entries)} input log-probs for {response_length} response tokens", where
+        )
+    scored = entries[len(entries) - response_length :]
+    start = len(tokens) - response_length
+    for i, entry in enumerate(scored):
+        if entry.token_id != tokens[start + i]:
+            raise EngineReplyInvalid(
+                "teacher_mismatch", f"entry {i} scores token {entry.token_id}, the response has {tokens[start + i]}",
+                where,
+            )
+    return _floats([e.logprob for e in scored], where)
 
 
 def _token_ids(tokens: list[str] | None) -> array[int] | None:

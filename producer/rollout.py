@@ -39,8 +39,10 @@ from rollstream.common.errors import ConfigError, EngineRejected, PromptNotSuppo
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .engine import EngineClient, Generation
+from .replay import with_routed_experts
 from .replies import EngineReplyInvalid
 from .rewards import RewardBroken, RewardFunction
+from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,11 @@ class Rollout:
         reward: RewardFunction,
         settings: RolloutSettings,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.engine = engine
+        self.teacher = teacher
+        """Scores every response on a teacher model before the reward (``--teacher-engine``)."""
         self.reward = reward
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
@@ -140,6 +145,8 @@ class Rollout:
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
             samples = await self._generate_each(prompt, prompt_ids, n, admitted_version, partial, done)
+        if self.teacher is not None and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
+            await self.teacher.score(samples)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self._score(prompt, samples)
         return Group(
@@ -152,6 +159,7 @@ class Rollout:
             samples=samples,
             producer=self.settings.producer,
             history=prompt.history,
+            multimodal_inputs=prompt.multimodal_inputs,
         )
 
     async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
@@ -287,7 +295,7 @@ class Rollout:
             with self._requests(1):
                 if prefix is not None:  # continue the aborted response where it stopped
                     generation = await self.engine.generate(
-                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length
+                        input_ids=prefix.tokens, max_new_tokens=max_new - prefix.response_length, **_media(prompt)
                     )
                 else:
                     source = self._prompt_input(prompt, prompt_ids)
@@ -296,7 +304,8 @@ class Rollout:
             self._engine_refused(prompt, exc)
             return _rejected(index, prompt_ids, exc)
         self.metrics.tokens_generated(len(generation.output_ids))
-        return _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+        sample = _to_sample(index, prompt_ids, generation, admitted_version, prefix)
+        return with_routed_experts(sample, generation, prefix)
 
     async def _generate_together(
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
@@ -313,19 +322,30 @@ class Rollout:
             return [_rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
-        return [_to_sample(i, prompt_ids, g, admitted_version, None) for i, g in enumerate(generations)]
+        return [
+            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version, None), g, None)
+            for i, g in enumerate(generations)
+        ]
 
     def _prompt_input(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
-        """How the prompt goes to the engine: token ids, else text, else chat messages."""
+        """How the prompt goes to the engine: token ids, else text, else chat messages (which
+        carry their own images); the prompt's images go beside ids or text (SGLang ``image_data``)."""
+        media = _media(prompt)
         if prompt_ids is not None:
-            return {"input_ids": prompt_ids}
+            return {"input_ids": prompt_ids, **media}
         if isinstance(prompt.prompt, str):
-            return {"text": prompt.prompt}
+            return {"text": prompt.prompt, **media}
         if self.engine.accepts_messages:
             return {"messages": prompt.prompt}
         raise PromptNotSupported(
             "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
+
+
+def _media(prompt: Prompt) -> dict[str, Any]:
+    """The prompt's images for the engine (SGLang ``image_data``), if it has any."""
+    images = (prompt.multimodal_inputs or {}).get("images")
+    return {"image_data": images} if images and isinstance(images, list) else {}
 
 
 def _to_sample(

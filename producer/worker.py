@@ -45,7 +45,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.cancellation import raise_if_cancelled
-from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields
+from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
     TRANSIENT_ERRORS,
@@ -66,6 +66,7 @@ from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue
 from .engine import EngineClient
 from .rewards import RewardFunction
 from .rollout import REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
+from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class Producer:
         redis: Redis,
         blocking: Redis,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.url = redis_url
         self.settings = settings
@@ -215,6 +217,7 @@ class Producer:
                 reward_failure_limit=settings.reward_failure_limit,
             ),
             self.metrics,
+            teacher,
         )
         self._capacity = _Capacity(settings.concurrency)
         self._work: dict[bytes, _Work] = {}
@@ -246,6 +249,7 @@ class Producer:
         engine: EngineClient,
         reward: RewardFunction,
         metrics: Metrics | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> Producer:
         redis = connect(redis_url, name=f"rollstream-producer-{settings.name}")
         try:
@@ -258,7 +262,7 @@ class Producer:
             await redis.aclose()
             raise
         blocking = connect(redis_url, block_ms=2000, name=f"rollstream-producer-{settings.name}-wait")
-        return cls(redis_url, settings, engine, reward, config, redis, blocking, metrics)
+        return cls(redis_url, settings, engine, reward, config, redis, blocking, metrics, teacher)
 
     # -- public -------------------------------------------------------------------------
 
@@ -387,6 +391,7 @@ class Producer:
                         batch_size=cfg.batch_size,
                         steps_per_version=cfg.steps_per_version,
                         count=count,
+                        max_backlog_bytes=cfg.max_backlog_bytes,
                     )
                 )
                 for item in admission.entries:
@@ -404,7 +409,7 @@ class Producer:
             else:
                 self._blocked(True, status)
                 self.metrics.admission_blocked(status)
-                await self._nap(0.2 if status == "backlog" else 1.0)
+                await self._nap(0.2 if status in ("backlog", "backlog_bytes") else 1.0)
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
@@ -452,6 +457,10 @@ class Producer:
             work.prompt = prompt
             group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
             fields = group_fields(group)
+            if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
+                await self._dead_letter_prompt(work, too_large)
+                finished = True
+                return
             result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
             if result is None:
@@ -473,7 +482,7 @@ class Producer:
             work.held = 0
 
     async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
-        logger.warning("producer %s: undecodable prompt entry %s: %s", self.name, work.prompt_id, reason)
+        logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
         await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------

@@ -38,6 +38,17 @@ def test_take_quick_produces_rows() -> None:
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
 
 
+@pytest.mark.timeout(180)
+def test_r3_quick_produces_rows() -> None:
+    codec, take, redis_table = bench_main.run(["r3"], quick=True)
+    assert [row[1] for row in codec.rows] == ["no R3", "R3 uint8", "R3 as int32"]
+    uint8, int32 = codec.rows[1][3], codec.rows[2][3]
+    assert 3.5 < int32 / uint8 < 4.1  # the replay dominates: 4 bytes an id vs 1
+    assert [row[1] for row in take.rows] == ["raw", "raw+decode", "take"]
+    filled = redis_table.rows[1]
+    assert filled[1] == "filled until OOM" and filled[5] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_flag_quick_produces_rows() -> None:

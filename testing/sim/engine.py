@@ -26,6 +26,16 @@ Responses
     (temperature, top_p, stop, ...) are accepted and ignored. An input containing ``POISON``
     is refused with HTTP 400.
 
+Routing replay and teacher scoring
+    With :attr:`SimConfig.moe` ``(layers, topk, experts)``, a ``/generate`` request with
+    ``return_routed_experts`` gets ``meta_info.routed_experts`` in SGLang's shape: base64 of
+    little-endian int32, ``(input + output tokens - 1) x layers x topk``, row ``i`` routing token
+    ``i`` to the experts :func:`routed_expert` names (a function of that token, so a test can check
+    every row against the tokens). A request with ``max_new_tokens`` 0 and ``return_logprob`` is
+    a teacher scoring its input: ``meta_info.input_token_logprobs`` has ``[logprob, token_id,
+    null]`` for every input token from ``logprob_start_len`` on (null at position 0), the
+    log-prob being :func:`teacher_logprob` of the token and the one before it.
+
 SGLang endpoints
     ``POST /generate``, ``POST /abort_request``, ``POST /pause_generation``,
     ``POST /continue_generation``, ``POST /update_weights_from_disk``, ``GET /model_info``,
@@ -65,6 +75,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -74,8 +85,10 @@ import operator
 import random
 import re
 import socket
+import sys
 import time
 import uuid
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -123,6 +136,8 @@ class SimConfig:
     """Initial weight version."""
     report_weight_version: bool = True
     """Whether ``/generate`` replies include ``meta_info.weight_version``."""
+    moe: tuple[int, int, int] | None = None
+    """``(layers, topk, experts)`` of the routing replay answered to ``return_routed_experts``."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -141,6 +156,43 @@ class SimConfig:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.weight_version < 0:
             raise ValueError(f"weight_version must be >= 0, got {self.weight_version}")
+
+
+def routed_expert(token_id: int, layer: int, k: int, experts: int) -> int:
+    """The expert the simulator routes ``token_id`` to at ``layer``, choice ``k``."""
+    return (token_id * 31 + layer * 7 + k * 13) % experts
+
+
+def teacher_logprob(previous: int, token_id: int) -> float:
+    """The simulated teacher's log-prob of ``token_id`` after ``previous`` (float32-exact)."""
+    return -((previous * 131 + token_id) % 997 + 1) / 1024
+
+
+def _routed_experts_b64(tokens: Sequence[int], moe: tuple[int, int, int]) -> str:
+    layers, topk, experts = moe
+    out = array("i")
+    cache: dict[int, list[int]] = {}
+    for token in tokens[: max(0, len(tokens) - 1)]:
+        ids = cache.get(token)
+        if ids is None:
+            ids = [routed_expert(token, layer, k, experts) for layer in range(layers) for k in range(topk)]
+            cache[token] = ids
+        out.extend(ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        out.byteswap()
+    return base64.b64encode(out.tobytes()).decode("ascii")
+
+
+def _teacher_reply(input_ids: list[int], start: int) -> dict[str, Any]:
+    entries = [
+        [None if i == 0 else teacher_logprob(input_ids[i - 1], input_ids[i]), input_ids[i], None]
+        for i in range(max(0, start), len(input_ids))
+    ]
+    return {
+        "text": "", "output_ids": [],
+        "meta_info": {"finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(input_ids),
+                      "completion_tokens": 0, "input_token_logprobs": entries},
+    }
 
 
 # --------------------------------------------------------------------------- toy tokenizer
@@ -571,6 +623,10 @@ async def _generate(request: web.Request) -> web.Response:
     if not isinstance(sampling, dict):
         raise _BadRequest("sampling_params must be an object")
     max_new_tokens = _int_param(sampling.get("max_new_tokens"), "max_new_tokens", 128)
+    if max_new_tokens == 0 and body.get("return_logprob"):  # a teacher scoring its input
+        _check_poison(text)
+        logprob_start = _int_param(body.get("logprob_start_len"), "logprob_start_len", 0)
+        return web.json_response(_teacher_reply(input_ids, logprob_start))
     rid = body.get("rid")
     if rid is None:
         rid = uuid.uuid4().hex
@@ -604,6 +660,8 @@ async def _generate(request: web.Request) -> web.Response:
         meta["output_token_logprobs"] = [
             [lp, tid, None] for lp, tid in zip(outcome.logprobs, outcome.output_ids, strict=True)
         ]
+    if body.get("return_routed_experts") and state.config.moe is not None:
+        meta["routed_experts"] = _routed_experts_b64([*input_ids, *outcome.output_ids], state.config.moe)
     return web.json_response(
         {
             "text": detokenize(outcome.output_ids),

@@ -1,8 +1,24 @@
-"""Stand-in for miles.utils.types (fields and Status values as published; no numpy/torch)."""
+"""Stand-in for miles.utils.types @ 31f1ca9: every field of ``Sample`` with its published name,
+type and default, the Status values, SpecInfo, PrefixCacheInfo, AdapterRef and RewardSpec; no
+torch."""
 
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which LoRA adapter a sample is bound to (training slot routing, inference lora_path)."""
+
+    name: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
 
 
 @dataclass
@@ -25,8 +41,8 @@ class Sample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
-    rollout_routed_experts: Any = None
-    rollout_indexer_topk: Any = None
+    rollout_routed_experts: Any = None  # numpy.ndarray (num_tokens-1, num_layers, moe_router_topk), int32
+    rollout_indexer_topk: Any = None  # numpy.ndarray (num_tokens-1, num_indexer_layers, index_topk), int32
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None
     opd_reverse_kl: list[float] | None = None
@@ -43,7 +59,82 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     generate_function_path: str | None = None
     train_metadata: dict | None = None
-    adapter: Any = None
-    reward_spec: Any = None
+    adapter: AdapterRef | None = None
+    reward_spec: RewardSpec | None = None
     routing_key: str | None = None
     non_generation_time: float = 0.0
+
+    @dataclass
+    class SpecInfo:
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        def add(self, meta_info: dict):
+            self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+            self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+            self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+            self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+        def to_dict(self):
+            return {
+                "spec_accept_token_num": self.spec_accept_token_num,
+                "spec_draft_token_num": self.spec_draft_token_num,
+                "spec_verify_ct": self.spec_verify_ct,
+                "completion_token_num": self.completion_token_num,
+            }
+
+        @staticmethod
+        def from_dict(data: dict):
+            info = Sample.SpecInfo()
+            info.spec_accept_token_num = data.get("spec_accept_token_num", 0)
+            info.spec_draft_token_num = data.get("spec_draft_token_num", 0)
+            info.spec_verify_ct = data.get("spec_verify_ct", 0)
+            info.completion_token_num = data.get("completion_token_num", 0)
+            return info
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+
+    @dataclass
+    class PrefixCacheInfo:
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        def add(self, meta_info: dict):
+            self.cached_tokens += meta_info.get("cached_tokens", 0)
+            self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+        def to_dict(self):
+            return {"cached_tokens": self.cached_tokens, "total_prompt_tokens": self.total_prompt_tokens}
+
+        @staticmethod
+        def from_dict(data: dict):
+            info = Sample.PrefixCacheInfo()
+            info.cached_tokens = data.get("cached_tokens", 0)
+            info.total_prompt_tokens = data.get("total_prompt_tokens", 0)
+            return info
+
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+
+    def get_reward_value(self, args) -> float:
+        return self.reward if not args.reward_key else self.reward[args.reward_key]
+
+    def validate(self):
+        """miles' length checks (as published)."""
+        assert self.response_length >= 0
+        assert len(self.tokens) >= self.response_length
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "opd_reverse_kl"):
+            value = getattr(self, name)
+            if value is not None:
+                assert len(value) == self.response_length, f"{name} length {len(value)} != {self.response_length}"
+        if self.rollout_routed_experts is not None:
+            actual = len(self.rollout_routed_experts)
+            expect = len(self.tokens) - 1
+            mm = self.multimodal_train_inputs or {}
+            extra = sum(
+                int(c) - 1 for key in ("mm_vision_num_patches", "mm_audio_num_tokens") for c in list(mm.get(key) or [])
+            )
+            assert actual in (expect, expect + extra), f"rollout_routed_experts length {actual} != {expect}"
+        if self.rollout_indexer_topk is not None:
+            assert len(self.rollout_indexer_topk) == len(self.tokens) - 1

@@ -1,0 +1,283 @@
+"""Wire format v3: every field slime and miles train on, through the codec, Redis, both
+frameworks' ``Sample`` and a reproduction of their train-data conversion."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from array import array
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from conftest import make_namespace
+from integration_helpers import STANDINS  # noqa: F401  (puts the stand-ins on sys.path)
+from redis.asyncio import Redis
+from rollstream.common.codec import decode_group, decode_prompt, encode_group, encode_prompt, group_fields
+from rollstream.common.errors import DecodeError
+from rollstream.common.keys import Keys
+from rollstream.common.models import Group, Packed, Sample, retry_prompt
+from rollstream.consumer import GroupConsumer
+from rollstream.integrations.convert import MILES, SLIME, Framework, from_framework, to_framework
+from rollstream.testing.samples import full_group, full_sample
+
+V3_FIELDS = (
+    "routed_experts", "indexer_topk", "top_p_token_ids", "top_p_token_offsets", "teacher_log_probs",
+    "opd_reverse_kl", "remove_sample", "train_metadata", "rollout_id", "spec_info", "prefix_cache_info",
+    "non_generation_time", "adapter", "multimodal_train_inputs",
+)
+
+
+def _plain(sample: Sample) -> Sample:
+    """``sample`` with every version-3 field at its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Sample) if f.name in V3_FIELDS}
+    return dataclasses.replace(sample, **defaults)
+
+
+def test_every_field_of_the_data_model_is_covered_here() -> None:
+    """A field added to Sample without a wire key (and a test here) fails this test."""
+    v2 = {"index", "tokens", "response", "response_length", "prompt_length", "reward", "status", "finish_reason",
+          "weight_versions", "rollout_log_probs", "loss_mask", "error", "metadata"}
+    assert {f.name for f in dataclasses.fields(Sample)} == v2 | set(V3_FIELDS)
+    sample = full_sample(1)
+    defaults = {f.name: f.default for f in dataclasses.fields(Sample) if f.name in V3_FIELDS}
+    assert all(getattr(sample, name) != default for name, default in defaults.items()), "full_sample sets them all"
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copy", "views"])
+def test_every_field_round_trips_through_the_codec(views: bool) -> None:
+    group = full_group()
+    decoded = decode_group(encode_group(group), views=views)
+    assert decoded == group
+    for name in V3_FIELDS:
+        assert getattr(decoded.samples[1], name) == getattr(group.samples[1], name), name
+    assert decoded.multimodal_inputs == group.multimodal_inputs
+    experts = decoded.samples[0].routed_experts
+    assert experts is not None and experts.shape == (10, 3, 2) and experts.typecode == "B"
+    kind = memoryview if views else array
+    for s in decoded.samples:
+        for packed in (s.routed_experts, s.indexer_topk, s.top_p_token_ids, s.top_p_token_offsets):
+            assert isinstance(packed, Packed) and isinstance(packed.data, kind)
+        assert isinstance(s.teacher_log_probs, kind) and isinstance(s.opd_reverse_kl, kind)
+
+
+def test_prompts_carry_the_fields_of_their_partial_samples_and_media() -> None:
+    group = full_group(2)
+    prompt = retry_prompt(group, "aborted", keep_partial=True)
+    decoded = decode_prompt(encode_prompt(prompt))
+    assert decoded.partial == group.samples
+    assert decoded.multimodal_inputs == {"images": ["data:image/png;base64,AA=="]}
+
+
+def test_unset_fields_cost_nothing_on_the_wire() -> None:
+    group = full_group(2)
+    plain = dataclasses.replace(group, samples=[_plain(s) for s in group.samples], multimodal_inputs=None)
+    payload = encode_group(plain)
+    obj = msgpack.unpackb(payload)
+    # no version-3 field: version 2, exactly the keys the previous build wrote
+    assert obj["v"] == 2 and "mmi" not in obj
+    assert [sorted(s) for s in obj["samples"]] == [
+        sorted(["i", "tok", "resp", "rlen", "pl", "rew", "st", "fr", "wv", "lp", "lm", "err", "md"])
+    ] * 2
+    # each field set adds its own key and nothing else
+    for name in V3_FIELDS:
+        samples = [dataclasses.replace(plain.samples[0], **{name: getattr(group.samples[1], name)}), plain.samples[1]]
+        one = msgpack.unpackb(encode_group(dataclasses.replace(plain, samples=samples)))
+        assert one["v"] == 3
+        assert len(one["samples"][0]) == 14 and len(one["samples"][1]) == 13, name
+
+
+@pytest.mark.parametrize(("experts", "code", "itemsize"), [(256, "B", 1), (257, "H", 2), (70_000, "i", 4)])
+def test_packed_arrays_travel_in_their_smallest_exact_dtype(experts: int, code: str, itemsize: int) -> None:
+    rows, layers, topk = 99, 4, 2
+    values = np.random.default_rng(0).integers(0, experts, size=(rows, layers, topk), dtype=np.int64)
+    values[0, 0, 0] = experts - 1
+    sample = Sample(index=0, tokens=list(range(rows + 1)), response_length=10, routed_experts=values)
+    assert sample.routed_experts is not None and sample.routed_experts.typecode == code
+    payload = encode_group(Group(index=0, prompt="p", samples=[sample]))
+    wire = msgpack.unpackb(payload)["samples"][0]["re"]
+    assert wire[0] == code and wire[1] == [rows, layers, topk] and len(wire[2]) == rows * layers * topk * itemsize
+    decoded = decode_group(payload, views=True).samples[0].routed_experts
+    assert decoded is not None
+    np.testing.assert_array_equal(decoded.numpy(), values)
+    assert Packed.of([-1, 5]).typecode == "i"  # negative ids (padding) keep int32
+    flat = Packed.of(array("i", [1, 2, 300]))  # a flat packed array: one dimension, narrowed
+    assert (flat.shape, flat.typecode, flat.tolist()) == ((3,), "H", [1, 2, 300])
+    assert Packed.of(np.zeros((2, 3), dtype=np.float64)).typecode == "f"
+    with pytest.raises(ValueError, match="int32"):
+        Packed.of([2**31])
+
+
+def test_numpy_views_of_take_share_the_payload_memory() -> None:
+    group = full_group(2)
+    payload = encode_group(group)
+    decoded = decode_group(payload, views=True)
+    base = np.frombuffer(payload, dtype=np.uint8)
+    experts = decoded.samples[0].routed_experts
+    assert experts is not None
+    view = experts.numpy()
+    assert np.shares_memory(view, base) and not view.flags.writeable
+    assert view.shape == (10, 3, 2) and view.dtype == np.uint8
+    assert np.shares_memory(np.frombuffer(decoded.samples[0].teacher_log_probs, dtype=np.float32), base)
+
+
+def _mutate(obj: dict[str, Any], key: str, value: Any) -> bytes:
+    obj["samples"][0][key] = value
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("re", ["B", [9, 3, 2], bytes(54)], "re has 9 rows"),
+        ("re", ["q", [10, 3, 2], bytes(480)], "typecode"),
+        ("re", ["B", [10, 3, 2], bytes(59)], "60 values|59 values"),
+        ("re", ["B", [10, 6], bytes(60)], "shape"),
+        ("re", b"raw", r"\[typecode, shape, bin\]"),
+        ("ix", ["H", [9, 2, 4], bytes(144)], "ix has 9 rows"),
+        ("tpo", ["B", [5], bytes(5)], "tpo: 5 offsets"),
+        ("tlp", array("f", [0.0] * 4).tobytes(), "tlp has 4 entries"),
+        ("kl", b"abc", "multiple of 4"),
+        ("rm", 1, "rm must be a bool"),
+        ("tm", [1], "tm must be a map"),
+        ("rid", "x", "rid must be an int"),
+        ("spec", {"a": "b"}, "spec must be a map of ints"),
+        ("ngt", float("nan"), "finite"),
+        ("ad", ["x"], r"ad must be \[name, slot\]"),
+        ("mti", {"a": 1}, "mti must be"),
+    ],
+)
+@pytest.mark.parametrize("views", [False, True], ids=["copy", "views"])
+def test_malformed_version_3_fields_are_decode_errors(key: str, value: Any, match: str, views: bool) -> None:
+    obj = msgpack.unpackb(encode_group(full_group(1)))
+    with pytest.raises(DecodeError, match=match):
+        decode_group(_mutate(obj, key, value), views=views)
+
+
+def test_top_p_replay_needs_both_arrays() -> None:
+    obj = msgpack.unpackb(encode_group(full_group(1)))
+    del obj["samples"][0]["tpo"]
+    with pytest.raises(DecodeError, match="needs both"):
+        decode_group(msgpack.packb(obj, use_bin_type=True))
+
+
+async def test_every_field_round_trips_through_redis_and_take(redis: Redis, redis_url: str, ns: str) -> None:
+    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=2)
+    groups = [full_group(4, index=i) for i in range(2)]
+    for group in groups:
+        await redis.xadd(Keys(ns).groups, group_fields(group))
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(20):
+            batch = await consumer.take(2)
+        assert batch.groups == groups
+        experts = batch.routed_experts_numpy()
+        assert len(experts) == 8
+        for got, sample in zip(experts, [s for g in groups for s in g.samples], strict=True):
+            assert got is not None and sample.routed_experts is not None
+            np.testing.assert_array_equal(got, np.array(sample.routed_experts.tolist(), dtype=np.uint8))
+            assert got.base is not None and not got.flags.writeable  # a view on the entry, not a copy
+        indexer = batch.indexer_topk_numpy()[0]
+        assert indexer is not None and indexer.dtype == np.uint16
+        top_p = batch.top_p_numpy()[3]
+        assert top_p is not None and top_p[1][0] == 0 and top_p[1][-1] == len(top_p[0])
+        teacher = batch.teacher_log_probs_numpy()[2]
+        assert teacher is not None and teacher.tolist() == [-0.5, -1.0, -1.5, -2.0, -2.5]
+        kl = batch.opd_reverse_kl_numpy()[0]
+        assert kl is not None and len(kl) == 5
+        await consumer.commit(batch)
+
+
+@pytest.mark.parametrize("framework", [SLIME, MILES], ids=["slime", "miles"])
+def test_every_field_round_trips_through_the_framework_sample(framework: Framework) -> None:
+    group = full_group(4)
+    sample_cls = framework.sample_class()
+    converted = to_framework(group, sample_cls)
+    back = from_framework(converted)
+    assert back == group
+    for name in V3_FIELDS:
+        assert [getattr(s, name) for s in back.samples] == [getattr(s, name) for s in group.samples], name
+    fw = converted[1]
+    assert fw.rollout_routed_experts.dtype == np.int32 and fw.rollout_routed_experts.shape == (10, 3, 2)
+    assert fw.remove_sample is True and fw.train_metadata == {"loss": "opd", "weight": 0.5}
+    assert fw.rollout_id == 7 * 4 + 0 and converted[2].rollout_id == 7 * 4 + 1  # siblings share it
+    assert fw.spec_info.spec_accept_token_num == 3 and fw.prefix_cache_info.cached_tokens == 2
+    assert fw.non_generation_time == 0.75
+    assert fw.multimodal_inputs == {"images": ["data:image/png;base64,AA=="]}
+    assert fw.multimodal_train_inputs["pixel_values"].shape == (2, 6)
+    if framework is MILES:
+        assert fw.adapter == type(fw.adapter)(name="math-lora", slot=1)
+        assert fw.rollout_indexer_topk.shape == (10, 2, 4) and fw.opd_reverse_kl == [0.0, 0.125, 0.25, 0.375, 0.5]
+    else:
+        assert len(fw.rollout_top_p_token_offsets) == 6 and fw.teacher_log_probs[0] == -0.5
+
+
+PUBLISHED_FIELDS = {
+    # dataclasses.fields(Sample) of slime @ 624b824 and miles @ 31f1ca9 (slime/utils/types.py,
+    # miles/utils/types.py): the stand-ins must have exactly these
+    "slime": ["group_index", "index", "rollout_id", "prompt", "tokens", "multimodal_inputs",
+              "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs", "response",
+              "response_length", "label", "reward", "loss_mask", "weight_versions", "rollout_log_probs",
+              "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "remove_sample",
+              "teacher_log_probs", "status", "metadata", "generate_function_path", "custom_rm_path",
+              "train_metadata", "session_id", "non_generation_time", "spec_info", "prefix_cache_info"],
+    "miles": ["group_index", "index", "rollout_id", "prompt", "tokens", "multimodal_inputs",
+              "multimodal_train_inputs", "response", "response_length", "label", "reward", "loss_mask",
+              "weight_versions", "rollout_log_probs", "rollout_routed_experts", "rollout_indexer_topk",
+              "remove_sample", "teacher_log_probs", "opd_reverse_kl", "status", "metadata",
+              "generate_function_path", "train_metadata", "adapter", "reward_spec", "routing_key",
+              "non_generation_time", "spec_info", "prefix_cache_info"],
+}
+
+
+@pytest.mark.parametrize("framework", [SLIME, MILES], ids=["slime", "miles"])
+def test_the_stand_ins_have_every_published_field(framework: Framework) -> None:
+    assert [f.name for f in dataclasses.fields(framework.sample_class())] == PUBLISHED_FIELDS[framework.name]
+
+
+def _r3_args() -> argparse.Namespace:
+    return argparse.Namespace(reward_key="score", rollout_top_p=0.9, use_rollout_routing_replay=True,
+                              num_layers=3, moe_router_topk=2)
+
+
+def test_slime_train_data_conversion_reads_every_key_with_the_right_length() -> None:
+    from slime.ray.rollout import convert_samples_to_train_data
+
+    groups = [full_group(4, index=i) for i in range(2)]
+    samples = [s for g in groups for s in to_framework(g, SLIME.sample_class(), for_training=True)]
+    data = convert_samples_to_train_data(_r3_args(), samples)
+    ours = [s for g in groups for s in g.samples]
+    for key in ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "rollout_ids",
+                "loss_masks", "rollout_mask_sums", "round_number", "rollout_log_probs", "rollout_top_p_token_ids",
+                "rollout_top_p_token_offsets", "rollout_routed_experts", "metadata", "multimodal_train_inputs",
+                "teacher_log_probs", "source_names"):
+        assert len(data[key]) == 8, key
+    for i, s in enumerate(ours):
+        assert len(data["tokens"][i]) == len(s.tokens)
+        assert data["rollout_routed_experts"][i].shape == (len(s.tokens) - 1, 3, 2)
+        assert len(data["teacher_log_probs"][i]) == s.response_length
+        assert len(data["rollout_top_p_token_offsets"][i]) == s.response_length + 1
+        assert data["loss_masks"][i] == ([0] * s.response_length if s.remove_sample else list(s.loss_mask or []))
+    assert data["source_names"] == ["vqa"] * 8
+    assert len(set(data["rollout_ids"])) == 4  # two samples per rollout execution, in each group
+
+
+def test_miles_train_data_conversion_reads_every_key_with_the_right_length() -> None:
+    from miles.ray.rollout.train_data_conversion import convert_samples_to_train_data
+
+    groups = [full_group(4, index=i) for i in range(2)]
+    samples = [s for g in groups for s in to_framework(g, MILES.sample_class(), for_training=True)]
+    for s in samples:
+        s.metadata["adapter_global_batch_size"] = 8
+    data = convert_samples_to_train_data(_r3_args(), samples, {"step_slots": [1]})
+    for key in ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "rollout_ids",
+                "loss_masks", "rollout_mask_sums", "round_number", "rollout_log_probs", "rollout_routed_experts",
+                "rollout_indexer_topk", "metadata", "multimodal_train_inputs", "weight_versions", "teacher_log_probs",
+                "adapter_slots", "opd_reverse_kl"):
+        assert len(data[key]) == 8, key
+    ours = [s for g in groups for s in g.samples]
+    for i, s in enumerate(ours):
+        assert data["rollout_indexer_topk"][i].shape == (len(s.tokens) - 1, 2, 4)
+        assert len(data["opd_reverse_kl"][i]) == s.response_length
+    assert data["adapter_slots"] == [1] * 8 and data["step_adapter_batch_sizes"] == {1: 8}
