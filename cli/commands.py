@@ -7,18 +7,23 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rollstream import ops
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 
 logger = logging.getLogger("rollstream.cli")
+
+REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
@@ -62,8 +67,17 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     epochs.add_argument("--forever", action="store_true")
     p.add_argument("--shuffle", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle-scheme", default="rollstream", choices=["rollstream", "slime"],
+                   help="slime: the order slime's and miles' --rollout-shuffle --rollout-seed give")
     p.add_argument("--prompt-key", default="prompt")
-    p.add_argument("--label-key", default="label")
+    p.add_argument("--label-key", default="label", help="'' for no label (slime's default)")
+    p.add_argument("--metadata-key", default=None,
+                   help="metadata is this field's object (plus --tool-key's tools), as in slime; "
+                        "default: every field other than the prompt and the label")
+    p.add_argument("--tool-key", default=None, help="with --metadata-key: the tools field, kept as metadata['tools']")
+    p.add_argument("--as-chat", action="store_true",
+                   help="a text prompt becomes one user message (slime's --apply-chat-template; the producer's "
+                        "--tokenizer renders the template)")
     p.add_argument("--window", type=int, default=256, help="at most this many prompts queued")
     p.set_defaults(func=cmd_feed)
 
@@ -77,14 +91,15 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
                    help="tokenize prompts and render chat templates locally (Hugging Face name/path, "
                         "needs the transformers extra; or module:attribute)")
-    p.add_argument("--concurrency", type=int, required=True, help="samples in flight at most")
+    stored = " (default: the run's stored rollout flags, see docs/integrations.md)"
+    p.add_argument("--concurrency", type=int, default=None, help="samples in flight at most" + stored)
     p.add_argument(
-        "--reward", required=True, metavar="SPEC",
-        help="math | remote:URL | module:function | slime:module.fn | slime-group:module.fn (also miles:)",
+        "--reward", default=None, metavar="SPEC",
+        help="math | remote:URL | module:function | slime:module.fn | slime-group:module.fn (also miles:)" + stored,
     )
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 1024" + stored)
+    p.add_argument("--temperature", type=float, default=None, help="default 1.0" + stored)
+    p.add_argument("--top-p", type=float, default=None, help="default 1.0" + stored)
     p.add_argument("--n-samples", type=int, default=None, help="must match the namespace config")
     p.add_argument("--name", default=None, help="producer id (default host-pid)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
@@ -306,8 +321,12 @@ def cmd_feed(args: argparse.Namespace) -> int:
         shuffle=args.shuffle,
         seed=args.seed,
         window=args.window,
+        shuffle_scheme=args.shuffle_scheme,
     )
-    records = load_jsonl(args.dataset, args.prompt_key, args.label_key)
+    records = load_jsonl(
+        args.dataset, args.prompt_key, args.label_key or None,
+        metadata_key=args.metadata_key, tool_key=args.tool_key, as_chat=args.as_chat,
+    )
     redis = connect(args.redis, name="rollstream-feeder")
     feeder = Feeder(redis, records, settings)
 
@@ -321,6 +340,74 @@ def cmd_feed(args: argparse.Namespace) -> int:
     return 0
 
 
+PRODUCE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 1024, "temperature": 1.0, "top_p": 1.0}
+"""``rollstream produce``'s defaults for what neither the command line nor the stored flags set."""
+
+
+def apply_stored_flags(args: argparse.Namespace, stored: Mapping[str, str]) -> dict[str, Any]:
+    """Fill the produce options not given on the command line from a run's stored rollout flags
+    (:class:`rollstream.integrations.flags.RolloutFlags`); explicit flags win. Returns the extra
+    engine sampling parameters stored with them."""
+    from rollstream.integrations.flags import RolloutFlags
+
+    flags = RolloutFlags.from_fields(stored) if stored else None
+    taken = []
+    for name in ("concurrency", "reward", "tokenizer", "max_new_tokens", "temperature", "top_p"):
+        if getattr(args, name) is None and flags is not None and getattr(flags, name) is not None:
+            setattr(args, name, getattr(flags, name))
+            taken.append(name)
+        if getattr(args, name) is None and name in PRODUCE_DEFAULTS:
+            setattr(args, name, PRODUCE_DEFAULTS[name])
+    missing = [f"--{name.replace('_', '-')}" for name in ("concurrency", "reward") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError(
+            f"rollstream produce needs {' and '.join(missing)}: namespace {args.ns!r} holds no stored rollout flags "
+            f"(a slime/miles run that starts its pipeline stores them), so give them on the command line"
+        )
+    if flags is None:
+        return {}
+    if flags.reward_args is not None and not os.environ.get(REWARD_ARGS):
+        os.environ[REWARD_ARGS] = flags.reward_args  # the run's args for a slime:/miles: reward
+    if flags.generate is not None:
+        if not hasattr(args, "generate"):
+            raise ConfigError(
+                f"namespace {args.ns!r} was started with a custom generate function ({flags.generate}), which "
+                f"this rollstream cannot run on producers"
+            )
+        if args.generate is None:
+            args.generate = flags.generate
+            taken.append("generate")
+    if taken:
+        logger.info(
+            "produce: %s from the run's stored rollout flags (%s)", ", ".join(taken), Keys(args.ns).rollout_flags
+        )
+    return dict(flags.sampling_params)
+
+
+async def _read_stored_flags(url: str, ns: str, required: bool) -> dict[str, str]:
+    """The stored flags; when nothing required is missing, an unreachable Redis is not waited for
+    (the producer itself waits for it and says so)."""
+    from rollstream.common.connection import TRANSIENT_ERRORS, Outage
+    from rollstream.common.protocol import RolloutFlagsHash
+
+    redis = connect(url, name="rollstream-produce-flags")
+    try:
+        return await Outage(logger, "produce (reading the stored rollout flags)").run(
+            lambda: RolloutFlagsHash(redis, Keys(ns)).read(), give_up_after=STORED_FLAGS_WAIT if required else 0.0
+        )
+    except TRANSIENT_ERRORS as exc:
+        if required:
+            raise
+        logger.warning("produce: could not read the stored rollout flags (%s); using the command line's", exc)
+        return {}
+    finally:
+        await redis.aclose()
+
+
+STORED_FLAGS_WAIT = 60.0
+"""Seconds ``produce`` waits for Redis to read the stored flags (it may be starting with us)."""
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.integrations.rewards import is_framework_reward, load_framework_reward
     from rollstream.producer.engine import EngineClient, EngineSettings
@@ -329,6 +416,13 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
 
+    needs_stored = any(
+        getattr(args, name) is None
+        for name in ("concurrency", "reward", "tokenizer", "max_new_tokens", "temperature", "top_p")
+    )
+    required = args.concurrency is None or args.reward is None
+    stored = asyncio.run(_read_stored_flags(args.redis, args.ns, required)) if needs_stored else {}
+    sampling_params = apply_stored_flags(args, stored)
     engine_settings = EngineSettings(
         urls=tuple(args.engine),
         api=args.engine_api,
@@ -336,6 +430,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        sampling_params=sampling_params,
         max_retries=args.max_retries,
         request_timeout=args.request_timeout,
         max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),

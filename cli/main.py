@@ -7,15 +7,19 @@ library code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rollstream import __version__
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import ConfigError, RollstreamError
+from rollstream.testing.children import FATAL_FILE_ENV
 
 from . import commands, demo, inspect, ops
 from .options import apply_redis_secrets, common_options, redis_options
@@ -71,10 +75,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except RollstreamError as exc:  # an error of the tree: its message, no traceback
+        if isinstance(exc, ConfigError):
+            _record_fatal(exc)
         return _fail(exc)
     except RedisConnectionError as exc:
         return _fail(exc, prefix="cannot reach Redis: ")
     return int(code or 0)
+
+
+def _record_fatal(exc: BaseException) -> None:
+    """A supervised child (``$ROLLSTREAM_FATAL_FILE`` set by its supervisor) says why it stopped
+    for good: a configuration error is not cured by a restart."""
+    path = os.environ.get(FATAL_FILE_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(str(exc).partition("\n")[0] or type(exc).__name__, encoding="utf-8")
 
 
 def _fail(exc: BaseException, prefix: str = "") -> int:

@@ -93,6 +93,13 @@ class Keys:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
 
+    @property
+    def rollout_flags(self) -> str:
+        """Hash: the rollout settings of the run that owns the namespace (engine sampling, reward,
+        tokenizer, concurrency), written by the slime/miles integration so ``rollstream produce``
+        on another node reads them instead of having them copied by hand."""
+        return f"{self.base}:rollout"
+
     def journal(self, consumer: str) -> str:
         """Hash: the slime/miles integration's checkpoint journal of one trainer consumer."""
         return f"{self.base}:journal:{consumer}"
@@ -138,6 +145,7 @@ class Keys:
             self.config,
             self.state,
             self.producers,
+            self.rollout_flags,
             self.group_bytes,
         ]
 

@@ -817,6 +817,30 @@ class JournalHash(_Guarded):
         return int(await self.redis.hdel(self.key, *fields)) if fields else 0
 
 
+class RolloutFlagsHash:
+    """The stored copy of a run's rollout flags (``Keys.rollout_flags``): plain string fields, so
+    ``HGETALL`` reads like the command line; what they mean is ``rollstream produce``'s business."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.key = keys.rollout_flags
+
+    async def read(self) -> dict[str, str]:
+        raw = await self.redis.hgetall(self.key)
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
+            for k, v in raw.items()
+        }
+
+    async def replace(self, fields: Mapping[str, str]) -> None:
+        """The run's flags, whole: fields it no longer sets disappear (one MULTI/EXEC)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key)
+            if fields:
+                pipe.hset(self.key, mapping=dict(fields))
+            await pipe.execute()
+
+
 # -- read-only views (operators) ------------------------------------------------------------
 
 

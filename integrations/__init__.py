@@ -5,7 +5,10 @@
 * :mod:`rollstream.integrations.convert`: rollstream groups <-> framework samples;
 * :mod:`rollstream.integrations.rewards`: ``--reward slime:pkg.module.fn`` for producers.
 
+* :mod:`rollstream.integrations.flags` / :mod:`rollstream.integrations.pipeline`: the one-flag
+  run, which starts its own Redis, feeder and producers from the framework's flags.
+
 No framework is a dependency: their modules are imported when a function is called, never when
-this package is. Configuration comes from ``ROLLSTREAM_*`` environment variables
-(:mod:`rollstream.integrations.settings`); see docs/integrations.md.
+this package is. Configuration comes from the framework's own flags and ``ROLLSTREAM_*``
+environment variables (:mod:`rollstream.integrations.settings`); see docs/integrations.md.
 """

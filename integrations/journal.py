@@ -15,15 +15,19 @@ the stream or in the journal; see docs/integrations.md for the whole design.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_group, encode_group
+from rollstream.common.connection import Outage
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group
 from rollstream.common.protocol import JournalHash
+
+logger = logging.getLogger(__name__)
 
 _BATCH = "batch:"
 _IDS = "ids:"
@@ -49,13 +53,17 @@ def journal_key(namespace: str, consumer: str) -> str:
 
 
 class Journal:
+    """Every call rides out a Redis outage (a restarting embedded Redis, a failover) like the
+    consumer's own calls do: each is idempotent (reads, HSET of the same values, HDEL)."""
+
     def __init__(self, redis: Redis, namespace: str, consumer: str) -> None:
         self.hash = JournalHash(redis, Keys(namespace), consumer)
         self.key = self.hash.key
+        self._outage = Outage(logger, f"journal {self.key}")
 
     async def rollout_ids(self) -> list[int]:
         out = []
-        for name in await self.hash.field_names():
+        for name in await self._outage.run(self.hash.field_names):
             if name.startswith(_BATCH):
                 out.append(int(name[len(_BATCH) :]))
         return sorted(out)
@@ -65,7 +73,7 @@ class Journal:
         ids = await self.rollout_ids()
         if not ids:
             return set()
-        rows = await self.hash.get(*[f"{_IDS}{r}" for r in ids])
+        rows = await self._outage.run(lambda: self.hash.get(*[f"{_IDS}{r}" for r in ids]))
         out: set[bytes] = set()
         for raw in rows:
             if raw:
@@ -73,7 +81,8 @@ class Journal:
         return out
 
     async def get(self, rollout_id: int) -> JournalRecord | None:
-        raw_batch, raw_ids = await self.hash.get(f"{_BATCH}{rollout_id}", f"{_IDS}{rollout_id}")
+        names = (f"{_BATCH}{rollout_id}", f"{_IDS}{rollout_id}")
+        raw_batch, raw_ids = await self._outage.run(lambda: self.hash.get(*names))
         if raw_batch is None:
             return None
         batch: dict[str, Any] = msgpack.unpackb(raw_batch, raw=False)
@@ -89,10 +98,11 @@ class Journal:
             {"groups": [encode_group(g) for g in record.groups], "metrics": record.metrics}, use_bin_type=True
         )
         ids = msgpack.packb(record.entry_ids, use_bin_type=True)
-        await self.hash.put({f"{_BATCH}{record.rollout_id}": batch, f"{_IDS}{record.rollout_id}": ids})
+        fields = {f"{_BATCH}{record.rollout_id}": batch, f"{_IDS}{record.rollout_id}": ids}
+        await self._outage.run(lambda: self.hash.put(fields))
 
     async def meta(self) -> JournalMeta:
-        (raw,) = await self.hash.get(_META)
+        (raw,) = await self._outage.run(lambda: self.hash.get(_META))
         if not raw:
             return JournalMeta()
         obj = json.loads(raw)
@@ -103,11 +113,12 @@ class Journal:
 
     async def set_meta(self, meta: JournalMeta) -> None:
         value = json.dumps({"checkpoints": meta.checkpoints, "trimmed_through": meta.trimmed_through})
-        await self.hash.put({_META: value})
+        await self._outage.run(lambda: self.hash.put({_META: value}))
 
     async def trim_through(self, rollout_id: int) -> int:
         """Delete the records of rollouts up to ``rollout_id``; how many were deleted."""
         doomed = [r for r in await self.rollout_ids() if r <= rollout_id]
         if doomed:
-            await self.hash.delete(*[f"{prefix}{r}" for r in doomed for prefix in (_BATCH, _IDS)])
+            names = [f"{prefix}{r}" for r in doomed for prefix in (_BATCH, _IDS)]
+            await self._outage.run(lambda: self.hash.delete(*names))
         return len(doomed)

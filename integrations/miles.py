@@ -54,6 +54,7 @@ class RollstreamRolloutFn:
     def __call__(self, input: Any) -> Any:
         if input.evaluation:
             return self._evaluate(input)
+        self.source.ensure_pipeline()
         staleness = getattr(self.args, "max_weight_staleness", None)
         batch = self.source.session.train_batch(
             input.rollout_id,

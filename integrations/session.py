@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEALTH_INTERVAL = 1.0
+"""Seconds between checks of the run's own pipeline while a take waits."""
+
 
 @dataclass(slots=True)
 class TrainBatch:
@@ -49,9 +52,13 @@ class TrainBatch:
     replayed: bool = False
 
 
-async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None) -> Any:
+async def open_consumer(
+    stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None, on_producer_failure: str = "raise"
+) -> Any:
     """``GroupConsumer.connect`` used as an async context manager when it is one, else awaited."""
-    opened: Any = GroupConsumer.connect(url, namespace, name, keep=keep)
+    opened: Any = GroupConsumer.connect(
+        url, namespace, name, keep=keep, on_producer_failure=on_producer_failure
+    )
     if hasattr(opened, "__aenter__"):
         return await stack.enter_async_context(opened)
     consumer = await opened if inspect.isawaitable(opened) else opened
@@ -64,9 +71,23 @@ async def open_consumer(stack: AsyncExitStack, url: str, namespace: str, name: s
 class RolloutSession:
     """One trainer's connection to a namespace, its journal, and the checkpoint tie."""
 
-    def __init__(self, settings: Settings, framework: Framework) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        framework: Framework,
+        *,
+        extra_metrics: Callable[[], dict[str, float]] | None = None,
+        health: Callable[[], BaseException | None] | None = None,
+        on_producer_failure: str = "raise",
+    ) -> None:
         self.settings = settings
         self.framework = framework
+        self.extra_metrics = extra_metrics
+        """More batch metrics (the one-flag run's ``children_restarted``)."""
+        self.health = health
+        """Why the run's own pipeline cannot go on (a child stopped for good), checked while taking."""
+        self.on_producer_failure = on_producer_failure
+        """``warn`` when the run supervises its producers (a failed one is restarted)."""
         self.loaded_from: int | None = None
         """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
         self._thread: LoopThread | None = None
@@ -130,6 +151,7 @@ class RolloutSession:
                 consumer = await open_consumer(
                     stack, self.settings.redis_url, self.settings.namespace, self.settings.consumer_name,
                     import_callable(keep, f"{KEEP_FILTER} keep filter") if keep else None,
+                    self.on_producer_failure,
                 )
                 redis = connect(self.settings.redis_url, name=f"rollstream-journal-{self.settings.consumer_name}")
                 stack.push_async_callback(redis.aclose)
@@ -169,7 +191,7 @@ class RolloutSession:
             )
 
     async def _take(self, consumer: Any, target: int) -> Any:
-        coro = consumer.take(target)
+        coro = self._watched(consumer.take(target))
         if self.settings.take_timeout is None:
             return await coro
         try:
@@ -181,9 +203,32 @@ class RolloutSession:
                 f"(namespace {self.settings.namespace!r}); see `rollstream inspect --ns {self.settings.namespace}`"
             ) from None
 
+    def _check_health(self) -> None:
+        problem = self.health() if self.health is not None else None
+        if problem is not None:
+            raise problem
+
+    async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, given up with the pipeline's error when it breaks for good meanwhile (a feeder
+        refusing the dataset would otherwise leave the take waiting forever)."""
+        if self.health is None:
+            return await coro
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HEALTH_INTERVAL)
+                if done:
+                    return task.result()
+                self._check_health()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=10)
+
     async def _train_batch(
         self, rollout_id: int, n_samples: int, batch_size: int, weight_version: int | None, max_staleness: int | None
     ) -> TrainBatch:
+        self._check_health()
         consumer, journal = await self._ensure()
         if not self._sizes_checked:
             self._check_sizes(consumer.config, n_samples, batch_size, max_staleness)
@@ -192,7 +237,9 @@ class RolloutSession:
             await consumer.set_weight_version(weight_version)
         record = await journal.get(rollout_id)
         if record is not None:
-            return self._replay(record, n_samples, batch_size)
+            replay = self._replay(record, n_samples, batch_size)
+            replay.metrics.update(self.extra_metrics() if self.extra_metrics else {})
+            return replay
         if self._known_ids is None:
             self._known_ids = await journal.entry_ids()
         taken: list[tuple[bytes, Group]] = []
@@ -221,7 +268,10 @@ class RolloutSession:
         self._known_ids.update(record.entry_ids)
         for batch in batches:
             await consumer.commit(batch)
-        return TrainBatch(groups=record.groups, metrics=metrics, replayed=False)
+        return TrainBatch(
+            groups=record.groups, metrics={**metrics, **(self.extra_metrics() if self.extra_metrics else {})},
+            replayed=False,
+        )
 
     def _replay(self, record: JournalRecord, n_samples: int, batch_size: int) -> TrainBatch:
         sizes = {len(g.samples) for g in record.groups}

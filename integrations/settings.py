@@ -1,9 +1,11 @@
 """Configuration of the framework integrations, read from environment variables.
 
-The frameworks' argument parsers are left untouched: everything rollstream needs on the trainer
-side comes from ``ROLLSTREAM_*`` variables, checked when the data source (slime) or the rollout
-class (miles) is built, so a missing or malformed one fails the run at start with an error that
-names the variable.
+The frameworks' argument parsers are left untouched: what rollstream needs on the trainer side
+comes from ``ROLLSTREAM_*`` variables, checked when the data source is built, so a missing or
+malformed one fails the run at start with an error that names the variable. Without
+``ROLLSTREAM_REDIS_URL`` the data source first starts the run's own pipeline
+(:mod:`rollstream.integrations.pipeline`) and fills in the URL, the namespace (the framework's
+name) and the consumer name (``trainer``) before these settings are read.
 """
 
 from __future__ import annotations

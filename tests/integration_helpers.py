@@ -23,31 +23,29 @@ def set_env(monkeypatch: pytest.MonkeyPatch, redis_url: str, ns: str, name: str 
 
 
 def slime_args(**overrides: Any) -> argparse.Namespace:
-    values: dict[str, Any] = {
-        "rollout_batch_size": 4,
-        "n_samples_per_prompt": 2,
-        "data_source_path": "rollstream.integrations.slime.RollstreamDataSource",
-        "rollout_function_path": "rollstream.integrations.slime.generate_rollout",
-        "eval_function_path": "rollstream.integrations.slime.generate_rollout",
-        "rollout_global_dataset": True,
-        "update_weights_interval": 1,
-        "reward_key": None,
-        "sglang_router_ip": None,
-        "sglang_router_port": None,
-    }
-    values.update(overrides)
-    return argparse.Namespace(**values)
+    """A slime run's args, parsed by the stand-in of slime's parser (its flags and defaults), naming
+    rollstream's rollout function and data source; ``overrides`` set attributes afterwards."""
+    from slime.utils.arguments import parse_args
+
+    args = parse_args([
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--rollout-function-path", "rollstream.integrations.slime.generate_rollout",
+        "--data-source-path", "rollstream.integrations.slime.RollstreamDataSource",
+    ])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
 
 
 def miles_args(**overrides: Any) -> argparse.Namespace:
-    values: dict[str, Any] = {
-        "rollout_batch_size": 4,
-        "n_samples_per_prompt": 2,
-        "data_source_path": "rollstream.integrations.miles.RollstreamDataSource",
-        "rollout_function_path": "rollstream.integrations.miles.RollstreamRolloutFn",
-        "eval_function_path": "rollstream.integrations.miles.RollstreamRolloutFn",
-        "rollout_global_dataset": True,
-        "max_weight_staleness": None,
-    }
-    values.update(overrides)
-    return argparse.Namespace(**values)
+    """The same with the stand-in of miles' parser."""
+    from miles.utils.arguments import parse_args
+
+    args = parse_args([
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--rollout-function-path", "rollstream.integrations.miles.RollstreamRolloutFn",
+        "--data-source-path", "rollstream.integrations.miles.RollstreamDataSource",
+    ])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args

@@ -78,3 +78,11 @@ def test_reply_bound_quick_produces_rows() -> None:
     (table,) = bench_main.run(["reply_bound"], quick=True)
     assert table.name == "reply_bound" and len(table.rows) == 4
     assert all(row[5] > 1 for row in table.rows)  # every legitimate reply under its bound
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_flag_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["one_flag"], quick=True)
+    assert table.name == "one_flag" and len(table.rows) == 4
+    assert all(row[1] > 0 for row in table.rows)

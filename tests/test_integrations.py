@@ -114,7 +114,8 @@ def test_pending_framework_sample_is_refused() -> None:
 @pytest.mark.parametrize(
     ("missing", "text"),
     [
-        ("ROLLSTREAM_REDIS_URL", "ROLLSTREAM_REDIS_URL is not set"),
+        # without a URL the run starts its own pipeline, from its flags (tests/test_one_flag.py)
+        ("ROLLSTREAM_REDIS_URL", "--prompt-data is not set"),
         ("ROLLSTREAM_NAMESPACE", "ROLLSTREAM_NAMESPACE is not set"),
         ("ROLLSTREAM_CONSUMER_NAME", "ROLLSTREAM_CONSUMER_NAME is not set"),
     ],

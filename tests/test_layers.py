@@ -34,7 +34,7 @@ ALLOWED = {
     "consumer": {"consumer", "common"},
     "engines": {"engines", "common"},
     "ops": {"ops", "producer", "consumer", "common"},
-    "integrations": {"integrations", "producer", "consumer", "common"},
+    "integrations": {"integrations", "testing", "producer", "consumer", "common"},
     "testing": {"testing", "producer", "consumer", "engines", "common"},
     "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "engines", "common", "rollstream"},
 }

@@ -22,3 +22,12 @@ async def group_rm(args, samples):
     for rank, i in enumerate(order):
         ranks[i] = float(rank)
     return ranks
+
+
+async def miles_group_rm(args, samples):
+    """A miles user's ``--group-rm`` reward: 1.0 for the shortest response of the group."""
+    from miles.utils.types import Sample as MilesSample
+
+    assert all(isinstance(s, MilesSample) for s in samples)
+    shortest = min(range(len(samples)), key=lambda i: (samples[i].response_length, i))
+    return [1.0 if i == shortest else 0.0 for i in range(len(samples))]
