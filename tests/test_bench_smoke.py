@@ -45,4 +45,5 @@ def test_episodes_quick_produces_rows() -> None:
     assert [row[0] for row in table.rows] == [
         "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
     ]
-    assert all(row[3] > 0 and row[6] > 0 for row in table.rows)
+    # quick windows are too short for CPU figures (psutil's clock ticks): only the rates must be there
+    assert all(row[1] > 0 and row[2] > 0 for row in table.rows)
