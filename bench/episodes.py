@@ -89,7 +89,7 @@ async def one_mode(
     return {
         "mode": name, "episodes_s": episodes / seconds, "requests_s": episodes * turns / seconds,
         "ms_request": 1000 * cpu / (episodes * turns), "ms_episode": 1000 * cpu / episodes,
-        "per_core": episodes / cpu, "cores": cpu / seconds,
+        "per_core": episodes / cpu if cpu > 0 else float("nan"), "cores": cpu / seconds,
         "peaks": f"{beat.get('episodes_peak', '?')} / {beat.get('engine_requests_peak', '?')}",
     }
 

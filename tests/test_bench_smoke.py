@@ -47,6 +47,8 @@ def test_r3_quick_produces_rows() -> None:
     assert [row[1] for row in take.rows] == ["raw", "raw+decode", "take"]
     filled = redis_table.rows[1]
     assert filled[1] == "filled until OOM" and filled[5] > 0
+
+
 @pytest.mark.timeout(120)
 def test_episodes_quick_produces_rows() -> None:
     table, session = bench_main.run(["episodes"], quick=True)
@@ -54,7 +56,8 @@ def test_episodes_quick_produces_rows() -> None:
     assert [row[0] for row in table.rows] == [
         "single-turn (default plug-in)", "3 turns, tool instant", "3 turns, tool sleeps 0.2 s",
     ]
-    assert all(row[3] > 0 and row[6] > 0 for row in table.rows)
+    # quick windows are too short for CPU figures (psutil's clock ticks): only the rates must be there
+    assert all(row[1] > 0 and row[2] > 0 for row in table.rows)
 
 
 @pytest.mark.timeout(120)
