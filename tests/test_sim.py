@@ -215,7 +215,9 @@ async def test_abort_by_rid(sim: Factory) -> None:
 
 
 async def test_pause_aborts_in_flight_and_holds_new_requests(sim: Factory) -> None:
-    engine, client = await sim(mean_tokens=60, length_sigma=0.0, latency_per_token=0.002)
+    # 60 tokens at 20 ms: the first request is still running when the pause arrives, even on a
+    # loaded machine (at 2 ms it sometimes finished first)
+    engine, client = await sim(mean_tokens=60, length_sigma=0.0, latency_per_token=0.02)
     first = asyncio.create_task(client.post("/generate", json={"text": QUESTION}))
     await _wait_for(lambda: engine.state.running == 1)
     r = await client.post("/pause_generation", json={"mode": "abort"})
