@@ -5,7 +5,7 @@ transient :class:`~.errors.RedisOutOfMemory`. Both also when a Lua script's comm
 Redis 6.2 then answers only "Error running script ...: The user executing the script can't run
 this command" (or "-OOM ..."), so the script's name and its commands stand in for the command.
 
-No Redis commands here: protocol.py, lua.py, namespace.py and events.py translate their calls
+No Redis commands here: the protocol package, lua.py, namespace.py and events.py translate their calls
 through :func:`translated` and :func:`translate_errors`.
 """
 

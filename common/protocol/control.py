@@ -1,0 +1,70 @@
+"""Weight version and pause/resume: the ``state`` hash and the ``control`` channel."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+
+from ..errors import ConfigError
+from ..keys import Keys, StateField
+from ..lua import Scripts
+from ..parse import int_or
+from .guard import Guarded
+
+# -- control ---------------------------------------------------------------------------------
+
+
+def _check_version(version: int) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
+
+
+TAKEN_MESSAGE = "taken"
+"""The control message of a ``take()``: the ready backlog went down, refused producers retry."""
+
+
+class Control(Guarded):
+    """Weight version and pause/resume: written to ``state``, then announced on ``control``.
+
+    The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
+    Cluster transaction, and the message only wakes producers early (ADMIT reads the state)."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def weight_version(self) -> int:
+        """The trainer's weight version; 0 when unset or damaged (``inspect`` reports the damage)."""
+        return max(0, int_or(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION)))
+
+    async def paused(self) -> bool:
+        return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
+
+    async def set_weight_version(self, version: int) -> None:
+        """Record a new version; a change also records where it began in the consumption count
+        (the terms of staleness-aware admission), in the same script."""
+        _check_version(version)
+        await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
+
+    async def pause(self) -> None:
+        await self.redis.hset(self.keys.state, StateField.PAUSED, 1)
+        await self.redis.publish(self.keys.control, "pause")
+
+    async def resume(self, version: int | None = None) -> None:
+        if version is not None:
+            _check_version(version)
+        await self.scripts.set_version(
+            version=version, paused=False, message="resume" if version is None else f"resume {version}"
+        )
+
+    async def subscribe(self, blocking: Redis) -> PubSub:
+        """A pub/sub subscription to the control channel, on a client that may block; the caller
+        closes it (``await pubsub.aclose()``)."""
+        pubsub = blocking.pubsub()
+        try:
+            await pubsub.subscribe(self.keys.control)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub

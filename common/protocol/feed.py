@@ -1,0 +1,92 @@
+"""The feeder's cursor and the prompt stream it fills."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from ..errors import ConfigError
+from ..keys import Keys, StateField
+from ..lua import Scripts
+from ..parse import int_or, text
+from .guard import Guarded
+
+# -- feed ------------------------------------------------------------------------------------
+
+
+def state_mismatch(keys: Keys, config_id: bytes | str | None, state_id: bytes | str | None) -> str | None:
+    """Why the state hash is not this namespace's (its id differs from the config's), or None.
+    A namespace made before ids existed (no id in its config) is never flagged."""
+    if not config_id or text(config_id) == text(state_id):
+        return None
+    return (
+        f"the state hash {keys.state} does not belong to namespace {keys.namespace!r} any more (its "
+        f"{StateField.NAMESPACE_ID} is {text(state_id)[:40]!r}, the config's {text(config_id)[:40]!r}): it was "
+        "deleted (DEL) or replaced, or Redis lost its data; its counters and the feeder cursor are gone"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FeedCursor:
+    """Where the feeder stands: the next prompt index, epoch, position and the dataset id."""
+
+    next_index: int
+    epoch: int
+    position: int
+    dataset: str | None
+
+
+class Feed(Guarded):
+    """The feeder's operations: its cursor in ``state`` and the prompt stream it fills."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def cursor(self) -> FeedCursor:
+        """Where the feeder stands; ConfigError when the state hash is not this namespace's any
+        more (deleted, Redis lost data) or the cursor is damaged: never feed again from 0."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self.keys.config, StateField.NAMESPACE_ID)
+            pipe.hget(self.keys.state, StateField.NAMESPACE_ID)
+            config_id, state_id = await pipe.execute()
+        if (why := state_mismatch(self.keys, config_id, state_id)) is not None:
+            raise ConfigError(
+                f"{why}. The feeder cursor went with it: feeding now would feed the dataset again from its "
+                f"start (every prompt trained twice). Restore the state hash, or start over with "
+                f"`rollstream ns delete --ns {self.keys.namespace}` then `init` and `feed`"
+            )
+        raw = await self.redis.hmget(
+            self.keys.state,
+            [StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION, StateField.FEED_DATASET],
+        )
+        names = (StateField.FEED_NEXT_INDEX, StateField.FEED_EPOCH, StateField.FEED_POSITION)
+        values = []
+        for name, value in zip(names, raw[:3], strict=True):
+            number = 0 if value is None else int_or(value, -1)
+            if number < 0:  # never guess a cursor: feeding again from 0 would double the dataset
+                raise ConfigError(
+                    f"the feeder cursor is damaged: {self.keys.state} field {name!r} = {text(value)[:60]!r} is "
+                    "not a non-negative integer; fix it (HSET) or re-create the namespace"
+                )
+            values.append(number)
+        return FeedCursor(values[0], values[1], values[2], text(raw[3]) if raw[3] else None)
+
+    async def queued(self) -> int:
+        """Entries in the prompt stream (waiting or in flight)."""
+        return int(await self.redis.xlen(self.keys.prompts))
+
+    async def add(
+        self, *, expected_next: int, next_after: int, epoch: int, position: int, dataset: str,
+        entries: Sequence[Mapping[str, Any]],
+    ) -> int | None:
+        """Add prompt entries and move the cursor atomically, only from ``expected_next``; None
+        when the cursor moved meanwhile (a re-sent call that went through, another feeder)."""
+        return await self.scripts.feed(
+            expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
+            dataset=dataset, entries=entries,
+        )

@@ -1,0 +1,175 @@
+"""A producer's side of the prompt streams (``retry`` first, then ``prompts``)."""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from ..events import now_ms
+from ..keys import PRODUCERS_GROUP, Keys, StateField
+from ..lua import Scripts
+from .guard import Guarded, ack_or_nogroup, flat_entries
+
+# -- prompt queue (producers) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A prompt entry handed to a producer, with the stream it came from (``prompts`` or
+    ``retry``): every later operation on it (publish, renew, return, dead-letter) names it."""
+
+    stream: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The ADMIT script's answer: ``ok`` with prompt entries, else why nothing was read."""
+
+    status: str
+    """``ok``, ``empty``, ``paused``, ``backlog``, ``backlog_bytes`` or ``staleness``."""
+    entries: list[Admitted] = field(default_factory=list)
+    weight_version: int = 0
+    terms: list[int] = field(default_factory=list)
+    """A refusal's numbers: ``backlog``: [ready]; ``backlog_bytes``: [projected bytes, budget];
+    ``staleness``: [outstanding, capacity, c, G]."""
+
+
+class PromptQueue(Guarded):
+    """One producer's operations on the prompt streams (``retry`` and ``prompts``, consumer
+    group ``producers``); every operation on an admitted entry names its stream."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._reclaim_cursors = {keys.retry: "0-0", keys.prompts: "0-0"}
+
+    @property
+    def streams(self) -> tuple[str, str]:
+        """The prompt streams in admission order: retry first."""
+        return (self.keys.retry, self.keys.prompts)
+
+    async def admit(
+        self,
+        *,
+        max_backlog: int,
+        admission: bool,
+        max_staleness: int,
+        batch_size: int,
+        steps_per_version: int = 1,
+        count: int = 1,
+        max_backlog_bytes: int = 0,
+    ) -> Admission:
+        """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
+        ready backlog has room and staleness-aware admission allows it (one atomic script)."""
+        reply = await self.scripts.admit(
+            consumer=self.consumer, max_backlog=max_backlog, admission=admission,
+            max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
+            count=count, now_ms=now_ms(), max_backlog_bytes=max_backlog_bytes,
+        )
+        entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
+        return Admission(reply.status, entries, reply.weight_version, reply.terms)
+
+    async def wait_for_new(self, blocking: Redis, block_ms: int) -> None:
+        """Block (on a client made for blocking) until a prompt is added, or ``block_ms`` pass."""
+        await blocking.xread({stream: "$" for stream in self.streams}, count=1, block=block_ms)
+
+    async def renew(self, stream: str, ids: Sequence[bytes]) -> list[bytes]:
+        """Renew the leases of ``ids`` (entries of ``stream``); the ids this producer no longer owns."""
+        return await self.scripts.renew(stream, self.consumer, list(ids))
+
+    async def own_pending(self, count: int = 1000) -> list[Admitted]:
+        """Claim back the prompts pending under this producer's name (a restart with the same name)."""
+        out: list[Admitted] = []
+        for stream in self.streams:
+            pending = await self.redis.xpending_range(
+                stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
+            )
+            if not pending:
+                continue
+            ids = [p["message_id"] for p in pending]
+            claimed = await self.redis.xclaim(stream, PRODUCERS_GROUP, self.consumer, 0, ids)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in flat_entries(claimed))
+        return out
+
+    async def reclaim_turn(self, interval_ms: int) -> tuple[bool, int]:
+        """(whether this producer looks for idle prompts this interval, when idle prompts were
+        last found): one look per interval for the fleet instead of one per producer, since it
+        walks the whole pending list (docs/scale.md)."""
+        async with self._guard():
+            return await self.scripts.reclaim_turn(now_ms(), max(1, interval_ms))
+
+    async def announce_reclaim(self) -> None:
+        """Record that prompts sit idle past the lease: every producer takes over what it has
+        room for at its next turn."""
+        await self.redis.hset(self.keys.state, StateField.RECLAIM_DUE_MS, now_ms())
+
+    async def any_idle(self, lease_ms: int) -> bool:
+        """Whether some prompt sits idle past the lease (its producer is gone)."""
+        for stream in self.streams:
+            if await self.redis.xpending_range(stream, PRODUCERS_GROUP, min="-", max="+", count=1, idle=lease_ms):
+                return True
+        return False
+
+    async def reclaim(self, lease_ms: int, count: int, held: Container[bytes] = ()) -> list[Admitted]:
+        """Take over up to ``count`` prompts idle past the lease (XAUTOCLAIM from the cursor kept
+        per stream, retry first). Entries deleted meanwhile come back with empty fields (see
+        :meth:`ack_deleted`) or, on Redis 6.2, as nil without their ids: those are found among this
+        consumer's own pending entries (except the ``held`` ones it works on) and acknowledged."""
+        out: list[Admitted] = []
+        for stream in self.streams:
+            want = max(1, count) - len(out)
+            if want <= 0:
+                break
+            reply = await self.redis.xautoclaim(
+                stream, PRODUCERS_GROUP, self.consumer, lease_ms, start_id=self._reclaim_cursors[stream], count=want,
+            )
+            cursor, rows = reply[0], reply[1]
+            self._reclaim_cursors[stream] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            if any(row[0] is None for row in rows):
+                await self._ack_claimed_deleted(stream, held)
+            out.extend(Admitted(stream, eid, fields) for eid, fields in flat_entries(rows))
+        return out
+
+    async def _ack_claimed_deleted(self, stream: str, held: Container[bytes]) -> None:
+        rows = await self.redis.xpending_range(
+            stream, PRODUCERS_GROUP, min="-", max="+", count=1000, consumername=self.consumer
+        )
+        for row in rows:
+            entry_id = row["message_id"]
+            if entry_id not in held and not await self.redis.xrange(stream, entry_id, entry_id):
+                await self.redis.xack(stream, PRODUCERS_GROUP, entry_id)
+
+    @property
+    def reclaim_scanned(self) -> bool:
+        """Whether the last :meth:`reclaim` reached the end of both streams."""
+        return all(cursor in ("0-0", "0") for cursor in self._reclaim_cursors.values())
+
+    async def ack_deleted(self, stream: str, entry_id: bytes) -> None:
+        """Acknowledge (and delete) an entry that came back without fields."""
+        await ack_or_nogroup(self.redis, stream, PRODUCERS_GROUP, entry_id)
+        await self.redis.xdel(stream, entry_id)
+
+    async def count_reclaimed(self) -> None:
+        await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
+
+    async def publish(self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
+        """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
+        was taken over and acknowledged by another producer)."""
+        return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
+
+    async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
+        """Put an unfinished prompt into the retry stream, attempt unchanged."""
+        return await self.scripts.return_prompt(stream, entry_id, fields)
+
+    async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
+        return await self.scripts.dead_letter(
+            source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
+            reason=reason, fields=fields, now_ms=now_ms(),
+        )
