@@ -50,6 +50,7 @@ from typing import Any
 import psutil
 from rollstream.common import lua
 from rollstream.common.codec import group_fields
+from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.common.protocol import GroupQueue, PromptQueue
@@ -112,12 +113,7 @@ QUICK = Spec(producers=[8], hosts=2, measured_batches=3, tail_batches=4, sizes=[
 
 # -- Redis-side accounting ------------------------------------------------------------------
 
-_SCRIPTS = {
-    hashlib.sha1(getattr(lua, name).encode()).hexdigest().encode(): name
-    for name in ("PUBLISH", "MOVE", "ACK_DELETE", "ADMIT", "SET_VERSION", "RENEW", "FEED", "REQUEUE", "LEASE", "RELEASE",
-                 "RECLAIM_TURN")
-}
-_SCRIPTS[hashlib.sha1(ADMIT_BEFORE.encode()).hexdigest().encode()] = "ADMIT"
+_SCRIPTS = {hashlib.sha1(s.source.encode()).hexdigest().encode(): s.name for s in (*lua.SCRIPTS, ADMIT_BEFORE)}
 _SCRIPT_KIND = {"PUBLISH": "publish", "ADMIT": "admit", "RENEW": "renew", "ACK_DELETE": "commit",
                 "SET_VERSION": "version", "MOVE": "move", "FEED": "feed", "LEASE": "trainer lease",
                 "RELEASE": "trainer lease", "REQUEUE": "requeue", "RECLAIM_TURN": "reclaim"}
@@ -525,7 +521,7 @@ async def sizes(spec: Spec, url: str, meter: Meter) -> list[dict[str, Any]]:
         reps = spec.size_repeats if n * tokens <= 8 * 8192 else max(4, spec.size_repeats // 3)
         await add_prompts(redis, keys, 0, reps)
         queue = PromptQueue(redis, keys, "sizer")
-        admitted = await queue.admit(max_backlog=10**6, admission=False, max_staleness=0, batch_size=reps, count=reps)
+        admitted = await queue.admit(PipelineConfig(n_samples_per_prompt=n, batch_size=reps, max_backlog=10**6), reps)
         fields = group_fields(make_group(n, tokens))
         wire = sum(len(str(k)) + len(v if isinstance(v, bytes) else str(v)) for k, v in fields.items())
         phases: dict[str, dict[str, float]] = {}
@@ -583,13 +579,16 @@ async def admit_costs(spec: Spec, url: str, meter: Meter) -> list[dict[str, Any]
                 pipe.xreadgroup(PRODUCERS_GROUP, f"p{c}", {keys.retry: ">"}, count=1)
             await pipe.execute()
         row: dict[str, Any] = {"consumers": consumers}
-        for label, source in (("before", ADMIT_BEFORE), ("this code", lua.ADMIT)):
-            script = redis.register_script(source)
-            args = [PRODUCERS_GROUP, "admitter", 10**6, 1, 10**6, 64, 1, 1, "trainer", 4, 0, 0]
-            await script(keys=[keys.retry, keys.prompts, keys.groups, keys.state], args=args)
+        for label, declared in (("before", ADMIT_BEFORE), ("this code", lua.ADMIT)):
+            script = redis.register_script(declared.source)
+            script_keys, args = declared.lists(keys, {
+                "consumer": "admitter", "max_backlog": 10**6, "admission": 1, "max_staleness": 10**6, "batch_size": 64,
+                "steps_per_version": 1, "count": 1, "now_ms": 0, "max_backlog_bytes": 0,
+            })
+            await script(keys=script_keys, args=args)
             a = await meter.mark()
             for _ in range(calls):
-                await script(keys=[keys.retry, keys.prompts, keys.groups, keys.state], args=args)
+                await script(keys=script_keys, args=args)
             b = await meter.mark()
             row[label] = {"command_us": _command_delta(a, b)["evalsha"]["usec"] / calls,
                           "cpu_us": (b["redis_cpu"] - a["redis_cpu"]) / calls * 1e6}

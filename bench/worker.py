@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 from typing import Any
@@ -40,7 +41,7 @@ end
 """
 """ADMIT's pending-count helper before docs/scale.md's fix (XPENDING's summary: O(consumers))."""
 
-ADMIT_BEFORE = lua.ADMIT.replace(lua._PENDING, PENDING_BEFORE)
+ADMIT_BEFORE = dataclasses.replace(lua.ADMIT, source=lua.ADMIT.source.replace(lua._PENDING, PENDING_BEFORE))
 
 
 def _before() -> None:
@@ -52,7 +53,7 @@ def _before() -> None:
 
     def init(self: lua.Scripts, redis: Any, keys: Any) -> None:
         original(self, redis, keys)
-        self._admit = redis.register_script(ADMIT_BEFORE)
+        self._bound[ADMIT_BEFORE.name] = lua._Bound(redis, ADMIT_BEFORE)
 
     async def every_producer_scans(self: PromptQueue, interval_ms: int) -> tuple[bool, int]:
         return True, 0

@@ -8,19 +8,28 @@ re-send after a dropped connection.
 
 All keys of a script share the namespace hash tag, so the scripts run on Redis Cluster. The
 fields of the ``state`` hash are written ``$NAME`` and filled in from :class:`~.keys.StateField`.
+
+Each script is one :class:`Script` declaration: its source with the names of its KEYS and ARGV
+(and the constant ARGV values), so a call names its arguments instead of ordering them, a KEYS
+name that is a :class:`~.keys.Keys` property (``state``, ``groups``...) is filled in from the
+namespace, and :class:`Scripts` binds every declaration of this module by itself
+(``tests/test_unit_lua.py`` checks the names against the ``KEYS[i]``/``ARGV[i]`` the body uses).
+A new script: its declaration here, a :class:`Scripts` method that runs it (``self._run``) and
+shapes its reply, and the protocol method that calls that.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from string import Template
 from typing import Any
 
 from redis.asyncio import Redis
 
 from .admission import MEASURED_CADENCE_CAP
+from .config import PipelineConfig
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from .redis_errors import translated
 
@@ -61,10 +70,64 @@ def _template(source: str) -> str:
     return helpers + Template(source).substitute(_STATE_FIELDS)
 
 
-# KEYS: source prompt stream (prompts or retry), groups, state, group sizes. ARGV: consumer group,
-# prompt id, now ms, data bytes, group fields... The group's size goes into the byte ledger in
-# the same step as the group.
-PUBLISH = _template("""
+@dataclass(frozen=True, slots=True)
+class Script:
+    """One Lua script: the names of its KEYS and ARGV in the order the body indexes them, the
+    constant ARGV values (``defaults``) and its source. An ARGV name starting with ``*`` is the
+    variadic rest (a sequence, spread)."""
+
+    name: str
+    keys: tuple[str, ...]
+    argv: tuple[str, ...]
+    source: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [*self.keys, *(a.lstrip("*") for a in self.argv)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"script {self.name}: a KEYS or ARGV name is used twice: {names}")
+        if any(a.startswith("*") for a in (*self.keys, *self.argv[:-1])):
+            raise ValueError(f"script {self.name}: only the last ARGV name may be variadic (*name)")
+        if unknown := set(self.defaults) - set(names):
+            raise ValueError(f"script {self.name}: defaults for undeclared names {sorted(unknown)}")
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every argument a call may name: the KEYS and ARGV names."""
+        return frozenset((*self.keys, *(a.lstrip("*") for a in self.argv)))
+
+    def lists(self, namespace: Keys, named: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+        """(KEYS, ARGV) for a call naming its arguments; a KEYS name left out that is a ``Keys``
+        property is that key of ``namespace``. TypeError for a missing or unknown name."""
+        given = {**self.defaults, **named}
+        if unknown := given.keys() - self.names:
+            raise TypeError(f"script {self.name}: unknown argument(s) {sorted(unknown)}")
+        keys: list[Any] = []
+        for name in self.keys:
+            if name in given:
+                keys.append(given[name])
+            elif isinstance(getattr(Keys, name, None), property):
+                keys.append(getattr(namespace, name))
+            else:
+                raise TypeError(f"script {self.name}: missing key {name!r}")
+        args: list[Any] = []
+        for name in self.argv:
+            if name.startswith("*"):
+                args.extend(given.get(name[1:], ()))
+            elif name in given:
+                args.append(given[name])
+            else:
+                raise TypeError(f"script {self.name}: missing argument {name!r}")
+        return keys, args
+
+
+# A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
+# group's size goes into the byte ledger in the same step as the group.
+PUBLISH = Script(
+    "PUBLISH",
+    keys=("source", "groups", "state", "group_bytes"),
+    argv=("group", "prompt_id", "now_ms", "data_bytes", "*fields"),
+    source=_template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
   incr(KEYS[3], '$DUPLICATES', 1)
@@ -81,16 +144,19 @@ if b > 0 then
 end
 redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
 return id
-""")
+"""),
+)
 
-# KEYS: source stream, target stream, state, group sizes.
-# ARGV: consumer group, entry id, counter field, ledger ('' = neither stream is the group stream,
-# 's' = the source is, 'st' = both are), fields of the new entry...
+# ``ledger``: '' = neither stream is the group stream, 's' = the source is, 'st' = both are.
 # Acknowledges and deletes an entry of the source stream and adds a new entry to the target
 # stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
 # (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
 # byte ledger with it.
-MOVE = _template("""
+MOVE = Script(
+    "MOVE",
+    keys=("source", "target", "state", "group_bytes"),
+    argv=("group", "entry_id", "counter", "ledger", "*fields"),
+    source=_template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
   return false
@@ -105,13 +171,17 @@ if ARGV[4] == 'st' and b > 0 then
 end
 incr(KEYS[3], ARGV[3], 1)
 return id
-""")
+"""),
+)
 
-# KEYS: stream, state, group sizes. ARGV: consumer group, counter, second counter or '', time
-# field or '', now ms, entry ids... Acknowledges and deletes entries (commit, filtered drop);
+# ``second_counter`` and ``time_field`` may be ''. Acknowledges and deletes entries (commit, filtered drop);
 # counts the acknowledged ones only, and takes those out of the byte ledger (an id the ledger
 # does not hold, e.g. a prompt's, changes nothing).
-ACK_DELETE = _template("""
+ACK_DELETE = Script(
+    "ACK_DELETE",
+    keys=("stream", "state", "sizes"),
+    argv=("group", "counter", "second_counter", "time_field", "now_ms", "*ids"),
+    source=_template("""
 local acked = 0
 for i = 6, #ARGV do
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
@@ -127,7 +197,8 @@ if acked > 0 then
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
-""")
+"""),
+)
 
 # Shared by ADMIT and SET_VERSION: a consumer group's pending count (0 when the stream or group
 # does not exist). XINFO GROUPS, not XPENDING: XPENDING's summary walks every consumer of the
@@ -148,10 +219,8 @@ local function pending(key, group)
 end
 """
 
-# KEYS: retry, prompts, groups, state. ARGV: producers group, consumer, max backlog,
-# admission on (1/0), max staleness S, batch size B, steps per version K, count, trainer group,
-# measured cadence cap, now ms.
-# Returns {reason, ...} or {'ok', weight version, (stream index, id, fields)...}: reads up to
+# ``admission``: 1/0; S = ``max_staleness``, B = ``batch_size``, K = ``steps_per_version``,
+# cap = ``cadence_cap``. Returns {reason, ...} or {'ok', weight version, (stream index, id, fields)...}: reads up to
 # ``count`` prompts, retry stream first (stream index 1) then prompts (2), and counts them as
 # admitted, only when the pipeline is not paused, the READY backlog (XLEN groups - pending in
 # groups) is under its cap and (with admission control) outstanding < capacity, where
@@ -161,7 +230,7 @@ end
 #   capacity = max(1, (S + 1) * G - min(c, G))
 # (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
 # at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
-# With a byte budget (ARGV[12] > 0) and groups ready, the bytes held in the group stream plus the
+# With a byte budget (``max_backlog_bytes`` > 0) and groups ready, the bytes held in the group stream plus the
 # prompts in flight at the mean group size must stay under it:
 #   projected = group_bytes + (pending(retry) + pending(prompts)) * mean, mean = published_bytes / published
 # and one more group of the mean size must fit (projected + mean <= budget); at most
@@ -169,7 +238,15 @@ end
 # refuse: a trainer waiting inside take() for a batch larger than the budget must get it.
 # Refusals: {'paused'}, {'backlog', ready}, {'backlog_bytes', projected, budget},
 # {'staleness', outstanding, capacity, c, G}, {'empty'}.
-ADMIT = _template(_PENDING + """
+ADMIT = Script(
+    "ADMIT",
+    keys=("retry", "prompts", "groups", "state"),
+    argv=(
+        "group", "consumer", "max_backlog", "admission", "max_staleness", "batch_size", "steps_per_version",
+        "count", "trainer_group", "cadence_cap", "now_ms", "max_backlog_bytes",
+    ),
+    defaults={"group": PRODUCERS_GROUP, "trainer_group": TRAINER_GROUP, "cadence_cap": MEASURED_CADENCE_CAP},
+    source=_template(_PENDING + """
 local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
   '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED', '$GROUP_BYTES', '$PUBLISHED_BYTES', '$PUBLISHED')
 if st[1] == '1' then return {'paused'} end
@@ -213,13 +290,18 @@ if got == 0 then return {'empty'} end
 incr(KEYS[4], '$ADMITTED', got)
 redis.call('HSET', KEYS[4], '$LAST_ADMIT_MS', ARGV[11])
 return out
-""")
+"""),
+)
 
-# KEYS: state, groups. ARGV: new version or '', paused ('1', '0' or '' = unchanged), control
-# channel, message, trainer group. A version change records where the new version began
-# (version_start_consumed = committed + taken) and what the previous one consumed
+# ``version`` '' = unchanged, ``paused`` '1', '0' or '' = unchanged. A version change records
+# where the new version began (version_start_consumed = committed + taken) and what the previous one consumed
 # (prev_version_consumed), in the same step as the version itself: the terms of ADMIT's rule.
-SET_VERSION = _template(_PENDING + """
+SET_VERSION = Script(
+    "SET_VERSION",
+    keys=("state", "groups"),
+    argv=("version", "paused", "channel", "message", "trainer_group"),
+    defaults={"trainer_group": TRAINER_GROUP},
+    source=_template(_PENDING + """
 if ARGV[1] ~= '' then
   local st = redis.call('HMGET', KEYS[1], '$WEIGHT_VERSION', '$COMMITTED', '$VERSION_START_CONSUMED')
   if st[1] == false or num(st[1]) ~= tonumber(ARGV[1]) then
@@ -232,12 +314,18 @@ end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], '$PAUSED', ARGV[2]) end
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return true
-""")
+"""),
+)
 
-# KEYS: prompts or retry. ARGV: group, consumer, ids... Renews the lease of each id still
+# ``stream``: prompts or retry. Renews the lease of each id still
 # owned by this consumer (XCLAIM JUSTID resets its idle time) and returns the ids it no longer
 # owns: never steals back an entry another producer has taken over.
-RENEW = _template("""
+RENEW = Script(
+    "RENEW",
+    keys=("stream",),
+    argv=("group", "consumer", "*ids"),
+    defaults={"group": PRODUCERS_GROUP},
+    source=_template("""
 local lost = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -248,13 +336,18 @@ for i = 3, #ARGV do
   end
 end
 return lost
-""")
+"""),
+)
 
-# KEYS: state. ARGV: now ms, interval ms. The fleet's reclaim turn: the first producer to call it
+# The fleet's reclaim turn: the first producer to call it
 # an interval after the last turn takes it (returns 1) and looks for idle prompts; every call
 # also returns when idle prompts were last found (reclaim_due_ms), so the others take them over.
 # A turn stamped far in the future (a producer's clock ahead) is taken over too.
-RECLAIM_TURN = _template("""
+RECLAIM_TURN = Script(
+    "RECLAIM_TURN",
+    keys=("state",),
+    argv=("now_ms", "interval_ms"),
+    source=_template("""
 local st = redis.call('HMGET', KEYS[1], '$RECLAIM_TURN_MS', '$RECLAIM_DUE_MS')
 local now, interval, last = tonumber(ARGV[1]), tonumber(ARGV[2]), num(st[1])
 local won = 0
@@ -263,12 +356,16 @@ if now - last >= interval or last - now > interval then
   won = 1
 end
 return {won, num(st[2])}
-""")
+"""),
+)
 
-# KEYS: prompts, state. ARGV: expected next index, next index after, epoch, position,
-# dataset id, fields per entry, entries' fields... The feeder's XADD and its cursor move
-# together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
-FEED = _template("""
+# ``width``: fields per entry (names and values), ``entries``: all entries' fields. The feeder's
+# XADD and its cursor move together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
+FEED = Script(
+    "FEED",
+    keys=("prompts", "state"),
+    argv=("expected_next", "next_after", "epoch", "position", "dataset", "width", "*entries"),
+    source=_template("""
 local cur = redis.call('HGET', KEYS[2], '$FEED_NEXT_INDEX') or '0'
 if cur ~= ARGV[1] then return false end
 local width = tonumber(ARGV[6])
@@ -281,27 +378,69 @@ redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
   '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
 incr(KEYS[2], '$FED', added)
 return added
-""")
+"""),
+)
 
 
-# KEYS: groups, state, group sizes. ARGV: trainer group, entry id. A delivered group found gone
+# A delivered group found gone
 # from the stream (XTRIM, XDEL): acknowledged, and out of the byte ledger.
-FORGET = _template("""
+FORGET = Script(
+    "FORGET",
+    keys=("groups", "state", "group_bytes"),
+    argv=("group", "entry_id"),
+    defaults={"group": TRAINER_GROUP},
+    source=_template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then group_exists(KEYS[1], ARGV[1]) end
 return forget(KEYS[3], KEYS[2], ARGV[2])
-""")
+"""),
+)
 
-# KEYS: dead, retry, state. ARGV: dead entry id, counter, fields of the prompt entry...
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
-REQUEUE = _template("""
+REQUEUE = Script(
+    "REQUEUE",
+    keys=("dead", "retry", "state"),
+    argv=("dead_id", "counter", "*fields"),
+    source=_template("""
 if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 incr(KEYS[3], ARGV[2], 1)
 return id
-""")
+"""),
+)
+
+
+# Takes a free lease or renews our own; 0 when another holds it.
+# A renewal is a PEXPIRE, which Redis allows at maxmemory (SET is refused there), so a trainer
+# keeps its name while Redis is out of memory.
+LEASE = Script(
+    "LEASE",
+    keys=("lease",),
+    argv=("token", "ttl_ms"),
+    source="""
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+if holder then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+""",
+)
+
+# Deletes the lease only if we still hold it.
+RELEASE = Script(
+    "RELEASE",
+    keys=("lease",),
+    argv=("token",),
+    source="""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""",
+)
+
+SCRIPTS: tuple[Script, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Script))
+"""Every script declared in this module, bound by :class:`Scripts` (found, never listed by hand)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,24 +462,6 @@ def _field_name(name: str | bytes) -> str:
     return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
 
 
-# KEYS: lease. ARGV: token, ttl ms. Takes a free lease or renews our own; 0 when another holds it.
-# A renewal is a PEXPIRE, which Redis allows at maxmemory (SET is refused there), so a trainer
-# keeps its name while Redis is out of memory.
-LEASE = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-if holder then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-# KEYS: lease. ARGV: token. Deletes the lease only if we still hold it.
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
 def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     out: list[Any] = []
     for key, value in fields.items():
@@ -349,8 +470,9 @@ def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     return out
 
 
-def script_commands(source: str) -> tuple[str, ...]:
+def script_commands(script: Script | str) -> tuple[str, ...]:
     """The Redis commands a script calls, in order of first use (the helpers' included)."""
+    source = script.source if isinstance(script, Script) else script
     return tuple(dict.fromkeys(re.findall(r"redis\.p?call\('([A-Z]+)'", source)))
 
 
@@ -358,46 +480,39 @@ class _Bound:
     """One script on one client, its NOPERM and OOM replies translated (naming the script and the
     commands it calls: Redis 6.2 does not say which one was refused)."""
 
-    def __init__(self, redis: Redis, name: str, source: str) -> None:
+    def __init__(self, redis: Redis, script: Script) -> None:
         self.redis = redis
-        self.name = name
-        self.source = source
-        self.commands = script_commands(source)
-        self._script = redis.register_script(source)
+        self.script = script
+        self.commands = script_commands(script)
+        self._script = redis.register_script(script.source)
 
     async def __call__(self, *, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        with translated(self.redis, script=self.name, commands=self.commands, source=self.source):
+        s = self.script
+        with translated(self.redis, script=s.name, commands=self.commands, source=s.source):
             return await self._script(keys=keys, args=args)
 
 
 class Scripts:
-    """The scripts bound to one namespace and one client; redis-py reloads them on NOSCRIPT."""
+    """Every script of this module (:data:`SCRIPTS`) bound to one namespace and one client;
+    redis-py reloads them on NOSCRIPT. Each method runs one script by its declaration
+    (:meth:`_run`, arguments by name) and shapes its reply."""
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.keys = keys
-        self._publish = _Bound(redis, "PUBLISH", PUBLISH)
-        self._move = _Bound(redis, "MOVE", MOVE)
-        self._ack_delete = _Bound(redis, "ACK_DELETE", ACK_DELETE)
-        self._admit = _Bound(redis, "ADMIT", ADMIT)
-        self._set_version = _Bound(redis, "SET_VERSION", SET_VERSION)
-        self._renew = _Bound(redis, "RENEW", RENEW)
-        self._feed = _Bound(redis, "FEED", FEED)
-        self._requeue = _Bound(redis, "REQUEUE", REQUEUE)
-        self._reclaim_turn = _Bound(redis, "RECLAIM_TURN", RECLAIM_TURN)
-        self._forget = _Bound(redis, "FORGET", FORGET)
-        self._lease = _Bound(redis, "LEASE", LEASE)
-        self._release = _Bound(redis, "RELEASE", RELEASE)
+        self._bound = {script.name: _Bound(redis, script) for script in SCRIPTS}
+
+    async def _run(self, script: Script, **named: Any) -> Any:
+        keys, args = script.lists(self.keys, named)
+        return await self._bound[script.name](keys=keys, args=args)
 
     async def publish(
         self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int
     ) -> bytes | None:
         """Publish a group and ack its prompt (an entry of ``source``: prompts or retry); None when
         the prompt was already acknowledged. The size of its ``data`` enters the byte ledger."""
-        k = self.keys
-        data = group_fields.get("data", b"")
-        result = await self._publish(
-            keys=[source, k.groups, k.state, k.group_bytes],
-            args=[PRODUCERS_GROUP, prompt_id, now_ms, len(data), *_flatten(group_fields)],
+        result = await self._run(
+            PUBLISH, source=source, group=PRODUCERS_GROUP, prompt_id=prompt_id, now_ms=now_ms,
+            data_bytes=len(group_fields.get("data", b"")), fields=_flatten(group_fields),
         )
         return result or None
 
@@ -413,13 +528,13 @@ class Scripts:
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically
         (the byte ledger follows a group entry out of, or within, the group stream)."""
-        k = self.keys
-        ledger = ("s" if source == k.groups else "") + ("t" if source == target == k.groups else "")
-        result = await self._move(
-            keys=[source, target, k.state, k.group_bytes],
-            args=[group, entry_id, counter, ledger, *_flatten(fields)],
+        groups = self.keys.groups
+        ledger = ("s" if source == groups else "") + ("t" if source == target == groups else "")
+        moved = await self._run(
+            MOVE, source=source, target=target, group=group, entry_id=entry_id, counter=counter,
+            ledger=ledger, fields=_flatten(fields),
         )
-        return bool(result)
+        return bool(moved)
 
     async def recycle(self, group_id: str | bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
         k = self.keys
@@ -472,40 +587,25 @@ class Scripts:
             return 0
         # the ledger holds group ids only: for another stream, pass the stream itself (= none)
         sizes = self.keys.group_bytes if stream == self.keys.groups else stream
-        return int(
-            await self._ack_delete(
-                keys=[stream, self.keys.state, sizes],
-                args=[group, counter, second_counter, time_field, now_ms, *ids],
-            )
+        acked = await self._run(
+            ACK_DELETE, stream=stream, sizes=sizes, group=group, counter=counter,
+            second_counter=second_counter, time_field=time_field, now_ms=now_ms, ids=ids,
         )
+        return int(acked)
 
-    async def admit(
-        self,
-        *,
-        consumer: str,
-        max_backlog: int,
-        admission: bool,
-        max_staleness: int,
-        batch_size: int,
-        steps_per_version: int = 1,
-        count: int = 1,
-        now_ms: int = 0,
-        max_backlog_bytes: int = 0,
-    ) -> AdmitReply:
-        """Run ADMIT: up to ``count`` prompts (retry stream first), or why none."""
-        k = self.keys
-        result = await self._admit(
-            keys=[k.retry, k.prompts, k.groups, k.state],
-            args=[
-                PRODUCERS_GROUP, consumer, max_backlog, 1 if admission else 0, max_staleness, batch_size,
-                steps_per_version, max(1, count), TRAINER_GROUP, MEASURED_CADENCE_CAP, now_ms,
-                max_backlog_bytes,
-            ],
+    async def admit(self, *, consumer: str, config: PipelineConfig, count: int = 1, now_ms: int = 0) -> AdmitReply:
+        """Run ADMIT under the namespace's ``config`` (its backlog caps and admission rule): up to
+        ``count`` prompts (retry stream first), or why none."""
+        result = await self._run(
+            ADMIT, consumer=consumer, max_backlog=config.max_backlog,
+            admission=1 if config.admission_enabled else 0, max_staleness=config.max_staleness or 0,
+            batch_size=config.batch_size, steps_per_version=config.steps_per_version, count=max(1, count),
+            now_ms=now_ms, max_backlog_bytes=config.max_backlog_bytes,
         )
         status = result[0].decode() if isinstance(result[0], bytes) else str(result[0])
         if status != "ok":
             return AdmitReply(status, 0, [], [int(x) for x in result[1:]])
-        streams = (k.retry, k.prompts)
+        streams = (self.keys.retry, self.keys.prompts)
         entries = []
         for i in range(2, len(result), 3):
             flat = result[i + 2] or []
@@ -515,38 +615,30 @@ class Scripts:
     async def forget_group(self, entry_id: str | bytes) -> int:
         """Acknowledge a delivered group entry that is gone from the stream and drop it from the
         byte ledger; the bytes it held."""
-        k = self.keys
-        return int(await self._forget(keys=[k.groups, k.state, k.group_bytes], args=[TRAINER_GROUP, entry_id]))
+        return int(await self._run(FORGET, entry_id=entry_id))
 
     async def requeue(self, dead_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bytes | None:
         """Move a dead-letter entry back to the retry stream; None when it was already gone."""
-        k = self.keys
-        result = await self._requeue(
-            keys=[k.dead, k.retry, k.state], args=[dead_id, StateField.REQUEUED, *_flatten(prompt_fields)]
-        )
+        result = await self._run(REQUEUE, dead_id=dead_id, counter=StateField.REQUEUED, fields=_flatten(prompt_fields))
         return result or None
 
     async def renew(self, stream: str, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
         ids = list(ids)
         if not ids:
             return []
-        return list(await self._renew(keys=[stream], args=[PRODUCERS_GROUP, consumer, *ids]))
+        return list(await self._run(RENEW, stream=stream, consumer=consumer, ids=ids))
 
     async def reclaim_turn(self, now_ms: int, interval_ms: int) -> tuple[bool, int]:
         """(whether this call took the fleet's reclaim turn, when idle prompts were last found)."""
-        won, due = await self._reclaim_turn(keys=[self.keys.state], args=[now_ms, interval_ms])
+        won, due = await self._run(RECLAIM_TURN, now_ms=now_ms, interval_ms=interval_ms)
         return bool(won), int(due)
 
     async def set_version(self, *, version: int | None, paused: bool | None, message: str) -> None:
         """Set the weight version (recording the consumption terms when it changes) and/or the
         paused flag, and announce ``message`` on the control channel, atomically."""
-        k = self.keys
-        await self._set_version(
-            keys=[k.state, k.groups],
-            args=[
-                "" if version is None else version, "" if paused is None else (1 if paused else 0),
-                k.control, message, TRAINER_GROUP,
-            ],
+        await self._run(
+            SET_VERSION, version="" if version is None else version,
+            paused="" if paused is None else (1 if paused else 0), channel=self.keys.control, message=message,
         )
 
     async def feed(
@@ -566,16 +658,16 @@ class Scripts:
             if 2 * len(fields) != width:
                 raise ValueError("every fed entry must have the same fields")
             flat.extend(_flatten(fields))
-        result = await self._feed(
-            keys=[self.keys.prompts, self.keys.state],
-            args=[expected_next, next_after, epoch, position, dataset, width or 2, *flat],
+        result = await self._run(
+            FEED, expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
+            dataset=dataset, width=width or 2, entries=flat,
         )
         return None if result is None else int(result)
 
     async def lease(self, key: str, token: str, ttl_ms: int) -> bool:
         """Take the lease ``key`` if free, or renew it if ``token`` holds it; False when another does."""
-        return bool(await self._lease(keys=[key], args=[token, ttl_ms]))
+        return bool(await self._run(LEASE, lease=key, token=token, ttl_ms=ttl_ms))
 
     async def release(self, key: str, token: str) -> bool:
         """Delete the lease ``key`` if ``token`` still holds it."""
-        return bool(await self._release(keys=[key], args=[token]))
+        return bool(await self._run(RELEASE, lease=key, token=token))

@@ -409,7 +409,6 @@ class Producer:
 
     async def _admission_loop(self) -> None:
         n = self.config.n_samples_per_prompt
-        cfg = self.config
         while not self._stopping.is_set():
             raise_if_cancelled()
             if self._reclaim_due:  # prompts of a dead producer come first
@@ -422,15 +421,7 @@ class Producer:
             held = count = 1 + extra
             try:
                 admission = await self._outage.run(
-                    lambda count=count: self.prompts.admit(
-                        max_backlog=cfg.max_backlog,
-                        admission=cfg.admission_enabled,
-                        max_staleness=cfg.max_staleness or 0,
-                        batch_size=cfg.batch_size,
-                        steps_per_version=cfg.steps_per_version,
-                        count=count,
-                        max_backlog_bytes=cfg.max_backlog_bytes,
-                    )
+                    lambda count=count: self.prompts.admit(self.config, count)
                 )
                 for item in admission.entries:
                     self._start_work(item, admission.weight_version)

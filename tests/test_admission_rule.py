@@ -70,10 +70,10 @@ async def test_lua_and_python_agree_on_random_inputs(redis: Redis, ns: str) -> N
             steps_per_version=k, max_staleness=s, batch_size=b,
         )
         count = rng.randint(1, 8)
-        reply = await Scripts(redis, keys).admit(
-            consumer="p", max_backlog=1000, admission=True, max_staleness=s, batch_size=b,
-            steps_per_version=k, count=count,
+        config = PipelineConfig(
+            n_samples_per_prompt=1, batch_size=b, max_backlog=1000, max_staleness=s, steps_per_version=k
         )
+        reply = await Scripts(redis, keys).admit(consumer="p", config=config, count=count)
         where = f"case {case}: {terms}, count {count}: {reply.status} {reply.terms} {len(reply.entries)}"
         if terms.room == 0:
             assert reply.status == "staleness", where
@@ -123,9 +123,8 @@ def test_measured_cadence_raises_g_within_its_cap() -> None:
 
 
 async def _admit(scripts: Scripts, k: int, count: int = 100) -> tuple[str, int]:
-    reply = await scripts.admit(
-        consumer="p", max_backlog=1000, admission=True, max_staleness=1, batch_size=4, steps_per_version=k, count=count,
-    )
+    config = PipelineConfig(n_samples_per_prompt=1, batch_size=4, max_backlog=1000, max_staleness=1, steps_per_version=k)
+    reply = await scripts.admit(consumer="p", config=config, count=count)
     return reply.status, len(reply.entries)
 
 

@@ -40,7 +40,7 @@ async def _stream_bytes(redis: Redis, keys: Keys) -> dict[bytes, int]:
 
 
 async def _publish(redis: Redis, keys: Keys, queue: PromptQueue, group: Group) -> bytes:
-    admitted = await queue.admit(max_backlog=1000, admission=False, max_staleness=0, batch_size=1)
+    admitted = await queue.admit(_config())
     assert admitted.status == "ok", admitted
     item = admitted.entries[0]
     gid = await queue.publish(item.stream, item.entry_id, group_fields(group))
@@ -88,9 +88,13 @@ async def test_the_ledger_follows_every_group_in_and_out_of_the_stream(redis: Re
     assert await _ledger(redis, keys) == (0, {})
 
 
+def _config(budget: int = 0) -> PipelineConfig:
+    """What ADMIT reads: a backlog cap of 1000 groups, no staleness rule, ``budget`` bytes."""
+    return PipelineConfig(n_samples_per_prompt=1, batch_size=1, max_backlog=1000, max_backlog_bytes=budget)
+
+
 async def _admit(queue: PromptQueue, budget: int, count: int = 1) -> Any:
-    return await queue.admit(max_backlog=1000, admission=False, max_staleness=0, batch_size=1, count=count,
-                             max_backlog_bytes=budget)
+    return await queue.admit(_config(budget), count)
 
 
 async def test_admit_refuses_at_the_byte_budget_only_while_groups_are_ready(redis: Redis, ns: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
+from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError, NamespaceGone, RedisPermissionDenied
 from rollstream.common.events import FATAL, recent_events
@@ -25,12 +26,12 @@ from rollstream.common.protocol import (
     DeadLetters,
     Feed,
     GroupQueue,
+    Guarded,
     Heartbeat,
     JournalHash,
     NameLease,
     PromptQueue,
     StreamView,
-    _Guarded,
     write_heartbeat,
 )
 from rollstream.common.redis_errors import OPERATOR_ROLE, ROLE_COMMANDS
@@ -42,9 +43,10 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "redis" / "users.
 # -- NOGROUP on every queue call ------------------------------------------------------------
 
 Call = Callable[[Any, Keys, Redis, bytes], Awaitable[Any]]
+CONFIG = PipelineConfig(n_samples_per_prompt=2, batch_size=2, max_backlog=10)
 
 PROMPT_CALLS: dict[str, Call] = {
-    "admit": lambda q, k, r, e: q.admit(max_backlog=10, admission=False, max_staleness=0, batch_size=2),
+    "admit": lambda q, k, r, e: q.admit(CONFIG),
     "renew": lambda q, k, r, e: q.renew(k.prompts, [e]),
     "own_pending": lambda q, k, r, e: q.own_pending(),
     "any_idle": lambda q, k, r, e: q.any_idle(0),
@@ -86,9 +88,9 @@ def test_every_queue_call_is_listed_here_so_a_new_one_gets_its_nogroup_test() ->
 
 def test_every_public_coroutine_of_every_namespace_client_is_guarded() -> None:
     clients = [PromptQueue, GroupQueue, Control, NameLease, Feed, DeadLetters, JournalHash, StreamView]
-    assert set(clients) <= set(_Guarded.__subclasses__())
+    assert set(clients) <= set(Guarded.__subclasses__())
     unguarded = [
-        f"{cls.__name__}.{name}" for cls in _Guarded.__subclasses__() for name in _public_coroutines(cls)
+        f"{cls.__name__}.{name}" for cls in Guarded.__subclasses__() for name in _public_coroutines(cls)
         if not getattr(getattr(cls, name), "__rollstream_guarded__", False)
     ]
     assert not unguarded and _public_coroutines(PromptQueue)
@@ -99,7 +101,7 @@ async def _destroyed(redis: Redis, ns: str) -> tuple[Keys, bytes]:
     await make_namespace(redis, ns)
     keys = Keys(ns)
     await add_prompts(redis, ns, 2)
-    admitted = await PromptQueue(redis, keys, "p").admit(max_backlog=10, admission=False, max_staleness=0, batch_size=2)
+    admitted = await PromptQueue(redis, keys, "p").admit(CONFIG)
     assert admitted.status == "ok"
     for stream, group in ((keys.prompts, PRODUCERS_GROUP), (keys.retry, PRODUCERS_GROUP), (keys.groups, TRAINER_GROUP)):
         assert await redis.xgroup_destroy(stream, group) == 1

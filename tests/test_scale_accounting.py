@@ -8,6 +8,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 from rollstream.common import lua
+from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
 from rollstream.common.protocol import Heartbeat, PromptQueue, write_heartbeat
 from rollstream.testing.server import EmbeddedRedis
@@ -17,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives 
 from bench.common import add_prompts, init_ns
 from bench.scale import METER, Meter, slowlog_breakdown
 
+CONFIG = PipelineConfig(n_samples_per_prompt=2, batch_size=2, max_backlog=10, max_staleness=1)
+"""What ADMIT reads: the namespace's config."""
+
 
 async def test_slowlog_window_attributes_scripts_and_commands(redis_server: EmbeddedRedis) -> None:
     meter = Meter(redis_server.url)
@@ -25,11 +29,11 @@ async def test_slowlog_window_attributes_scripts_and_commands(redis_server: Embe
         keys: Keys = await init_ns(producer, "scaleacct", n_samples_per_prompt=2, batch_size=2, max_staleness=1)
         await add_prompts(producer, keys, 0, 2)
         queue = PromptQueue(producer, keys, "p0")
-        await queue.admit(max_backlog=10, admission=True, max_staleness=1, batch_size=2)  # loads the script
+        await queue.admit(CONFIG)  # loads the script
         for source in (lua.PUBLISH, lua.RECLAIM_TURN):  # loaded before the window (no NOSCRIPT round trip in it)
-            await producer.script_load(source)
+            await producer.script_load(source.source)
         await meter.slowlog_on(1000)
-        admitted = await queue.admit(max_backlog=10, admission=True, max_staleness=1, batch_size=2)
+        admitted = await queue.admit(CONFIG)
         await write_heartbeat(producer, keys, "p0", Heartbeat(state="running"), 0)
         await queue.reclaim_turn(1000)
         await queue.any_idle(60_000)

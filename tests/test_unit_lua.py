@@ -8,12 +8,17 @@ redis-server (``redis`` fixture) instead; every other branch is covered on both.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import fakeredis
 import pytest
 from redis.asyncio import Redis
+from rollstream.common import lua
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
@@ -177,12 +182,14 @@ async def test_ack_delete_second_counter_without_time_field(r: Redis, ns: str) -
 # -- ADMIT ---------------------------------------------------------------------------------
 
 
-def _admit_args(**overrides: Any) -> dict[str, Any]:
-    args: dict[str, Any] = {
-        "consumer": "p1", "max_backlog": 10, "admission": True, "max_staleness": 1, "batch_size": 2,
-    }
-    args.update(overrides)
-    return args
+def _admit_args(
+    *, max_backlog: int = 10, admission: bool = True, count: int = 1, now_ms: int = 0
+) -> dict[str, Any]:
+    """ADMIT's arguments: consumer p1, batch size 2, max staleness 1, the rule on or off."""
+    config = PipelineConfig(
+        n_samples_per_prompt=2, batch_size=2, max_staleness=1, max_backlog=max_backlog, admission_control=admission
+    )
+    return {"consumer": "p1", "config": config, "count": count, "now_ms": now_ms}
 
 
 async def test_admit_refuses_while_paused(r: Redis, ns: str) -> None:
@@ -326,3 +333,76 @@ async def test_feed_rejects_entries_of_different_shapes(fake: Redis, ns: str) ->
             expected_next=0, next_after=2, epoch=0, position=2, dataset="d",
             entries=[{"index": 0}, {"index": 1, "data": b"x"}],
         )
+
+
+# -- the declarations ------------------------------------------------------------------------
+
+
+def _declaration_problems(script: lua.Script) -> list[str]:
+    """Where a declaration's KEYS/ARGV names disagree with what its body indexes: every KEYS[i]
+    and ARGV[i] of the body is a declared name and every declared name is used; the variadic rest
+    starts right after the fixed names (``unpack(ARGV, n)``, ``for i = n, #ARGV``)."""
+    body = script.source
+    problems = []
+    used_keys = {int(i) for i in re.findall(r"KEYS\[(\d+)\]", body)}
+    if used_keys != set(range(1, len(script.keys) + 1)):
+        problems.append(f"{script.name}: body uses KEYS {sorted(used_keys)}, declared {script.keys}")
+    fixed = [name for name in script.argv if not name.startswith("*")]
+    used_argv = {int(i) for i in re.findall(r"ARGV\[(\d+)\]", body)}
+    if used_argv != set(range(1, len(fixed) + 1)):
+        problems.append(f"{script.name}: body uses ARGV {sorted(used_argv)}, declared {script.argv}")
+    rest = {int(n) for n in re.findall(r"unpack\(ARGV, (\d+)\)|for i = (\d+), #ARGV", body) for n in n if n}
+    if len(fixed) < len(script.argv):
+        if rest != {len(fixed) + 1}:
+            problems.append(f"{script.name}: the rest {script.argv[-1]} is ARGV[{len(fixed) + 1}...], body reads {rest}")
+    elif rest or "#ARGV" in body:
+        problems.append(f"{script.name}: body reads a variadic ARGV rest, none declared")
+    return problems
+
+
+def _runs() -> dict[str, list[set[str]]]:
+    """Script name -> the argument names of each ``self._run(SCRIPT, ...)`` in ``Scripts``."""
+    tree = ast.parse(inspect.getsource(lua.Scripts))
+    out: dict[str, list[set[str]]] = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_run"
+                and node.args and isinstance(node.args[0], ast.Name)):
+            out.setdefault(node.args[0].id, []).append({kw.arg for kw in node.keywords if kw.arg})
+    return out
+
+
+def test_every_declaration_matches_the_keys_and_argv_its_body_uses() -> None:
+    assert [p for script in lua.SCRIPTS for p in _declaration_problems(script)] == []
+
+
+def test_the_declaration_check_finds_a_wrong_declaration() -> None:
+    """The check above can fail: a key left out, an ARGV too many, a rest at the wrong index."""
+    assert _declaration_problems(dataclasses.replace(lua.PUBLISH, keys=lua.PUBLISH.keys[:3]))
+    assert _declaration_problems(dataclasses.replace(lua.FORGET, argv=(*lua.FORGET.argv, "extra")))
+    assert _declaration_problems(dataclasses.replace(lua.REQUEUE, argv=("dead_id", "*fields")))
+    assert _declaration_problems(dataclasses.replace(lua.LEASE, argv=("token", "ttl_ms", "*more")))
+
+
+def test_every_script_is_declared_once_and_run_by_a_scripts_method() -> None:
+    """No script without its wrapper, none bound by hand, and each wrapper names every argument
+    its declaration needs (the constants and the namespace's own keys fill themselves in)."""
+    declared = {name: value for name, value in vars(lua).items() if isinstance(value, lua.Script)}
+    assert {s.name for s in lua.SCRIPTS} == set(declared) == {s.name for s in declared.values()}
+    runs = _runs()
+    assert set(runs) == set(declared), "a declared script has no Scripts method (or a method runs an undeclared one)"
+    for name, calls in runs.items():
+        script = declared[name]
+        needed = {n for n in script.keys if not isinstance(getattr(Keys, n, None), property)}
+        needed |= {a for a in script.argv if not a.startswith("*")} - set(script.defaults)
+        for given in calls:
+            assert given <= script.names, f"{name}: unknown argument(s) {given - script.names}"
+            assert needed <= given, f"{name}: {sorted(needed - given)} not given"
+
+
+def test_a_call_naming_a_wrong_argument_is_refused() -> None:
+    with pytest.raises(TypeError, match="unknown argument"):
+        lua.FORGET.lists(Keys("ns"), {"entry_id": "1-1", "entryid": "1-1"})
+    with pytest.raises(TypeError, match="missing argument 'entry_id'"):
+        lua.FORGET.lists(Keys("ns"), {})
+    keys = Keys("ns")
+    assert lua.FORGET.lists(keys, {"entry_id": "1-1"}) == ([keys.groups, keys.state, keys.group_bytes], [TRAINER_GROUP, "1-1"])

@@ -8,6 +8,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
 from ..lua import Scripts
@@ -55,24 +56,11 @@ class PromptQueue(Guarded):
         """The prompt streams in admission order: retry first."""
         return (self.keys.retry, self.keys.prompts)
 
-    async def admit(
-        self,
-        *,
-        max_backlog: int,
-        admission: bool,
-        max_staleness: int,
-        batch_size: int,
-        steps_per_version: int = 1,
-        count: int = 1,
-        max_backlog_bytes: int = 0,
-    ) -> Admission:
+    async def admit(self, config: PipelineConfig, count: int = 1) -> Admission:
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
-        ready backlog has room and staleness-aware admission allows it (one atomic script)."""
-        reply = await self.scripts.admit(
-            consumer=self.consumer, max_backlog=max_backlog, admission=admission,
-            max_staleness=max_staleness, batch_size=batch_size, steps_per_version=steps_per_version,
-            count=count, now_ms=now_ms(), max_backlog_bytes=max_backlog_bytes,
-        )
+        ready backlog has room and staleness-aware admission allows it under ``config`` (one
+        atomic script)."""
+        reply = await self.scripts.admit(consumer=self.consumer, config=config, count=count, now_ms=now_ms())
         entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
         return Admission(reply.status, entries, reply.weight_version, reply.terms)
 
