@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.common.connection import connect
-from rollstream.common.protocol import Heartbeat, read_heartbeats
+from rollstream.common.protocol import Heartbeat, Heartbeats
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.server import EmbeddedRedis
 
@@ -87,7 +87,7 @@ async def restart_pair(
                 lifetime_cpu = cpu_seconds([producer.pid])
                 os.kill(producer.pid, signal.SIGTERM)
                 await asyncio.to_thread(producer.wait, 60)
-                beat = Heartbeat.parse((await read_heartbeats(redis, keys))[name.encode()])
+                beat = Heartbeat.parse((await Heartbeats(redis, keys).raw())[name.encode()])
                 life.append(lifetime_cpu / max(1, beat.published * N) * 1e3)
     await redis.aclose()
     dataset.unlink()

@@ -1,23 +1,20 @@
-"""The producers' heartbeat: its fields, how it is parsed (tolerant of older and newer producers)
-and the one liveness rule. Pure: no Redis here (:mod:`.protocol.heartbeats` writes and reads it)."""
+"""The producers' heartbeat: its fields, how it is parsed (tolerant of older and newer producers),
+the one liveness rule and the one fold of a fleet's heartbeats (:func:`fold`). Pure: no Redis
+here (:mod:`.protocol.heartbeats` writes and reads it).
+
+A new field is one edit: a typed field of :class:`Heartbeat` (``int``, ``float``, ``str`` or
+``list[str]``); parsing, the damage check and JSON follow from the dataclass.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .keys import ALIVE_STATES
-
-_HEARTBEAT_INTS = (
-    "pid", "in_flight_samples", "in_flight_prompts", "concurrency", "published", "groups_last_minute",
-    "duplicates", "reclaimed", "engine_retries", "started_ms", "last_seen_ms", "long_requests",
-    "admission_since_ms", "episodes", "episodes_peak", "engine_requests", "engine_requests_peak",
-    "episodes_failed", "aborts_continued",
-)
-_HEARTBEAT_FLOATS = ("oldest_request_s", "long_request_s")
 
 
 def _is_number(value: Any) -> bool:
@@ -84,30 +81,24 @@ class Heartbeat:
         parse); :meth:`damage` says what was damaged."""
         obj = _heartbeat_object(raw)
         beat = cls()
-        for name in _HEARTBEAT_INTS:
+        for name, kind in _field_kinds(cls).items():
             value = obj.get(name)
-            if isinstance(value, int | float) and _is_number(value):
-                setattr(beat, name, int(value))
-        for name in _HEARTBEAT_FLOATS:
-            value = obj.get(name)
-            if isinstance(value, int | float) and _is_number(value):
-                setattr(beat, name, float(value))
-        for name in ("host", "state", "admission"):
-            if isinstance(obj.get(name), str):
-                setattr(beat, name, obj[name])
-        if isinstance(obj.get("engines"), list):
-            beat.engines = [str(e) for e in obj["engines"]]
+            if kind in (int, float) and isinstance(value, int | float) and _is_number(value):
+                setattr(beat, name, int(value) if kind is int else float(value))
+            elif kind is str and isinstance(value, str):
+                setattr(beat, name, value)
+            elif kind is list and isinstance(value, list):
+                setattr(beat, name, [str(e) for e in value])
         return beat
 
-    @staticmethod
-    def damage(raw: bytes | str) -> str | None:
+    @classmethod
+    def damage(cls, raw: bytes | str) -> str | None:
         """What is wrong with a raw heartbeat (for ``inspect``), or None."""
         try:
             obj = _heartbeat_object(raw)
         except ValueError as exc:
             return str(exc)
-        bad = [n for n in (*_HEARTBEAT_INTS, *_HEARTBEAT_FLOATS) if n in obj and not _is_number(obj[n])]
-        bad += [n for n in ("host", "state", "admission") if n in obj and not isinstance(obj[n], str)]
+        bad = [n for n, kind in _field_kinds(cls).items() if n in obj and kind is not list and not _fits(kind, obj[n])]
         return f"fields {', '.join(bad)} have the wrong type" if bad else None
 
     def fresh(self, now: int, timeout_s: float) -> bool:
@@ -119,30 +110,98 @@ class Heartbeat:
         return self.fresh(now, timeout_s) and self.state in ALIVE_STATES
 
 
-def live_producers(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> tuple[int, int]:
-    """(producers alive, in-flight samples of the alive ones) from the raw ``producers`` hash."""
-    alive = in_flight = 0
-    for value in raw.values():
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list}
+
+
+_CLASS_KINDS: dict[type, dict[str, type]] = {}
+
+
+def _field_kinds(cls: type[Heartbeat]) -> dict[str, type]:
+    """Each heartbeat field's JSON kind, from its annotation (once per class); an unsupported type
+    fails the import."""
+    if (known := _CLASS_KINDS.get(cls)) is not None:
+        return known
+    out = {}
+    for f in fields(cls):
+        if f.type not in _KINDS:
+            raise TypeError(f"{cls.__name__}.{f.name}: type {f.type!r} is not one of {sorted(_KINDS)}")
+        out[f.name] = _KINDS[str(f.type)]
+    _CLASS_KINDS[cls] = out
+    return out
+
+
+_field_kinds(Heartbeat)
+
+
+def _fits(kind: type, value: Any) -> bool:
+    return _is_number(value) if kind in (int, float) else isinstance(value, kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One entry of the ``producers`` hash, judged once: its raw value, its heartbeat (None when
+    unreadable, ``error`` saying why), whether it is fresh and alive."""
+
+    name: str
+    raw: bytes | str
+    beat: Heartbeat | None
+    error: str = ""
+    fresh: bool = False
+    alive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The producers as their heartbeats tell (:func:`fold`)."""
+
+    members: tuple[Member, ...]
+    now: int
+
+    @property
+    def alive(self) -> list[Member]:
+        return [m for m in self.members if m.alive]
+
+    @property
+    def alive_names(self) -> list[str]:
+        return sorted(m.name for m in self.alive)
+
+    @property
+    def in_flight(self) -> int:
+        """In-flight samples of the live producers."""
+        return sum(m.beat.in_flight_samples for m in self.alive if m.beat is not None)
+
+    @property
+    def refusals(self) -> dict[str, float]:
+        """ADMIT refusal -> the longest time (s) a live producer has been getting it."""
+        out: dict[str, float] = {}
+        for m in self.alive:
+            if m.beat is not None and m.beat.admission and m.beat.admission_since_ms:
+                age = max(0.0, (self.now - m.beat.admission_since_ms) / 1000)
+                out[m.beat.admission] = max(out.get(m.beat.admission, 0.0), age)
+        return out
+
+
+def fold(raw: Mapping[bytes, bytes] | Mapping[str, str], now: int, timeout_s: float) -> Fleet:
+    """The one fold of the raw ``producers`` hash (name -> heartbeat JSON) under the liveness rule."""
+    members = []
+    for name, value in raw.items():
+        text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
         try:
             beat = Heartbeat.parse(value)
-        except ValueError:
+        except ValueError as exc:
+            members.append(Member(text, value, None, str(exc)))
             continue
-        if beat.alive(now, timeout_s):
-            alive += 1
-            in_flight += beat.in_flight_samples
-    return alive, in_flight
+        members.append(Member(text, value, beat, "", beat.fresh(now, timeout_s), beat.alive(now, timeout_s)))
+    return Fleet(tuple(members), now)
+
+
+def live_producers(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> tuple[int, int]:
+    """(producers alive, in-flight samples of the alive ones) from the raw ``producers`` hash."""
+    fleet = fold(raw, now, timeout_s)
+    return len(fleet.alive), fleet.in_flight
 
 
 def admission_refusals(raw: Mapping[bytes, bytes], now: int, timeout_s: float) -> dict[str, float]:
     """ADMIT refusal -> the longest time (s) a live producer has been getting it, from the raw
     ``producers`` hash."""
-    out: dict[str, float] = {}
-    for value in raw.values():
-        try:
-            beat = Heartbeat.parse(value)
-        except ValueError:
-            continue
-        if beat.alive(now, timeout_s) and beat.admission and beat.admission_since_ms:
-            age = max(0.0, (now - beat.admission_since_ms) / 1000)
-            out[beat.admission] = max(out.get(beat.admission, 0.0), age)
-    return out
+    return fold(raw, now, timeout_s).refusals

@@ -13,7 +13,7 @@ from .errors import ConfigError, NamespaceNotInitialized
 from .events import now_ms
 from .keys import Keys, StateField
 from .parse import int_or, text
-from .protocol import held_consumer_names, live_producers, read_heartbeats
+from .protocol import Heartbeats, Keyspace
 from .redis_errors import translate_errors
 
 logger = logging.getLogger(__name__)
@@ -116,10 +116,8 @@ async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, fo
 
 @translate_errors
 async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float) -> None:
-    beats = await read_heartbeats(redis, keys)
-    now = now_ms()
-    alive = sorted(text(name) for name, raw in beats.items() if live_producers({name: raw}, now, heartbeat_timeout)[0])
-    trainers = await held_consumer_names(redis, keys)
+    alive = (await Heartbeats(redis, keys).fleet(now_ms(), heartbeat_timeout)).alive_names
+    trainers = await Keyspace(redis, keys).trainer_names()
     if alive or trainers:
         raise ConfigError(
             f"namespace {keys.namespace!r} is in use (live producers: {', '.join(alive) or 'none'}; "

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from rollstream.common.errors import ConsumerNameInUse
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, GroupQueue, NameLease, held_consumer_names
+from rollstream.common.protocol import Control, GroupQueue, Keyspace, NameLease
 
 
 async def pause(redis: Redis, keys: Keys) -> None:
@@ -31,7 +31,7 @@ async def release_consumer(redis: Redis, keys: Keys, consumer: str) -> int:
     number of groups moved back (see :meth:`~rollstream.common.protocol.GroupQueue.release`).
     Refused with ``ConsumerNameInUse`` while a live trainer holds that name: it would train the
     released groups a second time."""
-    if consumer in await held_consumer_names(redis, keys):
+    if consumer in await Keyspace(redis, keys).trainer_names():
         raise ConsumerNameInUse(
             keys.namespace, consumer, await NameLease(redis, keys, consumer, "").holder(),
             "release-trainer only hands back the groups of a trainer that is gone",

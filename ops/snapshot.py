@@ -18,15 +18,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.parse import damaged_fields
-from rollstream.common.protocol import (
-    Heartbeat,
-    StreamView,
-    admission_refusals,
-    read_admission_terms,
-    read_heartbeats,
-    server_memory,
-    state_mismatch,
-)
+from rollstream.common.protocol import Fleet, Heartbeat, StreamView, fold, state_mismatch
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -114,20 +106,15 @@ async def _groups_section(view: StreamView, keys: Keys, now: int) -> dict[str, A
     return section
 
 
-def _producer_rows(
-    raw: dict[bytes, bytes], pending: dict[str, int], timeout_s: float, now: int
-) -> list[dict[str, Any]]:
+def _producer_rows(fleet: Fleet, pending: dict[str, int], now: int) -> list[dict[str, Any]]:
     rows = []
-    for name_raw, value in raw.items():
-        name = _text(name_raw)
-        try:
-            beat = Heartbeat.parse(value)
-        except ValueError as exc:
-            rows.append({"name": name, "status": "unreadable", "alive": False, "raw": _text(value)[:200],
-                         "damage": str(exc)})
+    for member in fleet.members:
+        name, beat, alive = member.name, member.beat, member.alive
+        if beat is None:
+            rows.append({"name": name, "status": "unreadable", "alive": False,
+                         "raw": _text(member.raw)[:200], "damage": member.error})
             continue
-        alive = beat.alive(now, timeout_s)
-        status = beat.state if (beat.fresh(now, timeout_s) or beat.state not in ALIVE_STATES) else "dead"
+        status = beat.state if (member.fresh or beat.state not in ALIVE_STATES) else "dead"
         rows.append(
             {
                 "name": name,
@@ -215,8 +202,9 @@ async def snapshot(
     state = {_text(k): _text(v) for k, v in raw_state.items()}
     prompts = await _prompts_section(view, keys, lease_s, now)
     pending_by_producer = {c["name"]: c["pending"] for c in prompts["consumers"]}
-    raw_beats = await read_heartbeats(redis, keys)
-    producers = _producer_rows(raw_beats, pending_by_producer, timeout_s, now)
+    raw_beats = await view.heartbeats()
+    fleet = fold(raw_beats, now, timeout_s)
+    producers = _producer_rows(fleet, pending_by_producer, now)
     recent = await recent_events(redis, keys, count=50)
     damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX,))
     for name, value in raw_beats.items():
@@ -289,16 +277,16 @@ async def snapshot(
     snap["groups"]["bytes"] = _int(state.get(StateField.GROUP_BYTES))
     snap["groups"]["bytes_budget"] = config.max_backlog_bytes if config else 0
     snap["groups"]["mean_group_bytes"] = _int(state.get(StateField.PUBLISHED_BYTES)) // published if published else 0
-    terms = await read_admission_terms(redis, keys, config) if config is not None else None
+    terms = await view.admission_terms(config) if config is not None else None
     snap["admission"] = {
         "enabled": bool(config and config.admission_enabled),
         **(terms.as_dict() if terms is not None else {}),
         "last_admit_ms": when(StateField.LAST_ADMIT_MS),
         "last_admit_age_s": _age_s(now, when(StateField.LAST_ADMIT_MS)),
-        "refusals": admission_refusals(raw_beats, now, timeout_s),
+        "refusals": fleet.refusals,
         "stall_after_s": stall_after,
     }
-    memory = await server_memory(redis)
+    memory = await view.memory()
     if memory is not None:
         limit = memory["maxmemory"]
         memory["used_fraction"] = round(memory["used_memory"] / limit, 4) if limit else None

@@ -63,7 +63,7 @@ from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_e
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
+from rollstream.common.protocol import Admitted, Control, Heartbeat, Heartbeats, PromptQueue
 
 from .engine import EngineClient
 from .episode import GenerateFunction
@@ -222,6 +222,7 @@ class Producer:
         self._blocking = blocking
         self.prompts = PromptQueue(redis, self.keys, settings.name)
         self.control = Control(redis, self.keys)
+        self.heartbeats = Heartbeats(redis, self.keys)
         self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
         self.rollout = Rollout(
@@ -669,7 +670,7 @@ class Producer:
             episodes_failed=self.rollout.episodes_failed,
             aborts_continued=self.rollout.runtime.aborts_continued,
         )
-        await write_heartbeat(self.redis, self.keys, self.name, beat, blocked_ms)
+        await self.heartbeats.write(self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
         if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)

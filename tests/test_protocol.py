@@ -4,13 +4,15 @@ the rule that library code outside it sends no Redis command itself."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import json
 from pathlib import Path
 
 import pytest
 from redis.exceptions import ResponseError
 from rollstream.common.errors import ConfigError
-from rollstream.common.protocol import Heartbeat, is_nogroup, live_producers, nogroup_error
+from rollstream.common.protocol import Heartbeat, admission_refusals, fold, is_nogroup, live_producers, nogroup_error
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL_MODULES = {"common/lua.py", "common/namespace.py", "common/events.py"}
@@ -74,3 +76,62 @@ def test_nogroup_becomes_a_config_error_naming_the_namespace() -> None:
     assert is_nogroup(ResponseError("NOGROUP No such key or consumer group"))
     assert is_nogroup(ResponseError("Error running script (call to f_1): @user_script:3: NOGROUP No such key"))
     assert not is_nogroup(ResponseError("WRONGTYPE Operation against a key"))
+
+
+@dataclasses.dataclass(slots=True)
+class _NewerHeartbeat(Heartbeat):
+    """A heartbeat with fields added the one way the model allows: typed fields of the dataclass."""
+
+    gpu_busy: float = 0.0
+    queued_jobs: int = 0
+    zone: str = ""
+    models: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_a_new_heartbeat_field_is_one_edit_and_round_trips() -> None:
+    beat = _NewerHeartbeat(state="running", pid=3, gpu_busy=0.5, queued_jobs=4, zone="eu", models=["m"])
+    assert _NewerHeartbeat.parse(beat.to_json()) == beat
+    assert _NewerHeartbeat.damage(json.dumps({"queued_jobs": "four", "zone": 7})) == (
+        "fields queued_jobs, zone have the wrong type"
+    )
+    older = _NewerHeartbeat.parse(Heartbeat(state="running", pid=3).to_json())  # an older producer's
+    assert (older.pid, older.queued_jobs, older.zone) == (3, 0, "")
+    assert Heartbeat.parse(beat.to_json()) == Heartbeat(state="running", pid=3)  # read by an older one
+
+
+def test_heartbeats_are_folded_once_for_every_question() -> None:
+    now, timeout = 100_000, 15.0
+    raw = {
+        b"a": Heartbeat(state="running", in_flight_samples=4, last_seen_ms=now, admission="backlog",
+                        admission_since_ms=now - 3000).to_json().encode(),
+        b"b": Heartbeat(state="running", in_flight_samples=1, last_seen_ms=now - 20_000).to_json().encode(),
+        b"c": b"{broken",
+    }
+    fleet = fold(raw, now, timeout)
+    assert fleet.alive_names == ["a"] and fleet.in_flight == 4 and fleet.refusals == {"backlog": 3.0}
+    assert [(m.name, m.fresh, m.error != "") for m in fleet.members] == [("a", True, False), ("b", False, False),
+                                                                         ("c", False, True)]
+    assert live_producers(raw, now, timeout) == (1, 4) and admission_refusals(raw, now, timeout) == fleet.refusals
+
+
+KEPT_FOR_CONSUMER = {"read_heartbeats"}
+"""Free functions of the protocol package that take a raw client, kept importable until
+``consumer/`` reads through the bound classes (then delete them here and there)."""
+CONSUMER_OWNED = {"common/protocol/trainer.py"}
+
+
+def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
+    """No public function of the protocol package takes a Redis client: each operation is a method
+    of a class bound to (client, namespace), so no caller hands a raw client around."""
+    offenders = []
+    for path in sorted((ROOT / PROTOCOL_PACKAGE).glob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative in CONSUMER_OWNED:
+            continue
+        for node in ast.parse(path.read_text(), relative).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+                names = [a.arg for a in node.args.args]
+                if names and names[0] == "redis" and node.name not in KEPT_FOR_CONSUMER:
+                    offenders.append(f"{relative}:{node.lineno}: {node.name}({', '.join(names)})")
+    assert not offenders, "free functions taking a client:\n" + "\n".join(offenders)
+    assert all("redis" not in inspect.signature(fn).parameters for fn in (fold, live_producers, admission_refusals))

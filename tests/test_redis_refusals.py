@@ -28,11 +28,11 @@ from rollstream.common.protocol import (
     GroupQueue,
     Guarded,
     Heartbeat,
+    Heartbeats,
     JournalHash,
     NameLease,
     PromptQueue,
     StreamView,
-    write_heartbeat,
 )
 from rollstream.common.redis_errors import OPERATOR_ROLE, ROLE_COMMANDS
 from rollstream.consumer import GroupConsumer
@@ -194,7 +194,7 @@ async def test_a_command_refused_outside_a_script_is_named(
     client = connect(await acl_user("producer", ns, {"hset"}))
     try:
         with pytest.raises(RedisPermissionDenied, match=r"may not run the HSET command.*role producer / trainer"):
-            await write_heartbeat(client, Keys(ns), "p", Heartbeat(state="running"), 0)
+            await Heartbeats(client, Keys(ns)).write("p", Heartbeat(state="running"), 0)
     finally:
         await client.aclose()
 

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from rollstream.common import lua
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
-from rollstream.common.protocol import Heartbeat, PromptQueue, write_heartbeat
+from rollstream.common.protocol import Heartbeat, Heartbeats, PromptQueue
 from rollstream.testing.server import EmbeddedRedis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the repository root
@@ -34,7 +34,7 @@ async def test_slowlog_window_attributes_scripts_and_commands(redis_server: Embe
             await producer.script_load(source.source)
         await meter.slowlog_on(1000)
         admitted = await queue.admit(CONFIG)
-        await write_heartbeat(producer, keys, "p0", Heartbeat(state="running"), 0)
+        await Heartbeats(producer, keys).write("p0", Heartbeat(state="running"), 0)
         await queue.reclaim_turn(1000)
         await queue.any_idle(60_000)
         (item,) = admitted.entries

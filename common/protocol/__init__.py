@@ -1,46 +1,41 @@
 """The Redis protocol of one namespace: the commands on its keys and the shapes of its payloads.
 
-The producer, the consumer and the operator tools talk to Redis through these typed operations;
-the atomic hand-overs themselves are the Lua scripts of :mod:`..lua`, which this module calls.
+The producer, the consumer and the operator tools talk to Redis through these classes, each
+bound to one client and one namespace (``Cls(redis, keys, ...)``), so no caller hands a raw client
+to a function; the atomic hand-overs themselves are the Lua scripts of :mod:`..lua`, which the
+classes call through :class:`~..lua.Scripts`.
 
-* :class:`PromptQueue`: a producer's side of the prompt streams (retry first): admit, renew leases, take over
-  idle prompts with XAUTOCLAIM (keeping its cursor), adopt its own pending prompts, publish a
-  group, return or dead-letter a prompt.
-* :class:`GroupQueue`: the trainer's side of the group stream: read, own pending, orphans,
-  recycle, dead-letter, drop, commit.
-* :class:`Control`: weight version and pause/resume in the ``state`` hash, announced on the
-  ``control`` channel so waiting producers wake at once.
-* :class:`Heartbeat`: the producers' heartbeat, written and parsed here only, with the one
-  liveness rule (:meth:`Heartbeat.alive`).
-* :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys; :func:`mark_take` and
-  :func:`stream_lengths` (what ``take()`` reports).
-* NOGROUP (the namespace was deleted, a consumer group destroyed; also raised inside a Lua
-  script) becomes :class:`~.errors.NamespaceGone` naming the namespace, or
-  :class:`~.errors.RedisDataLost` when Redis restarted without persistence since the first call;
-  NOPERM becomes :class:`~.errors.RedisPermissionDenied` and OOM :class:`~.errors.RedisOutOfMemory`
-  (:mod:`.redis_errors`). Every public coroutine method of a namespace client (:class:`_Guarded`)
-  is wrapped in that guard when its class is made, so no method can forget it; the module's
-  functions are decorated with :func:`~.redis_errors.translate_errors`.
+* :mod:`.prompts` :class:`PromptQueue`: a producer's side of the prompt streams (retry first):
+  admit (under the namespace's config), renew leases, take over idle prompts, publish a group,
+  return or dead-letter a prompt.
+* :mod:`.groups` :class:`GroupQueue`: the trainer's side of the group stream; :class:`NameLease`:
+  a trainer consumer name held by one live process.
+* :mod:`.control` :class:`Control`: weight version and pause/resume, announced on ``control``.
+* :mod:`.feed` :class:`Feed`: the feeder's cursor and the prompt stream it fills.
+* :mod:`.heartbeats` :class:`Heartbeats`: the ``producers`` hash; the pure model and the one fold
+  (:class:`Heartbeat`, :func:`fold`, :class:`Fleet`) live in :mod:`..heartbeat`.
+* :mod:`.keyspace` :class:`Keyspace`: a namespace's keys as a whole (list, delete, trainer names).
+* :mod:`.stores` :class:`DeadLetters`, :class:`JournalHash`, :class:`RolloutFlagsHash`.
+* :mod:`.views` :class:`StreamView`: every read-only look ``inspect`` takes.
+* :mod:`.trainer`: what a ``take()`` reads and records (the consumer's).
+* :mod:`.guard` :class:`Guarded`, the base of every namespace client: NOGROUP (the namespace was
+  deleted, a consumer group destroyed; also raised inside a Lua script) becomes
+  :class:`~..errors.NamespaceGone` naming the namespace, or :class:`~..errors.RedisDataLost` when
+  Redis restarted without persistence since the first call; NOPERM becomes
+  :class:`~..errors.RedisPermissionDenied` and OOM :class:`~..errors.RedisOutOfMemory`
+  (:mod:`..redis_errors`). Every public coroutine method of a subclass is wrapped in that guard
+  when its class is made, so no method can forget it; a client that never meets a consumer
+  group (:class:`Heartbeats`, :class:`Keyspace`, :class:`Server`: INFO and SCAN) is
+  :class:`Translated` (NOPERM and OOM only, no INFO before its first command).
 """
 
-from ..heartbeat import Heartbeat, admission_refusals, live_producers
+from ..heartbeat import Fleet, Heartbeat, Member, admission_refusals, fold, live_producers
 from .control import TAKEN_MESSAGE, Control
 from .feed import Feed, FeedCursor, state_mismatch
-from .groups import GroupQueue, NameLease, held_consumer_names
-from .guard import (
-    Entry,
-    Guarded,
-    ack_or_nogroup,
-    flat_entries,
-    is_nogroup,
-    namespace_gone,
-    nogroup_error,
-    raise_if_refused,
-    server_memory,
-    server_run_id,
-)
-from .heartbeats import read_heartbeats, write_heartbeat
-from .keyspace import delete_namespace, existing_keys, scan_namespace_keys
+from .groups import GroupQueue, NameLease
+from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
+from .heartbeats import Heartbeats, read_heartbeats
+from .keyspace import Keyspace
 from .prompts import Admission, Admitted, PromptQueue
 from .stores import DeadLetters, JournalHash, RolloutFlagsHash
 from .trainer import TakeStats, mark_take, read_admission_terms, record_stale_streak, stream_lengths, waiting_groups
@@ -55,35 +50,33 @@ __all__ = [
     "Entry",
     "Feed",
     "FeedCursor",
+    "Fleet",
     "GroupQueue",
     "Guarded",
     "Heartbeat",
+    "Heartbeats",
     "JournalHash",
+    "Keyspace",
+    "Member",
     "NameLease",
     "PromptQueue",
     "RolloutFlagsHash",
+    "Server",
     "StreamView",
     "TakeStats",
-    "ack_or_nogroup",
+    "Translated",
     "admission_refusals",
-    "delete_namespace",
-    "existing_keys",
     "flat_entries",
-    "held_consumer_names",
+    "fold",
     "is_nogroup",
     "live_producers",
     "mark_take",
-    "namespace_gone",
     "nogroup_error",
     "raise_if_refused",
     "read_admission_terms",
     "read_heartbeats",
     "record_stale_streak",
-    "scan_namespace_keys",
-    "server_memory",
-    "server_run_id",
     "state_mismatch",
     "stream_lengths",
     "waiting_groups",
-    "write_heartbeat",
 ]

@@ -1,4 +1,5 @@
-"""The trainer's side of the group stream, and its consumer-name lease."""
+"""The trainer's side of the group stream, and its consumer-name lease (the names held now:
+:meth:`.keyspace.Keyspace.trainer_names`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from redis.asyncio import Redis
 from ..events import now_ms
 from ..keys import TRAINER_GROUP, Keys, StateField
 from ..lua import Scripts
-from ..parse import text
-from ..redis_errors import translate_errors
 from .guard import Entry, Guarded, flat_entries
-from .keyspace import scan_namespace_keys
 
 # -- trainer consumer name lease -------------------------------------------------------------
 
@@ -39,13 +37,6 @@ class NameLease(Guarded):
 
     async def release(self) -> bool:
         return await self.scripts.release(self.key, self.token)
-
-
-@translate_errors
-async def held_consumer_names(redis: Redis, keys: Keys) -> list[str]:
-    """The trainer consumer names held by a live trainer now."""
-    prefix = keys.consumer_lease("")
-    return sorted(text(k)[len(prefix):] for k in await scan_namespace_keys(redis, keys.lease_pattern))
 
 
 # -- group queue (trainer) -------------------------------------------------------------------

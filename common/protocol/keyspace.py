@@ -5,28 +5,32 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from ..keys import Keys
-from ..redis_errors import translate_errors
+from ..parse import text
+from .guard import Server, Translated
 
 
-@translate_errors
-async def scan_namespace_keys(redis: Redis, match: str) -> list[bytes]:
-    """Keys matching ``match``, found with SCAN (never KEYS: it blocks the server)."""
-    return [key async for key in redis.scan_iter(match=match, count=1000)]
+class Keyspace(Translated):
+    """Every key of one namespace: the fixed ones and the per-consumer ones (journals, leases)."""
 
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._server = Server(redis)
 
-@translate_errors
-async def _per_consumer_keys(redis: Redis, keys: Keys) -> list[bytes]:
-    return [key for pattern in keys.per_consumer_patterns for key in await scan_namespace_keys(redis, pattern)]
+    async def _per_consumer_keys(self) -> list[bytes]:
+        return [key for pattern in self.keys.per_consumer_patterns for key in await self._server.scan(pattern)]
 
+    async def existing(self) -> list[str]:
+        """This namespace's keys that exist (what :meth:`drop` would delete)."""
+        fixed = [key for key in self.keys.all_keys() if await self.redis.exists(key)]
+        return fixed + sorted(k.decode() for k in await self._per_consumer_keys())
 
-@translate_errors
-async def existing_keys(redis: Redis, keys: Keys) -> list[str]:
-    fixed = [key for key in keys.all_keys() if await redis.exists(key)]
-    return fixed + sorted(k.decode() for k in await _per_consumer_keys(redis, keys))
+    async def drop(self) -> int:
+        """Delete exactly this namespace's keys (journals and name leases included); the number of
+        keys that existed."""
+        return int(await self.redis.delete(*self.keys.all_keys(), *await self._per_consumer_keys()))
 
-
-@translate_errors
-async def delete_namespace(redis: Redis, keys: Keys) -> int:
-    """Delete exactly this namespace's keys (journals and name leases included); the number of
-    keys that existed."""
-    return int(await redis.delete(*keys.all_keys(), *await _per_consumer_keys(redis, keys)))
+    async def trainer_names(self) -> list[str]:
+        """The trainer consumer names held by a live trainer now (their name leases)."""
+        prefix = self.keys.consumer_lease("")
+        return sorted(text(k)[len(prefix):] for k in await self._server.scan(self.keys.lease_pattern))

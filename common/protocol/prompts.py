@@ -12,7 +12,7 @@ from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
 from ..lua import Scripts
-from .guard import Guarded, ack_or_nogroup, flat_entries
+from .guard import Guarded, flat_entries
 
 # -- prompt queue (producers) ----------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class PromptQueue(Guarded):
 
     async def ack_deleted(self, stream: str, entry_id: bytes) -> None:
         """Acknowledge (and delete) an entry that came back without fields."""
-        await ack_or_nogroup(self.redis, stream, PRODUCERS_GROUP, entry_id)
+        await self._ack_or_nogroup(stream, PRODUCERS_GROUP, entry_id)
         await self.redis.xdel(stream, entry_id)
 
     async def count_reclaimed(self) -> None:

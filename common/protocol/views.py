@@ -1,4 +1,5 @@
-"""Read-only looks at a namespace's streams and hashes (``inspect``, snapshots)."""
+"""Read-only looks at a namespace (``inspect``, snapshots): everything ``ops.snapshot`` reads goes
+through :class:`StreamView` (the recent events excepted: :func:`~..events.recent_events`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from ..admission import AdmissionTerms
+from ..config import PipelineConfig
 from ..keys import Keys
 from ..redis_errors import is_oom
-from .guard import Guarded, raise_if_refused
+from .guard import Guarded, Server, raise_if_refused
+from .heartbeats import Heartbeats
+from .trainer import read_admission_terms
 
 # -- read-only views (operators) ------------------------------------------------------------
 
@@ -90,3 +95,15 @@ class StreamView(Guarded):
 
     async def state_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.state))
+
+    async def heartbeats(self) -> dict[bytes, bytes]:
+        """The raw ``producers`` hash (damaged entries included: ``inspect`` reports them)."""
+        return await Heartbeats(self.redis, self.keys).raw()
+
+    async def admission_terms(self, config: PipelineConfig) -> AdmissionTerms:
+        """The admission rule's terms now (what ADMIT would compute)."""
+        return await read_admission_terms(self.redis, self.keys, config)
+
+    async def memory(self) -> dict[str, Any] | None:
+        """Redis' memory use and limit (:meth:`.guard.Server.memory`); None when INFO is refused."""
+        return await Server(self.redis).memory()
