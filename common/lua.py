@@ -16,6 +16,10 @@ namespace, and :class:`Scripts` binds every declaration of this module by itself
 (``tests/test_unit_lua.py`` checks the names against the ``KEYS[i]``/``ARGV[i]`` the body uses).
 A new script: its declaration here, a :class:`Scripts` method that runs it (``self._run``) and
 shapes its reply, and the protocol method that calls that.
+
+Longer than 500 lines on purpose: most of it is the Lua source of the twelve scripts with the
+reasoning each needs, and a script's declaration and its :class:`Scripts` method stay in one file
+so that a script is read, and changed, in one place.
 """
 
 from __future__ import annotations

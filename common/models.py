@@ -8,9 +8,10 @@ copy): both support ``len``, indexing, slicing, iteration, ``.tolist()``, ``.tob
 buffer protocol (``numpy.frombuffer``); to build a longer one, copy first (``array("i", v)``).
 
 The per-token arrays slime and miles train on beside those (routing replay, indexer and top-p
-replay) are :class:`Packed`: a flat packed array in its smallest exact integer dtype (``uint8``
-expert ids when they fit) and a shape, so that a 48-layer top-8 routing replay costs 384 bytes a
-token, not 384 msgpack ints. Every optional field left at its default costs nothing on the wire.
+replay) are :class:`~.arrays.Packed`: a flat packed array in its smallest exact integer dtype
+(``uint8`` expert ids when they fit) and a shape, so that a 48-layer top-8 routing replay costs
+384 bytes a token, not 384 msgpack ints. Every optional field left at its default costs nothing
+on the wire. The arrays themselves live in :mod:`.arrays` (imported here for the model's users).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from __future__ import annotations
 import enum
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
-from .imports import require_extra
+from .arrays import FloatArray, IntArray, Packed, float_array, int_array, mask_array
 
 Reward = float | dict[str, float]
 PromptContent = str | list[dict[str, Any]]
@@ -52,201 +53,12 @@ class Status(enum.StrEnum):
         return cls.COMPLETED
 
 
-IntArray: TypeAlias = "array[int] | memoryview[int]"
-"""Packed ints: an ``array`` (``'i'`` ids, ``'B'`` masks) or a zero-copy ``memoryview`` of that format."""
-FloatArray: TypeAlias = "array[float] | memoryview[float]"
-"""Packed float32s: an ``array('f')`` or a zero-copy ``memoryview`` of format ``'f'``."""
-
-
-PACKED_CODES = ("B", "H", "i", "f")
-"""Typecodes a :class:`Packed` holds: uint8, uint16, int32 (the integer ladder) and float32."""
-_INT_LIMITS = (("B", 0, 0xFF), ("H", 0, 0xFFFF), ("i", -(2**31), 2**31 - 1))
-_NUMPY_NAMES = {"B": "uint8", "H": "uint16", "i": "int32", "f": "float32"}
-
-
-def smallest_int_code(lo: int, hi: int) -> str:
-    """The smallest typecode of the integer ladder that holds every value in ``lo..hi`` exactly."""
-    for code, low, high in _INT_LIMITS:
-        if low <= lo and hi <= high:
-            return code
-    raise ValueError(f"integer values {lo}..{hi} do not fit in int32")
-
-
-def _shape_of(values: Any) -> tuple[int, ...]:
-    shape = []
-    while isinstance(values, list | tuple):
-        shape.append(len(values))
-        if not values:
-            break
-        values = values[0]
-    return tuple(shape)
-
-
-def _flatten(values: Any, depth: int) -> list[Any]:
-    for _ in range(depth - 1):
-        values = [x for row in values for x in row]
-    return list(values)
-
-
-@dataclass(slots=True, eq=False)
-class Packed:
-    """An n-dimensional array as one flat packed array and a shape (rows first).
-
-    ``data`` is an ``array`` or, in groups from ``take()``, a memoryview on the entry's bytes
-    (zero-copy); :meth:`numpy` is a view on it. Build one with :meth:`of` (nested lists, numpy
-    arrays, torch tensors, or a flat buffer with a shape), which picks the smallest exact dtype.
-    """
-
-    data: Any
-    shape: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        code = _code_of(self.data)
-        if code not in PACKED_CODES:
-            raise ValueError(f"a Packed array holds one of {PACKED_CODES}, got {code!r}")
-        self.shape = tuple(int(d) for d in self.shape)
-        if any(d < 0 for d in self.shape) or math.prod(self.shape) != len(self.data):
-            raise ValueError(f"shape {self.shape} does not match {len(self.data)} values")
-
-    @property
-    def typecode(self) -> str:
-        return _code_of(self.data)
-
-    @property
-    def row_size(self) -> int:
-        return math.prod(self.shape[1:])
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) * self.data.itemsize
-
-    def __len__(self) -> int:
-        return self.shape[0] if self.shape else 0
-
-    @classmethod
-    def of(cls, values: Any, shape: Sequence[int] | None = None, *, floats: bool = False) -> Packed:
-        """``values`` packed: a Packed as it is; a numpy array or torch tensor (any int dtype,
-        narrowed to the smallest exact one; floats become float32); nested lists; or a flat
-        sequence with ``shape``. ``floats`` packs as float32 instead of integers."""
-        if isinstance(values, Packed):
-            return values
-        if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-            values = values.detach().cpu()
-            if str(values.dtype) in ("torch.bfloat16", "torch.float16"):  # numpy has no bfloat16
-                values = values.float()
-            values = values.numpy()
-        if hasattr(values, "dtype") and hasattr(values, "astype") and hasattr(values, "shape"):
-            return cls._of_ndarray(values, floats)
-        if shape is None and _code_of(values):  # a flat packed array: one dimension
-            shape = (len(values),)
-        if shape is None:
-            shape = _shape_of(values)
-            flat = _flatten(values, len(shape)) if shape else []
-        else:
-            flat = values
-        shape = tuple(shape)
-        if floats or _code_of(flat) == "f":
-            return cls(flat if _code_of(flat) == "f" else array("f", flat), shape)
-        if _code_of(flat) in ("B", "H", "i"):
-            data: Any = flat
-            if len(flat):
-                code = smallest_int_code(min(flat), max(flat))
-                if code != _code_of(flat):
-                    data = array(code, flat)
-            return cls(data, shape)
-        ints = flat if isinstance(flat, list) else list(flat)
-        code = smallest_int_code(min(ints), max(ints)) if ints else "B"
-        return cls(array(code, ints), shape)
-
-    @classmethod
-    def _of_ndarray(cls, values: Any, floats: bool) -> Packed:
-        shape = tuple(int(d) for d in values.shape)
-        kind = values.dtype.kind
-        if floats or kind == "f":
-            code = "f"
-        elif kind in "iub":
-            code = smallest_int_code(int(values.min()), int(values.max())) if values.size else "B"
-        else:
-            raise ValueError(f"cannot pack an array of dtype {values.dtype}")
-        data = array(code)
-        data.frombytes(values.astype(_NUMPY_NAMES[code]).tobytes())  # native order, C-contiguous copy
-        return cls(data, shape)
-
-    def numpy(self) -> Any:
-        """A numpy array of this shape sharing the memory (read-only for groups from ``take()``)."""
-        np = require_extra("numpy", "numpy", "numpy views of packed arrays")
-        return np.frombuffer(self.data, dtype=_NUMPY_NAMES[self.typecode]).reshape(self.shape)
-
-    def tolist(self) -> list[Any]:
-        flat = self.data.tolist()
-        for d in reversed(self.shape[1:]):
-            flat = [flat[i : i + d] for i in range(0, len(flat), d)]
-        return flat
-
-    def rows(self, stop: int) -> Packed:
-        """The first ``stop`` rows (a view when ``data`` is a memoryview)."""
-        stop = max(0, min(stop, len(self)))
-        return Packed(self.data[: stop * self.row_size], (stop, *self.shape[1:]))
-
-    def concat(self, other: Packed) -> Packed:
-        """These rows followed by ``other``'s (a copy, in the smallest dtype holding both)."""
-        if self.shape[1:] != other.shape[1:]:
-            raise ValueError(f"cannot append rows of shape {other.shape[1:]} to rows of shape {self.shape[1:]}")
-        if "f" in (self.typecode, other.typecode):
-            return Packed(array("f", [*self.data, *other.data]), (len(self) + len(other), *self.shape[1:]))
-        codes = [c for c, _, _ in _INT_LIMITS]
-        code = codes[max(codes.index(self.typecode), codes.index(other.typecode))]
-        data = array(code, self.data)
-        data.extend(other.data if _code_of(other.data) == code else array(code, other.data))
-        return Packed(data, (len(self) + len(other), *self.shape[1:]))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Packed):
-            return NotImplemented
-        return self.shape == other.shape and self.data.tolist() == other.data.tolist()
-
-    def __repr__(self) -> str:
-        return f"Packed({self.typecode}, shape={self.shape})"
-
-
-def _code_of(values: Any) -> str:
-    if isinstance(values, array):
-        return values.typecode
-    if isinstance(values, memoryview):
-        return values.format
-    return ""
-
-
 @dataclass(frozen=True, slots=True)
 class Adapter:
     """The LoRA adapter a sample is bound to (miles' ``AdapterRef``: multi-LoRA slot)."""
 
     name: str
     slot: int
-
-
-def _packed(values: Any, typecode: str) -> bool:
-    if isinstance(values, array):
-        return values.typecode == typecode
-    return isinstance(values, memoryview) and values.format == typecode and values.ndim == 1
-
-
-def int_array(values: Iterable[int] | None) -> IntArray:
-    if _packed(values, "i"):
-        return values  # type: ignore[return-value]
-    return array("i", values or ())
-
-
-def float_array(values: Iterable[float] | None) -> FloatArray:
-    if _packed(values, "f"):
-        return values  # type: ignore[return-value]
-    return array("f", values or ())
-
-
-def mask_array(values: Iterable[int] | None) -> IntArray:
-    if _packed(values, "B"):
-        return values  # type: ignore[return-value]
-    return array("B", values or ())
 
 
 @dataclass(slots=True, eq=False)

@@ -1,0 +1,81 @@
+"""Stream entries: a few plain fields beside ``data`` so that ``redis-cli XRANGE`` is readable
+without msgpack."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import DecodeError
+from ..models import Group, Prompt
+from ..parse import utf8
+from .decode import decode_group, decode_prompt
+from .encode import encode_group, encode_prompt
+from .wire import DEFAULT_LIMITS, CodecLimits
+
+Fields = dict[str, str | bytes | int | float]
+
+
+def prompt_fields(prompt: Prompt) -> Fields:
+    """Fields of a prompt-stream entry: plain ``index``/``epoch``/``attempt`` plus ``data``."""
+    return {
+        "index": prompt.index,
+        "epoch": prompt.epoch,
+        "attempt": prompt.attempt,
+        "data": encode_prompt(prompt),
+    }
+
+
+def group_fields(group: Group) -> Fields:
+    """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli
+    (``bytes`` is the size of ``data``)."""
+    min_version = group.min_version
+    reward = group.reward_mean
+    data = encode_group(group)
+    return {
+        "index": group.index,
+        "epoch": group.epoch,
+        "attempt": group.attempt,
+        "status": group.status.value,
+        "min_version": "" if min_version is None else min_version,
+        "producer": group.producer,
+        "reward_mean": "nan" if math.isnan(reward) else f"{reward:.4f}",
+        "n": len(group.samples),
+        "bytes": len(data),
+        "data": data,
+    }
+
+
+def group_too_large(fields: Mapping[str, Any], limit: int) -> str | None:
+    """The dead-letter reason of a group entry whose data exceeds ``limit`` bytes, else None."""
+    size = len(fields.get("data", b""))
+    if size <= limit:
+        return None
+    return f"group_too_large: {size} bytes of group data exceeds max_group_bytes {limit} (rollstream init)"
+
+
+def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
+    """The ``data`` field of a raw stream entry, or DecodeError when it is missing (or a field name
+    is not UTF-8: such an entry was not written by rollstream)."""
+    for name in fields:
+        if isinstance(name, bytes) and utf8(name) is None:
+            raise DecodeError("bad_field", f"field name {name[:40]!r} is not UTF-8")
+    data = fields.get(b"data", fields.get("data"))
+    if data is None:
+        raise DecodeError("missing_field", "entry has no data field")
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes):
+        raise DecodeError("bad_field", "entry data is not bytes")
+    return data
+
+
+def decode_group_entry(
+    fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False
+) -> Group:
+    return decode_group(entry_data(fields), limits, views=views)
+
+
+def decode_prompt_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
+    return decode_prompt(entry_data(fields), limits)

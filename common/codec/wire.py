@@ -1,0 +1,92 @@
+"""The wire format's versions and the bounded reading every decoder starts with: the payload's
+size checked, msgpack read under :class:`CodecLimits`, the schema version checked."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import ConfigError, DecodeError
+
+SCHEMA_VERSION = 3
+"""The newest version this build writes, for groups and prompts that use a version-3 field
+(routing replay, teacher log-probs, ... see ``V3_SAMPLE_KEYS``); an entry without any is written
+as version 2, byte for byte what the previous build wrote, so a trainer still on that build reads
+it until a run turns the new fields on. Version 1 entries (before ``pl``, ``err`` and the filled
+``lm``) are still read, so producers can be upgraded while a pipeline runs."""
+READABLE_VERSIONS = (1, 2, 3)
+V3_SAMPLE_KEYS = ("re", "ix", "tpi", "tpo", "tlp", "kl", "rm", "tm", "rid", "spec", "pc", "ngt", "ad", "mti")
+"""Version-3 sample keys, each present only when its field is set: absent fields cost nothing."""
+LITTLE = sys.byteorder == "little"
+
+if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
+    raise ImportError("rollstream needs 4-byte C int and float for its packed arrays")
+
+
+@dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Upper bounds the decoder enforces, so a bad entry cannot exhaust memory."""
+
+    max_payload_bytes: int = 512 * 1024 * 1024
+    """Redis' own ``proto-max-bulk-len`` default: a group of 8 x 32k samples with a 48-layer
+    top-8 routing replay is ~100 MiB."""
+    max_samples: int = 4096
+    max_tokens: int = 1 << 22
+    max_string_bytes: int = 16 * 1024 * 1024
+    max_container_len: int = 1 << 20
+    max_array_items: int = 1 << 29
+    """Items of one packed version-3 array (routing replay: tokens x layers x topk)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_samples", "max_tokens", "max_string_bytes", "max_array_items"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"CodecLimits.{name} must be positive")
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+def check_payload(payload: Any, limits: CodecLimits) -> None:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError("bad_field", f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > limits.max_payload_bytes:
+        raise DecodeError("too_large", f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}")
+
+
+def unpackb(payload: Any, limits: CodecLimits) -> Any:
+    return msgpack.unpackb(
+        payload,
+        raw=False,
+        max_str_len=limits.max_string_bytes,
+        max_bin_len=limits.max_payload_bytes,
+        max_array_len=limits.max_container_len,
+        max_map_len=limits.max_container_len,
+        max_ext_len=0,
+        strict_map_key=True,
+    )
+
+
+def unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
+    check_payload(payload, limits)
+    try:
+        obj = unpackb(payload, limits)
+    except Exception as exc:  # msgpack raises a zoo of types for malformed input
+        raise DecodeError("not_msgpack", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError("bad_field", f"payload must be a map, got {type(obj).__name__}")
+    check_version(obj)
+    return obj
+
+
+def check_version(obj: Mapping[str, Any]) -> None:
+    version = obj.get("v")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise DecodeError(
+            "unknown_schema", f"schema version {version!r}, this build reads {', '.join(map(str, READABLE_VERSIONS))}"
+        )
+
