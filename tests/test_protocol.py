@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,59 @@ def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
                     offenders.append(f"{relative}:{node.lineno}: {node.name}({', '.join(names)})")
     assert not offenders, "free functions taking a client:\n" + "\n".join(offenders)
     assert all("redis" not in inspect.signature(fn).parameters for fn in (fold, live_producers, admission_refusals))
+
+
+# -- docs/architecture.md's "where a change goes" ------------------------------------------
+
+CHANGES = ("a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new rollout plug-in")
+_PATH = re.compile(r"`([A-Za-z0-9_./<>-]+(?:\.py|\.md|\.template|/))`")
+
+
+def _change_table() -> dict[str, str]:
+    """Change -> its row's text, from the table under "### Where a change goes"."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("### Where a change goes", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): "|".join(cells[1:]) for cells in rows[1:]}
+
+
+def _named_paths(row: str) -> list[str]:
+    return [m for m in _PATH.findall(row) if "/" in m or m.endswith(".py")]
+
+
+def _library_modules() -> dict[str, ast.Module]:
+    out = {}
+    for folder in LIBRARY:
+        for path in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else []:
+            out[path.relative_to(ROOT).as_posix()] = ast.parse(path.read_text())
+    return out
+
+
+def test_where_a_change_goes() -> None:
+    """Each row of the table names files that exist and states a rule the code keeps."""
+    table = _change_table()
+    assert tuple(table) == CHANGES
+    missing = []
+    for change, row in table.items():
+        paths = _named_paths(row)
+        assert paths, f"{change}: the row names no file"
+        for named in paths:
+            if not list(ROOT.glob(re.sub(r"<[^>]+>", "*", named).rstrip("/"))):
+                missing.append(f"{change}: {named}")
+    assert not missing, "the table names files that do not exist:\n" + "\n".join(missing)
+    modules = _library_modules()
+    # A new Redis script: only common/lua.py and the protocol package run scripts.
+    outside = [
+        f"{relative}:{node.lineno}" for relative, tree in modules.items()
+        if relative != "common/lua.py" and not relative.startswith(PROTOCOL_PACKAGE)
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id == "Scripts") or (
+            isinstance(node, ast.Attribute) and node.attr in ("scripts", "register_script", "evalsha", "eval"))
+    ]
+    assert not outside, f"scripts run outside the protocol package: {outside}"
+    # A new heartbeat field: the producer reports every field (a field nobody writes is dead).
+    calls = [node for node in ast.walk(modules["producer/worker.py"])
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Heartbeat"]
+    assert len(calls) == 1, "the producer builds its heartbeat in one place"
+    given = {kw.arg for kw in calls[0].keywords}
+    assert given == {f.name for f in dataclasses.fields(Heartbeat)}, "a heartbeat field the producer does not set"
