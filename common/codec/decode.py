@@ -287,36 +287,36 @@ def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS, *, views: b
     return _group_from_wire(unpack(payload, limits), limits)
 
 
+def _shared(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The fields a group and a prompt share, checked."""
+    _check_kind(obj, kind)
+    return {
+        "index": _get(obj, "index", int, kind),
+        "epoch": _get(obj, "epoch", int, kind),
+        "attempt": _get(obj, "attempt", int, kind),
+        "prompt": _prompt_content(obj.get("prompt"), kind),
+        "label": obj.get("label"),
+        "metadata": _get(obj, "metadata", dict, kind),
+        "history": _history(obj, kind),
+        "multimodal_inputs": _multimodal(obj, kind),
+    }
+
+
 def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
-    _check_kind(obj, "group")
     return Group(
-        index=_get(obj, "index", int, "group"),
-        epoch=_get(obj, "epoch", int, "group"),
-        attempt=_get(obj, "attempt", int, "group"),
-        prompt=_prompt_content(obj.get("prompt"), "group"),
-        label=obj.get("label"),
-        metadata=_get(obj, "metadata", dict, "group"),
+        **_shared(obj, "group"),
         producer=_get(obj, "producer", str, "group"),
         samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"]),
-        history=_history(obj, "group"),
-        multimodal_inputs=_multimodal(obj, "group"),
     )
 
 
 def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
     obj = unpack(payload, limits)
-    _check_kind(obj, "prompt")
+    shared = _shared(obj, "prompt")
     ids_raw = obj.get("input_ids")
     partial_raw = obj.get("partial")
     return Prompt(
-        index=_get(obj, "index", int, "prompt"),
-        epoch=_get(obj, "epoch", int, "prompt"),
-        attempt=_get(obj, "attempt", int, "prompt"),
-        prompt=_prompt_content(obj.get("prompt"), "prompt"),
-        label=obj.get("label"),
-        metadata=_get(obj, "metadata", dict, "prompt"),
+        **shared,
         input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
         partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits, obj["v"]),
-        history=_history(obj, "prompt"),
-        multimodal_inputs=_multimodal(obj, "prompt"),
     )
