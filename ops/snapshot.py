@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from rollstream.common.admission import DEFAULT_STALL_AFTER
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
-from rollstream.common.events import FATAL, WARNING, now_ms, recent_events
+from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.parse import damaged_fields
 from rollstream.common.protocol import Fleet, Heartbeat, StreamView, fold, state_mismatch
@@ -205,7 +205,7 @@ async def snapshot(
     raw_beats = await view.heartbeats()
     fleet = fold(raw_beats, now, timeout_s)
     producers = _producer_rows(fleet, pending_by_producer, now)
-    recent = await recent_events(redis, keys, count=50)
+    recent = await view.events(50)
     damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX,))
     for name, value in raw_beats.items():
         if (what := Heartbeat.damage(value)) is not None:

@@ -1,5 +1,5 @@
 """Read-only looks at a namespace (``inspect``, snapshots): everything ``ops.snapshot`` reads goes
-through :class:`StreamView` (the recent events excepted: :func:`~..events.recent_events`)."""
+through :class:`StreamView`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from redis.exceptions import ResponseError
 
 from ..admission import AdmissionTerms
 from ..config import PipelineConfig
+from ..events import Event, recent_events
 from ..keys import Keys
 from ..redis_errors import is_oom
 from .guard import Guarded, Server, raise_if_refused
@@ -103,6 +104,10 @@ class StreamView(Guarded):
     async def admission_terms(self, config: PipelineConfig) -> AdmissionTerms:
         """The admission rule's terms now (what ADMIT would compute)."""
         return await read_admission_terms(self.redis, self.keys, config)
+
+    async def events(self, count: int) -> list[Event]:
+        """The newest ``count`` events of the namespace's log (:func:`~..events.recent_events`)."""
+        return await recent_events(self.redis, self.keys, count=count)
 
     async def memory(self) -> dict[str, Any] | None:
         """Redis' memory use and limit (:meth:`.guard.Server.memory`); None when INFO is refused."""
