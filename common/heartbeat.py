@@ -82,13 +82,8 @@ class Heartbeat:
         obj = _heartbeat_object(raw)
         beat = cls()
         for name, kind in _field_kinds(cls).items():
-            value = obj.get(name)
-            if kind in (int, float) and isinstance(value, int | float) and _is_number(value):
-                setattr(beat, name, int(value) if kind is int else float(value))
-            elif kind is str and isinstance(value, str):
-                setattr(beat, name, value)
-            elif kind is list and isinstance(value, list):
-                setattr(beat, name, [str(e) for e in value])
+            if name in obj and _fits(kind, value := obj[name]):
+                setattr(beat, name, [str(e) for e in value] if kind is list else kind(value))
         return beat
 
     @classmethod
@@ -111,8 +106,7 @@ class Heartbeat:
 
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list}
-
-
+"""A field's annotation -> the JSON type it is read from (a list's items are read as ``str``)."""
 _CLASS_KINDS: dict[type, dict[str, type]] = {}
 
 
