@@ -409,9 +409,9 @@ STORED_FLAGS_WAIT = 60.0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from rollstream.integrations.rewards import is_framework_reward, load_framework_reward
+    import rollstream.integrations.rewards  # noqa: F401 - registers the slime:/miles: reward schemes
     from rollstream.producer.engine import EngineClient, EngineSettings
-    from rollstream.producer.rewards import RewardFunction, load_reward
+    from rollstream.producer.rewards import load_reward
     from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
@@ -457,10 +457,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     )
     if args.metrics_port is not None:
         from rollstream.producer.metrics import ProducerMetrics
-    if is_framework_reward(args.reward):
-        reward: RewardFunction = load_framework_reward(args.reward, timeout=args.reward_timeout)
-    else:
-        reward = load_reward(args.reward, timeout=args.reward_timeout)
+    reward = load_reward(args.reward, timeout=args.reward_timeout)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     holder: dict[str, Producer] = {}
     stop_requested = False

@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, ConversationDiverged, EndpointRefused  # the last two: re-exported
 from rollstream.producer.episode import Episode, EpisodeAborted, SamplingParams, Trajectory, Turn
 
 logger = logging.getLogger(__name__)
@@ -70,14 +70,6 @@ _CHAT_PARAMS = {
     "seed": "sampling_seed",
 }
 """OpenAI request fields passed to the engine, by their SGLang names; the rest are ignored."""
-
-
-class EndpointRefused(ValueError):
-    """A request to an episode endpoint was refused; the sample fails with this message."""
-
-
-class ConversationDiverged(EndpointRefused):
-    """A chat request does not extend the conversation recorded for the episode."""
 
 
 class _Answer(Exception):

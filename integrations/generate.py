@@ -45,11 +45,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, InvalidResult
+from rollstream.common.imports import import_callable, import_object
 from rollstream.common.models import Sample, Status
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
 
-from .convert import MILES, SLIME, Framework, load_object
+from .convert import MILES, SLIME, Framework
 from .endpoints import Endpoint, EndpointServer
 
 GENERATE_ARGS = "ROLLSTREAM_GENERATE_ARGS"
@@ -160,14 +161,14 @@ def framework_sample(framework: Framework, episode: Episode) -> Any:
 
 
 def plain_metadata(metadata: Any, what: str) -> dict[str, Any]:
-    """``metadata`` if it is plain data the wire format can carry; ValueError (the sample fails)
+    """``metadata`` if it is plain data the wire format can carry; InvalidResult (the sample fails)
     otherwise, rather than an unencodable group that would stop the producer at publish."""
     if not isinstance(metadata, Mapping):
-        raise ValueError(f"{what} is a {type(metadata).__name__}, not a dict")
+        raise InvalidResult(f"{what} is a {type(metadata).__name__}, not a dict")
     try:
         msgpack.packb(metadata, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
+        raise InvalidResult(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
     return dict(metadata)
 
 
@@ -184,27 +185,29 @@ def _versions(values: Any) -> list[int]:
 def from_framework_sample(
     fw: Any, member: int, endpoint: Endpoint | None, episode: Episode, *, only: bool = True
 ) -> Sample:
-    """A rollstream sample of a framework sample the function returned; ValueError when its shape is wrong."""
+    """A rollstream sample of a framework sample the function returned; InvalidResult when its shape is wrong."""
     if isinstance(fw, list | tuple):
-        raise ValueError(f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list")
+        raise InvalidResult(
+            f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list"
+        )
     for name in ("tokens", "response_length", "status"):
         if not hasattr(fw, name):
-            raise ValueError(f"returned a {type(fw).__name__}, not a framework Sample (no {name!r})")
+            raise InvalidResult(f"returned a {type(fw).__name__}, not a framework Sample (no {name!r})")
     tokens = array("i", [int(t) for t in fw.tokens])
     response_length = int(fw.response_length)
     if not 0 <= response_length <= len(tokens):
-        raise ValueError(f"response_length {response_length} does not fit the {len(tokens)} tokens")
+        raise InvalidResult(f"response_length {response_length} does not fit the {len(tokens)} tokens")
     raw_status = getattr(fw.status, "value", fw.status)
     metadata = plain_metadata(fw.metadata or {}, "the returned sample's metadata")
     error = None
     if raw_status == "pending":  # the function never set it: a response means it finished
         if response_length == 0:
-            raise ValueError("returned a PENDING sample without a response (nothing was generated)")
+            raise InvalidResult("returned a PENDING sample without a response (nothing was generated)")
         raw_status = "completed"
     try:
         status = Status(raw_status)
     except ValueError:
-        raise ValueError(f"returned a sample with status {raw_status!r}") from None
+        raise InvalidResult(f"returned a sample with status {raw_status!r}") from None
     if status == Status.FAILED:
         error = str(metadata.get("error") or "the generate function returned a FAILED sample")[:1000]
     finish = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort"}.get(status)
@@ -226,7 +229,7 @@ def from_framework_sample(
     if reward is not None and not isinstance(reward, dict):
         reward = float(reward)
         if not math.isfinite(reward):
-            raise ValueError(f"returned a non-finite reward {reward!r}")
+            raise InvalidResult(f"returned a non-finite reward {reward!r}")
     return Sample(
         index=member,
         tokens=tokens,
@@ -248,7 +251,7 @@ def to_samples(result: Any, endpoint: Endpoint | None, episode: Episode) -> Gene
     """What the framework function returned (a Sample or a flat list), as rollstream samples."""
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
-        raise ValueError("returned an empty list: an episode yields at least one sample")
+        raise InvalidResult("returned an empty list: an episode yields at least one sample")
     only = len(items) == 1
     samples = [from_framework_sample(fw, episode.member, endpoint, episode, only=only) for fw in items]
     return samples[0] if not isinstance(result, list | tuple) else samples
@@ -360,7 +363,7 @@ class MilesGenerate(_Adapter):
             work = self.fn(GenerateFnInput(state=state, sample=sample, sampling_params=params, evaluation=False))
             output = await endpoint.run(work)
             if not isinstance(output, GenerateFnOutput):
-                raise ValueError(f"returned a {type(output).__name__}, not a GenerateFnOutput")
+                raise InvalidResult(f"returned a {type(output).__name__}, not a GenerateFnOutput")
             return to_samples(output.samples, endpoint, episode)
 
 
@@ -386,10 +389,10 @@ class OpenAIAgent(_Adapter):
                 )
             )
             if extra is not None and not isinstance(extra, Mapping):
-                raise ValueError(f"the agent returned a {type(extra).__name__}; return a dict of metadata or None")
+                raise InvalidResult(f"the agent returned a {type(extra).__name__}; return a dict of metadata or None")
             trajectory = endpoint.recorder.trajectory
             if trajectory is None:
-                raise ValueError("the agent made no chat completion request: nothing to train on")
+                raise InvalidResult("the agent made no chat completion request: nothing to train on")
             sample = trajectory.sample
             if extra:
                 sample.metadata.update(plain_metadata(extra, "the agent's returned metadata"))
@@ -430,14 +433,12 @@ def load_framework_generate(
             load_generate_function,
         )
 
-        load_object(path, "--generate")  # a clear ConfigError for a bad path before miles' loader
+        import_object(path, "--generate", dotted=True)  # a clear ConfigError for a bad path before miles' loader
         fn = load_generate_function(path.replace(":", "."))
         if not callable(fn):
             raise ConfigError(f"--generate {spec}: {path!r} is not callable")
         return MilesGenerate(spec, fn, args, server)
-    fn = load_object(path, "--generate")
-    if not callable(fn):
-        raise ConfigError(f"--generate {spec}: {path!r} is not callable")
+    fn = import_callable(path, "--generate", dotted=True)
     if scheme == "slime":
         if not inspect.iscoroutinefunction(fn):
             raise ConfigError(

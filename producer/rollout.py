@@ -34,14 +34,12 @@ reply, or one poison prompt retried, stays a failed sample: prompts are counted 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import logging
 import time
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
 
@@ -135,7 +133,7 @@ class RolloutSettings:
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
-            raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
+            raise ConfigError(f"n_samples must be a positive integer, got {self.n_samples!r}")
         for name in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
@@ -161,32 +159,10 @@ single_turn = SingleTurn()
 def load_generate(spec: str) -> GenerateFunction:
     """The generate function named by ``module.path:function`` or ``path/to/file.py:function``
     (``--generate``); ConfigError otherwise."""
-    path, _, attr = spec.rpartition(":")
-    if path.endswith(".py"):
-        fn = _from_file(Path(path), attr, spec)
-    else:
-        fn = import_callable(spec, "--generate")
+    fn = import_callable(spec, "--generate")
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
         raise ConfigError(f"--generate {spec!r} must be an async function: async def generate(episode) -> Sample")
     return cast(GenerateFunction, fn)
-
-
-def _from_file(path: Path, attr: str, spec: str) -> Any:
-    """``attr`` of the Python file at ``path``, imported as a module named after the file."""
-    if not path.is_file():
-        raise ConfigError(f"--generate {spec!r}: no file {str(path)!r}")
-    module_spec = importlib.util.spec_from_file_location(f"rollstream_generate_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"--generate {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ConfigError(f"--generate {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"--generate {spec!r}: {str(path)!r} has no function {attr!r}")
-    return fn
 
 
 class Rollout:

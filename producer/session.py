@@ -23,7 +23,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
+from rollstream.common.errors import (
+    ConfigError,
+    EngineError,
+    EngineRejected,
+    InvalidResult,  # re-exported: defined in common.errors
+    PromptNotSupported,
+)
 from rollstream.common.models import Sample, Status
 
 from .engine import EngineClient, Generation
@@ -503,10 +509,6 @@ def _aborted() -> EpisodeAborted:
 
 
 # -- validation ---------------------------------------------------------------------------------
-
-
-class InvalidResult(ValueError):
-    """What a generate function returned cannot be published; the message says why."""
 
 
 def as_samples(result: Any) -> list[Sample]:
