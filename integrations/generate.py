@@ -44,10 +44,10 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import msgpack
 from rollstream.common.errors import ConfigError, InvalidResult
 from rollstream.common.imports import import_callable, import_object
 from rollstream.common.models import Sample, Status
+from rollstream.producer.checks import not_plain
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
 
 from .convert import MILES, SLIME, Framework
@@ -165,10 +165,8 @@ def plain_metadata(metadata: Any, what: str) -> dict[str, Any]:
     otherwise, rather than an unencodable group that would stop the producer at publish."""
     if not isinstance(metadata, Mapping):
         raise InvalidResult(f"{what} is a {type(metadata).__name__}, not a dict")
-    try:
-        msgpack.packb(metadata, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidResult(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
+    if (problem := not_plain(metadata, what)) is not None:
+        raise InvalidResult(problem)
     return dict(metadata)
 
 

@@ -48,18 +48,23 @@ from rollstream.common.errors import (
     EngineBroken,
     EngineError,
     EngineRejected,
+    EngineReplyInvalid,
+    EpisodeAborted,
+    GenerateBroken,
+    InvalidResult,
     PromptNotSupported,
+    RewardBroken,
     RewardError,
 )
 from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
+from .checks import as_samples, check_sample
 from .engine import EngineClient, Generation
-from .episode import Episode, EpisodeAborted, EpisodeInfo, GenerateBroken, GenerateFunction
+from .episode import Episode, EpisodeInfo, GenerateFunction
 from .replay import with_routed_experts
-from .replies import EngineReplyInvalid
-from .rewards import RewardBroken, RewardFunction
-from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession, InvalidResult, as_samples, check_sample
+from .rewards import RewardFunction
+from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
