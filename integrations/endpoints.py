@@ -314,6 +314,11 @@ class EndpointServer:
     def open_endpoints(self) -> int:
         return len(self._by_port)
 
+    @property
+    def running(self) -> bool:
+        """Whether the server is set up (from the first episode until :meth:`aclose`)."""
+        return self._runner is not None
+
     async def _ensure_runner(self) -> web.AppRunner:
         async with self._start_lock:
             if self._runner is None:
@@ -330,6 +335,7 @@ class EndpointServer:
             return self._runner
 
     async def aclose(self) -> None:
+        """Stop listening (the producer's generate adapter calls it on drain or exit); idempotent."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

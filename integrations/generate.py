@@ -270,6 +270,10 @@ class _Adapter:
         self.__name__ = spec  # the producer names the function in its errors
         self._clients_ready = False
 
+    async def aclose(self) -> None:
+        """Close the endpoint server (the producer calls it on drain or exit, episodes ended)."""
+        await self.server.aclose()
+
     def init_clients(self, args: argparse.Namespace) -> None:
         """Create slime's / miles' module-level HTTP client (``http_utils.init_http_client``), as
         their rollout managers do before the first generate call: a function of either form may

@@ -235,4 +235,6 @@ class Episode(Trajectory):
 
 GenerateResult: TypeAlias = "Sample | Sequence[Sample]"
 GenerateFunction = Callable[[Episode], Awaitable[GenerateResult]]
-"""``async def generate(episode) -> Sample | list[Sample]``."""
+"""``async def generate(episode) -> Sample | list[Sample]``. A callable object that also has an
+``async def aclose()`` (the slime/miles/OpenAI adapters: their endpoint server) is closed when
+the producer exits (:meth:`rollstream.producer.rollout.Rollout.aclose`)."""

@@ -247,6 +247,13 @@ class Rollout:
             multimodal_inputs=prompt.multimodal_inputs,
         )
 
+    async def aclose(self) -> None:
+        """Release what the generate function holds (``aclose()``, when it has one): called by
+        the producer once no episode runs any more (after the drain, or a fatal error)."""
+        close = getattr(self.generate, "aclose", None)
+        if close is not None:
+            await close()
+
     def requests_older_than(self, seconds: float) -> tuple[int, float]:
         """See :meth:`EpisodeRuntime.requests_older_than`."""
         return self.runtime.requests_older_than(seconds)

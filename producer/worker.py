@@ -231,14 +231,25 @@ class Producer:
             try:
                 await self._shutdown()
             finally:
-                if heartbeat is not None:
-                    await self._cancel_and_wait([heartbeat], "heartbeat")
+                try:
+                    await self._close_generate()
+                finally:
+                    if heartbeat is not None:
+                        await self._cancel_and_wait([heartbeat], "heartbeat")
         if self._fatal is not None:
             raise self._fatal
 
     async def aclose(self) -> None:
         await self.redis.aclose()
         await self._blocking.aclose()
+
+    async def _close_generate(self) -> None:
+        """Close the rollout plug-in (its endpoint server) once its episodes ended; a failure to
+        close is logged, never fatal: the work is done."""
+        try:
+            await self.rollout.aclose()
+        except Exception as exc:
+            logger.warning("producer %s: closing the generate function failed: %s", self.name, exc)
 
     async def _cancel_and_wait(self, tasks: list[asyncio.Task[Any]], what: str) -> None:
         """Cancel ``tasks`` and wait for them, at most :data:`TASK_EXIT_TIMEOUT` seconds: one
