@@ -60,8 +60,9 @@ from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .checks import as_samples, check_sample
-from .engine import EngineClient, Generation
+from .engine import EngineClient
 from .episode import Episode, EpisodeInfo, GenerateFunction
+from .outcomes import FailureLog, failed, rejected, to_sample
 from .replay import with_routed_experts
 from .rewards import RewardFunction
 from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession
@@ -70,8 +71,6 @@ from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
-FAILURE_LOG_INTERVAL = 60.0
-"""Seconds between two log lines of the same failure reason (the others are counted)."""
 REWARD_FAILURE_LIMIT = 8
 """Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
 GENERATE_FAILURE_LIMIT = 8
@@ -81,26 +80,6 @@ ENGINE_FAILURE_LIMIT = 8
 row is broken (fatal)."""
 ALL_ENGINES = "all engines"
 """What :class:`EngineBroken` names when no engine in particular is to blame."""
-
-
-class FailureLog:
-    """Logs a failure once per ``reason`` and ``interval``; the next line says how many were not."""
-
-    def __init__(self, interval: float = FAILURE_LOG_INTERVAL) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def report(self, reason: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(reason)
-        if last is not None and now - last < self.interval:
-            self._quiet[reason] = self._quiet.get(reason, 0) + 1
-            return
-        self._last[reason] = now
-        quiet = self._quiet.pop(reason, 0)
-        more = f" ({quiet} more like it in the last {self.interval:.0f} s)" if quiet else ""
-        logger.warning("%s%s", message, more)
 
 
 SampleDone = Callable[[int], None]
@@ -430,7 +409,7 @@ class Rollout:
             if session.fatal is not None:
                 raise session.fatal from None
             self._engine_refused(prompt, exc)
-            return [_rejected(member, prompt_ids, exc)]
+            return [rejected(member, prompt_ids, exc)]
         except TimeoutError as exc:
             if session.fatal is not None:
                 raise session.fatal from None
@@ -440,7 +419,7 @@ class Rollout:
             self.metrics.error("episode_deadline")
             reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
             self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
-            return [_failed(member, prompt_ids, reason, "deadline")]
+            return [failed(member, prompt_ids, reason, "deadline")]
         except InvalidResult as exc:
             if session.fatal is not None:
                 raise session.fatal from None
@@ -475,7 +454,7 @@ class Rollout:
         self.metrics.error(f"generate_{kind}")
         reason = f"generate {_name(self.generate)}: {reason}"
         self.failures.report(f"generate:{kind}", f"{where}: sample failed: {reason}")
-        return _failed(member, prompt_ids, reason, kind)
+        return failed(member, prompt_ids, reason, kind)
 
     async def _generate_together(
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
@@ -489,13 +468,13 @@ class Rollout:
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)
             done(n)
-            return [_rejected(i, prompt_ids, exc) for i in range(n)]
+            return [rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
         for engine in {g.engine for g in generations}:
             self._engine_answered(engine)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [
-            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version), [g], None)
+            with_routed_experts(to_sample(i, prompt_ids, g, admitted_version), [g], None)
             for i, g in enumerate(generations)
         ]
 
@@ -526,61 +505,3 @@ def _name(fn: Any) -> str:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _to_sample(index: int, prompt_ids: array[int] | None, generation: Generation, admitted_version: int) -> Sample:
-    """A sample of the one request of ``n`` (OpenAI ``n``, vLLM's ``/inference/v1/generate``)."""
-    metadata: dict[str, Any] = {"engine": generation.engine}
-    if prompt_ids is None and generation.prompt_ids is not None:
-        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
-    spans = generation.weight_version_spans
-    if generation.weight_version is None:
-        versions = [admitted_version]
-        metadata["weight_version_source"] = "trainer_at_admission"
-    elif spans:
-        metadata["weight_version_source"] = "engine_spans"
-        versions = list(dict.fromkeys(v for v, _, _ in spans))  # each version once, in order
-    else:
-        versions = [generation.weight_version]
-    token_spans = None
-    if spans and len(versions) > 1:  # the tokens span two versions: say which where
-        metadata["weight_version_spans"] = [list(span) for span in spans]
-        token_spans = [(start, end, version) for version, start, end in spans]
-    tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
-    return Sample(
-        index=index,
-        tokens=tokens,
-        response=generation.text,
-        response_length=len(generation.output_ids),
-        prompt_length=0 if prompt_ids is None else len(prompt_ids),
-        loss_mask=_ones(len(generation.output_ids)),
-        status=Status.from_finish_reason(generation.finish_reason),
-        finish_reason=generation.finish_reason,
-        weight_versions=versions,
-        rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
-        metadata=metadata,
-        weight_version_spans=token_spans,
-    )
-
-
-def _failed(index: int, prompt_ids: array[int] | None, reason: str, kind: str) -> Sample:
-    """A FAILED sample of an episode that raised, timed out or returned something unusable."""
-    return Sample(
-        index=index,
-        tokens=prompt_ids if prompt_ids is not None else array("i"),
-        prompt_length=0 if prompt_ids is None else len(prompt_ids),
-        loss_mask=array("B"),
-        status=Status.FAILED,
-        finish_reason=kind,
-        error=reason[:1000],
-    )
-
-
-def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
-    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
-    return _failed(index, prompt_ids, str(exc), "rejected")
-
-
-def _ones(count: int) -> array[int]:
-    """The loss mask of a response: every response token is trained on."""
-    return array("B", b"\x01" * count)
