@@ -3,7 +3,7 @@
 :class:`Rollout` tokenizes the prompt (when it can), runs the generate function (the rollout
 plug-in, :mod:`.episode`; the default :data:`single_turn` is one engine call per sample, and on
 the OpenAI API one request with ``n`` for the group) once per group member, concurrently, each
-episode under its deadline, validates every sample it returns (:func:`.session.check_sample`)
+episode under its deadline, validates every sample it returns (:func:`.checks.check_sample`)
 and scores the group with the reward function.
 It knows nothing of streams, leases or admission: the producer runtime
 (:mod:`rollstream.producer.worker`) hands it a decoded prompt and the weight version the prompt
@@ -11,7 +11,7 @@ was admitted under, and publishes what comes back.
 
 One bad prompt or one bad reply costs one failed group, never the producer: engine refusals and
 unusable replies (:class:`~rollstream.common.errors.EngineRejected`, which
-:class:`~rollstream.producer.replies.EngineReplyInvalid` is) fail the sample, and a reward that
+:class:`~rollstream.common.errors.EngineReplyInvalid` is) fail the sample, and a reward that
 fails on a group (:class:`~rollstream.common.errors.RewardError`: it raised, returned something
 unusable, timed out) fails every sample of the group, with the reason in ``Sample.error``. The
 consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
@@ -24,8 +24,8 @@ the producer): an engine that keeps failing after its retries; an engine that is
 than unlucky (:class:`~rollstream.common.errors.EngineBroken`: its replies were refused or
 unusable on ``engine_failure_limit`` distinct prompts in a row with no usable reply from it in
 between, or the same across all engines); a generate function that failed on
-``generate_failure_limit`` distinct prompts in a row (:class:`~.episode.GenerateBroken`); and a
-reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
+``generate_failure_limit`` distinct prompts in a row (:class:`~rollstream.common.errors.GenerateBroken`); and a
+reward that is broken rather than unlucky: :class:`~rollstream.common.errors.RewardBroken`,
 raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
 scored in between), or when too many sync reward calls are stuck past their deadline. One bad
 reply, or one poison prompt retried, stays a failed sample: prompts are counted once each.

@@ -31,6 +31,14 @@ One bad prompt is never fatal: an undecodable entry is dead-lettered, and a fail
 reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
 turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
 so no library swallowing a cancellation can hang the process.
+
+Every loop is one turn repeated by :meth:`~rollstream.common.connection.Outage.forever` (the one
+resilient loop step: a transient Redis error is logged once, backed off, and the next turn
+follows). The settings live in :mod:`.settings`, the capacity and the prompts held in
+:mod:`.capacity`, the rollout in :mod:`.rollout`. Why this module stays over 500 lines: it is one
+class whose loops share its state (capacity, the prompts held, the outage, the stop event) and
+whose Redis calls are the protocol's call sites; cutting it into mixins would spread that state
+over several files without making any loop shorter.
 """
 
 from __future__ import annotations
