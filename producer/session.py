@@ -27,6 +27,7 @@ from rollstream.common.errors import (
     EngineRejected,
     PromptNotSupported,
 )
+from rollstream.common.errors import InvalidResult as InvalidResult  # re-exported (moved to common.errors)
 from rollstream.common.models import Sample, Status
 
 from .checks import as_samples as as_samples  # re-exported
