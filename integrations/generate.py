@@ -36,9 +36,7 @@ import argparse
 import copy
 import importlib
 import inspect
-import json
 import math
-import os
 import uuid
 from array import array
 from collections.abc import Callable, Mapping
@@ -52,6 +50,7 @@ from rollstream.producer.episode import Episode, GenerateFunction, GenerateResul
 
 from .convert import MILES, SLIME, Framework
 from .endpoints import Endpoint, EndpointServer
+from .settings import args_from_env
 
 GENERATE_ARGS = "ROLLSTREAM_GENERATE_ARGS"
 SCHEMES = ("slime", "miles", "openai")
@@ -65,16 +64,7 @@ def is_framework_generate(spec: str) -> bool:
 
 
 def _env_args(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    raw = (os.environ if environ is None else environ).get(GENERATE_ARGS, "").strip()
-    if not raw:
-        return {}
-    try:
-        values = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {GENERATE_ARGS} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
-        raise ConfigError(f"environment variable {GENERATE_ARGS} must be a JSON object of argument names to values")
-    return values
+    return args_from_env(GENERATE_ARGS, environ)
 
 
 def default_args(path: str, *, tokenizer: str | None, concurrency: int, n: int | None = None) -> dict[str, Any]:

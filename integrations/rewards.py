@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +33,7 @@ from rollstream.common.models import Group, PromptContent, Sample
 from rollstream.producer.rewards import RewardFunction, register_scheme
 
 from .convert import MILES, SLIME, Framework, to_framework
+from .settings import args_from_env
 
 REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
 ARG_DEFAULTS: dict[str, Any] = {"custom_rm_path": None, "rm_type": None, "rm_url": None, "reward_key": None}
@@ -54,16 +53,7 @@ def is_framework_reward(spec: str) -> bool:
 
 
 def reward_args(environ: Mapping[str, str] | None = None) -> argparse.Namespace:
-    raw = (os.environ if environ is None else environ).get(REWARD_ARGS, "").strip()
-    if not raw:
-        return argparse.Namespace(**ARG_DEFAULTS)
-    try:
-        values = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {REWARD_ARGS} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
-        raise ConfigError(f"environment variable {REWARD_ARGS} must be a JSON object of argument names to values")
-    return argparse.Namespace(**{**ARG_DEFAULTS, **values})
+    return argparse.Namespace(**{**ARG_DEFAULTS, **args_from_env(REWARD_ARGS, environ)})
 
 
 async def _maybe_await(value: Any) -> Any:
