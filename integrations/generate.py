@@ -1,5 +1,8 @@
 """Run slime's and miles' generate functions, and OpenAI-API agents, on rollstream producers.
 
+Importing this module registers its :data:`SCHEMES` with the one ``--generate`` loader
+(:func:`rollstream.producer.plugin.load_generate`).
+
 ``rollstream produce --generate SCHEME:pkg.module.fn`` (``pkg.module:fn`` works too):
 
 * ``slime:`` a slime custom generate function, ``async def generate(args, sample,
@@ -47,6 +50,7 @@ from rollstream.common.imports import import_callable, import_object
 from rollstream.common.models import Sample, Status
 from rollstream.producer.checks import not_plain
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
+from rollstream.producer.plugin import GenerateContext, register_generate_scheme
 
 from .convert import MILES, SLIME, Framework
 from .endpoints import Endpoint, EndpointServer
@@ -438,3 +442,16 @@ def load_framework_generate(
             )
         return SlimeGenerate(spec, fn, args, server)
     return OpenAIAgent(spec, fn, args, server)
+
+
+def _load(spec: str, context: GenerateContext) -> GenerateFunction:
+    return load_framework_generate(
+        spec,
+        tokenizer=context.tokenizer,
+        concurrency=context.concurrency,
+        server=EndpointServer(host=context.endpoint_host),
+    )
+
+
+for _scheme in SCHEMES:
+    register_generate_scheme(_scheme, _load)

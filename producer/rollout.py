@@ -34,14 +34,13 @@ reply, or one poison prompt retried, stays a failed sample: prompts are counted 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 from rollstream.common.errors import (
     ConfigError,
@@ -56,13 +55,15 @@ from rollstream.common.errors import (
     RewardBroken,
     RewardError,
 )
-from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .checks import as_samples, check_sample
 from .engine import EngineClient
-from .episode import Episode, EpisodeInfo, GenerateFunction
+from .episode import EpisodeInfo, GenerateFunction
 from .outcomes import FailureLog, failed, rejected, to_sample
+from .plugin import SingleTurn as SingleTurn  # re-exported
+from .plugin import load_generate as load_generate
+from .plugin import single_turn
 from .replay import with_routed_experts
 from .rewards import RewardFunction
 from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession
@@ -121,32 +122,6 @@ class RolloutSettings:
         for name in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-
-
-class SingleTurn:
-    """The default rollout: one engine call per sample (today's single-turn rollout, as a plug-in).
-
-    ``continues_partial``: with partial rollout on, its trajectory starts from this member's
-    ABORTED sample of the earlier attempt, and a COMPLETED or TRUNCATED one is kept as it is."""
-
-    continues_partial = True
-
-    async def __call__(self, episode: Episode) -> Sample:
-        await episode.generate(max_new_tokens=episode.sampling.max_new_tokens - episode.sample.response_length)
-        return episode.sample
-
-
-single_turn = SingleTurn()
-"""The default generate function (``rollstream produce`` without ``--generate``)."""
-
-
-def load_generate(spec: str) -> GenerateFunction:
-    """The generate function named by ``module.path:function`` or ``path/to/file.py:function``
-    (``--generate``); ConfigError otherwise."""
-    fn = import_callable(spec, "--generate")
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
-        raise ConfigError(f"--generate {spec!r} must be an async function: async def generate(episode) -> Sample")
-    return cast(GenerateFunction, fn)
 
 
 class Rollout:

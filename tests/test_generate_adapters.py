@@ -450,6 +450,18 @@ def test_bad_specs_are_config_errors(standins_importable: None) -> None:
         load_framework_generate("slime:os.path.join")
 
 
+def test_the_one_generate_loader_builds_the_adapters_by_their_registered_scheme(standins_importable: None) -> None:
+    from rollstream.integrations.generate import OpenAIAgent, SlimeGenerate
+    from rollstream.producer.plugin import GenerateContext, generate_schemes, load_generate
+
+    assert {"slime", "miles", "openai"} <= set(generate_schemes())
+    fn = load_generate("slime:adapter_fns.slime_tool_loop", GenerateContext(tokenizer=TOKENIZER, endpoint_host="::1"))
+    assert isinstance(fn, SlimeGenerate) and fn.base_args["hf_checkpoint"] == TOKENIZER and fn.server.host == "::1"
+    assert isinstance(load_generate("openai:adapter_fns.openai_tool_agent"), OpenAIAgent)
+    with pytest.raises(ConfigError, match="must look like"):
+        load_generate("slime:")
+
+
 def test_generate_args_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLSTREAM_GENERATE_ARGS", '{"generate_max_turns": 4, "rollout_temperature": 0.5}')
     fn: Any = load_framework_generate("slime:adapter_fns.slime_tool_loop", tokenizer=TOKENIZER)
