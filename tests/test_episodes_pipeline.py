@@ -9,6 +9,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -128,15 +129,17 @@ async def test_unencodable_metadata_fails_the_sample_and_is_dead_lettered_the_pr
             taking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await taking
+    dead_at_ms = int(time.time() * 1000)
     [(_, dead)] = await redis.xrange(keys.dead)
     assert int(dead[b"index"]) == 0
     assert b"metadata is not plain data" in dead[b"reason"], dead[b"reason"]
 
-    async def settled() -> Heartbeat | None:
+    async def settled() -> Heartbeat | None:  # a beat written after the last attempt was dead-lettered
         beat = await heartbeat(redis, ns, "p")
-        return beat if beat.episodes == 0 and beat.in_flight_prompts == 0 else None
+        fresh = beat.last_seen_ms > dead_at_ms
+        return beat if fresh and beat.episodes == 0 and beat.in_flight_prompts == 0 else None
 
-    beat = await wait_until(settled, message="the producer idle")
+    beat = await wait_until(settled, timeout=30, message="a heartbeat of the producer idle")
     assert beat.state == "running"  # not fatal
     assert beat.episodes_failed == 6  # 3 attempts (max_attempts 2 recycles) x 2 members
     await add_prompts(redis, ns, 1, start=4, text="What is 3 + 3? [tools=1]")
