@@ -50,7 +50,7 @@ def test_every_error_is_in_the_tree_and_the_drawing() -> None:
     ("module", "name"),
     [
         ("rollstream.producer.rewards", "RewardBroken"),
-        ("rollstream.producer.replies", "EngineReplyInvalid"),
+        ("rollstream.producer.engine", "EngineReplyInvalid"),  # the engine client re-exports it
         ("rollstream.producer.episode", "EpisodeAborted"),
         ("rollstream.producer.episode", "GenerateBroken"),
         ("rollstream.producer.session", "InvalidResult"),
