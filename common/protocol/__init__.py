@@ -12,8 +12,8 @@ the atomic hand-overs themselves are the Lua scripts of :mod:`..lua`, which this
   ``control`` channel so waiting producers wake at once.
 * :class:`Heartbeat`: the producers' heartbeat, written and parsed here only, with the one
   liveness rule (:meth:`Heartbeat.alive`).
-* :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys; :func:`mark_take` and
-  :func:`stream_lengths` (what ``take()`` reports).
+* :class:`Feed` (the feeder's cursor and prompt window), :class:`DeadLetters`, namespace keys;
+  :class:`TrainerMonitor` (what ``take()`` reports and the diagnosis of a wait, one round trip each).
 * NOGROUP (the namespace was deleted, a consumer group destroyed; also raised inside a Lua
   script) becomes :class:`~.errors.NamespaceGone` naming the namespace, or
   :class:`~.errors.RedisDataLost` when Redis restarted without persistence since the first call;
@@ -43,7 +43,7 @@ from .heartbeats import read_heartbeats, write_heartbeat
 from .keyspace import delete_namespace, existing_keys, scan_namespace_keys
 from .prompts import Admission, Admitted, PromptQueue
 from .stores import DeadLetters, JournalHash, RolloutFlagsHash
-from .trainer import TakeStats, mark_take, read_admission_terms, record_stale_streak, stream_lengths, waiting_groups
+from .trainer import Diagnosis, TakeStats, TrainerMonitor, mark_take, read_admission_terms
 from .views import StreamView
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "Admitted",
     "Control",
     "DeadLetters",
+    "Diagnosis",
     "Entry",
     "Feed",
     "FeedCursor",
@@ -64,6 +65,7 @@ __all__ = [
     "RolloutFlagsHash",
     "StreamView",
     "TakeStats",
+    "TrainerMonitor",
     "ack_or_nogroup",
     "admission_refusals",
     "delete_namespace",
@@ -78,12 +80,9 @@ __all__ = [
     "raise_if_refused",
     "read_admission_terms",
     "read_heartbeats",
-    "record_stale_streak",
     "scan_namespace_keys",
     "server_memory",
     "server_run_id",
     "state_mismatch",
-    "stream_lengths",
-    "waiting_groups",
     "write_heartbeat",
 ]
