@@ -1,14 +1,19 @@
-"""A batch of taken groups, :class:`Batch`, and its zero-copy numpy views (extra ``numpy``)."""
+"""A batch of taken groups, :class:`Batch`: its zero-copy numpy views (extra ``numpy``) and its metrics."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rollstream.common.imports import require_extra
 from rollstream.common.models import FloatArray, Group, IntArray
+from rollstream.common.protocol import TakeStats
+
+from .verdict import RECYCLE_COUNTERS, Route, Verdict
 
 if TYPE_CHECKING:
     import numpy
@@ -102,3 +107,66 @@ def batch_id(entry_ids: list[bytes]) -> str:
     """The batch's id: a digest of its entry ids, so a redelivered batch keeps it."""
     digest = hashlib.sha1(b"\n".join(sorted(entry_ids)), usedforsecurity=False).hexdigest()
     return f"b-{digest[:16]}"
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one ``take()`` handed back, for the batch's metrics."""
+
+    recycled: Counter[str] = field(default_factory=Counter)
+    """Recycled groups of this take, by cause (the keys of RECYCLE_COUNTERS)."""
+    dead_lettered: int = 0
+    filtered: Counter[str] = field(default_factory=Counter)
+    staleness_max_seen: int = 0
+    """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
+
+    def saw(self, verdict: Verdict) -> None:
+        """Count a verdict as judged (the hand-back itself is counted once Redis confirms it)."""
+        if verdict.staleness is not None:
+            self.staleness_max_seen = max(self.staleness_max_seen, verdict.staleness)
+        if verdict.rejection is not None:
+            self.filtered[verdict.rejection] += 1
+
+    def handed_back(self, verdict: Verdict) -> None:
+        """Count a recycle or dead letter that Redis carried out."""
+        if verdict.route == Route.RECYCLE:
+            self.recycled[verdict.cause] += 1
+        elif verdict.route == Route.DEAD_LETTER:
+            self.dead_lettered += 1
+
+
+def batch_metrics(
+    groups: list[Group],
+    version: int,
+    stats: TakeStats,
+    tally: Tally,
+    *,
+    wait_s: float,
+    alive: int,
+    in_flight: int,
+    blocked_delta_ms: int,
+) -> dict[str, float]:
+    """:attr:`Batch.metrics`: the batch, the pipeline when it was taken, what the take handed back."""
+    staleness = [g.staleness(version) for g in groups]
+    rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
+    metrics: dict[str, float] = {
+        "groups": float(len(groups)),
+        "weight_version": float(version),
+        "wait_time_s": wait_s,
+        "backlog": float(stats.groups_length - stats.groups_pending),
+        "taken_uncommitted": float(stats.groups_pending),
+        "in_flight_prompts": float(stats.prompts_pending),
+        "in_flight_samples": float(in_flight),
+        "producers_alive": float(alive),
+        **{f"recycled_{kind}": float(tally.recycled[kind]) for kind in RECYCLE_COUNTERS},
+        "dead_lettered": float(tally.dead_lettered),
+        "filtered": float(sum(tally.filtered.values())),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_max": float(max(staleness, default=0)),
+        "staleness_max_seen": float(tally.staleness_max_seen),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "admission_blocked_s": blocked_delta_ms / 1000,
+    }
+    for reason, count in tally.filtered.items():
+        metrics[f"filtered/{reason}"] = float(count)
+    return metrics

@@ -23,11 +23,8 @@ take loop and the hand-backs).
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import Counter, deque
-from collections.abc import Coroutine, Generator
-from dataclasses import dataclass, field
+from collections import deque
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +39,10 @@ from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
 
-from .batch import Batch, batch_id
+from .batch import Batch, Tally, batch_id, batch_metrics
+from .connecting import Connecting
 from .filters import KeepFilter
-from .health import StaleStreak, StallClock, alive_producers, unrecovered_failure, wait_summary
+from .health import StaleWatch, StallClock, alive_producers, unrecovered_failure, wait_summary
 from .lease import NameHold
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
 from .verdict import (
@@ -54,10 +52,8 @@ from .verdict import (
     STALE_STREAK_MIN,
     Cause,
     Route,
-    StaleContext,
     Verdict,
     judge,
-    stale_reportable,
 )
 
 if TYPE_CHECKING:
@@ -86,16 +82,6 @@ UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
-
-
-@dataclass(slots=True)
-class _Tally:
-    recycled: Counter[str] = field(default_factory=Counter)
-    """Recycled groups of this take, by cause (the keys of RECYCLE_COUNTERS)."""
-    dead_lettered: int = 0
-    filtered: Counter[str] = field(default_factory=Counter)
-    staleness_max_seen: int = 0
-    """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
 
 
 class GroupConsumer:
@@ -136,9 +122,7 @@ class GroupConsumer:
         # Entries put back after a cancelled take() whose hand-back script may have run meanwhile:
         # finding them deleted is expected, not a loss.
         self._handed_back_maybe: set[bytes] = set()
-        # The groups recycled as stale since the last usable one (None: the last group was usable).
-        self._stale: StaleStreak | None = None
-        self._fresh_seen = False
+        self._stale = StaleWatch(config.batch_size)
 
     @property
     def keep(self) -> KeepFilter | None:
@@ -242,7 +226,7 @@ class GroupConsumer:
         staleness_limit = self.config.max_staleness if max_staleness is UNSET else max_staleness
         keep_filter = self.keep if keep is UNSET else keep
         started = time.monotonic()
-        tally = _Tally()
+        tally = Tally()
         taken: list[tuple[bytes, Group]] = []
         entries: deque[Entry] = deque()
         redelivered = False
@@ -282,7 +266,7 @@ class GroupConsumer:
                     entries.popleft()
                     if group is not None:
                         taken.append((entry_id, group))
-                if self._stale is not None:
+                if self._stale.streak is not None:
                     await self._stale_check(target, started, len(taken))
                 if got or len(taken) >= target:
                     continue
@@ -371,7 +355,7 @@ class GroupConsumer:
         version: int,
         staleness_limit: int | None,
         keep_filter: KeepFilter | None,
-        tally: _Tally,
+        tally: Tally,
     ) -> Group | None:
         """The group if usable; otherwise hand it back as :func:`.verdict.judge` says and None."""
         if not fields:
@@ -386,26 +370,18 @@ class GroupConsumer:
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 self._handed_back_maybe.discard(entry_id)
                 return None
-        streak = 0 if self._stale is None else self._stale.count
         verdict = judge(
             fields, self.config, version=version, staleness_limit=staleness_limit, keep=keep_filter,
-            limits=self.options.limits, stale=StaleContext(self._fresh_seen, streak),
+            limits=self.options.limits, stale=self._stale.context(),
         )
-        if verdict.staleness is not None:
-            tally.staleness_max_seen = max(tally.staleness_max_seen, verdict.staleness)
-        if verdict.cause == Cause.STALE and verdict.group is not None and staleness_limit is not None:
-            self._count_stale(verdict.group, version, staleness_limit)
-        elif verdict.cause.fresh:
-            self._stale = None  # a fresh group: whatever went stale before, weights reach the engines
-            self._fresh_seen = True
-        if verdict.rejection is not None:
-            tally.filtered[verdict.rejection] += 1
+        self._stale.saw(verdict, version, staleness_limit)
+        tally.saw(verdict)
         if verdict.route == Route.KEEP:
             return verdict.group
         await self._hand_back(entry_id, verdict, tally)
         return None
 
-    async def _hand_back(self, entry_id: bytes, verdict: Verdict, tally: _Tally) -> None:
+    async def _hand_back(self, entry_id: bytes, verdict: Verdict, tally: Tally) -> None:
         """Carry out a verdict other than keep (one Lua script)."""
         group, reason = verdict.group, verdict.reason
         if verdict.route == Route.DROP:
@@ -415,7 +391,7 @@ class GroupConsumer:
         if verdict.route == Route.RECYCLE:
             counter = RECYCLE_COUNTERS[verdict.cause]
             if await self._outage.run(lambda: self.queue.recycle(entry_id, counter, fields)):
-                tally.recycled[verdict.cause] += 1
+                tally.handed_back(verdict)
                 logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index if group else -1, reason)
             return
         prompt = verdict.prompt
@@ -429,25 +405,14 @@ class GroupConsumer:
                 self.name, prompt.index, prompt.attempt, "; ".join(prompt.history),
             )
         if await self._outage.run(lambda: self.queue.dead_letter(entry_id, fields, reason)):
-            tally.dead_lettered += 1
-
-    def _count_stale(self, group: Group, version: int, limit: int) -> None:
-        versions = [v for s in group.samples for v in s.weight_versions]
-        oldest, newest = (min(versions), max(versions)) if versions else (0, 0)
-        if self._stale is None:
-            self._stale = StaleStreak(time.monotonic(), now_ms(), oldest, newest, version, limit)
-        self._stale.add(oldest, newest, version, limit)
-
-    @property
-    def _stale_reportable(self) -> bool:
-        return self._stale is not None and stale_reportable(self._stale.count, self.config.batch_size)
+            tally.handed_back(verdict)
 
     async def _stale_check(self, target: int, started: float, have: int) -> None:
         """Report a streak of stale recycles at once, then every ``warn_interval`` (log and the
         state hash, for ``inspect``); past ``stall_timeout`` of nothing but stale groups, raise
         :class:`AllGroupsStale`: recycling them for ever would only burn engine time."""
-        streak = self._stale
-        if streak is None or not self._stale_reportable:
+        streak = self._stale.reportable
+        if streak is None:
             return
         now = time.monotonic()
         if now - streak.reported >= self.options.warn_interval:
@@ -459,7 +424,7 @@ class GroupConsumer:
             values = streak.record(now_ms())
             await self._outage.run(lambda: self.monitor.record_stale_streak(values))
         if now - streak.since > self.options.stall_timeout:
-            self._stale = None  # a trainer that goes on (new weights pushed) gets a fresh window
+            self._stale.streak = None  # a trainer that goes on (new weights pushed) gets a fresh window
             raise AllGroupsStale(
                 f"take({target}) of namespace {self.keys.namespace!r}: for more than the "
                 f"{self.options.stall_timeout:.0f} s stall timeout every group read was recycled as stale; "
@@ -509,43 +474,25 @@ class GroupConsumer:
             if self._warned_fatal != event.id:
                 self._warned_fatal = event.id
                 logger.warning("producer %s failed: %s\n%s", event.source, event.message, event.traceback)
-        stale = self._stale.describe() if self._stale is not None and self._stale_reportable else None
+        streak = self._stale.reportable
+        stale = streak.describe() if streak is not None else None
         return wait_summary(diagnosis, self.config, last_error=last_error, stale=stale)
 
     async def _finish(
-        self, taken: list[tuple[bytes, Group]], version: int, started: float, tally: _Tally, redelivered: bool
+        self, taken: list[tuple[bytes, Group]], version: int, started: float, tally: Tally, redelivered: bool
     ) -> Batch:
         wait = time.monotonic() - started
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
         groups = [g for _, g in taken]
-        staleness = [g.staleness(version) for g in groups]
-        rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
         stats = await self.monitor.mark_take()
         alive, in_flight = live_producers(stats.heartbeats, now_ms(), self.config.heartbeat_timeout)
         blocked_ms = stats.admission_blocked_ms
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
         self._last_blocked_ms = blocked_ms
-        metrics: dict[str, float] = {
-            "groups": float(len(groups)),
-            "weight_version": float(version),
-            "wait_time_s": wait,
-            "backlog": float(stats.groups_length - stats.groups_pending),
-            "taken_uncommitted": float(stats.groups_pending),
-            "in_flight_prompts": float(stats.prompts_pending),
-            "in_flight_samples": float(in_flight),
-            "producers_alive": float(alive),
-            **{f"recycled_{kind}": float(tally.recycled[kind]) for kind in RECYCLE_COUNTERS},
-            "dead_lettered": float(tally.dead_lettered),
-            "filtered": float(sum(tally.filtered.values())),
-            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
-            "staleness_max": float(max(staleness, default=0)),
-            "staleness_max_seen": float(tally.staleness_max_seen),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-            "admission_blocked_s": blocked_delta / 1000,
-        }
-        for reason, count in tally.filtered.items():
-            metrics[f"filtered/{reason}"] = float(count)
+        metrics = batch_metrics(
+            groups, version, stats, tally, wait_s=wait, alive=alive, in_flight=in_flight, blocked_delta_ms=blocked_delta
+        )
         # the last step, after the last await: a call cancelled before here hands these out again
         self._handed_out.update(entry_ids)
         return Batch(
@@ -556,35 +503,3 @@ class GroupConsumer:
             weight_version=version,
             redelivered=redelivered,
         )
-
-
-class Connecting:
-    """What ``GroupConsumer.connect()`` returns: await it for the consumer, or use it as an
-    async context manager that closes the consumer on exit."""
-
-    def __init__(self, opening: Coroutine[Any, Any, GroupConsumer]) -> None:
-        self._opening: Coroutine[Any, Any, GroupConsumer] | None = opening
-        self._consumer: GroupConsumer | None = None
-
-    def _take(self) -> Coroutine[Any, Any, GroupConsumer]:
-        if self._opening is None:
-            raise RuntimeError("GroupConsumer.connect(...) can be awaited or entered only once")
-        opening, self._opening = self._opening, None
-        return opening
-
-    def __await__(self) -> Generator[Any, None, GroupConsumer]:
-        return self._take().__await__()
-
-    async def __aenter__(self) -> GroupConsumer:
-        self._consumer = await self._take()
-        return self._consumer
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._consumer is not None:
-            await self._consumer.aclose()
-
-    def __del__(self) -> None:
-        if self._opening is not None:  # never awaited: close the coroutine without a warning
-            self._opening.close()

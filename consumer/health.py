@@ -1,4 +1,4 @@
-"""Why a ``take()`` waits: the stall clock, the stale streak and the one-line diagnosis, pure.
+"""Why a ``take()`` waits: the stall clock, the stale streak and the one-line diagnosis; no I/O.
 
 The consumer reads a :class:`~rollstream.common.protocol.Diagnosis` in one pipelined round trip
 and hands it here; nothing in this module does I/O.
@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 from rollstream.common.admission import wait_cause
 from rollstream.common.config import PipelineConfig
-from rollstream.common.events import Event, unrecovered
+from rollstream.common.events import Event, now_ms, unrecovered
 from rollstream.common.keys import StateField
+from rollstream.common.models import Group
 from rollstream.common.namespace import state_int
 from rollstream.common.protocol import Diagnosis, Heartbeat, admission_refusals, live_producers
+
+from .verdict import Cause, StaleContext, Verdict, stale_reportable
 
 
 @dataclass(slots=True)
@@ -73,6 +76,41 @@ class StaleStreak:
             StateField.STALE_REPORTED_MS: reported_ms, StateField.STALE_ENGINE_OLDEST: self.oldest,
             StateField.STALE_ENGINE_NEWEST: self.newest, StateField.STALE_TRAINER_VERSION: self.trainer,
         }
+
+
+@dataclass(slots=True)
+class StaleWatch:
+    """The consumer's stale streak across takes: the groups recycled as stale since the last usable
+    one (None: the last group was usable), and whether any group was ever fresh."""
+
+    batch_size: int
+    streak: StaleStreak | None = None
+    fresh_seen: bool = False
+
+    def context(self) -> StaleContext:
+        """What :func:`.verdict.judge` needs to know of the streak."""
+        return StaleContext(self.fresh_seen, 0 if self.streak is None else self.streak.count)
+
+    def saw(self, verdict: Verdict, version: int, limit: int | None) -> None:
+        """Follow one verdict: a stale group extends the streak, a fresh one ends it."""
+        if verdict.cause == Cause.STALE and verdict.group is not None and limit is not None:
+            self._add(verdict.group, version, limit)
+        elif verdict.cause.fresh:
+            self.streak = None  # a fresh group: whatever went stale before, weights reach the engines
+            self.fresh_seen = True
+
+    @property
+    def reportable(self) -> StaleStreak | None:
+        """The streak when it is long enough to report (:func:`.verdict.stale_reportable`)."""
+        streak = self.streak
+        return streak if streak is not None and stale_reportable(streak.count, self.batch_size) else None
+
+    def _add(self, group: Group, version: int, limit: int) -> None:
+        versions = [v for s in group.samples for v in s.weight_versions]
+        oldest, newest = (min(versions), max(versions)) if versions else (0, 0)
+        if self.streak is None:
+            self.streak = StaleStreak(time.monotonic(), now_ms(), oldest, newest, version, limit)
+        self.streak.add(oldest, newest, version, limit)
 
 
 def alive_producers(diagnosis: Diagnosis, config: PipelineConfig) -> tuple[int, int]:
