@@ -164,7 +164,13 @@ class GroupConsumer:
             await redis.aclose()
             raise
         blocking = connect(url, block_ms=_READ_BLOCK_MS, name=f"rollstream-consumer-{name}-read")
-        consumer = cls(url, namespace, name, config, redis, blocking, options, hold)
+        try:
+            consumer = cls(url, namespace, name, config, redis, blocking, options, hold)
+        except BaseException:
+            await hold.release()
+            await redis.aclose()
+            await blocking.aclose()
+            raise
         hold.keep()
         return consumer
 
