@@ -17,7 +17,8 @@ of hanging, and logs a warning every 30 s; the diagnosis is one pipelined read
 The rooms of ``consumer/``: :mod:`.options` (the options, checked once), :mod:`.batch` (the batch
 and its numpy views), :mod:`.verdict` (the pure routing rule), :mod:`.health` (the pure
 diagnosis), :mod:`.lease` (the consumer name), :mod:`.sync` (the sync facade), this module (the
-take loop and the hand-backs).
+take loop and the hand-backs: about 500 lines, kept together because redelivery, orphans and
+cancellation share the loop's state).
 """
 
 from __future__ import annotations
