@@ -1,6 +1,6 @@
 """A waiting take()'s diagnosis: one pipelined read vs the seven sequential reads it replaced.
 
-``python -m bench.diagnose [--quick]``. Side by side, interleaved, on one Redis: the stall check
+``python -m bench [--quick] diagnose``. Side by side, interleaved, on one Redis: the stall check
 plus health summary of a ``take()`` that waits, as ``TrainerMonitor.diagnose()`` (one pipeline)
 and as the reads the consumer made before it (heartbeats; the group stream's length and pending
 count; heartbeats again; the state hash; the stream lengths; the admission terms; the newest
