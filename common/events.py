@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -73,7 +74,17 @@ def _text(fields: dict[bytes, bytes], key: str) -> str:
 @translate_errors
 async def recent_events(redis: Redis, keys: Keys, count: int = 20, kind: str | None = None) -> list[Event]:
     """The newest events first, optionally of one kind."""
-    raw = await redis.xrevrange(keys.events, count=count if kind is None else count * 20)
+    return parse_events(await redis.xrevrange(keys.events, count=events_to_read(count, kind)), keys, count, kind)
+
+
+def events_to_read(count: int, kind: str | None) -> int:
+    """How many entries :func:`recent_events` reads to find ``count`` events of ``kind``."""
+    return count if kind is None else count * 20
+
+
+def parse_events(raw: list[Any], keys: Keys, count: int, kind: str | None) -> list[Event]:
+    """The first ``count`` events (of ``kind``) of an XREVRANGE reply on the events stream: pure,
+    for a caller that reads it in a pipeline."""
     events = []
     for entry_id, fields in raw:
         ts_raw = fields.get(b"ts_ms")

@@ -1,4 +1,5 @@
-"""The trainer's side of rollstream: ``GroupConsumer`` (asyncio) and ``SyncGroupConsumer``.
+"""The trainer's side of rollstream: ``GroupConsumer`` (asyncio) and ``SyncGroupConsumer``,
+their options (``ConsumerOptions``) and the pure rule that routes each group (``judge``).
 
 Every error a trainer can meet is exported here; all derive from :class:`RollstreamError`
 (``ConfigError`` and ``DecodeError`` are also ``ValueError``). Redis connection problems
@@ -20,15 +21,21 @@ from rollstream.common.errors import (
 )
 from rollstream.common.models import Group, Sample, Status
 
-from .consumer import Batch, Connecting, GroupConsumer, SyncGroupConsumer
+from .batch import Batch
+from .consumer import Connecting, GroupConsumer
 from .filters import KeepFilter, rejection_reason, reward_variance
+from .options import ConsumerOptions
+from .sync import SyncGroupConsumer
+from .verdict import Cause, Route, Verdict, judge
 
 __all__ = [
     "AllGroupsStale",
     "Batch",
+    "Cause",
     "ConfigError",
     "Connecting",
     "ConsumerNameInUse",
+    "ConsumerOptions",
     "DecodeError",
     "Group",
     "GroupConsumer",
@@ -40,9 +47,12 @@ __all__ = [
     "ProducerFailed",
     "RedisDataLost",
     "RollstreamError",
+    "Route",
     "Sample",
     "Status",
     "SyncGroupConsumer",
+    "Verdict",
+    "judge",
     "rejection_reason",
     "reward_variance",
 ]

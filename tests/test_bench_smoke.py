@@ -89,3 +89,11 @@ def test_one_flag_quick_produces_rows() -> None:
     (table,) = bench_main.run(["one_flag"], quick=True)
     assert table.name == "one_flag" and len(table.rows) == 4
     assert all(row[1] > 0 for row in table.rows)
+
+
+@pytest.mark.timeout(120)
+def test_diagnose_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["diagnose"], quick=True)
+    assert table.name == "diagnose"
+    assert [(row[1], row[3]) for row in table.rows] == [(7, 1), (7, 1)]
+    assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in table.rows)

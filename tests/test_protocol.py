@@ -115,10 +115,6 @@ def test_heartbeats_are_folded_once_for_every_question() -> None:
     assert live_producers(raw, now, timeout) == (1, 4) and admission_refusals(raw, now, timeout) == fleet.refusals
 
 
-KEPT_FOR_CONSUMER = {"read_heartbeats"}
-"""Free functions of the protocol package that take a raw client, kept importable until
-``consumer/`` reads through the bound classes (then delete them here and there)."""
-CONSUMER_OWNED = {"common/protocol/trainer.py"}
 
 
 def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
@@ -127,12 +123,10 @@ def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
     offenders = []
     for path in sorted((ROOT / PROTOCOL_PACKAGE).glob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        if relative in CONSUMER_OWNED:
-            continue
         for node in ast.parse(path.read_text(), relative).body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
                 names = [a.arg for a in node.args.args]
-                if names and names[0] == "redis" and node.name not in KEPT_FOR_CONSUMER:
+                if names and names[0] == "redis":
                     offenders.append(f"{relative}:{node.lineno}: {node.name}({', '.join(names)})")
     assert not offenders, "free functions taking a client:\n" + "\n".join(offenders)
     assert all("redis" not in inspect.signature(fn).parameters for fn in (fold, live_producers, admission_refusals))

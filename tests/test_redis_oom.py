@@ -16,7 +16,7 @@ from redis.exceptions import OutOfMemoryError
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import RedisOutOfMemory
 from rollstream.common.keys import Keys
-from rollstream.common.protocol import Feed, GroupQueue, mark_take
+from rollstream.common.protocol import Feed, GroupQueue, TrainerMonitor
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.testing.server import EmbeddedRedis
@@ -55,7 +55,7 @@ async def test_scripts_refused_at_maxmemory_change_nothing_and_commit_frees_memo
             with pytest.raises(RedisOutOfMemory, match=r"maxmemory.*FEED script changed nothing"):
                 await feed.add(expected_next=0, next_after=1, epoch=0, position=1, dataset="d", entries=[{"a": "b"}])
             assert await redis.xlen(keys.prompts) == 0 and await redis.hget(keys.state, "feed_next_index") is None
-            stats = await mark_take(redis, keys)  # the take's time is refused, its statistics are read
+            stats = await TrainerMonitor(redis, keys).mark_take()  # the take's time is refused, its statistics are read
             assert stats.groups_pending == len(delivered)
             assert await queue.commit([eid for eid, _ in delivered]) == len(delivered)
             assert await redis.xlen(keys.groups) == 0

@@ -17,7 +17,8 @@ classes call through :class:`~..lua.Scripts`.
 * :mod:`.keyspace` :class:`Keyspace`: a namespace's keys as a whole (list, delete, trainer names).
 * :mod:`.stores` :class:`DeadLetters`, :class:`JournalHash`, :class:`RolloutFlagsHash`.
 * :mod:`.views` :class:`StreamView`: every read-only look ``inspect`` takes.
-* :mod:`.trainer`: what a ``take()`` reads and records (the consumer's).
+* :mod:`.trainer` :class:`TrainerMonitor`: what a ``take()`` reads and records, and the diagnosis
+  of a waiting take, one round trip each (the consumer's).
 * :mod:`.guard` :class:`Guarded`, the base of every namespace client: NOGROUP (the namespace was
   deleted, a consumer group destroyed; also raised inside a Lua script) becomes
   :class:`~..errors.NamespaceGone` naming the namespace, or :class:`~..errors.RedisDataLost` when
@@ -34,11 +35,11 @@ from .control import TAKEN_MESSAGE, Control
 from .feed import Feed, FeedCursor, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
-from .heartbeats import Heartbeats, read_heartbeats
+from .heartbeats import Heartbeats
 from .keyspace import Keyspace
 from .prompts import Admission, Admitted, PromptQueue
 from .stores import DeadLetters, JournalHash, RolloutFlagsHash
-from .trainer import TakeStats, mark_take, read_admission_terms, record_stale_streak, stream_lengths, waiting_groups
+from .trainer import Diagnosis, TakeStats, TrainerMonitor
 from .views import StreamView
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Admitted",
     "Control",
     "DeadLetters",
+    "Diagnosis",
     "Entry",
     "Feed",
     "FeedCursor",
@@ -64,19 +66,14 @@ __all__ = [
     "Server",
     "StreamView",
     "TakeStats",
+    "TrainerMonitor",
     "Translated",
     "admission_refusals",
     "flat_entries",
     "fold",
     "is_nogroup",
     "live_producers",
-    "mark_take",
     "nogroup_error",
     "raise_if_refused",
-    "read_admission_terms",
-    "read_heartbeats",
-    "record_stale_streak",
     "state_mismatch",
-    "stream_lengths",
-    "waiting_groups",
 ]

@@ -37,7 +37,3 @@ class Heartbeats(Translated):
         raw = await self.redis.hget(self.keys.producers, name)
         return None if raw is None else Heartbeat.parse(raw)
 
-
-async def read_heartbeats(redis: Redis, keys: Keys) -> dict[bytes, bytes]:
-    """Kept for ``consumer/`` until it reads :meth:`Heartbeats.raw` (then delete this)."""
-    return await Heartbeats(redis, keys).raw()

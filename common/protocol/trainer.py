@@ -1,4 +1,10 @@
-"""What a ``take()`` reads and records beside its groups."""
+"""What a ``take()`` reads and records beside its groups: :class:`TrainerMonitor`.
+
+The consumer's other Redis reads (its groups, its name lease) are :class:`~.groups.GroupQueue` and
+:class:`~.groups.NameLease`; this class holds the rest, each one round trip: the statistics of a
+take (:meth:`TrainerMonitor.mark_take`), the diagnosis of a wait (:meth:`TrainerMonitor.diagnose`),
+the admission terms ``inspect`` shows, the stale-streak record.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from ..admission import AdmissionTerms, admission_capacity
 from ..config import PipelineConfig
-from ..events import now_ms
+from ..events import FATAL, Event, events_to_read, now_ms, parse_events
 from ..keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from ..parse import int_or
-from ..redis_errors import is_oom, translate_errors
+from ..parse import int_or, text
+from ..redis_errors import is_oom
 from .control import TAKEN_MESSAGE
+from .guard import Guarded, is_nogroup
 
 # -- views -----------------------------------------------------------------------------------
 
@@ -31,93 +39,172 @@ class TakeStats:
     heartbeats: dict[bytes, bytes]
 
 
-@translate_errors
-async def mark_take(redis: Redis, keys: Keys) -> TakeStats:
-    """Record the time of a ``take()`` (not when Redis is out of memory) and read its statistics
-    (one round trip), then announce it: producers refused for a full backlog retry at once instead
-    of polling ADMIT every 0.2 s (docs/scale.md). The PUBLISH is a command of its own: a Redis
-    Cluster pipeline cannot route it."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
-        pipe.xlen(keys.groups)
-        pipe.xpending(keys.groups, TRAINER_GROUP)
-        pipe.xpending(keys.prompts, PRODUCERS_GROUP)
-        pipe.xpending(keys.retry, PRODUCERS_GROUP)
-        pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
-        pipe.hgetall(keys.producers)
-        replies = await pipe.execute(raise_on_error=False)
-    # The time of the take is a statistic: Redis refuses it at maxmemory, and take() goes on.
-    if isinstance(replies[0], Exception) and not is_oom(replies[0]):
-        raise replies[0]
-    for reply in replies[1:]:
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """Everything a waiting ``take()`` looks at to say why it waits, read in one round trip."""
+
+    now_ms: int
+    """When it was read (the clock heartbeats are judged against)."""
+    heartbeats: dict[bytes, bytes]
+    """The raw ``producers`` hash (parse with :class:`~..heartbeat.Heartbeat`)."""
+    state: dict[str, str]
+    """The ``state`` hash as text (damaged bytes replaced)."""
+    groups_length: int
+    groups_pending: int
+    queued: int
+    """Entries in the prompt and retry streams."""
+    terms: AdmissionTerms
+    """The admission rule's terms now (what ADMIT would compute)."""
+    fatal: Event | None
+    """The newest producer FATAL event, if any (recovered or not: see ``events.unrecovered``)."""
+
+    @property
+    def waiting(self) -> int:
+        """Groups in the group stream not delivered to any trainer consumer yet."""
+        return max(0, self.groups_length - self.groups_pending)
+
+
+def _pending(reply: Any) -> int:
+    """An XPENDING summary's count; a group that does not exist (NOGROUP) counts as 0, any other
+    error is raised."""
+    if isinstance(reply, ResponseError) and is_nogroup(reply):
+        return 0
+    if isinstance(reply, Exception):
+        raise reply
+    return int(reply["pending"])
+
+
+def _raise_errors(replies: list[Any]) -> None:
+    for reply in replies:
         if isinstance(reply, Exception):
             raise reply
-    _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = replies
-    await redis.publish(keys.control, TAKEN_MESSAGE)
-    return TakeStats(
-        groups_length=int(groups_len),
-        groups_pending=int(groups_pending["pending"]),
-        prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
-        admission_blocked_ms=int_or(blocked_raw),
-        heartbeats=dict(beats),
-    )
 
 
-@translate_errors
-async def record_stale_streak(redis: Redis, keys: Keys, values: Mapping[str, int]) -> None:
-    """Write a trainer's stale-recycling diagnosis (the ``StateField.STALE`` fields) for ``inspect``."""
-    await redis.hset(keys.state, mapping={name: int(values[name]) for name in StateField.STALE})
-
-
-@translate_errors
-async def read_admission_terms(redis: Redis, keys: Keys, config: PipelineConfig) -> AdmissionTerms:
-    """The admission rule's terms now (what ADMIT would compute), read in one round trip; a
-    stream or group that does not exist counts as empty."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xpending(keys.prompts, PRODUCERS_GROUP)
-        pipe.xpending(keys.retry, PRODUCERS_GROUP)
-        pipe.xlen(keys.groups)
-        pipe.xpending(keys.groups, TRAINER_GROUP)
-        pipe.hmget(
-            keys.state,
-            [StateField.COMMITTED, StateField.VERSION_START_CONSUMED, StateField.PREV_VERSION_CONSUMED],
-        )
-        replies = await pipe.execute(raise_on_error=False)
-
-    def pending(reply: Any) -> int:
-        return int(reply["pending"]) if isinstance(reply, dict) else 0
-
-    committed, start, prev = (int_or(v) for v in replies[4])
+def _admission_terms(
+    config: PipelineConfig,
+    state: Mapping[str, Any],
+    *,
+    prompts: int,
+    retry: int,
+    groups_length: int,
+    groups_pending: int,
+) -> AdmissionTerms:
+    """The one mapping from what Redis holds to the admission rule's terms."""
     return admission_capacity(
-        prompts_pending=pending(replies[0]),
-        retry_pending=pending(replies[1]),
-        groups_length=int_or(replies[2]),
-        groups_pending=pending(replies[3]),
-        committed=committed,
-        version_start_consumed=start,
-        prev_version_consumed=prev,
+        prompts_pending=prompts,
+        retry_pending=retry,
+        groups_length=groups_length,
+        groups_pending=groups_pending,
+        committed=int_or(state.get(StateField.COMMITTED)),
+        version_start_consumed=int_or(state.get(StateField.VERSION_START_CONSUMED)),
+        prev_version_consumed=int_or(state.get(StateField.PREV_VERSION_CONSUMED)),
         steps_per_version=config.steps_per_version,
         max_staleness=config.max_staleness or 0,
         batch_size=config.batch_size,
     )
 
 
-@translate_errors
-async def stream_lengths(redis: Redis, keys: Keys) -> tuple[int, int]:
-    """(entries in the group stream, entries in the prompt and retry streams)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(keys.groups)
-        pipe.xlen(keys.prompts)
-        pipe.xlen(keys.retry)
-        groups, prompts, retry = await pipe.execute()
-    return int(groups), int(prompts) + int(retry)
+FATAL_SCAN = events_to_read(1, FATAL)
+"""Events read (newest first) to find the newest FATAL one, as ``recent_events(count=1, kind=FATAL)``."""
 
 
-@translate_errors
-async def waiting_groups(redis: Redis, keys: Keys) -> int:
-    """Groups in the group stream not delivered to any trainer consumer yet."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(keys.groups)
-        pipe.xpending(keys.groups, TRAINER_GROUP)
-        length, pending = await pipe.execute()
-    return max(0, int(length) - int(pending["pending"]))
+class TrainerMonitor(Guarded):
+    """A trainer's reads and records beside its groups, on one namespace (NOGROUP, NOPERM and OOM
+    translated as for every namespace client)."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def mark_take(self) -> TakeStats:
+        """Record the time of a ``take()`` (not when Redis is out of memory) and read its statistics
+        (one round trip), then announce it: producers refused for a full backlog retry at once instead
+        of polling ADMIT every 0.2 s (docs/scale.md). The PUBLISH is a command of its own: a Redis
+        Cluster pipeline cannot route it."""
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
+            pipe.xlen(keys.groups)
+            pipe.xpending(keys.groups, TRAINER_GROUP)
+            pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+            pipe.xpending(keys.retry, PRODUCERS_GROUP)
+            pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
+            pipe.hgetall(keys.producers)
+            replies = await pipe.execute(raise_on_error=False)
+        # The time of the take is a statistic: Redis refuses it at maxmemory, and take() goes on.
+        if isinstance(replies[0], Exception) and not is_oom(replies[0]):
+            raise replies[0]
+        _raise_errors(replies[1:])
+        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = replies
+        await self.redis.publish(keys.control, TAKEN_MESSAGE)
+        return TakeStats(
+            groups_length=int(groups_len),
+            groups_pending=int(groups_pending["pending"]),
+            prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
+            admission_blocked_ms=int_or(blocked_raw),
+            heartbeats=dict(beats),
+        )
+
+    async def diagnose(self, config: PipelineConfig) -> Diagnosis:
+        """Why a take waits, in one pipelined round trip: heartbeats, state, stream lengths, the
+        admission terms and the newest FATAL event. A missing producers' group counts as empty (as
+        for :meth:`admission_terms`); a missing trainer group is a deleted namespace (NamespaceGone)."""
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.producers)
+            pipe.hgetall(keys.state)
+            pipe.xlen(keys.groups)
+            pipe.xlen(keys.prompts)
+            pipe.xlen(keys.retry)
+            pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+            pipe.xpending(keys.retry, PRODUCERS_GROUP)
+            pipe.xpending(keys.groups, TRAINER_GROUP)
+            pipe.xrevrange(keys.events, count=FATAL_SCAN)
+            replies = await pipe.execute(raise_on_error=False)
+        beats, state_raw, groups_len, prompts_len, retry_len, prompts_raw, retry_raw, groups_raw, events = replies
+        _raise_errors([beats, state_raw, groups_len, prompts_len, retry_len, groups_raw, events])
+        prompts, retry, groups_pending = _pending(prompts_raw), _pending(retry_raw), int(groups_raw["pending"])
+        state = {text(k): text(v) for k, v in state_raw.items()}
+        fatal = parse_events(events, keys, 1, FATAL)
+        return Diagnosis(
+            now_ms=now_ms(),
+            heartbeats=dict(beats),
+            state=state,
+            groups_length=int(groups_len),
+            groups_pending=groups_pending,
+            queued=int(prompts_len) + int(retry_len),
+            terms=_admission_terms(
+                config, state, prompts=prompts, retry=retry, groups_length=int(groups_len),
+                groups_pending=groups_pending,
+            ),
+            fatal=fatal[0] if fatal else None,
+        )
+
+    async def admission_terms(self, config: PipelineConfig) -> AdmissionTerms:
+        """The admission rule's terms now (what ADMIT would compute), read in one round trip; a
+        stream or group that does not exist counts as empty."""
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+            pipe.xpending(keys.retry, PRODUCERS_GROUP)
+            pipe.xlen(keys.groups)
+            pipe.xpending(keys.groups, TRAINER_GROUP)
+            pipe.hmget(
+                keys.state,
+                [StateField.COMMITTED, StateField.VERSION_START_CONSUMED, StateField.PREV_VERSION_CONSUMED],
+            )
+            replies = await pipe.execute(raise_on_error=False)
+
+        def pending(reply: Any) -> int:
+            return int(reply["pending"]) if isinstance(reply, dict) else 0
+
+        fields = (StateField.COMMITTED, StateField.VERSION_START_CONSUMED, StateField.PREV_VERSION_CONSUMED)
+        return _admission_terms(
+            config, dict(zip(fields, replies[4], strict=True)), prompts=pending(replies[0]),
+            retry=pending(replies[1]), groups_length=int_or(replies[2]), groups_pending=pending(replies[3]),
+        )
+
+    async def record_stale_streak(self, values: Mapping[str, int]) -> None:
+        """Write a trainer's stale-recycling diagnosis (the ``StateField.STALE`` fields) for ``inspect``."""
+        await self.redis.hset(self.keys.state, mapping={name: int(values[name]) for name in StateField.STALE})
+

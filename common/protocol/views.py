@@ -15,7 +15,7 @@ from ..keys import Keys
 from ..redis_errors import is_oom
 from .guard import Guarded, Server, raise_if_refused
 from .heartbeats import Heartbeats
-from .trainer import read_admission_terms
+from .trainer import TrainerMonitor
 
 # -- read-only views (operators) ------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class StreamView(Guarded):
 
     async def admission_terms(self, config: PipelineConfig) -> AdmissionTerms:
         """The admission rule's terms now (what ADMIT would compute)."""
-        return await read_admission_terms(self.redis, self.keys, config)
+        return await TrainerMonitor(self.redis, self.keys).admission_terms(config)
 
     async def events(self, count: int) -> list[Event]:
         """The newest ``count`` events of the namespace's log (:func:`~..events.recent_events`)."""

@@ -1,0 +1,172 @@
+"""A batch of taken groups, :class:`Batch`: its zero-copy numpy views (extra ``numpy``) and its metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rollstream.common.imports import require_extra
+from rollstream.common.models import FloatArray, Group, IntArray
+from rollstream.common.protocol import TakeStats
+
+from .verdict import RECYCLE_COUNTERS, Route, Verdict
+
+if TYPE_CHECKING:
+    import numpy
+
+
+@dataclass(slots=True)
+class Batch:
+    """Exactly ``target`` groups, sorted by index, and what it took to get them."""
+
+    id: str
+    """Stable across redelivery: derived from the stream entry ids of the groups."""
+    groups: list[Group]
+    entry_ids: list[bytes]
+    metrics: dict[str, float] = field(default_factory=dict)
+    weight_version: int = 0
+    redelivered: bool = False
+    """True when (some of) these groups were taken before, by an earlier incarnation."""
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def tokens_numpy(self) -> list[numpy.ndarray]:
+        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
+        in batch order, samples in group order. Zero-copy: each array is a view on the sample's
+        packed array, which for groups from ``take()`` is the entry's bytes as Redis sent them; it
+        keeps that buffer alive, so it stays valid after :meth:`commit <GroupConsumer.commit>`,
+        after the consumer is closed and after the batch is dropped. Such arrays are read-only
+        (``.copy()`` one to modify it). Needs numpy (extra ``numpy``)."""
+        return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
+
+    def log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.rollout_log_probs) if s.rollout_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as
+        :meth:`tokens_numpy`."""
+        return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
+
+    def routed_experts_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's routing replay (R3) as a ``(len(tokens) - 1, layers, topk)`` view in its
+        wire dtype (``uint8`` for up to 256 experts, ``uint16``, ``int32``; ``.astype`` for
+        another), None where absent; zero-copy as :meth:`tokens_numpy`."""
+        return self._packed_numpy("routed_experts")
+
+    def indexer_topk_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's indexer top-k replay (DSA models), as :meth:`routed_experts_numpy`."""
+        return self._packed_numpy("indexer_topk")
+
+    def top_p_numpy(self) -> list[tuple[numpy.ndarray, numpy.ndarray] | None]:
+        """Every sample's nucleus replay as ``(token_ids, offsets)`` views (response token ``i``
+        kept ``token_ids[offsets[i]:offsets[i + 1]]``), None where absent."""
+        return [
+            (s.top_p_token_ids.numpy(), s.top_p_token_offsets.numpy())
+            if s.top_p_token_ids is not None and s.top_p_token_offsets is not None else None
+            for g in self.groups for s in g.samples
+        ]
+
+    def teacher_log_probs_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's teacher log-probs (``response_length`` float32s), as :meth:`tokens_numpy`."""
+        return [_numpy_view(s.teacher_log_probs) if s.teacher_log_probs is not None else None
+                for g in self.groups for s in g.samples]
+
+    def opd_reverse_kl_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's OPD reverse-KL estimate (float32s), as :meth:`tokens_numpy`."""
+        return [_numpy_view(s.opd_reverse_kl) if s.opd_reverse_kl is not None else None
+                for g in self.groups for s in g.samples]
+
+    def _packed_numpy(self, name: str) -> list[numpy.ndarray | None]:
+        out: list[numpy.ndarray | None] = []
+        for g in self.groups:
+            for s in g.samples:
+                packed = getattr(s, name)
+                out.append(None if packed is None else packed.numpy())
+        return out
+
+
+_NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8", "H": "uint16"}
+
+
+def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
+    """A numpy array sharing ``values``' memory (the codec's arrays are native-endian)."""
+    np = require_extra("numpy", "numpy", "numpy views of a batch")
+    code = values.typecode if isinstance(values, array) else values.format
+    return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+
+
+def batch_id(entry_ids: list[bytes]) -> str:
+    """The batch's id: a digest of its entry ids, so a redelivered batch keeps it."""
+    digest = hashlib.sha1(b"\n".join(sorted(entry_ids)), usedforsecurity=False).hexdigest()
+    return f"b-{digest[:16]}"
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one ``take()`` handed back, for the batch's metrics."""
+
+    recycled: Counter[str] = field(default_factory=Counter)
+    """Recycled groups of this take, by cause (the keys of RECYCLE_COUNTERS)."""
+    dead_lettered: int = 0
+    filtered: Counter[str] = field(default_factory=Counter)
+    staleness_max_seen: int = 0
+    """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
+
+    def saw(self, verdict: Verdict) -> None:
+        """Count a verdict as judged (the hand-back itself is counted once Redis confirms it)."""
+        if verdict.staleness is not None:
+            self.staleness_max_seen = max(self.staleness_max_seen, verdict.staleness)
+        if verdict.rejection is not None:
+            self.filtered[verdict.rejection] += 1
+
+    def handed_back(self, verdict: Verdict) -> None:
+        """Count a recycle or dead letter that Redis carried out."""
+        if verdict.route == Route.RECYCLE:
+            self.recycled[verdict.cause] += 1
+        elif verdict.route == Route.DEAD_LETTER:
+            self.dead_lettered += 1
+
+
+def batch_metrics(
+    groups: list[Group],
+    version: int,
+    stats: TakeStats,
+    tally: Tally,
+    *,
+    wait_s: float,
+    alive: int,
+    in_flight: int,
+    blocked_delta_ms: int,
+) -> dict[str, float]:
+    """:attr:`Batch.metrics`: the batch, the pipeline when it was taken, what the take handed back."""
+    staleness = [g.staleness(version) for g in groups]
+    rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
+    metrics: dict[str, float] = {
+        "groups": float(len(groups)),
+        "weight_version": float(version),
+        "wait_time_s": wait_s,
+        "backlog": float(stats.groups_length - stats.groups_pending),
+        "taken_uncommitted": float(stats.groups_pending),
+        "in_flight_prompts": float(stats.prompts_pending),
+        "in_flight_samples": float(in_flight),
+        "producers_alive": float(alive),
+        **{f"recycled_{kind}": float(tally.recycled[kind]) for kind in RECYCLE_COUNTERS},
+        "dead_lettered": float(tally.dead_lettered),
+        "filtered": float(sum(tally.filtered.values())),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_max": float(max(staleness, default=0)),
+        "staleness_max_seen": float(tally.staleness_max_seen),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "admission_blocked_s": blocked_delta_ms / 1000,
+    }
+    for reason, count in tally.filtered.items():
+        metrics[f"filtered/{reason}"] = float(count)
+    return metrics

@@ -1,0 +1,200 @@
+"""What becomes of a group entry ``take()`` reads: the one pure rule, :func:`judge`.
+
+In the order it is checked:
+
+* undecodable, wrong sample count, over the size limits -> dead-letter stream, with the reason;
+* any FAILED or ABORTED sample -> prompt recycled (``attempt + 1``, state reset, or with
+  partial rollout the partial samples kept); past ``max_attempts`` -> dead-letter stream;
+* staleness (trainer version - oldest sample version) above the limit -> recycled with its
+  attempt unchanged (staleness is not the prompt's fault); a prompt recycled as stale
+  :data:`MAX_STALE_RECYCLES` times in a row while other groups were fresh -> dead-letter stream;
+* rejected by the dynamic-sampling ``keep`` filter -> dropped and counted (or recycled, with
+  ``recycle_filtered``);
+* else kept.
+
+:func:`judge` does no I/O (the keep filter is the trainer's own function); the consumer carries
+out the :class:`Verdict` (one Lua script per hand-back) and keeps the counts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
+from rollstream.common.config import PipelineConfig
+from rollstream.common.errors import DecodeError
+from rollstream.common.keys import StateField
+from rollstream.common.models import Group, Prompt, Status, retry_prompt
+
+from .filters import KeepFilter, rejection_reason
+
+STALE_STREAK_MIN = 4
+"""Groups recycled as stale in a row (and at least a batch of them) before ``take()`` reports
+that everything goes stale."""
+MAX_STALE_RECYCLES = 20
+"""A prompt recycled as stale this many times in a row while other groups were fresh (its own
+generation outlasts the staleness window) is dead-lettered; at most ``MAX_HISTORY``."""
+ALL_STALE_MARK = " (all groups stale)"
+"""Appended to a stale recycle's reason in the prompt's history when every group was going stale
+(the pipeline's fault): those never count towards :data:`MAX_STALE_RECYCLES`."""
+
+
+class Cause(enum.StrEnum):
+    """What the group is, as found by the checks (in their order)."""
+
+    UNDECODABLE = "undecodable"
+    WRONG_SIZE = "wrong_group_size"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    STALE = "stale"
+    FILTERED = "filtered"
+    USABLE = "usable"
+
+    @property
+    def fresh(self) -> bool:
+        """Within the staleness limit: whatever went stale before, weights reach the engines."""
+        return self in (Cause.FILTERED, Cause.USABLE)
+
+
+class Route(enum.StrEnum):
+    """Where the entry goes."""
+
+    KEEP = "keep"
+    """Into the batch."""
+    RECYCLE = "recycle"
+    """Its prompt back to the retry stream (``Verdict.fields``)."""
+    DROP = "drop"
+    """Acknowledged and counted as filtered (``StateField.filtered(reason)``)."""
+    DEAD_LETTER = "dead_letter"
+    """To the dead-letter stream with ``Verdict.reason`` (``Verdict.fields``: a prompt, or the raw
+    entry when it cannot be decoded)."""
+
+
+RECYCLE_COUNTERS = {
+    Cause.ABORTED: StateField.RECYCLED_ABORTED,
+    Cause.STALE: StateField.RECYCLED_STALE,
+    Cause.FAILED: StateField.RECYCLED_FAILED,
+    Cause.FILTERED: StateField.RECYCLED_FILTERED,
+}
+"""Why a group is recycled -> its counter in the state hash (also its ``recycled_*`` metric)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """:func:`judge`'s answer for one entry."""
+
+    cause: Cause
+    route: Route
+    reason: str = ""
+    """Why (the recycle's history line, the dead letter's reason, the filter's reason for a drop)."""
+    group: Group | None = None
+    """The decoded group (None when undecodable)."""
+    fields: Mapping[Any, Any] | None = None
+    """What a recycle or dead letter writes."""
+    prompt: Prompt | None = None
+    """The prompt's next attempt, for a recycle or a dead letter of a decoded group."""
+    staleness: int | None = None
+    """The group's staleness (None when not decoded or of the wrong size)."""
+    rejection: str | None = None
+    """The keep filter's reason when it rejected the group (whatever the route)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StaleContext:
+    """What the verdict on a stale group depends on besides the group: the consumer's streak."""
+
+    fresh_seen: bool = False
+    """A group within the staleness limit has been read since the consumer connected."""
+    streak: int = 0
+    """Groups recycled as stale in a row before this one (across takes)."""
+
+
+def stale_reportable(streak: int, batch_size: int) -> bool:
+    """A streak long enough to be reported: a whole batch's worth of groups (at least
+    :data:`STALE_STREAK_MIN`), all stale."""
+    return streak >= max(batch_size, STALE_STREAK_MIN)
+
+
+def _stale_alone(reason: str) -> bool:
+    return reason.startswith("stale:") and not reason.endswith(ALL_STALE_MARK)
+
+
+def judge(
+    fields: Mapping[bytes, bytes],
+    config: PipelineConfig,
+    *,
+    version: int,
+    staleness_limit: int | None,
+    keep: KeepFilter | None = None,
+    limits: CodecLimits = DEFAULT_LIMITS,
+    stale: StaleContext = StaleContext(),
+) -> Verdict:
+    """The verdict on one group entry's ``fields`` for a trainer at weight ``version``."""
+    try:
+        group = decode_group_entry(fields, limits, views=True)
+    except DecodeError as exc:
+        return Verdict(Cause.UNDECODABLE, Route.DEAD_LETTER, f"{exc.reason}: {exc.detail}", fields=fields)
+    size_error = group.size_error(config.n_samples_per_prompt)
+    if size_error is not None:
+        reason = f"wrong_group_size: {size_error}"
+        # dead letters hold prompts: what `rollstream dead requeue` puts back
+        prompt = retry_prompt(group, reason)
+        return Verdict(Cause.WRONG_SIZE, Route.DEAD_LETTER, reason, group, prompt_fields(prompt), prompt)
+    staleness = group.staleness(version)
+    status = group.status
+    if status == Status.FAILED:
+        errors = {s.error or "failed" for s in group.samples if s.status == Status.FAILED}
+        return _recycle(group, Cause.FAILED, "; ".join(sorted(errors))[:300], config, staleness, stale)
+    if status == Status.ABORTED:
+        return _recycle(group, Cause.ABORTED, "", config, staleness, stale)
+    if staleness_limit is not None and staleness > staleness_limit:
+        return _recycle(group, Cause.STALE, f"staleness {staleness} > {staleness_limit}", config, staleness, stale)
+    if keep is not None:
+        rejection = rejection_reason(keep(group))
+        if rejection is not None:
+            if config.recycle_filtered:
+                return _recycle(group, Cause.FILTERED, rejection, config, staleness, stale, rejection)
+            return Verdict(Cause.FILTERED, Route.DROP, rejection, group, staleness=staleness, rejection=rejection)
+    return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness)
+
+
+def _recycle(
+    group: Group,
+    cause: Cause,
+    detail: str,
+    config: PipelineConfig,
+    staleness: int,
+    stale: StaleContext,
+    rejection: str | None = None,
+) -> Verdict:
+    """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
+    reason = f"{cause}: {detail}" if detail else str(cause)
+    keep_partial = cause == Cause.ABORTED and config.partial_rollout
+    # Staleness is the pipeline's doing, not the prompt's: it does not use up an attempt
+    # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
+    is_stale = cause == Cause.STALE
+    # other groups are fresh (this one counts towards the streak)
+    alone = is_stale and stale.fresh_seen and not stale_reportable(stale.streak + 1, config.batch_size)
+    if is_stale and not alone:
+        reason += ALL_STALE_MARK
+    prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not is_stale)
+    fields = prompt_fields(prompt)
+
+    def verdict(route: Route, why: str) -> Verdict:
+        return Verdict(cause, route, why, group, fields, prompt, staleness, rejection)
+
+    recent = prompt.history[-MAX_STALE_RECYCLES:]
+    if alone and len(recent) == MAX_STALE_RECYCLES and all(_stale_alone(h) for h in recent):
+        # The one loop staleness can make for a prompt: its generation always outlasts the window.
+        return verdict(Route.DEAD_LETTER, (
+            f"stale_recycles: recycled as stale {MAX_STALE_RECYCLES} times in a row while other groups "
+            f"were fresh: its generation outlasts max_staleness versions (raise max_staleness or lower "
+            f"max_new_tokens); last: {reason}"
+        ))
+    if not is_stale and prompt.attempt > config.max_attempts:
+        attempts = f"recycled {prompt.attempt} times (> {config.max_attempts})"
+        return verdict(Route.DEAD_LETTER, f"max_attempts: {attempts}; last: {reason}")
+    return verdict(Route.RECYCLE, reason)
