@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from redis.asyncio import Redis
-from rollstream.common.admission import wait_cause
+from rollstream.common.admission import memory_deadlock, wait_cause
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
@@ -69,6 +69,7 @@ from rollstream.common.protocol import (
     read_admission_terms,
     read_heartbeats,
     record_stale_streak,
+    server_memory,
     stream_lengths,
     waiting_groups,
 )
@@ -290,6 +291,8 @@ class GroupConsumer:
         # The stall clock lives here, not in one take(): short calls (asyncio.timeout) add up.
         self._no_producer_since: float | None = None
         self._health_checked = 0.0
+        # Whether the last health check found Redis at maxmemory with nothing able to move.
+        self._memory_deadlock = False
         self._lease: NameLease | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._lease_lost: ConsumerNameInUse | None = None
@@ -509,7 +512,8 @@ class GroupConsumer:
                 health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.warn_interval:
                     last_warning = now
-                    logger.warning(
+                    # a deadlock at maxmemory ends only when someone raises maxmemory: an error
+                    (logger.error if self._memory_deadlock else logger.warning)(
                         "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
                         self.name, self.keys.namespace, target, now - started, len(taken), health,
                     )
@@ -760,7 +764,7 @@ class GroupConsumer:
 
     async def _check_health(self, target: int, started: float, have: int) -> str:
         """Raise ProducerFailed or PipelineStalled if due; a one-line summary for warnings."""
-        alive, health = await self._health()
+        alive, health = await self._health(target)
         without = self._tick_stall_clock(alive)
         if without > self.stall_timeout:
             raise PipelineStalled(
@@ -770,7 +774,7 @@ class GroupConsumer:
             )
         return health
 
-    async def _health(self) -> tuple[int, str]:
+    async def _health(self, target: int) -> tuple[int, str]:
         """Raise ProducerFailed if due; (live producers, a one-line summary for warnings that
         names the likeliest cause of the wait: ``common.admission.wait_cause``)."""
         now = now_ms()
@@ -801,6 +805,16 @@ class GroupConsumer:
         )
         if self._stale is not None and self._stale_reportable:
             cause = self._stale.describe()
+        memory = await server_memory(self.redis)  # None when INFO is not allowed
+        deadlock = memory_deadlock(
+            memory, prompts_waiting=max(0, queued - in_flight_prompts), in_flight_prompts=in_flight_prompts,
+            groups_held=backlog, batch_size=target,
+        )
+        self._memory_deadlock = deadlock is not None
+        if deadlock is not None:
+            cause = deadlock
+        elif memory and memory["maxmemory"] and memory["used_memory"] >= memory["maxmemory"]:
+            cause = f"Redis is at maxmemory (writes refused, backing off until commits free memory); {cause}"
         summary = (
             f"{cause} (backlog {backlog}, prompts queued {queued}, in flight {in_flight} samples, "
             f"live producers {alive}, paused {paused})"

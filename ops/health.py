@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.common.admission import AdmissionTerms, admission_stall
+from rollstream.common.admission import AdmissionTerms, admission_stall, memory_deadlock
 from rollstream.common.events import FATAL, unrecovered
 
 DEFAULT_STUCK_AFTER = 300.0
@@ -114,6 +114,16 @@ def judge(
         )
     prompts = snap["prompts"]
     retry = snap.get("retry") or {"waiting": 0, "in_flight": 0}
+    config = snap["config"]
+    deadlock = memory_deadlock(
+        snap.get("redis_memory"),
+        prompts_waiting=prompts["waiting"] + retry["waiting"],
+        in_flight_prompts=prompts["in_flight"] + retry["in_flight"],
+        groups_held=groups["backlog"] + groups["taken_uncommitted"],
+        batch_size=config["batch_size"] if config else 1,
+    )
+    if deadlock is not None:
+        problems.append(deadlock)
     admission = snap.get("admission")
     if admission is not None and alive:
         stall = admission_stall(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ProcessPool, make_namespace, redis_binary_under_test, wait_until
 from redis.exceptions import OutOfMemoryError
+from rollstream.common.admission import memory_deadlock
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import RedisOutOfMemory
 from rollstream.common.keys import Keys
@@ -24,6 +25,14 @@ from rollstream.testing.sim import SimConfig, SimEngine
 
 OOM_LINE = "Redis is out of memory (used_memory reached maxmemory"
 BACK_LINE = "Redis accepts writes again"
+
+
+async def _no_latency_histograms(redis: object) -> None:
+    """A limit set a few KiB above ``used_memory`` would be eaten by Redis 7's own per-command
+    histograms (24 KiB for each command first run after the reading: the trainer's commit, inspect,
+    the out-of-memory paths), leaving no room for the groups the trainer waits for. Redis 6.2 has none."""
+    if await redis.config_get("latency-tracking"):  # type: ignore[attr-defined]
+        await redis.config_set("latency-tracking", "no")  # type: ignore[attr-defined]
 
 
 async def _fill(redis: object, key: str) -> int:
@@ -91,6 +100,61 @@ async def test_outage_logs_out_of_memory_once_per_outage(caplog: pytest.LogCaptu
     assert (outage.oom_count, outage.count, outage.out_of_memory) == (1, 0, False)
 
 
+def test_memory_deadlock_is_named_only_when_nothing_can_move() -> None:
+    full = {"used_memory": 2 * 2**20, "maxmemory": 2 * 2**20}
+    still = {"prompts_waiting": 0, "in_flight_prompts": 0, "groups_held": 1, "batch_size": 4}
+    why = memory_deadlock(full, **still)
+    assert why is not None and why.startswith("deadlock at maxmemory") and "1 groups, fewer than a batch of 4" in why
+    near = {**full, "used_memory": 2 * 2**20 - 4096}  # a write's arguments would cross the limit
+    assert memory_deadlock(near, **still) is not None
+    assert memory_deadlock({**full, "used_memory": 2 * 2**20 - 65 * 1024}, **still) is None  # room for a write
+    assert memory_deadlock({**full, "maxmemory": 0}, **still) is None  # no limit
+    assert memory_deadlock(None, **still) is None  # INFO not allowed
+    assert memory_deadlock(full, **{**still, "prompts_waiting": 1}) is None  # a producer can publish it
+    assert memory_deadlock(full, **{**still, "in_flight_prompts": 1}) is None  # publishing works at maxmemory
+    assert memory_deadlock(full, **{**still, "groups_held": 4}) is None  # a take completes, its commit frees
+
+
+async def test_a_deadlock_at_maxmemory_is_an_error_in_take_and_a_problem_in_inspect(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Memory filled outside the pipeline, nothing queued: no group can ever come and no commit can
+    free memory. take() says so as an error (not "is the feeder running?"), inspect as a problem."""
+    with EmbeddedRedis(binary=redis_binary_under_test(), dir=tmp_path / "redis") as server:
+        admin = connect(server.url)
+        keys = Keys("oom-deadlock")
+        try:
+            await make_namespace(admin, keys.namespace, batch_size=4)
+            async with GroupConsumer.connect(server.url, keys.namespace, "t", warn_interval=0.2) as trainer:
+                used = int((await admin.info("memory"))["used_memory"])
+                await admin.config_set("maxmemory", used + 256 * 1024)
+                assert await _fill(admin, "other-data") > 10  # not the pipeline's: no commit frees it
+                problems = (await snapshot(admin, keys))["health"]["problems"]
+                assert any(p.startswith("deadlock at maxmemory") and "0 groups, fewer than a batch of 4" in p
+                           for p in problems), problems
+                with caplog.at_level(logging.WARNING, logger="rollstream.consumer"):
+
+                    async def reported() -> bool:
+                        return any(r.levelno == logging.ERROR and "deadlock at maxmemory" in r.getMessage()
+                                   for r in caplog.records)
+
+                    take = asyncio.create_task(trainer.take(4))
+                    try:
+                        await wait_until(reported, timeout=60, message="take()'s deadlock error")
+                    finally:
+                        take.cancel()
+                        await asyncio.wait([take])
+                    assert take.cancelled()  # it waited: the error is a report, not an exception
+                    assert not any("is the feeder running" in r.getMessage() for r in caplog.records)
+                # the remedy it names: more room (freeing other-data alone may not do on Redis 7, whose
+                # latency histograms took memory meanwhile)
+                await admin.config_set("maxmemory", used + 2 * 2**20)
+                problems = (await snapshot(admin, keys))["health"]["problems"]
+                assert not any("maxmemory" in p for p in problems), problems
+        finally:
+            await admin.aclose()
+
+
 async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_once(
     procs: ProcessPool, tmp_path: Path
 ) -> None:
@@ -104,6 +168,7 @@ async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_on
         ns = "oomflood"
         keys = Keys(ns)
         try:
+            await _no_latency_histograms(admin)
             await make_namespace(admin, ns, n_samples_per_prompt=2, batch_size=batch)
             # the trainer holds its name before Redis fills up (taking a new name is a write)
             async with SimEngine(SimConfig(seed=5, mean_tokens=256, length_sigma=0.0)) as sim, \
