@@ -69,7 +69,7 @@ async def test_scripts_refused_at_maxmemory_change_nothing_and_commit_frees_memo
             assert await queue.commit([eid for eid, _ in delivered]) == len(delivered)
             assert await redis.xlen(keys.groups) == 0
 
-            async def freed() -> bool:  # Redis 7 gives freed stream nodes back on its own time
+            async def freed() -> bool:  # Redis 7 shrinks grown client buffers in its cron, a moment later
                 memory = await redis.info("memory")
                 return int(memory["used_memory"]) < int(memory["maxmemory"])
 
