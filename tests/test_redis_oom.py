@@ -11,13 +11,15 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import ProcessPool, make_namespace, redis_binary_under_test, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, redis_binary_under_test, wait_until
 from redis.exceptions import OutOfMemoryError
 from rollstream.common.admission import memory_deadlock
+from rollstream.common.codec import group_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import RedisOutOfMemory
-from rollstream.common.keys import Keys
-from rollstream.common.protocol import Feed, GroupQueue, mark_take
+from rollstream.common.keys import PRODUCERS_GROUP, Keys
+from rollstream.common.models import Group, Sample, Status
+from rollstream.common.protocol import Feed, GroupQueue, PromptQueue, mark_take
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.testing.server import EmbeddedRedis
@@ -47,17 +49,24 @@ async def _fill(redis: object, key: str) -> int:
 
 
 async def test_scripts_refused_at_maxmemory_change_nothing_and_commit_frees_memory(tmp_path: Path) -> None:
-    """The building blocks: the feeder's script is refused whole (typed, transient), take's
-    bookkeeping write is skipped, and a commit still runs and frees memory."""
+    """The building blocks: the feeder's script is refused whole (typed, transient), a producer
+    still publishes a group, take's bookkeeping write is skipped, and a commit still runs and frees memory."""
     with EmbeddedRedis(binary=redis_binary_under_test(), dir=tmp_path / "redis") as server:
         redis = connect(server.url)
         try:
             keys = Keys("oom-unit")
             await make_namespace(redis, keys.namespace)
+            await add_prompts(redis, keys.namespace, 1)  # admitted by a producer before Redis fills up
+            [(_, [(prompt_id, _)])] = await redis.xreadgroup(PRODUCERS_GROUP, "p", {keys.prompts: ">"}, count=1)
             used = int((await redis.info("memory"))["used_memory"])
             await redis.config_set("maxmemory", used + 256 * 1024)
             filler = keys.groups  # group-sized entries in the group stream, delivered to a trainer
             assert await _fill(redis, filler) > 10
+            # the group that may be the one the trainer waits for is published all the same
+            samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1, status=Status.COMPLETED, weight_versions=[0])
+                       for i in range(2)]
+            group = Group(index=0, prompt="p", samples=samples)
+            assert await PromptQueue(redis, keys, "p").publish(keys.prompts, prompt_id, group_fields(group)) is not None
             queue = GroupQueue(redis, keys, "t")
             delivered = await queue.read(redis, 1000, 10)
             feed = Feed(redis, keys)
