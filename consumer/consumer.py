@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from redis.asyncio import Redis
-from rollstream.common.admission import memory_deadlock, wait_cause
+from rollstream.common.admission import WRITE_ROOM, memory_deadlock, wait_cause
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
@@ -86,6 +86,9 @@ _UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
+_MEMORY_RETRY_SECONDS = 60.0
+"""After INFO memory failed (a trainer ACL role without INFO, Redis unreachable), this long before
+the deadlock check at maxmemory asks again: no denied command at every health check."""
 
 
 NAME_LEASE_SECONDS = 10.0
@@ -291,8 +294,10 @@ class GroupConsumer:
         # The stall clock lives here, not in one take(): short calls (asyncio.timeout) add up.
         self._no_producer_since: float | None = None
         self._health_checked = 0.0
-        # Whether the last health check found Redis at maxmemory with nothing able to move.
+        # Whether the last health check found Redis at maxmemory with nothing able to move, and
+        # until when not to ask again after INFO failed (an ACL trainer role without INFO).
         self._memory_deadlock = False
+        self._memory_unread_until = 0.0
         self._lease: NameLease | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._lease_lost: ConsumerNameInUse | None = None
@@ -776,7 +781,8 @@ class GroupConsumer:
 
     async def _health(self, target: int) -> tuple[int, str]:
         """Raise ProducerFailed if due; (live producers, a one-line summary for warnings that
-        names the likeliest cause of the wait: ``common.admission.wait_cause``)."""
+        names the likeliest cause of the wait: ``common.admission.wait_cause``, or a deadlock at
+        maxmemory: ``common.admission.memory_deadlock``)."""
         now = now_ms()
         beats = await self._outage.run(lambda: read_heartbeats(self.redis, self.keys))
         alive, in_flight = live_producers(beats, now, self.config.heartbeat_timeout)
@@ -805,7 +811,11 @@ class GroupConsumer:
         )
         if self._stale is not None and self._stale_reportable:
             cause = self._stale.describe()
-        memory = await server_memory(self.redis)  # None when INFO is not allowed
+        memory = None
+        if time.monotonic() >= self._memory_unread_until:
+            memory = await server_memory(self.redis)  # None when INFO is not allowed
+            if memory is None:
+                self._memory_unread_until = time.monotonic() + _MEMORY_RETRY_SECONDS
         deadlock = memory_deadlock(
             memory, prompts_waiting=max(0, queued - in_flight_prompts), in_flight_prompts=in_flight_prompts,
             groups_held=backlog, batch_size=target,
@@ -813,7 +823,7 @@ class GroupConsumer:
         self._memory_deadlock = deadlock is not None
         if deadlock is not None:
             cause = deadlock
-        elif memory and memory["maxmemory"] and memory["used_memory"] >= memory["maxmemory"]:
+        elif memory and memory["maxmemory"] and memory["used_memory"] >= memory["maxmemory"] - WRITE_ROOM:
             cause = f"Redis is at maxmemory (writes refused, backing off until commits free memory); {cause}"
         summary = (
             f"{cause} (backlog {backlog}, prompts queued {queued}, in flight {in_flight} samples, "
