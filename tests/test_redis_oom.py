@@ -168,6 +168,7 @@ async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_on
     procs: ProcessPool, tmp_path: Path
 ) -> None:
     prompts, batch = 96, 4
+    warm_up, room = 16, 128 * 1024  # groups published before the limit; room above used_memory then
     dataset = tmp_path / "data.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": f"Compute {i} + 1.", "label": str(i + 1)}) + "\n"
                                for i in range(prompts)))
@@ -185,9 +186,21 @@ async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_on
                 producer = procs.producer(url, ns, sim.url, name="oom-producer", concurrency=16)
                 feeder = procs.start("feed", "--redis", url, "--ns", ns, str(dataset), "--window", "24",
                                      "--log-level", "INFO", log_name="feed")
-                await wait_until(lambda: admin.xlen(keys.groups), timeout=60, message="the first groups")
+                # The limit is read once Redis' memory outside the keys has settled: the producer's
+                # connection pool grown to what its concurrency needs (on 6.2 a connection holds a
+                # 16 KiB reply buffer), the trainer's read and commit done, inspect run. Read before,
+                # the connections opened after it take the room the groups need: no batch fits, and
+                # nothing can move (take() and inspect then report a deadlock at maxmemory).
+                async def published() -> bool:
+                    return int(await admin.hget(keys.state, "published") or 0) >= warm_up
+
+                await wait_until(published, timeout=60, message="the warm-up groups")
+                got = await trainer.take(batch)
+                seen = [g.index for g in got.groups]
+                assert await trainer.commit(got) == batch
+                await snapshot(admin, keys)
                 used = int((await admin.info("memory"))["used_memory"])
-                await admin.config_set("maxmemory", used + 64 * 1024)  # the flood of groups fills it
+                await admin.config_set("maxmemory", used + room)  # the flood of groups fills it
                 await wait_until(lambda: OOM_LINE in procs.log_of(feeder), timeout=90,
                                  message="the feeder refused for memory")
                 # memory hovers at the limit (the feeder gets a chunk in whenever it dips below), and
@@ -199,9 +212,8 @@ async def test_a_flood_at_maxmemory_backs_off_resumes_and_trains_every_prompt_on
                 problems = await wait_until(memory_problems, timeout=60, message="inspect's maxmemory problem")
                 assert "noeviction" in problems[0] and "used_memory" in problems[0], problems
                 snap = await snapshot(admin, keys)
-                assert snap["redis_memory"]["maxmemory"] == used + 64 * 1024
+                assert snap["redis_memory"]["maxmemory"] == used + room
 
-                seen: list[int] = []
                 while len(seen) < prompts:
                     async with asyncio.timeout(120):
                         got = await trainer.take(batch)
