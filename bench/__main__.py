@@ -2,7 +2,7 @@
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
-restart, reply_bound, one_flag, diagnose; and scale, run only by name (it needs root for its network namespaces:
+restart, reply_bound, one_flag, diagnose, redis_memory; and scale, run only by name (it needs root for its network namespaces:
 bench/scale.py, docs/scale.md).
 """
 
@@ -16,7 +16,7 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
-    "restart", "reply_bound", "one_flag", "diagnose", "scale",
+    "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "scale",
 )
 DEFAULT = tuple(name for name in BENCHMARKS if name != "scale")
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own)."""

@@ -162,3 +162,38 @@ def wait_cause(
     if engine_retries:
         return f"generating, {in_flight_prompts} prompts in flight; engines retried {engine_retries} requests"
     return f"generating: {in_flight_prompts} prompts in flight"
+
+
+WRITE_ROOM = 64 * 1024
+"""A write's arguments are in Redis' memory before it checks the limit: closer than this to
+``maxmemory``, the feeder's chunk of prompts is refused all the same (``used_memory`` then idles
+just below the limit while every write that carries data is refused)."""
+
+
+def memory_deadlock(
+    memory: dict[str, Any] | None,
+    *,
+    prompts_waiting: int,
+    in_flight_prompts: int,
+    groups_held: int,
+    batch_size: int,
+) -> str | None:
+    """Why nothing can move at ``maxmemory``, or None. Redis refuses the feeder's writes, so with
+    no prompt queued or in flight no group can come, and with fewer groups than a batch (waiting
+    and taken together) no ``take()`` completes and no commit frees memory: only raising
+    ``maxmemory`` or freeing memory outside the pipeline ends it. Shared by ``inspect`` and
+    ``take()`` (memory outside every key counts: a limit set just above ``used_memory`` is eaten
+    by client buffers and, on Redis 7, by its per-command latency histograms)."""
+    if not memory or not memory.get("maxmemory") or memory["used_memory"] < memory["maxmemory"] - WRITE_ROOM:
+        return None
+    if prompts_waiting > 0 or in_flight_prompts > 0 or groups_held >= batch_size:
+        return None
+    used, limit = memory["used_memory"] / 2**20, memory["maxmemory"] / 2**20
+    return (
+        f"deadlock at maxmemory: used_memory {used:.2f} MiB of maxmemory {limit:.2f} MiB (less than "
+        f"{WRITE_ROOM // 1024} KiB left for a write), no prompt queued or "
+        f"in flight (Redis refuses the feeder's writes) and {groups_held} groups, fewer than a batch of "
+        f"{batch_size}: no take() completes and no commit frees memory. Raise maxmemory (CONFIG SET maxmemory) "
+        "or free memory outside the pipeline (INFO memory, MEMORY USAGE of other keys; client buffers and "
+        "Redis 7's per-command latency histograms are memory outside every key)"
+    )

@@ -38,12 +38,12 @@ from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
+from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, Server, TrainerMonitor, live_producers
 
 from .batch import Batch, Tally, batch_id, batch_metrics
 from .connecting import Connecting
 from .filters import KeepFilter
-from .health import StaleWatch, StallClock, alive_producers, unrecovered_failure, wait_summary
+from .health import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 from .lease import NameHold
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
 from .verdict import (
@@ -83,6 +83,9 @@ UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
+_MEMORY_RETRY_SECONDS = 60.0
+"""After INFO memory failed (a trainer ACL role without INFO, Redis unreachable), this long before
+the deadlock check at maxmemory asks again: no denied command at every health check."""
 
 
 class GroupConsumer:
@@ -120,6 +123,10 @@ class GroupConsumer:
         self._read_unsure = False
         self._orphans_checked = 0.0
         self._stall = StallClock()
+        # Whether the last health check found Redis at maxmemory with nothing able to move, and
+        # until when not to ask again after INFO failed (an ACL trainer role without INFO).
+        self._memory_deadlock = False
+        self._memory_unread_until = 0.0
         # Entries put back after a cancelled take() whose hand-back script may have run meanwhile:
         # finding them deleted is expected, not a loss.
         self._handed_back_maybe: set[bytes] = set()
@@ -284,7 +291,8 @@ class GroupConsumer:
                 health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.options.warn_interval:
                     last_warning = now
-                    logger.warning(
+                    # a deadlock at maxmemory ends only when someone raises maxmemory: an error
+                    (logger.error if self._memory_deadlock else logger.warning)(
                         "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
                         self.name, self.keys.namespace, target, now - started, len(taken), health,
                     )
@@ -459,7 +467,7 @@ class GroupConsumer:
         """Raise ProducerFailed or PipelineStalled if due; a one-line summary for warnings."""
         if diagnosis is None:
             diagnosis = await self._diagnose()
-        health = self._health(diagnosis)
+        health = self._health(diagnosis, target, await self._memory())
         without = self._stall.tick(alive_producers(diagnosis, self.config)[0])
         if without > self.options.stall_timeout:
             raise PipelineStalled(
@@ -469,9 +477,19 @@ class GroupConsumer:
             )
         return health
 
-    def _health(self, diagnosis: Diagnosis) -> str:
+    async def _memory(self) -> dict[str, Any] | None:
+        """Redis' memory figures (INFO memory) for the deadlock check at maxmemory; None when INFO
+        is not allowed (then not asked again for ``_MEMORY_RETRY_SECONDS``)."""
+        if time.monotonic() < self._memory_unread_until:
+            return None
+        memory = await Server(self.redis).memory()
+        if memory is None:
+            self._memory_unread_until = time.monotonic() + _MEMORY_RETRY_SECONDS
+        return memory
+
+    def _health(self, diagnosis: Diagnosis, target: int, memory: dict[str, Any] | None) -> str:
         """Raise ProducerFailed if due; a one-line summary for warnings that names the likeliest
-        cause of the wait."""
+        cause of the wait (a deadlock at maxmemory first: then the warning is an error)."""
         last_error = ""
         event = unrecovered_failure(diagnosis)
         if event is not None:
@@ -483,7 +501,11 @@ class GroupConsumer:
                 logger.warning("producer %s failed: %s\n%s", event.source, event.message, event.traceback)
         streak = self._stale.reportable
         stale = streak.describe() if streak is not None else None
-        return wait_summary(diagnosis, self.config, last_error=last_error, stale=stale)
+        deadlock = deadlock_at_maxmemory(diagnosis, memory, target)
+        self._memory_deadlock = deadlock is not None
+        return wait_summary(
+            diagnosis, self.config, last_error=last_error, stale=stale, memory=memory, deadlock=deadlock
+        )
 
     async def _finish(
         self, taken: list[tuple[bytes, Group]], version: int, started: float, tally: Tally, redelivered: bool

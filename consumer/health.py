@@ -10,8 +10,9 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from rollstream.common.admission import wait_cause
+from rollstream.common.admission import WRITE_ROOM, memory_deadlock, wait_cause
 from rollstream.common.config import PipelineConfig
 from rollstream.common.events import Event, now_ms, unrecovered
 from rollstream.common.keys import StateField
@@ -126,10 +127,27 @@ def unrecovered_failure(diagnosis: Diagnosis) -> Event | None:
     return None
 
 
-def wait_summary(diagnosis: Diagnosis, config: PipelineConfig, *, last_error: str, stale: str | None) -> str:
+def deadlock_at_maxmemory(diagnosis: Diagnosis, memory: dict[str, Any] | None, batch_size: int) -> str | None:
+    """Why nothing can move at ``maxmemory`` (``common.admission.memory_deadlock``), or None."""
+    in_flight_prompts = diagnosis.terms.outstanding - diagnosis.terms.ready
+    return memory_deadlock(
+        memory, prompts_waiting=max(0, diagnosis.queued - in_flight_prompts), in_flight_prompts=in_flight_prompts,
+        groups_held=diagnosis.groups_length, batch_size=batch_size,
+    )
+
+
+def wait_summary(
+    diagnosis: Diagnosis,
+    config: PipelineConfig,
+    *,
+    last_error: str,
+    stale: str | None,
+    memory: dict[str, Any] | None = None,
+    deadlock: str | None = None,
+) -> str:
     """One line for a waiting take's warning: the likeliest cause first
-    (``common.admission.wait_cause``, or the stale streak's description when it is reportable),
-    then the pipeline's figures."""
+    (``common.admission.wait_cause``, or the stale streak's description when it is reportable; a
+    deadlock at maxmemory before both, and Redis at maxmemory named), then the pipeline's figures."""
     now, timeout = diagnosis.now_ms, config.heartbeat_timeout
     alive, in_flight = live_producers(diagnosis.heartbeats, now, timeout)
     terms = diagnosis.terms
@@ -143,6 +161,10 @@ def wait_summary(diagnosis: Diagnosis, config: PipelineConfig, *, last_error: st
         terms=terms if config.admission_enabled else None,
         engine_retries=engine_retries(diagnosis.heartbeats, now, timeout), last_error=last_error,
     )
+    if deadlock is not None:
+        cause = deadlock
+    elif memory and memory["maxmemory"] and memory["used_memory"] >= memory["maxmemory"] - WRITE_ROOM:
+        cause = f"Redis is at maxmemory (writes refused, backing off until commits free memory); {cause}"
     return (
         f"{cause} (backlog {diagnosis.groups_length}, prompts queued {queued}, in flight {in_flight} samples, "
         f"live producers {alive}, paused {paused})"

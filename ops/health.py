@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.common.admission import AdmissionTerms, admission_stall
+from rollstream.common.admission import WRITE_ROOM, AdmissionTerms, admission_stall, memory_deadlock
 from rollstream.common.events import FATAL, unrecovered
 
 DEFAULT_STUCK_AFTER = 300.0
@@ -28,9 +28,10 @@ def _memory(memory: dict[str, Any] | None, problems: list[str], warnings: list[s
     if not memory or not memory.get("maxmemory"):
         return
     used, limit, policy = memory["used_memory"], memory["maxmemory"], memory.get("maxmemory_policy") or "?"
-    if used >= limit:
+    if used >= limit - WRITE_ROOM:  # below by less than a write's arguments: refused all the same
+        level = ">=" if used >= limit else f"less than {WRITE_ROOM // 1024} KiB below"
         problems.append(
-            f"Redis is out of memory: used_memory {_mib(used)} >= maxmemory {_mib(limit)} (maxmemory-policy "
+            f"Redis is out of memory: used_memory {_mib(used)} {level} maxmemory {_mib(limit)} (maxmemory-policy "
             f"{policy}): it refuses writes, so the feeder, heartbeats (producers may show as dead) and events "
             "wait, backing off; the trainer's commits free memory. Raise maxmemory (CONFIG SET maxmemory), or "
             "lower max_backlog and the feeder --window (docs/operations.md)"
@@ -114,6 +115,16 @@ def judge(
         )
     prompts = snap["prompts"]
     retry = snap.get("retry") or {"waiting": 0, "in_flight": 0}
+    config = snap["config"]
+    deadlock = memory_deadlock(
+        snap.get("redis_memory"),
+        prompts_waiting=prompts["waiting"] + retry["waiting"],
+        in_flight_prompts=prompts["in_flight"] + retry["in_flight"],
+        groups_held=groups["backlog"] + groups["taken_uncommitted"],
+        batch_size=config["batch_size"] if config else 1,
+    )
+    if deadlock is not None:
+        problems.append(deadlock)
     admission = snap.get("admission")
     if admission is not None and alive:
         stall = admission_stall(
