@@ -170,6 +170,11 @@ WRITE_ROOM = 64 * 1024
 just below the limit while every write that carries data is refused)."""
 
 
+def at_maxmemory(memory: dict[str, Any] | None) -> bool:
+    """Redis is within a write's room of its ``maxmemory`` (there, writes are refused)."""
+    return bool(memory and memory.get("maxmemory") and memory["used_memory"] >= memory["maxmemory"] - WRITE_ROOM)
+
+
 def memory_deadlock(
     memory: dict[str, Any] | None,
     *,
@@ -184,7 +189,7 @@ def memory_deadlock(
     ``maxmemory`` or freeing memory outside the pipeline ends it. Shared by ``inspect`` and
     ``take()`` (memory outside every key counts: a limit set just above ``used_memory`` is eaten
     by client buffers and, on Redis 7, by its per-command latency histograms)."""
-    if not memory or not memory.get("maxmemory") or memory["used_memory"] < memory["maxmemory"] - WRITE_ROOM:
+    if memory is None or not at_maxmemory(memory):
         return None
     if prompts_waiting > 0 or in_flight_prompts > 0 or groups_held >= batch_size:
         return None

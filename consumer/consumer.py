@@ -38,7 +38,7 @@ from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, Server, TrainerMonitor, live_producers
+from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
 
 from .batch import Batch, Tally, batch_id, batch_metrics
 from .connecting import Connecting
@@ -83,9 +83,6 @@ UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
-_MEMORY_RETRY_SECONDS = 60.0
-"""After INFO memory failed (a trainer ACL role without INFO, Redis unreachable), this long before
-the deadlock check at maxmemory asks again: no denied command at every health check."""
 
 
 class GroupConsumer:
@@ -123,10 +120,8 @@ class GroupConsumer:
         self._read_unsure = False
         self._orphans_checked = 0.0
         self._stall = StallClock()
-        # Whether the last health check found Redis at maxmemory with nothing able to move, and
-        # until when not to ask again after INFO failed (an ACL trainer role without INFO).
+        # Whether the last health check found Redis at maxmemory with nothing able to move.
         self._memory_deadlock = False
-        self._memory_unread_until = 0.0
         # Entries put back after a cancelled take() whose hand-back script may have run meanwhile:
         # finding them deleted is expected, not a loss.
         self._handed_back_maybe: set[bytes] = set()
@@ -467,7 +462,7 @@ class GroupConsumer:
         """Raise ProducerFailed or PipelineStalled if due; a one-line summary for warnings."""
         if diagnosis is None:
             diagnosis = await self._diagnose()
-        health = self._health(diagnosis, target, await self._memory())
+        health = self._health(diagnosis, target)
         without = self._stall.tick(alive_producers(diagnosis, self.config)[0])
         if without > self.options.stall_timeout:
             raise PipelineStalled(
@@ -477,17 +472,7 @@ class GroupConsumer:
             )
         return health
 
-    async def _memory(self) -> dict[str, Any] | None:
-        """Redis' memory figures (INFO memory) for the deadlock check at maxmemory; None when INFO
-        is not allowed (then not asked again for ``_MEMORY_RETRY_SECONDS``)."""
-        if time.monotonic() < self._memory_unread_until:
-            return None
-        memory = await Server(self.redis).memory()
-        if memory is None:
-            self._memory_unread_until = time.monotonic() + _MEMORY_RETRY_SECONDS
-        return memory
-
-    def _health(self, diagnosis: Diagnosis, target: int, memory: dict[str, Any] | None) -> str:
+    def _health(self, diagnosis: Diagnosis, target: int) -> str:
         """Raise ProducerFailed if due; a one-line summary for warnings that names the likeliest
         cause of the wait (a deadlock at maxmemory first: then the warning is an error)."""
         last_error = ""
@@ -501,10 +486,10 @@ class GroupConsumer:
                 logger.warning("producer %s failed: %s\n%s", event.source, event.message, event.traceback)
         streak = self._stale.reportable
         stale = streak.describe() if streak is not None else None
-        deadlock = deadlock_at_maxmemory(diagnosis, memory, target)
+        deadlock = deadlock_at_maxmemory(diagnosis, target)
         self._memory_deadlock = deadlock is not None
         return wait_summary(
-            diagnosis, self.config, last_error=last_error, stale=stale, memory=memory, deadlock=deadlock
+            diagnosis, self.config, last_error=last_error, stale=stale, deadlock=deadlock
         )
 
     async def _finish(

@@ -10,9 +10,8 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from rollstream.common.admission import WRITE_ROOM, memory_deadlock, wait_cause
+from rollstream.common.admission import at_maxmemory, memory_deadlock, wait_cause
 from rollstream.common.config import PipelineConfig
 from rollstream.common.events import Event, now_ms, unrecovered
 from rollstream.common.keys import StateField
@@ -127,12 +126,12 @@ def unrecovered_failure(diagnosis: Diagnosis) -> Event | None:
     return None
 
 
-def deadlock_at_maxmemory(diagnosis: Diagnosis, memory: dict[str, Any] | None, batch_size: int) -> str | None:
+def deadlock_at_maxmemory(diagnosis: Diagnosis, batch_size: int) -> str | None:
     """Why nothing can move at ``maxmemory`` (``common.admission.memory_deadlock``), or None."""
     in_flight_prompts = diagnosis.terms.outstanding - diagnosis.terms.ready
     return memory_deadlock(
-        memory, prompts_waiting=max(0, diagnosis.queued - in_flight_prompts), in_flight_prompts=in_flight_prompts,
-        groups_held=diagnosis.groups_length, batch_size=batch_size,
+        diagnosis.memory, prompts_waiting=max(0, diagnosis.queued - in_flight_prompts),
+        in_flight_prompts=in_flight_prompts, groups_held=diagnosis.groups_length, batch_size=batch_size,
     )
 
 
@@ -142,7 +141,6 @@ def wait_summary(
     *,
     last_error: str,
     stale: str | None,
-    memory: dict[str, Any] | None = None,
     deadlock: str | None = None,
 ) -> str:
     """One line for a waiting take's warning: the likeliest cause first
@@ -163,7 +161,7 @@ def wait_summary(
     )
     if deadlock is not None:
         cause = deadlock
-    elif memory and memory["maxmemory"] and memory["used_memory"] >= memory["maxmemory"] - WRITE_ROOM:
+    elif at_maxmemory(diagnosis.memory):
         cause = f"Redis is at maxmemory (writes refused, backing off until commits free memory); {cause}"
     return (
         f"{cause} (backlog {diagnosis.groups_length}, prompts queued {queued}, in flight {in_flight} samples, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -114,6 +114,15 @@ class Guarded(Translated):
         return acked
 
 
+def memory_figures(info: Mapping[str, Any]) -> dict[str, Any]:
+    """``used_memory``, ``maxmemory`` (0: no limit) and ``maxmemory_policy`` of an INFO memory reply."""
+    return {
+        "used_memory": int_or(info.get("used_memory")),
+        "maxmemory": int_or(info.get("maxmemory")),
+        "maxmemory_policy": text(info.get("maxmemory_policy", "")),
+    }
+
+
 class Server(Translated):
     """What a namespace client asks the Redis server itself (INFO, SCAN over every namespace)."""
 
@@ -135,11 +144,7 @@ class Server(Translated):
             info = await self.redis.info("memory")
         except (ResponseError, *TRANSIENT_ERRORS):
             return None
-        return {
-            "used_memory": int_or(info.get("used_memory")),
-            "maxmemory": int_or(info.get("maxmemory")),
-            "maxmemory_policy": text(info.get("maxmemory_policy", "")),
-        }
+        return memory_figures(info)
 
     async def scan(self, match: str) -> list[bytes]:
         """Keys matching ``match``, found with SCAN (never KEYS: it blocks the server)."""

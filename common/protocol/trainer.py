@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from ..admission import AdmissionTerms, admission_capacity
@@ -22,7 +23,7 @@ from ..keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from ..parse import int_or, text
 from ..redis_errors import is_oom
 from .control import TAKEN_MESSAGE
-from .guard import Guarded, is_nogroup
+from .guard import Guarded, Server, is_nogroup, memory_figures
 
 # -- views -----------------------------------------------------------------------------------
 
@@ -57,6 +58,8 @@ class Diagnosis:
     """The admission rule's terms now (what ADMIT would compute)."""
     fatal: Event | None
     """The newest producer FATAL event, if any (recovered or not: see ``events.unrecovered``)."""
+    memory: dict[str, Any] | None = None
+    """Redis' memory figures (:func:`.guard.memory_figures`); None when INFO is not allowed."""
 
     @property
     def waiting(self) -> int:
@@ -160,8 +163,14 @@ class TrainerMonitor(Guarded):
             pipe.xpending(keys.retry, PRODUCERS_GROUP)
             pipe.xpending(keys.groups, TRAINER_GROUP)
             pipe.xrevrange(keys.events, count=FATAL_SCAN)
+            if in_pipeline := not isinstance(self.redis, RedisCluster):
+                pipe.info("memory")  # a cluster sends INFO to every node: not in a pipeline
             replies = await pipe.execute(raise_on_error=False)
-        beats, state_raw, groups_len, prompts_len, retry_len, prompts_raw, retry_raw, groups_raw, events = replies
+        beats, state_raw, groups_len, prompts_len, retry_len, prompts_raw, retry_raw, groups_raw, events = replies[:9]
+        if in_pipeline:  # an ACL role without INFO gets its refusal here: no figures, not an error
+            memory = None if isinstance(replies[9], Exception) else memory_figures(replies[9])
+        else:
+            memory = await Server(self.redis).memory()
         _raise_errors([beats, state_raw, groups_len, prompts_len, retry_len, groups_raw, events])
         prompts, retry, groups_pending = _pending(prompts_raw), _pending(retry_raw), int(groups_raw["pending"])
         state = {text(k): text(v) for k, v in state_raw.items()}
@@ -178,6 +187,7 @@ class TrainerMonitor(Guarded):
                 groups_pending=groups_pending,
             ),
             fatal=fatal[0] if fatal else None,
+            memory=memory,
         )
 
     async def admission_terms(self, config: PipelineConfig) -> AdmissionTerms:
