@@ -247,7 +247,7 @@ def _bench(fn: Callable[[bytes], Any], raw: bytes, seconds: float = 0.5) -> floa
 def run_parse(args: argparse.Namespace) -> None:
     import msgspec
     import orjson
-    from rollstream.producer import replies
+    from rollstream.producer.engine import sglang as replies
 
     decoders: dict[str, Callable[[bytes], Any]] = {
         "stdlib json + lists -> arrays": _stdlib,

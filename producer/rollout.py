@@ -11,7 +11,7 @@ was admitted under, and publishes what comes back.
 
 One bad prompt or one bad reply costs one failed group, never the producer: engine refusals and
 unusable replies (:class:`~rollstream.common.errors.EngineRejected`, which
-:class:`~rollstream.producer.replies.EngineReplyInvalid` is) fail the sample, and a reward that
+:class:`~rollstream.producer.engine.EngineReplyInvalid` is) fail the sample, and a reward that
 fails on a group (:class:`~rollstream.common.errors.RewardError`: it raised, returned something
 unusable, timed out) fails every sample of the group, with the reason in ``Sample.error``. The
 consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
@@ -56,10 +56,9 @@ from rollstream.common.errors import (
 from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
-from .engine import EngineClient, Generation
+from .engine import EngineClient, EngineReplyInvalid, Generation
 from .episode import Episode, EpisodeAborted, EpisodeInfo, GenerateBroken, GenerateFunction
 from .replay import with_routed_experts
-from .replies import EngineReplyInvalid
 from .rewards import RewardBroken, RewardFunction
 from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession, InvalidResult, as_samples, check_sample
 from .teacher import TeacherScorer
