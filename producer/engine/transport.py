@@ -109,6 +109,7 @@ class AiohttpTransport(Transport):
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; an engine's cookies are not kept
             raise_for_status=False,
         )
         return self._session
