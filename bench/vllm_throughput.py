@@ -10,21 +10,30 @@ Timed from the first request (raw) or the resume that lets the already-running p
 (rollstream) to the last sample (raw) or the last group taken (rollstream): rollstream's figure
 includes Redis, the reward, publishing and the trainer's take. The model is the untrained tiny
 Llama, so nearly every sample runs to ``max_tokens`` (fixed work per request).
+
+Beside the rates, per round: the CPU-seconds the client side used (raw: this process; rollstream:
+the producer, Redis and this process as the trainer) — on a CPU engine every one of them is taken
+from the engine's cores — and the engine's own view, sampled from its ``/metrics`` every 50 ms:
+the mean number of requests running and waiting (how busy each client kept it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import psutil
 from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
@@ -78,6 +87,64 @@ async def rollstream_round(redis_url: str, ns: str, records: list[dict[str, str]
         return tokens, time.monotonic() - started
 
 
+class Occupancy:
+    """The engine's running / waiting requests, sampled from ``/metrics`` while a round runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/metrics"
+        self.running: list[float] = []
+        self.waiting: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(self.url) as response:
+                        text = await response.text() if response.status == 200 else ""
+                except aiohttp.ClientError:
+                    text = ""
+                for line in text.splitlines():
+                    if line.startswith("vllm:num_requests_running"):
+                        self.running.append(float(line.rsplit(" ", 1)[1]))
+                    elif line.startswith("vllm:num_requests_waiting"):
+                        self.waiting.append(float(line.rsplit(" ", 1)[1]))
+                await asyncio.sleep(0.05)
+
+    async def __aenter__(self) -> Occupancy:
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    def means(self) -> tuple[float, float]:
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        return mean(self.running), mean(self.waiting)
+
+
+def cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+async def measured(url: str, pids: list[int], work: Any) -> tuple[int, float, float, float, float]:
+    """``work``'s (tokens, seconds) with the CPU-seconds of ``pids`` and the engine's mean
+    running / waiting requests over it."""
+    cpu0 = cpu_of(pids)
+    async with Occupancy(url) as occupancy:
+        tokens, seconds = await work
+    running, waiting = occupancy.means()
+    return tokens, seconds, cpu_of(pids) - cpu0, running, waiting
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop vLLM and the children on SIGTERM too
     p = argparse.ArgumentParser()
@@ -107,20 +174,27 @@ def main() -> None:
             try:
                 asyncio.run(raw_round(url, ids, args.concurrency, args.max_tokens))  # warm-up
                 results: list[dict[str, float]] = []
+                me = os.getpid()
+                assert redis.process is not None
                 for round_ in range(args.rounds):
-                    raw_tokens, raw_s = asyncio.run(raw_round(url, ids, args.concurrency, args.max_tokens))
-                    rs_tokens, rs_s = asyncio.run(rollstream_round(redis.url, "b", records))
-                    row = {"round": round_, "raw_tok_s": raw_tokens / raw_s, "rollstream_tok_s": rs_tokens / rs_s,
-                           "raw_tokens": raw_tokens, "rollstream_tokens": rs_tokens}
+                    raw = asyncio.run(measured(url, [me], raw_round(url, ids, args.concurrency, args.max_tokens)))
+                    rs = asyncio.run(measured(url, [producer.pid, redis.process.pid, me],
+                                              rollstream_round(redis.url, "b", records)))
+                    row = {"round": round_, "raw_tok_s": raw[0] / raw[1], "rollstream_tok_s": rs[0] / rs[1],
+                           "raw_tokens": raw[0], "rollstream_tokens": rs[0], "raw_cpu_s": raw[2], "rollstream_cpu_s": rs[2],
+                           "raw_running": raw[3], "rollstream_running": rs[3], "raw_waiting": raw[4],
+                           "rollstream_waiting": rs[4], "raw_s": raw[1], "rollstream_s": rs[1]}
                     row["ratio"] = row["rollstream_tok_s"] / row["raw_tok_s"]
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:
                 stop_processes([producer])
-    print("| round | raw tok/s | rollstream tok/s | rollstream / raw |")
-    print("|---|---|---|---|")
+    print("| round | raw tok/s | rollstream tok/s | rollstream / raw | client CPU-s raw / rollstream | "
+          "engine requests running raw / rollstream (mean) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['round']} | {r['raw_tok_s']:.0f} | {r['rollstream_tok_s']:.0f} | {r['ratio']:.2f} |")
+        print(f"| {r['round']} | {r['raw_tok_s']:.0f} | {r['rollstream_tok_s']:.0f} | {r['ratio']:.2f} | "
+              f"{r['raw_cpu_s']:.2f} / {r['rollstream_cpu_s']:.2f} | {r['raw_running']:.1f} / {r['rollstream_running']:.1f} |")
 
 
 async def _set_version(url: str) -> None:

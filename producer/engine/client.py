@@ -369,12 +369,12 @@ class EngineClient:
         if now - engine.workers_checked < WORKERS_TTL:
             return engine.workers
         engine.workers_checked = now
-        found = await gateway_workers(self.transport, engine.url, self.settings.model_info_timeout)
-        if found is False:
+        answered, workers = await gateway_workers(self.transport, engine.url, self.settings.model_info_timeout)
+        if not answered:
             return engine.workers  # keep what we knew
-        if found is not None and not isinstance(found, bool) and engine.workers is None:
-            logger.info("%s is a gateway with workers %s", engine.url, ", ".join(found) or "(none)")
-        engine.workers = found if isinstance(found, list) else None
+        if workers is not None and engine.workers is None:
+            logger.info("%s is a gateway with workers %s", engine.url, ", ".join(workers) or "(none)")
+        engine.workers = workers
         return engine.workers
 
     async def abort_all(self) -> None:

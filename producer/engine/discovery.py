@@ -60,19 +60,21 @@ async def engine_version(url: str, paths: tuple[str, ...], seconds: float = 2.0)
     return version
 
 
-async def gateway_workers(transport: Transport, url: str, seconds: float) -> list[str] | bool | None:
-    """Worker URLs if ``url`` is an SGLang gateway (``GET /workers``), None when it is not one,
-    False when it could not be asked (keep what was known)."""
+async def gateway_workers(transport: Transport, url: str, seconds: float) -> tuple[bool, list[str] | None]:
+    """``(answered, workers)``: the worker URLs if ``url`` is an SGLang gateway (``GET /workers``),
+    None when it is not one; ``answered`` False when it could not be asked (keep what was known)."""
     try:
         status, raw = await transport.request("GET", url + "/workers", limit=INFO_BYTES, seconds=seconds)
     except PROBE_ERRORS as exc:
         logger.debug("%s/workers failed: %s: %s", url, type(exc).__name__, exc)
-        return False
-    reply = json_object(raw) if status == 200 else None
-    if reply is None and status == 200:
+        return False, None
+    if status != 200:
+        return True, None
+    reply = json_object(raw)
+    if reply is None:
         logger.debug("%s/workers answered no JSON object", url)
-        return False
-    workers = reply.get("workers") if reply is not None else None
+        return False, None
+    workers = reply.get("workers")
     if not isinstance(workers, list):
-        return None
-    return [str(w["url"]).rstrip("/") for w in workers if isinstance(w, dict) and w.get("url")]
+        return True, None
+    return True, [str(w["url"]).rstrip("/") for w in workers if isinstance(w, dict) and w.get("url")]
