@@ -30,9 +30,8 @@ from .transport import AiohttpTransport, HttpxTransport, Transport, TransportErr
 from .types import EngineReplyInvalid, Generation, Messages, Request
 
 if TYPE_CHECKING:
-    import httpx
-
     from ..tokenizer import PromptTokenizer
+    from .transport import TransportArg
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class EngineClient:
         self,
         settings: EngineSettings,
         *,
-        transport: httpx.AsyncBaseTransport | Transport | None = None,
+        transport: TransportArg | None = None,
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.settings = settings

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
@@ -183,3 +183,8 @@ class HttpxTransport(Transport):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+if TYPE_CHECKING:
+    TransportArg: TypeAlias = "httpx.AsyncBaseTransport | Transport"
+    """What ``EngineClient(transport=...)`` takes: a transport, or any httpx transport to run."""
