@@ -24,10 +24,11 @@ import logging
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import import_object
 from rollstream.common.versions import version_of
 from rollstream.producer.engine.discovery import engine_version
 
-from .convert import SLIME, Framework, load_object, to_framework
+from .convert import SLIME, Framework, to_framework
 from .source import RollstreamDataSourceBase, prefixed
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     path = DEFAULT_EVAL_FUNCTION
     if isinstance(data_source, RollstreamDataSourceBase) and data_source.settings.eval_function:
         path = data_source.settings.eval_function
-    fn = load_object(path, "ROLLSTREAM_EVAL_FUNCTION")
+    fn = import_object(path, "ROLLSTREAM_EVAL_FUNCTION", dotted=True)
     if fn is generate_rollout:
         raise ConfigError(
             "ROLLSTREAM_EVAL_FUNCTION names rollstream's own generate_rollout: name the function that "

@@ -13,30 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  # re-exported: defined in common.errors
 from rollstream.common.models import Packed
 
 if TYPE_CHECKING:
     from .client import Engine, EngineClient
 
 Messages = Sequence[Mapping[str, Any]]
-
-
-class EngineReplyInvalid(EngineRejected):
-    """The engine answered, but the reply cannot be used (malformed, too large, too slow).
-
-    ``reason`` is a short slug (``not_json``, ``schema``, ``no_logprobs``, ``count_mismatch``,
-    ``non_finite_logprob``, ``choices``, ``spans``, ``too_large``, ``deadline``); ``detail`` says more.
-    Not retried: the producer turns it into a FAILED sample with this message."""
-
-    def __init__(self, reason: str, detail: str, where: str = "") -> None:
-        EngineError.__init__(self, f"invalid engine reply{f' from {where}' if where else ''}: {reason}: {detail}")
-        self.status_code = 200
-        self.body = detail
-        self.reason = reason
-        self.detail = detail
-        self.where = where
-        self.engine = ""
 
 
 @dataclass(slots=True)
