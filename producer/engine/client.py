@@ -26,7 +26,7 @@ from .dialects import DIALECTS
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
-from .transport import AiohttpTransport, HttpxTransport, Transport, TransportError, split_credentials
+from .transport import AiohttpTransport, HttpxTransport, Transport, split_credentials
 from .types import EngineReplyInvalid, Generation, Messages, Request
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class EngineClient:
                     if status != 200 and status not in RETRY_STATUS:
                         self._count_error(f"http_{status}")
                         raise EngineRejected(status, raw.decode("utf-8", "replace"))
-            except TransportError as exc:
+            except ConnectionError as exc:  # the transport's: no HTTP answer
                 failure = str(exc)
                 self._count_error("connection")
             except TimeoutError:

@@ -10,7 +10,7 @@ import logging
 from rollstream.common.versions import version_of
 
 from .parse import json_object
-from .transport import AiohttpTransport, Transport, TransportError
+from .transport import AiohttpTransport, Transport
 from .types import EngineReplyInvalid
 
 logger = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 INFO_BYTES = 2**20
 """Bound of a model-info, worker-list or tokenize reply (they are a few hundred bytes)."""
 
-PROBE_ERRORS = (TransportError, TimeoutError, EngineReplyInvalid)
+PROBE_ERRORS = (ConnectionError, TimeoutError, EngineReplyInvalid)
 
 
 async def probe_version(

@@ -9,8 +9,8 @@ transport (tests pass ``httpx.MockTransport``) through the same bounds.
 Every read is bounded: a 200 body by the caller's ``limit`` (a declared ``Content-Length``
 over it fails at once, a streamed body as soon as it passes it: ``EngineReplyInvalid``
 ``too_large``), any other status by its first :data:`ERROR_BODY_BYTES` (kept for the error
-message). Connection-level failures (refused, reset, a broken HTTP response) raise
-:class:`TransportError`, which the client retries; the deadline raises ``TimeoutError``.
+message). Connection-level failures (refused, reset, a broken HTTP response) raise the builtin
+``ConnectionError`` whatever the library (the client retries it); the deadline ``TimeoutError``.
 Credentials in an engine URL (``user:password@``) travel as an ``Authorization`` header only, to
 that origin: the URLs the client shows (logs, errors, the heartbeat) never hold them.
 """
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
 ERROR_BODY_BYTES = 65536
 """How much of a non-200 body is read (for the error message)."""
 JSON = "application/json"
-
-
-class TransportError(Exception):
-    """The request did not get an HTTP answer (connection refused or reset, a malformed
-    response): worth retrying, possibly on another engine."""
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:
@@ -138,7 +133,7 @@ class AiohttpTransport(Transport):
                     size += len(chunk)
                     chunks.append(chunk)
         except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is both
-            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
         return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
@@ -178,7 +173,7 @@ class HttpxTransport(Transport):
                     size += len(chunk)
                     chunks.append(chunk)
         except self._errors as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
         return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
