@@ -1,16 +1,20 @@
 """Episodes (user-written rollouts): producer CPU per engine request and per episode turn, and
 episodes per producer core with a tool that sleeps.
 
-One producer process (``bench.worker produce``) on the *fake engine* of bench.common (the
-in-process ``httpx.MockTransport`` double answering a precomputed 1k-token SGLang reply after
-``DELAY`` seconds without holding a slot: HTTP client + reply parsing included, no socket), a
-trainer taking batches of 16 groups of n=4. Modes, measured side by side in one run:
+One producer process (``bench.worker produce``) on a *stub engine* over real HTTP: a child
+process of its own (its CPU is not counted) answering every ``/generate`` with a precomputed
+1k-token SGLang reply after ``DELAY`` seconds (bench.http_client's stub), so the producer's
+figure holds its HTTP client (aiohttp), the reply parsing, the rollout and Redis; a trainer takes
+batches of 16 groups of n=4. Modes, measured side by side in one run:
 
 * ``single-turn``: the default plug-in (one request per episode), 256 episodes in flight;
 * ``3 turns``: ``bench.episode_fns:turns`` (generate, observe 16 tool tokens, x3: each request
   sends the whole trajectory so far, up to ~3k ids), 256 episodes in flight;
 * ``3 turns, tool sleeps``: the same with a 0.2 s tool between turns, 1024 episodes in flight
-  on 256 engine slots (``--engine-concurrency``): tool time holds no slot.
+  on 256 engine slots (``--engine-concurrency``): tool time holds no slot;
+* ``single-turn, in-process engine``: the first mode on bench.common's in-process
+  ``httpx.MockTransport`` double instead (no socket; the engine client then runs that httpx
+  transport), the figure this table quoted before the client called aiohttp directly.
 
 Producer CPU is the producer process's CPU-seconds over the measured window (after one warm-up
 batch) divided by the engine requests, turns and episodes completed in it; "episodes per
@@ -20,8 +24,11 @@ producer core" is episodes per CPU-second of the producer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rollstream.common.connection import connect
@@ -43,25 +50,44 @@ from bench.common import (
     consume,
     cpu_seconds,
     init_ns,
+    sglang_reply,
     spawn,
 )
+from bench.http_client import _free_port, _serve
 
 N = 4
 BATCH = 16
 TOKENS = 1024
 DELAY = 0.05
-MODES: tuple[tuple[str, str, int, float, int, int | None], ...] = (
-    # name, generate, turns, tool sleep, episodes in flight, engine slots
-    ("single-turn (default plug-in)", "", 1, 0.0, 256, None),
-    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None),
-    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256),
+MODES: tuple[tuple[str, str, int, float, int, int | None, bool], ...] = (
+    # name, generate, turns, tool sleep, episodes in flight, engine slots, over HTTP
+    ("single-turn (default plug-in)", "", 1, 0.0, 256, None, True),
+    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None, True),
+    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, True),
+    ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, False),
 )
 
+
+@contextlib.contextmanager
+def stub_engine() -> Iterator[str]:
+    """The stub engine in a child process: its URL."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    ready = ctx.Event()
+    server = ctx.Process(target=_serve, args=(port, sglang_reply(TOKENS), DELAY, ready), daemon=True)
+    server.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the stub engine did not start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.join(5)
 
 
 async def one_mode(
     server: EmbeddedRedis, name: str, generate: str, turns: int, sleep: float, concurrency: int,
-    engine_slots: int | None, batches: int,
+    engine_slots: int | None, http: bool, *, engine_url: str, batches: int,
 ) -> dict[str, Any]:
     ns = f"ep-{time.monotonic_ns()}"
     redis = connect(server.url)
@@ -69,6 +95,8 @@ async def one_mode(
     await add_prompts(redis, keys, 0, (batches + 2) * BATCH + concurrency // N + 8 * BATCH)
     args = ["-m", "bench.worker", "produce", "--redis", server.url, "--ns", ns, "--tokens", str(TOKENS),
             "--delay", str(DELAY), "--concurrency", str(concurrency), "--name", "p0"]
+    if http:
+        args += ["--engine", engine_url]
     if generate:
         args += ["--generate", generate]
     if engine_slots is not None:
@@ -118,8 +146,10 @@ def run(quick: bool = False) -> list[Table]:
     single_us, multi_us = asyncio.run(in_process())
 
     async def measure() -> list[dict[str, Any]]:
-        with EmbeddedRedis() as server:
-            return [await one_mode(server, *mode, batches=batches) for mode in MODES]
+        with EmbeddedRedis() as server, stub_engine() as url:
+            # The in-process comparison row only where CPU figures mean something (not --quick).
+            modes = MODES if not quick else MODES[:3]
+            return [await one_mode(server, *mode, engine_url=url, batches=batches) for mode in modes]
 
     results = asyncio.run(measure())
     rows = [
@@ -129,13 +159,13 @@ def run(quick: bool = False) -> list[Table]:
     ]
     return [Table(
         name="episodes",
-        title=f"Episodes: producer CPU per engine request / turn / episode ({TOKENS}-token replies, fake engine)",
+        title=f"Episodes: producer CPU per engine request / turn / episode ({TOKENS}-token replies, stub engine)",
         headers=["mode", "episodes/s", "requests/s", "producer CPU ms/request", "ms/turn", "ms/episode",
                  "episodes per producer core (per CPU-s)", "producer cores used", "peak episodes / engine requests"],
         rows=rows,
         notes=[
             f"{batches} batches of {BATCH} groups x n={N} measured after one warm-up batch; replies after "
-            f"{DELAY} s (no slot held), 1 producer process.",
+            f"{DELAY} s, 1 producer process; the stub engine is another process over loopback HTTP.",
             "a turn is one engine call here (ms/turn = ms/request); multi-turn requests carry the whole "
             "trajectory so far (prompt + earlier replies + tool tokens) as input ids.",
         ],

@@ -9,7 +9,10 @@ of the HTTP client alone (the body is read to bytes, not parsed). Clients:
 * ``httpx``: ``httpx.AsyncClient`` with its default (httpcore) transport, as rollstream used;
 * ``httpx-aiohttp``: ``httpx.AsyncClient`` over the ``httpx-aiohttp`` transport;
 * ``aiohttp``: ``aiohttp.ClientSession`` directly;
-* ``engine``: rollstream's ``EngineClient.generate`` (client + parsing + validation).
+* ``engine``: rollstream's ``EngineClient.generate`` (client + parsing + validation), on its
+  own transport (``aiohttp`` called directly);
+* ``engine-httpx-aiohttp``: the same ``EngineClient`` given the ``httpx-aiohttp`` transport (it
+  runs any ``httpx`` transport): the client as it was before it called aiohttp directly.
 
 Part 2 (``parse``): µs to turn one reply's bytes into output ids and log-probs, stdlib ``json``
 (then lists → arrays) against orjson and msgspec (straight into ``array('i')``/``array('f')``).
@@ -33,7 +36,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-CLIENTS = ("httpx", "httpx-aiohttp", "aiohttp", "engine")
+CLIENTS = ("httpx", "httpx-aiohttp", "aiohttp", "engine", "engine-httpx-aiohttp")
 
 
 def sglang_reply(tokens: int, *, logprobs: bool = True, seed: int = 0) -> dict[str, Any]:
@@ -162,7 +165,12 @@ async def _measure(client: str, url: str, concurrency: int, requests: int) -> tu
             return await _drive(call, concurrency, requests)
     from rollstream.producer.engine import EngineClient, EngineSettings
 
-    async with EngineClient(EngineSettings(urls=(url,), max_connections=1024)) as engine:
+    engine_transport = None
+    if client == "engine-httpx-aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        engine_transport = AiohttpTransport(limits=limits)
+    async with EngineClient(EngineSettings(urls=(url,), max_connections=1024), transport=engine_transport) as engine:
 
         async def call() -> None:
             generation = await engine.generate(input_ids=REQUEST["input_ids"])
@@ -247,7 +255,7 @@ def _bench(fn: Callable[[bytes], Any], raw: bytes, seconds: float = 0.5) -> floa
 def run_parse(args: argparse.Namespace) -> None:
     import msgspec
     import orjson
-    from rollstream.producer import replies
+    from rollstream.producer.engine import sglang as replies
 
     decoders: dict[str, Callable[[bytes], Any]] = {
         "stdlib json + lists -> arrays": _stdlib,

@@ -37,7 +37,7 @@ errors become a FAILED sample with the message in ``Sample.error`` (the group is
 ``attempt + 1`` and dead-lettered after ``max_attempts``); the "fatal" ones stop the producer,
 are recorded in ``events`` and reach the trainer as ``ProducerFailed``. Each class is defined
 here, once; the modules that raise them re-export them where they were first defined
-(``rollstream.producer.rewards.RewardBroken``, ``rollstream.producer.replies.EngineReplyInvalid``...).
+(``rollstream.producer.rewards.RewardBroken``, ``rollstream.producer.engine.EngineReplyInvalid``...).
 A new error goes here, under the node that says what the caller does with it.
 
 Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;

@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
+from rollstream.common.versions import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +148,7 @@ class WeightSync:
         path = "/weight_info" if self.kind == "vllm" else "/get_model_info"
 
         async def one(url: str) -> int | None:
-            body = await self._request(url, "GET", path, None, "read version", self.timeout)
-            value = body.get("weight_version") if isinstance(body, dict) else None
-            try:
-                return int(value) if value is not None else None
-            except (TypeError, ValueError):
-                return None
+            return version_of(await self._request(url, "GET", path, None, "read version", self.timeout))
 
         results = await asyncio.gather(*(one(url) for url in self.urls))
         return dict(zip(self.urls, results, strict=True))

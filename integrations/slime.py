@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-import httpx
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_object
+from rollstream.common.versions import version_of
+from rollstream.producer.engine.discovery import engine_version
 
 from .convert import SLIME, Framework, to_framework
 from .source import RollstreamDataSourceBase, prefixed
@@ -44,34 +45,13 @@ class RollstreamDataSource(RollstreamDataSourceBase):
     path: ClassVar[str] = "rollstream.integrations.slime.RollstreamDataSource"
 
 
-def parse_weight_version(payload: Any) -> int | None:
-    """The integer ``weight_version`` of an engine reply, or None when absent or malformed."""
-    if not isinstance(payload, dict):
-        return None
-    raw = payload.get("weight_version")
-    if isinstance(raw, bool):
-        return None
-    if isinstance(raw, int):
-        return raw if raw >= 0 else None
-    if isinstance(raw, str) and raw.strip().isdigit():
-        return int(raw.strip())
-    return None
+parse_weight_version = version_of
+"""The integer ``weight_version`` of an engine reply, or None when absent or malformed."""
 
 
 async def query_engine_version(url: str, request_timeout: float = VERSION_TIMEOUT) -> int | None:
     """Best effort: the engines' weight version, or None (any failure or malformed reply)."""
-    async with httpx.AsyncClient(timeout=request_timeout) as client:
-        for endpoint in VERSION_ENDPOINTS:
-            try:
-                response = await client.get(url.rstrip("/") + endpoint)
-                if response.status_code != 200:
-                    continue
-                version = parse_weight_version(response.json())
-            except (httpx.HTTPError, ValueError):
-                continue
-            if version is not None:
-                return version
-    return None
+    return await engine_version(url, VERSION_ENDPOINTS, request_timeout)
 
 
 def engine_url(args: Any, source: RollstreamDataSourceBase) -> str | None:

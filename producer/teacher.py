@@ -19,8 +19,8 @@ from typing import Any
 from rollstream.common.errors import EngineRejected
 from rollstream.common.models import Sample, Status
 
-from . import replies
 from .engine import EngineClient
+from .engine.sglang import parse_teacher
 
 
 class TeacherScorer:
@@ -58,7 +58,7 @@ class TeacherScorer:
         }
         try:
             url, raw = await self.client.post("/generate", body)
-            log_probs = replies.parse_teacher(raw, sample.tokens, sample.response_length, where=f"{url}/generate")
+            log_probs = parse_teacher(raw, sample.tokens, sample.response_length, where=f"{url}/generate")
         except EngineRejected as exc:
             self._fail(sample, f"teacher: {exc}"[:1000])
             return

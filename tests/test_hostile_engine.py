@@ -24,10 +24,10 @@ from rollstream.producer.engine import (
     REPLY_LOGPROB_BYTES,
     REPLY_TOKEN_BYTES,
     EngineClient,
+    EngineReplyInvalid,
     EngineSettings,
     reply_byte_bound,
 )
-from rollstream.producer.replies import EngineReplyInvalid
 from rollstream.testing.sim import SimConfig, SimEngine
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,18 @@ def test_the_rule_checker_catches_a_wrong_way_import(tmp_path: Path, source: str
         if layer(target) not in (None, "common")
     ]
     assert expected in found
+
+
+def test_every_package_directory_is_listed_for_the_wheel() -> None:
+    """setuptools' static ``packages`` list must name every folder with an ``__init__.py`` under the
+    mapped package directories, or a wheel install silently lacks it (it happened to two splits)."""
+    root = Path(__file__).resolve().parent.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = set()
+    for name, folder in setup["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *parts)))
+    missing = sorted(found - listed)
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"

@@ -16,9 +16,8 @@ from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.models import Prompt, Sample, Status
 from rollstream.consumer import GroupConsumer
-from rollstream.producer import replies
-from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.replies import EngineReplyInvalid
+from rollstream.producer.engine import EngineClient, EngineReplyInvalid, EngineSettings
+from rollstream.producer.engine import sglang as replies
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.teacher import TeacherScorer

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from aiohttp import web
 from rollstream.common.errors import EngineRejected
-from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.replies import EngineReplyInvalid, parse_chat, parse_completions, parse_sglang
+from rollstream.producer.engine import EngineClient, EngineReplyInvalid, EngineSettings
+from rollstream.producer.engine.openai import parse_chat, parse_completions
+from rollstream.producer.engine.sglang import parse_sglang
 
 
 def _sglang(tokens: int, *, logprobs: bool = True, seed: int = 0, finish: Any = None) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def test_sglang_matches_the_stdlib_parser(tokens: int, logprobs: bool) -> None:
     assert list(parsed.output_ids) == reference["output_ids"]
     assert parsed.text == reference["text"]
     assert parsed.finish_reason == "length"
-    assert parsed.weight_version == "7"
+    assert parsed.weight_version == 7
     if logprobs:
         assert parsed.log_probs == array("f", [p[0] for p in reference["meta_info"]["output_token_logprobs"]])
     else:

@@ -224,7 +224,7 @@ def _alternating(monkeypatch: pytest.MonkeyPatch) -> None:
     """The client picks engines in turn (among the least loaded), not at random."""
     import itertools
 
-    from rollstream.producer import engine as engine_module
+    from rollstream.producer.engine import client as engine_module
 
     turn = itertools.count()
     monkeypatch.setattr(engine_module.random, "choice", lambda seq: seq[next(turn) % len(seq)])

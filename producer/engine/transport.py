@@ -1,0 +1,185 @@
+"""HTTP to the engines: one connection pool, bounded reads, a total deadline per request.
+
+:class:`AiohttpTransport` (the default) calls ``aiohttp.ClientSession`` directly: at 256
+concurrent requests with 1k-token replies it costs about half the CPU per request of httpx over
+the ``httpx-aiohttp`` transport and a small fraction of httpx's own pool (``python -m
+bench.http_client http``; docs/benchmarks.md). :class:`HttpxTransport` runs any ``httpx``
+transport (tests pass ``httpx.MockTransport``) through the same bounds.
+
+Every read is bounded: a 200 body by the caller's ``limit`` (a declared ``Content-Length``
+over it fails at once, a streamed body as soon as it passes it: ``EngineReplyInvalid``
+``too_large``), any other status by its first :data:`ERROR_BODY_BYTES` (kept for the error
+message). Connection-level failures (refused, reset, a broken HTTP response) raise the builtin
+``ConnectionError`` whatever the library (the client retries it); the deadline ``TimeoutError``.
+Credentials in an engine URL (``user:password@``) travel as an ``Authorization`` header only, to
+that origin: the URLs the client shows (logs, errors, the heartbeat) never hold them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, TypeAlias
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import aiohttp
+
+from .types import EngineReplyInvalid
+
+if TYPE_CHECKING:
+    import httpx
+
+ERROR_BODY_BYTES = 65536
+"""How much of a non-200 body is read (for the error message)."""
+JSON = "application/json"
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@``, and the ``Authorization`` header value they make
+    (None when there are none)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+    return bare, "Basic " + base64.b64encode(pair).decode("ascii")
+
+
+def origin(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
+
+class Transport(ABC):
+    """One HTTP request at a time, bounded; subclasses bring the client library."""
+
+    def __init__(self) -> None:
+        self._credentials: dict[str, str] = {}
+
+    def add_credentials(self, url: str, authorization: str) -> None:
+        """Send ``authorization`` on every request to ``url``'s origin."""
+        self._credentials[origin(url)] = authorization
+
+    def _headers(self, url: str, body: bytes | None) -> dict[str, str]:
+        headers = {"content-type": JSON} if body is not None else {}
+        if self._credentials:
+            auth = self._credentials.get(origin(url))
+            if auth is not None:
+                headers["authorization"] = auth
+        return headers
+
+    async def request(
+        self, method: str, url: str, body: bytes | None = None, *, limit: int, seconds: float
+    ) -> tuple[int, bytes]:
+        """The status and the body (see the module docstring for the bounds); ``TimeoutError``
+        when the whole exchange takes more than ``seconds``."""
+        async with asyncio.timeout(seconds):  # in total, not per read
+            return await self._request(method, url, body, self._headers(url, body), limit)
+
+    @abstractmethod
+    async def _request(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], limit: int
+    ) -> tuple[int, bytes]: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+
+def _too_large(url: str, detail: str) -> EngineReplyInvalid:
+    return EngineReplyInvalid("too_large", detail, url)
+
+
+class AiohttpTransport(Transport):
+    """``aiohttp.ClientSession``, created on first use (inside the loop that uses it)."""
+
+    def __init__(self, *, max_connections: int, connect_timeout: float) -> None:
+        super().__init__()
+        self._max_connections = max_connections
+        self._connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; an engine's cookies are not kept
+            raise_for_status=False,
+        )
+        return self._session
+
+    async def _request(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], limit: int
+    ) -> tuple[int, bytes]:
+        session = self._session or self._open()
+        try:
+            async with session.request(method, url, data=body, headers=headers, allow_redirects=False) as response:
+                status = response.status
+                cap = limit if status == 200 else ERROR_BODY_BYTES
+                length = response.content_length
+                if length is not None and length > cap and status == 200:
+                    raise _too_large(url, f"Content-Length {length} > {limit} bytes")
+                if length is not None and length <= cap and "content-encoding" not in response.headers:
+                    return status, await response.read()  # declared and within the bound
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.content.iter_any():
+                    if size + len(chunk) > cap:
+                        if status != 200:
+                            chunks.append(chunk[: cap - size])
+                            break
+                        raise _too_large(url, f"more than {limit} bytes")
+                    size += len(chunk)
+                    chunks.append(chunk)
+        except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is both
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class HttpxTransport(Transport):
+    """Any ``httpx`` transport (``httpx.MockTransport`` in tests) under the same bounds."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, *, connect_timeout: float) -> None:
+        import httpx
+
+        super().__init__()
+        self._errors = httpx.TransportError
+        self._http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(None, connect=connect_timeout))
+
+    async def _request(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], limit: int
+    ) -> tuple[int, bytes]:
+        try:
+            async with self._http.stream(method, url, content=body, headers=headers) as response:
+                status = response.status_code
+                cap = limit if status == 200 else ERROR_BODY_BYTES
+                length = response.headers.get("content-length", "")
+                if status == 200 and length.isdigit() and int(length) > cap:
+                    raise _too_large(url, f"Content-Length {length} > {limit} bytes")
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_bytes():
+                    if size + len(chunk) > cap:
+                        if status != 200:
+                            chunks.append(chunk[: cap - size])
+                            break
+                        raise _too_large(url, f"more than {limit} bytes")
+                    size += len(chunk)
+                    chunks.append(chunk)
+        except self._errors as exc:
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+if TYPE_CHECKING:
+    TransportArg: TypeAlias = "httpx.AsyncBaseTransport | Transport"
+    """What ``EngineClient(transport=...)`` takes: a transport, or any httpx transport to run."""

@@ -1,0 +1,84 @@
+"""What every part of the engine client shares: the sample type, the request, the dialect seam.
+
+:class:`Generation` is one sample of an engine reply, normalised across APIs: the dialects'
+parsers build it straight from the reply bytes, the client then names the engine and fills in a
+weight version the reply did not carry. :class:`Dialect` is what an engine API implements (one
+module per API: :mod:`.sglang`, :mod:`.openai`, :mod:`.vllm`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  # re-exported: defined in common.errors
+from rollstream.common.models import Packed
+
+if TYPE_CHECKING:
+    from .client import Engine, EngineClient
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass(slots=True)
+class Generation:
+    """One engine reply (one sample), normalised across APIs."""
+
+    text: str
+    output_ids: array[int]
+    """Packed ``array('i')`` (a sequence: ``len``, indexing and iteration work as on a list)."""
+    log_probs: array[float] | None
+    """Packed ``array('f')`` of the sampled tokens' log-probs; None when not asked for."""
+    finish_reason: str | None
+    weight_version: int | None = None
+    """From the reply when it says (SGLang ``meta_info.weight_version``, vLLM's last span), else
+    from the engine's model-info endpoint; None when neither says."""
+    engine: str = ""
+    """The engine's URL (without credentials)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: array[int] | None = None
+    """Prompt token ids as the engine saw them, when it says (vLLM ``return_token_ids``)."""
+    weight_version_spans: list[tuple[int, int, int]] | None = None
+    """``(version, start, end)`` over the output tokens, from the engine (vLLM API); None when it
+    did not say or a version is not an integer. ``weight_version`` is then the last span's version."""
+    routed_experts: Packed | None = None
+    """The routing replay of the request's whole sequence (input + output - 1 rows) after
+    ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
+    routed_experts_start: int = 0
+    counters: dict[str, int] | None = None
+    """The engine's prefix-cache / speculative-decoding counters of this request (SGLang)."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation as the client hands it to a dialect (exactly one of text, ids, messages)."""
+
+    n: int
+    text: str | None
+    input_ids: Sequence[int] | None
+    messages: Messages | None
+    max_new_tokens: int
+    sampling: Mapping[str, Any]
+    """Sampling parameters without the length limit."""
+    rid: str | None = None
+    image_data: Sequence[str] | None = None
+
+
+class Dialect(Protocol):
+    """An engine API: how a request is written and a reply read. Transport (pool, retries,
+    bounds, discovery) is the client's; a dialect calls :meth:`EngineClient.request` and parses."""
+
+    batches_samples: bool
+    """Whether one request asks for a group's ``n`` samples (else ``n`` requests)."""
+    accepts_messages: bool
+    """Whether chat messages can be sent as they are."""
+    version_paths: tuple[str, ...]
+    """Model-info endpoints with a ``weight_version``, tried in order (a 404 tries the next)."""
+    abort_path: str
+    abort_body: Mapping[str, Any]
+
+    async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
+        """The engine that answered and the reply's samples (the client names the engine on
+        them and fills in the weight versions the reply did not carry)."""

@@ -1,0 +1,53 @@
+"""The engine client's walls (docs/architecture.md, "where a change goes"): HTTP libraries only in
+the transport, an engine API is one dialect module named in ``dialects.py``, weight versions
+parsed by one function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from rollstream.producer.engine import ENGINE_APIS, EngineSettings
+from rollstream.producer.engine.dialects import DIALECTS
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "producer" / "engine"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_http_libraries_are_imported_only_by_the_transport() -> None:
+    offenders = [
+        path.name for path in sorted(ENGINE.glob("*.py"))
+        if path.name != "transport.py" and _imports(path) & {"aiohttp", "httpx", "httpx_aiohttp"}
+    ]
+    assert offenders == [], f"HTTP belongs in producer/engine/transport.py, not {offenders}"
+
+
+def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
+    assert ENGINE_APIS == tuple(DIALECTS)
+    for name, dialect in DIALECTS.items():
+        for attribute in ("batches_samples", "accepts_messages", "version_paths", "abort_path", "abort_body"):
+            assert hasattr(dialect, attribute), (name, attribute)
+        assert callable(dialect.generate) and dialect.version_paths, name
+        EngineSettings(urls=("http://e",), api=name, model="m")  # each API is a valid setting
+
+
+def test_weight_versions_are_parsed_in_one_place() -> None:
+    """``int(...weight_version...)`` parsing outside common/versions.py is a second copy."""
+    copies = []
+    for folder in ("producer", "integrations", "engines", "consumer", "ops", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            if "def parse_version" in text or "def parse_weight_version" in text:
+                copies.append(str(path.relative_to(ROOT)))
+    assert copies == [], f"parse weight versions with rollstream.common.versions, not in {copies}"
