@@ -59,7 +59,7 @@ from httpx_aiohttp import AiohttpTransport
 from rollstream.common.errors import ConfigError, EngineError, EngineRejected, PromptNotSupported
 from rollstream.common.models import Packed
 
-from . import replies
+from . import replies, vllm_replay
 from .replies import EngineReplyInvalid
 from .tokenizer import PromptTokenizer
 
@@ -138,8 +138,9 @@ class EngineSettings:
     """Send a random per-request ``seed`` (vLLM API only). Off: a seeded request that the CPU
     engine reschedules (pause ``keep``, the recompute after a weight reload) kills it."""
     routed_experts: tuple[int, int, int] | None = None
-    """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
-    the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
+    """``(layers, topk, experts)``: ask for the routing replay (SGLang ``return_routed_experts``;
+    vLLM sends ``choices[].routed_experts`` unasked, see producer/vllm_replay.py; both servers run
+    with ``--enable-return-routed-experts``) and check it against this shape."""
     engine_stats: bool = False
     """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
     ``prefix_cache_info``: wire format v3)."""
@@ -175,8 +176,8 @@ class EngineSettings:
         if self.routed_experts is not None:
             if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
                 raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
-            if self.api != "sglang":
-                raise ConfigError("--routed-experts needs --engine-api sglang (meta_info.routed_experts)")
+            if self.api == "openai":
+                raise ConfigError("--routed-experts needs --engine-api sglang or vllm (the replay's endpoints)")
 
 
 @dataclass(slots=True)
@@ -689,16 +690,19 @@ class EngineClient:
             "output_mode": "text",
         }
         # The reply may echo the prompt ids (on the reply and on each choice), like the completions API.
-        limit = self.reply_limit(max_new, n, len(input_ids), prompt_copies=n + 1)
+        replay = n * len(input_ids) if self.settings.routed_experts is not None else 0
+        limit = self.reply_limit(max_new, n, len(input_ids), prompt_copies=n + 1, replay_prompt_tokens=replay)
         engine, raw = await self._post(VLLM_GENERATE, body, weight=n, limit=limit)
         parsed = replies.parse_vllm_generate(
             raw, n, want_logprobs=self.settings.return_logprob, where=engine.url + VLLM_GENERATE
         )
         out = []
         for p in parsed:
+            with _blame(engine):
+                experts = vllm_replay.routed_experts_of(p, self.settings.routed_experts, engine.url + VLLM_GENERATE)
             spans = _int_spans(p.weight_version_spans)
             version = spans[-1][0] if spans else await self.weight_version(engine)
-            generation = _generation(p, engine, version)
+            generation = _generation(p, engine, version, experts)
             generation.weight_version_spans = spans
             out.append(generation)
         return out

@@ -205,6 +205,8 @@ class _GenerateChoice(msgspec.Struct, gc=False):
     token_ids: list[TokenId] | None = None
     logprobs: _GenerateLogProbs | None = None
     weight_versions: list[_Span] | None = None
+    routed_experts: str | None = None
+    """base64 ``.npy`` routing replay (``--enable-return-routed-experts``; see producer/vllm_replay.py)."""
 
 
 class _VllmGenerate(msgspec.Struct, gc=False):
@@ -465,6 +467,7 @@ def parse_vllm_generate(raw: bytes, n: int, *, want_logprobs: bool, where: str =
                 finish_reason=choice.finish_reason,
                 prompt_ids=None if reply.prompt_token_ids is None else _ids(reply.prompt_token_ids),
                 weight_version_spans=_spans(choice.weight_versions, len(ids), where),
+                routed_experts=choice.routed_experts,
             )
         )
     return out

@@ -99,6 +99,23 @@ def _routed_experts_b64(tokens: Sequence[int], moe: tuple[int, int, int]) -> str
     return base64.b64encode(out.tobytes()).decode("ascii")
 
 
+def _routed_experts_npy_b64(tokens: Sequence[int], moe: tuple[int, int, int]) -> str:
+    """vLLM's form of the same replay: base64 of a ``.npy`` buffer (format 1.0, C order) of shape
+    ``(tokens - 1, layers, topk)`` in the narrowest dtype holding the expert ids, as vLLM's
+    ``numpy2base64`` writes it."""
+    layers, topk, experts = moe
+    code, descr = ("B", "|u1") if experts <= 256 else ("H", "<u2") if experts <= 65536 else ("i", "<i4")
+    rows = max(0, len(tokens) - 1)
+    out = array(code, [routed_expert(t, layer, k, experts) for t in tokens[:rows] for layer in range(layers)
+                       for k in range(topk)])
+    if sys.byteorder != "little":  # pragma: no cover
+        out.byteswap()
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {layers}, {topk}), }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"  # numpy pads the preamble to 64 bytes
+    npy = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin-1") + out.tobytes()
+    return base64.b64encode(npy).decode("ascii")
+
+
 def _teacher_reply(input_ids: list[int], start: int) -> dict[str, Any]:
     entries = [
         [None if i == 0 else teacher_logprob(input_ids[i - 1], input_ids[i]), input_ids[i], None]

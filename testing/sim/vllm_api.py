@@ -20,7 +20,7 @@ from rollstream.testing.sim.base import (
     _json_body,
     _token_ids,
 )
-from rollstream.testing.sim.model import POISON_MARKER, detokenize
+from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
 from rollstream.testing.sim.state import STATE_KEY
 
 
@@ -50,6 +50,8 @@ async def _vllm_generate(request: web.Request) -> web.Response:
             "weight_versions": state.spans(outcome),
             "logprobs": None,
         }
+        if state.config.moe is not None:  # vLLM sends it whenever the server has the flag
+            choice["routed_experts"] = _routed_experts_npy_b64([*prompt_ids, *outcome.output_ids], state.config.moe)
         if sampling.get("logprobs") is not None:
             choice["logprobs"] = {
                 "content": [
