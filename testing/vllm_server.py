@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -59,13 +59,14 @@ def server_command(
 
 @contextlib.contextmanager
 def vllm_server(model: Path, port: int, log: Path, *, python: str | None = None,
-                kv_cache_gib: int = 1, timeout: float = START_TIMEOUT, extra_args: Sequence[str] = ()) -> Iterator[str]:
+                kv_cache_gib: int = 1, timeout: float = START_TIMEOUT, extra_args: Sequence[str] = (),
+                extra_env: Mapping[str, str] | None = None) -> Iterator[str]:
     """A vLLM server on ``127.0.0.1:port`` serving ``model``; yields its URL, stops it (its whole
     process group: the engine core is a child) on exit."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError("no interpreter with vLLM: run scripts/vllm-env (or set ROLLSTREAM_VLLM_PYTHON)")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
     with open(log, "ab") as handle:
         child = subprocess.Popen(

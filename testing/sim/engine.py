@@ -37,7 +37,9 @@ Routing replay and teacher scoring
     ``return_routed_experts`` gets ``meta_info.routed_experts`` in SGLang's shape: base64 of
     little-endian int32, ``(input + output tokens - 1) x layers x topk``, row ``i`` routing token
     ``i`` to the experts :func:`routed_expert` names (a function of that token, so a test can check
-    every row against the tokens). A request with ``max_new_tokens`` 0 and ``return_logprob`` is
+    every row against the tokens); every ``/inference/v1/generate`` choice gets the same rows in
+    vLLM's form, ``routed_experts`` = base64 of the ``.npy`` buffer ``np.save`` writes (uint8 up to
+    256 experts). A request with ``max_new_tokens`` 0 and ``return_logprob`` is
     a teacher scoring its input: ``meta_info.input_token_logprobs`` has ``[logprob, token_id,
     null]`` for every input token from ``logprob_start_len`` on (null at position 0), the
     log-prob being :func:`teacher_logprob` of the token and the one before it.

@@ -56,6 +56,8 @@ class SimState:
     """(monotonic time, version) of every weight version change: the vLLM API's spans."""
     reloads: list[str] = field(default_factory=list)
     """Weight paths of vLLM ``reload_weights`` calls, in order."""
+    pauses: list[tuple[str, str | None]] = field(default_factory=list)
+    """``(mode, clear_cache)`` of every vLLM ``/pause``, as sent (``clear_cache`` None when absent)."""
     faults_injected: int = 0
     generate_errors: int = 0
     generate_error_status: int = 500

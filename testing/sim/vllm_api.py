@@ -70,6 +70,7 @@ async def _vllm_pause(request: web.Request) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
         raise _BadRequest(f"unknown pause mode {mode!r}")
+    state.pauses.append((mode, request.query.get("clear_cache")))
     state.resumed.clear()
     if mode == "abort":
         state.abort()
