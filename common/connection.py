@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backoff import Backoff
+from .cancellation import raise_if_cancelled
 from .errors import ConfigError, RedisOutOfMemory
 
 T = TypeVar("T")
@@ -387,3 +388,27 @@ class Outage:
                 continue
             self.recovered(wrote=refused)
             return result
+
+    async def forever(
+        self,
+        turn: Callable[[], Awaitable[bool]],
+        *,
+        wrote: bool = False,
+        on_error: Callable[[], None] | None = None,
+    ) -> NoReturn:
+        """The resilient loop step, for every long-running loop: run ``turn`` again and again
+        (checking for a cancellation before each); a transient Redis error in a turn is
+        recorded (one log line per outage), ``on_error`` runs, the backoff is slept and the next
+        turn follows. A turn that returns True talked to Redis and succeeded: the outage ends
+        (``wrote``: its writes too, see :meth:`recovered`); False: it had nothing to ask."""
+        while True:
+            raise_if_cancelled()
+            try:
+                asked = await turn()
+            except TRANSIENT_ERRORS as exc:
+                if on_error is not None:
+                    on_error()
+                await self.failed(exc)
+                continue
+            if asked:
+                self.recovered(wrote=wrote)

@@ -3,7 +3,7 @@
 Every error rollstream raises on purpose derives from :class:`RollstreamError`::
 
     RollstreamError
-    ├── ConfigError (also ValueError)         bad or inconsistent configuration
+    ├── ConfigError (also ValueError)         bad or inconsistent configuration (every argument check)
     │   ├── NamespaceNotInitialized           `rollstream init` was never run for the namespace
     │   ├── NamespaceGone                     its streams or consumer groups vanished under a running process
     │   │   └── RedisDataLost                 ... because Redis restarted without persistence
@@ -14,13 +14,31 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── EngineError                           an inference engine failed after the retries
-    │   ├── EngineRejected                    the engine refused the request (4xx): not retried
+    │   ├── EngineRejected                    the engine refused the request (4xx): not retried, the sample fails
+    │   │   ├── EngineReplyInvalid            it answered, but nothing usable (malformed, too large, too slow)
+    │   │   └── PromptNotSupported            (see ConfigError)
+    │   ├── EpisodeAborted                    an engine call was aborted (weight update), partial rollout off
     │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
-    ├── RewardError                           the reward function failed
+    ├── WeightSyncError                       an engine failed a stage of the trainer's weight update
+    ├── RewardError                           the reward function failed: the group fails
+    │   └── RewardBroken                      ... on many distinct prompts in a row, or its threads hang: fatal
+    ├── GenerateError                         the rollout plug-in (``--generate``) failed: the sample fails
+    │   ├── InvalidResult (also ValueError)   what it returned cannot be published
+    │   ├── EndpointRefused (also ValueError) its request to the episode's endpoint was refused
+    │   │   └── ConversationDiverged          a chat request that does not extend the recorded conversation
+    │   └── GenerateBroken                    it failed on many distinct prompts in a row: fatal
     └── PipelineError                         raised by ``take()`` instead of hanging
         ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
         └── PipelineStalled                   no producer has been alive for too long
             └── AllGroupsStale                every group read for too long was recycled as stale
+
+What a user meets where: ``ConfigError`` at start (bad flags, specs, settings); the "sample fails"
+errors become a FAILED sample with the message in ``Sample.error`` (the group is recycled with
+``attempt + 1`` and dead-lettered after ``max_attempts``); the "fatal" ones stop the producer,
+are recorded in ``events`` and reach the trainer as ``ProducerFailed``. Each class is defined
+here, once; the modules that raise them re-export them where they were first defined
+(``rollstream.producer.rewards.RewardBroken``, ``rollstream.producer.replies.EngineReplyInvalid``...).
+A new error goes here, under the node that says what the caller does with it.
 
 Redis connection problems surface as redis-py's own ``redis.exceptions.ConnectionError``;
 the long-running loops retry them with bounded backoff, and ``RedisOutOfMemory`` too.
@@ -143,8 +161,65 @@ class PromptNotSupported(ConfigError, EngineRejected):
         self.engine = ""
 
 
+class EngineReplyInvalid(EngineRejected):
+    """The engine answered, but the reply cannot be used (malformed, too large, too slow).
+
+    ``reason`` is a short slug (``not_json``, ``schema``, ``no_logprobs``, ``count_mismatch``,
+    ``non_finite_logprob``, ``choices``, ``spans``, ``too_large``, ``deadline``); ``detail`` says more.
+    Not retried: the producer turns it into a FAILED sample with this message."""
+
+    def __init__(self, reason: str, detail: str, where: str = "") -> None:
+        EngineError.__init__(self, f"invalid engine reply{f' from {where}' if where else ''}: {reason}: {detail}")
+        self.status_code = 200
+        self.body = detail
+        self.reason = reason
+        self.detail = detail
+        self.where = where
+        self.engine = ""
+
+
+class EpisodeAborted(EngineError):
+    """An engine call was aborted (a weight update) with partial rollout off: the episode is
+    recycled whole. Raised out of ``Trajectory.generate``; user code should let it pass."""
+
+
+class WeightSyncError(RollstreamError):
+    """An engine failed a stage of the weight update; ``engine``, ``stage`` and ``detail`` say how."""
+
+    def __init__(self, engine: str, stage: str, detail: str) -> None:
+        super().__init__(f"weight update: engine {engine} failed at {stage}: {detail}")
+        self.engine = engine
+        self.stage = stage
+        self.detail = detail
+
+
 class RewardError(RollstreamError):
     """The reward function raised or returned something unusable."""
+
+
+class RewardBroken(RewardError):
+    """The reward function cannot be used any more (not one prompt's problem): fatal."""
+
+
+class GenerateError(RollstreamError):
+    """The rollout plug-in (the generate function) failed on one episode: its sample fails."""
+
+
+class InvalidResult(GenerateError, ValueError):
+    """What a generate function returned cannot be published; the message says why."""
+
+
+class EndpointRefused(GenerateError, ValueError):
+    """A request to an episode endpoint was refused; the sample fails with this message."""
+
+
+class ConversationDiverged(EndpointRefused):
+    """A chat request does not extend the conversation recorded for the episode."""
+
+
+class GenerateBroken(GenerateError):
+    """The generate function failed on ``generate_failure_limit`` distinct prompts in a row
+    (nothing succeeded in between): it is broken, not the prompts. Fatal for the producer."""
 
 
 class PipelineError(RollstreamError):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
-from rollstream.common.errors import ConfigError, RollstreamError
+from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,6 @@ class Pausable(Protocol):
     async def pause(self) -> None: ...
 
     async def resume(self, version: int | None = None) -> None: ...
-
-
-class WeightSyncError(RollstreamError):
-    """An engine failed a stage of the weight update; ``engine``, ``stage`` and ``detail`` say how."""
-
-    def __init__(self, engine: str, stage: str, detail: str) -> None:
-        super().__init__(f"weight update: engine {engine} failed at {stage}: {detail}")
-        self.engine = engine
-        self.stage = stage
-        self.detail = detail
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
 * :mod:`rollstream.integrations.slime`: ``generate_rollout`` and ``RollstreamDataSource``;
 * :mod:`rollstream.integrations.miles`: ``RollstreamRolloutFn`` and ``RollstreamDataSource``;
 * :mod:`rollstream.integrations.convert`: rollstream groups <-> framework samples;
-* :mod:`rollstream.integrations.rewards`: ``--reward slime:pkg.module.fn`` for producers.
+* :mod:`rollstream.integrations.rewards`: ``--reward slime:pkg.module.fn`` for producers (registered with
+  the one reward loader when imported), :mod:`rollstream.integrations.generate`: ``--generate slime:...``.
 
 * :mod:`rollstream.integrations.flags` / :mod:`rollstream.integrations.pipeline`: the one-flag
   run, which starts its own Redis, feeder and producers from the framework's flags.

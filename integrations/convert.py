@@ -80,25 +80,6 @@ SLIME = Framework("slime", "slime.utils.types", "slime.rollout.base_types")
 MILES = Framework("miles", "miles.utils.types", "miles.rollout.base_types")
 
 
-def load_object(path: str, what: str) -> Any:
-    """The object named by ``pkg.module.attr`` (the frameworks' style) or ``pkg.module:attr``."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"{what} {path!r} must look like 'package.module.name' or 'package.module:name'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{what} {path!r}: cannot import {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _response_mask(sample: Sample) -> tuple[list[int], bool]:
     """The loss mask over the response tokens, and whether it was filled in (none was sent)."""
     n = sample.response_length

@@ -1,5 +1,8 @@
 """Run slime's and miles' generate functions, and OpenAI-API agents, on rollstream producers.
 
+Importing this module registers its :data:`SCHEMES` with the one ``--generate`` loader
+(:func:`rollstream.producer.plugin.load_generate`).
+
 ``rollstream produce --generate SCHEME:pkg.module.fn`` (``pkg.module:fn`` works too):
 
 * ``slime:`` a slime custom generate function, ``async def generate(args, sample,
@@ -36,21 +39,22 @@ import argparse
 import copy
 import importlib
 import inspect
-import json
 import math
-import os
 import uuid
 from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import msgpack
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, InvalidResult
+from rollstream.common.imports import import_callable, import_object
 from rollstream.common.models import Sample, Status
+from rollstream.producer.checks import not_plain
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
+from rollstream.producer.plugin import GenerateContext, register_generate_scheme
 
-from .convert import MILES, SLIME, Framework, load_object
+from .convert import MILES, SLIME, Framework
 from .endpoints import Endpoint, EndpointServer
+from .settings import args_from_env
 
 GENERATE_ARGS = "ROLLSTREAM_GENERATE_ARGS"
 SCHEMES = ("slime", "miles", "openai")
@@ -64,16 +68,7 @@ def is_framework_generate(spec: str) -> bool:
 
 
 def _env_args(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    raw = (os.environ if environ is None else environ).get(GENERATE_ARGS, "").strip()
-    if not raw:
-        return {}
-    try:
-        values = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {GENERATE_ARGS} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
-        raise ConfigError(f"environment variable {GENERATE_ARGS} must be a JSON object of argument names to values")
-    return values
+    return args_from_env(GENERATE_ARGS, environ)
 
 
 def default_args(path: str, *, tokenizer: str | None, concurrency: int, n: int | None = None) -> dict[str, Any]:
@@ -160,14 +155,12 @@ def framework_sample(framework: Framework, episode: Episode) -> Any:
 
 
 def plain_metadata(metadata: Any, what: str) -> dict[str, Any]:
-    """``metadata`` if it is plain data the wire format can carry; ValueError (the sample fails)
+    """``metadata`` if it is plain data the wire format can carry; InvalidResult (the sample fails)
     otherwise, rather than an unencodable group that would stop the producer at publish."""
     if not isinstance(metadata, Mapping):
-        raise ValueError(f"{what} is a {type(metadata).__name__}, not a dict")
-    try:
-        msgpack.packb(metadata, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{what} is not plain data (str, numbers, lists, dicts): {exc}") from None
+        raise InvalidResult(f"{what} is a {type(metadata).__name__}, not a dict")
+    if (problem := not_plain(metadata, what)) is not None:
+        raise InvalidResult(problem)
     return dict(metadata)
 
 
@@ -184,27 +177,29 @@ def _versions(values: Any) -> list[int]:
 def from_framework_sample(
     fw: Any, member: int, endpoint: Endpoint | None, episode: Episode, *, only: bool = True
 ) -> Sample:
-    """A rollstream sample of a framework sample the function returned; ValueError when its shape is wrong."""
+    """A rollstream sample of a framework sample the function returned; InvalidResult when its shape is wrong."""
     if isinstance(fw, list | tuple):
-        raise ValueError(f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list")
+        raise InvalidResult(
+            f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list"
+        )
     for name in ("tokens", "response_length", "status"):
         if not hasattr(fw, name):
-            raise ValueError(f"returned a {type(fw).__name__}, not a framework Sample (no {name!r})")
+            raise InvalidResult(f"returned a {type(fw).__name__}, not a framework Sample (no {name!r})")
     tokens = array("i", [int(t) for t in fw.tokens])
     response_length = int(fw.response_length)
     if not 0 <= response_length <= len(tokens):
-        raise ValueError(f"response_length {response_length} does not fit the {len(tokens)} tokens")
+        raise InvalidResult(f"response_length {response_length} does not fit the {len(tokens)} tokens")
     raw_status = getattr(fw.status, "value", fw.status)
     metadata = plain_metadata(fw.metadata or {}, "the returned sample's metadata")
     error = None
     if raw_status == "pending":  # the function never set it: a response means it finished
         if response_length == 0:
-            raise ValueError("returned a PENDING sample without a response (nothing was generated)")
+            raise InvalidResult("returned a PENDING sample without a response (nothing was generated)")
         raw_status = "completed"
     try:
         status = Status(raw_status)
     except ValueError:
-        raise ValueError(f"returned a sample with status {raw_status!r}") from None
+        raise InvalidResult(f"returned a sample with status {raw_status!r}") from None
     if status == Status.FAILED:
         error = str(metadata.get("error") or "the generate function returned a FAILED sample")[:1000]
     finish = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort"}.get(status)
@@ -226,7 +221,7 @@ def from_framework_sample(
     if reward is not None and not isinstance(reward, dict):
         reward = float(reward)
         if not math.isfinite(reward):
-            raise ValueError(f"returned a non-finite reward {reward!r}")
+            raise InvalidResult(f"returned a non-finite reward {reward!r}")
     return Sample(
         index=member,
         tokens=tokens,
@@ -248,7 +243,7 @@ def to_samples(result: Any, endpoint: Endpoint | None, episode: Episode) -> Gene
     """What the framework function returned (a Sample or a flat list), as rollstream samples."""
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
-        raise ValueError("returned an empty list: an episode yields at least one sample")
+        raise InvalidResult("returned an empty list: an episode yields at least one sample")
     only = len(items) == 1
     samples = [from_framework_sample(fw, episode.member, endpoint, episode, only=only) for fw in items]
     return samples[0] if not isinstance(result, list | tuple) else samples
@@ -268,6 +263,10 @@ class _Adapter:
         self.server = server if server is not None else EndpointServer()
         self.__name__ = spec  # the producer names the function in its errors
         self._clients_ready = False
+
+    async def aclose(self) -> None:
+        """Close the endpoint server (the producer calls it on drain or exit, episodes ended)."""
+        await self.server.aclose()
 
     def init_clients(self, args: argparse.Namespace) -> None:
         """Create slime's / miles' module-level HTTP client (``http_utils.init_http_client``), as
@@ -360,7 +359,7 @@ class MilesGenerate(_Adapter):
             work = self.fn(GenerateFnInput(state=state, sample=sample, sampling_params=params, evaluation=False))
             output = await endpoint.run(work)
             if not isinstance(output, GenerateFnOutput):
-                raise ValueError(f"returned a {type(output).__name__}, not a GenerateFnOutput")
+                raise InvalidResult(f"returned a {type(output).__name__}, not a GenerateFnOutput")
             return to_samples(output.samples, endpoint, episode)
 
 
@@ -386,10 +385,10 @@ class OpenAIAgent(_Adapter):
                 )
             )
             if extra is not None and not isinstance(extra, Mapping):
-                raise ValueError(f"the agent returned a {type(extra).__name__}; return a dict of metadata or None")
+                raise InvalidResult(f"the agent returned a {type(extra).__name__}; return a dict of metadata or None")
             trajectory = endpoint.recorder.trajectory
             if trajectory is None:
-                raise ValueError("the agent made no chat completion request: nothing to train on")
+                raise InvalidResult("the agent made no chat completion request: nothing to train on")
             sample = trajectory.sample
             if extra:
                 sample.metadata.update(plain_metadata(extra, "the agent's returned metadata"))
@@ -430,14 +429,12 @@ def load_framework_generate(
             load_generate_function,
         )
 
-        load_object(path, "--generate")  # a clear ConfigError for a bad path before miles' loader
+        import_object(path, "--generate", dotted=True)  # a clear ConfigError for a bad path before miles' loader
         fn = load_generate_function(path.replace(":", "."))
         if not callable(fn):
             raise ConfigError(f"--generate {spec}: {path!r} is not callable")
         return MilesGenerate(spec, fn, args, server)
-    fn = load_object(path, "--generate")
-    if not callable(fn):
-        raise ConfigError(f"--generate {spec}: {path!r} is not callable")
+    fn = import_callable(path, "--generate", dotted=True)
     if scheme == "slime":
         if not inspect.iscoroutinefunction(fn):
             raise ConfigError(
@@ -445,3 +442,16 @@ def load_framework_generate(
             )
         return SlimeGenerate(spec, fn, args, server)
     return OpenAIAgent(spec, fn, args, server)
+
+
+def _load(spec: str, context: GenerateContext) -> GenerateFunction:
+    return load_framework_generate(
+        spec,
+        tokenizer=context.tokenizer,
+        concurrency=context.concurrency,
+        server=EndpointServer(host=context.endpoint_host),
+    )
+
+
+for _scheme in SCHEMES:
+    register_generate_scheme(_scheme, _load)

@@ -17,8 +17,9 @@ import inspect
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import import_object
 
-from .convert import MILES, Framework, load_object, to_framework
+from .convert import MILES, Framework, to_framework
 from .source import RollstreamDataSourceBase, prefixed
 
 DEFAULT_EVAL_FUNCTION = "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"
@@ -70,7 +71,7 @@ class RollstreamRolloutFn:
     def _evaluate(self, input: Any) -> Any:
         if self._eval_fn is None:
             path = self.source.settings.eval_function or DEFAULT_EVAL_FUNCTION
-            target: Any = load_object(path, "ROLLSTREAM_EVAL_FUNCTION")
+            target: Any = import_object(path, "ROLLSTREAM_EVAL_FUNCTION", dotted=True)
             if target is RollstreamRolloutFn:
                 raise ConfigError(
                     "ROLLSTREAM_EVAL_FUNCTION names RollstreamRolloutFn itself: name the class or function "

@@ -130,15 +130,14 @@ class LocalPipeline:
         self.supervisor = Supervisor(data / "logs", pids_file=data / "children.json")
         atexit.register(self.close)
         try:
-            if "redis" in self.components:
-                self.redis_url = self._start_redis(data / "redis")
-            assert self.redis_url is not None
-            self._prepare_namespace(self.redis_url)
+            url = self._start_redis(data / "redis") if "redis" in self.components else self._url()
+            self.redis_url = url
+            self._prepare_namespace(url)
             env = {"PYTHONPATH": _child_pythonpath()}
             base = [sys.executable, "-m", "rollstream.cli"]
-            where = ["--redis", self.redis_url, "--ns", self.namespace]
+            where = ["--redis", url, "--ns", self.namespace]
             if "feeder" in self.components:
-                self.supervisor.start(
+                self._supervisor().start(
                     ChildSpec("feeder", [*base, "feed", self.plan.dataset, *where, *self.plan.feed_args], env=env)
                 )
             if "producers" in self.components and self.plan.flags.engine is not None:
@@ -173,11 +172,23 @@ class LocalPipeline:
             ) from None
         self._lock = handle
 
+    def _supervisor(self) -> Supervisor:
+        """The supervisor of the children, once :meth:`start` made it."""
+        if self.supervisor is None:
+            raise RuntimeError("the local pipeline is not started (call start() first)")
+        return self.supervisor
+
+    def _url(self) -> str:
+        """The Redis URL: given, or the embedded server's once :meth:`start` started it."""
+        if self.redis_url is None:
+            raise RuntimeError("the local pipeline's Redis is not started (call start() first)")
+        return self.redis_url
+
     def _start_redis(self, directory: Path) -> str:
-        assert self.supervisor is not None
+        supervisor = self._supervisor()
         server = EmbeddedRedis(port=free_port(), dir=directory, appendonly=True, appendfsync="always")
         port = server.port
-        self.supervisor.start(
+        supervisor.start(
             ChildSpec(
                 "redis", server.command(), stage=0, stop_timeout=20.0,
                 ready=lambda process: wait_for_redis(port, process, REDIS_READY_TIMEOUT, log=directory / "redis.log"),
@@ -224,27 +235,29 @@ class LocalPipeline:
         whose ``--sglang-router-ip/port`` it fills in when it starts the router (None: the plan's)."""
         if self.producers_started or "producers" not in self.components:
             return
-        assert self.supervisor is not None and self.redis_url is not None
+        url = self._url()
         if self.plan.flags.engine is None:
             engine = require_engine(args, None)
             self.plan = dataclasses.replace(self.plan, flags=dataclasses.replace(self.plan.flags, engine=engine))
-            self._prepare_namespace(self.redis_url)  # the stored flags now name the router
+            self._prepare_namespace(url)  # the stored flags now name the router
             logger.info("the %s run's router is %s: starting its producers", self.plan.framework, engine)
         base = [sys.executable, "-m", "rollstream.cli"]
-        where = ["--redis", self.redis_url, "--ns", self.namespace]
+        where = ["--redis", url, "--ns", self.namespace]
         self._start_producers(base, where, {"PYTHONPATH": _child_pythonpath()})
         self.producers_started = True
 
     def _start_producers(self, base: list[str], where: list[str], env: dict[str, str]) -> None:
-        assert self.supervisor is not None and self.plan.flags.engine is not None
+        supervisor, engine = self._supervisor(), self.plan.flags.engine
+        if engine is None:
+            raise RuntimeError("the producers need the router's address (start_producers() fills it in)")
         total = self.plan.flags.concurrency or 1
         for i in range(self.producers):
             name = f"{self.consumer}-producer-{i}"  # stable: a restarted producer adopts its pending prompts
-            argv = [*base, "produce", *where, "--engine", self.plan.flags.engine, "--name", name]
+            argv = [*base, "produce", *where, "--engine", engine, "--name", name]
             if self.producers > 1:  # the stored concurrency is the run's; split it
                 share = total // self.producers + (1 if i < total % self.producers else 0)
                 argv += ["--concurrency", str(max(1, share))]
-            self.supervisor.start(ChildSpec(f"producer-{i}", argv, env=env))
+            supervisor.start(ChildSpec(f"producer-{i}", argv, env=env))
 
     def problem(self) -> RollstreamError | None:
         """Why the run cannot go on (None: fine): a child stopped on a configuration error

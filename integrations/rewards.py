@@ -1,5 +1,9 @@
 """Producers that reuse a slime or miles user's reward code: ``--reward slime:pkg.module.fn``.
 
+Importing this module registers its :data:`SCHEMES` with the one reward loader
+(:func:`rollstream.producer.rewards.register_scheme`), so ``load_reward("slime:...")`` builds a
+:class:`FrameworkReward` (the CLI imports it before loading ``--reward``).
+
 slime's custom reward signature is ``async def rm(args, sample) -> float | dict`` (per sample,
 ``--custom-rm-path``) or ``async def rm(args, samples) -> list`` (per group, ``--group-rm``).
 The specs are
@@ -20,16 +24,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, PromptContent, Sample
-from rollstream.producer.rewards import RewardFunction
+from rollstream.producer.rewards import RewardFunction, register_scheme
 
-from .convert import MILES, SLIME, Framework, load_object, to_framework
+from .convert import MILES, SLIME, Framework, to_framework
+from .settings import args_from_env
 
 REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
 ARG_DEFAULTS: dict[str, Any] = {"custom_rm_path": None, "rm_type": None, "rm_url": None, "reward_key": None}
@@ -49,16 +53,7 @@ def is_framework_reward(spec: str) -> bool:
 
 
 def reward_args(environ: Mapping[str, str] | None = None) -> argparse.Namespace:
-    raw = (os.environ if environ is None else environ).get(REWARD_ARGS, "").strip()
-    if not raw:
-        return argparse.Namespace(**ARG_DEFAULTS)
-    try:
-        values = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {REWARD_ARGS} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
-        raise ConfigError(f"environment variable {REWARD_ARGS} must be a JSON object of argument names to values")
-    return argparse.Namespace(**{**ARG_DEFAULTS, **values})
+    return argparse.Namespace(**{**ARG_DEFAULTS, **args_from_env(REWARD_ARGS, environ)})
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -102,9 +97,9 @@ class FrameworkReward(RewardFunction):
 
 def load_framework_reward(spec: str, *, timeout: float = 30.0) -> FrameworkReward:
     """The reward named by ``slime:...`` (and the other :data:`SCHEMES`); ConfigError when the
-    framework is not importable here, ValueError for a bad spec."""
+    framework is not importable here or the spec is bad."""
     if not is_framework_reward(spec):
-        raise ValueError(f"reward spec {spec!r} must look like 'slime:package.module.function'")
+        raise ConfigError(f"reward spec {spec!r} must look like 'slime:package.module.function'")
     scheme, _, path = spec.strip().partition(":")
     framework, per_group = SCHEMES[scheme]
     try:
@@ -115,7 +110,13 @@ def load_framework_reward(spec: str, *, timeout: float = 30.0) -> FrameworkRewar
             f"so its Sample cannot be built: install {framework.name} here (same version as the trainer) "
             f"or serve the reward over HTTP with --reward remote:URL ({exc.__cause__})"
         ) from exc
-    fn = load_object(path.strip(), "reward spec")
-    if not callable(fn):
-        raise ValueError(f"reward spec {spec!r}: {path!r} is not callable")
+    fn = import_callable(path.strip(), "reward spec", dotted=True)
     return FrameworkReward(framework, fn, per_group=per_group, args=reward_args(), name=spec, timeout=timeout)
+
+
+def _load(spec: str, timeout: float) -> RewardFunction:
+    return load_framework_reward(spec, timeout=timeout)
+
+
+for _scheme in SCHEMES:
+    register_scheme(_scheme, _load, usage=f"{_scheme}:package.module.function")

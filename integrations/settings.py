@@ -10,9 +10,11 @@ name) and the consumer name (``trainer``) before these settings are read.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import validate_namespace
@@ -104,3 +106,18 @@ class Settings:
             allow_journal_gap=allow_gap,
             keep_filter=optional(KEEP_FILTER),
         )
+
+
+def args_from_env(name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The JSON object of argument names to values in the environment variable ``name`` (``{}``
+    when unset): the ``args`` overrides of framework rewards and generate functions."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        values = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
+        raise ConfigError(f"environment variable {name} must be a JSON object of argument names to values")
+    return values

@@ -25,8 +25,9 @@ from typing import Any, ClassVar
 
 import httpx
 from rollstream.common.errors import ConfigError
+from rollstream.common.imports import import_object
 
-from .convert import SLIME, Framework, load_object, to_framework
+from .convert import SLIME, Framework, to_framework
 from .source import RollstreamDataSourceBase, prefixed
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     path = DEFAULT_EVAL_FUNCTION
     if isinstance(data_source, RollstreamDataSourceBase) and data_source.settings.eval_function:
         path = data_source.settings.eval_function
-    fn = load_object(path, "ROLLSTREAM_EVAL_FUNCTION")
+    fn = import_object(path, "ROLLSTREAM_EVAL_FUNCTION", dotted=True)
     if fn is generate_rollout:
         raise ConfigError(
             "ROLLSTREAM_EVAL_FUNCTION names rollstream's own generate_rollout: name the function that "

@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
-from rollstream.common.errors import EngineError, RollstreamError
+from rollstream.common.errors import EpisodeAborted as EpisodeAborted  # re-exported: defined in common.errors
+from rollstream.common.errors import GenerateBroken as GenerateBroken
 from rollstream.common.models import PromptContent, Sample, Status
 
 
@@ -132,16 +133,6 @@ class Turn:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
-
-
-class EpisodeAborted(EngineError):
-    """An engine call was aborted (a weight update) with partial rollout off: the episode is
-    recycled whole. Raised out of :meth:`Trajectory.generate`; user code should let it pass."""
-
-
-class GenerateBroken(RollstreamError):
-    """The generate function failed on ``generate_failure_limit`` distinct prompts in a row
-    (nothing succeeded in between): it is broken, not the prompts. Fatal for the producer."""
 
 
 class Trajectory(abc.ABC):
@@ -244,4 +235,6 @@ class Episode(Trajectory):
 
 GenerateResult: TypeAlias = "Sample | Sequence[Sample]"
 GenerateFunction = Callable[[Episode], Awaitable[GenerateResult]]
-"""``async def generate(episode) -> Sample | list[Sample]``."""
+"""``async def generate(episode) -> Sample | list[Sample]``. A callable object that also has an
+``async def aclose()`` (the slime/miles/OpenAI adapters: their endpoint server) is closed when
+the producer exits (:meth:`rollstream.producer.rollout.Rollout.aclose`)."""

@@ -43,28 +43,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, cast
 
 import msgspec
-from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  # re-exported: defined in common.errors
 from rollstream.common.models import Packed
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 """A token id that fits ``array('i')``; negative ids are refused."""
-
-
-class EngineReplyInvalid(EngineRejected):
-    """The engine answered, but the reply cannot be used (malformed, too large, too slow).
-
-    ``reason`` is a short slug (``not_json``, ``schema``, ``no_logprobs``, ``count_mismatch``,
-    ``non_finite_logprob``, ``choices``, ``spans``, ``too_large``, ``deadline``); ``detail`` says more.
-    Not retried: the producer turns it into a FAILED sample with this message."""
-
-    def __init__(self, reason: str, detail: str, where: str = "") -> None:
-        EngineError.__init__(self, f"invalid engine reply{f' from {where}' if where else ''}: {reason}: {detail}")
-        self.status_code = 200
-        self.body = detail
-        self.reason = reason
-        self.detail = detail
-        self.where = where
-        self.engine = ""
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 :class:`Rollout` tokenizes the prompt (when it can), runs the generate function (the rollout
 plug-in, :mod:`.episode`; the default :data:`single_turn` is one engine call per sample, and on
 the OpenAI API one request with ``n`` for the group) once per group member, concurrently, each
-episode under its deadline, validates every sample it returns (:func:`.session.check_sample`)
+episode under its deadline, validates every sample it returns (:func:`.checks.check_sample`)
 and scores the group with the reward function.
 It knows nothing of streams, leases or admission: the producer runtime
 (:mod:`rollstream.producer.worker`) hands it a decoded prompt and the weight version the prompt
@@ -11,7 +11,7 @@ was admitted under, and publishes what comes back.
 
 One bad prompt or one bad reply costs one failed group, never the producer: engine refusals and
 unusable replies (:class:`~rollstream.common.errors.EngineRejected`, which
-:class:`~rollstream.producer.replies.EngineReplyInvalid` is) fail the sample, and a reward that
+:class:`~rollstream.common.errors.EngineReplyInvalid` is) fail the sample, and a reward that
 fails on a group (:class:`~rollstream.common.errors.RewardError`: it raised, returned something
 unusable, timed out) fails every sample of the group, with the reason in ``Sample.error``. The
 consumer recycles FAILED groups with ``attempt + 1`` and dead-letters them after
@@ -24,8 +24,8 @@ the producer): an engine that keeps failing after its retries; an engine that is
 than unlucky (:class:`~rollstream.common.errors.EngineBroken`: its replies were refused or
 unusable on ``engine_failure_limit`` distinct prompts in a row with no usable reply from it in
 between, or the same across all engines); a generate function that failed on
-``generate_failure_limit`` distinct prompts in a row (:class:`~.episode.GenerateBroken`); and a
-reward that is broken rather than unlucky: :class:`~rollstream.producer.rewards.RewardBroken`,
+``generate_failure_limit`` distinct prompts in a row (:class:`~rollstream.common.errors.GenerateBroken`); and a
+reward that is broken rather than unlucky: :class:`~rollstream.common.errors.RewardBroken`,
 raised when the reward failed on ``reward_failure_limit`` distinct prompts in a row (no group
 scored in between), or when too many sync reward calls are stuck past their deadline. One bad
 reply, or one poison prompt retried, stays a failed sample: prompts are counted once each.
@@ -34,41 +34,44 @@ reply, or one poison prompt retried, stays a failed sample: prompts are counted 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import inspect
 import logging
 import time
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 from rollstream.common.errors import (
     ConfigError,
     EngineBroken,
     EngineError,
     EngineRejected,
+    EngineReplyInvalid,
+    EpisodeAborted,
+    GenerateBroken,
+    InvalidResult,
     PromptNotSupported,
+    RewardBroken,
     RewardError,
 )
-from rollstream.common.imports import import_callable
 from rollstream.common.models import Group, Prompt, Sample, Status
 
-from .engine import EngineClient, Generation
-from .episode import Episode, EpisodeAborted, EpisodeInfo, GenerateBroken, GenerateFunction
+from .checks import as_samples, check_sample
+from .engine import EngineClient
+from .episode import EpisodeInfo, GenerateFunction
+from .outcomes import FailureLog, failed, rejected, to_sample
+from .plugin import SingleTurn as SingleTurn  # re-exported
+from .plugin import load_generate as load_generate
+from .plugin import single_turn
 from .replay import with_routed_experts
-from .replies import EngineReplyInvalid
-from .rewards import RewardBroken, RewardFunction
-from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession, InvalidResult, as_samples, check_sample
+from .rewards import RewardFunction
+from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
-FAILURE_LOG_INTERVAL = 60.0
-"""Seconds between two log lines of the same failure reason (the others are counted)."""
 REWARD_FAILURE_LIMIT = 8
 """Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
 GENERATE_FAILURE_LIMIT = 8
@@ -78,26 +81,6 @@ ENGINE_FAILURE_LIMIT = 8
 row is broken (fatal)."""
 ALL_ENGINES = "all engines"
 """What :class:`EngineBroken` names when no engine in particular is to blame."""
-
-
-class FailureLog:
-    """Logs a failure once per ``reason`` and ``interval``; the next line says how many were not."""
-
-    def __init__(self, interval: float = FAILURE_LOG_INTERVAL) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def report(self, reason: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(reason)
-        if last is not None and now - last < self.interval:
-            self._quiet[reason] = self._quiet.get(reason, 0) + 1
-            return
-        self._last[reason] = now
-        quiet = self._quiet.pop(reason, 0)
-        more = f" ({quiet} more like it in the last {self.interval:.0f} s)" if quiet else ""
-        logger.warning("%s%s", message, more)
 
 
 SampleDone = Callable[[int], None]
@@ -135,58 +118,10 @@ class RolloutSettings:
 
     def __post_init__(self) -> None:
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
-            raise ValueError(f"n_samples must be a positive integer, got {self.n_samples!r}")
+            raise ConfigError(f"n_samples must be a positive integer, got {self.n_samples!r}")
         for name in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-
-
-class SingleTurn:
-    """The default rollout: one engine call per sample (today's single-turn rollout, as a plug-in).
-
-    ``continues_partial``: with partial rollout on, its trajectory starts from this member's
-    ABORTED sample of the earlier attempt, and a COMPLETED or TRUNCATED one is kept as it is."""
-
-    continues_partial = True
-
-    async def __call__(self, episode: Episode) -> Sample:
-        await episode.generate(max_new_tokens=episode.sampling.max_new_tokens - episode.sample.response_length)
-        return episode.sample
-
-
-single_turn = SingleTurn()
-"""The default generate function (``rollstream produce`` without ``--generate``)."""
-
-
-def load_generate(spec: str) -> GenerateFunction:
-    """The generate function named by ``module.path:function`` or ``path/to/file.py:function``
-    (``--generate``); ConfigError otherwise."""
-    path, _, attr = spec.rpartition(":")
-    if path.endswith(".py"):
-        fn = _from_file(Path(path), attr, spec)
-    else:
-        fn = import_callable(spec, "--generate")
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
-        raise ConfigError(f"--generate {spec!r} must be an async function: async def generate(episode) -> Sample")
-    return cast(GenerateFunction, fn)
-
-
-def _from_file(path: Path, attr: str, spec: str) -> Any:
-    """``attr`` of the Python file at ``path``, imported as a module named after the file."""
-    if not path.is_file():
-        raise ConfigError(f"--generate {spec!r}: no file {str(path)!r}")
-    module_spec = importlib.util.spec_from_file_location(f"rollstream_generate_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"--generate {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ConfigError(f"--generate {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"--generate {spec!r}: {str(path)!r} has no function {attr!r}")
-    return fn
 
 
 class Rollout:
@@ -265,6 +200,13 @@ class Rollout:
             history=prompt.history,
             multimodal_inputs=prompt.multimodal_inputs,
         )
+
+    async def aclose(self) -> None:
+        """Release what the generate function holds (``aclose()``, when it has one): called by
+        the producer once no episode runs any more (after the drain, or a fatal error)."""
+        close = getattr(self.generate, "aclose", None)
+        if close is not None:
+            await close()
 
     def requests_older_than(self, seconds: float) -> tuple[int, float]:
         """See :meth:`EpisodeRuntime.requests_older_than`."""
@@ -442,7 +384,7 @@ class Rollout:
             if session.fatal is not None:
                 raise session.fatal from None
             self._engine_refused(prompt, exc)
-            return [_rejected(member, prompt_ids, exc)]
+            return [rejected(member, prompt_ids, exc)]
         except TimeoutError as exc:
             if session.fatal is not None:
                 raise session.fatal from None
@@ -452,7 +394,7 @@ class Rollout:
             self.metrics.error("episode_deadline")
             reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
             self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
-            return [_failed(member, prompt_ids, reason, "deadline")]
+            return [failed(member, prompt_ids, reason, "deadline")]
         except InvalidResult as exc:
             if session.fatal is not None:
                 raise session.fatal from None
@@ -487,7 +429,7 @@ class Rollout:
         self.metrics.error(f"generate_{kind}")
         reason = f"generate {_name(self.generate)}: {reason}"
         self.failures.report(f"generate:{kind}", f"{where}: sample failed: {reason}")
-        return _failed(member, prompt_ids, reason, kind)
+        return failed(member, prompt_ids, reason, kind)
 
     async def _generate_together(
         self, prompt: Prompt, prompt_ids: array[int] | None, n: int, admitted_version: int, done: SampleDone
@@ -501,13 +443,13 @@ class Rollout:
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)
             done(n)
-            return [_rejected(i, prompt_ids, exc) for i in range(n)]
+            return [rejected(i, prompt_ids, exc) for i in range(n)]
         done(n)
         for engine in {g.engine for g in generations}:
             self._engine_answered(engine)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
         return [
-            with_routed_experts(_to_sample(i, prompt_ids, g, admitted_version), [g], None)
+            with_routed_experts(to_sample(i, prompt_ids, g, admitted_version), [g], None)
             for i, g in enumerate(generations)
         ]
 
@@ -538,61 +480,3 @@ def _name(fn: Any) -> str:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _to_sample(index: int, prompt_ids: array[int] | None, generation: Generation, admitted_version: int) -> Sample:
-    """A sample of the one request of ``n`` (OpenAI ``n``, vLLM's ``/inference/v1/generate``)."""
-    metadata: dict[str, Any] = {"engine": generation.engine}
-    if prompt_ids is None and generation.prompt_ids is not None:
-        prompt_ids = array("i", generation.prompt_ids)  # the engine said (vLLM return_token_ids)
-    spans = generation.weight_version_spans
-    if generation.weight_version is None:
-        versions = [admitted_version]
-        metadata["weight_version_source"] = "trainer_at_admission"
-    elif spans:
-        metadata["weight_version_source"] = "engine_spans"
-        versions = list(dict.fromkeys(v for v, _, _ in spans))  # each version once, in order
-    else:
-        versions = [generation.weight_version]
-    token_spans = None
-    if spans and len(versions) > 1:  # the tokens span two versions: say which where
-        metadata["weight_version_spans"] = [list(span) for span in spans]
-        token_spans = [(start, end, version) for version, start, end in spans]
-    tokens = (prompt_ids if prompt_ids is not None else array("i")) + array("i", generation.output_ids)
-    return Sample(
-        index=index,
-        tokens=tokens,
-        response=generation.text,
-        response_length=len(generation.output_ids),
-        prompt_length=0 if prompt_ids is None else len(prompt_ids),
-        loss_mask=_ones(len(generation.output_ids)),
-        status=Status.from_finish_reason(generation.finish_reason),
-        finish_reason=generation.finish_reason,
-        weight_versions=versions,
-        rollout_log_probs=None if generation.log_probs is None else array("f", generation.log_probs),
-        metadata=metadata,
-        weight_version_spans=token_spans,
-    )
-
-
-def _failed(index: int, prompt_ids: array[int] | None, reason: str, kind: str) -> Sample:
-    """A FAILED sample of an episode that raised, timed out or returned something unusable."""
-    return Sample(
-        index=index,
-        tokens=prompt_ids if prompt_ids is not None else array("i"),
-        prompt_length=0 if prompt_ids is None else len(prompt_ids),
-        loss_mask=array("B"),
-        status=Status.FAILED,
-        finish_reason=kind,
-        error=reason[:1000],
-    )
-
-
-def _rejected(index: int, prompt_ids: array[int] | None, exc: EngineRejected) -> Sample:
-    """A FAILED sample: the engine refused the request; the consumer recycles the group."""
-    return _failed(index, prompt_ids, str(exc), "rejected")
-
-
-def _ones(count: int) -> array[int]:
-    """The loss mask of a response: every response token is trained on."""
-    return array("B", b"\x01" * count)

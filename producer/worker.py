@@ -31,6 +31,14 @@ One bad prompt is never fatal: an undecodable entry is dead-lettered, and a fail
 reward fails the group (:mod:`.rollout`), which the consumer recycles. Every loop checks once per
 turn whether it was cancelled, and cancelled tasks get :data:`TASK_EXIT_TIMEOUT` seconds to end,
 so no library swallowing a cancellation can hang the process.
+
+Every loop is one turn repeated by :meth:`~rollstream.common.connection.Outage.forever` (the one
+resilient loop step: a transient Redis error is logged once, backed off, and the next turn
+follows). The settings live in :mod:`.settings`, the capacity and the prompts held in
+:mod:`.capacity`, the rollout in :mod:`.rollout`. Why this module stays over 500 lines: it is one
+class whose loops share its state (capacity, the prompts held, the outage, the stop event) and
+whose Redis calls are the protocol's call sites; cutting it into mixins would spread that state
+over several files without making any loop shorter.
 """
 
 from __future__ import annotations
@@ -42,7 +50,6 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -56,20 +63,21 @@ from rollstream.common.connection import (
     redact_url,
 )
 from rollstream.common.errors import (
-    ConfigError,
     DecodeError,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
-from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Admitted, Control, Heartbeat, PromptQueue, write_heartbeat
 
+from .capacity import Capacity, Work
 from .engine import EngineClient
-from .episode import GenerateFunction
 from .rewards import RewardFunction
-from .rollout import ENGINE_FAILURE_LIMIT, GENERATE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT, Rollout, RolloutSettings
-from .session import RESUME_POLL, EpisodeLimits
+from .rollout import Rollout, RolloutSettings
+from .session import RESUME_POLL
+from .settings import LONG_REQUEST_AFTER as LONG_REQUEST_AFTER  # re-exported
+from .settings import ProducerSettings as ProducerSettings
+from .settings import default_producer_name as default_producer_name
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
@@ -77,124 +85,12 @@ logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
-LONG_REQUEST_AFTER = 600.0
-"""Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
 BACKLOG_RETRY = 2.0
 """Seconds before a producer refused for a full backlog runs ADMIT again, unless a control
 message (a ``take()``'s ``taken``, pause, resume, version) wakes it first. Was 0.2 s of polling:
 with 1,024 producers that is 5,120 ADMITs a second while the trainer trains (docs/scale.md)."""
 TASK_EXIT_TIMEOUT = 5.0
 """Seconds the runtime waits for cancelled tasks to end before it abandons them (logged)."""
-
-
-def default_producer_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerSettings:
-    """Per-process settings; the pipeline-wide ones live in the namespace config."""
-
-    namespace: str
-    concurrency: int
-    """Samples (episodes) in flight at most (a prompt needs ``n_samples_per_prompt`` of them);
-    engine requests are capped apart by ``limits.engine_concurrency``."""
-    name: str = field(default_factory=default_producer_name)
-    n_samples: int | None = None
-    """When given, must match the namespace's ``n_samples_per_prompt``."""
-    heartbeat_interval: float = 2.0
-    drain_timeout: float = 30.0
-    renew_interval: float | None = None
-    """Default: a third of the lease."""
-    reclaim_interval: float | None = None
-    """Default: a quarter of the lease, at most 5 s."""
-    tokenize_prompts: bool = True
-    """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
-    reward_failure_limit: int = REWARD_FAILURE_LIMIT
-    """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
-    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
-    """An engine (or all engines) gave no usable reply on this many distinct prompts in a row: fatal."""
-    long_request_after: float = LONG_REQUEST_AFTER
-    """Engine requests in flight longer than this (seconds) are reported in the heartbeat
-    (``long_requests``) and shown by ``inspect`` as a warning."""
-    generate: GenerateFunction | None = None
-    """The rollout plug-in (``--generate module:function``); None: the single-turn rollout."""
-    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
-    """Episode caps: engine requests in flight, named limits, episode deadline, context budget."""
-    generate_failure_limit: int = GENERATE_FAILURE_LIMIT
-    """The generate function failed on this many distinct prompts in a row: fatal."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
-        if not self.name or any(c.isspace() for c in self.name):
-            raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")
-        for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        for limit in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
-            if getattr(self, limit) < 1:
-                raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")
-
-    def check(self, config: PipelineConfig) -> None:
-        config.check_matches(n_samples_per_prompt=self.n_samples)
-        if self.concurrency < config.n_samples_per_prompt:
-            raise ConfigError(
-                f"concurrency {self.concurrency} is below n_samples_per_prompt "
-                f"{config.n_samples_per_prompt}: one prompt needs that many samples in flight"
-            )
-
-
-class _Capacity:
-    """Engine capacity in samples: taken ``n`` at a time for a prompt, given back per sample.
-
-    Single-threaded (the event loop): :meth:`give` is synchronous so a finishing sample releases
-    its unit at once; waiters re-check on every change (an Event, set on each give)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.free = total
-        self._changed = asyncio.Event()
-
-    async def room(self, samples: int, stopping: asyncio.Event) -> bool:
-        """Wait until ``samples`` units are free (True) or ``stopping`` is set (False)."""
-        while self.free < samples:
-            if stopping.is_set():
-                return False
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self._changed.wait()
-        return True
-
-    async def take(self, samples: int, stopping: asyncio.Event) -> bool:
-        """Take ``samples`` units when they are free; False (nothing taken) once stopping."""
-        if not await self.room(samples, stopping):
-            return False
-        self.free -= samples
-        return True
-
-    def give(self, samples: int) -> None:
-        self.free += samples
-        self.wake()
-
-    def wake(self) -> None:
-        self._changed.set()
-
-
-@dataclass(slots=True)
-class _Work:
-    stream: str
-    """The prompt stream the entry belongs to (``prompts`` or ``retry``)."""
-    prompt_id: bytes
-    fields: dict[bytes, bytes]
-    version: int
-    """The trainer's weight version when the prompt was admitted (or taken over)."""
-    prompt: Prompt | None = None
-    task: asyncio.Task[None] | None = None
-    lease_lost: bool = False
-    held: int = 0
-    """Capacity units (samples) this prompt still holds."""
 
 
 class Producer:
@@ -244,8 +140,8 @@ class Producer:
         )
         self._control_changed = asyncio.Event()
         """Set (and replaced) on every control message: wakes episodes waiting for a resume."""
-        self._capacity = _Capacity(settings.concurrency)
-        self._work: dict[bytes, _Work] = {}
+        self._capacity = Capacity(settings.concurrency)
+        self._work: dict[bytes, Work] = {}
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -343,14 +239,25 @@ class Producer:
             try:
                 await self._shutdown()
             finally:
-                if heartbeat is not None:
-                    await self._cancel_and_wait([heartbeat], "heartbeat")
+                try:
+                    await self._close_generate()
+                finally:
+                    if heartbeat is not None:
+                        await self._cancel_and_wait([heartbeat], "heartbeat")
         if self._fatal is not None:
             raise self._fatal
 
     async def aclose(self) -> None:
         await self.redis.aclose()
         await self._blocking.aclose()
+
+    async def _close_generate(self) -> None:
+        """Close the rollout plug-in (its endpoint server) once its episodes ended; a failure to
+        close is logged, never fatal: the work is done."""
+        try:
+            await self.rollout.aclose()
+        except Exception as exc:
+            logger.warning("producer %s: closing the generate function failed: %s", self.name, exc)
 
     async def _cancel_and_wait(self, tasks: list[asyncio.Task[Any]], what: str) -> None:
         """Cancel ``tasks`` and wait for them, at most :data:`TASK_EXIT_TIMEOUT` seconds: one
@@ -467,7 +374,7 @@ class Producer:
 
     def _start_work(self, item: Admitted, version: int) -> None:
         """Run a prompt whose ``n`` units of capacity were just taken."""
-        work = _Work(
+        work = Work(
             stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
             held=self.config.n_samples_per_prompt,
         )
@@ -476,14 +383,14 @@ class Producer:
 
     # -- one prompt ---------------------------------------------------------------------
 
-    def _sample_done(self, work: _Work, samples: int) -> None:
+    def _sample_done(self, work: Work, samples: int) -> None:
         """Give back the units of finished samples, keeping one until the group is published."""
         units = min(samples, work.held - 1)
         if units > 0:
             work.held -= units
             self._capacity.give(units)
 
-    async def _run_work(self, work: _Work) -> None:
+    async def _run_work(self, work: Work) -> None:
         finished = False
         try:
             try:
@@ -519,7 +426,7 @@ class Producer:
             self._capacity.give(work.held)
             work.held = 0
 
-    async def _dead_letter_prompt(self, work: _Work, reason: str) -> None:
+    async def _dead_letter_prompt(self, work: Work, reason: str) -> None:
         logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
         await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
 
@@ -543,7 +450,7 @@ class Producer:
                 continue
             if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[item.entry_id] = _Work(
+                self._work[item.entry_id] = Work(
                     stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version
                 )
                 continue
@@ -556,32 +463,29 @@ class Producer:
         return await self._outage.run(self.control.weight_version)
 
     async def _renew_loop(self) -> None:
+        await self._outage.forever(self._renew_turn)
+
+    async def _renew_turn(self) -> bool:
         interval = self.settings.renew_interval or self.config.lease_seconds / 3
-        while True:
-            raise_if_cancelled()
-            await asyncio.sleep(interval)
-            by_stream: dict[str, list[bytes]] = {}
-            for pid, w in self._work.items():
-                if not w.lease_lost:
-                    by_stream.setdefault(w.stream, []).append(pid)
-            if not by_stream:
-                continue
-            lost: list[bytes] = []
-            try:
-                for stream, ids in by_stream.items():
-                    lost.extend(await self.prompts.renew(stream, ids))
-            except TRANSIENT_ERRORS as exc:
-                await self._outage.failed(exc)
-                continue
-            self._outage.recovered()
-            for pid in lost:
-                work = self._work.get(pid)
-                if work is not None and not work.lease_lost:
-                    work.lease_lost = True
-                    logger.warning(
-                        "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
-                        self.name, pid.decode(), self.config.lease_seconds,
-                    )
+        await asyncio.sleep(interval)
+        by_stream: dict[str, list[bytes]] = {}
+        for pid, w in self._work.items():
+            if not w.lease_lost:
+                by_stream.setdefault(w.stream, []).append(pid)
+        if not by_stream:
+            return False
+        lost: list[bytes] = []
+        for stream, ids in by_stream.items():
+            lost.extend(await self.prompts.renew(stream, ids))
+        for pid in lost:
+            work = self._work.get(pid)
+            if work is not None and not work.lease_lost:
+                work.lease_lost = True
+                logger.warning(
+                    "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
+                    self.name, pid.decode(), self.config.lease_seconds,
+                )
+        return True
 
     async def _reclaim_loop(self) -> None:
         """Take over prompts idle past the lease; while some are due, admission holds off so the
@@ -592,50 +496,51 @@ class Producer:
         (``announce_reclaim``): every producer sees it at its next turn and reclaims what it has
         room for. With P producers the looks cost P times less than one per producer
         (docs/scale.md)."""
+
+        def give_up() -> None:
+            self._reclaim_due = False
+
+        await self._outage.forever(self._reclaim_turn, on_error=give_up)
+
+    async def _reclaim_turn(self) -> bool:
         n = self.config.n_samples_per_prompt
         interval = self.settings.reclaim_interval or min(5.0, self.config.lease_seconds / 4)
         lease_ms = int(self.config.lease_seconds * 1000)
-        while True:
-            raise_if_cancelled()
-            if not self._reclaim_due:
-                await asyncio.sleep(interval)
-            if self._stopping.is_set():
-                self._reclaim_due = False
-                continue
-            try:
-                if not self._reclaim_due:
-                    my_turn, found_ms = await self.prompts.reclaim_turn(int(interval * 900))
-                    if found_ms > self._reclaim_seen_ms:  # another producer found idle prompts
-                        self._reclaim_seen_ms = found_ms
-                        self._reclaim_due = True
-                    elif not my_turn:
-                        continue
-                if await self.control.paused():
-                    self._reclaim_due = False
-                    continue
-                if not self._reclaim_due:
-                    if not await self.prompts.any_idle(lease_ms):
-                        continue
-                    self._reclaim_due = True
-                    await self.prompts.announce_reclaim()
-                    self._reclaim_seen_ms = now_ms()  # its own find: already acting on it
-                await self._capacity.room(n, self._stopping)
-                claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
-            except TRANSIENT_ERRORS as exc:
-                self._reclaim_due = False
-                await self._outage.failed(exc)
-                continue
-            self._outage.recovered()
-            if claimed:
-                logger.info(
-                    "producer %s: reclaimed %d prompts idle past the %.0f s lease",
-                    self.name, len(claimed), self.config.lease_seconds,
-                )
-                await self._take_over(claimed)
-            elif self.prompts.reclaim_scanned:
-                self._reclaim_due = False  # scanned to the end: nothing left to take over
-            if not self._reclaim_due:
-                self._wake.set()
+        if not self._reclaim_due:
+            await asyncio.sleep(interval)
+        if self._stopping.is_set():
+            self._reclaim_due = False
+            return False
+        if not self._reclaim_due:
+            my_turn, found_ms = await self.prompts.reclaim_turn(int(interval * 900))
+            if found_ms > self._reclaim_seen_ms:  # another producer found idle prompts
+                self._reclaim_seen_ms = found_ms
+                self._reclaim_due = True
+            elif not my_turn:
+                return False
+        if await self.control.paused():
+            self._reclaim_due = False
+            return False
+        if not self._reclaim_due:
+            if not await self.prompts.any_idle(lease_ms):
+                return False
+            self._reclaim_due = True
+            await self.prompts.announce_reclaim()
+            self._reclaim_seen_ms = now_ms()  # its own find: already acting on it
+        await self._capacity.room(n, self._stopping)
+        claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
+        self._outage.recovered()  # before the take-over, whose own calls ride out an outage
+        if claimed:
+            logger.info(
+                "producer %s: reclaimed %d prompts idle past the %.0f s lease",
+                self.name, len(claimed), self.config.lease_seconds,
+            )
+            await self._take_over(claimed)
+        elif self.prompts.reclaim_scanned:
+            self._reclaim_due = False  # scanned to the end: nothing left to take over
+        if not self._reclaim_due:
+            self._wake.set()
+        return False  # the outage ended above
 
     # -- heartbeat, control -------------------------------------------------------------
 
@@ -684,39 +589,32 @@ class Producer:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            raise_if_cancelled()
-            await asyncio.sleep(self.settings.heartbeat_interval)
-            try:
-                await self._heartbeat_once()
-            except TRANSIENT_ERRORS as exc:
-                await self._outage.failed(exc)
-                continue
-            self._outage.recovered(wrote=True)  # a write Redis refuses at maxmemory
+        await self._outage.forever(self._heartbeat_turn, wrote=True)  # a write Redis refuses at maxmemory
+
+    async def _heartbeat_turn(self) -> bool:
+        await asyncio.sleep(self.settings.heartbeat_interval)
+        await self._heartbeat_once()
+        return True
 
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version/taken messages (the check itself is in ADMIT)."""
-        while True:
-            raise_if_cancelled()
-            try:
-                pubsub = await self.control.subscribe(self._blocking)
-            except TRANSIENT_ERRORS as exc:
-                await self._outage.failed(exc)
-                continue
-            try:
-                while True:
-                    raise_if_cancelled()
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        logger.debug("producer %s: control message %r", self.name, message.get("data"))
-                        self._wake.set()
-                        changed, self._control_changed = self._control_changed, asyncio.Event()
-                        changed.set()
-            except TRANSIENT_ERRORS as exc:
-                await self._outage.failed(exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+        await self._outage.forever(self._control_turn)
+
+    async def _control_turn(self) -> bool:
+        """Subscribe and listen until the subscription fails (a turn never returns otherwise)."""
+        pubsub = await self.control.subscribe(self._blocking)
+        try:
+            while True:
+                raise_if_cancelled()
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None:
+                    logger.debug("producer %s: control message %r", self.name, message.get("data"))
+                    self._wake.set()
+                    changed, self._control_changed = self._control_changed, asyncio.Event()
+                    changed.set()
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
 
     # -- shutdown -----------------------------------------------------------------------
 

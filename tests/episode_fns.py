@@ -103,3 +103,11 @@ async def two_agents(episode: Episode) -> list[Sample]:
 
 async def always_raises(episode: Episode) -> Sample:
     raise ToolFailed("broken function")
+
+
+async def object_metadata(episode: Episode) -> Sample:
+    """The calculator, except that prompts saying OBJECT get metadata the wire format cannot carry."""
+    sample = await calculator(episode)
+    if "OBJECT" in str(episode.prompt):
+        sample.metadata = {**sample.metadata, "tool_state": object()}
+    return sample

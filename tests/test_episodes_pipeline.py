@@ -9,6 +9,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -103,6 +104,50 @@ async def test_a_hanging_tool_and_a_raising_tool_are_dead_lettered_the_others_un
     beat = await wait_until(settled, message="the producer idle")
     # 2 bad prompts x 3 attempts (max_attempts 2 recycles) x 2 members each
     assert beat.episodes_failed == 12 and beat.engine_requests == 0
+
+
+async def test_unencodable_metadata_fails_the_sample_and_is_dead_lettered_the_producer_lives(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Metadata the wire format cannot carry (an object) is one FAILED sample with the reason,
+    recycled and dead-lettered after max_attempts; the producer keeps publishing the others."""
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=3, max_attempts=2)
+    keys = Keys(ns)
+    await add_prompts(redis, ns, 1, start=0, text="OBJECT 1 + 1 [tools=1]")
+    await add_prompts(redis, ns, 3, start=1, text="What is 2 + 2? [tools=1]")
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("object_metadata"), name="p")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(3)
+        await consumer.commit(batch)
+        assert sorted(g.index for g in batch.groups) == [1, 2, 3]
+        assert all(g.status == Status.COMPLETED for g in batch.groups)
+        taking = asyncio.create_task(consumer.take(1))
+        try:
+            await wait_until(lambda: _count_is(redis.xlen(keys.dead), 1), timeout=60, message="one dead letter")
+        finally:
+            taking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await taking
+    dead_at_ms = int(time.time() * 1000)
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert int(dead[b"index"]) == 0
+    assert b"metadata is not plain data" in dead[b"reason"], dead[b"reason"]
+
+    async def settled() -> Heartbeat | None:  # a beat written after the last attempt was dead-lettered
+        beat = await heartbeat(redis, ns, "p")
+        fresh = beat.last_seen_ms > dead_at_ms
+        return beat if fresh and beat.episodes == 0 and beat.in_flight_prompts == 0 else None
+
+    beat = await wait_until(settled, timeout=30, message="a heartbeat of the producer idle")
+    assert beat.state == "running"  # not fatal
+    assert beat.episodes_failed == 6  # 3 attempts (max_attempts 2 recycles) x 2 members
+    await add_prompts(redis, ns, 1, start=4, text="What is 3 + 3? [tools=1]")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    assert [g.index for g in batch.groups] == [4]  # nothing lost: the producer still publishes
 
 
 async def test_tool_time_holds_no_engine_capacity(

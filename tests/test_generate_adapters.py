@@ -33,6 +33,7 @@ from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.tokenizer import load_tokenizer
+from rollstream.producer.worker import Producer, ProducerSettings
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.engine import detokenize
 
@@ -293,6 +294,28 @@ async def test_the_endpoint_answers_only_its_episode_and_closes_after_it(
     await server.aclose()
 
 
+async def test_the_producer_closes_the_endpoint_server_when_it_drains(
+    redis_url: str, redis: Redis, ns: str, sim: SimEngine, standins_importable: None
+) -> None:
+    await make_namespace(redis, ns, n_samples_per_prompt=N, batch_size=1)
+    await add_prompts(redis, ns, 1)
+    server = EndpointServer()
+    fn = load_framework_generate("openai:adapter_fns.openai_tool_agent", tokenizer=TOKENIZER, server=server)
+    settings = ProducerSettings(namespace=ns, concurrency=N, name="closer", generate=fn)
+    async with EngineClient(EngineSettings(urls=(sim.url,), max_new_tokens=64),
+                            tokenizer=load_tokenizer(TOKENIZER)) as engine:
+        producer = await Producer.connect(redis_url, settings, engine, load_reward("math"))
+        run = asyncio.create_task(producer.run())
+        try:
+            await wait_until(lambda: producer.published == 1, timeout=30, message="the group published")
+            assert server.running  # its episodes ran on it
+        finally:
+            producer.stop()
+            await asyncio.wait_for(run, 30)
+            await producer.aclose()
+    assert not server.running and server.open_endpoints == 0  # closed by the drain, not by the test
+
+
 def _agent_module(monkeypatch: pytest.MonkeyPatch, agent: Any) -> str:
     module = type(sys)("_adapter_agent")
     module.agent = agent  # type: ignore[attr-defined]
@@ -425,6 +448,18 @@ def test_bad_specs_are_config_errors(standins_importable: None) -> None:
         load_framework_generate("slime:adapter_fns.no_such_function")
     with pytest.raises(ConfigError, match="async def generate"):
         load_framework_generate("slime:os.path.join")
+
+
+def test_the_one_generate_loader_builds_the_adapters_by_their_registered_scheme(standins_importable: None) -> None:
+    from rollstream.integrations.generate import OpenAIAgent, SlimeGenerate
+    from rollstream.producer.plugin import GenerateContext, generate_schemes, load_generate
+
+    assert {"slime", "miles", "openai"} <= set(generate_schemes())
+    fn = load_generate("slime:adapter_fns.slime_tool_loop", GenerateContext(tokenizer=TOKENIZER, endpoint_host="::1"))
+    assert isinstance(fn, SlimeGenerate) and fn.base_args["hf_checkpoint"] == TOKENIZER and fn.server.host == "::1"
+    assert isinstance(load_generate("openai:adapter_fns.openai_tool_agent"), OpenAIAgent)
+    with pytest.raises(ConfigError, match="must look like"):
+        load_generate("slime:")
 
 
 def test_generate_args_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,6 +194,19 @@ async def test_slime_reward_is_called_with_slime_samples(monkeypatch: pytest.Mon
     assert await per_group.score(group.prompt, group.label, group.samples) == [0.0, 1.0]
 
 
+async def test_the_one_reward_loader_builds_framework_rewards_by_their_registered_scheme() -> None:
+    from rollstream.integrations.rewards import FrameworkReward
+    from rollstream.producer.rewards import load_reward, schemes
+
+    assert {"math", "remote", "slime", "slime-group", "miles", "miles-group"} <= set(schemes())
+    reward = load_reward("slime-group:user_rm.group_rm", timeout=7)
+    assert isinstance(reward, FrameworkReward) and reward.per_group and reward.deadline == 7
+    group = _group([Status.COMPLETED, Status.TRUNCATED])
+    assert await reward.score(group.prompt, group.label, group.samples) == [0.0, 1.0]
+    with pytest.raises(ConfigError, match="must look like"):
+        load_reward("slime:")
+
+
 def test_reward_args_must_be_a_json_object(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLSTREAM_REWARD_ARGS", "[1]")
     with pytest.raises(ConfigError, match="ROLLSTREAM_REWARD_ARGS"):

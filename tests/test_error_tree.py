@@ -1,0 +1,82 @@
+"""The error tree's rule (common/errors.py's docstring): every error a user can meet is defined in
+``common/errors.py``, derives from ``RollstreamError`` and is drawn in the docstring's tree; the
+one importer of user code is ``common/imports.py``. Read from the source (ast), like test_layers."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+from rollstream.common import errors
+from rollstream.common.errors import ConfigError, RollstreamError
+from test_layers import ROOT, library_files
+
+ERRORS = ROOT / "common" / "errors.py"
+PRIVATE_OK = {"_Answer", "_BadRequest"}
+"""Control flow inside one module (an HTTP answer raised in a handler), never seen by a user."""
+
+
+def _exception_classes() -> list[tuple[str, int, str]]:
+    found = []
+    for _, path in library_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if any(b.endswith(("Error", "Exception", "Broken", "Invalid", "Refused", "Failed")) for b in bases):
+                    found.append((str(path.relative_to(ROOT)), node.lineno, node.name))
+    return found
+
+
+def test_every_user_facing_error_is_defined_in_common_errors() -> None:
+    elsewhere = [
+        f"{path}:{line} {name}"
+        for path, line, name in _exception_classes()
+        if path != "common/errors.py" and name not in PRIVATE_OK
+    ]
+    assert not elsewhere, "define these in common/errors.py (and re-export them):\n" + "\n".join(elsewhere)
+
+
+def test_every_error_is_in_the_tree_and_the_drawing() -> None:
+    doc = errors.__doc__ or ""
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, BaseException)]
+    assert classes
+    for cls in classes:
+        assert issubclass(cls, RollstreamError), cls
+        assert f" {cls.__name__} " in doc or f" {cls.__name__}\n" in doc, f"{cls.__name__} is not drawn in the tree"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("rollstream.producer.rewards", "RewardBroken"),
+        ("rollstream.producer.engine", "EngineReplyInvalid"),  # the engine client re-exports it
+        ("rollstream.producer.episode", "EpisodeAborted"),
+        ("rollstream.producer.episode", "GenerateBroken"),
+        ("rollstream.producer.session", "InvalidResult"),
+        ("rollstream.integrations.endpoints", "EndpointRefused"),
+        ("rollstream.integrations.endpoints", "ConversationDiverged"),
+        ("rollstream.engines", "WeightSyncError"),
+    ],
+)
+def test_errors_stay_importable_where_they_were(module: str, name: str) -> None:
+    assert getattr(__import__(module, fromlist=[name]), name) is getattr(errors, name)
+
+
+def test_rollout_settings_check_with_config_error() -> None:
+    from rollstream.producer.rollout import RolloutSettings
+
+    for bad in ({"n_samples": 0}, {"n_samples": 2, "reward_failure_limit": 0}):
+        with pytest.raises(ConfigError):
+            RolloutSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_user_code_is_imported_in_one_place() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for _, path in library_files()
+        if path != ROOT / "common" / "imports.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute) and node.attr in ("spec_from_file_location", "module_from_spec")
+    ]
+    assert not found, "import user code with rollstream.common.imports:\n" + "\n".join(found)
