@@ -128,7 +128,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument(
         "--routed-experts", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
-        help="ask SGLang for the MoE routing replay (R3: return_routed_experts; the server runs with "
+        help="ask the engine for the MoE routing replay (R3: SGLang's return_routed_experts, vLLM's "
+             "choices[].routed_experts with --engine-api vllm; the server runs with "
              "--enable-return-routed-experts), e.g. 48x8x128; checked against this shape",
     )
     p.add_argument("--engine-stats", action="store_true",

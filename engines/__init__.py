@@ -4,7 +4,7 @@
 used to write by hand, in the order that keeps versions honest:
 
 1. ``consumer.pause()``: producers stop admitting (rollstream's pause);
-2. pause every engine (vLLM ``POST /pause?mode=``; SGLang ``POST /pause_generation``);
+2. pause every engine (vLLM ``POST /pause?mode=...&clear_cache=true``; SGLang ``POST /pause_generation``);
 3. reload the weights from ``path`` (a folder written by ``save_pretrained``) on every engine
    (vLLM ``POST /collective_rpc {"method": "reload_weights"}``; SGLang
    ``POST /update_weights_from_disk``, which also takes the version);
@@ -157,7 +157,11 @@ class WeightSync:
 
     async def _pause(self, url: str, mode: PauseMode) -> None:
         if self.kind == "vllm":
-            await self._post(url, f"/pause?mode={mode}", None, "pause", self.pause_timeout)
+            # clear_cache (vLLM's default, said explicitly): with keep it preempts the frozen
+            # requests and recomputes their KV with the new weights at the resume, so every token
+            # after the split is the new weights'; without it they run on the old KV and match
+            # neither version (docs/engines.md, "keep")
+            await self._post(url, f"/pause?mode={mode}&clear_cache=true", None, "pause", self.pause_timeout)
         elif mode in _SGLANG_PAUSE:
             await self._post(url, "/pause_generation", {"mode": _SGLANG_PAUSE[mode]}, "pause", self.pause_timeout)
 

@@ -1,6 +1,7 @@
 """A real learning run through rollstream on a CPU: a tiny Llama learns addition with GRPO.
 
-One command (``./scripts/demo --real``, or ``.venv-vllm/bin/python examples/tiny_grpo.py``):
+One command (``rollstream demo --real [FLAGS]`` or ``./scripts/demo --real``: they build the vLLM venv
+on first use; or ``.venv-vllm/bin/python examples/tiny_grpo.py``):
 build the tiny model (rollstream.testing.tiny_model), warm it up with a short SFT in torch,
 start vLLM on it, an embedded Redis, the feeder and the producers (``--engine-api vllm``), then
 train with GRPO: take a batch, recompute the samples' log-probs with the trainer's weights (the

@@ -119,6 +119,61 @@ def build_model(out: Path, spec: TinyModelSpec = TinyModelSpec(), *, tokenizer: 
     return out
 
 
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    """Shape of the tiny mixture-of-experts model (Qwen3-MoE): every layer routes each token to
+    ``topk`` of ``experts`` experts, so a routing replay has ``layers x topk`` ids per token."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    moe_intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    experts: int = 8
+    topk: int = 2
+    max_positions: int = 512
+    seed: int = 0
+
+
+def build_moe_model(out: Path, spec: TinyMoeSpec = TinyMoeSpec(), *, tokenizer: Any = None) -> Path:
+    """The tokenizer and a randomly initialised fp32 ``Qwen3MoeForCausalLM`` (``spec``) in ``out``:
+    the model the routing-replay (R3) test serves on vLLM with ``--enable-return-routed-experts``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(out, TinyModelSpec(vocab_size=spec.vocab_size))
+    torch.manual_seed(spec.seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.topk,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=spec.max_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "rollstream_tiny.json").write_text(json.dumps({"moe_spec": spec.__dict__}))
+    return out
+
+
 def save_weights(model: Any, out: Path) -> Path:
     """Write a trained model's weights (and config) into ``out`` for an engine's reload."""
     out.mkdir(parents=True, exist_ok=True)

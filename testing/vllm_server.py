@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -31,8 +31,10 @@ START_TIMEOUT = 300.0
 
 
 def vllm_python() -> str | None:
-    """An interpreter with vLLM: ``$ROLLSTREAM_VLLM_PYTHON``, this one, or ``.venv-vllm``; else None."""
-    candidates = [os.environ.get(VENV_ENV), sys.executable, str(ROOT / ".venv-vllm" / "bin" / "python")]
+    """An interpreter with vLLM: ``$ROLLSTREAM_VLLM_PYTHON`` when set (only it), else this one or
+    the checkout's ``.venv-vllm``; None when there is none."""
+    chosen = os.environ.get(VENV_ENV)
+    candidates = [chosen] if chosen else [sys.executable, str(ROOT / ".venv-vllm" / "bin" / "python")]
     for python in candidates:
         if python and Path(python).exists():
             probe = subprocess.run(
@@ -44,28 +46,32 @@ def vllm_python() -> str | None:
     return None
 
 
-def server_command(python: str, model: Path, port: int, *, max_model_len: int = 512) -> list[str]:
+def server_command(
+    python: str, model: Path, port: int, *, max_model_len: int = 512, extra_args: Sequence[str] = ()
+) -> list[str]:
+    """The launcher's command line; ``extra_args`` go last (e.g. ``--enable-return-routed-experts``)."""
     return [
         python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
         "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-scale-out",
-        "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+        "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra_args,
     ]
 
 
 @contextlib.contextmanager
 def vllm_server(model: Path, port: int, log: Path, *, python: str | None = None,
-                kv_cache_gib: int = 1, timeout: float = START_TIMEOUT) -> Iterator[str]:
+                kv_cache_gib: int = 1, timeout: float = START_TIMEOUT, extra_args: Sequence[str] = (),
+                extra_env: Mapping[str, str] | None = None) -> Iterator[str]:
     """A vLLM server on ``127.0.0.1:port`` serving ``model``; yields its URL, stops it (its whole
     process group: the engine core is a child) on exit."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError("no interpreter with vLLM: run scripts/vllm-env (or set ROLLSTREAM_VLLM_PYTHON)")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
     with open(log, "ab") as handle:
         child = subprocess.Popen(
-            server_command(python, model, port), stdout=handle, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
+            server_command(python, model, port, extra_args=extra_args), stdout=handle, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
         )
     try:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,6 @@
-"""The learning example (examples/tiny_grpo.py) for a bounded number of steps: a tiny Llama on a
-real vLLM, trained with GRPO through rollstream, ends measurably better than it started.
+"""The learning example (``rollstream demo --real``: examples/tiny_grpo.py) for a bounded number
+of steps: a tiny Llama on a real vLLM, trained with GRPO through rollstream, ends measurably
+better than it started.
 
 Threshold from runs on the shared 2-core machine (docs/benchmarks.md): the mean reward of the
 first 3 steps was 0.29-0.33, of steps 30-39 0.49 and of the last 10 of 50-60 steps 0.53-0.56
@@ -20,7 +21,6 @@ from pathlib import Path
 import pytest
 from rollstream.testing.vllm_server import vllm_python
 
-ROOT = Path(__file__).resolve().parent.parent
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "tokenizers"))
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +38,8 @@ GAIN = 0.10
 def test_the_tiny_model_learns_addition_through_rollstream(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--steps", str(STEPS), "--out", str(out),
+        # the one command of the README (under this venv: it runs examples/tiny_grpo.py here)
+        [sys.executable, "-m", "rollstream.cli", "demo", "--real", "--steps", str(STEPS), "--out", str(out),
          "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=840, check=False,
     )

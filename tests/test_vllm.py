@@ -4,7 +4,7 @@ Every sample's rollout log-probs are checked against transformers recomputing th
 fp32 with the weights of the version the sample says it was generated with (<= 1e-3; they agree
 to ~1e-6), and against the other weights (they must not match those: the label is not a guess);
 a sample whose tokens span two versions (pause mode keep) matches the old weights before the
-split and is the new weights' after it. Prompts are
+split and the new weights after it, token for token. Prompts are
 accounted for exactly across the abort: each committed once, none lost, none doubled.
 
 Slow (a vLLM start, ~20 s idle): run under the vLLM venv, ``./scripts/vllm-env`` then
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import ProcessPool, make_namespace
 from redis.asyncio import Redis
@@ -122,7 +123,9 @@ def _check_sample(served: Served, sample: Sample, versions: tuple[int, ...]) -> 
                for v, lp in recomputed.items()}
         assert gap[version] <= TOLERANCE, f"tokens {start}-{end} labelled v{version} do not match it: {gap}"
         for other, value in gap.items():
-            if other != version:
+            # 41 of 58,281 tokens have v1 and v2 log-probs within 1e-3: a span of one or two
+            # tokens can match both by chance (docs/engines.md, "keep")
+            if other != version and end - start >= 3:
                 assert value > TOLERANCE, f"tokens {start}-{end} match v{other} as well as v{version}: {gap}"
 
 
@@ -187,42 +190,64 @@ async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_
     assert all(s.weight_versions == [0] for s in first.groups[0].samples)
 
 
+async def _wait_running(url: str, at_least: int, timeout: float = 240.0) -> float:
+    """Until vLLM's ``/metrics`` counts ``at_least`` requests running (decoding or prefilling)."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        async with asyncio.timeout(timeout):
+            while True:
+                text = (await http.get(url + "/metrics")).text
+                running = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("vllm:num_requests_running{"))
+                if running >= at_least:
+                    return running
+                await asyncio.sleep(0.05)
+
+
 async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights(
     served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool
 ) -> None:
     """mode keep: requests in flight are frozen over the reload and finish on the new weights;
-    their samples say where the version changed, and each part matches its own weights."""
-    prompts = 24
+    their samples say where the version changed, and each part matches its own weights exactly:
+    vLLM's keep pause drops the frozen requests' KV (``clear_cache``, on by default) and
+    recomputes it with the new weights at the resume (docs/engines.md, "keep")."""
+    prompts = 32
     await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64)
     await _add(redis, ns, addition_prompts(prompts, seed=4))
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await sync.update(consumer, str(served.weights[1]), 1, mode="abort")  # wherever the last test left it
         _producers(procs, redis_url, ns, served, 1)
-        first = await asyncio.wait_for(consumer.take(2), 240)
-        await consumer.commit(first)
-        await sync.update(consumer, str(served.weights[2]), 2, mode="keep")
-        groups = first.groups + await _take_all(consumer, prompts - 2, 8)
+        # the update lands while requests are decoding (not after a guessed time)
+        running = await _wait_running(served.url, 4)
+        report = await sync.update(consumer, str(served.weights[2]), 2, mode="keep")
+        groups = await _take_all(consumer, prompts, 8)
     await procs.astop_all()
-    assert sorted(g.index for g in groups) == list(range(prompts))
-    spanning = [s for g in groups for s in g.samples if len(s.weight_versions) > 1]
-    for group in groups:
-        for sample in group.samples:
-            assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.error
-            if len(sample.weight_versions) == 1:
-                _check_sample(served, sample, (1, 2))
-    assert spanning, "no request was in flight over the update"
-    for sample in spanning:
+    state = await read_state(redis, Keys(ns))
+    assert sorted(g.index for g in groups) == list(range(prompts)), "every prompt committed exactly once"
+    assert state_int(state, "recycled_aborted") == 0 and state_int(state, "dead_lettered") == 0, state
+    samples = [s for g in groups for s in g.samples]
+    spanning = [s for s in samples if len(s.weight_versions) > 1]
+    assert spanning, f"no request was in flight over the update ({running} running before it, {report})"
+    failures = []
+    for sample in samples:
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.error
+        if len(sample.weight_versions) == 1:
+            _check_sample(served, sample, (1, 2))
+            continue
         assert sample.weight_versions == [1, 2]
         (old, _, split), (new, start, end) = _spans(sample)
         assert (old, new, start, end) == (1, 2, split, sample.response_length) and 0 < split
         rollout = list(sample.rollout_log_probs or [])
         v1, v2 = _logprobs(served.models[1], sample), _logprobs(served.models[2], sample)
-        before = max(abs(a - b) for a, b in zip(rollout[:split], v1[:split], strict=True))
-        assert before <= TOLERANCE, f"tokens before the split do not match v1: {before}"
-        # After the split the frozen request continues on the new weights (over the KV it had?):
-        # a strict 1e-3 check of both parts failed one run in four, detail not captured
-        # (docs/engines.md), so here the tokens are checked to be the new weights' (far closer
-        # to v2 than to v1), not exact.
-        after_v2 = sum(abs(a - b) for a, b in zip(rollout[split:], v2[split:], strict=True)) / (end - split)
-        after_v1 = sum(abs(a - b) for a, b in zip(rollout[split:], v1[split:], strict=True)) / (end - split)
-        assert after_v2 < after_v1 / 10, f"tokens after the split: mean gap {after_v2} to v2, {after_v1} to v1"
+        # each token matches the weights its span names; the label is no guess: the sample as a
+        # whole matches neither version alone (a span of one or two tokens may match both by
+        # chance: 41 of 58,281 tokens have v1 and v2 log-probs within 1e-3 of each other)
+        wrong = [i for i in range(end) if abs(rollout[i] - (v1[i] if i < split else v2[i])) > TOLERANCE]
+        if wrong:
+            failures.append(
+                f"split {split}/{end} ({sample.finish_reason}): tokens {wrong[:8]} off their span's weights; "
+                + "; ".join(f"{i}: rollout {rollout[i]:.5f} v1 {v1[i]:.5f} v2 {v2[i]:.5f}" for i in wrong[:4])
+            )
+        assert max(abs(a - b) for a, b in zip(rollout, v1, strict=True)) > TOLERANCE, "the whole sample matches v1"
+        assert max(abs(a - b) for a, b in zip(rollout, v2, strict=True)) > TOLERANCE, "the whole sample matches v2"
+    print(f"keep: {len(spanning)} of {len(samples)} samples span the update ({running:.0f} requests running at it)")
+    assert not failures, f"{len(failures)} of {len(spanning)} spanning samples:\n" + "\n".join(failures)

@@ -151,6 +151,8 @@ async def test_weight_sync_moves_engines_and_rollstream_to_the_new_version(
             assert sim.state.weight_version == 3
         if kind == "vllm":
             assert a.state.reloads == b.state.reloads == ["/ckpt/step-3"]
+            # the KV of frozen (keep) requests is recomputed with the new weights: vLLM's default, said
+            assert a.state.pauses == b.state.pauses == [(mode, "true")]
         assert report.version == 3 and "reload" in report.seconds
 
 

@@ -76,8 +76,9 @@ class EngineSettings:
     """Send a random per-request ``seed`` (vLLM API only). Off: a seeded request that the CPU
     engine reschedules (pause ``keep``, the recompute after a weight reload) kills it."""
     routed_experts: tuple[int, int, int] | None = None
-    """``(layers, topk, experts)``: ask SGLang for the routing replay (``return_routed_experts``;
-    the server runs with ``--enable-return-routed-experts``) and check it against this shape."""
+    """``(layers, topk, experts)``: ask for the routing replay (SGLang ``return_routed_experts``;
+    vLLM sends ``choices[].routed_experts`` unasked, see producer/engine/vllm_replay.py; both servers
+    run with ``--enable-return-routed-experts``) and check it against this shape."""
     engine_stats: bool = False
     """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
     ``prefix_cache_info``: wire format v3)."""
@@ -114,8 +115,8 @@ class EngineSettings:
         if self.routed_experts is not None:
             if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
                 raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
-            if self.api != "sglang":
-                raise ConfigError("--routed-experts needs --engine-api sglang (meta_info.routed_experts)")
+            if self.api == "openai":
+                raise ConfigError("--routed-experts needs --engine-api sglang or vllm (the replay's endpoints)")
 
     @property
     def backoff(self) -> Backoff:

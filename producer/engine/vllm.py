@@ -9,7 +9,8 @@ output; a version that is not an integer, vLLM's ``"default"`` before the first
 spans. No per-request ``seed`` is sent unless ``request_seed`` is on: a seeded request that vLLM's
 CPU engine reschedules (a pause with ``keep``, the recompute after a reload) kills that engine.
 
-A new per-choice field is one struct field on :class:`Choice` and one line in :func:`_sample`.
+A new per-choice field is one struct field on :class:`Choice` and one line in :func:`_sample` (the
+routing replay, ``routed_experts``, is decoded by :mod:`.vllm_replay`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollstream.common.versions import parse_version
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
 from .types import EngineReplyInvalid, Generation, Request
+from .vllm_replay import routed_experts_of
 
 if TYPE_CHECKING:
     from .client import Engine, EngineClient
@@ -54,6 +56,8 @@ class Choice(msgspec.Struct, gc=False):
     token_ids: list[TokenId] | None = None
     logprobs: _LogProbs | None = None
     weight_versions: list[_Span] | None = None
+    routed_experts: str | None = None
+    """base64 ``.npy`` routing replay (``--enable-return-routed-experts``; :mod:`.vllm_replay`)."""
 
 
 class _Reply(msgspec.Struct, gc=False):
@@ -85,7 +89,9 @@ def _spans(spans: list[_Span] | None, length: int, where: str) -> list[tuple[int
     return out or None
 
 
-def _sample(choice: Choice, prompt_ids: array[int] | None, want_logprobs: bool, where: str) -> Generation:
+def _sample(
+    choice: Choice, prompt_ids: array[int] | None, want_logprobs: bool, replay: tuple[int, int, int] | None, where: str
+) -> Generation:
     content = choice.logprobs.content if choice.logprobs is not None else None
     log_probs = floats([c.logprob for c in content], where) if content is not None else None
     token_ids = ids(choice.token_ids) if choice.token_ids is not None else None
@@ -102,15 +108,19 @@ def _sample(choice: Choice, prompt_ids: array[int] | None, want_logprobs: bool, 
     return Generation(
         text=choice.text, output_ids=token_ids, log_probs=log_probs, finish_reason=choice.finish_reason,
         weight_version=spans[-1][0] if spans else None, prompt_ids=prompt_ids, weight_version_spans=spans,
+        routed_experts=routed_experts_of(choice.routed_experts, choice.finish_reason, replay, where),
     )
 
 
-def parse_vllm_generate(raw: bytes, n: int, *, want_logprobs: bool, where: str = "") -> list[Generation]:
-    """The ``n`` samples of a vLLM ``/inference/v1/generate`` reply, in ``index`` order."""
+def parse_vllm_generate(
+    raw: bytes, n: int, *, want_logprobs: bool, where: str = "", routed_experts: tuple[int, int, int] | None = None
+) -> list[Generation]:
+    """The ``n`` samples of a vLLM ``/inference/v1/generate`` reply, in ``index`` order; with
+    ``routed_experts`` ``(layers, topk, experts)``, each sample's routing replay decoded and checked."""
     reply: _Reply = decode(_REPLY, raw, where)
     prompt = reply.prompt_token_ids
     return [
-        _sample(choice, None if prompt is None else ids(prompt), want_logprobs, where)
+        _sample(choice, None if prompt is None else ids(prompt), want_logprobs, routed_experts, where)
         for choice in choices(reply.choices, n, where)
     ]
 
@@ -149,7 +159,14 @@ class VLLM:
             "output_mode": "text",
         }
         # The reply may echo the prompt ids (on the reply and on each choice), like the completions API.
-        limit = client.reply_limit(request.max_new_tokens, n, len(input_ids), prompt_copies=n + 1)
+        # With the routing replay on, every choice's replay also covers the prompt's tokens.
+        replay = n * len(input_ids) if settings.routed_experts is not None else 0
+        limit = client.reply_limit(
+            request.max_new_tokens, n, len(input_ids), prompt_copies=n + 1, replay_prompt_tokens=replay
+        )
         engine, raw = await client.request(PATH, body, weight=n, limit=limit)
         with client.blame(engine):
-            return engine, parse_vllm_generate(raw, n, want_logprobs=settings.return_logprob, where=engine.url + PATH)
+            return engine, parse_vllm_generate(
+                raw, n, want_logprobs=settings.return_logprob, where=engine.url + PATH,
+                routed_experts=settings.routed_experts,
+            )

@@ -1,0 +1,180 @@
+"""What every simulated API shares: request parsing (a bad request is HTTP 400 through the
+middleware), the fault injection in front of generation endpoints (``/sim/faults``), the
+simulator's own control endpoints (``/sim/faults``, ``/sim/stats``) and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from rollstream.testing.sim.model import POISON_MARKER, _plan_response
+from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
+
+MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang")
+FAULT_STATUSES = (429, 500, 503)
+BAD_REPLY_MODES = ("not_json", "schema", "too_large", "hang")
+HANG_SECONDS = 30.0
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise _BadRequest("empty request body")
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise _BadRequest(f"invalid JSON body: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise _BadRequest("the JSON body must be an object")
+    return parsed
+
+
+def _int_param(value: Any, name: str, default: int, *, minimum: int = 0) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _BadRequest(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise _BadRequest(f"{name} must be a list of token ids (batches are not supported)")
+    return value
+
+
+def _check_poison(text: str) -> None:
+    if POISON_MARKER in text:
+        raise _BadRequest(f"the input contains the marker {POISON_MARKER}: request refused")
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except _BadRequest as exc:
+        return _error(400, exc.message)
+
+
+async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int) -> list[_Outcome] | None:
+    """Plan one response per request id, wait out a pause, generate them concurrently; None
+    when the engine shuts down while paused."""
+    plans = [_plan_response(state.config, text, random.Random(state.rng.getrandbits(64))) for _ in rids]
+    if not await state.wait_resumed():
+        return None
+    runs = (state.generate(rid, plan, max_tokens) for rid, plan in zip(rids, plans, strict=True))
+    return list(await asyncio.gather(*runs))
+
+
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _faultable(handler: Handler) -> Handler:
+    """A generation endpoint that first answers an injected fault (``/sim/faults``), if one is due."""
+
+    async def handle(request: web.Request) -> web.Response:
+        state = request.app[STATE_KEY]
+        status = state.take_fault()
+        if status is not None:
+            return _error(status, f"injected fault: HTTP {status}")
+        bad = state.take_bad_reply()
+        if bad is not None:
+            return await _bad_reply(state, bad)
+        return await handler(request)
+
+    return handle
+
+
+async def _bad_reply(state: SimState, mode: str) -> web.Response:
+    """An HTTP 200 reply no client can use (``/sim/faults`` ``bad_reply``)."""
+    if mode == "hang":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.closing.wait(), timeout=HANG_SECONDS)
+        return _error(503, "the engine is shutting down")
+    if mode == "schema":
+        return web.json_response({"unexpected": "shape", "meta_info": 7})
+    if mode == "too_large":
+        filler = state.bad_reply_bytes - len('{"text": ""}')
+        return web.Response(body=b'{"text": "' + b"x" * max(0, filler) + b'"}', content_type="application/json")
+    return web.Response(text="<html>502 bad gateway</html>", content_type="application/json")
+
+
+async def _set_faults(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _json_body(request)
+    if "generate_errors" in body:
+        count = body["generate_errors"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+            raise _BadRequest("generate_errors must be an integer >= -1")
+        status = body.get("generate_error_status", 500)
+        if status not in FAULT_STATUSES:
+            raise _BadRequest(f"generate_error_status must be one of {FAULT_STATUSES}")
+        state.generate_errors = count
+        state.generate_error_status = status
+    if "model_info" in body:
+        if body["model_info"] not in MODEL_INFO_MODES:
+            raise _BadRequest(f"model_info must be one of {MODEL_INFO_MODES}")
+        state.model_info_mode = body["model_info"]
+    if "report_weight_version" in body:
+        if not isinstance(body["report_weight_version"], bool):
+            raise _BadRequest("report_weight_version must be a boolean")
+        state.report_weight_version = body["report_weight_version"]
+    if "bad_replies" in body:
+        count = body["bad_replies"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+            raise _BadRequest("bad_replies must be an integer >= -1")
+        mode = body.get("bad_reply", "not_json")
+        if mode not in BAD_REPLY_MODES:
+            raise _BadRequest(f"bad_reply must be one of {BAD_REPLY_MODES}")
+        size = _int_param(body.get("bad_reply_bytes"), "bad_reply_bytes", 2**20, minimum=16)
+        state.bad_replies, state.bad_reply_mode, state.bad_reply_bytes = count, mode, size
+    return web.json_response(
+        {
+            "generate_errors": state.generate_errors,
+            "generate_error_status": state.generate_error_status,
+            "model_info": state.model_info_mode,
+            "report_weight_version": state.report_weight_version,
+            "bad_replies": state.bad_replies,
+            "bad_reply": state.bad_reply_mode,
+        }
+    )
+
+
+async def _stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE_KEY].stats())
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    state.closing.set()
+    state.abort()
+
+
+def add_routes(app: web.Application) -> None:
+    """The simulator's own control endpoints."""
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_post("/sim/faults", _set_faults)
+    app.router.add_get("/sim/stats", _stats)

@@ -1,0 +1,244 @@
+"""The simulated engine's shared state and scheduler: generation slots, the queue, aborts, the
+pause, weight versions and their spans, the armed faults. Every API module's handlers drive it
+through ``request.app[STATE_KEY]``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from rollstream.testing.sim.model import SimConfig, _Plan
+
+
+@dataclass(eq=False)
+class _Job:
+    """One generation holding (or waiting for) a slot."""
+
+    rid: str
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str
+    """``stop``, ``length`` or ``abort``."""
+    abort_message: str = ""
+    started: float = 0.0
+    """Monotonic time the first token started accruing (after the slot and ``base_latency``)."""
+
+
+@dataclass
+class SimState:
+    """Mutable state of one simulated engine (exposed for tests as ``SimEngine.state``)."""
+
+    config: SimConfig
+    weight_version: int = 0
+    report_weight_version: bool = True
+    rng: random.Random = field(default_factory=random.Random)
+    semaphore: asyncio.Semaphore = field(default_factory=asyncio.Semaphore)
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    jobs: set[_Job] = field(default_factory=set)
+    running: int = 0
+    waiting: int = 0
+    max_running_seen: int = 0
+    requests: int = 0
+    aborted: int = 0
+    generated_tokens: int = 0
+    version_log: list[tuple[float, int]] = field(default_factory=list)
+    """(monotonic time, version) of every weight version change: the vLLM API's spans."""
+    reloads: list[str] = field(default_factory=list)
+    """Weight paths of vLLM ``reload_weights`` calls, in order."""
+    pauses: list[tuple[str, str | None]] = field(default_factory=list)
+    """``(mode, clear_cache)`` of every vLLM ``/pause``, as sent (``clear_cache`` None when absent)."""
+    faults_injected: int = 0
+    generate_errors: int = 0
+    generate_error_status: int = 500
+    model_info_mode: str = "ok"
+    bad_replies: int = 0
+    bad_reply_mode: str = "not_json"
+    bad_reply_bytes: int = 2**20
+    bad_replies_sent: int = 0
+
+    @classmethod
+    def from_config(cls, config: SimConfig) -> SimState:
+        state = cls(
+            config=config,
+            weight_version=config.weight_version,
+            report_weight_version=config.report_weight_version,
+            rng=random.Random(config.seed),
+            semaphore=asyncio.Semaphore(config.max_running),
+        )
+        state.resumed.set()
+        return state
+
+    @property
+    def paused(self) -> bool:
+        return not self.resumed.is_set()
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort the in-flight generations (all, or those of ``rid``); returns how many."""
+        count = 0
+        for job in list(self.jobs):
+            if (rid is None or job.rid == rid) and not job.abort.is_set():
+                job.abort.set()
+                count += 1
+        return count
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "in_flight": len(self.jobs),
+            "max_running_seen": self.max_running_seen,
+            "requests": self.requests,
+            "aborted": self.aborted,
+            "generated_tokens": self.generated_tokens,
+            "faults_injected": self.faults_injected,
+            "bad_replies_sent": self.bad_replies_sent,
+            "weight_version": self.weight_version,
+            "paused": self.paused,
+        }
+
+    def take_fault(self) -> int | None:
+        """Count a generation request; the HTTP status to fail it with, if a fault is armed."""
+        self.requests += 1
+        if self.generate_errors == 0:
+            return None
+        if self.generate_errors > 0:
+            self.generate_errors -= 1
+        self.faults_injected += 1
+        return self.generate_error_status
+
+    def take_bad_reply(self) -> str | None:
+        """The unusable-reply mode to answer this request with, if that fault is armed."""
+        if self.bad_replies == 0:
+            return None
+        if self.bad_replies > 0:
+            self.bad_replies -= 1
+        self.bad_replies_sent += 1
+        return self.bad_reply_mode
+
+    async def wait_resumed(self) -> bool:
+        """Wait while paused; ``False`` when the engine is shutting down."""
+        while not self.resumed.is_set() and not self.closing.is_set():
+            waiter = asyncio.ensure_future(self.resumed.wait())
+            closer = asyncio.ensure_future(self.closing.wait())
+            try:
+                await asyncio.wait({waiter, closer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                closer.cancel()
+        return not self.closing.is_set()
+
+    async def generate(self, rid: str, plan: _Plan, max_new_tokens: int) -> _Outcome:
+        """Run one generation: queue for a slot, then let tokens accrue until done or aborted."""
+        n_out = min(len(plan.response_ids), max_new_tokens)
+        finish = "stop" if n_out == len(plan.response_ids) else "length"
+        job = _Job(rid)
+        self.jobs.add(job)
+        try:
+            if not await self._acquire_slot(job):
+                self.aborted += 1
+                return _Outcome([], [], "abort", "Abort in waiting queue")
+            started = time.monotonic() + self.config.base_latency
+            try:
+                produced = await self._run(job, n_out)
+            finally:
+                self.running -= 1
+                self.semaphore.release()
+        finally:
+            self.jobs.discard(job)
+        self.generated_tokens += produced
+        if produced < n_out:
+            self.aborted += 1
+            return _Outcome(
+                plan.response_ids[:produced],
+                plan.logprobs[:produced],
+                "abort",
+                "Abort in the middle of generation",
+                started=started,
+            )
+        return _Outcome(plan.response_ids[:n_out], plan.logprobs[:n_out], finish, started=started)
+
+    def set_version(self, version: int) -> None:
+        self.weight_version = version
+        self.version_log.append((time.monotonic(), version))
+
+    def spans(self, outcome: _Outcome) -> list[dict[str, Any]]:
+        """vLLM's ``weight_versions`` of an outcome: the version in effect as each token accrued
+        (a change while it ran splits the span at the tokens produced by then)."""
+        count = len(outcome.output_ids)
+        start_version = self.config.weight_version
+        changes: list[tuple[int, int]] = []
+        per_token = self.config.latency_per_token
+        for when, version in self.version_log:
+            if when <= outcome.started:
+                start_version = version
+            else:
+                at = count if per_token <= 0 else min(count, int((when - outcome.started) / per_token))
+                changes.append((at, version))
+        spans = [{"version": str(start_version), "start": 0, "end": count}]
+        for at, version in changes:
+            if at >= count:
+                break
+            last = spans[-1]
+            if at == last["start"]:
+                last["version"] = str(version)
+            elif str(version) != last["version"]:
+                last["end"] = at
+                spans.append({"version": str(version), "start": at, "end": count})
+        return spans
+
+    async def _acquire_slot(self, job: _Job) -> bool:
+        """Take a slot unless aborted first (then ``False``, holding nothing)."""
+        self.waiting += 1
+        acquire = asyncio.ensure_future(self.semaphore.acquire())
+        aborted = asyncio.ensure_future(job.abort.wait())
+        try:
+            await asyncio.wait({acquire, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (client gone, shutdown): never keep a slot
+            if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                self.semaphore.release()
+            raise
+        finally:
+            self.waiting -= 1
+            aborted.cancel()
+            if not acquire.done():
+                acquire.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acquire
+        if acquire.cancelled():
+            return False
+        if job.abort.is_set():
+            self.semaphore.release()
+            return False
+        self.running += 1
+        self.max_running_seen = max(self.max_running_seen, self.running)
+        return True
+
+    async def _run(self, job: _Job, n_out: int) -> int:
+        """Hold the slot while ``n_out`` tokens accrue; the number produced before any abort."""
+        config = self.config
+        duration = config.base_latency + config.latency_per_token * n_out
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(job.abort.wait(), timeout=duration)
+        except TimeoutError:
+            return n_out
+        elapsed = time.monotonic() - start - config.base_latency
+        if elapsed < 0:
+            return 0
+        if config.latency_per_token <= 0:
+            return n_out
+        return min(n_out, int(elapsed / config.latency_per_token))
+
+
+STATE_KEY = web.AppKey("rollstream_sim_state", SimState)
