@@ -91,7 +91,7 @@ def build_tokenizer(out: Path, spec: TinyModelSpec = TinyModelSpec()) -> Any:
 def build_model(out: Path, spec: TinyModelSpec = TinyModelSpec(), *, tokenizer: Any = None) -> Path:
     """Build the tokenizer and a randomly initialised fp32 Llama into ``out`` (created); ``out``."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tokenizer(out, spec)
@@ -110,13 +110,7 @@ def build_model(out: Path, spec: TinyModelSpec = TinyModelSpec(), *, tokenizer: 
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    model.save_pretrained(str(out), safe_serialization=True)
-    (out / "rollstream_tiny.json").write_text(json.dumps({"spec": spec.__dict__}))
-    return out
+    return _save_new(LlamaForCausalLM(config).to(torch.float32), tok, out, {"spec": spec.__dict__})
 
 
 @dataclass(frozen=True)
@@ -139,7 +133,7 @@ def build_moe_model(out: Path, spec: TinyMoeSpec = TinyMoeSpec(), *, tokenizer: 
     """The tokenizer and a randomly initialised fp32 ``Qwen3MoeForCausalLM`` (``spec``) in ``out``:
     the model the routing-replay (R3) test serves on vLLM with ``--enable-return-routed-experts``."""
     import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tokenizer(out, TinyModelSpec(vocab_size=spec.vocab_size))
@@ -165,12 +159,18 @@ def build_moe_model(out: Path, spec: TinyMoeSpec = TinyMoeSpec(), *, tokenizer: 
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    return _save_new(Qwen3MoeForCausalLM(config).to(torch.float32), tok, out, {"moe_spec": spec.__dict__})
+
+
+def _save_new(model: Any, tok: Any, out: Path, meta: dict[str, Any]) -> Path:
+    """Save a freshly initialised model with the tokenizer's special ids and what built it."""
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "rollstream_tiny.json").write_text(json.dumps({"moe_spec": spec.__dict__}))
+    (out / "rollstream_tiny.json").write_text(json.dumps(meta))
     return out
 
 
