@@ -150,7 +150,8 @@ class TrainerMonitor(Guarded):
 
     async def diagnose(self, config: PipelineConfig) -> Diagnosis:
         """Why a take waits, in one pipelined round trip: heartbeats, state, stream lengths, the
-        admission terms and the newest FATAL event. A missing producers' group counts as empty (as
+        admission terms, the newest FATAL event and Redis' memory figures (on a Cluster those are a
+        second call: INFO goes to every node). A missing producers' group counts as empty (as
         for :meth:`admission_terms`); a missing trainer group is a deleted namespace (NamespaceGone)."""
         keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -167,11 +168,11 @@ class TrainerMonitor(Guarded):
                 pipe.info("memory")  # a cluster sends INFO to every node: not in a pipeline
             replies = await pipe.execute(raise_on_error=False)
         beats, state_raw, groups_len, prompts_len, retry_len, prompts_raw, retry_raw, groups_raw, events = replies[:9]
+        _raise_errors([beats, state_raw, groups_len, prompts_len, retry_len, groups_raw, events])
         if in_pipeline:  # an ACL role without INFO gets its refusal here: no figures, not an error
             memory = None if isinstance(replies[9], Exception) else memory_figures(replies[9])
         else:
             memory = await Server(self.redis).memory()
-        _raise_errors([beats, state_raw, groups_len, prompts_len, retry_len, groups_raw, events])
         prompts, retry, groups_pending = _pending(prompts_raw), _pending(retry_raw), int(groups_raw["pending"])
         state = {text(k): text(v) for k, v in state_raw.items()}
         fatal = parse_events(events, keys, 1, FATAL)
