@@ -499,7 +499,7 @@ class GroupConsumer:
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
         groups = [g for _, g in taken]
-        stats = await self.monitor.mark_take()
+        stats = await self._outage.run(self.monitor.mark_take)  # Redis may be restarting: wait it out
         alive, in_flight = live_producers(stats.heartbeats, now_ms(), self.config.heartbeat_timeout)
         blocked_ms = stats.admission_blocked_ms
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
