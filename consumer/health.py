@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rollstream.common.admission import at_maxmemory, memory_deadlock, wait_cause
 from rollstream.common.config import PipelineConfig
 from rollstream.common.events import Event, now_ms, unrecovered
+from rollstream.common.heartbeat import fold
 from rollstream.common.keys import StateField
 from rollstream.common.models import Group
 from rollstream.common.namespace import state_int
-from rollstream.common.protocol import Diagnosis, Heartbeat, admission_refusals, live_producers
+from rollstream.common.protocol import Diagnosis, live_producers
 
 from .verdict import Cause, StaleContext, Verdict, stale_reportable
 
@@ -146,8 +146,8 @@ def wait_summary(
     """One line for a waiting take's warning: the likeliest cause first
     (``common.admission.wait_cause``, or the stale streak's description when it is reportable; a
     deadlock at maxmemory before both, and Redis at maxmemory named), then the pipeline's figures."""
-    now, timeout = diagnosis.now_ms, config.heartbeat_timeout
-    alive, in_flight = live_producers(diagnosis.heartbeats, now, timeout)
+    fleet = fold(diagnosis.heartbeats, diagnosis.now_ms, config.heartbeat_timeout)
+    alive, in_flight = len(fleet.alive), fleet.in_flight
     terms = diagnosis.terms
     queued = diagnosis.queued
     in_flight_prompts = terms.outstanding - terms.ready
@@ -155,9 +155,9 @@ def wait_summary(
     cause = stale if stale is not None else wait_cause(
         producers_alive=alive, paused=paused, prompts_waiting=max(0, queued - in_flight_prompts),
         in_flight_prompts=in_flight_prompts, ready=terms.ready,
-        refusals=admission_refusals(diagnosis.heartbeats, now, timeout),
+        refusals=fleet.refusals,
         terms=terms if config.admission_enabled else None,
-        engine_retries=engine_retries(diagnosis.heartbeats, now, timeout), last_error=last_error,
+        engine_retries=sum(m.beat.engine_retries for m in fleet.alive if m.beat is not None), last_error=last_error,
     )
     if deadlock is not None:
         cause = deadlock
@@ -168,15 +168,3 @@ def wait_summary(
         f"live producers {alive}, paused {paused})"
     )
 
-
-def engine_retries(beats: Mapping[bytes, bytes], now: int, timeout_s: float) -> int:
-    """Engine requests retried by the live producers (their heartbeats)."""
-    total = 0
-    for raw in beats.values():
-        try:
-            beat = Heartbeat.parse(raw)
-        except ValueError:
-            continue
-        if beat.alive(now, timeout_s):
-            total += beat.engine_retries
-    return total
