@@ -35,8 +35,9 @@ _NOT_HUGE = bytes(b for b in range(256) if b & 0x7F != 0x7F)
 def _maybe_non_finite(values: Any) -> bool:
     """False when no float32 in ``values`` can be NaN or infinite, in C loops: a non-finite
     float32 has all exponent bits set, so the byte holding the sign and the top seven of them
-    is 0x7f or 0xff (as it is only for magnitudes of ~1.7e38 and more). True: look closer."""
-    high = memoryview(values).cast("B")[_HIGH_BYTE::4].tobytes()
+    is 0x7f or 0xff (as it is only for magnitudes of ~1.7e38 and more). True: look closer.
+    (A contiguous copy sliced with a step: ~6x faster than a strided memoryview's ``tobytes``.)"""
+    high = memoryview(values).tobytes()[_HIGH_BYTE::4]
     return bool(high.translate(None, _NOT_HUGE))
 
 

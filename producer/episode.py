@@ -145,6 +145,12 @@ class Trajectory(abc.ABC):
         versions aligned; its own arrays, so later turns do not change it)."""
 
     @property
+    def response_length(self) -> int:
+        """Tokens after the prompt so far (model and tool tokens): ``sample.response_length``
+        without building a snapshot."""
+        return self.sample.response_length
+
+    @property
     @abc.abstractmethod
     def room(self) -> int | None:
         """Tokens left under the context budget (``--max-context``); None without a budget."""

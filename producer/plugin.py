@@ -33,7 +33,7 @@ class SingleTurn:
     continues_partial = True
 
     async def __call__(self, episode: Episode) -> Sample:
-        await episode.generate(max_new_tokens=episode.sampling.max_new_tokens - episode.sample.response_length)
+        await episode.generate(max_new_tokens=episode.sampling.max_new_tokens - episode.response_length)
         return episode.sample
 
 

@@ -289,13 +289,14 @@ class Rollout:
     ) -> list[Sample]:
         """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates."""
         failed_before = self.function_failures
+        shared = self._shared(prompt, prompt_ids)
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(
                         self._member(
                             prompt, prompt_ids, i, admitted_version,
-                            partial[i] if partial is not None and i < len(partial) else None, done,
+                            partial[i] if partial is not None and i < len(partial) else None, done, shared,
                         )
                     )
                     for i in range(n)
@@ -327,11 +328,23 @@ class Rollout:
         admitted_version: int,
         partial: Sample | None,
         done: SampleDone,
+        shared: _Shared | None = None,
     ) -> list[Sample]:
         # A member that raised is not reported: the caller releases what a failed run still holds.
-        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial)
+        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial, shared)
         done(1)
         return samples
+
+    def _shared(self, prompt: Prompt, prompt_ids: array[int] | None) -> _Shared:
+        """What every member of the group gets alike, built once per group (all read-only)."""
+        try:
+            source: dict[str, Any] | PromptNotSupported = self._prompt_source(prompt, prompt_ids)
+        except PromptNotSupported as exc:  # raised when the episode sends the prompt: the sample fails
+            source = exc
+        return _Shared(
+            MappingProxyType(dict(prompt.metadata)), None if prompt_ids is None else tuple(prompt_ids), source,
+            _media(prompt),
+        )
 
     async def _episode(
         self,
@@ -340,6 +353,7 @@ class Rollout:
         member: int,
         admitted_version: int,
         partial: Sample | None,
+        shared: _Shared | None = None,
     ) -> list[Sample]:
         """One member's episode: run the function under its deadline, validate what it returned;
         every failure becomes a FAILED (or ABORTED) sample with the reason."""
@@ -349,19 +363,16 @@ class Rollout:
             return [replace(partial, index=member)]
         timeout = self.settings.limits.episode_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        if shared is None:
+            shared = self._shared(prompt, prompt_ids)
         info = EpisodeInfo(
             index=prompt.index, epoch=prompt.epoch, attempt=prompt.attempt, member=member,
             n=self.settings.n_samples, prompt=prompt.prompt, label=prompt.label,
-            metadata=MappingProxyType(dict(prompt.metadata)),
-            prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
+            metadata=shared.metadata, prompt_ids=shared.prompt_ids,
             admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
             partial=partial,
         )
-        try:
-            source: dict[str, Any] | PromptNotSupported = self._prompt_source(prompt, prompt_ids)
-        except PromptNotSupported as exc:  # raised when the episode sends the prompt: the sample fails
-            source = exc
-        session = EpisodeSession(self.runtime, info, source, _media(prompt))
+        session = EpisodeSession(self.runtime, info, shared.source, shared.media, prompt_ids=prompt_ids)
         prefix: Sample | None = None
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
@@ -370,10 +381,18 @@ class Rollout:
             else:
                 logger.debug("prompt %d: partial sample without prompt ids; regenerating", prompt.index)
         where = f"prompt {prompt.index} (attempt {prompt.attempt}) member {member}"
+        scope: asyncio.Timeout | None = None
+        runtime = self.runtime
         try:
-            with self.runtime.episode():
-                async with asyncio.timeout(timeout) as scope:
+            runtime.episode_started()
+            try:
+                if timeout is None:
                     result = await fn(session)
+                else:
+                    async with asyncio.timeout(timeout) as scope:
+                        result = await fn(session)
+            finally:
+                runtime.episodes -= 1
             samples = as_samples(result)
         except EpisodeAborted:
             if session.fatal is not None:
@@ -388,7 +407,7 @@ class Rollout:
         except TimeoutError as exc:
             if session.fatal is not None:
                 raise session.fatal from None
-            if not scope.expired():
+            if scope is None or not scope.expired():
                 return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
             self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
             self.metrics.error("episode_deadline")
@@ -466,6 +485,16 @@ class Rollout:
         raise PromptNotSupported(
             "chat prompts need a tokenizer with a chat template (--tokenizer) or the openai engine API"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """The parts of a group's episodes that are alike for every member (read-only, built once)."""
+
+    metadata: MappingProxyType[str, Any]
+    prompt_ids: tuple[int, ...] | None
+    source: dict[str, Any] | PromptNotSupported
+    media: dict[str, Any]
 
 
 def _media(prompt: Prompt) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,24 +100,80 @@ class _Slots:
         self.waiting = 0
         self._changed = asyncio.Event()
 
-    @contextlib.asynccontextmanager
-    async def hold(self, weight: int = 1) -> AsyncIterator[None]:
-        if self.total is not None:
-            need = min(weight, self.total)  # a request of n on a smaller cap waits for all of it
+    async def acquire(self, weight: int = 1) -> None:
+        total = self.total
+        if total is not None and total - self.busy < min(weight, total):  # only then: wait
+            need = min(weight, total)  # a request of n on a smaller cap waits for all of it
             self.waiting += 1
             try:
-                while self.total - self.busy < need:
+                while total - self.busy < need:
                     self._changed.clear()
                     await self._changed.wait()
             finally:
                 self.waiting -= 1
         self.busy += weight
-        self.peak = max(self.peak, self.busy)
+        if self.busy > self.peak:
+            self.peak = self.busy
+
+    def release(self, weight: int = 1) -> None:
+        self.busy -= weight
+        self._changed.set()
+
+    def hold(self, weight: int = 1) -> _Hold:
+        """``async with slots.hold(k)``: ``k`` units while inside."""
+        return _Hold(self, weight)
+
+
+class _Hold:
+    """:meth:`_Slots.hold` as a plain class (a generator-based context manager costs more per call)."""
+
+    __slots__ = ("_slots", "_weight")
+
+    def __init__(self, slots: _Slots, weight: int) -> None:
+        self._slots = slots
+        self._weight = weight
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire(self._weight)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots.release(self._weight)
+
+
+class _EngineRequest:
+    """:meth:`EpisodeRuntime.request`: an engine slot, the request's age, the metrics."""
+
+    __slots__ = ("_count", "_runtime", "_started", "_token")
+
+    def __init__(self, runtime: EpisodeRuntime, count: int) -> None:
+        self._runtime = runtime
+        self._count = count
+        self._started = 0.0
+        self._token = 0
+
+    async def __aenter__(self) -> None:
+        runtime, count = self._runtime, self._count
+        await runtime.engine_slots.acquire(count)
         try:
-            yield
+            self._started = started = time.monotonic()
+            self._token = token = next(runtime._request_tokens)
+            runtime._requests_in_flight[token] = (started, count)
+            for _ in range(count):
+                runtime.metrics.request_started()
+        except BaseException:
+            runtime._requests_in_flight.pop(self._token, None)
+            runtime.engine_slots.release(count)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        runtime, count = self._runtime, self._count
+        try:
+            del runtime._requests_in_flight[self._token]
+            seconds = time.monotonic() - self._started
+            for _ in range(count):
+                runtime.metrics.request_finished(seconds)
         finally:
-            self.busy -= weight
-            self._changed.set()
+            runtime.engine_slots.release(count)
 
 
 class EpisodeRuntime:
@@ -151,6 +207,9 @@ class EpisodeRuntime:
         """Aborted engine calls continued in the session (partial rollout on)."""
         self._requests_in_flight: dict[int, tuple[float, int]] = {}
         self._request_tokens = itertools.count()
+        self._sampling_of: Any = None
+        self._sampling = SamplingParams(1)
+        self._sampling_params: dict[str, Any] = {}
 
     @property
     def engine_requests(self) -> int:
@@ -158,33 +217,39 @@ class EpisodeRuntime:
         return self.engine_slots.busy
 
     def sampling(self) -> SamplingParams:
+        """The producer's sampling parameters (frozen, so one object serves every episode; built
+        again when the engine's settings object is replaced)."""
         s = self.engine.settings
-        return SamplingParams(s.max_new_tokens, s.temperature, s.top_p, dict(s.sampling_params))
+        if self._sampling_of is not s:
+            self._sampling = SamplingParams(s.max_new_tokens, s.temperature, s.top_p, dict(s.sampling_params))
+            self._sampling_params = _sampling_dict(self._sampling)
+            self._sampling_of = s
+        return self._sampling
+
+    def sampling_dict(self, sampling: SamplingParams) -> dict[str, Any]:
+        """The engine's ``sampling`` mapping of ``sampling``: the producer's own built once (the
+        client and the dialects copy it into each request, never change it)."""
+        if sampling is self._sampling and self._sampling_of is self.engine.settings:
+            return self._sampling_params
+        return _sampling_dict(sampling)
+
+    def episode_started(self) -> None:
+        """An episode entered its generate function (the caller takes ``episodes`` down again)."""
+        self.episodes += 1
+        if self.episodes > self.episodes_peak:
+            self.episodes_peak = self.episodes
 
     @contextlib.contextmanager
     def episode(self) -> Iterator[None]:
-        self.episodes += 1
-        self.episodes_peak = max(self.episodes_peak, self.episodes)
+        self.episode_started()
         try:
             yield
         finally:
             self.episodes -= 1
 
-    @contextlib.asynccontextmanager
-    async def request(self, count: int = 1) -> AsyncIterator[None]:
+    def request(self, count: int = 1) -> contextlib.AbstractAsyncContextManager[None]:
         """One engine request for ``count`` samples: an engine slot, its age, the metrics."""
-        async with self.engine_slots.hold(count):
-            started = time.monotonic()
-            token = next(self._request_tokens)
-            self._requests_in_flight[token] = (started, count)
-            for _ in range(count):
-                self.metrics.request_started()
-            try:
-                yield
-            finally:
-                del self._requests_in_flight[token]
-                for _ in range(count):
-                    self.metrics.request_finished(time.monotonic() - started)
+        return _EngineRequest(self, count)
 
     def requests_older_than(self, seconds: float) -> tuple[int, float]:
         """(samples whose engine request is in flight for longer than ``seconds``, age of the
@@ -349,9 +414,11 @@ class EpisodeSession(Episode):
         info: EpisodeInfo,
         source: dict[str, Any] | PromptNotSupported,
         media: Mapping[str, Any] | None = None,
+        *,
+        prompt_ids: array[int] | None = None,
     ) -> None:
         self.runtime = runtime
-        self.media = dict(media or {})
+        self.media = dict(media) if media else {}
         """The prompt's images (SGLang ``image_data``), sent with every request of the episode."""
         self._info = info
         self.multi_turn = False
@@ -364,7 +431,8 @@ class EpisodeSession(Episode):
         self.last_call_metadata: dict[str, Any] = {}
         self.last_generations: list[Generation] = []
         """The engine replies of the last call (one per request: continuations after aborts)."""
-        self.main = _Trajectory(self, info.prompt_ids, source)
+        # ``prompt_ids``: the same ids as ``info.prompt_ids`` as an array (copied without a loop).
+        self.main = _Trajectory(self, prompt_ids if prompt_ids is not None else info.prompt_ids, source)
         self.segments: list[_Trajectory] = []
 
     @property
@@ -374,6 +442,10 @@ class EpisodeSession(Episode):
     @property
     def sample(self) -> Sample:
         return self.main.sample
+
+    @property
+    def response_length(self) -> int:
+        return self.main.response_length
 
     @property
     def room(self) -> int | None:
@@ -435,18 +507,23 @@ class EpisodeSession(Episode):
         on (from ``source`` + the tokens so far, after the pipeline resumed); its prompt ids
         when the engine reported them."""
         runtime = self.runtime
-        params = _sampling_dict(sampling)
+        params = runtime.sampling_dict(sampling)
+        generation = await self._request(source, max_new, params)
+        self.last_generations = [generation]
+        if generation.finish_reason != "abort" and not generation.weight_version_spans:
+            # One request, not aborted (the common case): its arrays become the turn's as they are.
+            return self._one_request(generation), generation.prompt_ids
         ids = array("i")
         log_probs: array[float] | None = array("f")
         text: list[str] = []
         versions: list[int] = []
         spans: list[tuple[int, int, int]] = []
         prompt_ids: array[int] | None = None
-        self.last_generations = []
         for aborts in itertools.count():
-            request = source if not ids else {"input_ids": source["input_ids"] + ids}
-            generation = await self._request(request, max_new - len(ids), params)
-            self.last_generations.append(generation)
+            if aborts:
+                request = source if not ids else {"input_ids": source["input_ids"] + ids}
+                generation = await self._request(request, max_new - len(ids), params)
+                self.last_generations.append(generation)
             if prompt_ids is None and generation.prompt_ids is not None:
                 prompt_ids = generation.prompt_ids
             version = self._version(generation)
@@ -477,6 +554,22 @@ class EpisodeSession(Episode):
         if len(versions) > 1:
             self.multi_turn = True
         return Turn("".join(text), ids, log_probs, finish, tuple(versions), tuple(spans)), prompt_ids
+
+    def _one_request(self, generation: Generation) -> Turn:
+        """The turn of a single engine call that was not aborted and gave no version spans:
+        :meth:`call`'s loop for one request, without copying the reply's arrays."""
+        runtime = self.runtime
+        output = generation.output_ids
+        if type(output) is not array or output.typecode != "i":
+            output = array("i", output)
+        log_probs = generation.log_probs
+        if log_probs is not None and (type(log_probs) is not array or log_probs.typecode != "f"):
+            log_probs = array("f", log_probs)
+        version = self._version(generation)
+        runtime.metrics.tokens_generated(len(output))
+        runtime.episode_turns += 1
+        spans = ((0, len(output), version),)
+        return Turn(generation.text, output, log_probs, generation.finish_reason, (version,), spans)
 
     async def _request(self, source: dict[str, Any], max_new: int, params: dict[str, Any]) -> Generation:
         runtime = self.runtime

@@ -16,7 +16,7 @@ import math
 import random
 import time
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -53,6 +53,23 @@ def _int_list(value: Any) -> list[int] | None:
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
     return None
+
+
+class _Blame:
+    """:meth:`EngineClient.blame` as a plain class (twice per request: no generator to set up)."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, EngineRejected) and not exc.engine:
+            exc.engine = self._engine.url
+        # returning None: the exception propagates as it is
 
 
 class Engine:
@@ -141,15 +158,9 @@ class EngineClient:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
     @staticmethod
-    @contextlib.contextmanager
-    def blame(engine: Engine) -> Iterator[None]:
+    def blame(engine: Engine) -> contextlib.AbstractContextManager[None]:
         """Name ``engine`` on the refusals and unusable replies raised inside (``EngineRejected.engine``)."""
-        try:
-            yield
-        except EngineRejected as exc:
-            if not exc.engine:
-                exc.engine = engine.url
-            raise
+        return _Blame(engine)
 
     def reply_limit(
         self, max_new_tokens: int, n: int = 1, prompt_tokens: int = 0, prompt_copies: int = 0, *,
@@ -279,7 +290,7 @@ class EngineClient:
         sampling: Mapping[str, Any] | None,
         image_data: Sequence[str] | None = None,
     ) -> list[Generation]:
-        if sum(x is not None for x in (text, input_ids, messages)) != 1:
+        if (text is not None) + (input_ids is not None) + (messages is not None) != 1:
             raise ValueError("give exactly one of text, input_ids and messages")
         settings = self.settings
         if sampling is None:
