@@ -33,6 +33,7 @@ from rollstream.common.models import Sample, Status
 from .checks import as_samples as as_samples  # re-exported
 from .checks import check_sample as check_sample
 from .engine import EngineClient, Generation
+from .engine.client import IdsJson
 from .episode import Episode, EpisodeAborted, EpisodeInfo, SamplingParams, Trajectory, Turn
 from .telemetry import Metrics
 
@@ -293,6 +294,8 @@ class _Trajectory(Trajectory):
         self.metadata: dict[str, Any] = {}
         self.generations: list[Generation] = []
         """Every engine reply that added to this trajectory, in order (the routing replay's source)."""
+        self._encoded: IdsJson | None = None
+        """The JSON text of :attr:`tokens` so far (they are only appended to), for the next request."""
 
     def continue_from(self, prefix: Sample) -> None:
         """Seed with an earlier attempt's aborted sample (the default rollout, partial rollout on)."""
@@ -349,7 +352,10 @@ class _Trajectory(Trajectory):
             self.finish_reason, self.status = "length", Status.TRUNCATED
             return Turn("", array("i"), array("f"), "length", ())
         if self.known_prompt:
-            source: dict[str, Any] = {"input_ids": self.tokens}
+            encoded = self._encoded
+            if encoded is None or encoded.source is not self.tokens:
+                self._encoded = encoded = IdsJson(self.tokens)
+            source: dict[str, Any] = {"input_ids": encoded.ids()}  # each token encoded to JSON once
         elif self.response_length == 0:
             if isinstance(self._source, PromptNotSupported):
                 raise self._source

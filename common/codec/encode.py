@@ -12,7 +12,6 @@ import msgpack
 from ..models import Group, Packed, Prompt, Sample
 from .wire import LITTLE, V3_SAMPLE_KEYS
 
-
 _V3_KEYS = frozenset(V3_SAMPLE_KEYS)
 
 

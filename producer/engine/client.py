@@ -41,8 +41,51 @@ WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
 
+class EncodedIds(array):
+    """Token ids (``array('i')``) that carry their own JSON text (``[1,2,...]``), so a request
+    body holding them is not converted id by id: a multi-turn trajectory encodes each of its
+    tokens once (:class:`IdsJson`), not once per request. Build with :meth:`IdsJson.ids`."""
+
+    __slots__ = ("json", "length")
+    json: bytes
+    length: int
+    """``len`` when ``json`` was written: a copy that grew or shrank since is encoded id by id."""
+
+
+class IdsJson:
+    """The JSON text of an append-only ``array('i')``, extended by the ids added since the last
+    call: what an episode's trajectory sends again with every turn."""
+
+    __slots__ = ("_count", "_json", "_source")
+
+    def __init__(self, source: array[int]) -> None:
+        self._source = source
+        self._json = b"[]"
+        self._count = 0
+
+    @property
+    def source(self) -> array[int]:
+        return self._source
+
+    def ids(self) -> EncodedIds:
+        """A copy of the ids with their JSON (the array may only have grown since the last call)."""
+        source = self._source
+        count = len(source)
+        if count < self._count:  # pragma: no cover - the owner only appends
+            raise RuntimeError("IdsJson: the ids shrank (its array must only be appended to)")
+        if count > self._count:
+            new = _ENCODER.encode(source[self._count :].tolist())
+            self._json = new if self._count == 0 else self._json[:-1] + b"," + new[1:]
+            self._count = count
+        ids = EncodedIds("i", source)
+        ids.json, ids.length = self._json, count
+        return ids
+
+
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, array):
+        if type(value) is EncodedIds and len(value) == value.length:
+            return msgspec.Raw(value.json)
         return value.tolist()
     raise NotImplementedError(f"cannot encode {type(value).__name__} as JSON")
 
