@@ -355,7 +355,7 @@ class _Trajectory(Trajectory):
             encoded = self._encoded
             if encoded is None or encoded.source is not self.tokens:
                 self._encoded = encoded = IdsJson(self.tokens)
-            source: dict[str, Any] = {"input_ids": encoded.ids()}  # each token encoded to JSON once
+            source: dict[str, Any] = {"input_ids": encoded.ids()}  # each token JSON-encoded once, in the body
         elif self.response_length == 0:
             if isinstance(self._source, PromptNotSupported):
                 raise self._source

@@ -113,4 +113,9 @@ def test_ids_json_matches_the_ids_and_a_copy_that_changed_is_encoded_afresh() ->
     copy.append(42)  # grew after its JSON was written: never the stale text
     assert msgspec.json.decode(_ENCODER.encode(copy)) == [1, 2, 3, 2**31 - 1, 0, -5, 42]
     assert ids.tolist() == [1, 2, 3, 2**31 - 1, 0, -5]  # a copy: the trajectory's own ids are untouched
+    older = cache.ids()
+    ids.extend([8, 9])
+    newer = cache.ids()
+    assert _ENCODER.encode(newer) == b"[1,2,3,2147483647,0,-5,8,9]"
+    assert _ENCODER.encode(older) == b"[1,2,3,2147483647,0,-5]"  # encoded after a longer one: its own ids
     assert _ENCODER.encode(cache.ids()) == b"[1,2,3,2147483647,0,-5]"

@@ -42,19 +42,20 @@ WORKERS_TTL = 10.0
 
 
 class EncodedIds(array):
-    """Token ids (``array('i')``) that carry their own JSON text (``[1,2,...]``), so a request
-    body holding them is not converted id by id: a multi-turn trajectory encodes each of its
-    tokens once (:class:`IdsJson`), not once per request. Build with :meth:`IdsJson.ids`."""
+    """A copy of token ids (``array('i')``) that knows the :class:`IdsJson` of the array it was
+    copied from, so the request body holding it takes the JSON text written so far instead of
+    converting every id again: a multi-turn trajectory encodes each of its tokens once, not once
+    per request. Built by :meth:`IdsJson.ids`; encoded when the body is (``_enc_hook``)."""
 
-    __slots__ = ("json", "length")
-    json: bytes
+    __slots__ = ("cache", "length")
+    cache: IdsJson
     length: int
-    """``len`` when ``json`` was written: a copy that grew or shrank since is encoded id by id."""
+    """``len`` when copied: a copy that grew or shrank since is encoded id by id."""
 
 
 class IdsJson:
-    """The JSON text of an append-only ``array('i')``, extended by the ids added since the last
-    call: what an episode's trajectory sends again with every turn."""
+    """The JSON text of an append-only ``array('i')`` (a trajectory's tokens), extended by the
+    ids added since it was last asked for."""
 
     __slots__ = ("_count", "_json", "_source")
 
@@ -68,24 +69,33 @@ class IdsJson:
         return self._source
 
     def ids(self) -> EncodedIds:
-        """A copy of the ids with their JSON (the array may only have grown since the last call)."""
-        source = self._source
-        count = len(source)
-        if count < self._count:  # pragma: no cover - the owner only appends
-            raise RuntimeError("IdsJson: the ids shrank (its array must only be appended to)")
+        """A copy of the ids now (what a request sends); its JSON is written when it is encoded."""
+        ids = EncodedIds("i", self._source)
+        ids.cache, ids.length = self, len(ids)
+        return ids
+
+    def json(self, ids: EncodedIds) -> bytes | None:
+        """The JSON text of ``ids`` (a copy from :meth:`ids`: the source's first ``len(ids)`` ids),
+        or None when it is older than the text written so far (then it is encoded id by id)."""
+        count = len(ids)
+        if count < self._count:
+            return None
         if count > self._count:
-            new = _ENCODER.encode(source[self._count :].tolist())
+            new = _IDS.encode(ids[self._count :].tolist())
             self._json = new if self._count == 0 else self._json[:-1] + b"," + new[1:]
             self._count = count
-        ids = EncodedIds("i", source)
-        ids.json, ids.length = self._json, count
-        return ids
+        return self._json
+
+
+_IDS = msgspec.json.Encoder()
 
 
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, array):
         if type(value) is EncodedIds and len(value) == value.length:
-            return msgspec.Raw(value.json)
+            text = value.cache.json(value)
+            if text is not None:
+                return msgspec.Raw(text)
         return value.tolist()
     raise NotImplementedError(f"cannot encode {type(value).__name__} as JSON")
 
