@@ -9,10 +9,13 @@ of the HTTP client alone (the body is read to bytes, not parsed). Clients:
 * ``httpx``: ``httpx.AsyncClient`` with its default (httpcore) transport, as rollstream used;
 * ``httpx-aiohttp``: ``httpx.AsyncClient`` over the ``httpx-aiohttp`` transport;
 * ``aiohttp``: ``aiohttp.ClientSession`` directly;
+* ``http11``: rollstream's own HTTP/1.1 transport (``producer/engine/http11.py``) alone;
 * ``engine``: rollstream's ``EngineClient.generate`` (client + parsing + validation), on its
-  own transport (``aiohttp`` called directly);
+  default transport (``http11``);
+* ``engine-aiohttp``: the same ``EngineClient`` on :class:`AiohttpTransport` below, the
+  ``aiohttp.ClientSession`` transport it had before ``http11`` (kept here for the comparison);
 * ``engine-httpx-aiohttp``: the same ``EngineClient`` given the ``httpx-aiohttp`` transport (it
-  runs any ``httpx`` transport): the client as it was before it called aiohttp directly.
+  runs any ``httpx`` transport): the client as it was before it called aiohttp at all.
 
 Part 2 (``parse``): µs to turn one reply's bytes into output ids and log-probs, stdlib ``json``
 (then lists → arrays) against orjson and msgspec (straight into ``array('i')``/``array('f')``).
@@ -36,7 +39,10 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-CLIENTS = ("httpx", "httpx-aiohttp", "aiohttp", "engine", "engine-httpx-aiohttp")
+import aiohttp
+from rollstream.producer.engine.transport import ERROR_BODY_BYTES, Transport, too_large
+
+CLIENTS = ("httpx", "httpx-aiohttp", "aiohttp", "http11", "engine", "engine-aiohttp", "engine-httpx-aiohttp")
 
 
 def sglang_reply(tokens: int, *, logprobs: bool = True, seed: int = 0) -> dict[str, Any]:
@@ -82,6 +88,60 @@ def completions_reply(tokens: int, n: int, *, seed: int = 0) -> dict[str, Any]:
 
 
 # -- part 1: HTTP client CPU ----------------------------------------------------------------
+
+
+class AiohttpTransport(Transport):
+    """The engine client's transport before ``http11``: ``aiohttp.ClientSession``, created on
+    first use, under the same bounds (the ``engine-aiohttp`` row)."""
+
+    def __init__(self, *, max_connections: int, connect_timeout: float) -> None:
+        super().__init__()
+        self._max_connections = max_connections
+        self._connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; an engine's cookies are not kept
+            raise_for_status=False,
+        )
+        return self._session
+
+    async def _request(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], limit: int
+    ) -> tuple[int, bytes]:
+        session = self._session or self._open()
+        try:
+            async with session.request(method, url, data=body, headers=headers, allow_redirects=False) as response:
+                status = response.status
+                cap = limit if status == 200 else ERROR_BODY_BYTES
+                length = response.content_length
+                if length is not None and length > cap and status == 200:
+                    raise too_large(url, f"Content-Length {length} > {limit} bytes")
+                if length is not None and length <= cap and "content-encoding" not in response.headers:
+                    return status, await response.read()  # declared and within the bound
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.content.iter_any():
+                    if size + len(chunk) > cap:
+                        if status != 200:
+                            chunks.append(chunk[: cap - size])
+                            break
+                        raise too_large(url, f"more than {limit} bytes")
+                    size += len(chunk)
+                    chunks.append(chunk)
+        except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is both
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 
 
 def _serve(port: int, body: bytes, delay: float, ready: Any) -> None:
@@ -142,9 +202,9 @@ async def _measure(client: str, url: str, concurrency: int, requests: int) -> tu
     if client in ("httpx", "httpx-aiohttp"):
         transport = None
         if client == "httpx-aiohttp":
-            from httpx_aiohttp import AiohttpTransport
+            from httpx_aiohttp import AiohttpTransport as HttpxAiohttp
 
-            transport = AiohttpTransport(limits=limits)
+            transport = HttpxAiohttp(limits=limits)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as http:
 
             async def call() -> None:
@@ -165,11 +225,27 @@ async def _measure(client: str, url: str, concurrency: int, requests: int) -> tu
             return await _drive(call, concurrency, requests)
     from rollstream.producer.engine import EngineClient, EngineSettings
 
-    engine_transport = None
-    if client == "engine-httpx-aiohttp":
-        from httpx_aiohttp import AiohttpTransport
+    if client == "http11":
+        from rollstream.producer.engine.http11 import Http11Transport
 
-        engine_transport = AiohttpTransport(limits=limits)
+        own = Http11Transport(max_connections=1024, connect_timeout=5.0)
+        content = json.dumps(REQUEST).encode()
+
+        async def call() -> None:
+            status, body = await own.request("POST", url + "/generate", content, limit=1 << 24, seconds=600)
+            assert status == 200 and body
+
+        try:
+            return await _drive(call, concurrency, requests)
+        finally:
+            await own.aclose()
+    engine_transport: Any = None
+    if client == "engine-aiohttp":
+        engine_transport = AiohttpTransport(max_connections=1024, connect_timeout=5.0)
+    if client == "engine-httpx-aiohttp":
+        from httpx_aiohttp import AiohttpTransport as HttpxAiohttpTransport
+
+        engine_transport = HttpxAiohttpTransport(limits=limits)
     async with EngineClient(EngineSettings(urls=(url,), max_connections=1024), transport=engine_transport) as engine:
 
         async def call() -> None:

@@ -25,12 +25,21 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+TRANSPORT = {"transport.py", "http11.py"}
+"""The transport layer: the contract and its default HTTP/1.1 implementation."""
+
+
 def test_http_libraries_are_imported_only_by_the_transport() -> None:
     offenders = [
         path.name for path in sorted(ENGINE.glob("*.py"))
-        if path.name != "transport.py" and _imports(path) & {"aiohttp", "httpx", "httpx_aiohttp"}
+        if path.name not in TRANSPORT and _imports(path) & {"aiohttp", "httpx", "httpx_aiohttp", "ssl", "socket"}
     ]
-    assert offenders == [], f"HTTP belongs in producer/engine/transport.py, not {offenders}"
+    assert offenders == [], f"HTTP belongs in producer/engine/transport.py or http11.py, not {offenders}"
+    sockets = [
+        path.name for path in sorted(ENGINE.glob("*.py"))
+        if path.name not in TRANSPORT and "create_connection" in path.read_text()
+    ]
+    assert sockets == [], f"connections are opened by the transport only, not {sockets}"
 
 
 def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:

@@ -1,7 +1,8 @@
 """The inference-engine client: transport below, one dialect module per engine API above.
 
-* :mod:`.transport`: HTTP (``aiohttp`` directly; any ``httpx`` transport for tests), the
-  connection pool, bounded reads, the total deadline, URL credentials.
+* :mod:`.transport`: the HTTP contract (bounded reads, the total deadline, URL credentials; any
+  ``httpx`` transport for tests); :mod:`.http11`: the default, keep-alive HTTP/1.1 on
+  ``asyncio.Protocol`` with its connection pool.
 * :mod:`.client`: :class:`EngineClient`, the engine pool (least samples in flight), retries on
   :class:`~rollstream.common.backoff.Backoff`, and what the producer calls (generate, tokenize,
   weight version, abort); :mod:`.discovery`: model-info versions and gateway workers.

@@ -24,9 +24,10 @@ from rollstream.common.errors import EngineError, EngineRejected
 
 from .dialects import DIALECTS
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
+from .http11 import Http11Transport
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
-from .transport import AiohttpTransport, HttpxTransport, Transport, split_credentials
+from .transport import HttpxTransport, Transport, split_credentials
 from .types import EngineReplyInvalid, Generation, Messages, Request
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.dialect = DIALECTS[settings.api]
         if transport is None:
-            transport = AiohttpTransport(
+            transport = Http11Transport(
                 max_connections=settings.max_connections, connect_timeout=settings.connect_timeout
             )
         elif not isinstance(transport, Transport):

@@ -9,8 +9,9 @@ import logging
 
 from rollstream.common.versions import version_of
 
+from .http11 import Http11Transport
 from .parse import json_object
-from .transport import AiohttpTransport, Transport
+from .transport import Transport
 from .types import EngineReplyInvalid
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ async def probe_version(
 async def engine_version(url: str, paths: tuple[str, ...], seconds: float = 2.0) -> int | None:
     """The weight version the first answering endpoint of ``paths`` reports, or None: one call,
     its own connection (slime's rollout asks its router once per rollout)."""
-    transport = AiohttpTransport(max_connections=2, connect_timeout=seconds)
+    transport = Http11Transport(max_connections=2, connect_timeout=seconds)
     try:
         version, _ = await probe_version(transport, url.rstrip("/"), paths, seconds, until_valid=True)
     finally:

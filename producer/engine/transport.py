@@ -1,10 +1,10 @@
 """HTTP to the engines: one connection pool, bounded reads, a total deadline per request.
 
-:class:`AiohttpTransport` (the default) calls ``aiohttp.ClientSession`` directly: at 256
-concurrent requests with 1k-token replies it costs about half the CPU per request of httpx over
-the ``httpx-aiohttp`` transport and a small fraction of httpx's own pool (``python -m
-bench.http_client http``; docs/benchmarks.md). :class:`HttpxTransport` runs any ``httpx``
-transport (tests pass ``httpx.MockTransport``) through the same bounds.
+:class:`~.http11.Http11Transport` (the default, in its own module) speaks HTTP/1.1 on
+``asyncio.Protocol``: at 256 concurrent requests with 1k-token replies it costs about a third of
+the CPU per request of ``aiohttp.ClientSession`` (``python -m bench.http_client http``;
+docs/benchmarks.md). :class:`HttpxTransport` runs any ``httpx`` transport (tests pass
+``httpx.MockTransport``) through the same bounds.
 
 Every read is bounded: a 200 body by the caller's ``limit`` (a declared ``Content-Length``
 over it fails at once, a streamed body as soon as it passes it: ``EngineReplyInvalid``
@@ -22,8 +22,6 @@ import base64
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
-
-import aiohttp
 
 from .types import EngineReplyInvalid
 
@@ -87,59 +85,8 @@ class Transport(ABC):
     async def aclose(self) -> None: ...
 
 
-def _too_large(url: str, detail: str) -> EngineReplyInvalid:
+def too_large(url: str, detail: str) -> EngineReplyInvalid:
     return EngineReplyInvalid("too_large", detail, url)
-
-
-class AiohttpTransport(Transport):
-    """``aiohttp.ClientSession``, created on first use (inside the loop that uses it)."""
-
-    def __init__(self, *, max_connections: int, connect_timeout: float) -> None:
-        super().__init__()
-        self._max_connections = max_connections
-        self._connect_timeout = connect_timeout
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
-            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; an engine's cookies are not kept
-            raise_for_status=False,
-        )
-        return self._session
-
-    async def _request(
-        self, method: str, url: str, body: bytes | None, headers: dict[str, str], limit: int
-    ) -> tuple[int, bytes]:
-        session = self._session or self._open()
-        try:
-            async with session.request(method, url, data=body, headers=headers, allow_redirects=False) as response:
-                status = response.status
-                cap = limit if status == 200 else ERROR_BODY_BYTES
-                length = response.content_length
-                if length is not None and length > cap and status == 200:
-                    raise _too_large(url, f"Content-Length {length} > {limit} bytes")
-                if length is not None and length <= cap and "content-encoding" not in response.headers:
-                    return status, await response.read()  # declared and within the bound
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in response.content.iter_any():
-                    if size + len(chunk) > cap:
-                        if status != 200:
-                            chunks.append(chunk[: cap - size])
-                            break
-                        raise _too_large(url, f"more than {limit} bytes")
-                    size += len(chunk)
-                    chunks.append(chunk)
-        except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is both
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 class HttpxTransport(Transport):
@@ -161,7 +108,7 @@ class HttpxTransport(Transport):
                 cap = limit if status == 200 else ERROR_BODY_BYTES
                 length = response.headers.get("content-length", "")
                 if status == 200 and length.isdigit() and int(length) > cap:
-                    raise _too_large(url, f"Content-Length {length} > {limit} bytes")
+                    raise too_large(url, f"Content-Length {length} > {limit} bytes")
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in response.aiter_bytes():
@@ -169,7 +116,7 @@ class HttpxTransport(Transport):
                         if status != 200:
                             chunks.append(chunk[: cap - size])
                             break
-                        raise _too_large(url, f"more than {limit} bytes")
+                        raise too_large(url, f"more than {limit} bytes")
                     size += len(chunk)
                     chunks.append(chunk)
         except self._errors as exc:
