@@ -385,21 +385,25 @@ async def test_chunk_extensions_and_trailers_are_read_and_the_connection_kept() 
 
 
 async def test_bytes_past_the_answer_or_connection_close_end_the_connection() -> None:
+    answers = [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokJUNK", (200, b"ok")),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", (200, b"ok")),
+        (b"HTTP/1.1 204 No Content\r\n\r\nJUNK", (204, b"")),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nJUNK", (200, b"")),
+    ]
+
     async def script(_: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if index % 2 == 0:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokJUNK")
-        else:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        writer.write(answers[len(server.heads) - 1][0])
         await writer.drain()
 
     transport = _transport()
     async with RawServer(script) as server:
         try:
-            for _ in range(3):
-                assert await _get(server.url, transport) == (200, b"ok")
+            for _, expected in answers:
+                assert await _get(server.url, transport) == expected
         finally:
             await transport.aclose()
-    assert server.connections == 3  # none was reused: each answer ended its connection
+    assert server.connections == len(answers)  # none was reused: each answer ended its connection
 
 
 async def test_a_cancelled_exchange_drops_its_connection() -> None:

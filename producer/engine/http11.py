@@ -176,9 +176,16 @@ class _Connection(asyncio.Protocol):
     # -- parsing ----------------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
-        if self._state == _LENGTH and not self._buffer:  # the body's next piece: no copy
-            self._take(data)
-            return
+        if not self._buffer:
+            if self._state == _LENGTH:  # the body's next piece: no copy
+                self._take(data)
+                return
+            if self._state == _HEAD and (end := data.find(b"\r\n\r\n")) >= 0:  # a whole head: no buffer
+                self._start(data[:end])
+                data = data[end + 4 :]
+                if self._state == _LENGTH:
+                    self._take(data)
+                    return
         self._buffer += data
         self._parse()
 
@@ -277,7 +284,10 @@ class _Connection(asyncio.Protocol):
                 self._size += len(data)
                 self._chunks.append(data)
                 return
-            else:
+            else:  # answered: bytes past the answer (nothing was pipelined) end the connection
+                if buffer:
+                    self._keep = False
+                    buffer.clear()
                 return
 
     def _line(self) -> bytes | None:
