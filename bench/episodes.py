@@ -4,7 +4,7 @@ episodes per producer core with a tool that sleeps.
 One producer process (``bench.worker produce``) on a *stub engine* over real HTTP: a child
 process of its own (its CPU is not counted) answering every ``/generate`` with a precomputed
 1k-token SGLang reply after ``DELAY`` seconds (bench.http_client's stub), so the producer's
-figure holds its HTTP client (aiohttp), the reply parsing, the rollout and Redis; a trainer takes
+figure holds its HTTP client (producer/engine/http11.py), the reply parsing, the rollout and Redis; a trainer takes
 batches of 16 groups of n=4. Modes, measured side by side in one run:
 
 * ``single-turn``: the default plug-in (one request per episode), 256 episodes in flight;
@@ -12,6 +12,8 @@ batches of 16 groups of n=4. Modes, measured side by side in one run:
   sends the whole trajectory so far, up to ~3k ids), 256 episodes in flight;
 * ``3 turns, tool sleeps``: the same with a 0.2 s tool between turns, 1024 episodes in flight
   on 256 engine slots (``--engine-concurrency``): tool time holds no slot;
+* ``single-turn, aiohttp transport``: the first mode on ``aiohttp.ClientSession`` (bench.http_client's
+  ``AiohttpTransport``, the engine client's transport before ``http11``), side by side;
 * ``single-turn, in-process engine``: the first mode on bench.common's in-process
   ``httpx.MockTransport`` double instead (no socket; the engine client then runs that httpx
   transport), the figure this table quoted before the client called aiohttp directly.
@@ -59,12 +61,13 @@ N = 4
 BATCH = 16
 TOKENS = 1024
 DELAY = 0.05
-MODES: tuple[tuple[str, str, int, float, int, int | None, bool], ...] = (
-    # name, generate, turns, tool sleep, episodes in flight, engine slots, over HTTP
-    ("single-turn (default plug-in)", "", 1, 0.0, 256, None, True),
-    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None, True),
-    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, True),
-    ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, False),
+MODES: tuple[tuple[str, str, int, float, int, int | None, str], ...] = (
+    # name, generate, turns, tool sleep, episodes in flight, engine slots, transport
+    ("single-turn (default plug-in)", "", 1, 0.0, 256, None, "http11"),
+    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None, "http11"),
+    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, "http11"),
+    ("single-turn, aiohttp transport (the default before http11)", "", 1, 0.0, 256, None, "aiohttp"),
+    ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, "mock"),
 )
 
 
@@ -87,7 +90,7 @@ def stub_engine() -> Iterator[str]:
 
 async def one_mode(
     server: EmbeddedRedis, name: str, generate: str, turns: int, sleep: float, concurrency: int,
-    engine_slots: int | None, http: bool, *, engine_url: str, batches: int,
+    engine_slots: int | None, transport: str, *, engine_url: str, batches: int,
 ) -> dict[str, Any]:
     ns = f"ep-{time.monotonic_ns()}"
     redis = connect(server.url)
@@ -95,8 +98,8 @@ async def one_mode(
     await add_prompts(redis, keys, 0, (batches + 2) * BATCH + concurrency // N + 8 * BATCH)
     args = ["-m", "bench.worker", "produce", "--redis", server.url, "--ns", ns, "--tokens", str(TOKENS),
             "--delay", str(DELAY), "--concurrency", str(concurrency), "--name", "p0"]
-    if http:
-        args += ["--engine", engine_url]
+    if transport != "mock":
+        args += ["--engine", engine_url, "--transport", transport]
     if generate:
         args += ["--generate", generate]
     if engine_slots is not None:
@@ -147,7 +150,7 @@ def run(quick: bool = False) -> list[Table]:
 
     async def measure() -> list[dict[str, Any]]:
         with EmbeddedRedis() as server, stub_engine() as url:
-            # The in-process comparison row only where CPU figures mean something (not --quick).
+            # The comparison rows only where CPU figures mean something (not --quick).
             modes = MODES if not quick else MODES[:3]
             return [await one_mode(server, *mode, engine_url=url, batches=batches) for mode in modes]
 

@@ -31,6 +31,7 @@ from rollstream.producer.session import EpisodeLimits
 from rollstream.producer.worker import Producer, ProducerSettings
 
 from bench.common import ConstReward, NoEngine, instant_transport, make_group
+from bench.http_client import AiohttpTransport
 
 PENDING_BEFORE = """
 local function pending(key, group)
@@ -76,7 +77,11 @@ async def produce(args: argparse.Namespace) -> None:
     if args.engine == "none":
         engine = NoEngine(args.tokens, EngineSettings(urls=("http://none",), max_new_tokens=args.max_new_tokens))
     elif args.engine:
-        engine = EngineClient(EngineSettings(urls=(args.engine,), max_new_tokens=args.max_new_tokens))
+        settings = EngineSettings(urls=(args.engine,), max_new_tokens=args.max_new_tokens)
+        transport = None
+        if args.transport == "aiohttp":
+            transport = AiohttpTransport(max_connections=settings.max_connections, connect_timeout=settings.connect_timeout)
+        engine = EngineClient(settings, transport=transport)
     else:
         engine = EngineClient(
             EngineSettings(urls=("http://instant",), max_new_tokens=args.max_new_tokens),
@@ -130,6 +135,8 @@ def main() -> None:
     p.add_argument("--name", default=f"bench-{os.getpid()}")
     p.add_argument("--engine", default="",
                    help="engine URL; 'none': no engine at all (prebuilt replies); default: the in-process instant engine")
+    p.add_argument("--transport", default="http11", choices=["http11", "aiohttp"],
+                   help="with --engine URL: the default transport, or aiohttp (bench.http_client's, the one before)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=64)

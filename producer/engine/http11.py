@@ -1,10 +1,10 @@
 """The engines' HTTP/1.1, on ``asyncio.Protocol``: keep-alive connections and nothing else.
 
-The producer spends most of its CPU on engine replies, and a general client's generality costs
-(``aiohttp``: about 0.19 ms per 1k-token reply at 256 in flight, this one about 0.06 ms;
-``python -m bench.http_client http``). What the engine client needs is narrow: ``POST`` JSON,
-``GET`` model info, to a few origins, each answer read whole into bytes under a bound. That is all
-this module does:
+The producer spends most of its CPU on engine replies, and a general client's generality costs:
+``aiohttp.ClientSession`` takes about 2.3x this module's CPU per 1k-token reply at 256 in flight
+(``python -m bench.http_client http``, docs/benchmarks.md). What the engine client needs is
+narrow: ``POST`` JSON, ``GET`` model info, to a few origins, each answer read whole into bytes
+under a bound. That is all this module does:
 
 * one pool of keep-alive connections per origin (``http`` or ``https``), at most
   ``max_connections`` exchanges at once over all origins (more wait), an idle connection evicted
@@ -176,9 +176,16 @@ class _Connection(asyncio.Protocol):
     # -- parsing ----------------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
-        if self._state == _LENGTH and not self._buffer:  # the body's next piece: no copy
-            self._take(data)
-            return
+        if not self._buffer:
+            if self._state == _LENGTH:  # the body's next piece: no copy
+                self._take(data)
+                return
+            if self._state == _HEAD and (end := data.find(b"\r\n\r\n")) >= 0:  # a whole head: no buffer
+                self._start(data[:end])
+                data = data[end + 4 :]
+                if self._state == _LENGTH:
+                    self._take(data)
+                    return
         self._buffer += data
         self._parse()
 
@@ -277,7 +284,10 @@ class _Connection(asyncio.Protocol):
                 self._size += len(data)
                 self._chunks.append(data)
                 return
-            else:
+            else:  # answered: bytes past the answer (nothing was pipelined) end the connection
+                if buffer:
+                    self._keep = False
+                    buffer.clear()
                 return
 
     def _line(self) -> bytes | None:

@@ -27,6 +27,10 @@ class _BadRequest(Exception):
         self.message = message
 
 
+class _ShuttingDown(Exception):
+    """Raised by a generation the shutdown overtook while paused: HTTP 503 through the middleware."""
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
@@ -62,6 +66,15 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    """``sampling_params``, the object of options SGLang's ``/generate`` and vLLM's
+    ``/inference/v1/generate`` both take (absent or null: none)."""
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise _BadRequest("sampling_params must be an object")
+    return sampling
+
+
 def _check_poison(text: str) -> None:
     if POISON_MARKER in text:
         raise _BadRequest(f"the input contains the marker {POISON_MARKER}: request refused")
@@ -76,14 +89,16 @@ async def errors_middleware(
         return response
     except _BadRequest as exc:
         return _error(400, exc.message)
+    except _ShuttingDown:
+        return _error(503, "the engine is shutting down")
 
 
-async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int) -> list[_Outcome] | None:
-    """Plan one response per request id, wait out a pause, generate them concurrently; None
-    when the engine shuts down while paused."""
+async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int) -> list[_Outcome]:
+    """Plan one response per request id, wait out a pause, generate them concurrently; raises
+    :class:`_ShuttingDown` when the engine shuts down while paused."""
     plans = [_plan_response(state.config, text, random.Random(state.rng.getrandbits(64))) for _ in rids]
     if not await state.wait_resumed():
-        return None
+        raise _ShuttingDown
     runs = (state.generate(rid, plan, max_tokens) for rid, plan in zip(rids, plans, strict=True))
     return list(await asyncio.gather(*runs))
 

@@ -1,18 +1,22 @@
 """vLLM's OpenAI-compatible API, as the simulator answers it: ``/v1/models``,
 ``/v1/completions`` and ``/v1/chat/completions`` (rendered by :func:`render_chat`); no weight
-version (vLLM reports none there)."""
+version (vLLM reports none there). The two completion endpoints share their parsing, choices
+and envelope (:func:`_answer`); each handler reads only its prompt, and its :class:`_Endpoint`
+says how its options and its reply differ. :mod:`.vllm_api` reads ``n`` and the token limit and renders chat log-probs
+with the helpers here too, as vLLM's token endpoint reuses the OpenAI protocol."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from rollstream.testing.sim.base import (
     _BadRequest,
     _check_poison,
-    _error,
     _faultable,
     _generate_all,
     _int_param,
@@ -20,22 +24,126 @@ from rollstream.testing.sim.base import (
     _token_ids,
 )
 from rollstream.testing.sim.model import MAX_MODEL_LEN, MODEL_NAME, detokenize, tokenize
-from rollstream.testing.sim.state import STATE_KEY
+from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
+
+VLLM_MAX_TOKENS = 16
+"""vLLM's token limit for a completion that names none (``/v1/completions``, ``/inference/v1/generate``)."""
+
+TokenLabel = Callable[[int], str]
+"""How a log-prob entry names its token: its text, or ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
 
-def _openai_reply(
-    body: dict[str, Any],
-    reply_id: str,
-    kind: str,
-    choices: list[dict[str, Any]],
-    prompt_ids: list[int],
-    completion_tokens: int,
-    return_token_ids: bool,
+def _vllm_lengths(params: dict[str, Any], limit: Any, cap: int) -> tuple[int, int]:
+    """``n`` (default 1) and the token limit (``max_tokens``; None: the simulator's cap), as every
+    vLLM endpoint reads them from its options (the body, or ``sampling_params``)."""
+    return _int_param(params.get("n"), "n", 1, minimum=1), _int_param(limit, "max_tokens", cap)
+
+
+def _token_text(tid: int) -> str:
+    return detokenize([tid])
+
+
+def _token_label(as_token_ids: bool) -> TokenLabel:
+    return (lambda tid: f"token_id:{tid}") if as_token_ids else _token_text
+
+
+def _chat_logprobs(outcome: _Outcome, label: TokenLabel) -> dict[str, Any]:
+    """The chat form of log-probs, ``content[]`` (vLLM's ``/inference/v1/generate`` answers it too)."""
+    return {
+        "content": [
+            {"token": label(tid), "logprob": lp, "top_logprobs": []}
+            for tid, lp in zip(outcome.output_ids, outcome.logprobs, strict=True)
+        ]
+    }
+
+
+def _completion_logprobs(outcome: _Outcome, label: TokenLabel) -> dict[str, Any]:
+    """The legacy completion form of log-probs: parallel lists."""
+    return {
+        "tokens": [label(tid) for tid in outcome.output_ids],
+        "token_logprobs": outcome.logprobs,
+        "top_logprobs": None,
+        "text_offset": list(range(len(outcome.output_ids))),
+    }
+
+
+def _completion_logprobs_wanted(body: dict[str, Any]) -> bool:
+    """``logprobs`` is an integer (how many top log-probs) on ``/v1/completions``; present: log-probs."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        _int_param(logprobs, "logprobs", 0)
+    return logprobs is not None
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What one completion endpoint reads and answers differently (the rest is :func:`_answer`)."""
+
+    kind: str
+    """The reply's ``object``."""
+    id_prefix: str
+    limit: Callable[[dict[str, Any]], Any]
+    """The token limit the body names (None: the simulator's cap)."""
+    logprobs_wanted: Callable[[dict[str, Any]], bool]
+    """Whether the body asks for log-probs (raising :class:`_BadRequest` for a bad value)."""
+    content: Callable[[str], dict[str, Any]]
+    """A choice's output from its text: ``text``, or ``message``."""
+    logprobs: Callable[[_Outcome, TokenLabel], dict[str, Any]]
+    prompt_ids_in_choices: bool
+    """Whether each choice repeats ``prompt_token_ids`` (``return_token_ids``), besides the reply."""
+
+
+_COMPLETIONS = _Endpoint(
+    kind="text_completion",
+    id_prefix="cmpl",
+    limit=lambda body: body.get("max_tokens", VLLM_MAX_TOKENS),
+    logprobs_wanted=_completion_logprobs_wanted,
+    content=lambda text: {"text": text},
+    logprobs=_completion_logprobs,
+    prompt_ids_in_choices=True,
+)
+_CHAT_COMPLETIONS = _Endpoint(
+    kind="chat.completion",
+    id_prefix="chatcmpl",
+    limit=lambda body: body.get("max_completion_tokens", body.get("max_tokens")),
+    logprobs_wanted=lambda body: bool(body.get("logprobs")),
+    content=lambda text: {"message": {"role": "assistant", "content": text}},
+    logprobs=_chat_logprobs,
+    prompt_ids_in_choices=False,
+)
+
+
+async def _answer(
+    state: SimState, body: dict[str, Any], endpoint: _Endpoint, text: str, prompt_ids: list[int]
 ) -> web.Response:
-    """The envelope shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+    """Read the options of a completion request whose prompt is ``text`` (``prompt_ids``),
+    generate its ``n`` choices and answer them as ``endpoint`` does."""
+    n, max_tokens = _vllm_lengths(body, endpoint.limit(body), state.config.max_tokens_cap)
+    want_logprobs = endpoint.logprobs_wanted(body)
+    label = _token_label(bool(body.get("return_tokens_as_token_ids")))
+    return_token_ids = bool(body.get("return_token_ids"))
+    _check_poison(text)
+
+    reply_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+    outcomes = await _generate_all(state, text, [f"{reply_id}-{i}" for i in range(n)], max_tokens)
+    choices: list[dict[str, Any]] = []
+    for i, outcome in enumerate(outcomes):
+        choice: dict[str, Any] = {
+            "index": i,
+            **endpoint.content(detokenize(outcome.output_ids)),
+            "logprobs": endpoint.logprobs(outcome, label) if want_logprobs else None,
+            "finish_reason": outcome.finish,
+            "stop_reason": None,
+        }
+        if return_token_ids:
+            choice["token_ids"] = outcome.output_ids
+            if endpoint.prompt_ids_in_choices:
+                choice["prompt_token_ids"] = prompt_ids
+        choices.append(choice)
+    completion_tokens = sum(len(outcome.output_ids) for outcome in outcomes)
     reply: dict[str, Any] = {
         "id": reply_id,
-        "object": kind,
+        "object": endpoint.kind,
         "created": int(time.time()),
         "model": body.get("model") or MODEL_NAME,
         "choices": choices,
@@ -48,7 +156,6 @@ def _openai_reply(
     if return_token_ids:
         reply["prompt_token_ids"] = prompt_ids
     return web.json_response(reply)
-
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -69,10 +176,9 @@ async def _models(request: web.Request) -> web.Response:
     )
 
 
-
-
 async def _completions(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+    """``/v1/completions``: ``prompt`` as text or token ids, ``n``, ``max_tokens`` (default 16),
+    ``logprobs`` (an integer), ``return_tokens_as_token_ids``, ``return_token_ids``."""
     body = await _json_body(request)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -83,46 +189,7 @@ async def _completions(request: web.Request) -> web.Response:
         text = detokenize(prompt_ids)
     else:
         raise _BadRequest("prompt must be a string or a list of token ids")
-    n = _int_param(body.get("n"), "n", 1, minimum=1)
-    max_tokens = _int_param(body.get("max_tokens", 16), "max_tokens", state.config.max_tokens_cap)
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        _int_param(logprobs, "logprobs", 0)
-    as_token_ids = bool(body.get("return_tokens_as_token_ids"))
-    return_token_ids = bool(body.get("return_token_ids"))
-    _check_poison(text)
-
-    cmpl_id = f"cmpl-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{cmpl_id}-{i}" for i in range(n)], max_tokens)
-    if outcomes is None:
-        return _error(503, "the engine is shutting down")
-
-    choices: list[dict[str, Any]] = []
-    completion_tokens = 0
-    for i, outcome in enumerate(outcomes):
-        completion_tokens += len(outcome.output_ids)
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": detokenize(outcome.output_ids),
-            "logprobs": None,
-            "finish_reason": outcome.finish,
-            "stop_reason": None,
-        }
-        if logprobs is not None:
-            choice["logprobs"] = {
-                "tokens": [
-                    f"token_id:{tid}" if as_token_ids else detokenize([tid])
-                    for tid in outcome.output_ids
-                ],
-                "token_logprobs": outcome.logprobs,
-                "top_logprobs": None,
-                "text_offset": list(range(len(outcome.output_ids))),
-            }
-        if return_token_ids:
-            choice["token_ids"] = outcome.output_ids
-            choice["prompt_token_ids"] = prompt_ids
-        choices.append(choice)
-    return _openai_reply(body, cmpl_id, "text_completion", choices, prompt_ids, completion_tokens, return_token_ids)
+    return await _answer(request.app[STATE_KEY], body, _COMPLETIONS, text, prompt_ids)
 
 
 def render_chat(messages: Any) -> str:
@@ -140,48 +207,9 @@ def render_chat(messages: Any) -> str:
 async def _chat_completions(request: web.Request) -> web.Response:
     """vLLM's ``/v1/chat/completions`` subset: ``messages``, ``n``, ``max_tokens``
     (or ``max_completion_tokens``), ``logprobs``, ``return_tokens_as_token_ids``, ``return_token_ids``."""
-    state = request.app[STATE_KEY]
     body = await _json_body(request)
     text = render_chat(body.get("messages"))
-    prompt_ids = tokenize(text)
-    n = _int_param(body.get("n"), "n", 1, minimum=1)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _int_param(limit, "max_tokens", state.config.max_tokens_cap)
-    want_logprobs = bool(body.get("logprobs"))
-    as_token_ids = bool(body.get("return_tokens_as_token_ids"))
-    return_token_ids = bool(body.get("return_token_ids"))
-    _check_poison(text)
-
-    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{chat_id}-{i}" for i in range(n)], max_tokens)
-    if outcomes is None:
-        return _error(503, "the engine is shutting down")
-    choices: list[dict[str, Any]] = []
-    completion_tokens = 0
-    for i, outcome in enumerate(outcomes):
-        completion_tokens += len(outcome.output_ids)
-        choice: dict[str, Any] = {
-            "index": i,
-            "message": {"role": "assistant", "content": detokenize(outcome.output_ids)},
-            "logprobs": None,
-            "finish_reason": outcome.finish,
-            "stop_reason": None,
-        }
-        if want_logprobs:
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": f"token_id:{tid}" if as_token_ids else detokenize([tid]),
-                        "logprob": lp,
-                        "top_logprobs": [],
-                    }
-                    for tid, lp in zip(outcome.output_ids, outcome.logprobs, strict=True)
-                ]
-            }
-        if return_token_ids:
-            choice["token_ids"] = outcome.output_ids
-        choices.append(choice)
-    return _openai_reply(body, chat_id, "chat.completion", choices, prompt_ids, completion_tokens, return_token_ids)
+    return await _answer(request.app[STATE_KEY], body, _CHAT_COMPLETIONS, text, tokenize(text))
 
 
 def add_routes(app: web.Application) -> None:

@@ -22,6 +22,7 @@ from rollstream.testing.sim.base import (
     _generate_all,
     _int_param,
     _json_body,
+    _sampling_params,
     _token_ids,
 )
 from rollstream.testing.sim.model import (
@@ -49,9 +50,7 @@ async def _generate(request: web.Request) -> web.Response:
         text = detokenize(input_ids)
     else:
         raise _BadRequest("either text or input_ids is required")
-    sampling = body.get("sampling_params") or {}
-    if not isinstance(sampling, dict):
-        raise _BadRequest("sampling_params must be an object")
+    sampling = _sampling_params(body)
     max_new_tokens = _int_param(sampling.get("max_new_tokens"), "max_new_tokens", 128)
     if max_new_tokens == 0 and body.get("return_logprob"):  # a teacher scoring its input
         _check_poison(text)
@@ -65,10 +64,7 @@ async def _generate(request: web.Request) -> web.Response:
     _check_poison(text)
 
     start = time.monotonic()
-    outcomes = await _generate_all(state, text, [rid], max_new_tokens)
-    if outcomes is None:
-        return _error(503, "the engine is shutting down")
-    outcome = outcomes[0]
+    (outcome,) = await _generate_all(state, text, [rid], max_new_tokens)
 
     finish_reason: dict[str, Any] = {"type": outcome.finish}
     if outcome.finish == "length":

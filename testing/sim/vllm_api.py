@@ -16,11 +16,12 @@ from rollstream.testing.sim.base import (
     _error,
     _faultable,
     _generate_all,
-    _int_param,
     _json_body,
+    _sampling_params,
     _token_ids,
 )
 from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
+from rollstream.testing.sim.openai_api import VLLM_MAX_TOKENS, _chat_logprobs, _token_text, _vllm_lengths
 from rollstream.testing.sim.state import STATE_KEY
 
 
@@ -29,17 +30,13 @@ async def _vllm_generate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await _json_body(request)
     prompt_ids = _token_ids(body.get("token_ids"), "token_ids")
-    sampling = body.get("sampling_params") or {}
-    if not isinstance(sampling, dict):
-        raise _BadRequest("sampling_params must be an object")
-    n = _int_param(sampling.get("n"), "n", 1, minimum=1)
-    max_tokens = _int_param(sampling.get("max_tokens", 16), "max_tokens", state.config.max_tokens_cap)
+    sampling = _sampling_params(body)
+    limit = sampling.get("max_tokens", VLLM_MAX_TOKENS)
+    n, max_tokens = _vllm_lengths(sampling, limit, state.config.max_tokens_cap)
     text = detokenize(prompt_ids)
     _check_poison(text)
     rid = f"generate-tokens-{uuid.uuid4().hex}"
     outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens)
-    if outcomes is None:
-        return _error(503, "the engine is shutting down")
     choices = []
     for i, outcome in enumerate(outcomes):
         choice: dict[str, Any] = {
@@ -53,12 +50,7 @@ async def _vllm_generate(request: web.Request) -> web.Response:
         if state.config.moe is not None:  # vLLM sends it whenever the server has the flag
             choice["routed_experts"] = _routed_experts_npy_b64([*prompt_ids, *outcome.output_ids], state.config.moe)
         if sampling.get("logprobs") is not None:
-            choice["logprobs"] = {
-                "content": [
-                    {"token": detokenize([t]), "logprob": lp, "top_logprobs": []}
-                    for t, lp in zip(outcome.output_ids, outcome.logprobs, strict=True)
-                ]
-            }
+            choice["logprobs"] = _chat_logprobs(outcome, _token_text)
         choices.append(choice)
     return web.json_response({"request_id": rid, "output_mode": "text", "choices": choices})
 
