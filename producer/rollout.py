@@ -372,7 +372,13 @@ class Rollout:
             admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
             partial=partial,
         )
-        session = EpisodeSession(self.runtime, info, shared.source, shared.media, prompt_ids=prompt_ids)
+        source = shared.source
+        if isinstance(source, PromptNotSupported):  # rare: each member raises its own exception object
+            try:
+                source = self._prompt_source(prompt, prompt_ids)
+            except PromptNotSupported as exc:
+                source = exc
+        session = EpisodeSession(self.runtime, info, source, shared.media, prompt_ids=prompt_ids)
         prefix: Sample | None = None
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
