@@ -2,7 +2,8 @@
 
 Each dialect declares one typed msgspec decoder per reply shape, which checks types and token-id
 ranges in C while it decodes (no intermediate ``dict`` tree, no per-token Python loop); token ids
-then go into ``array('i')`` and log-probs into ``array('f')`` in one C call each. Structs are
+then go into ``array('i')`` and log-probs into ``array('f')`` in one C call each
+(``struct.pack``: about twice as fast as ``array(code, list)``, which calls a method per item). Structs are
 declared ``gc=False``: decoded JSON cannot form cycles, and untracked structs keep the thousand
 objects of a reply from triggering cyclic-GC passes over the producer's heap (~90 us of 410 per
 1k reply). Anything unusable raises :class:`EngineReplyInvalid` with a short ``reason`` slug.
@@ -11,6 +12,7 @@ objects of a reply from triggering cyclic-GC passes over the producer's heap (~9
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from typing import Annotated, Any, cast
 
@@ -33,19 +35,34 @@ def decode(decoder: msgspec.json.Decoder[Any], raw: bytes, where: str) -> Any:
 
 def floats(values: list[float | None], where: str) -> array[float]:
     """``array('f')`` of finite log-probs; nulls, NaN, ±inf and float32 overflow are refused."""
+    out = array("f")
     try:
-        out = array("f", cast("list[float]", values))
-    except TypeError:
-        index = next(i for i, v in enumerate(values) if v is None)
-        raise EngineReplyInvalid("non_finite_logprob", f"log-prob {index} is null", where) from None
+        out.frombytes(struct.pack(f"{len(values)}f", *values))
+    except (struct.error, OverflowError):  # a null, or beyond float32: the item-wise path names it
+        return _floats_one_by_one(values, where)
     if not math.isfinite(sum(out)):  # one C pass; NaN and ±inf propagate into the sum
         index = next(i for i, v in enumerate(out) if not math.isfinite(v))
         raise EngineReplyInvalid("non_finite_logprob", f"log-prob {index} is {values[index]!r}", where)
     return out
 
 
+def _floats_one_by_one(values: list[float | None], where: str) -> array[float]:
+    try:
+        out = array("f", cast("list[float]", values))
+    except TypeError:
+        null = next(i for i, v in enumerate(values) if v is None)
+        raise EngineReplyInvalid("non_finite_logprob", f"log-prob {null} is null", where) from None
+    index = next((i for i, v in enumerate(out) if not math.isfinite(v)), None)  # float32 overflow: inf
+    if index is None:
+        return out
+    raise EngineReplyInvalid("non_finite_logprob", f"log-prob {index} is {values[index]!r}", where)
+
+
 def ids(values: list[int]) -> array[int]:
-    return array("i", values)  # ranges already checked by the decoder (TokenId)
+    """``array('i')`` of ids whose ranges the decoder checked (:data:`TokenId`)."""
+    out = array("i")
+    out.frombytes(struct.pack(f"{len(values)}i", *values))
+    return out
 
 
 def check_logprobs(
