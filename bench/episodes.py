@@ -4,8 +4,8 @@ episodes per producer core with a tool that sleeps.
 One producer process (``bench.worker produce``) on a *stub engine* over real HTTP: a child
 process of its own (its CPU is not counted) answering every ``/generate`` with a precomputed
 1k-token SGLang reply after ``DELAY`` seconds (bench.http_client's stub), so the producer's
-figure holds its HTTP client (producer/engine/http11.py), the reply parsing, the rollout and Redis; a trainer takes
-batches of 16 groups of n=4. Modes, measured side by side in one run:
+figure holds its HTTP client (producer/engine/http11.py), the reply parsing, the rollout and
+Redis; a trainer takes batches of 16 groups of n=4. Modes, measured side by side in one run:
 
 * ``single-turn``: the default plug-in (one request per episode), 256 episodes in flight;
 * ``3 turns``: ``bench.episode_fns:turns`` (generate, observe 16 tool tokens, x3: each request
@@ -16,7 +16,10 @@ batches of 16 groups of n=4. Modes, measured side by side in one run:
   ``AiohttpTransport``, the engine client's transport before ``http11``), side by side;
 * ``single-turn, in-process engine``: the first mode on bench.common's in-process
   ``httpx.MockTransport`` double instead (no socket; the engine client then runs that httpx
-  transport), the figure this table quoted before the client called aiohttp directly.
+  transport), the figure this table quoted before the client called aiohttp directly;
+* ``single-turn, no engine``: the first mode on ``bench.common.NoEngine`` (a prebuilt reply, no
+  request at all): what the pipeline itself costs per episode (rollout, session, reward, checks,
+  the codec, Redis), the part of the first row that is not the engine request.
 
 Producer CPU is the producer process's CPU-seconds over the measured window (after one warm-up
 batch) divided by the engine requests, turns and episodes completed in it; "episodes per
@@ -29,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -68,7 +72,11 @@ MODES: tuple[tuple[str, str, int, float, int, int | None, str], ...] = (
     ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, "http11"),
     ("single-turn, aiohttp transport (the default before http11)", "", 1, 0.0, 256, None, "aiohttp"),
     ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, "mock"),
+    ("single-turn, no engine (a prebuilt reply: the pipeline's own cost)", "", 1, 0.0, 256, None, "none"),
 )
+ROUNDS = 3
+"""Rounds of every mode, interleaved (a shared machine's speed drifts): the table gives the median
+and the range of each mode's figure."""
 
 
 @contextlib.contextmanager
@@ -98,7 +106,9 @@ async def one_mode(
     await add_prompts(redis, keys, 0, (batches + 2) * BATCH + concurrency // N + 8 * BATCH)
     args = ["-m", "bench.worker", "produce", "--redis", server.url, "--ns", ns, "--tokens", str(TOKENS),
             "--delay", str(DELAY), "--concurrency", str(concurrency), "--name", "p0"]
-    if transport != "mock":
+    if transport == "none":
+        args += ["--engine", "none"]
+    elif transport != "mock":
         args += ["--engine", engine_url, "--transport", transport]
     if generate:
         args += ["--generate", generate]
@@ -148,27 +158,38 @@ def run(quick: bool = False) -> list[Table]:
 
     single_us, multi_us = asyncio.run(in_process())
 
-    async def measure() -> list[dict[str, Any]]:
+    async def measure() -> dict[str, list[dict[str, Any]]]:
+        # The comparison rows only where CPU figures mean something (not --quick).
+        modes = MODES if not quick else MODES[:3]
+        runs: dict[str, list[dict[str, Any]]] = {mode[0]: [] for mode in modes}
         with EmbeddedRedis() as server, stub_engine() as url:
-            # The comparison rows only where CPU figures mean something (not --quick).
-            modes = MODES if not quick else MODES[:3]
-            return [await one_mode(server, *mode, engine_url=url, batches=batches) for mode in modes]
+            for _ in range(1 if quick else ROUNDS):
+                for mode in modes:
+                    runs[mode[0]].append(await one_mode(server, *mode, engine_url=url, batches=batches))
+        return runs
 
-    results = asyncio.run(measure())
-    rows = [
-        [r["mode"], r["episodes_s"], r["requests_s"], r["ms_request"], r["ms_request"], r["ms_episode"],
-         r["per_core"], r["cores"], r["peaks"]]
-        for r in results
-    ]
+    def median(results: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in results)
+
+    rows = []
+    for name, results in asyncio.run(measure()).items():
+        spread = sorted(r["ms_request"] for r in results)
+        rows.append([
+            name, median(results, "episodes_s"), median(results, "requests_s"),
+            f"**{median(results, 'ms_request'):.3f}** ({spread[0]:.3f}-{spread[-1]:.3f})",
+            median(results, "ms_episode"), median(results, "per_core"), median(results, "cores"), results[-1]["peaks"],
+        ])
     return [Table(
         name="episodes",
         title=f"Episodes: producer CPU per engine request / turn / episode ({TOKENS}-token replies, stub engine)",
-        headers=["mode", "episodes/s", "requests/s", "producer CPU ms/request", "ms/turn", "ms/episode",
-                 "episodes per producer core (per CPU-s)", "producer cores used", "peak episodes / engine requests"],
+        headers=["mode", "episodes/s", "requests/s", "producer CPU ms/request (= ms/turn): median (range)",
+                 "ms/episode", "episodes per producer core (per CPU-s)", "producer cores used",
+                 "peak episodes / engine requests"],
         rows=rows,
         notes=[
             f"{batches} batches of {BATCH} groups x n={N} measured after one warm-up batch; replies after "
-            f"{DELAY} s, 1 producer process; the stub engine is another process over loopback HTTP.",
+            f"{DELAY} s, 1 producer process; the stub engine is another process over loopback HTTP; "
+            f"{1 if quick else ROUNDS} rounds of every mode, interleaved: medians, the range in brackets.",
             "a turn is one engine call here (ms/turn = ms/request); multi-turn requests carry the whole "
             "trajectory so far (prompt + earlier replies + tool tokens) as input ids.",
         ],

@@ -78,18 +78,20 @@ _COUNTERS = (
 
 def parse_sglang(
     raw: bytes, *, want_logprobs: bool, where: str = "", routed_experts: tuple[int, int, int] | None = None,
+    counters: bool = True,
 ) -> list[Generation]:
     """The samples of a ``/generate`` reply (one object, or a list for ``n > 1``); with
-    ``routed_experts`` ``(layers, topk, experts)``, each sample's routing replay decoded and checked."""
+    ``routed_experts`` ``(layers, topk, experts)``, each sample's routing replay decoded and checked;
+    with ``counters``, SGLang's prefix-cache and speculative-decoding counters kept."""
     decoded: _Generate | list[_Generate] = decode(_GENERATE, raw, where)
     replies = decoded if isinstance(decoded, list) else [decoded]
     if not replies:
         raise EngineReplyInvalid("schema", "an empty list", where)
-    return [_sample(reply, want_logprobs, routed_experts, where) for reply in replies]
+    return [_sample(reply, want_logprobs, routed_experts, where, counters) for reply in replies]
 
 
 def _sample(
-    reply: _Generate, want_logprobs: bool, shape: tuple[int, int, int] | None, where: str
+    reply: _Generate, want_logprobs: bool, shape: tuple[int, int, int] | None, where: str, counters: bool
 ) -> Generation:
     meta = reply.meta_info
     finish = meta.finish_reason.type if isinstance(meta.finish_reason, _Finish) else meta.finish_reason
@@ -117,7 +119,7 @@ def _sample(
     return Generation(
         text=reply.text, output_ids=token_ids, log_probs=log_probs, finish_reason=finish,
         weight_version=parse_version(meta.weight_version), routed_experts=experts,
-        routed_experts_start=meta.routed_experts_start_len, counters=_counters(meta),
+        routed_experts_start=meta.routed_experts_start_len, counters=_counters(meta) if counters else None,
     )
 
 
@@ -222,10 +224,9 @@ class SGLang:
         engine, raw = await client.request(PATH, body, limit=limit)
         with client.blame(engine):
             generation = parse_sglang(
-                raw, want_logprobs=settings.return_logprob, where=engine.url + PATH, routed_experts=shape
+                raw, want_logprobs=settings.return_logprob, where=engine.url + PATH, routed_experts=shape,
+                counters=settings.engine_stats,
             )[0]
         if generation.weight_version is not None:
             engine.version = generation.weight_version
-        if not settings.engine_stats:
-            generation.counters = None
         return engine, [generation]
