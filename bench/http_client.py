@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-from rollstream.producer.engine.transport import ERROR_BODY_BYTES, Transport, too_large
+from rollstream.producer.engine.transport import ERROR_BODY_BYTES, Transport, read_bounded, too_large
 
 CLIENTS = ("httpx", "httpx-aiohttp", "aiohttp", "http11", "engine", "engine-aiohttp", "engine-httpx-aiohttp")
 
@@ -122,19 +122,9 @@ class AiohttpTransport(Transport):
                     raise too_large(url, f"Content-Length {length} > {limit} bytes")
                 if length is not None and length <= cap and "content-encoding" not in response.headers:
                     return status, await response.read()  # declared and within the bound
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in response.content.iter_any():
-                    if size + len(chunk) > cap:
-                        if status != 200:
-                            chunks.append(chunk[: cap - size])
-                            break
-                        raise too_large(url, f"more than {limit} bytes")
-                    size += len(chunk)
-                    chunks.append(chunk)
+                return status, await read_bounded(response.content.iter_any(), status, limit, url)
         except aiohttp.ClientError as exc:  # before TimeoutError: a connect timeout is both
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -251,8 +251,10 @@ class RawServer:
         self.heads: list[bytes] = []
         self.url = ""
         self._server: asyncio.Server | None = None
+        self.transport: Http11Transport
 
     async def __aenter__(self) -> RawServer:
+        self.transport = _transport()
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self.connections += 1
             index = 0
@@ -274,12 +276,12 @@ class RawServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.transport.aclose()
         assert self._server is not None
         self._server.close()
 
-
-async def _get(url: str, transport: Http11Transport, limit: int = LIMIT) -> tuple[int, bytes]:
-    return await transport.request("GET", url + "/x", limit=limit, seconds=30)
+    async def get(self, limit: int = LIMIT) -> tuple[int, bytes]:
+        return await self.transport.request("GET", self.url + "/x", limit=limit, seconds=30)
 
 
 async def test_until_close_and_http10_and_interim_answers() -> None:
@@ -289,13 +291,9 @@ async def test_until_close_and_http10_and_interim_answers() -> None:
         writer.write(b"the close")
         writer.close()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            assert await _get(server.url, transport) == (200, b"until the close")
-            assert await _get(server.url, transport) == (200, b"until the close")
-        finally:
-            await transport.aclose()
+        assert await server.get() == (200, b"until the close")
+        assert await server.get() == (200, b"until the close")
     assert server.connections == 2
     head = server.heads[0]
     assert head.startswith(b"GET /x HTTP/1.1\r\n") and b"\r\nAccept-Encoding: identity\r\n" in head
@@ -307,13 +305,9 @@ async def test_until_close_bodies_are_bounded_too() -> None:
         await writer.drain()
         writer.close()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            with pytest.raises(EngineReplyInvalid, match="more than 4096"):
-                await _get(server.url, transport, limit=4096)
-        finally:
-            await transport.aclose()
+        with pytest.raises(EngineReplyInvalid, match="more than 4096"):
+            await server.get(limit=4096)
 
 
 async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on_a_new_one() -> None:
@@ -324,13 +318,9 @@ async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            assert await _get(server.url, transport) == (200, b"ok")
-            assert await _get(server.url, transport) == (200, b"ok")
-        finally:
-            await transport.aclose()
+        assert await server.get() == (200, b"ok")
+        assert await server.get() == (200, b"ok")
     assert server.connections == 2 and len(server.heads) == 3
 
 
@@ -358,13 +348,9 @@ async def test_broken_answers_are_connection_errors(answer: bytes, match: str) -
         await writer.drain()
         writer.close()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            with pytest.raises(ConnectionError, match=match):
-                await _get(server.url, transport)
-        finally:
-            await transport.aclose()
+        with pytest.raises(ConnectionError, match=match):
+            await server.get()
 
 
 async def test_chunk_extensions_and_trailers_are_read_and_the_connection_kept() -> None:
@@ -374,13 +360,9 @@ async def test_chunk_extensions_and_trailers_are_read_and_the_connection_kept() 
         writer.write(b"2\r\nde\r\n0\r\nX-Trailer: t\r\n\r\n")
         await writer.drain()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            assert await _get(server.url, transport) == (200, b"abcde")
-            assert await _get(server.url, transport) == (200, b"abcde")
-        finally:
-            await transport.aclose()
+        assert await server.get() == (200, b"abcde")
+        assert await server.get() == (200, b"abcde")
     assert server.connections == 1
 
 
@@ -396,13 +378,9 @@ async def test_bytes_past_the_answer_or_connection_close_end_the_connection() ->
         writer.write(answers[len(server.heads) - 1][0])
         await writer.drain()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            for _, expected in answers:
-                assert await _get(server.url, transport) == expected
-        finally:
-            await transport.aclose()
+        for _, expected in answers:
+            assert await server.get() == expected
     assert server.connections == len(answers)  # none was reused: each answer ended its connection
 
 
@@ -417,16 +395,12 @@ async def test_a_cancelled_exchange_drops_its_connection() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
 
-    transport = _transport()
     async with RawServer(script) as server:
-        try:
-            call = asyncio.create_task(_get(server.url, transport))
-            async with asyncio.timeout(60):
-                await started.wait()
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            assert await _get(server.url, transport) == (200, b"ok")
-        finally:
-            await transport.aclose()
+        call = asyncio.create_task(server.get())
+        async with asyncio.timeout(60):
+            await started.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await server.get() == (200, b"ok")
     assert server.connections == 2

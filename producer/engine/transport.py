@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -89,6 +90,23 @@ def too_large(url: str, detail: str) -> EngineReplyInvalid:
     return EngineReplyInvalid("too_large", detail, url)
 
 
+async def read_bounded(chunks: AsyncIterator[bytes], status: int, limit: int, url: str) -> bytes:
+    """A streamed body under the bound: a 200's ``limit`` (``too_large`` past it), any other
+    status's first :data:`ERROR_BODY_BYTES` (the rest left unread)."""
+    cap = limit if status == 200 else ERROR_BODY_BYTES
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        if size + len(chunk) > cap:
+            if status != 200:
+                parts.append(chunk[: cap - size])
+                break
+            raise too_large(url, f"more than {limit} bytes")
+        size += len(chunk)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class HttpxTransport(Transport):
     """Any ``httpx`` transport (``httpx.MockTransport`` in tests) under the same bounds."""
 
@@ -105,23 +123,12 @@ class HttpxTransport(Transport):
         try:
             async with self._http.stream(method, url, content=body, headers=headers) as response:
                 status = response.status_code
-                cap = limit if status == 200 else ERROR_BODY_BYTES
                 length = response.headers.get("content-length", "")
-                if status == 200 and length.isdigit() and int(length) > cap:
+                if status == 200 and length.isdigit() and int(length) > limit:
                     raise too_large(url, f"Content-Length {length} > {limit} bytes")
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in response.aiter_bytes():
-                    if size + len(chunk) > cap:
-                        if status != 200:
-                            chunks.append(chunk[: cap - size])
-                            break
-                        raise too_large(url, f"more than {limit} bytes")
-                    size += len(chunk)
-                    chunks.append(chunk)
+                return status, await read_bounded(response.aiter_bytes(), status, limit, url)
         except self._errors as exc:
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        return status, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
         await self._http.aclose()
