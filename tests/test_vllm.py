@@ -216,9 +216,13 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await sync.update(consumer, str(served.weights[1]), 1, mode="abort")  # wherever the last test left it
         _producers(procs, redis_url, ns, served, 1)
-        # the update lands while requests are decoding (not after a guessed time)
+        # the update lands while requests are decoding (not after a guessed time); the producers
+        # are not paused first: they keep the engine busy until its own pause, however fast it
+        # decodes (paused first, a fast engine finished all 16 running requests in the 1.8 s the
+        # producers' pause took on a loaded CI machine, and nothing was left to keep)
         running = await _wait_running(served.url, 4)
-        report = await sync.update(consumer, str(served.weights[2]), 2, mode="keep")
+        report = await sync.update(None, str(served.weights[2]), 2, mode="keep")
+        await consumer.resume(2)
         groups = await _take_all(consumer, prompts, 8)
     await procs.astop_all()
     state = await read_state(redis, Keys(ns))
