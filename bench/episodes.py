@@ -12,6 +12,9 @@ Redis; a trainer takes batches of 16 groups of n=4. Modes, measured side by side
   sends the whole trajectory so far, up to ~3k ids), 256 episodes in flight;
 * ``3 turns, tool sleeps``: the same with a 0.2 s tool between turns, 1024 episodes in flight
   on 256 engine slots (``--engine-concurrency``): tool time holds no slot;
+* ``single-turn, Python's default GC``: the first mode with the collector as Python sets it
+  (``--gc-threshold 0``: thresholds 700/10/10, nothing frozen), side by side with the tuned
+  default (producer/gcpolicy.py);
 * ``single-turn, aiohttp transport``: the first mode on ``aiohttp.ClientSession`` (bench.http_client's
   ``AiohttpTransport``, the engine client's transport before ``http11``), side by side;
 * ``single-turn, in-process engine``: the first mode on bench.common's in-process
@@ -65,14 +68,15 @@ N = 4
 BATCH = 16
 TOKENS = 1024
 DELAY = 0.05
-MODES: tuple[tuple[str, str, int, float, int, int | None, str], ...] = (
-    # name, generate, turns, tool sleep, episodes in flight, engine slots, transport
-    ("single-turn (default plug-in)", "", 1, 0.0, 256, None, "http11"),
-    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None, "http11"),
-    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, "http11"),
-    ("single-turn, aiohttp transport (the default before http11)", "", 1, 0.0, 256, None, "aiohttp"),
-    ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, "mock"),
-    ("single-turn, no engine (a prebuilt reply: the pipeline's own cost)", "", 1, 0.0, 256, None, "none"),
+MODES: tuple[tuple[str, str, int, float, int, int | None, str, int | None], ...] = (
+    # name, generate, turns, tool sleep, episodes in flight, engine slots, transport, gc threshold
+    ("single-turn (default plug-in)", "", 1, 0.0, 256, None, "http11", None),
+    ("3 turns, tool instant", "bench.episode_fns:turns", 3, 0.0, 256, None, "http11", None),
+    ("3 turns, tool sleeps 0.2 s", "bench.episode_fns:turns", 3, 0.2, 1024, 256, "http11", None),
+    ("single-turn, Python's default GC (--gc-threshold 0)", "", 1, 0.0, 256, None, "http11", 0),
+    ("single-turn, aiohttp transport (the default before http11)", "", 1, 0.0, 256, None, "aiohttp", None),
+    ("single-turn, in-process engine (httpx.MockTransport)", "", 1, 0.0, 256, None, "mock", None),
+    ("single-turn, no engine (a prebuilt reply: the pipeline's own cost)", "", 1, 0.0, 256, None, "none", None),
 )
 ROUNDS = 3
 """Rounds of every mode, interleaved (a shared machine's speed drifts): the table gives the median
@@ -98,7 +102,7 @@ def stub_engine() -> Iterator[str]:
 
 async def one_mode(
     server: EmbeddedRedis, name: str, generate: str, turns: int, sleep: float, concurrency: int,
-    engine_slots: int | None, transport: str, *, engine_url: str, batches: int,
+    engine_slots: int | None, transport: str, gc_threshold: int | None, *, engine_url: str, batches: int,
 ) -> dict[str, Any]:
     ns = f"ep-{time.monotonic_ns()}"
     redis = connect(server.url)
@@ -114,6 +118,8 @@ async def one_mode(
         args += ["--generate", generate]
     if engine_slots is not None:
         args += ["--engine-concurrency", str(engine_slots)]
+    if gc_threshold is not None:
+        args += ["--gc-threshold", str(gc_threshold)]
     env = {"BENCH_TURNS": str(turns), "BENCH_TOOL_SLEEP": str(sleep)}
     with children() as procs:
         procs.append(spawn(args, OUT / f"worker-{ns}.log", env))

@@ -23,7 +23,7 @@ from rollstream.common import lua
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
 from rollstream.common.protocol import PromptQueue
-from rollstream.producer import worker
+from rollstream.producer import gcpolicy, worker
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.rollout import load_generate
@@ -96,6 +96,7 @@ async def produce(args: argparse.Namespace) -> None:
     if args.variant:
         VARIANTS[args.variant]()
     producer = await Producer.connect(args.redis, settings, engine, reward)
+    gcpolicy.tune(args.gc_threshold)  # as `rollstream produce` does
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, producer.stop)
@@ -137,6 +138,7 @@ def main() -> None:
                    help="engine URL; 'none': no engine at all (prebuilt replies); default: the in-process instant engine")
     p.add_argument("--transport", default="http11", choices=["http11", "aiohttp"],
                    help="with --engine URL: the default transport, or aiohttp (bench.http_client's, the one before)")
+    p.add_argument("--gc-threshold", type=int, default=None, help="as rollstream produce's (0: Python's own GC)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=64)

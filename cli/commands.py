@@ -126,6 +126,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--gc-threshold", type=int, default=None, metavar="N",
+                   help="once started, freeze the start-up heap and run Python's young garbage collection "
+                        "every N net allocations (default 50000; 0: Python's own 700, nothing frozen)")
     p.add_argument(
         "--routed-experts", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
         help="ask the engine for the MoE routing replay (R3: SGLang's return_routed_experts, vLLM's "
@@ -411,12 +414,14 @@ STORED_FLAGS_WAIT = 60.0
 
 def cmd_produce(args: argparse.Namespace) -> int:
     import rollstream.integrations.rewards  # noqa: F401 - registers the slime:/miles: reward schemes
+    from rollstream.producer import gcpolicy
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.rewards import load_reward
     from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
     from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
 
+    gc_young = gcpolicy.check(args.gc_threshold)
     needs_stored = any(
         getattr(args, name) is None
         for name in ("concurrency", "reward", "tokenizer", "max_new_tokens", "temperature", "top_p")
@@ -483,6 +488,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
                     runner = await metrics.serve(args.metrics_host, args.metrics_port)
                 producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics,
                                                   teacher=teacher)
+                gcpolicy.tune(gc_young)
                 holder["producer"] = producer
                 if stop_requested:
                     producer.stop()

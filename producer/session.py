@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 from array import array
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,7 +279,10 @@ class _Trajectory(Trajectory):
     def __init__(
         self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any] | PromptNotSupported
     ) -> None:
-        self._session = session
+        # A weak reference: the session holds its trajectories, and a cycle between them would
+        # leave every finished episode (its arrays, replies, tasks) to the cyclic collector
+        # instead of freeing it at once (producer/gcpolicy.py)
+        self._session: EpisodeSession = weakref.proxy(session)
         self.tokens = array("i", prompt_ids or ())
         self.prompt_length = len(self.tokens)
         self.known_prompt = prompt_ids is not None
