@@ -5,6 +5,7 @@ Two rules from redis-py's behaviour shape this module:
 * a blocking read (``XREADGROUP ... BLOCK``) needs a socket timeout *above* its BLOCK time,
   otherwise redis-py times the socket out and silently re-sends the command; blocking readers
   therefore get their own client, made by :func:`connect` with ``block_ms``;
+* a client holds at most :data:`MAX_CONNECTIONS` connections; more commands at once wait for one;
 * redis-py's own retry covers a blip; a Redis restart takes longer, so the long-running loops
   wrap their steps in :class:`Outage`, which backs off (bounded), logs once per outage and
   once on recovery.
@@ -20,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, OutOfMemoryError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -57,6 +58,11 @@ USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
 """Environment variable with the ACL user name (used when the URL carries none)."""
 SENTINEL_PASSWORD_ENV = "ROLLSTREAM_SENTINEL_PASSWORD"
 """Environment variable with the password of the Sentinels themselves (``requirepass`` there)."""
+MAX_CONNECTIONS = 32
+"""Connections one client opens at most (plain, TLS, unix and Sentinel URLs; a Cluster client's
+pools are redis-py's own, per node). Unbounded, a producer opened one per command in flight: 65
+with 256 episodes in flight, ~220 with 1024, and a few dozen
+producers would reach Redis' ``maxclients`` (10,000 by default)."""
 
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -204,9 +210,20 @@ def connect(
     netloc = parts.netloc.rpartition("@")[2]
     plain_url = urlunsplit((parts.scheme, netloc, parts.path, plain_query, parts.fragment))
     try:
-        return redis_class.from_url(plain_url, health_check_interval=15, **options)
+        pool = BlockingConnectionPool.from_url(plain_url, health_check_interval=15, **_pool_options(options), **options)
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL {redact_url(url)}: {exc}") from None
+    return redis_class.from_pool(pool)
+
+
+def _pool_options(options: dict[str, Any]) -> dict[str, Any]:
+    """At most :data:`MAX_CONNECTIONS` per client; a command waits for a free one, as long as a
+    command's own socket timeout at most (then ``ConnectionError``, an outage like any other)."""
+    return {"max_connections": MAX_CONNECTIONS, "timeout": options["socket_timeout"]}
+
+
+class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The Sentinel-managed pool (the master's address from the Sentinels) under the same bound."""
 
 
 def _int_option(query: dict[str, str], key: str, given: int | None, url: str) -> int | None:
@@ -266,7 +283,8 @@ def _sentinel(parts: SplitResult, query: dict[str, str], tls: bool, options: dic
         **{k: v for k, v in options.items() if k not in ("retry",)}, **tls_options,
     )
     client: Redis = sentinel.master_for(
-        path[0], redis_class=redis_class, db=db, retry=options["retry"], health_check_interval=15,
+        path[0], redis_class=redis_class, connection_pool_class=_SentinelBlockingPool, db=db,
+        retry=options["retry"], health_check_interval=15, **_pool_options(options),
     )
     return client
 
