@@ -5,7 +5,8 @@ Two rules from redis-py's behaviour shape this module:
 * a blocking read (``XREADGROUP ... BLOCK``) needs a socket timeout *above* its BLOCK time,
   otherwise redis-py times the socket out and silently re-sends the command; blocking readers
   therefore get their own client, made by :func:`connect` with ``block_ms``;
-* a client holds at most :data:`MAX_CONNECTIONS` connections; more commands at once wait for one;
+* a client holds at most :data:`MAX_CONNECTIONS` connections (a Cluster client as many commands
+  in flight); more commands at once wait;
 * redis-py's own retry covers a blip; a Redis restart takes longer, so the long-running loops
   wrap their steps in :class:`Outage`, which backs off (bounded), logs once per outage and
   once on recovery.
@@ -13,6 +14,7 @@ Two rules from redis-py's behaviour shape this module:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -60,9 +62,9 @@ SENTINEL_PASSWORD_ENV = "ROLLSTREAM_SENTINEL_PASSWORD"
 """Environment variable with the password of the Sentinels themselves (``requirepass`` there)."""
 MAX_CONNECTIONS = 32
 """Connections one client opens at most (plain, TLS, unix and Sentinel URLs; a Cluster client's
-pools are redis-py's own, per node). Unbounded, a producer opened one per command in flight: 65
-with 256 episodes in flight, ~220 with 1024, and a few dozen
-producers would reach Redis' ``maxclients`` (10,000 by default)."""
+pools are redis-py's own, per node, and it keeps at most this many commands in flight).
+Unbounded, a producer opened one per command in flight: 65 with 256 episodes in flight, ~220
+with 1024, and a few dozen producers would reach Redis' ``maxclients`` (10,000 by default)."""
 
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -313,6 +315,22 @@ class _ClusterPubSub(ClusterPubSub):
 
 
 class _Cluster(RedisCluster):
+    """redis-py's cluster client with three gaps closed: pub/sub (above), XREAD's slot (below), and
+    its pools, which hold 100 connections per node and raise ``MaxConnectionsError`` past them
+    instead of waiting: at most :data:`MAX_CONNECTIONS` commands are in flight, the others wait."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_flight = asyncio.Semaphore(MAX_CONNECTIONS)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:
+            # the topology first, outside the bound: the first commands of a fresh client, run
+            # at once under it, failed inside redis-py (a connection without a writer)
+            await self.initialize()
+        async with self._in_flight:
+            return await super().execute_command(*args, **kwargs)
+
     def pubsub(self, node: Any = None, host: str | None = None, port: int | None = None,
                **kwargs: Any) -> ClusterPubSub:
         return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)

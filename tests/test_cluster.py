@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis_nodes import Cluster, redis7_binary
-from rollstream.common.connection import connect
+from rollstream.common.connection import MAX_CONNECTIONS, connect
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -130,3 +130,24 @@ async def test_three_namespaces_on_three_primaries_survive_a_primary_failover(
     figures["failover_recovery_s"] = round(after[0] - killed_at[0], 2)  # type: ignore[assignment]
     print("CLUSTER FIGURES", json.dumps(figures))
     await admin.aclose()
+
+
+async def test_more_commands_at_once_than_a_nodes_pool_holds_wait_instead_of_failing(cluster: Cluster) -> None:
+    """redis-py's cluster pools hold 100 connections per node and raise MaxConnectionsError past
+    them; a producer has a command in flight per busy task (~220 at 1024 episodes): the client
+    keeps at most MAX_CONNECTIONS commands in flight, the others wait."""
+    client = connect(cluster.url, name="rollstream-cluster-pool-test")
+    commands = 3 * 100
+    try:
+        # one hash tag: every key on one node; each BLPOP holds its connection for 0.2 s
+        results = await asyncio.gather(*(client.blpop([f"{{pool}}-{i}"], timeout=0.2) for i in range(commands)))
+        assert results == [None] * commands
+        owner = connect(f"redis://127.0.0.1:{cluster.owner_of('{pool}').port}/0")
+        try:
+            opened = [c for c in await owner.client_list() if c.get("name") == "rollstream-cluster-pool-test"]
+        finally:
+            await owner.aclose()
+        # one more than the bound: the connection that read the topology (CLUSTER SLOTS)
+        assert 0 < len(opened) <= MAX_CONNECTIONS + 1, f"{len(opened)} connections to one node"
+    finally:
+        await client.aclose()
