@@ -5,7 +5,7 @@ cyclic collector only looks for cycles, and with Python's thresholds ``(700, 10,
 often: a young collection every 700 net container allocations (a few requests' worth of
 coroutines, futures and handles), and every hundredth a full one that walks every object the
 process holds, its imports included. At 256 requests in flight with 1k-token replies that was
-about a sixth of the producer's CPU (``python -m bench episodes``, docs/benchmarks.md).
+a tenth to a fifth of the producer's CPU (``python -m bench episodes``, docs/benchmarks.md).
 
 :func:`tune` does what SGLang and vLLM do in their servers: one last full collection, then
 ``gc.freeze()`` (what start-up allocated moves to a generation no collection walks), and a young
