@@ -38,9 +38,9 @@ def check(young: int | None) -> int:
     return young
 
 
-def tune(young: int | None = DEFAULT_YOUNG) -> None:
+def tune(young: int | None = None) -> None:
     """Freeze what exists now and collect the young generation every ``young`` net container
-    allocations; ``young`` 0 leaves the collector as Python set it."""
+    allocations (None: :data:`DEFAULT_YOUNG`); ``young`` 0 leaves the collector as Python set it."""
     young = check(young)
     if young == 0:
         return
