@@ -143,6 +143,27 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         )
     parts.append(producers)
 
+    engines = _table(
+        "engines (per producer)", plain, "producer", "engine", "state", "in flight", "version", "errors",
+        "tokens", "hit rate", "why",
+    )
+    shown_engines = 0
+    for row in snap["producers"]:
+        if not row["alive"]:
+            continue
+        for e in row.get("engine_fleet") or ():
+            state = str(e.get("state", "?"))
+            style = "green" if state == "healthy" else "yellow" if state in ("suspect", "draining") else "red"
+            rate = e.get("prefix_hit_rate")
+            engines.add_row(
+                row["name"], str(e.get("url", "?")), Text(state, style=style), str(e.get("in_flight", 0)),
+                str(e.get("version", "-")), str(e.get("errors", 0)), str(e.get("tokens", 0)),
+                "-" if rate is None else f"{rate:.0%}", str(e.get("reason", ""))[:80],
+            )
+            shown_engines += 1
+    if shown_engines:
+        parts.append(engines)
+
     a = snap["admission"]
     if a.get("capacity") is not None:
         admission = _table(

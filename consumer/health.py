@@ -163,8 +163,14 @@ def wait_summary(
         cause = deadlock
     elif at_maxmemory(diagnosis.memory):
         cause = f"Redis is at maxmemory (writes refused, backing off until commits free memory); {cause}"
+    troubled = {
+        f"engine {e.get('url')} {e.get('state')}: {e.get('reason', '')}"
+        for m in fleet.alive if m.beat is not None for e in m.beat.troubled_engines()
+        if e.get("state") in ("ejected", "wedged", "behind")
+    }
+    engines = f"; {'; '.join(sorted(troubled)[:3])}" if troubled else ""
     return (
         f"{cause} (backlog {diagnosis.groups_length}, prompts queued {queued}, in flight {in_flight} samples, "
-        f"live producers {alive}, paused {paused})"
+        f"live producers {alive}, paused {paused}){engines}"
     )
 

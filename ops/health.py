@@ -151,6 +151,10 @@ def judge(
                 f"{p['long_request_s']:.0f} s (oldest {p['oldest_request_s']:.0f} s): a stuck engine or a very "
                 "long generation"
             )
+        for engine in p.get("engine_fleet") or ():
+            state = engine.get("state")
+            if state in ("ejected", "wedged", "behind", "draining"):
+                warnings.append(f"{p['name']}: engine {engine.get('url')} {state}: {engine.get('reason', '')}")
     if snap["dead"]["length"]:
         warnings.append(f"{snap['dead']['length']} dead-letter entries (see `rollstream dead list`)")
     if trainer["paused"]:

@@ -139,6 +139,7 @@ def _producer_rows(fleet: Fleet, pending: dict[str, int], now: int) -> list[dict
                 "engine_requests_peak": beat.engine_requests_peak,
                 "episodes_failed": beat.episodes_failed,
                 "aborts_continued": beat.aborts_continued,
+                "engine_fleet": beat.engine_fleet,
                 "last_seen_ms": beat.last_seen_ms,
                 "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
                 "admission": beat.admission,
