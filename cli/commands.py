@@ -110,6 +110,16 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
+    p.add_argument("--health-timeout", type=float, default=5.0,
+                   help="an engine whose /health gives no answer this long while its requests wait is wedged")
+    p.add_argument("--eject-after", type=int, default=3,
+                   help="failed requests in a row (5xx, unusable replies) that take an engine out of routing")
+    p.add_argument("--route-balance", type=float, default=0.25,
+                   help="cache-aware routing keeps each engine within (1 + this) x the mean load")
+    p.add_argument("--no-engine-timeout", type=float, default=120.0,
+                   help="seconds a request waits while no engine is usable before the producer fails")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds one engine request may take in total, reply body included")
     p.add_argument("--max-reply-mib", type=float, default=None,
@@ -442,6 +452,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         sampling_params=sampling_params,
         max_retries=args.max_retries,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        eject_after=args.eject_after,
+        balance=args.route_balance,
+        no_engine_timeout=args.no_engine_timeout,
         request_timeout=args.request_timeout,
         max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
         request_seed=args.request_seed,

@@ -70,6 +70,14 @@ class Heartbeat:
     """Episodes whose generate function raised, timed out or returned an invalid result."""
     aborts_continued: int = 0
     """Aborted engine calls continued inside their episode (partial rollout on)."""
+    engine_fleet: list[dict] = field(default_factory=list)
+    """Each engine's ``url``, ``state`` (healthy, suspect, ejected, wedged, behind, draining),
+    ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,
+    where the engine reports it, ``prefix_hit_rate`` (``producer/engine/fleet.py``)."""
+
+    def troubled_engines(self) -> list[dict[str, Any]]:
+        """The engines not healthy (for ``inspect`` and ``take()``'s waiting warning)."""
+        return [e for e in self.engine_fleet if e.get("state") not in ("healthy", None)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -83,7 +91,10 @@ class Heartbeat:
         beat = cls()
         for name, kind in _field_kinds(cls).items():
             if name in obj and _fits(kind, value := obj[name]):
-                setattr(beat, name, [str(e) for e in value] if kind is list else kind(value))
+                if kind is dict:
+                    setattr(beat, name, [e for e in value if isinstance(e, dict)])
+                else:
+                    setattr(beat, name, [str(e) for e in value] if kind is list else kind(value))
         return beat
 
     @classmethod
@@ -93,7 +104,10 @@ class Heartbeat:
             obj = _heartbeat_object(raw)
         except ValueError as exc:
             return str(exc)
-        bad = [n for n, kind in _field_kinds(cls).items() if n in obj and kind is not list and not _fits(kind, obj[n])]
+        bad = [
+            n for n, kind in _field_kinds(cls).items()
+            if n in obj and kind not in (list, dict) and not _fits(kind, obj[n])
+        ]
         return f"fields {', '.join(bad)} have the wrong type" if bad else None
 
     def fresh(self, now: int, timeout_s: float) -> bool:
@@ -105,8 +119,9 @@ class Heartbeat:
         return self.fresh(now, timeout_s) and self.state in ALIVE_STATES
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list}
-"""A field's annotation -> the JSON type it is read from (a list's items are read as ``str``)."""
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list, "list[dict]": dict}
+"""A field's annotation -> the JSON type it is read from (a ``list[str]``'s items are read as
+``str``; a ``list[dict]`` keeps its JSON objects, anything else in it dropped)."""
 _CLASS_KINDS: dict[type, dict[str, type]] = {}
 
 
@@ -128,6 +143,8 @@ _field_kinds(Heartbeat)
 
 
 def _fits(kind: type, value: Any) -> bool:
+    if kind is dict:
+        return isinstance(value, list)
     return _is_number(value) if kind in (int, float) else isinstance(value, kind)
 
 

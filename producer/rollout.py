@@ -58,7 +58,7 @@ from rollstream.common.errors import (
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .checks import as_samples, check_sample
-from .engine import EngineClient
+from .engine import EngineClient, route_key
 from .episode import EpisodeInfo, GenerateFunction
 from .outcomes import FailureLog, failed, rejected, to_sample
 from .plugin import SingleTurn as SingleTurn  # re-exported
@@ -251,6 +251,9 @@ class Rollout:
             self._engines_failed_on.add(key)
             limit = self.settings.engine_failure_limit
             for who, count in ((engine, len(failed_on)), (ALL_ENGINES, len(self._engines_failed_on))):
+                if count >= limit and who != ALL_ENGINES and self.engine.take_out(who, reason):
+                    failed_on.clear()  # out of routing, probed: one engine of several is not fatal
+                    continue
                 if count >= limit:
                     subject, scope = (who, "any") if who == ALL_ENGINES else (f"engine {who}", "it")
                     raise EngineBroken(
@@ -463,7 +466,8 @@ class Rollout:
         try:
             async with self.runtime.request(n):
                 generations = await self.engine.generate_n(
-                    n, max_new_tokens=self.engine.settings.max_new_tokens, **self._prompt_source(prompt, prompt_ids)
+                    n, max_new_tokens=self.engine.settings.max_new_tokens, key=route_key(prompt.index, prompt.epoch),
+                    **self._prompt_source(prompt, prompt_ids),
                 )
         except EngineRejected as exc:
             self._engine_refused(prompt, exc)

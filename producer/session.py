@@ -33,7 +33,7 @@ from rollstream.common.models import Sample, Status
 
 from .checks import as_samples as as_samples  # re-exported
 from .checks import check_sample as check_sample
-from .engine import EngineClient, Generation
+from .engine import EngineClient, Generation, route_key
 from .engine.client import IdsJson
 from .episode import Episode, EpisodeAborted, EpisodeInfo, SamplingParams, Trajectory, Turn
 from .telemetry import Metrics
@@ -586,7 +586,8 @@ class EpisodeSession(Episode):
         try:
             async with runtime.request(1):
                 generation = await runtime.engine.generate(
-                    **{**self.media, **source}, max_new_tokens=max_new, sampling=params
+                    **{**self.media, **source}, max_new_tokens=max_new, sampling=params,
+                    key=route_key(self._info.index, self._info.epoch),
                 )
         except Exception as exc:
             if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):

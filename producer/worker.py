@@ -331,6 +331,8 @@ class Producer:
                 admission = await self._outage.run(
                     lambda count=count: self.prompts.admit(self.config, count)
                 )
+                if self.config.max_staleness is not None:
+                    self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
                 for item in admission.entries:
                     self._start_work(item, admission.weight_version)
                     held -= 1
@@ -574,6 +576,7 @@ class Producer:
             engine_requests_peak=self.rollout.runtime.engine_slots.peak,
             episodes_failed=self.rollout.episodes_failed,
             aborts_continued=self.rollout.runtime.aborts_continued,
+            engine_fleet=self.engine.fleet_status(),
         )
         await self.heartbeats.write(self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000

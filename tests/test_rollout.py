@@ -10,7 +10,7 @@ import httpx
 import pytest
 from rollstream.common.errors import EngineBroken
 from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
-from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.engine import EngineClient, EngineSettings, EngineState
 from rollstream.producer.rewards import PythonReward, RewardBroken, RewardFunction
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.telemetry import Metrics
@@ -224,10 +224,10 @@ def _alternating(monkeypatch: pytest.MonkeyPatch) -> None:
     """The client picks engines in turn (among the least loaded), not at random."""
     import itertools
 
-    from rollstream.producer.engine import client as engine_module
+    from rollstream.producer.engine import fleet as fleet_module
 
     turn = itertools.count()
-    monkeypatch.setattr(engine_module.random, "choice", lambda seq: seq[next(turn) % len(seq)])
+    monkeypatch.setattr(fleet_module.random, "choice", lambda seq: seq[next(turn) % len(seq)])
 
 
 async def test_one_bad_reply_fails_one_sample_and_an_engine_failing_on_every_prompt_is_fatal() -> None:
@@ -249,22 +249,25 @@ async def test_one_bad_reply_fails_one_sample_and_an_engine_failing_on_every_pro
     await client.aclose()
 
 
-async def test_a_broken_engine_among_good_ones_is_named_and_all_broken_engines_are_fatal_together(
+async def test_a_broken_engine_among_good_ones_is_taken_out_and_all_broken_engines_are_fatal_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _alternating(monkeypatch)
     reward = PythonReward(lambda s, p, lab: 1.0, name="one")
     settings = RolloutSettings(n_samples=1, engine_failure_limit=3, tokenize_prompts=False)
-    # One engine of two answers garbage: the good one's replies do not hide it.
-    client = EngineClient(EngineSettings(urls=("http://good", "http://garbage"), max_new_tokens=16),
+    # One engine of two answers garbage: it is ejected (not fatal) and the good one does the rest.
+    client = EngineClient(EngineSettings(urls=("http://good", "http://garbage"), max_new_tokens=16,
+                                         eject_after=3, health_interval=60.0),
                           transport=httpx.MockTransport(RoutedEngines()))
     roll = Rollout(client, reward, settings)
-    statuses = []
-    with pytest.raises(EngineBroken) as caught:
-        for index in range(10):
-            statuses.append((await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status)
-    assert caught.value.engine == "http://garbage" and caught.value.reason == "reply:not_json"
-    assert statuses == [Status.COMPLETED, Status.FAILED] * 2 + [Status.COMPLETED]  # the 6th prompt was fatal
+    statuses = [(await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status for index in range(20)]
+    # Each group's key names its engine (cache-aware routing): the garbage engine gets its share
+    # until its third unusable reply, then nothing.
+    failed = [i for i, status in enumerate(statuses) if status == Status.FAILED]
+    assert len(failed) == 3 and all(status == Status.COMPLETED for status in statuses[failed[-1] + 1 :])
+    garbage = client.fleet.engines["http://garbage"]
+    assert garbage.state == EngineState.EJECTED and "not_json" in garbage.reason
+    assert client.fleet.engines["http://good"].state == EngineState.HEALTHY
     await client.aclose()
     # Two engines broken in different ways: after 3 prompts neither has 3 alone, all engines have.
     client = EngineClient(EngineSettings(urls=("http://refusing", "http://garbage"), max_new_tokens=16),
@@ -275,5 +278,5 @@ async def test_a_broken_engine_among_good_ones_is_named_and_all_broken_engines_a
     expected = r"^all engines gave no usable reply for 3 distinct prompts in a row \(none usable from any"
     with pytest.raises(EngineBroken, match=expected) as caught:
         await roll.run(Prompt(index=2, prompt="x"), admitted_version=0)
-    assert caught.value.engine == "all engines" and caught.value.reason == "http_400"
+    assert caught.value.engine == "all engines" and caught.value.reason in ("http_400", "reply:not_json")
     await client.aclose()

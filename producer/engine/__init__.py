@@ -27,7 +27,8 @@ producer falls back to the trainer's version at admission. A gateway is detected
 
 from rollstream.common.versions import parse_version
 
-from .client import EngineClient
+from .client import EngineClient, route_key
+from .fleet import EngineState
 from .settings import (
     ENGINE_APIS,
     REPLY_BASE_BYTES,
@@ -48,8 +49,10 @@ __all__ = [
     "EngineClient",
     "EngineReplyInvalid",
     "EngineSettings",
+    "EngineState",
     "Generation",
     "Messages",
     "parse_version",
     "reply_byte_bound",
+    "route_key",
 ]

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
 from array import array
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,8 @@ from rollstream.common.errors import EngineError, EngineRejected
 
 from .dialects import DIALECTS
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
+from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
+from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""The routing key of a request (its group's): what the SGLang gateway's consistent-hashing
+policy reads (slime sends its session id in it); engines ignore it."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -126,20 +130,9 @@ class _Blame:
         # returning None: the exception propagates as it is
 
 
-class Engine:
-    """One engine URL (credentials stripped) and what the client knows of it."""
-
-    __slots__ = ("has_model_info", "in_flight", "url", "version", "version_checked", "workers", "workers_checked")
-
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self.in_flight = 0
-        self.version: int | None = None
-        self.version_checked = -float("inf")
-        self.has_model_info = True
-        self.workers: list[str] | None = None
-        """Worker URLs when this URL is a gateway, else None."""
-        self.workers_checked = -float("inf")
+def route_key(index: int, epoch: int) -> str:
+    """The routing key of a group: its samples and every turn of its episodes share it."""
+    return f"{index}:{epoch}"
 
 
 class EngineClient:
@@ -162,12 +155,15 @@ class EngineClient:
         elif not isinstance(transport, Transport):
             transport = HttpxTransport(transport, connect_timeout=settings.connect_timeout)
         self.transport: Transport = transport
-        self._engines: list[Engine] = []
+        bare_urls = []
         for url in settings.urls:
             bare, auth = split_credentials(url)
-            self._engines.append(Engine(bare))
+            bare_urls.append(bare)
             if auth is not None:
                 transport.add_credentials(bare, auth)
+        self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance)
+        self._monitor: asyncio.Task[None] | None = None
+        self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
@@ -179,12 +175,21 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
         await self.transport.aclose()
+
+    @property
+    def _engines(self) -> list[Engine]:
+        return list(self.fleet.engines.values())
 
     @property
     def in_flight(self) -> int:
         """Samples being generated (a request for ``n`` samples counts ``n``)."""
-        return sum(e.in_flight for e in self._engines)
+        return sum(e.in_flight for e in self.fleet.engines.values())
 
     @property
     def accepts_messages(self) -> bool:
@@ -201,12 +206,31 @@ class EngineClient:
         if self.tokenizer is not None:
             await asyncio.to_thread(self.tokenizer.load)
 
-    def _pick(self) -> Engine:
-        engines = self._engines
-        if len(engines) == 1:
-            return engines[0]
-        least = min(e.in_flight for e in engines)
-        return random.choice([e for e in engines if e.in_flight == least])
+    def _pick(self, key: str | None = None, weight: int = 1) -> Engine:
+        """The engine for a request now (any engine when none is routed: tokenize, probes)."""
+        engine = self.fleet.pick(key, weight)
+        return engine if engine is not None else next(iter(self.fleet.engines.values()))
+
+    async def _routed(self, key: str | None, weight: int) -> Engine:
+        """The engine for a request; waits (at most ``no_engine_timeout``) while none is routed."""
+        engine = self.fleet.pick(key, weight)
+        if engine is not None:
+            return engine
+        self._ensure_monitor()
+        deadline = time.monotonic() + self.settings.no_engine_timeout
+        while (engine := self.fleet.pick(key, weight)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.fleet.engines.values())
+                raise EngineError(f"no usable engine for {self.settings.no_engine_timeout:g} s: {states or 'none'}")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self.fleet.changed.wait()
+        return engine
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-monitor")
 
     def _count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -238,29 +262,50 @@ class EngineClient:
     # -- the request path -----------------------------------------------------------------
 
     async def request(
-        self, path: str, body: Mapping[str, Any], weight: int = 1, *, limit: int
+        self, path: str, body: Mapping[str, Any], weight: int = 1, *, limit: int, key: str | None = None
     ) -> tuple[Engine, bytes]:
-        """POST ``body`` to the least-loaded engine with retries; the engine and the reply's body
-        (HTTP 200), at most ``limit`` bytes, within ``request_timeout`` seconds in total (else
-        ``EngineReplyInvalid`` ``deadline``). ``weight``: the samples the request asks for."""
+        """POST ``body`` to an engine of the fleet (``key``: the group's, for cache-aware routing)
+        with retries; the engine and the reply's body (HTTP 200), at most ``limit`` bytes, within
+        ``request_timeout`` seconds in total (else ``EngineReplyInvalid`` ``deadline``).
+        ``weight``: the samples the request asks for. A request whose engine is taken out of
+        routing while it runs (ejected, wedged, drained past its timeout) is sent again to
+        another engine, not counted as a retry."""
         content = _ENCODER.encode(body)
         settings = self.settings
+        fleet = self.fleet
+        headers = {ROUTING_KEY_HEADER: key} if key is not None else None
+        task = asyncio.current_task()
+        if self._monitor is None and len(fleet.engines) > 1:
+            self._ensure_monitor()
         attempt = 0
         while True:
-            engine = self._pick()
+            engine = await self._routed(key, weight)
             url = engine.url + path
             engine.in_flight += weight
             try:
-                with self.blame(engine):
+                with self.blame(engine), attempt_on(engine, task):
                     status, raw = await self.transport.request("POST", url, content, limit=limit,
-                                                               seconds=settings.request_timeout)
+                                                               seconds=settings.request_timeout, headers=headers)
                     if status != 200 and status not in RETRY_STATUS:
                         self._count_error(f"http_{status}")
+                        engine.last_reply = time.monotonic()
                         raise EngineRejected(status, raw.decode("utf-8", "replace"))
+            except asyncio.CancelledError:
+                if task is None or task not in engine.lost:
+                    raise
+                engine.lost.discard(task)
+                if task.uncancel() > 0:  # cancelled by someone else too
+                    raise
+                self._count_error("engine_lost")
+                logger.info("engine %s taken out (%s): request sent again elsewhere", engine.url, engine.state)
+                continue
             except ConnectionError as exc:  # the transport's: no HTTP answer
                 failure = str(exc)
                 self._count_error("connection")
+                if fleet.failed(engine, f"connection: {failure}", at_once=True):
+                    continue  # another engine is routed: not the request's fault
             except TimeoutError:
+                fleet.failed(engine, f"no reply within {settings.request_timeout:g} s")
                 deadline = EngineReplyInvalid("deadline", f"no complete reply within {settings.request_timeout:g} s",
                                               url)
                 deadline.engine = engine.url
@@ -270,6 +315,8 @@ class EngineClient:
                     return engine, raw
                 self._count_error(f"http_{status}")
                 failure = f"HTTP {status}"
+                if status != 429 and fleet.failed(engine, failure):  # 429: busy, not sick
+                    continue
             finally:
                 engine.in_flight -= weight
             if attempt >= settings.max_retries:
@@ -300,13 +347,15 @@ class EngineClient:
         rid: str | None = None,
         sampling: Mapping[str, Any] | None = None,
         image_data: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> Generation:
         """One sample for a prompt given as text, token ids or (OpenAI API) chat messages.
 
         ``sampling`` (temperature, top_p and engine extras, without the length limit) replaces
         the settings' sampling parameters for this request (an episode's own copy);
-        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside the prompt."""
-        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, sampling, image_data))[0]
+        ``image_data`` (URLs or data URIs) goes to SGLang's ``/generate`` beside the prompt;
+        ``key`` (the group's) routes the request to its engine (:mod:`.fleet`)."""
+        return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, sampling, image_data, key))[0]
 
     async def generate_n(
         self,
@@ -317,17 +366,18 @@ class EngineClient:
         messages: Messages | None = None,
         max_new_tokens: int | None = None,
         image_data: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> list[Generation]:
         """``n`` samples of one prompt: one request with ``n`` (OpenAI, vLLM), else ``n`` requests."""
         if n < 1:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
-            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, None, image_data)
+            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, None, image_data, key)
         return list(
             await asyncio.gather(
                 *(
                     self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
-                                  image_data=image_data)
+                                  image_data=image_data, key=key)
                     for _ in range(n)
                 )
             )
@@ -343,6 +393,7 @@ class EngineClient:
         rid: str | None,
         sampling: Mapping[str, Any] | None,
         image_data: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> list[Generation]:
         if (text is not None) + (input_ids is not None) + (messages is not None) != 1:
             raise ValueError("give exactly one of text, input_ids and messages")
@@ -351,17 +402,30 @@ class EngineClient:
             sampling = {"temperature": settings.temperature, "top_p": settings.top_p, **settings.sampling_params}
         request = Request(
             n, text, input_ids, messages, settings.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            sampling, rid, image_data,
+            sampling, rid, image_data, key,
         )
         try:
             engine, generations = await self.dialect.generate(self, request)
-        except EngineReplyInvalid:
+        except EngineReplyInvalid as exc:
             self._count_error("bad_reply")
+            bad = self.fleet.engines.get(exc.engine) if exc.engine else None
+            if bad is not None and exc.reason != "deadline":  # the deadline was counted where it struck
+                self.fleet.failed(bad, f"unusable reply: {exc.reason}")
             raise
         asked: int | None = None
         missing = False
+        newest: int | None = None
         for generation in generations:
             generation.engine = engine.url
+            if generation.weight_version is not None:
+                newest = generation.weight_version if newest is None else max(newest, generation.weight_version)
+            cache = generation.prefix_cache
+            if cache is not None:
+                engine.prompt_tokens += cache[0]
+                engine.cached_tokens += cache[1]
+            engine.tokens += len(generation.output_ids)
+        self.fleet.answered(engine, newest)
+        for generation in generations:
             if generation.weight_version is None:
                 if not missing:  # once per reply
                     asked, missing = await self.weight_version(engine), True
@@ -375,22 +439,38 @@ class EngineClient:
         ``/tokenize``; None where there is none."""
         if self.tokenizer is not None:
             return await asyncio.to_thread(self.tokenizer.encode, text)
-        engine = self._pick()
         body: dict[str, Any] = {"prompt": text}
         if self.settings.model:
             body["model"] = self.settings.model
         content = _ENCODER.encode(body)
         limit = INFO_BYTES + 12 * len(text.encode("utf-8"))
+        seconds = min(10.0, self.settings.health_timeout)  # a tokenization takes milliseconds
+        for _ in range(len(self.fleet.engines)):
+            engine = self._pick()
+            tokens, unreachable = await self._tokenize_on(engine, content, limit, seconds)
+            if tokens is not None or not unreachable or not self.fleet.failed(engine, unreachable, at_once=True):
+                return tokens  # taken out of routing when unreachable: ask the next engine
+            self._ensure_monitor()
+        return None
+
+    async def _tokenize_on(
+        self, engine: Engine, content: bytes, limit: int, seconds: float
+    ) -> tuple[list[int] | None, str]:
+        """Ids from ``engine`` (or a worker of a gateway), and why the engine itself could not be
+        reached (``""`` when it answered)."""
         urls = [engine.url]
         workers = await self._workers(engine)
         if workers:
             urls += workers
+        unreachable = ""
         for url in urls:
             try:
                 status, raw = await self.transport.request("POST", url + "/tokenize", content, limit=limit,
-                                                           seconds=10.0)
+                                                           seconds=seconds)
             except PROBE_ERRORS as exc:
                 logger.debug("tokenize on %s failed: %s", url, exc)
+                if url == engine.url:
+                    unreachable = f"/tokenize failed: {type(exc).__name__}: {exc}"
                 continue
             if status != 200:
                 logger.debug("tokenize on %s answered HTTP %d", url, status)
@@ -398,8 +478,8 @@ class EngineClient:
             reply = json_object(raw)
             tokens = _int_list(reply.get("tokens")) if reply is not None else None
             if tokens is not None:
-                return tokens
-        return None
+                return tokens, ""
+        return None, unreachable
 
     async def chat_ids(self, messages: Messages) -> list[int] | None:
         """Prompt ids of chat messages rendered with the chat template; None without a tokenizer."""
@@ -424,8 +504,102 @@ class EngineClient:
             engine.has_model_info = False  # vLLM's OpenAI server: none exists; stop asking
             logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
         elif version is not None:
-            engine.version = version
+            self.fleet.version_seen(engine, version)
         return engine.version
+
+    # -- the fleet ----------------------------------------------------------------------
+
+    def set_trainer_version(self, version: int, max_staleness: int) -> None:
+        """The trainer's version (the producer's, at each admission): engines more than
+        ``max_staleness`` behind it get no new requests (checked on a fresh version)."""
+        if self.fleet.set_trainer_version(version, max_staleness) and any(
+            self.fleet.looks_behind(e) or e.state is EngineState.BEHIND for e in self.fleet.engines.values()
+        ):
+            self._ensure_monitor()
+            self._monitor_wake.set()
+
+    def apply_registry(self, entries: Mapping[str, str]) -> None:
+        """The engine registry's entries (URL -> ``active`` | ``draining``): see
+        :meth:`Fleet.apply_registry`; an entry that is not an http(s) URL is skipped with a warning."""
+        valid: dict[str, str] = {}
+        for url, state in entries.items():
+            if not url.startswith(("http://", "https://")) or state not in ("active", "draining"):
+                logger.warning("engine registry entry %r (%r) skipped: not an http(s) URL and a state", url, state)
+                continue
+            valid[url] = state
+        self.fleet.apply_registry(valid, self.settings.drain_timeout)
+        self._ensure_monitor()
+
+    def take_out(self, url: str, why: str) -> bool:
+        """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
+        last routed one: True when it was (it is probed and rejoins as any ejected engine)."""
+        engine = self.fleet.engines.get(url)
+        if engine is None:
+            return False
+        out = self.fleet.take_out(engine, EngineState.EJECTED, why)
+        if out:
+            self._ensure_monitor()
+        return out
+
+    def fleet_status(self) -> list[dict[str, Any]]:
+        """Each engine's state, load, version, errors and prefix hit rate (heartbeat, inspect)."""
+        return self.fleet.status()
+
+    async def _monitor_loop(self) -> None:
+        """Probe the engines in trouble every ``health_interval``: the ejected and wedged ones
+        for health (with backoff), the busy ones without a reply for ``health_interval`` for a
+        wedge, the behind ones for their version; drains past their timeout."""
+        settings = self.settings
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settings.health_interval):
+                    await self._monitor_wake.wait()
+            self._monitor_wake.clear()
+            now = time.monotonic()
+            fleet = self.fleet
+            fleet.drop_drained(now)
+            due = [
+                e for e in fleet.engines.values()
+                if (e.state in OUT and now >= e.next_probe)
+                or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
+                or e.state is EngineState.BEHIND or fleet.looks_behind(e)
+            ]
+            await gather_probes(self._probe, due)
+
+    async def _probe(self, engine: Engine) -> None:
+        settings = self.settings
+        fleet = self.fleet
+        if engine.state is EngineState.BEHIND or fleet.looks_behind(engine):
+            engine.version_checked = -float("inf")
+            await self.weight_version(engine)
+            return
+        try:
+            status, _ = await self.transport.request(
+                "GET", engine.url + "/health", limit=INFO_BYTES, seconds=settings.health_timeout
+            )
+        except TimeoutError:
+            if engine.routed:
+                why = (f"/health gave no answer within {settings.health_timeout:g} s while {len(engine.attempts)} "
+                       f"requests had no reply for {time.monotonic() - engine.last_reply:.0f} s")
+                fleet.take_out(engine, EngineState.WEDGED, why)
+            else:
+                engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
+            return
+        except PROBE_ERRORS as exc:
+            if engine.routed:
+                fleet.take_out(engine, EngineState.EJECTED, f"/health failed: {exc}")
+            else:
+                engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
+            return
+        if engine.routed:
+            engine.last_reply = time.monotonic()  # alive: its requests are just long
+            return
+        if status == 200:
+            engine.version_checked = -float("inf")
+            await self.weight_version(engine)
+            fleet.rejoin(engine, f"/health answered after {time.monotonic() - engine.since:.1f} s out")
+        else:
+            engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
 
     async def _workers(self, engine: Engine) -> list[str] | None:
         """Worker URLs if ``engine`` is an SGLang gateway, else None; cached for :data:`WORKERS_TTL`."""

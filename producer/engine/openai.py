@@ -173,6 +173,6 @@ class OpenAI:
             prompt_tokens = len(input_ids or ()) if text is None else _utf8_tokens(text)
         # vLLM echoes the prompt ids on the reply and on each choice.
         limit = client.reply_limit(request.max_new_tokens, n, prompt_tokens, prompt_copies=n + 1)
-        engine, raw = await client.request(path, body, weight=n, limit=limit)
+        engine, raw = await client.request(path, body, weight=n, limit=limit, key=request.key)
         with client.blame(engine):
             return engine, parse(raw, n, want_logprobs=settings.return_logprob, where=engine.url + path)

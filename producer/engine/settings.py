@@ -82,6 +82,19 @@ class EngineSettings:
     engine_stats: bool = False
     """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
     ``prefix_cache_info``: wire format v3)."""
+    health_interval: float = 2.0
+    """Seconds between the fleet monitor's rounds (probes of engines in trouble, see ``fleet.py``)."""
+    health_timeout: float = 5.0
+    """A ``/health`` probe unanswered this long, while requests wait on the engine: wedged."""
+    eject_after: int = 3
+    """Failed requests in a row (5xx, unusable replies) that take an engine out of routing;
+    a refused or reset connection takes it out at once. Never the last routed engine."""
+    balance: float = 0.25
+    """Bounded load of cache-aware routing: no engine above ``(1 + balance)`` x the mean."""
+    no_engine_timeout: float = 120.0
+    """Seconds a request waits for a routed engine (all out, probed) before it fails: fatal."""
+    drain_timeout: float = 300.0
+    """Seconds a drained engine's requests may still run before they are retried elsewhere."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -109,7 +122,12 @@ class EngineSettings:
         if self.max_retries < 0:
             raise ConfigError("max_retries must be non-negative")
         Backoff(self.backoff_base, self.backoff_max)  # ConfigError unless 0 < base <= max
-        for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max"):
+        if self.eject_after < 1:
+            raise ConfigError("eject_after must be at least 1")
+        if self.balance < 0:
+            raise ConfigError("balance must be non-negative")
+        for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max", "health_interval",
+                     "health_timeout", "no_engine_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.routed_experts is not None:

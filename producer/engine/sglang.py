@@ -120,6 +120,8 @@ def _sample(
         text=reply.text, output_ids=token_ids, log_probs=log_probs, finish_reason=finish,
         weight_version=parse_version(meta.weight_version), routed_experts=experts,
         routed_experts_start=meta.routed_experts_start_len, counters=_counters(meta) if counters else None,
+        prefix_cache=(meta.prompt_tokens, meta.cached_tokens)
+        if meta.prompt_tokens is not None and meta.cached_tokens is not None else None,
     )
 
 
@@ -221,7 +223,7 @@ class SGLang:
         # SGLang echoes no prompt ids; a routing replay has a row per prompt and output token.
         prompt_tokens = len(input_ids or ()) if text is None else len(text.encode("utf-8")) + 16
         limit = client.reply_limit(request.max_new_tokens, replay_prompt_tokens=prompt_tokens if shape else 0)
-        engine, raw = await client.request(PATH, body, limit=limit)
+        engine, raw = await client.request(PATH, body, limit=limit, key=request.key)
         with client.blame(engine):
             generation = parse_sglang(
                 raw, want_logprobs=settings.return_logprob, where=engine.url + PATH, routed_experts=shape,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -70,12 +70,16 @@ class Transport(ABC):
         return headers
 
     async def request(
-        self, method: str, url: str, body: bytes | None = None, *, limit: int, seconds: float
+        self, method: str, url: str, body: bytes | None = None, *, limit: int, seconds: float,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes]:
         """The status and the body (see the module docstring for the bounds); ``TimeoutError``
-        when the whole exchange takes more than ``seconds``."""
+        when the whole exchange takes more than ``seconds``. ``headers``: sent beside the fixed ones."""
+        sent = self._headers(url, body)
+        if headers:
+            sent.update(headers)
         async with asyncio.timeout(seconds):  # in total, not per read
-            return await self._request(method, url, body, self._headers(url, body), limit)
+            return await self._request(method, url, body, sent, limit)
 
     @abstractmethod
     async def _request(

@@ -49,6 +49,8 @@ class Generation:
     routed_experts_start: int = 0
     counters: dict[str, int] | None = None
     """The engine's prefix-cache / speculative-decoding counters of this request (SGLang)."""
+    prefix_cache: tuple[int, int] | None = None
+    """``(prompt tokens, of them cached)`` when the engine says (SGLang ``meta_info``): the fleet's hit rate."""
 
 
 @dataclass(slots=True)
@@ -64,6 +66,8 @@ class Request:
     """Sampling parameters without the length limit."""
     rid: str | None = None
     image_data: Sequence[str] | None = None
+    key: str | None = None
+    """The routing key (the group's): its samples and turns go to one engine (:mod:`.fleet`)."""
 
 
 class Dialect(Protocol):

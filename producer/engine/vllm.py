@@ -164,7 +164,7 @@ class VLLM:
         limit = client.reply_limit(
             request.max_new_tokens, n, len(input_ids), prompt_copies=n + 1, replay_prompt_tokens=replay
         )
-        engine, raw = await client.request(PATH, body, weight=n, limit=limit)
+        engine, raw = await client.request(PATH, body, weight=n, limit=limit, key=request.key)
         with client.blame(engine):
             return engine, parse_vllm_generate(
                 raw, n, want_logprobs=settings.return_logprob, where=engine.url + PATH,

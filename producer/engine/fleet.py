@@ -1,0 +1,374 @@
+"""The engine fleet of one producer: each engine's state, routing, and the monitor that probes.
+
+Engines are peers that fail one at a time (docs/engines.md, "The fleet"). Each has a state:
+
+* ``healthy``: gets requests; ``suspect``: a failure since its last good reply, still routed.
+* ``ejected``: refused or reset a connection, or failed ``eject_after`` requests in a row (5xx,
+  unusable replies); no new requests, its requests in flight are retried elsewhere, probed
+  (``GET /health``) with backoff, back as ``suspect`` when it answers.
+* ``wedged``: requests sit without a reply and a short ``/health`` probe gets no answer within
+  ``health_timeout`` (a GPU or NCCL hang; independent of ``request_timeout``, since a generation
+  may legitimately take an hour and a health check may not); treated as ejected.
+* ``behind``: its weight version is more than ``max_staleness`` behind the trainer's (what it
+  generates would be recycled as stale: restarted without the new weights?); probed for its
+  version, back when it caught up.
+* ``draining``: the registry (or an operator) drains it: no new requests, the ones in flight
+  finish, past ``drain_timeout`` they are retried elsewhere.
+
+An engine is taken out of routing only while another usable one remains: the last usable engine
+is retried with backoff as before, and only its failing after the retries is fatal (a fleet with
+no usable engine at all).
+
+Routing: requests that carry a key (a group's, and so every turn of its episodes) go to the
+engine a consistent-hash ring names for it, unless that engine would then hold more than
+``(1 + balance)`` x the mean load of the usable engines (consistent hashing with bounded loads,
+Mirrokni et al.): then the next one clockwise. The samples of a group and the turns of an episode
+meet their prefix cache; no engine runs far above the others. Requests without a key go to the
+least-loaded usable engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import enum
+import hashlib
+import logging
+import math
+import random
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from rollstream.common.backoff import Backoff
+
+logger = logging.getLogger(__name__)
+
+RING_POINTS = 64
+"""Points per engine on the hash ring (spreads keys evenly over a few engines)."""
+
+
+class EngineState(enum.StrEnum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    EJECTED = "ejected"
+    WEDGED = "wedged"
+    BEHIND = "behind"
+    DRAINING = "draining"
+
+
+ROUTED = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
+"""The states that get new requests."""
+OUT = frozenset({EngineState.EJECTED, EngineState.WEDGED})
+"""The states probed for health until the engine answers."""
+
+
+class Engine:
+    """One engine URL (credentials stripped), its state and what the client knows of it."""
+
+    __slots__ = (
+        "attempts", "cached_tokens", "drain_deadline", "errors", "failures", "has_model_info", "in_flight",
+        "last_reply", "lost", "next_probe", "out_count", "prompt_tokens", "reason", "registered", "removed",
+        "replies", "since", "state", "tokens", "url", "version", "version_checked", "workers", "workers_checked",
+    )
+
+    def __init__(self, url: str, *, registered: bool = False) -> None:
+        self.url = url.rstrip("/")
+        self.in_flight = 0
+        self.version: int | None = None
+        self.version_checked = -float("inf")
+        self.has_model_info = True
+        self.workers: list[str] | None = None
+        """Worker URLs when this URL is a gateway, else None."""
+        self.workers_checked = -float("inf")
+        self.state = EngineState.HEALTHY
+        self.reason = ""
+        self.since = time.monotonic()
+        self.failures = 0
+        """Failed requests since its last good reply."""
+        self.errors = 0
+        self.replies = 0
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.last_reply = time.monotonic()
+        """When a request on it last ended with an answer (a wedge shows as none for long)."""
+        self.next_probe = 0.0
+        self.out_count = 0
+        """Times it was taken out of routing (the probe backoff grows with it)."""
+        self.attempts: set[asyncio.Task[Any]] = set()
+        """The tasks whose request to it is in flight (cancelled when it is lost)."""
+        self.lost: set[asyncio.Task[Any]] = set()
+        """Of those, the ones cancelled because the engine was taken out (retried elsewhere)."""
+        self.registered = registered
+        """Came from the engine registry (dropped once drained when the registry forgets it)."""
+        self.removed = False
+        self.drain_deadline: float | None = None
+
+    @property
+    def routed(self) -> bool:
+        return self.state in ROUTED
+
+    def status(self) -> dict[str, Any]:
+        """What the heartbeat, ``inspect`` and the metrics show of it."""
+        out: dict[str, Any] = {
+            "url": self.url, "state": str(self.state), "in_flight": self.in_flight, "version": self.version,
+            "errors": self.errors, "replies": self.replies, "tokens": self.tokens,
+            "since_s": round(time.monotonic() - self.since, 1),
+        }
+        if self.reason:
+            out["reason"] = self.reason
+        if self.prompt_tokens:
+            out["prefix_hit_rate"] = round(self.cached_tokens / self.prompt_tokens, 3)
+        return out
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class Fleet:
+    """The engines of one client: states, routing and the ring (no I/O; the monitor probes)."""
+
+    def __init__(self, urls: Iterable[str], *, eject_after: int = 3, balance: float = 0.25,
+                 probe_backoff: Backoff | None = None) -> None:
+        self.engines: dict[str, Engine] = {}
+        for url in urls:
+            engine = Engine(url)
+            self.engines.setdefault(engine.url, engine)
+        self.eject_after = eject_after
+        self.balance = balance
+        self._probe_backoff = probe_backoff or Backoff(1.0, 30.0)
+        self.trainer_version: int | None = None
+        self.max_staleness: int | None = None
+        self.changed = asyncio.Event()
+        """Set (and replaced) on every state change: a request waiting for a usable engine wakes."""
+        self.transitions = 0
+        self._ring: list[int] = []
+        self._owners: list[Engine] = []
+        self._rebuild()
+
+    # -- routing ----------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        points = sorted((_point(f"{e.url}#{i}"), e.url) for e in self.engines.values() for i in range(RING_POINTS))
+        self._ring = [p for p, _ in points]
+        self._owners = [self.engines[u] for _, u in points]
+
+    def routed(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.routed]
+
+    def pick(self, key: str | None = None, weight: int = 1) -> Engine | None:
+        """The engine for a request of ``weight`` samples (None: no engine is routed now)."""
+        engines = self.engines
+        if len(engines) == 1:
+            only = next(iter(engines.values()))
+            return only if only.routed else None
+        usable = self.routed()
+        if not usable:
+            return None
+        if key is None or len(usable) == 1:
+            least = min(e.in_flight for e in usable)
+            return random.choice([e for e in usable if e.in_flight == least])
+        bound = math.ceil((1 + self.balance) * (sum(e.in_flight for e in usable) + weight) / len(usable))
+        ring, owners = self._ring, self._owners
+        start = bisect.bisect(ring, zlib.crc32(key.encode()) << 32 | zlib.adler32(key.encode()))
+        seen: set[str] = set()
+        for i in range(len(ring)):
+            engine = owners[(start + i) % len(ring)]
+            if engine.url in seen or not engine.routed:
+                continue
+            if engine.in_flight + weight <= bound:
+                return engine
+            seen.add(engine.url)
+            if len(seen) == len(usable):
+                break
+        return min(usable, key=lambda e: e.in_flight)
+
+    # -- what requests tell -----------------------------------------------------------
+
+    def answered(self, engine: Engine, version: int | None = None) -> None:
+        """A usable reply: its run of failures ends; a version from the reply is fresh news."""
+        engine.failures = 0
+        engine.replies += 1
+        engine.last_reply = time.monotonic()
+        if engine.state is EngineState.SUSPECT:
+            self._move(engine, EngineState.HEALTHY, "answered")
+        if version is not None:
+            self.version_seen(engine, version)
+
+    def failed(self, engine: Engine, why: str, *, at_once: bool = False) -> bool:
+        """A failed request (``at_once``: a refused or reset connection, no need to count): True
+        when the engine was taken out of routing for it."""
+        engine.errors += 1
+        engine.failures += 1
+        engine.last_reply = time.monotonic()
+        if engine.state in OUT or engine.state is EngineState.DRAINING:
+            return True
+        if at_once or engine.failures >= self.eject_after:
+            detail = why if at_once else f"{engine.failures} failed requests in a row, last: {why}"
+            return self.take_out(engine, EngineState.EJECTED, detail)
+        if engine.state is EngineState.HEALTHY:
+            self._move(engine, EngineState.SUSPECT, why)
+        return False
+
+    def take_out(self, engine: Engine, state: EngineState, why: str) -> bool:
+        """Take ``engine`` out of routing (ejected, wedged) unless it is the last routed one;
+        its requests in flight are cancelled and retried elsewhere. True when it was."""
+        if engine.routed and not any(e.routed for e in self.engines.values() if e is not engine):
+            if engine.state is EngineState.HEALTHY:
+                self._move(engine, EngineState.SUSPECT, why)
+            return False
+        engine.out_count += 1
+        engine.next_probe = time.monotonic() + self._probe_backoff.delay(engine.out_count - 1)
+        self._move(engine, state, why)
+        self.lose_requests(engine)
+        return True
+
+    def lose_requests(self, engine: Engine) -> None:
+        """Cancel the requests in flight on ``engine``: the client retries each elsewhere."""
+        for task in engine.attempts:
+            if task not in engine.lost:
+                engine.lost.add(task)
+                task.cancel()
+
+    def rejoin(self, engine: Engine, why: str) -> None:
+        """A probe answered: back in routing (``suspect`` until a reply), unless it is behind."""
+        engine.failures = 0
+        engine.last_reply = time.monotonic()
+        if self._behind(engine):
+            self._move(engine, EngineState.BEHIND, self._behind_reason(engine))
+        else:
+            self._move(engine, EngineState.SUSPECT, why)
+
+    # -- versions ---------------------------------------------------------------------
+
+    def set_trainer_version(self, version: int, max_staleness: int) -> bool:
+        """The trainer's version (from admission): True when it moved (the monitor then checks
+        the engines that now look behind before judging them on a cached version)."""
+        moved = version != self.trainer_version or max_staleness != self.max_staleness
+        self.trainer_version, self.max_staleness = version, max_staleness
+        return moved
+
+    def looks_behind(self, engine: Engine) -> bool:
+        return self._behind(engine)
+
+    def _behind(self, engine: Engine) -> bool:
+        t, s, v = self.trainer_version, self.max_staleness, engine.version
+        return t is not None and s is not None and v is not None and t - v > s
+
+    def _behind_reason(self, engine: Engine) -> str:
+        return (
+            f"at version {engine.version}, the trainer at {self.trainer_version} (max_staleness "
+            f"{self.max_staleness}): restarted without the new weights?"
+        )
+
+    def version_seen(self, engine: Engine, version: int) -> None:
+        """A fresh version of ``engine`` (its reply or a probe): behind, or back from behind."""
+        engine.version = version
+        if self._behind(engine):
+            if engine.routed and any(e.routed for e in self.engines.values() if e is not engine):
+                self._move(engine, EngineState.BEHIND, self._behind_reason(engine))
+        elif engine.state is EngineState.BEHIND:
+            self._move(engine, EngineState.HEALTHY, f"caught up: at version {version}")
+
+    # -- the registry -----------------------------------------------------------------
+
+    def apply_registry(self, entries: Mapping[str, str], drain_timeout: float) -> None:
+        """The registry's engines (URL -> ``active`` | ``draining``): new ones join, drained ones
+        drain; registry engines it no longer lists drain and are dropped once idle."""
+        now = time.monotonic()
+        listed = {url.rstrip("/"): state for url, state in entries.items()}
+        changed = False
+        for url, state in listed.items():
+            engine = self.engines.get(url)
+            if engine is None:
+                if state != "active":
+                    continue
+                engine = self.engines[url] = Engine(url, registered=True)
+                changed = True
+                logger.warning("engine %s joined (registry)", url)
+                self._wake()
+            elif state == "active" and engine.state is EngineState.DRAINING:
+                engine.removed, engine.drain_deadline = False, None
+                self._move(engine, EngineState.SUSPECT, "active again in the registry")
+            if state == "draining":
+                self.drain(engine, drain_timeout, now)
+        for engine in list(self.engines.values()):
+            if engine.registered and engine.url not in listed:
+                engine.removed = True
+                self.drain(engine, drain_timeout, now)
+        if changed:
+            self._rebuild()
+
+    def drain(self, engine: Engine, drain_timeout: float, now: float) -> None:
+        if engine.state is not EngineState.DRAINING:
+            engine.drain_deadline = now + drain_timeout
+            self._move(engine, EngineState.DRAINING, "removed from the registry" if engine.removed else "drained")
+
+    def drop_drained(self, now: float) -> None:
+        """Registry engines drained and idle are dropped; past its deadline a drain retries the
+        requests still in flight elsewhere."""
+        dropped = False
+        for engine in list(self.engines.values()):
+            if engine.state is not EngineState.DRAINING:
+                continue
+            if engine.drain_deadline is not None and now >= engine.drain_deadline and engine.attempts:
+                logger.warning("engine %s: drain timeout, %d requests retried elsewhere", engine.url,
+                               len(engine.attempts))
+                self.lose_requests(engine)
+            if engine.removed and engine.in_flight == 0 and len(self.engines) > 1:
+                del self.engines[engine.url]
+                dropped = True
+                logger.warning("engine %s left (drained)", engine.url)
+        if dropped:
+            self._rebuild()
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _move(self, engine: Engine, state: EngineState, why: str) -> None:
+        if engine.state is state:
+            return
+        before = engine.state
+        engine.state, engine.since = state, time.monotonic()
+        engine.reason = why if state is not EngineState.HEALTHY else ""
+        self.transitions += 1
+        log = logger.info if state in (EngineState.HEALTHY, EngineState.SUSPECT) else logger.warning
+        log("engine %s: %s -> %s: %s", engine.url, before, state, why)
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+    def status(self) -> list[dict[str, Any]]:
+        return [e.status() for e in self.engines.values()]
+
+
+Probe = Callable[[Engine], Awaitable[None]]
+
+
+async def gather_probes(probe: Probe, engines: Iterable[Engine]) -> None:
+    """Run ``probe`` on each engine at once (each bounded by its own timeout)."""
+    engines = list(engines)
+    if engines:
+        results = await asyncio.gather(*(probe(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                logger.warning("probe of %s failed: %r", engine.url, result)
+
+
+@contextlib.contextmanager
+def attempt(engine: Engine, task: asyncio.Task[Any] | None) -> Any:
+    """Register the current task's request on ``engine`` (so losing the engine cancels it)."""
+    if task is not None:
+        engine.attempts.add(task)
+    try:
+        yield
+    finally:
+        if task is not None:
+            engine.attempts.discard(task)

@@ -1,0 +1,153 @@
+"""The engine fleet (producer/engine/fleet.py): engines fail one at a time. Routing on its own
+(bounded loads, cache affinity, states), and real producer processes against a sick fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rollstream.common.events import recent_events
+from rollstream.common.keys import Keys
+from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine import EngineState
+from rollstream.producer.engine.fleet import Fleet
+from rollstream.testing.sim import SimConfig, SimEngine
+
+REFUSING = "http://127.0.0.1:9"
+"""Nothing listens there: a dead host (connection refused)."""
+
+
+def test_a_groups_requests_go_to_one_engine_while_its_load_stays_within_the_bound() -> None:
+    fleet = Fleet([f"http://e{i}" for i in range(4)], balance=0.25)
+    # Light load: each key keeps to its own engine.
+    homes = {}
+    for k in range(40):
+        engine = fleet.pick(f"{k}:0")
+        assert engine is not None
+        homes[k] = engine.url
+        assert fleet.pick(f"{k}:0") is engine  # the same key, the same engine
+    assert len(set(homes.values())) == 4  # keys spread over the ring
+    # Heavy load on one key: never above (1 + balance) x the mean.
+    for _ in range(400):
+        engine = fleet.pick("hot:0")
+        assert engine is not None
+        engine.in_flight += 1
+        loads = [e.in_flight for e in fleet.engines.values()]
+        assert max(loads) <= 1.25 * sum(loads) / len(loads) + 1
+
+
+def test_engines_out_of_routing_get_nothing_and_the_last_one_is_never_taken_out() -> None:
+    fleet = Fleet(["http://a", "http://b", "http://c"], eject_after=2)
+    a, b, c = (fleet.engines[u] for u in ("http://a", "http://b", "http://c"))
+    assert fleet.failed(a, "connection refused", at_once=True) and a.state is EngineState.EJECTED
+    assert not fleet.failed(b, "HTTP 500") and b.state is EngineState.SUSPECT
+    assert fleet.failed(b, "HTTP 500") and b.state is EngineState.EJECTED
+    assert {fleet.pick(f"{k}:0").url for k in range(20)} == {"http://c"}  # type: ignore[union-attr]
+    assert not fleet.failed(c, "reset", at_once=True) and c.routed  # the last one stays, suspect
+    fleet.rejoin(a, "probe answered")
+    assert a.state is EngineState.SUSPECT and a.routed
+    fleet.answered(a)
+    assert a.state is EngineState.HEALTHY
+
+
+def test_an_engine_behind_the_trainer_gets_no_work_and_rejoins_when_it_caught_up() -> None:
+    fleet = Fleet(["http://a", "http://b"])
+    a, b = fleet.engines["http://a"], fleet.engines["http://b"]
+    fleet.set_trainer_version(7, 1)
+    fleet.version_seen(a, 7)
+    fleet.version_seen(b, 0)
+    assert b.state is EngineState.BEHIND and "at version 0, the trainer at 7" in b.reason
+    assert {fleet.pick(f"{k}:0").url for k in range(20)} == {"http://a"}  # type: ignore[union-attr]
+    fleet.version_seen(b, 6)
+    assert b.state is EngineState.HEALTHY
+
+
+def test_registry_engines_join_drain_and_leave() -> None:
+    fleet = Fleet(["http://static"])
+    fleet.apply_registry({"http://new": "active"}, drain_timeout=60)
+    assert fleet.engines["http://new"].routed
+    fleet.apply_registry({"http://new": "draining"}, drain_timeout=60)
+    assert fleet.engines["http://new"].state is EngineState.DRAINING
+    fleet.apply_registry({}, drain_timeout=60)
+    fleet.drop_drained(now=0.0)
+    assert list(fleet.engines) == ["http://static"]
+
+
+class _Wedged:
+    """Accepts connections and reads, never answers: a GPU or NCCL hang."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> _Wedged:
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            self._writers.append(writer)
+            while await reader.read(65536):
+                pass
+
+        self._server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        for writer in self._writers:
+            writer.close()
+        self._server.close()
+
+
+async def test_a_sick_fleet_costs_only_its_sick_engines_requests(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Four engines: two healthy, one refusing connections (a dead host), one wedged (accepts,
+    never answers, /health hangs too). Every prompt is trained once, the producer never exits,
+    and its heartbeat names the sick engines with their state (was: a fatal EngineError within
+    seconds, every retry back on the dead engine, the run stalled)."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
+    await add_prompts(redis, ns, 16)
+    async with SimEngine(SimConfig(seed=3, mean_tokens=16)) as second, _Wedged() as wedged:
+        producer = procs.producer(
+            redis_url, ns, sim.url, "--engine", second.url, "--engine", REFUSING, "--engine", wedged.url,
+            "--health-interval", "0.5", "--health-timeout", "1.0", name="sick-fleet", concurrency=8,
+        )
+        taken: list[int] = []
+        async with GroupConsumer.connect(redis_url, ns, "trainer-f") as consumer:
+            async with asyncio.timeout(180):
+                while len(taken) < 16:
+                    batch = await consumer.take(4)
+                    taken += [g.index for g in batch.groups]
+                    await consumer.commit(batch)
+        assert Counter(taken) == Counter(range(16))
+        assert producer.poll() is None, procs.log_of(producer)
+
+        async def sick_states() -> dict[str, str] | None:
+            beat = json.loads((await redis.hget(keys.producers, "sick-fleet")) or "{}")
+            states = {e["url"]: e["state"] for e in beat.get("engine_fleet", [])}
+            return states if states.get(REFUSING) == "ejected" else None
+
+        states = await wait_until(sick_states, timeout=30)
+        assert states[sim.url] in ("healthy", "suspect") and states[second.url] in ("healthy", "suspect")
+        if wedged.connections:  # it was asked (tokenize or generate) before it was found out
+            assert states[wedged.url] in ("wedged", "ejected"), (states, procs.log_of(producer))
+    assert not [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+
+
+@pytest.mark.parametrize("unused", [None])
+def test_fleet_status_names_the_hit_rate_where_the_engine_reports_it(unused: None) -> None:
+    fleet = Fleet(["http://a"])
+    a = fleet.engines["http://a"]
+    assert "prefix_hit_rate" not in a.status()
+    a.prompt_tokens, a.cached_tokens = 100, 75
+    assert a.status()["prefix_hit_rate"] == 0.75
