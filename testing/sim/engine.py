@@ -105,8 +105,9 @@ Prefix cache
     With :attr:`SimConfig.prefix_cache_tokens`, ``/generate`` finds the longest cached prefix of
     its input in whole 16-token blocks (each block keyed by the hash of its whole prefix, LRU to
     the capacity), pays :attr:`SimConfig.prefill_per_token` per uncached token before decoding,
-    reports ``meta_info.cached_tokens`` (and ``prompt_tokens``) as SGLang does, and caches the
-    prompt and output blocks of a request that was not aborted. ``/sim/stats`` counts
+    reports ``meta_info.cached_tokens`` (and ``prompt_tokens``) as SGLang does, caches the
+    prompt's blocks once prefilled (the samples of a group running at once share them) and the
+    output's when a request ends not aborted. ``/sim/stats`` counts
     ``prompt_tokens`` and ``cached_tokens`` (the hit rate).
 
     ``GET /sim/stats`` answers ``{"running", "waiting", "max_running_seen", "requests",

@@ -67,6 +67,7 @@ async def _generate(request: web.Request) -> web.Response:
     cached = state.cached_prefix(input_ids)
     if state.config.prefill_per_token:
         await asyncio.sleep(state.config.prefill_per_token * (len(input_ids) - cached))
+    state.cache(input_ids)  # a radix cache holds the prompt once it is prefilled
     (outcome,) = await _generate_all(state, text, [rid], max_new_tokens)
     if outcome.finish != "abort":
         state.cache([*input_ids, *outcome.output_ids])
