@@ -169,6 +169,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--no-weight-version", action="store_true", help="omit meta_info.weight_version")
     p.add_argument("--moe", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
                    help="answer return_routed_experts with a routing replay of this shape")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="a prefix cache of this many tokens (meta_info.cached_tokens); 0: none")
+    p.add_argument("--prefill-per-token", type=float, default=0.0,
+                   help="seconds per prompt token not in the prefix cache")
     p.set_defaults(func=cmd_sim_engine)
 
     p = sub.add_parser("pause", parents=with_redis, help="stop producers from admitting new prompts")
@@ -540,6 +544,8 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         report_weight_version=not args.no_weight_version,
         moe=args.moe,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        prefill_per_token=args.prefill_per_token,
     )
     task: dict[str, asyncio.Task[None]] = {}
 

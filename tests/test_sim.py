@@ -445,3 +445,36 @@ async def test_client_disconnect_frees_the_slot(sim: Factory) -> None:
         await client.post("/generate", json={"text": "a"}, timeout=0.2)
     await _wait_for(lambda: engine.state.running == 0 and not engine.state.jobs)
     assert engine.state.semaphore._value == 1  # the slot was given back
+
+
+# -- what the fleet checks need: a prefix cache, a wedge, a restart on old weights --------------
+
+
+async def test_a_repeated_prompt_finds_its_prefix_in_the_cache_and_a_restart_empties_it() -> None:
+    prompt = "What is 2 + 3? " * 8  # 120 tokens: 7 whole blocks
+    async with SimEngine(SimConfig(prefix_cache_tokens=4096, mean_tokens=8, weight_version=5)) as engine:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            first = (await client.post("/generate", json={"text": prompt})).json()["meta_info"]
+            second = (await client.post("/generate", json={"text": prompt})).json()["meta_info"]
+            assert first["cached_tokens"] == 0 and first["prompt_tokens"] == 120
+            assert second["cached_tokens"] == 112  # every whole block
+            stats = (await client.get("/sim/stats")).json()
+            assert (stats["prompt_tokens"], stats["cached_tokens"]) == (240, 112)
+            restarted = (await client.post("/sim/restart", json={})).json()
+            assert restarted["weight_version"] == 0
+            third = (await client.post("/generate", json={"text": prompt})).json()["meta_info"]
+            assert third["cached_tokens"] == 0 and third["weight_version"] == "0"
+
+
+async def test_a_wedged_engine_accepts_and_never_answers_until_it_clears() -> None:
+    async with SimEngine(SimConfig(mean_tokens=8)) as engine:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            await client.post("/sim/faults", json={"wedge": True})
+            with pytest.raises(httpx.TimeoutException):
+                await client.get("/health", timeout=0.5)
+            pending = asyncio.ensure_future(client.post("/generate", json={"text": "1 + 1"}, timeout=30))
+            assert (await client.get("/sim/stats")).json()["wedged"] is True  # /sim/* still answers
+            assert not pending.done()
+            await client.post("/sim/faults", json={"wedge": False})
+            assert (await pending).status_code == 200
+            assert (await client.get("/health", timeout=5)).status_code == 200

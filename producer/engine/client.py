@@ -513,7 +513,7 @@ class EngineClient:
         """The trainer's version (the producer's, at each admission): engines more than
         ``max_staleness`` behind it get no new requests (checked on a fresh version)."""
         if self.fleet.set_trainer_version(version, max_staleness) and any(
-            self.fleet.looks_behind(e) or e.state is EngineState.BEHIND for e in self.fleet.engines.values()
+            self._version_due(e) or e.state is EngineState.BEHIND for e in self.fleet.engines.values()
         ):
             self._ensure_monitor()
             self._monitor_wake.set()
@@ -562,14 +562,23 @@ class EngineClient:
                 e for e in fleet.engines.values()
                 if (e.state in OUT and now >= e.next_probe)
                 or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
-                or e.state is EngineState.BEHIND or fleet.looks_behind(e)
+                or e.state is EngineState.BEHIND or self._version_due(e)
             ]
             await gather_probes(self._probe, due)
+
+    def _version_due(self, engine: Engine) -> bool:
+        """Whether ``engine``'s version is worth asking now: it looks behind the trainer on what
+        is known, or it was never asked (a restarted engine is found before its first reply)."""
+        fleet = self.fleet
+        if fleet.trainer_version is None or len(fleet.engines) < 2 or not engine.routed:
+            return False
+        never = engine.version is None and engine.has_model_info and engine.version_checked == -float("inf")
+        return never or fleet.looks_behind(engine)
 
     async def _probe(self, engine: Engine) -> None:
         settings = self.settings
         fleet = self.fleet
-        if engine.state is EngineState.BEHIND or fleet.looks_behind(engine):
+        if engine.state is EngineState.BEHIND or self._version_due(engine):
             engine.version_checked = -float("inf")
             await self.weight_version(engine)
             return

@@ -21,8 +21,8 @@ no usable engine at all).
 
 Routing: requests that carry a key (a group's, and so every turn of its episodes) go to the
 engine a consistent-hash ring names for it, unless that engine would then hold more than
-``(1 + balance)`` x the mean load of the usable engines (consistent hashing with bounded loads,
-Mirrokni et al.): then the next one clockwise. The samples of a group and the turns of an episode
+``(1 + balance)`` x the mean load of the usable engines (plus :data:`AFFINITY_SLACK` samples:
+consistent hashing with bounded loads, Mirrokni et al.): then the next one clockwise. The samples of a group and the turns of an episode
 meet their prefix cache; no engine runs far above the others. Requests without a key go to the
 least-loaded usable engine.
 """
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 RING_POINTS = 64
 """Points per engine on the hash ring (spreads keys evenly over a few engines)."""
+AFFINITY_SLACK = 8
+"""Samples an engine may hold above the bounded load for its keys: at a light load the bound
+alone would split every group (a first request sees a mean of 0.5); a group of up to 8 stays
+together, and under load the slack is small beside ``balance`` x the mean."""
 
 
 class EngineState(enum.StrEnum):
@@ -173,6 +177,7 @@ class Fleet:
             least = min(e.in_flight for e in usable)
             return random.choice([e for e in usable if e.in_flight == least])
         bound = math.ceil((1 + self.balance) * (sum(e.in_flight for e in usable) + weight) / len(usable))
+        bound += AFFINITY_SLACK
         ring, owners = self._ring, self._owners
         start = bisect.bisect(ring, zlib.crc32(key.encode()) << 32 | zlib.adler32(key.encode()))
         seen: set[str] = set()

@@ -84,8 +84,14 @@ def _check_poison(text: str) -> None:
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Any]
 ) -> web.StreamResponse:
+    wedge = not request.path.startswith("/sim/")
+    state = request.app[STATE_KEY]
     try:
+        if wedge:
+            await state.unwedged.wait()  # a wedged engine accepts, and never answers
         response: web.StreamResponse = await handler(request)
+        if wedge:
+            await state.unwedged.wait()
         return response
     except _BadRequest as exc:
         return _error(400, exc.message)
@@ -157,6 +163,13 @@ async def _set_faults(request: web.Request) -> web.Response:
         if not isinstance(body["report_weight_version"], bool):
             raise _BadRequest("report_weight_version must be a boolean")
         state.report_weight_version = body["report_weight_version"]
+    if "wedge" in body:
+        if not isinstance(body["wedge"], bool):
+            raise _BadRequest("wedge must be a boolean")
+        if body["wedge"]:
+            state.unwedged.clear()
+        else:
+            state.unwedged.set()
     if "bad_replies" in body:
         count = body["bad_replies"]
         if isinstance(count, bool) or not isinstance(count, int) or count < -1:
@@ -174,8 +187,18 @@ async def _set_faults(request: web.Request) -> web.Response:
             "report_weight_version": state.report_weight_version,
             "bad_replies": state.bad_replies,
             "bad_reply": state.bad_reply_mode,
+            "wedge": not state.unwedged.is_set(),
         }
     )
+
+
+async def _restart(request: web.Request) -> web.Response:
+    """``POST /sim/restart`` ``{"version": V}`` (default 0): the engine restarted on its base weights."""
+    state = request.app[STATE_KEY]
+    body = await _json_body(request, optional=True)
+    version = _int_param(body.get("version"), "version", 0)
+    state.restart(version)
+    return web.json_response({"weight_version": state.weight_version, "restarts": state.restarts})
 
 
 async def _stats(request: web.Request) -> web.Response:
@@ -185,6 +208,7 @@ async def _stats(request: web.Request) -> web.Response:
 async def _on_shutdown(app: web.Application) -> None:
     state = app[STATE_KEY]
     state.closing.set()
+    state.unwedged.set()
     state.abort()
 
 
@@ -193,3 +217,4 @@ def add_routes(app: web.Application) -> None:
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/sim/faults", _set_faults)
     app.router.add_get("/sim/stats", _stats)
+    app.router.add_post("/sim/restart", _restart)

@@ -93,6 +93,23 @@ Fault injection (for tests of retries and fallbacks)
       ``"bad_reply_bytes"`` bytes, default 1 MiB) or ``hang`` (no reply until the client gives up,
       at most 30 s). Injected faults (``generate_errors``) are answered first.
 
+    * ``"wedge": true`` (``false`` clears): every request but ``/sim/*`` is accepted and not
+      answered until the wedge clears, replies of requests already running included (a GPU or
+      NCCL hang: ``/health`` hangs too).
+
+    ``POST /sim/restart`` ``{"version": V}`` (default 0): the engine restarted from its base
+    checkpoint: in-flight generations end aborted, the prefix cache is emptied, the weight version
+    is ``V``, no pause, no wedge.
+
+Prefix cache
+    With :attr:`SimConfig.prefix_cache_tokens`, ``/generate`` finds the longest cached prefix of
+    its input in whole 16-token blocks (each block keyed by the hash of its whole prefix, LRU to
+    the capacity), pays :attr:`SimConfig.prefill_per_token` per uncached token before decoding,
+    reports ``meta_info.cached_tokens`` (and ``prompt_tokens``) as SGLang does, caches the
+    prompt's blocks once prefilled (the samples of a group running at once share them) and the
+    output's when a request ends not aborted. ``/sim/stats`` counts
+    ``prompt_tokens`` and ``cached_tokens`` (the hit rate).
+
     ``GET /sim/stats`` answers ``{"running", "waiting", "max_running_seen", "requests",
     "aborted", "weight_version", "paused", ...}``: ``running`` counts the requests holding a
     generation slot, ``max_running_seen`` its peak, ``requests`` every generation request

@@ -54,6 +54,10 @@ class SimConfig:
     """Whether ``/generate`` replies include ``meta_info.weight_version``."""
     moe: tuple[int, int, int] | None = None
     """``(layers, topk, experts)`` of the routing replay answered to ``return_routed_experts``."""
+    prefix_cache_tokens: int = 0
+    """Capacity of the prefix cache in tokens (whole :data:`CACHE_BLOCK` blocks, LRU); 0: none."""
+    prefill_per_token: float = 0.0
+    """Seconds per prompt token not found in the prefix cache, before the first output token."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -72,6 +76,10 @@ class SimConfig:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
         if self.weight_version < 0:
             raise ValueError(f"weight_version must be >= 0, got {self.weight_version}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
+        if not math.isfinite(self.prefill_per_token) or self.prefill_per_token < 0:
+            raise ValueError(f"prefill_per_token must be a finite number >= 0, got {self.prefill_per_token}")
 
 
 def routed_expert(token_id: int, layer: int, k: int, experts: int) -> int:

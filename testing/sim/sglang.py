@@ -64,7 +64,13 @@ async def _generate(request: web.Request) -> web.Response:
     _check_poison(text)
 
     start = time.monotonic()
+    cached = state.cached_prefix(input_ids)
+    if state.config.prefill_per_token:
+        await asyncio.sleep(state.config.prefill_per_token * (len(input_ids) - cached))
+    state.cache(input_ids)  # a radix cache holds the prompt once it is prefilled
     (outcome,) = await _generate_all(state, text, [rid], max_new_tokens)
+    if outcome.finish != "abort":
+        state.cache([*input_ids, *outcome.output_ids])
 
     finish_reason: dict[str, Any] = {"type": outcome.finish}
     if outcome.finish == "length":
@@ -77,7 +83,7 @@ async def _generate(request: web.Request) -> web.Response:
         "finish_reason": finish_reason,
         "prompt_tokens": len(input_ids),
         "completion_tokens": len(outcome.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": cached,
         "e2e_latency": time.monotonic() - start,
     }
     if state.report_weight_version:

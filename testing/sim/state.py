@@ -8,11 +8,25 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from rollstream.testing.sim.model import SimConfig, _Plan
+
+CACHE_BLOCK = 16
+"""Tokens per prefix-cache block (vLLM's default block size)."""
+
+
+def _block_keys(ids: list[int]) -> list[tuple[int, int]]:
+    """``(end, hash of ids[:end])`` for every whole block of ``ids``."""
+    out = []
+    key = 0
+    for end in range(CACHE_BLOCK, len(ids) + 1, CACHE_BLOCK):
+        key = hash((key, tuple(ids[end - CACHE_BLOCK : end])))
+        out.append((end, key))
+    return out
 
 
 @dataclass(eq=False)
@@ -66,6 +80,13 @@ class SimState:
     bad_reply_mode: str = "not_json"
     bad_reply_bytes: int = 2**20
     bad_replies_sent: int = 0
+    prefix_cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """Hashes of cached token blocks (a block's hash covers its whole prefix), LRU first."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    unwedged: asyncio.Event = field(default_factory=asyncio.Event)
+    """Cleared while wedged: every request but ``/sim/*`` waits, and so does every reply."""
+    restarts: int = 0
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimState:
@@ -77,6 +98,7 @@ class SimState:
             semaphore=asyncio.Semaphore(config.max_running),
         )
         state.resumed.set()
+        state.unwedged.set()
         return state
 
     @property
@@ -105,7 +127,45 @@ class SimState:
             "bad_replies_sent": self.bad_replies_sent,
             "weight_version": self.weight_version,
             "paused": self.paused,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "wedged": not self.unwedged.is_set(),
+            "restarts": self.restarts,
         }
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` found in the prefix cache (whole blocks from the start), counted."""
+        cached = 0
+        if self.config.prefix_cache_tokens:
+            for end, key in _block_keys(ids):
+                if key not in self.prefix_cache:
+                    break
+                self.prefix_cache.move_to_end(key)
+                cached = end
+        self.prompt_tokens += len(ids)
+        self.cached_tokens += cached
+        return cached
+
+    def cache(self, ids: list[int]) -> None:
+        """Keep ``ids``' blocks (prompt and output of a finished request), evicting the oldest."""
+        capacity = self.config.prefix_cache_tokens // CACHE_BLOCK
+        if not capacity:
+            return
+        for _, key in _block_keys(ids):
+            self.prefix_cache[key] = None
+            self.prefix_cache.move_to_end(key)
+        while len(self.prefix_cache) > capacity:
+            self.prefix_cache.popitem(last=False)
+
+    def restart(self, version: int) -> None:
+        """What an engine restarted from its base checkpoint looks like: in-flight requests end
+        (aborted), the cache is empty, the version is ``version``, nothing paused or wedged."""
+        self.abort()
+        self.prefix_cache.clear()
+        self.set_version(version)
+        self.resumed.set()
+        self.unwedged.set()
+        self.restarts += 1
 
     def take_fault(self) -> int | None:
         """Count a generation request; the HTTP status to fail it with, if a fault is armed."""
