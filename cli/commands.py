@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
+from rollstream.common.protocol import EngineRegistry, check_engine_url
 
 logger = logging.getLogger("rollstream.cli")
 
@@ -109,6 +111,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--name", default=None, help="producer id (default host-pid)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
+    p.add_argument("--engines-from-registry", action="store_true",
+                   help="also use the namespace's engine registry (`rollstream engines add|drain|remove`), "
+                        "re-read every heartbeat, beside the --engine URLs")
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
@@ -187,6 +192,16 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     )
     p.add_argument("--consumer", required=True)
     p.set_defaults(func=cmd_release_trainer)
+
+    p = sub.add_parser("engines", help="the engine registry: producers with --engines-from-registry follow it")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, what in (("add", "register engines (active)"), ("drain", "no new requests; in-flight ones finish"),
+                         ("remove", "forget engines (producers drain, then drop them)"), ("list", "the registry")):
+        a = actions.add_parser(action, parents=with_redis, help=what)
+        a.add_argument("urls", nargs="*", metavar="URL", help="http(s) engine URLs, without credentials")
+        if action == "list":
+            a.add_argument("--json", action="store_true", help="as JSON")
+        a.set_defaults(func=cmd_engines)
 
 
 def add_episode_arguments(p: argparse.ArgumentParser) -> None:
@@ -475,6 +490,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         n_samples=args.n_samples,
         drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        engines_from_registry=args.engines_from_registry,
         reward_failure_limit=args.reward_failure_limit,
         engine_failure_limit=args.engine_failure_limit,
         long_request_after=args.long_request_after,
@@ -560,6 +576,37 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
 
     run_with_signals(main, on_signal)
     return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    urls = [check_engine_url(u) for u in args.urls] if args.action in ("add", "drain") else list(args.urls)
+    if args.action != "list" and not urls:
+        raise ConfigError(f"rollstream engines {args.action} needs at least one URL")
+
+    async def work(redis: Any) -> int:
+        registry = EngineRegistry(redis, Keys(args.ns))
+        if args.action == "add":
+            await registry.add(urls)
+            logger.info("registered %s in namespace %s", ", ".join(urls), args.ns)
+        elif args.action == "drain":
+            missing = await registry.drain(urls)
+            if missing:
+                raise ConfigError(f"not registered in namespace {args.ns}: {', '.join(missing)}")
+            logger.info("draining %s in namespace %s", ", ".join(urls), args.ns)
+        elif args.action == "remove":
+            removed = await registry.remove(urls)
+            logger.info("removed %d of %d engines from namespace %s", removed, len(urls), args.ns)
+        else:
+            entries = await registry.entries()
+            if getattr(args, "json", False):
+                print(json.dumps([dataclasses.asdict(e) for e in entries.values()], indent=2))
+            else:
+                for e in sorted(entries.values(), key=lambda e: e.url):
+                    print(f"{e.url}\t{e.state or 'DAMAGED: ' + e.damage}\t{e.by}")
+        return 0
+
+    result: int = asyncio.run(_with_redis(args.redis, work))
+    return result
 
 
 def cmd_pause(args: argparse.Namespace) -> int:

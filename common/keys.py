@@ -89,6 +89,12 @@ class Keys:
         return f"{self.base}:producers"
 
     @property
+    def engines(self) -> str:
+        """Hash: the engine registry, engine URL -> JSON ``{"state": "active" | "draining",
+        "since_ms", "by"}`` (``rollstream engines``; producers with ``--engines-from-registry``)."""
+        return f"{self.base}:engines"
+
+    @property
     def control(self) -> str:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
@@ -145,6 +151,7 @@ class Keys:
             self.config,
             self.state,
             self.producers,
+            self.engines,
             self.rollout_flags,
             self.group_bytes,
         ]

@@ -33,6 +33,8 @@ class ProducerSettings:
     n_samples: int | None = None
     """When given, must match the namespace's ``n_samples_per_prompt``."""
     heartbeat_interval: float = 2.0
+    engines_from_registry: bool = False
+    """Follow the namespace's engine registry (``rollstream engines``), read every heartbeat."""
     drain_timeout: float = 30.0
     renew_interval: float | None = None
     """Default: a third of the lease."""

@@ -68,7 +68,7 @@ from rollstream.common.errors import (
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Admitted, Control, Heartbeat, Heartbeats, PromptQueue
+from rollstream.common.protocol import Admitted, Control, EngineRegistry, Heartbeat, Heartbeats, PromptQueue
 
 from .capacity import Capacity, Work
 from .engine import EngineClient
@@ -119,6 +119,8 @@ class Producer:
         self.prompts = PromptQueue(redis, self.keys, settings.name)
         self.control = Control(redis, self.keys)
         self.heartbeats = Heartbeats(redis, self.keys)
+        self.registry = EngineRegistry(redis, self.keys)
+        self._registry_skipped: set[str] = set()
         self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
         self.rollout = Rollout(
@@ -219,6 +221,7 @@ class Producer:
             await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
             self._state = "running"
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
+            await self._outage.run(self._follow_registry)
             await self._outage.run(self._heartbeat_once)
             await self._adopt_own_pending()
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -588,8 +591,22 @@ class Producer:
 
     async def _heartbeat_turn(self) -> bool:
         await asyncio.sleep(self.settings.heartbeat_interval)
+        await self._follow_registry()
         await self._heartbeat_once()
         return True
+
+    async def _follow_registry(self) -> None:
+        """The engine registry's changes to the fleet (``--engines-from-registry``); an entry that
+        cannot be used is skipped, with a warning once."""
+        if not self.settings.engines_from_registry:
+            return
+        entries = await self.registry.entries()
+        for url, entry in entries.items():
+            if not entry.usable and url not in self._registry_skipped:
+                self._registry_skipped.add(url)
+                logger.warning("producer %s: engine registry entry %r skipped: %s", self.name, url,
+                               entry.damage or "not an http(s) URL without credentials")
+        self.engine.apply_registry({url: e.state for url, e in entries.items() if e.usable})
 
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version/taken messages (the check itself is in ADMIT)."""

@@ -32,6 +32,7 @@ classes call through :class:`~..lua.Scripts`.
 
 from ..heartbeat import Fleet, Heartbeat, Member, admission_refusals, fold, live_producers
 from .control import TAKEN_MESSAGE, Control
+from .engines import EngineRegistry, RegistryEntry, check_engine_url
 from .feed import Feed, FeedCursor, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
@@ -49,6 +50,7 @@ __all__ = [
     "Control",
     "DeadLetters",
     "Diagnosis",
+    "EngineRegistry",
     "Entry",
     "Feed",
     "FeedCursor",
@@ -62,6 +64,7 @@ __all__ = [
     "Member",
     "NameLease",
     "PromptQueue",
+    "RegistryEntry",
     "RolloutFlagsHash",
     "Server",
     "StreamView",
@@ -69,6 +72,7 @@ __all__ = [
     "TrainerMonitor",
     "Translated",
     "admission_refusals",
+    "check_engine_url",
     "flat_entries",
     "fold",
     "is_nogroup",

@@ -1,0 +1,101 @@
+"""The engine registry (``rollstream engines``): engines joining and leaving a running producer
+(``--engines-from-registry``), with nothing lost and nothing doubled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import httpx
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rollstream.common.errors import ConfigError
+from rollstream.common.keys import Keys
+from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.sim import SimConfig, SimEngine
+
+
+async def cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollstream.cli", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "http://", "http://user:secret@h:1", "http://a b", "sglang-0:30000"])
+def test_urls_that_cannot_be_registered_are_refused(url: str) -> None:
+    with pytest.raises(ConfigError):
+        check_engine_url(url)
+
+
+async def test_the_cli_adds_drains_lists_and_removes(redis: Redis, redis_url: str, ns: str) -> None:
+    await make_namespace(redis, ns)
+    base = ("--redis", redis_url, "--ns", ns)
+    assert (await cli("engines", "add", *base, "http://e1:30000", "https://e2/"))[0] == 0
+    code, out = await cli("engines", "add", *base, "http://u:pw@e3:1")
+    assert code == 2 and "credentials" in out
+    code, out = await cli("engines", "drain", *base, "http://nope:1")
+    assert code == 2 and "not registered" in out
+    assert (await cli("engines", "drain", *base, "http://e1:30000"))[0] == 0
+    code, out = await cli("engines", "list", *base, "--json")
+    listed = {e["url"]: e["state"] for e in json.loads(out[out.index("[") :])}
+    assert listed == {"http://e1:30000": "draining", "https://e2": "active"}
+    assert (await cli("engines", "remove", *base, "http://e1:30000"))[0] == 0
+    assert set(await EngineRegistry(redis, Keys(ns)).entries()) == {"https://e2"}
+    await redis.hset(Keys(ns).engines, "http://bad", b"\xff")
+    assert (await EngineRegistry(redis, Keys(ns)).entries())["http://bad"].damage == "not JSON"
+
+
+async def _requests(engine: SimEngine) -> int:
+    async with httpx.AsyncClient() as http:
+        stats = (await http.get(f"{engine.url}/sim/stats")).json()
+    return int(stats["requests"])
+
+
+async def test_engines_join_and_drain_under_a_running_producer_and_every_prompt_is_trained_once(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    keys = Keys(ns)
+    registry = EngineRegistry(redis, keys)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    slow = SimConfig(seed=4, mean_tokens=16, latency_per_token=0.01)
+    async with SimEngine(slow) as joining:
+        await redis.hset(keys.engines, "not a url", json.dumps({"state": "active"}))  # skipped, with a warning
+        producer = procs.producer(redis_url, ns, sim.url, "--engines-from-registry", name="follower", concurrency=4)
+        await add_prompts(redis, ns, 40)
+        taken: list[int] = []
+        async with GroupConsumer.connect(redis_url, ns, "trainer-r") as consumer:
+            async def take(count: int) -> None:
+                async with asyncio.timeout(120):
+                    while count > 0:
+                        batch = await consumer.take(2)
+                        taken.extend(g.index for g in batch.groups)
+                        await consumer.commit(batch)
+                        count -= 2
+
+            await take(4)
+            await registry.add([joining.url])
+            await wait_until(lambda: _requests(joining), timeout=60, message="the added engine gets requests")
+            await take(10)
+            await registry.drain([joining.url])
+
+            async def drained() -> bool:
+                beat = json.loads((await redis.hget(keys.producers, "follower")) or "{}")
+                states = {e["url"]: e for e in beat.get("engine_fleet", [])}
+                entry = states.get(joining.url, {})
+                return entry.get("state") == "draining" and entry.get("in_flight") == 0
+
+            await wait_until(drained, timeout=60, message="the drained engine idle")
+            after_drain = await _requests(joining)
+            await take(40 - len(taken))
+        assert Counter(taken) == Counter(range(40))  # nothing lost, nothing doubled
+        assert await _requests(joining) == after_drain  # a drained engine gets no new requests
+    assert producer.poll() is None, procs.log_of(producer)
+    assert "engine registry entry 'not a url' skipped" in procs.log_of(producer)
