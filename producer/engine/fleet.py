@@ -22,8 +22,9 @@ no usable engine at all).
 Routing: requests that carry a key (a group's, and so every turn of its episodes) go to the
 engine a consistent-hash ring names for it, unless that engine would then hold more than
 ``(1 + balance)`` x the mean load of the usable engines (plus :data:`AFFINITY_SLACK` samples:
-consistent hashing with bounded loads, Mirrokni et al.): then the next one clockwise. The samples of a group and the turns of an episode
-meet their prefix cache; no engine runs far above the others. Requests without a key go to the
+consistent hashing with bounded loads, Mirrokni et al.): then the next one clockwise. The
+samples of a group and the turns of an episode meet their prefix cache; no engine runs far above
+the others. Requests without a key go to the
 least-loaded usable engine.
 """
 
