@@ -63,6 +63,22 @@ class ProducerMetrics(Metrics):
             names,
             registry=self.registry,
         ).labels(**labels)
+        engine_names = [*names, "engine"]
+        self._engine_state = Gauge(
+            "rollstream_engine_state", "1 for each engine's current state (healthy, suspect, ejected, wedged, "
+            "behind, draining)", [*engine_names, "state"], registry=self.registry,
+        )
+        self._engine_in_flight = Gauge(
+            "rollstream_engine_in_flight", "Samples in flight on each engine", engine_names, registry=self.registry
+        )
+        self._engine_version = Gauge(
+            "rollstream_engine_weight_version", "Each engine's last known weight version", engine_names,
+            registry=self.registry,
+        )
+        self._engine_hit_rate = Gauge(
+            "rollstream_engine_prefix_hit_rate", "Cached share of prompt tokens, where the engine reports it",
+            engine_names, registry=self.registry,
+        )
         self._engine: EngineClient | None = None
         self._seen_retries = 0
         self._seen_errors: dict[str, int] = {}
@@ -104,6 +120,15 @@ class ProducerMetrics(Metrics):
             if count > seen:
                 self._errors.labels(**self._labels, kind=f"engine_{kind}").inc(count - seen)
                 self._seen_errors[kind] = count
+        self._engine_state.clear()  # engines leave; a state is 1 only where the engine is now
+        for status in self._engine.fleet_status():
+            engine = {**self._labels, "engine": status["url"]}
+            self._engine_state.labels(**engine, state=status["state"]).set(1)
+            self._engine_in_flight.labels(**engine).set(status["in_flight"])
+            if status["version"] is not None:
+                self._engine_version.labels(**engine).set(status["version"])
+            if "prefix_hit_rate" in status:
+                self._engine_hit_rate.labels(**engine).set(status["prefix_hit_rate"])
 
     def render(self) -> bytes:
         self._sync_engine()

@@ -66,6 +66,9 @@ async def test_metrics_endpoint_serves_the_listed_metrics_and_they_move(redis_ur
     assert after["rollstream_tokens_generated_total{}"] > 0
     assert after["rollstream_generation_seconds_bucket{le=+Inf}"] == after["rollstream_generation_seconds_count{}"]
     assert after["rollstream_requests_in_flight{}"] == 0
+    assert after[f"rollstream_engine_state{{engine={sim.url},state=healthy}}"] == 1  # per engine
+    assert after[f"rollstream_engine_in_flight{{engine={sim.url}}}"] == 0
+    assert after[f"rollstream_engine_weight_version{{engine={sim.url}}}"] == 0
 
     # Paused: admission is refused and both the refusals and the blocked seconds grow.
     async with await GroupConsumer.connect(redis_url, ns, "trainer-0") as consumer:
