@@ -21,6 +21,7 @@ from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import init_namespace
+from rollstream.consumer import GroupConsumer
 from rollstream.testing.children import start_cli, stop_processes
 from rollstream.testing.server import EmbeddedRedis, find_redis_server
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -166,3 +167,15 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = MIN_WAIT, in
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {message}")
         await asyncio.sleep(interval)
+
+
+async def take_all(url: str, ns: str, count: int, batch: int, timeout: float = 25.0) -> list[int]:
+    """Take and commit ``count`` groups in batches; the indexes in commit order."""
+    indexes: list[int] = []
+    async with await GroupConsumer.connect(url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(timeout):
+            while len(indexes) < count:
+                b = await consumer.take(min(batch, count - len(indexes)))
+                indexes += [g.index for g in b.groups]
+                assert await consumer.commit(b) == len(b)
+    return indexes

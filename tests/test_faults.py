@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, redis_binary_under_test, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, redis_binary_under_test, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import CodecLimits, decode_prompt_entry, group_fields
 from rollstream.common.connection import connect
@@ -61,18 +61,6 @@ async def state(redis: Redis, ns: str) -> dict[str, int]:
 
 async def groups_in_stream(redis: Redis, ns: str) -> list[int]:
     return [int(f[b"index"]) for _, f in await redis.xrange(Keys(ns).groups)]
-
-
-async def take_all(url: str, ns: str, count: int, batch: int, timeout: float = 25.0) -> list[int]:
-    """Take and commit ``count`` groups in batches; the indexes in commit order."""
-    indexes: list[int] = []
-    async with await GroupConsumer.connect(url, ns, "trainer-t") as consumer:
-        async with asyncio.timeout(timeout):
-            while len(indexes) < count:
-                b = await consumer.take(min(batch, count - len(indexes)))
-                indexes += [g.index for g in b.groups]
-                assert await consumer.commit(b) == len(b)
-    return indexes
 
 
 async def wait_exit(child: subprocess.Popen[bytes], timeout: float = 20.0) -> int:

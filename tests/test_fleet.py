@@ -8,11 +8,10 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.events import recent_events
 from rollstream.common.keys import Keys
-from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineState
 from rollstream.producer.engine.fleet import AFFINITY_SLACK, Fleet
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -123,13 +122,7 @@ async def test_a_sick_fleet_costs_only_its_sick_engines_requests(
             redis_url, ns, sim.url, "--engine", second.url, "--engine", REFUSING, "--engine", wedged.url,
             "--health-interval", "0.5", "--health-timeout", "1.0", name="sick-fleet", concurrency=8,
         )
-        taken: list[int] = []
-        async with GroupConsumer.connect(redis_url, ns, "trainer-f") as consumer:
-            async with asyncio.timeout(180):
-                while len(taken) < 16:
-                    batch = await consumer.take(4)
-                    taken += [g.index for g in batch.groups]
-                    await consumer.commit(batch)
+        taken = await take_all(redis_url, ns, 16, 4, timeout=180)
         assert Counter(taken) == Counter(range(16))
         assert producer.poll() is None, procs.log_of(producer)
 

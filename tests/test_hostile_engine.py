@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.errors import AllGroupsStale, ProducerFailed
 from rollstream.common.events import recent_events
@@ -154,13 +154,7 @@ async def test_a_broken_engine_among_good_ones_is_taken_out_and_the_run_goes_on(
         await set_faults(broken, bad_replies=-1, bad_reply="schema")
         producer = procs.producer(redis_url, ns, sim.url, "--engine", broken.url, "--engine-failure-limit", "3",
                                   name="mixed", concurrency=2)
-        taken: list[int] = []
-        async with GroupConsumer.connect(redis_url, ns, "trainer-e") as consumer:
-            async with asyncio.timeout(180):
-                while len(taken) < 12:
-                    batch = await consumer.take(1)
-                    taken += [g.index for g in batch.groups]
-                    await consumer.commit(batch)
+        taken = await take_all(redis_url, ns, 12, 1, timeout=180)
         assert sorted(taken) == list(range(12))
         assert producer.poll() is None, procs.log_of(producer)
 
