@@ -145,3 +145,11 @@ def test_fleet_status_names_the_hit_rate_where_the_engine_reports_it(unused: Non
     assert "prefix_hit_rate" not in a.status()
     a.prompt_tokens, a.cached_tokens = 100, 75
     assert a.status()["prefix_hit_rate"] == 0.75
+
+
+def test_a_large_fleets_status_lists_only_its_engines_in_trouble() -> None:
+    fleet = Fleet([f"http://e{i}" for i in range(100)])
+    assert len(fleet.status()) == 0
+    fleet.failed(fleet.engines["http://e7"], "refused", at_once=True)
+    assert [e["url"] for e in fleet.status()] == ["http://e7"]
+    assert len(Fleet([f"http://e{i}" for i in range(10)]).status()) == 10

@@ -3,9 +3,10 @@
 * :mod:`.transport`: the HTTP contract (bounded reads, the total deadline, URL credentials; any
   ``httpx`` transport for tests); :mod:`.http11`: the default, keep-alive HTTP/1.1 on
   ``asyncio.Protocol`` with its connection pool.
-* :mod:`.client`: :class:`EngineClient`, the engine pool (least samples in flight), retries on
-  :class:`~rollstream.common.backoff.Backoff`, and what the producer calls (generate, tokenize,
-  weight version, abort); :mod:`.discovery`: model-info versions and gateway workers.
+* :mod:`.client`: :class:`EngineClient`, retries on :class:`~rollstream.common.backoff.Backoff`,
+  the fleet monitor, and what the producer calls (generate, tokenize, weight version, abort,
+  the registry); :mod:`.fleet`: each engine's state and the cache-aware routing with bounded
+  loads; :mod:`.discovery`: model-info versions and gateway workers.
 * dialects (:mod:`.dialects` names them): :mod:`.sglang` (native ``/generate``), :mod:`.openai`
   (``/v1/completions``, ``/v1/chat/completions``), :mod:`.vllm` (``/inference/v1/generate``):
   each writes its request and parses its reply, bytes straight to packed arrays, into

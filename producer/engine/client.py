@@ -1,10 +1,13 @@
-"""The engine client: picks an engine, retries, discovers; the dialect writes and reads.
+"""The engine client: routes through the fleet, retries, discovers; the dialect writes and reads.
 
-Requests go to the engine with the fewest samples in flight; connection errors, 5xx and 429 are
-retried with :class:`~rollstream.common.backoff.Backoff` (``backoff_base``, ``backoff_max``),
-possibly on another engine; any other status is not retried (:class:`EngineRejected`). After the
-retries, :class:`EngineError`. An unusable reply raises :class:`EngineReplyInvalid` (an
-``EngineRejected``, not retried, the engine named on it), so the producer records a FAILED sample.
+Requests go to the engine :class:`~.fleet.Fleet` picks (the group's engine on the hash ring within
+a bounded load, else the least loaded); connection errors, 5xx and 429 are retried with
+:class:`~rollstream.common.backoff.Backoff` (``backoff_base``, ``backoff_max``), on another engine
+when the failure took the engine out of routing (then not counted as a retry); any other status is
+not retried (:class:`EngineRejected`). After the retries, :class:`EngineError`. A monitor task
+(started with the first request to a fleet of several) probes the engines in trouble. An
+unusable reply raises :class:`EngineReplyInvalid` (an ``EngineRejected``, not retried, the engine
+named on it), so the producer records a FAILED sample.
 """
 
 from __future__ import annotations

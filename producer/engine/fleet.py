@@ -349,8 +349,13 @@ class Fleet:
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
 
-    def status(self) -> list[dict[str, Any]]:
-        return [e.status() for e in self.engines.values()]
+    def status(self, limit: int = 64) -> list[dict[str, Any]]:
+        """Each engine's status; past ``limit`` engines only those not healthy (at most
+        ``limit``): a heartbeat of a thousand-engine fleet stays small."""
+        engines = list(self.engines.values())
+        if len(engines) > limit:
+            engines = [e for e in engines if e.state is not EngineState.HEALTHY][:limit]
+        return [e.status() for e in engines]
 
 
 Probe = Callable[[Engine], Awaitable[None]]
