@@ -578,6 +578,10 @@ class EngineClient:
         never = engine.version is None and engine.has_model_info and engine.version_checked == -float("inf")
         return never or fleet.looks_behind(engine)
 
+    def _probe_later(self, engine: Engine) -> None:
+        """An engine out of routing that did not answer its probe: the next one later (doubling)."""
+        engine.next_probe = time.monotonic() + min(30.0, self.settings.health_interval * 2**engine.out_count)
+
     async def _probe(self, engine: Engine) -> None:
         settings = self.settings
         fleet = self.fleet
@@ -595,13 +599,13 @@ class EngineClient:
                        f"requests had no reply for {time.monotonic() - engine.last_reply:.0f} s")
                 fleet.take_out(engine, EngineState.WEDGED, why)
             else:
-                engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
+                self._probe_later(engine)
             return
         except PROBE_ERRORS as exc:
             if engine.routed:
                 fleet.take_out(engine, EngineState.EJECTED, f"/health failed: {exc}")
             else:
-                engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
+                self._probe_later(engine)
             return
         if engine.routed:
             engine.last_reply = time.monotonic()  # alive: its requests are just long
@@ -611,7 +615,7 @@ class EngineClient:
             await self.weight_version(engine)
             fleet.rejoin(engine, f"/health answered after {time.monotonic() - engine.since:.1f} s out")
         else:
-            engine.next_probe = time.monotonic() + min(30.0, settings.health_interval * 2**engine.out_count)
+            self._probe_later(engine)
 
     async def _workers(self, engine: Engine) -> list[str] | None:
         """Worker URLs if ``engine`` is an SGLang gateway, else None; cached for :data:`WORKERS_TTL`."""
