@@ -1,0 +1,246 @@
+"""Time to the same held-out reward: sync vs one-off vs async on the real learning run (issue 30).
+
+``python -m bench learning`` (any venv: the runs use the vLLM venv's interpreter, built by
+``scripts/vllm-env``), or ``python -m bench.learning [--seeds 0 1 2] [--steps 100] [--target 0.3]``.
+
+Each run is ``examples/tiny_grpo.py --schedule MODE --seed S`` (its own vLLM, Redis, producers),
+one after the other, the engine side and the trainer pinned to separate cores, the same model,
+data, seed, batch and learning rate in every mode. Per run the example records each step's
+``wall_s``, generation wait G and training time T, and the held-out eval reward every K steps
+(evaluated after the run, so it costs no mode any time). Reported per mode, median and range over
+the seeds: time and steps to the target eval reward, s/step, the speed-up over sync of the same
+seed (time to target, and s/step), the bound (sync's G + T over max(G, T)) and the fraction of
+it reached. Then async with the off-policy correction off (none), truncated (tis) and masked
+(mis). A run that does not reach the target says so, with the best eval it got. Plot:
+docs/img/learning_speed.png (eval reward vs training wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollstream.testing.learning import Bound, median_and_range
+from rollstream.testing.vllm_server import vllm_python
+
+from bench.common import IMG, OUT, ROOT, Table
+
+MODES = ("sync", "one-off", "async")
+STEPS = 100
+TARGET = 0.35
+SEEDS = (0, 1, 2)
+EVAL_EVERY = 2
+RUN_TIMEOUT = 1800.0
+"""Seconds one run may take (set-up ~35 s, 100 steps ~50 s on a quiet 2-core machine)."""
+
+
+@dataclass
+class Run:
+    mode: str
+    seed: int
+    correction: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    eval: list[dict[str, float]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+
+
+def run_one(python: str, mode: str, seed: int, correction: str, steps: int, target: float, out: Path,
+            extra: list[str]) -> Run:
+    """One example run; a failed run comes back with its error, it does not stop the others."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [python, str(ROOT / "examples" / "tiny_grpo.py"), "--schedule", mode, "--seed", str(seed),
+               "--correction", correction, "--steps", str(steps), "--target", str(target),
+               "--eval-every", str(EVAL_EVERY), "--out", str(out), "--no-plot", *extra]
+    run = Run(mode, seed, correction)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    except subprocess.TimeoutExpired:
+        run.error = f"did not finish within {RUN_TIMEOUT:.0f} s"
+        return run
+    (out / "output.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        run.error = f"exit {done.returncode}: {(done.stdout + done.stderr)[-400:]}"
+        return run
+    data = json.loads((out / "steps.json").read_text())
+    run.summary, run.eval, run.rows = data["summary"], data["eval"], data["rows"]
+    return run
+
+
+def _cell(values: list[float], fmt: str = "{:.1f}") -> str:
+    median, low, high = median_and_range(values)
+    if math.isnan(median):
+        return "-"
+    return fmt.format(median) if low == high else f"{fmt.format(median)} ({fmt.format(low)}-{fmt.format(high)})"
+
+
+def _ratio_at(run: Run, level: int, key: str) -> float:
+    values = [r["ratio"][str(level)][key] for r in run.rows if str(level) in r["ratio"]]
+    return statistics.median(values) if values else math.nan
+
+
+def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]:
+    ok = [r for r in runs if not r.error]
+    by = {(r.mode, r.seed, r.correction): r for r in ok}
+    seeds = sorted({r.seed for r in runs})
+    rows = []
+    for mode in MODES:
+        mine = [r for r in ok if r.mode == mode and r.correction == "tis"]
+        if not mine:
+            continue
+        speedups, throughput, fractions, bounds = [], [], [], []
+        for r in mine:
+            sync = by.get(("sync", r.seed, "tis"))
+            if sync is None:
+                continue
+            bound = Bound(sync.summary["generate_s_median"], sync.summary["train_s_median"])
+            bounds.append(bound.speedup)
+            throughput.append(sync.summary["s_per_step"] / r.summary["s_per_step"])
+            if r.summary["reached"] and sync.summary["reached"]:
+                speedup = sync.summary["time_to_target_s"] / r.summary["time_to_target_s"]
+                speedups.append(speedup)
+                fractions.append(bound.fraction(speedup))
+        reached = [r for r in mine if r.summary["reached"]]
+        rows.append([
+            mode, f"{len(reached)}/{len(mine)}",
+            _cell([r.summary["time_to_target_s"] for r in reached]),
+            _cell([float(r.summary["steps_to_target"]) for r in reached], "{:.0f}"),
+            _cell([r.summary["s_per_step"] for r in mine], "{:.3f}"),
+            _cell([r.summary["generate_s_median"] for r in mine], "{:.3f}"),
+            _cell([r.summary["train_s_median"] for r in mine], "{:.3f}"),
+            "-" if mode == "sync" else _cell(bounds, "{:.2f}"),
+            "-" if mode == "sync" else _cell(speedups, "{:.2f}"),
+            "-" if mode == "sync" else _cell(fractions, "{:.2f}"),
+            "-" if mode == "sync" else _cell(throughput, "{:.2f}"),
+            _cell([r.summary["best_eval"] for r in mine], "{:.3f}"),
+            _cell([float(r.rows[-1]["staleness_mean"]) if r.rows else math.nan for r in mine], "{:.2f}"),
+        ])
+    per_run = []
+    for r in runs:
+        s = r.summary
+        if r.error:
+            per_run.append([r.mode, r.seed, r.correction, f"failed: {r.error[:80]}", *["-"] * 8])
+            continue
+        per_run.append([
+            r.mode, r.seed, r.correction,
+            f"step {s['steps_to_target']}, {s['time_to_target_s']:.1f} s" if s["reached"]
+            else f"not reached ({s['stopped']}): best {s['best_eval']:.3f} at step {s['best_eval_step']:.0f}",
+            s["steps"], s["s_per_step"], s["generate_s_median"], s["train_s_median"], s["ratio_s0_max_dev"],
+            _ratio_at(r, 1, "mean"), _ratio_at(r, 1, "p99"), _ratio_at(r, 2, "p99"),
+        ])
+    notes = [
+        f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) per mode, up to {steps} steps of 32 groups x 8 "
+        f"samples; target: held-out eval reward >= {target} (20 (A, B) pairs never in SFT or RL data; the exact "
+        f"expected reward, evaluated every {EVAL_EVERY} steps); median (min-max) over the seeds; {load}.",
+        "Clock: from the first batch taken (the pipeline's start, ~10 s, is the same in every mode). The async "
+        "modes then hold up to max_staleness batches generated during that start: at most ~2 batches of G "
+        "(~0.5 s) over a run.",
+        "G: the trainer's wait in take(); T: train step + save + WeightSync.update (median per step, first step "
+        "excluded). bound = sync's (G + T) / max(G, T) of the same seed; speed-up = sync's time to target / the "
+        "mode's (same seed); fraction = speed-up / bound; s/step speed-up = sync's s/step / the mode's.",
+        "Cores: vLLM, the producer, Redis and the feeder on core 0, the trainer (one torch thread) on core 1; "
+        "the machine is shared, so both cores also run other sessions' work.",
+    ]
+    result = [
+        Table("learning", "Time to the same held-out reward: sync vs one-off vs async (tiny GRPO on vLLM, CPU)",
+              ["mode", "reached", "time to target s", "steps to target", "s/step", "G s", "T s", "bound",
+               "speed-up (time to target)", "fraction of bound", "speed-up (s/step)", "best eval",
+               "staleness (last step)"], rows, notes, "python -m bench learning"),
+        Table("learning_runs", "Every run: time to target, per-step G and T, importance ratio",
+              ["mode", "seed", "correction", "target", "steps", "s/step", "G s", "T s",
+               "ratio staleness 0: max |r-1|", "ratio staleness 1: mean", "p99 at 1", "p99 at 2"], per_run,
+              ["ratio = exp(trainer - behaviour log-prob) per response token, median over steps of each step's "
+               "mean / p99; at staleness 0 it must be 1 within float error (fp32 vLLM vs transformers ~1e-6)."],
+              "python -m bench learning"),
+    ]
+    return result
+
+
+def plot(runs: list[Run], target: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    colours = {"sync": "tab:blue", "one-off": "tab:orange", "async": "tab:green",
+               "none": "tab:red", "tis": "tab:green", "mis": "tab:purple"}
+    for ax, pick, key, title in (
+        (axes[0], lambda r: r.correction == "tis", "mode", "sync vs one-off vs async (TIS)"),
+        (axes[1], lambda r: r.mode == "async", "correction", "async: off-policy correction off / TIS / MIS"),
+    ):
+        labelled: set[str] = set()
+        for r in runs:
+            if r.error or not pick(r):
+                continue
+            name = getattr(r, key)
+            ax.plot([p["wall_s"] for p in r.eval], [p["reward"] for p in r.eval], color=colours[name], alpha=0.8,
+                    marker=".", ms=3, label=None if name in labelled else name)
+            labelled.add(name)
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("training wall time (s)")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("held-out eval reward")
+    fig.suptitle("tiny GRPO through rollstream on a CPU vLLM: eval reward vs wall-clock (one line per seed)")
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    path = IMG / "learning_speed.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def measure(seeds: list[int], steps: int, target: float, corrections: bool, extra: list[str]) -> list[Table]:
+    python = vllm_python()
+    if python is None:
+        raise SystemExit("bench learning needs the vLLM venv: run scripts/vllm-env first")
+    load = "load average at the start " + " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    plan = [(mode, seed, "tis") for seed in seeds for mode in MODES]
+    if corrections:
+        plan += [("async", seed, c) for seed in seeds for c in ("none", "mis")]
+    runs = []
+    for mode, seed, correction in plan:
+        run = run_one(python, mode, seed, correction, steps, target, OUT / "learning" / f"{mode}-{correction}-s{seed}",
+                      extra)
+        print(f"  {mode} seed {seed} {correction}: "
+              + (run.error or f"{run.summary['steps']} steps, reached {run.summary['reached']}"), flush=True)
+        runs.append(run)
+    load += ", at the end " + " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    plot(runs, target)
+    return tables(runs, target, steps, load)
+
+
+def run(quick: bool = False) -> list[Table]:
+    if quick:
+        return measure([0], 6, TARGET, corrections=False, extra=[])
+    return measure(list(SEEDS), STEPS, TARGET, corrections=True, extra=[])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--target", type=float, default=TARGET)
+    p.add_argument("--no-corrections", action="store_true", help="skip the async correction none / mis runs")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for every examples/tiny_grpo.py run")
+    args = p.parse_args()
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    for table in measure(args.seeds, args.steps, args.target, not args.no_corrections, extra):
+        text = table.markdown()
+        print(text, flush=True)
+        (OUT / f"{table.name}.md").write_text(text)
+    print(f"plot: {IMG / 'learning_speed.png'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
