@@ -2,8 +2,8 @@
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
-restart, reply_bound, one_flag, diagnose, redis_memory; and scale, run only by name (it needs root for its network namespaces:
-bench/scale.py, docs/scale.md).
+restart, reply_bound, one_flag, diagnose, redis_memory, fleet, learning_sim; and, run only by name: scale (it needs root for
+its network namespaces: bench/scale.py, docs/scale.md) and learning (real vLLM runs, ~30 min: bench/learning.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
-    "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "scale",
+    "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "learning_sim", "scale", "learning",
 )
-DEFAULT = tuple(name for name in BENCHMARKS if name != "scale")
-"""What ``python -m bench`` runs without names (scale needs root and takes minutes of its own)."""
+DEFAULT = tuple(name for name in BENCHMARKS if name not in ("scale", "learning"))
+"""What ``python -m bench`` runs without names (scale needs root and takes minutes of its own; learning
+needs the vLLM venv and half an hour)."""
 
 
 def run(names: list[str], quick: bool) -> list[Table]:
@@ -39,7 +40,7 @@ def run(names: list[str], quick: bool) -> list[Table]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: {', '.join(DEFAULT)}); also: scale")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: {', '.join(DEFAULT)}); also: scale, learning")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = parser.parse_args()
     names = args.names or list(DEFAULT)

@@ -34,8 +34,8 @@ from rollstream.testing.vllm_server import vllm_python
 from bench.common import IMG, OUT, ROOT, Table
 
 MODES = ("sync", "one-off", "async")
-STEPS = 100
-TARGET = 0.35
+STEPS = 120
+TARGET = 0.3
 SEEDS = (0, 1, 2)
 EVAL_EVERY = 2
 RUN_TIMEOUT = 1800.0

@@ -106,3 +106,16 @@ def test_fleet_quick_measures_the_sick_fleet_the_old_engine_and_the_cache() -> N
     assert [row[2] for row in sick.rows] == [row[1] for row in sick.rows]  # every group completed
     assert behind.rows[1][2] <= behind.rows[0][2]  # the version gate wastes no more than before
     assert all(0 <= row[2] <= 1 for row in cache.rows)
+
+
+@pytest.mark.timeout(240)
+def test_learning_sim_quick_times_sync_and_async_against_the_bound() -> None:
+    (table,) = bench_main.run(["learning_sim"], quick=True)
+    assert table.name == "learning_sim"
+    assert [row[0] for row in table.rows] == ["sync", "async, partial rollout off", "async, partial rollout on"]
+    sync = table.rows[0]
+    assert sync[1] > 0 and sync[2] > 0 and sync[3] > 0  # s/step, G, T measured
+    for row in table.rows[1:]:
+        bound, speedup, fraction = row[5], row[6], row[7]
+        assert bound > 1 and speedup > 0
+        assert fraction == pytest.approx(speedup / bound)
