@@ -1,4 +1,4 @@
-"""Time to the same held-out reward: sync vs one-off vs async on the real learning run (issue 30).
+"""Time to the same eval reward: sync vs one-off vs async on the real learning run (issue 30).
 
 ``python -m bench learning`` (any venv: the runs use the vLLM venv's interpreter, built by
 ``scripts/vllm-env``), or ``python -m bench.learning [--seeds 0 1 2] [--steps 100] [--target 0.3]``.
@@ -6,7 +6,7 @@
 Each run is ``examples/tiny_grpo.py --schedule MODE --seed S`` (its own vLLM, Redis, producers),
 one after the other, the engine side and the trainer pinned to separate cores, the same model,
 data, seed, batch and learning rate in every mode. Per run the example records each step's
-``wall_s``, generation wait G and training time T, and the held-out eval reward every K steps
+``wall_s``, generation wait G and training time T, and the eval reward every K steps
 (evaluated after the run, so it costs no mode any time). Reported per mode, median and range over
 the seeds: time and steps to the target eval reward, s/step, the speed-up over sync of the same
 seed (time to target, and s/step), the bound (sync's G + T over max(G, T)) and the fraction of
@@ -122,7 +122,8 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
             "-" if mode == "sync" else _cell(fractions, "{:.2f}"),
             "-" if mode == "sync" else _cell(throughput, "{:.2f}"),
             _cell([r.summary["best_eval"] for r in mine], "{:.3f}"),
-            _cell([float(r.rows[-1]["staleness_mean"]) if r.rows else math.nan for r in mine], "{:.2f}"),
+            _cell([statistics.fmean(x["staleness_mean"] for x in r.rows) if r.rows else math.nan for r in mine],
+                  "{:.2f}"),
         ])
     per_run = []
     for r in runs:
@@ -139,8 +140,9 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
         ])
     notes = [
         f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) per mode, up to {steps} steps of 32 groups x 8 "
-        f"samples; target: held-out eval reward >= {target} (20 (A, B) pairs never in SFT or RL data; the exact "
-        f"expected reward, evaluated every {EVAL_EVERY} steps); median (min-max) over the seeds; {load}.",
+        f"samples; target: eval reward >= {target} (the exact expected reward over every (A, B) pair, of the "
+        f"weights snapshotted every {EVAL_EVERY} steps, scored after the run); median (min-max) over the seeds; "
+        f"{load}.",
         "Clock: from the first batch taken (the pipeline's start, ~10 s, is the same in every mode). The async "
         "modes then hold up to max_staleness batches generated during that start: at most ~2 batches of G "
         "(~0.5 s) over a run.",
@@ -151,10 +153,10 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
         "the machine is shared, so both cores also run other sessions' work.",
     ]
     result = [
-        Table("learning", "Time to the same held-out reward: sync vs one-off vs async (tiny GRPO on vLLM, CPU)",
+        Table("learning", "Time to the same eval reward: sync vs one-off vs async (tiny GRPO on vLLM, CPU)",
               ["mode", "reached", "time to target s", "steps to target", "s/step", "G s", "T s", "bound",
                "speed-up (time to target)", "fraction of bound", "speed-up (s/step)", "best eval",
-               "staleness (last step)"], rows, notes, "python -m bench learning"),
+               "staleness (mean)"], rows, notes, "python -m bench learning"),
         Table("learning_runs", "Every run: time to target, per-step G and T, importance ratio",
               ["mode", "seed", "correction", "target", "steps", "s/step", "G s", "T s",
                "ratio staleness 0: max |r-1|", "ratio staleness 1: mean", "p99 at 1", "p99 at 2"], per_run,
@@ -190,7 +192,7 @@ def plot(runs: list[Run], target: float) -> Path:
         ax.set_xlabel("training wall time (s)")
         ax.set_title(title)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("held-out eval reward")
+    axes[0].set_ylabel("eval reward (exact expected, every pair)")
     fig.suptitle("tiny GRPO through rollstream on a CPU vLLM: eval reward vs wall-clock (one line per seed)")
     fig.tight_layout()
     IMG.mkdir(parents=True, exist_ok=True)
@@ -200,24 +202,50 @@ def plot(runs: list[Run], target: float) -> Path:
     return path
 
 
+def _plan(seeds: list[int], corrections: bool) -> list[tuple[str, int, str]]:
+    plan = [(mode, seed, "tis") for seed in seeds for mode in MODES]
+    if corrections:
+        plan += [("async", seed, c) for seed in seeds for c in ("none", "mis")]
+    return plan
+
+
+def _load() -> str:
+    return " / ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
 def measure(seeds: list[int], steps: int, target: float, corrections: bool, extra: list[str]) -> list[Table]:
     python = vllm_python()
     if python is None:
         raise SystemExit("bench learning needs the vLLM venv: run scripts/vllm-env first")
-    load = "load average at the start " + " / ".join(f"{v:.1f}" for v in os.getloadavg())
-    plan = [(mode, seed, "tis") for seed in seeds for mode in MODES]
-    if corrections:
-        plan += [("async", seed, c) for seed in seeds for c in ("none", "mis")]
+    load = f"load average (1/5/15 min) at the start {_load()}"
     runs = []
-    for mode, seed, correction in plan:
+    for mode, seed, correction in _plan(seeds, corrections):
         run = run_one(python, mode, seed, correction, steps, target, OUT / "learning" / f"{mode}-{correction}-s{seed}",
                       extra)
         print(f"  {mode} seed {seed} {correction}: "
               + (run.error or f"{run.summary['steps']} steps, reached {run.summary['reached']}"), flush=True)
         runs.append(run)
-    load += ", at the end " + " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    (OUT / "learning" / "load.txt").write_text(load + f", at the end {_load()}")
     plot(runs, target)
-    return tables(runs, target, steps, load)
+    return tables(runs, target, steps, load + f", at the end {_load()}")
+
+
+def report(seeds: list[int], target: float, corrections: bool) -> list[Table]:
+    """The tables and the plot again from the runs' steps.json in bench/out/learning (no rerun)."""
+    runs = []
+    for mode, seed, correction in _plan(seeds, corrections):
+        path = OUT / "learning" / f"{mode}-{correction}-s{seed}" / "steps.json"
+        run = Run(mode, seed, correction)
+        if path.exists():
+            data = json.loads(path.read_text())
+            run.summary, run.eval, run.rows = data["summary"], data["eval"], data["rows"]
+        else:
+            run.error = f"no {path}"
+        runs.append(run)
+    steps = max((r.summary.get("steps", 0) for r in runs), default=0)
+    load_file = OUT / "learning" / "load.txt"
+    plot(runs, target)
+    return tables(runs, target, steps, load_file.read_text() if load_file.exists() else "load not recorded")
 
 
 def run(quick: bool = False) -> list[Table]:
@@ -232,10 +260,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--target", type=float, default=TARGET)
     p.add_argument("--no-corrections", action="store_true", help="skip the async correction none / mis runs")
+    p.add_argument("--report", action="store_true", help="only rebuild the tables and the plot from bench/out/learning")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for every examples/tiny_grpo.py run")
     args = p.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    for table in measure(args.seeds, args.steps, args.target, not args.no_corrections, extra):
+    if args.report:
+        produced = report(args.seeds, args.target, not args.no_corrections)
+    else:
+        produced = measure(args.seeds, args.steps, args.target, not args.no_corrections, extra)
+    for table in produced:
         text = table.markdown()
         print(text, flush=True)
         (OUT / f"{table.name}.md").write_text(text)

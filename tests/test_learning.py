@@ -54,3 +54,30 @@ def test_the_tiny_model_learns_addition_through_rollstream(tmp_path: Path) -> No
     onpolicy = [r["logprob_gap_onpolicy_max"] for r in rows if not math.isnan(r["logprob_gap_onpolicy_max"])]
     assert onpolicy and max(onpolicy) < 1e-3, onpolicy
     assert all(r["groups"] == 32 for r in rows), "every step trained a full batch"
+
+
+def test_a_sync_run_trains_on_its_own_weights_and_reports_the_eval_and_the_bound(tmp_path: Path) -> None:
+    """``--schedule sync``: every sample is staleness 0, so the importance ratio is 1 within float
+    error (the behaviour log-probs are the trainer's own); steps.json has each step's wall_s, G
+    and T, the eval snapshots and a summary that says whether the target was reached."""
+    out = tmp_path / "out"
+    steps = 6
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent.parent / "examples" / "tiny_grpo.py"), "--schedule",
+         "sync", "--steps", str(steps), "--eval-every", "2", "--target", "0.99", "--out", str(out), "--no-plot"],
+        capture_output=True, text=True, timeout=840, check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads((out / "steps.json").read_text())
+    rows, summary = data["rows"], data["summary"]
+    assert len(rows) == steps and all(r["staleness_max"] == 0 for r in rows)
+    assert all(r["generate_s"] > 0 and r["train_s"] > 0 for r in rows)
+    assert [r["wall_s"] for r in rows] == sorted(r["wall_s"] for r in rows)
+    assert all(set(r["ratio"]) == {"0"} and r["ratio"]["0"]["max_dev"] < 1e-3 for r in rows), rows[0]["ratio"]
+    assert summary["ratio_s0_ok"] is True and summary["schedule"] == "sync" and summary["max_staleness"] == 0
+    assert [p["step"] for p in data["eval"]] == [0, 2, 4, 6]
+    assert summary["bound_speedup"] > 1
+    # an unreachable target is said so, with how far the run got
+    assert summary["reached"] is False and summary["steps_to_target"] is None
+    assert summary["best_eval"] == max(p["reward"] for p in data["eval"])
+    assert "NOT reached" in run.stdout
