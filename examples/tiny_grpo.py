@@ -432,7 +432,8 @@ def plot(rows: list[dict[str, Any]], points: list[dict[str, float]], out: Path, 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     ax = axes[0][0]
     ax.plot(steps, [r["reward_mean"] for r in rows], marker="o", ms=3, label="training batch")
-    ax.plot([p["step"] - 1 for p in points], [p["reward"] for p in points], marker="s", ms=3, label="eval (exact, every pair)")
+    ax.plot([p["step"] - 1 for p in points], [p["reward"] for p in points], marker="s", ms=3,
+            label="eval (exact, every pair)")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward (exact sum)")
     ax.set_title("reward vs step")
