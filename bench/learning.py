@@ -34,7 +34,7 @@ from rollstream.testing.vllm_server import vllm_python
 from bench.common import IMG, OUT, ROOT, Table
 
 MODES = ("sync", "one-off", "async")
-STEPS = 120
+STEPS = 100
 TARGET = 0.3
 SEEDS = (0, 1, 2)
 EVAL_EVERY = 2
