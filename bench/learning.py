@@ -35,7 +35,7 @@ from bench.common import IMG, OUT, ROOT, Table
 
 MODES = ("sync", "one-off", "async")
 STEPS = 100
-TARGET = 0.3
+TARGET = 0.55
 SEEDS = (0, 1, 2)
 EVAL_EVERY = 2
 RUN_TIMEOUT = 1800.0
@@ -105,7 +105,7 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
             bound = Bound(sync.summary["generate_s_median"], sync.summary["train_s_median"])
             bounds.append(bound.speedup)
             throughput.append(sync.summary["s_per_step"] / r.summary["s_per_step"])
-            if r.summary["reached"] and sync.summary["reached"]:
+            if r.summary["reached"] and sync.summary["reached"] and r.summary["time_to_target_s"] > 0:
                 speedup = sync.summary["time_to_target_s"] / r.summary["time_to_target_s"]
                 speedups.append(speedup)
                 fractions.append(bound.fraction(speedup))
@@ -124,6 +124,24 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
             _cell([r.summary["best_eval"] for r in mine], "{:.3f}"),
             _cell([statistics.fmean(x["staleness_mean"] for x in r.rows) if r.rows else math.nan for r in mine],
                   "{:.2f}"),
+            _cell([statistics.fmean(x["recycled_aborted"] for x in r.rows) if r.rows else math.nan for r in mine],
+                  "{:.1f}"),
+        ])
+    by_correction = []
+    for correction in ("none", "tis", "mis"):
+        mine = [r for r in ok if r.mode == "async" and r.correction == correction]
+        if not mine:
+            continue
+        reached = [r for r in mine if r.summary["reached"]]
+        by_correction.append([
+            correction, f"{len(reached)}/{len(mine)}",
+            _cell([r.summary["time_to_target_s"] for r in reached]),
+            _cell([float(r.summary["steps_to_target"]) for r in reached], "{:.0f}"),
+            _cell([r.summary["best_eval"] for r in mine], "{:.3f}"),
+            _cell([r.eval[-1]["reward"] for r in mine if r.eval], "{:.3f}"),
+            _cell([_ratio_at(r, 1, "p99") for r in mine], "{:.3f}"),
+            _cell([_ratio_at(r, 2, "p99") for r in mine], "{:.3f}"),
+            _cell([_ratio_at(r, 2, "p1") for r in mine], "{:.3f}"),
         ])
     per_run = []
     for r in runs:
@@ -156,7 +174,12 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
         Table("learning", "Time to the same eval reward: sync vs one-off vs async (tiny GRPO on vLLM, CPU)",
               ["mode", "reached", "time to target s", "steps to target", "s/step", "G s", "T s", "bound",
                "speed-up (time to target)", "fraction of bound", "speed-up (s/step)", "best eval",
-               "staleness (mean)"], rows, notes, "python -m bench learning"),
+               "staleness (mean)", "groups aborted / step"], rows, notes, "python -m bench learning"),
+        Table("learning_correction", "async (max_staleness 2): off-policy correction off, truncated (TIS), masked (MIS)",
+              ["correction", "reached", "time to target s", "steps to target", "best eval", "last eval",
+               "ratio p99 at staleness 1", "p99 at 2", "p1 at 2"], by_correction,
+              ["Same runs' seeds; the ratio columns are medians over steps of each step's p1 / p99 (cap 2: TIS "
+               "truncates above it, MIS drops those tokens)."], "python -m bench learning"),
         Table("learning_runs", "Every run: time to target, per-step G and T, importance ratio",
               ["mode", "seed", "correction", "target", "steps", "s/step", "G s", "T s",
                "ratio staleness 0: max |r-1|", "ratio staleness 1: mean", "p99 at 1", "p99 at 2"], per_run,
