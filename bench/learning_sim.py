@@ -49,13 +49,14 @@ SIGMA = 1.0
 CAP = 8 * MEDIAN
 PER_TOKEN = 0.001
 """Engine seconds per generated token (every slot decodes in parallel)."""
-TRAIN_PER_TOKEN = 4e-5
-"""Modelled trainer seconds per response token of the batch (~128 x 160 tokens: ~0.8 s a step)."""
+TRAIN_PER_TOKEN = {"trainer-bound": 4e-5, "engine-bound": 1.5e-5}
+"""Modelled trainer seconds per response token of the batch (~128 x 150 tokens: ~0.8 s a step, or
+~0.3 s: then generation is the slower side and the work an abort throws away costs time)."""
 MODES = (("sync", 0, False), ("async, partial rollout off", 2, False), ("async, partial rollout on", 2, True))
 
 
 async def _one_mode(redis_url: str, engine: SimEngine, mode: str, max_staleness: int, partial: bool,
-                    steps: int) -> dict[str, Any]:
+                    steps: int, per_token: float) -> dict[str, Any]:
     ns = f"sim-{mode.replace(' ', '-').replace(',', '')}-{time.monotonic_ns()}"
     redis = connect(redis_url)
     keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * BATCH,
@@ -74,7 +75,7 @@ async def _one_mode(redis_url: str, engine: SimEngine, mode: str, max_staleness:
         async with asyncio.TaskGroup() as tasks:
             running = [tasks.create_task(p.run()) for p in producers]
             try:
-                result = await _train(redis_url, ns, engine, steps)
+                result = await _train(redis_url, ns, engine, steps, per_token)
             finally:
                 for producer in producers:
                     producer.stop()
@@ -90,7 +91,7 @@ async def _one_mode(redis_url: str, engine: SimEngine, mode: str, max_staleness:
     return result
 
 
-async def _train(redis_url: str, ns: str, engine: SimEngine, steps: int) -> dict[str, Any]:
+async def _train(redis_url: str, ns: str, engine: SimEngine, steps: int, per_token: float) -> dict[str, Any]:
     generate, train, tokens = [], [], []
     recycled = {"aborted": 0, "stale": 0}
     async with (
@@ -104,7 +105,7 @@ async def _train(redis_url: str, ns: str, engine: SimEngine, steps: int) -> dict
                 batch = await consumer.take(BATCH)
             t1 = time.perf_counter()
             batch_tokens = sum(s.response_length for g in batch.groups for s in g.samples)
-            await asyncio.sleep(batch_tokens * TRAIN_PER_TOKEN)
+            await asyncio.sleep(batch_tokens * per_token)
             await consumer.commit(batch)
             await sync.update(consumer, f"w{step + 1}", step + 1, mode="abort")
             t2 = time.perf_counter()
@@ -122,35 +123,37 @@ async def _train(redis_url: str, ns: str, engine: SimEngine, steps: int) -> dict
             "tokens": statistics.mean(tokens)}
 
 
-async def measure(steps: int) -> dict[str, dict[str, Any]]:
+async def measure(steps: int) -> dict[tuple[str, str], dict[str, Any]]:
     mean = round(MEDIAN * math.exp(SIGMA**2 / 2))
     config = SimConfig(mean_tokens=mean, length_sigma=SIGMA, max_tokens_cap=CAP, latency_per_token=PER_TOKEN,
                        max_running=SLOTS)
     results = {}
     with EmbeddedRedis() as server:
         async with SimEngine(config) as engine:
-            for mode, staleness, partial in MODES:
-                results[mode] = await _one_mode(server.url, engine, mode, staleness, partial, steps)
+            for case, per_token in TRAIN_PER_TOKEN.items():
+                for mode, staleness, partial in MODES:
+                    results[case, mode] = await _one_mode(server.url, engine, mode, staleness, partial, steps,
+                                                          per_token)
     return results
 
 
 def run(quick: bool = False) -> list[Table]:
     steps = 3 if quick else 12
     r = asyncio.run(measure(steps))
-    sync = r["sync"]
-    bound = Bound(sync["generate_s"], sync["train_s"])
     rows = []
-    for mode, _, _ in MODES:
-        m = r[mode]
+    for case, mode in r:
+        sync = r[case, "sync"]
+        bound = Bound(sync["generate_s"], sync["train_s"])
+        m = r[case, mode]
         speedup = sync["s_per_step"] / m["s_per_step"]
-        rows.append([mode, m["s_per_step"], m["generate_s"], m["train_s"], m["tokens"],
+        rows.append([case, mode, m["s_per_step"], m["generate_s"], m["train_s"], m["tokens"],
                      "-" if mode == "sync" else bound.speedup, "-" if mode == "sync" else speedup,
                      "-" if mode == "sync" else bound.fraction(speedup), m["aborted"], m["stale"]])
     return [Table(
         "learning_sim",
         f"Sync vs async at scale, simulated: {PRODUCERS} producers, long-tailed lengths, a modelled trainer "
         f"({steps} steps of {BATCH} groups x {N})",
-        ["mode", "s/step", "G s (take wait)", "T s (train + update)", "response tokens per batch",
+        ["trainer", "mode", "s/step", "G s (take wait)", "T s (train + update)", "response tokens per batch",
          "bound (sync's G + T over max)", "speed-up vs sync", "fraction of bound", "groups recycled aborted",
          "groups recycled stale"],
         rows,
@@ -158,8 +161,10 @@ def run(quick: bool = False) -> list[Table]:
             f"Simulator: log-normal response lengths, median {MEDIAN} tokens (sigma {SIGMA}), cut at {CAP}; "
             f"{PER_TOKEN * 1e3:.1f} ms per token, {SLOTS} slots; {PRODUCERS} in-process producers of {N} samples "
             "in flight each (one group), so the engine always has work queued in the async modes.",
-            f"Trainer: {TRAIN_PER_TOKEN * 1e6:.0f} µs per response token of the batch (a sleep), then WeightSync "
-            "(SGLang kind: pause with abort, /update_weights_from_disk, version, continue).",
+            "Trainer: "
+            + " or ".join(f"{v * 1e6:.0f} µs ({k})" for k, v in TRAIN_PER_TOKEN.items())
+            + " per response token of the batch (a sleep), then WeightSync (SGLang kind: pause with abort, "
+            "/update_weights_from_disk, version, continue).",
             "G: median wait in take(); T: median of the modelled step + the update (first step excluded; the "
             "clock starts at the first batch). Bound from the sync run's own G and T.",
             "Partial rollout off: an update aborts every sample in flight and it starts over (max_attempts 1000 "
