@@ -125,6 +125,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="cache-aware routing keeps each engine within (1 + this) x the mean load")
     p.add_argument("--no-engine-timeout", type=float, default=120.0,
                    help="seconds a request waits while no engine is usable before the producer fails")
+    p.add_argument("--adaptive-concurrency", action=argparse.BooleanOptionalAction, default=True,
+                   help="limit each engine's samples in flight by its own load (KV usage, preemptions), between "
+                        "--concurrency-floor and --concurrency (docs/engines.md)")
+    p.add_argument("--concurrency-floor", type=int, default=4,
+                   help="the least samples in flight an engine's adaptive limit allows")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds one engine request may take in total, reply body included")
     p.add_argument("--max-reply-mib", type=float, default=None,
@@ -178,6 +183,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="a prefix cache of this many tokens (meta_info.cached_tokens); 0: none")
     p.add_argument("--prefill-per-token", type=float, default=0.0,
                    help="seconds per prompt token not in the prefix cache")
+    p.add_argument("--kv-capacity-tokens", type=int, default=0,
+                   help="KV memory in tokens: requests beyond it queue, and are preempted when the running ones "
+                        "outgrow it (recomputed at --prefill-per-token); 0: unlimited")
     p.set_defaults(func=cmd_sim_engine)
 
     p = sub.add_parser("pause", parents=with_redis, help="stop producers from admitting new prompts")
@@ -472,6 +480,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         eject_after=args.eject_after,
         balance=args.route_balance,
         no_engine_timeout=args.no_engine_timeout,
+        adaptive_concurrency=args.adaptive_concurrency,
+        concurrency_floor=args.concurrency_floor,
         request_timeout=args.request_timeout,
         max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
         request_seed=args.request_seed,
@@ -562,6 +572,7 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
         moe=args.moe,
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefill_per_token=args.prefill_per_token,
+        kv_capacity_tokens=args.kv_capacity_tokens,
     )
     task: dict[str, asyncio.Task[None]] = {}
 

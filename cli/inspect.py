@@ -144,8 +144,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     parts.append(producers)
 
     engines = _table(
-        "engines (per producer)", plain, "producer", "engine", "state", "in flight", "version", "errors",
-        "tokens", "hit rate", "why",
+        "engines (per producer)", plain, "producer", "engine", "state", "in flight", "limit", "kv", "version",
+        "errors", "tokens", "hit rate", "why",
     )
     shown_engines = 0
     for row in snap["producers"]:
@@ -157,6 +157,7 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             rate = e.get("prefix_hit_rate")
             engines.add_row(
                 row["name"], str(e.get("url", "?")), Text(state, style=style), str(e.get("in_flight", 0)),
+                str(e.get("limit", "-")), "-" if e.get("kv_usage") is None else f"{e['kv_usage']:.0%}",
                 str(e.get("version", "-")), str(e.get("errors", 0)), str(e.get("tokens", 0)),
                 "-" if rate is None else f"{rate:.0%}", str(e.get("reason", ""))[:80],
             )

@@ -29,6 +29,7 @@ from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
 from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
+from .load import LOAD_BYTES, parse_load
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
@@ -44,6 +45,8 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """The routing key of a request (its group's): what the SGLang gateway's consistent-hashing
 policy reads (slime sends its session id in it); engines ignore it."""
+ROUND_TRIP_WEIGHT = 0.1
+"""Weight of the newest request in an engine's mean request time."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -164,7 +167,9 @@ class EngineClient:
             bare_urls.append(bare)
             if auth is not None:
                 transport.add_credentials(bare, auth)
-        self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance)
+        self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance,
+                           concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None)
+        self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
         self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
@@ -215,13 +220,20 @@ class EngineClient:
         return engine if engine is not None else next(iter(self.fleet.engines.values()))
 
     async def _routed(self, key: str | None, weight: int) -> Engine:
-        """The engine for a request; waits (at most ``no_engine_timeout``) while none is routed."""
-        engine = self.fleet.pick(key, weight)
+        """The engine for a request; waits while every routed engine is at its in-flight limit
+        (for a request to end), and at most ``no_engine_timeout`` while none is routed."""
+        fleet = self.fleet
+        engine = fleet.pick(key, weight)
         if engine is not None:
             return engine
         self._ensure_monitor()
         deadline = time.monotonic() + self.settings.no_engine_timeout
-        while (engine := self.fleet.pick(key, weight)) is None:
+        woken = False
+        while (engine := fleet.pick(key, weight)) is None:
+            if fleet.any_routed():  # all at their limits: not a fleet without engines
+                woken = await fleet.wait_room(self.settings.health_interval, again=woken)
+                deadline = time.monotonic() + self.settings.no_engine_timeout
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.fleet.engines.values())
@@ -278,13 +290,14 @@ class EngineClient:
         fleet = self.fleet
         headers = {ROUTING_KEY_HEADER: key} if key is not None else None
         task = asyncio.current_task()
-        if self._monitor is None and len(fleet.engines) > 1:
+        if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
             self._ensure_monitor()
         attempt = 0
         while True:
             engine = await self._routed(key, weight)
             url = engine.url + path
             engine.in_flight += weight
+            sent = time.monotonic()
             try:
                 with self.blame(engine), attempt_on(engine, task):
                     status, raw = await self.transport.request("POST", url, content, limit=limit,
@@ -315,6 +328,8 @@ class EngineClient:
                 raise deadline from None
             else:
                 if status == 200:
+                    took, mean = time.monotonic() - sent, engine.round_trip
+                    engine.round_trip = took if mean is None else mean + ROUND_TRIP_WEIGHT * (took - mean)
                     return engine, raw
                 self._count_error(f"http_{status}")
                 failure = f"HTTP {status}"
@@ -322,6 +337,8 @@ class EngineClient:
                     continue
             finally:
                 engine.in_flight -= weight
+                if fleet.waiting_for_room:
+                    fleet.room_freed()
             if attempt >= settings.max_retries:
                 raise EngineError(f"{url} failed after {attempt + 1} attempts; last error: {failure}")
             delay = self._backoff.delay(attempt)
@@ -553,11 +570,9 @@ class EngineClient:
         for health (with backoff), the busy ones without a reply for ``health_interval`` for a
         wedge, the behind ones for their version; drains past their timeout."""
         settings = self.settings
+        adaptive = settings.adaptive_concurrency
+        tick = min(settings.health_interval, settings.load_interval) if adaptive else settings.health_interval
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.health_interval):
-                    await self._monitor_wake.wait()
-            self._monitor_wake.clear()
             now = time.monotonic()
             fleet = self.fleet
             fleet.drop_drained(now)
@@ -567,7 +582,49 @@ class EngineClient:
                 or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
                 or e.state is EngineState.BEHIND or self._version_due(e)
             ]
-            await gather_probes(self._probe, due)
+            loads: list[Engine] = []
+            if adaptive and now >= self._next_load:
+                self._next_load = now + settings.load_interval
+                loads = [e for e in fleet.engines.values() if e.routed and e.load_path != ""]
+            await asyncio.gather(gather_probes(self._probe, due), gather_probes(self._read_load, loads))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(tick):
+                    await self._monitor_wake.wait()
+            self._monitor_wake.clear()
+
+    async def _read_load(self, engine: Engine) -> None:
+        """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
+        that one) and move its in-flight limit (:mod:`.load`)."""
+        paths = (engine.load_path,) if engine.load_path else self.dialect.load_paths
+        seconds = min(5.0, self.settings.health_timeout)
+        for path in paths:
+            try:
+                status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
+            except PROBE_ERRORS as exc:
+                logger.debug("load of %s: %s failed: %s", engine.url, path, exc)
+                return  # unreachable now: its health is judged elsewhere
+            load = parse_load(path, raw) if status == 200 else None
+            if load is not None:
+                break
+        else:
+            if engine.load_path is None:
+                engine.load_path = ""
+                logger.info("engine %s reports no load (%s): no in-flight limit for it", engine.url, ", ".join(paths))
+                if engine.adaptive is not None:
+                    engine.adaptive.release()
+                    self.fleet.room_opened()
+            return
+        engine.load_path = path
+        adaptive = engine.adaptive
+        if adaptive is None:
+            return
+        before = adaptive.limit
+        raised = adaptive.update(load, engine.in_flight, engine.held, time.monotonic(), engine.round_trip)
+        engine.held, engine.load = False, load
+        if adaptive.limit != before:
+            logger.debug("engine %s: in-flight limit %s -> %s (%s)", engine.url, before, adaptive.limit, load)
+        if raised:
+            self.fleet.room_opened()
 
     def _version_due(self, engine: Engine) -> bool:
         """Whether ``engine``'s version is worth asking now: it looks behind the trainer on what

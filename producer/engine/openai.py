@@ -150,6 +150,7 @@ class OpenAI:
     version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
+    load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         settings = client.settings

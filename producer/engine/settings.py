@@ -95,6 +95,12 @@ class EngineSettings:
     """Seconds a request waits for a routed engine (all out, probed) before it fails: fatal."""
     drain_timeout: float = 300.0
     """Seconds a drained engine's requests may still run before they are retried elsewhere."""
+    adaptive_concurrency: bool = True
+    """Limit each engine's samples in flight by its own load (KV usage, waiting requests,
+    preemptions), between ``concurrency_floor`` and the producer's concurrency (see ``load.py``)."""
+    concurrency_floor: int = 4
+    load_interval: float = 1.0
+    """Seconds between readings of each engine's load (with ``adaptive_concurrency``)."""
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -126,8 +132,11 @@ class EngineSettings:
             raise ConfigError("eject_after must be at least 1")
         if self.balance < 0:
             raise ConfigError("balance must be non-negative")
+        if isinstance(self.concurrency_floor, bool) or not isinstance(self.concurrency_floor, int) \
+                or self.concurrency_floor < 1:
+            raise ConfigError(f"concurrency_floor must be a positive integer, got {self.concurrency_floor!r}")
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max", "health_interval",
-                     "health_timeout", "no_engine_timeout", "drain_timeout"):
+                     "health_timeout", "no_engine_timeout", "drain_timeout", "load_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.routed_experts is not None:

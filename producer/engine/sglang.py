@@ -196,6 +196,7 @@ class SGLang:
     version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")  # the gateway only routes the latter
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
+    load_paths: tuple[str, ...] = ("/v1/loads", "/get_load", "/metrics")
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         if request.messages is not None:

@@ -82,6 +82,8 @@ class Dialect(Protocol):
     """Model-info endpoints with a ``weight_version``, tried in order (a 404 tries the next)."""
     abort_path: str
     abort_body: Mapping[str, Any]
+    load_paths: tuple[str, ...]
+    """Endpoints of the engine's own load, tried in order (:mod:`.load`)."""
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         """The engine that answered and the reply's samples (the client names the engine on

@@ -133,6 +133,7 @@ class VLLM:
     version_paths: tuple[str, ...] = ("/weight_info",)
     abort_path = "/abort_requests"  # dev mode; an empty body aborts everything in flight
     abort_body: Mapping[str, Any] = {}
+    load_paths: tuple[str, ...] = ("/metrics",)
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         settings = client.settings

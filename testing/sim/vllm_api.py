@@ -36,7 +36,7 @@ async def _vllm_generate(request: web.Request) -> web.Response:
     text = detokenize(prompt_ids)
     _check_poison(text)
     rid = f"generate-tokens-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens)
+    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens, len(prompt_ids))
     choices = []
     for i, outcome in enumerate(outcomes):
         choice: dict[str, Any] = {
