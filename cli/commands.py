@@ -89,7 +89,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
-    p.add_argument("--engine", action="append", required=True, metavar="URL", help="engine URL (repeatable)")
+    p.add_argument("--engine", action="append", default=[], metavar="URL",
+                   help="engine URL (repeatable; or --engines-from-registry)")
     p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai", "vllm"],
                    help="vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
     p.add_argument("--request-seed", action="store_true",
@@ -112,8 +113,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--engines-from-registry", action="store_true",
-                   help="also use the namespace's engine registry (`rollstream engines add|drain|remove`), "
-                        "re-read every heartbeat, beside the --engine URLs")
+                   help="use the namespace's engine registry (`rollstream engines add|drain|remove`), re-read "
+                        "every heartbeat, alone or beside the --engine URLs")
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
@@ -445,6 +446,34 @@ async def _read_stored_flags(url: str, ns: str, required: bool) -> dict[str, str
         await redis.aclose()
 
 
+async def _registry_engines(url: str, ns: str, wait: float) -> tuple[str, ...]:
+    """The registry's active engines (``--engines-from-registry`` alone), waiting up to ``wait``
+    seconds for one to be added (producers may start before the engines)."""
+    from rollstream.common.connection import Outage
+    from rollstream.common.protocol.engines import EngineRegistry
+
+    keys = Keys(ns)
+    redis = connect(url, name="rollstream-produce-registry")
+    try:
+        registry = EngineRegistry(redis, keys)
+        deadline = time.monotonic() + wait
+        while True:
+            entries = await Outage(logger, "produce (reading the engine registry)").run(
+                registry.entries, give_up_after=STORED_FLAGS_WAIT)
+            active = tuple(u for u, e in entries.items() if e.usable and e.state == "active")
+            if active:
+                return active
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"the engine registry {keys.engines} lists no active engine after {wait:g} s: add one with "
+                    f"`rollstream engines add --ns {ns} URL`, or give --engine URL"
+                )
+            logger.info("produce: waiting for an active engine in the registry %s", keys.engines)
+            await asyncio.sleep(1.0)
+    finally:
+        await redis.aclose()
+
+
 STORED_FLAGS_WAIT = 60.0
 """Seconds ``produce`` waits for Redis to read the stored flags (it may be starting with us)."""
 
@@ -466,8 +495,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
     required = args.concurrency is None or args.reward is None
     stored = asyncio.run(_read_stored_flags(args.redis, args.ns, required)) if needs_stored else {}
     sampling_params = apply_stored_flags(args, stored)
+    if not args.engine and not args.engines_from_registry:
+        raise ConfigError("produce needs engines: --engine URL (repeatable), or --engines-from-registry")
+    registry_urls: tuple[str, ...] = ()
+    if not args.engine:
+        registry_urls = asyncio.run(_registry_engines(args.redis, args.ns, args.no_engine_timeout))
     engine_settings = EngineSettings(
         urls=tuple(args.engine),
+        registry_urls=registry_urls,
         api=args.engine_api,
         model=args.model,
         max_new_tokens=args.max_new_tokens,

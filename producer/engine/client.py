@@ -168,7 +168,8 @@ class EngineClient:
             if auth is not None:
                 transport.add_credentials(bare, auth)
         self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance,
-                           concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None)
+                           concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None,
+                           registered=settings.registry_urls)
         self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
         self._monitor_wake = asyncio.Event()

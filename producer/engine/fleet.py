@@ -173,12 +173,16 @@ class Fleet:
     """The engines of one client: states, routing and the ring (no I/O; the monitor probes)."""
 
     def __init__(self, urls: Iterable[str], *, eject_after: int = 3, balance: float = 0.25,
-                 probe_backoff: Backoff | None = None, concurrency_floor: int | None = None) -> None:
+                 probe_backoff: Backoff | None = None, concurrency_floor: int | None = None,
+                 registered: Iterable[str] = ()) -> None:
         self.concurrency_floor = concurrency_floor
         """Adaptive concurrency's floor; None: off (no engine is ever limited)."""
         self.engines: dict[str, Engine] = {}
         for url in urls:
             engine = Engine(url, concurrency_floor=concurrency_floor)
+            self.engines.setdefault(engine.url, engine)
+        for url in registered:
+            engine = Engine(url, registered=True, concurrency_floor=concurrency_floor)
             self.engines.setdefault(engine.url, engine)
         self.eject_after = eject_after
         self.balance = balance

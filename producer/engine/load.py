@@ -172,7 +172,7 @@ class AdaptiveLimit:
         settled = round_trip is not None and now - self._changed >= round_trip
         full = not counts and usage >= KV_FULL and (load.waiting or 0) > 0
         if preempted or full:
-            if settled or self._changed == -math.inf:
+            if settled or round_trip is None:
                 base = min(limit, max(in_flight, self.floor))
                 if load.running is not None:
                     base = min(base, max(load.running, self.floor))

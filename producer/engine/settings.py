@@ -47,6 +47,7 @@ class EngineSettings:
     """How to reach the engines and what to ask them for."""
 
     urls: tuple[str, ...]
+    """The ``--engine`` URLs (may be empty when ``registry_urls`` are given)."""
     api: str = "sglang"
     """An engine API: a key of :data:`~.dialects.DIALECTS`."""
     model: str | None = None
@@ -101,11 +102,14 @@ class EngineSettings:
     concurrency_floor: int = 4
     load_interval: float = 1.0
     """Seconds between readings of each engine's load (with ``adaptive_concurrency``)."""
+    registry_urls: tuple[str, ...] = ()
+    """Engines from the engine registry at start (``--engines-from-registry`` without
+    ``--engine``): dropped once the registry forgets them, as engines that join later."""
 
     def __post_init__(self) -> None:
-        if not self.urls:
-            raise ConfigError("at least one engine URL is needed (--engine URL)")
-        for url in self.urls:
+        if not self.urls and not self.registry_urls:
+            raise ConfigError("at least one engine URL is needed (--engine URL, or --engines-from-registry)")
+        for url in (*self.urls, *self.registry_urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
         if self.api not in ENGINE_APIS:
