@@ -110,6 +110,17 @@ Prefix cache
     output's when a request ends not aborted. ``/sim/stats`` counts
     ``prompt_tokens`` and ``cached_tokens`` (the hit rate).
 
+KV capacity and load
+    With :attr:`SimConfig.kv_capacity_tokens`, generations are scheduled in steps of
+    ``KV_STEP_TOKENS`` tokens as vLLM schedules them: running requests first, the newest preempted
+    when their next tokens do not fit (its tokens recomputed at ``prefill_per_token`` when it is
+    readmitted, the whole batch waiting), waiting ones admitted in order while they fit and nothing
+    was preempted in the step. ``GET /metrics`` (vLLM's names: ``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``),
+    ``GET /v1/loads`` and ``GET /get_load`` (SGLang's two forms) report the load; without a
+    capacity no KV usage is reported. ``"load_endpoints": false`` in ``/sim/faults`` makes them
+    answer 404.
+
     ``GET /sim/stats`` answers ``{"running", "waiting", "max_running_seen", "requests",
     "aborted", "weight_version", "paused", ...}``: ``running`` counts the requests holding a
     generation slot, ``max_running_seen`` its peak, ``requests`` every generation request
