@@ -126,6 +126,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="cache-aware routing keeps each engine within (1 + this) x the mean load")
     p.add_argument("--no-engine-timeout", type=float, default=120.0,
                    help="seconds a request waits while no engine is usable before the producer fails")
+    p.add_argument("--catch-up-engines", action="store_true",
+                   help="load the trainer's recorded weights (WeightSync.update, GroupConsumer.record_weights) into "
+                        "an engine found behind, then let it rejoin (docs/engines.md)")
     p.add_argument("--adaptive-concurrency", action=argparse.BooleanOptionalAction, default=True,
                    help="limit each engine's samples in flight by its own load (KV usage, preemptions), between "
                         "--concurrency-floor and --concurrency (docs/engines.md)")
@@ -515,6 +518,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         eject_after=args.eject_after,
         balance=args.route_balance,
         no_engine_timeout=args.no_engine_timeout,
+        catch_up=args.catch_up_engines,
         adaptive_concurrency=args.adaptive_concurrency,
         concurrency_floor=args.concurrency_floor,
         request_timeout=args.request_timeout,

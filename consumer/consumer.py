@@ -207,6 +207,12 @@ class GroupConsumer:
         """Record the trainer's new weight version (after pushing weights to the engines)."""
         await self._outage.run(lambda: self.control.set_weight_version(version))
 
+    async def record_weights(self, path: str, version: int) -> None:
+        """Record where the weights of ``version`` are (a path the engines can load): producers
+        with ``--catch-up-engines`` load them into an engine found behind (restarted on its base
+        checkpoint). ``WeightSync.update`` records its path itself."""
+        await self._outage.run(lambda: self.control.record_weights(path, version))
+
     async def pause(self) -> None:
         """Stop every producer from admitting new prompts (effective at once: ADMIT checks it)."""
         await self._outage.run(self.control.pause)

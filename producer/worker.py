@@ -222,6 +222,7 @@ class Producer:
             self._state = "running"
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
             await self._outage.run(self._follow_registry)
+            await self._outage.run(self._follow_weights)
             await self._outage.run(self._heartbeat_once)
             await self._adopt_own_pending()
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -592,8 +593,14 @@ class Producer:
     async def _heartbeat_turn(self) -> bool:
         await asyncio.sleep(self.settings.heartbeat_interval)
         await self._follow_registry()
+        await self._follow_weights()
         await self._heartbeat_once()
         return True
+
+    async def _follow_weights(self) -> None:
+        """Where the trainer's weights are, for engines found behind (``--catch-up-engines``)."""
+        if self.engine.settings.catch_up:
+            self.engine.set_weights_source(await self.control.weights())
 
     async def _follow_registry(self) -> None:
         """The engine registry's changes to the fleet (``--engines-from-registry``); an entry that

@@ -47,6 +47,10 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 policy reads (slime sends its session id in it); engines ignore it."""
 ROUND_TRIP_WEIGHT = 0.1
 """Weight of the newest request in an engine's mean request time."""
+CATCH_UP_TIMEOUT = 600.0
+"""Seconds one step of a catch-up (a weight reload) may take."""
+CATCH_UP_RETRY = 60.0
+"""Seconds before a failed catch-up of an engine is tried again."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -172,6 +176,10 @@ class EngineClient:
                            registered=settings.registry_urls)
         self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
+        self._weights: tuple[str, int] | None = None
+        """Where the trainer's weights are (``--catch-up-engines``): path, version."""
+        self._catch_ups: dict[str, asyncio.Task[None]] = {}
+        self._catch_up_after: dict[str, float] = {}
         self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
@@ -185,10 +193,13 @@ class EngineClient:
 
     async def aclose(self) -> None:
         monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            monitor.cancel()
+        tasks = [*self._catch_ups.values(), *([monitor] if monitor is not None else [])]
+        self._catch_ups.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await monitor
+                await task
         await self.transport.aclose()
 
     @property
@@ -551,6 +562,49 @@ class EngineClient:
         self.fleet.apply_registry(valid, self.settings.drain_timeout)
         self._ensure_monitor()
 
+    def set_weights_source(self, weights: tuple[str, int] | None) -> None:
+        """Where the trainer's current weights are (``Keys.weights``): what a behind engine loads
+        with ``catch_up``."""
+        if weights != self._weights and weights is not None and any(
+            e.state is EngineState.BEHIND for e in self.fleet.engines.values()
+        ):
+            self._monitor_wake.set()
+        self._weights = weights
+
+    def _maybe_catch_up(self, engine: Engine) -> None:
+        """Start loading the recorded weights into ``engine`` (behind) when they are newer than
+        its version, it is idle, and no catch-up of it runs or failed within a minute."""
+        weights = self._weights
+        if (not self.settings.catch_up or weights is None or engine.state is not EngineState.BEHIND
+                or engine.in_flight or engine.url in self._catch_ups
+                or time.monotonic() < self._catch_up_after.get(engine.url, 0.0)
+                or (engine.version is not None and weights[1] <= engine.version)):
+            return
+        task = asyncio.create_task(self._catch_up(engine, *weights), name=f"catch-up {engine.url}")
+        self._catch_ups[engine.url] = task
+        task.add_done_callback(lambda _: self._catch_ups.pop(engine.url, None))
+
+    async def _catch_up(self, engine: Engine, path: str, version: int) -> None:
+        logger.warning("engine %s at version %s, behind: loading %s (version %d) into it (--catch-up-engines)",
+                       engine.url, engine.version, path, version)
+        started = time.monotonic()
+        for step, body in self.dialect.reload_requests(path, version):
+            try:
+                status, raw = await self.transport.request("POST", engine.url + step, _ENCODER.encode(body),
+                                                           limit=INFO_BYTES, seconds=CATCH_UP_TIMEOUT)
+            except PROBE_ERRORS as exc:
+                status, raw = 0, f"{type(exc).__name__}: {exc}".encode()
+            reply = json_object(raw) if status == 200 else None
+            if status != 200 or (reply is not None and reply.get("success") is False):
+                self._catch_up_after[engine.url] = time.monotonic() + CATCH_UP_RETRY
+                logger.warning("engine %s: catch-up failed at %s (HTTP %s: %s); tried again in %.0f s", engine.url,
+                               step, status or "-", raw.decode("utf-8", "replace")[:300], CATCH_UP_RETRY)
+                return
+        engine.version_checked = -float("inf")
+        await self.weight_version(engine)
+        logger.warning("engine %s: loaded version %d in %.1f s, now at version %s", engine.url, version,
+                       time.monotonic() - started, engine.version)
+
     def take_out(self, url: str, why: str) -> bool:
         """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
         last routed one: True when it was (it is probed and rejoins as any ejected engine)."""
@@ -646,6 +700,7 @@ class EngineClient:
         if engine.state is EngineState.BEHIND or self._version_due(engine):
             engine.version_checked = -float("inf")
             await self.weight_version(engine)
+            self._maybe_catch_up(engine)
             return
         try:
             status, _ = await self.transport.request(

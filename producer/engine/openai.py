@@ -20,6 +20,7 @@ import msgspec
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
 from .types import EngineReplyInvalid, Generation, Request
+from .vllm import vllm_reload_requests
 
 if TYPE_CHECKING:
     from .client import Engine, EngineClient
@@ -151,6 +152,9 @@ class OpenAI:
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
     load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics
+
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return vllm_reload_requests(path, version)  # vLLM's dev-mode endpoints behind its OpenAI server
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         settings = client.settings

@@ -102,6 +102,9 @@ class EngineSettings:
     concurrency_floor: int = 4
     load_interval: float = 1.0
     """Seconds between readings of each engine's load (with ``adaptive_concurrency``)."""
+    catch_up: bool = False
+    """Load the trainer's recorded weights (``Keys.weights``) into an engine found behind, then
+    let it rejoin (``--catch-up-engines``)."""
     registry_urls: tuple[str, ...] = ()
     """Engines from the engine registry at start (``--engines-from-registry`` without
     ``--engine``): dropped once the registry forgets them, as engines that join later."""

@@ -198,6 +198,9 @@ class SGLang:
     abort_body: Mapping[str, Any] = {"abort_all": True}
     load_paths: tuple[str, ...] = ("/v1/loads", "/get_load", "/metrics")
 
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return [("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})]
+
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         if request.messages is not None:
             raise PromptNotSupported(

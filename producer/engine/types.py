@@ -85,6 +85,10 @@ class Dialect(Protocol):
     load_paths: tuple[str, ...]
     """Endpoints of the engine's own load, tried in order (:mod:`.load`)."""
 
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        """The POSTs that load the weights at ``path`` as ``version`` into one engine (an engine
+        found behind, ``--catch-up-engines``), in order."""
+
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         """The engine that answered and the reply's samples (the client names the engine on
         them and fills in the weight versions the reply did not carry)."""

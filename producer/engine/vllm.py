@@ -125,6 +125,13 @@ def parse_vllm_generate(
     ]
 
 
+
+def vllm_reload_requests(path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+    """vLLM's dev-mode weight reload (``VLLM_SERVER_DEV_MODE=1``), then the version label."""
+    return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
+            ("/update_weight_version", {"new_version": str(version)})]
+
+
 class VLLM:
     """``--engine-api vllm``."""
 
@@ -134,6 +141,9 @@ class VLLM:
     abort_path = "/abort_requests"  # dev mode; an empty body aborts everything in flight
     abort_body: Mapping[str, Any] = {}
     load_paths: tuple[str, ...] = ("/metrics",)
+
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return vllm_reload_requests(path, version)
 
     async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
         settings = client.settings
