@@ -27,6 +27,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.producer.engine.settings import ENGINE_APIS
 
 logger = logging.getLogger("rollstream.cli")
 
@@ -91,7 +92,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
     p.add_argument("--engine", action="append", default=[], metavar="URL",
                    help="engine URL (repeatable; or --engines-from-registry)")
-    p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai", "vllm"],
+    p.add_argument("--engine-api", default="sglang", choices=ENGINE_APIS,
                    help="vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
     p.add_argument("--request-seed", action="store_true",
                    help="send a random per-request seed (vllm API; kills vLLM's CPU engine on reschedule)")

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.errors import EngineError, EngineRejected, PromptNotSupported
 
 from .dialects import DIALECTS
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
@@ -436,8 +436,22 @@ class EngineClient:
             n, text, input_ids, messages, settings.max_new_tokens if max_new_tokens is None else max_new_tokens,
             sampling, rid, image_data, key,
         )
+        dialect = self.dialect
+        if dialect.needs_token_ids and request.input_ids is None:
+            found = await (self.chat_ids(messages) if messages is not None else self.tokenize(text or ""))
+            if found is None:
+                raise PromptNotSupported(
+                    f"--engine-api {dialect.name} sends token ids: give a tokenizer (--tokenizer) or an engine "
+                    "with /tokenize"
+                )
+            request.input_ids = found
+        encoded = dialect.encode(request, settings)
+        limit = self.reply_limit(request.max_new_tokens, encoded.weight, encoded.prompt_tokens, encoded.prompt_copies,
+                                 replay_prompt_tokens=encoded.replay_prompt_tokens)
         try:
-            engine, generations = await self.dialect.generate(self, request)
+            engine, raw = await self.request(encoded.path, encoded.body, encoded.weight, limit=limit, key=request.key)
+            with self.blame(engine):
+                generations = dialect.decode(encoded, raw, settings, engine.url + encoded.path)
         except EngineReplyInvalid as exc:
             self._count_error("bad_reply")
             bad = self.fleet.engines.get(exc.engine) if exc.engine else None

@@ -117,13 +117,14 @@ class EngineSettings:
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
         if self.api not in ENGINE_APIS:
             raise ConfigError(f"engine api must be one of {', '.join(ENGINE_APIS)}, got {self.api!r}")
-        if self.api == "vllm" and "seed" in self.sampling_params:
+        dialect = DIALECTS[self.api]
+        if dialect.seed_reschedule_kills and "seed" in self.sampling_params:
             raise ConfigError(
-                "a per-request seed kills vLLM's CPU engine when the request is rescheduled (pause keep, "
+                f"a per-request seed kills {self.api}'s CPU engine when the request is rescheduled (pause keep, "
                 "a weight reload): drop 'seed' from sampling_params (or use request_seed=True knowingly)"
             )
-        if self.api == "openai" and not self.model:
-            raise ConfigError("--engine-api openai needs --model NAME")
+        if dialect.needs_model and not self.model:
+            raise ConfigError(f"--engine-api {self.api} needs --model NAME")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
         if self.temperature < 0:
@@ -149,8 +150,9 @@ class EngineSettings:
         if self.routed_experts is not None:
             if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
                 raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
-            if self.api == "openai":
-                raise ConfigError("--routed-experts needs --engine-api sglang or vllm (the replay's endpoints)")
+            if not dialect.routing_replay:
+                replay = ", ".join(name for name, d in DIALECTS.items() if d.routing_replay)
+                raise ConfigError(f"--routed-experts needs --engine-api {replay} (the replay's endpoints)")
 
     @property
     def backoff(self) -> Backoff:
