@@ -211,7 +211,7 @@ class Producer:
         logger.info(
             "producer %s (ns %s) starting: concurrency %d samples, n=%d, engines %s",
             self.name, self.keys.namespace, self.settings.concurrency, n,
-            ", ".join(redact_url(u) for u in self.engine.fleet.engines),
+            ", ".join(redact_url(u) for u in self.engine.settings.all_urls),
         )
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
         heartbeat: asyncio.Task[None] | None = None
@@ -566,7 +566,7 @@ class Producer:
             duplicates=self.duplicates,
             reclaimed=self.reclaimed,
             engine_retries=self.engine.retries,
-            engines=[redact_url(u) for u in self.engine.fleet.engines],
+            engines=[redact_url(u) for u in self.engine.settings.all_urls],
             started_ms=int(self._started * 1000),
             last_seen_ms=now_ms(),
             admission=self._refusal,

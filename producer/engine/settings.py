@@ -155,6 +155,12 @@ class EngineSettings:
                 raise ConfigError(f"--routed-experts needs --engine-api {replay} (the replay's endpoints)")
 
     @property
+    def all_urls(self) -> tuple[str, ...]:
+        """The engines given at start: ``--engine`` URLs (credentials included: redact before
+        showing them) and the registry's."""
+        return (*self.urls, *self.registry_urls)
+
+    @property
     def backoff(self) -> Backoff:
         """The retry delays: from ``backoff_base`` seconds, at most ``backoff_max``, jittered."""
         return Backoff(self.backoff_base, self.backoff_max)
