@@ -16,7 +16,12 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   the group's last unit, held until the group is published (so groups being scored or
   published count too, and prompts in flight never exceed ``concurrency``). A long-tailed group
   holds one unit, not ``n``, while its slowest sample runs.
-* **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
+* **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids), from
+  a thread of its own with its own Redis connection (:mod:`.renewal`): a rollout that blocks the
+  event loop costs its own prompt's time, never the leases of the others.
+* **watchdog**: measures the loop's lag (:mod:`rollstream.common.watchdog`); a stall over
+  ``--loop-stall-after`` is logged once with the code that held the loop, counted in the
+  heartbeat and the metrics.
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
   acknowledged and skipped.
@@ -69,9 +74,11 @@ from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_e
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Admitted, Control, EngineRegistry, Heartbeat, Heartbeats, PromptQueue
+from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
 from .capacity import Capacity, Work
 from .engine import EngineClient
+from .renewal import Renewer
 from .rewards import RewardFunction
 from .rollout import Rollout, RolloutSettings
 from .session import RESUME_POLL
@@ -167,6 +174,14 @@ class Producer:
         self.reclaimed = 0
         self.returned = 0
         self._publish_times: list[float] = []
+        self.watchdog = LoopWatchdog(
+            f"producer {self.name}",
+            settings.loop_stall_after or default_stall_after(config.lease_seconds),
+            logger,
+            on_stall=self._stalled,
+            on_lag=self.metrics.loop_lag,
+        )
+        self._renewer: Renewer | None = None
 
     @classmethod
     async def connect(
@@ -220,14 +235,21 @@ class Producer:
         try:
             await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
             self._state = "running"
+            watchdog = asyncio.create_task(self.watchdog.run(), name="watchdog")
+            loops.append(watchdog)
+            self._renewer = Renewer(
+                self.url, self.keys, self.name,
+                self.settings.renew_interval or self.config.lease_seconds / 3,
+                self._leases_lost, self._set_fatal, asyncio.get_running_loop(),
+            )
+            self._renewer.start()
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
             await self._outage.run(self._follow_registry)
             await self._outage.run(self._heartbeat_once)
             await self._adopt_own_pending()
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-            loops = [
+            loops += [
                 asyncio.create_task(self._admission_loop(), name="admission"),
-                asyncio.create_task(self._renew_loop(), name="renew"),
                 asyncio.create_task(self._reclaim_loop(), name="reclaim"),
                 asyncio.create_task(self._control_loop(), name="control"),
             ]
@@ -243,6 +265,8 @@ class Producer:
             try:
                 await self._shutdown()
             finally:
+                if self._renewer is not None:  # after the shutdown: the drain's prompts are renewed
+                    await asyncio.to_thread(self._renewer.close)
                 try:
                     await self._close_generate()
                 finally:
@@ -375,8 +399,20 @@ class Producer:
             stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
             held=self.config.n_samples_per_prompt,
         )
-        self._work[item.entry_id] = work
+        self._hold(work)
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
+
+    def _hold(self, work: Work) -> None:
+        """List a prompt as held: its lease is renewed until :meth:`_let_go`."""
+        self._work[work.prompt_id] = work
+        if self._renewer is not None:
+            self._renewer.hold(work.stream, work.prompt_id)
+
+    def _let_go(self, work: Work) -> None:
+        """Stop renewing a prompt's lease: just before its last script (publish, dead letter,
+        return), so a renewal running meanwhile cannot report a lease lost that was given up."""
+        if self._renewer is not None:
+            self._renewer.release(work.prompt_id)
 
     # -- one prompt ---------------------------------------------------------------------
 
@@ -403,6 +439,7 @@ class Producer:
                 await self._dead_letter_prompt(work, too_large)
                 finished = True
                 return
+            self._let_go(work)
             result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
             if result is None:
@@ -425,6 +462,7 @@ class Producer:
 
     async def _dead_letter_prompt(self, work: Work, reason: str) -> None:
         logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
+        self._let_go(work)
         await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
@@ -447,9 +485,7 @@ class Producer:
                 continue
             if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[item.entry_id] = Work(
-                    stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version
-                )
+                self._hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))
                 continue
             self.reclaimed += 1
             self._start_work(item, version)
@@ -459,21 +495,8 @@ class Producer:
     async def _trainer_version(self) -> int:
         return await self._outage.run(self.control.weight_version)
 
-    async def _renew_loop(self) -> None:
-        await self._outage.forever(self._renew_turn)
-
-    async def _renew_turn(self) -> bool:
-        interval = self.settings.renew_interval or self.config.lease_seconds / 3
-        await asyncio.sleep(interval)
-        by_stream: dict[str, list[bytes]] = {}
-        for pid, w in self._work.items():
-            if not w.lease_lost:
-                by_stream.setdefault(w.stream, []).append(pid)
-        if not by_stream:
-            return False
-        lost: list[bytes] = []
-        for stream, ids in by_stream.items():
-            lost.extend(await self.prompts.renew(stream, ids))
+    def _leases_lost(self, lost: list[bytes]) -> None:
+        """The renewal thread found prompts no longer ours (taken over after the lease)."""
         for pid in lost:
             work = self._work.get(pid)
             if work is not None and not work.lease_lost:
@@ -482,7 +505,6 @@ class Producer:
                     "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
                     self.name, pid.decode(), self.config.lease_seconds,
                 )
-        return True
 
     async def _reclaim_loop(self) -> None:
         """Take over prompts idle past the lease; while some are due, admission holds off so the
@@ -580,11 +602,20 @@ class Producer:
             episodes_failed=self.rollout.episodes_failed,
             aborts_continued=self.rollout.runtime.aborts_continued,
             engine_fleet=self.engine.fleet_status(),
+            loop_stalls=self.watchdog.stalls,
+            loop_stall_s=round(self.watchdog.stall_seconds, 2),
+            loop_stall_longest_s=self.watchdog.longest.seconds if self.watchdog.longest else 0.0,
+            loop_stall_where=self.watchdog.longest.describe() if self.watchdog.longest else "",
+            loop_lag_max_s=round(self.watchdog.take_max_lag(), 3),
+            loop_stall_after_s=self.watchdog.threshold,
         )
         await self.heartbeats.write(self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
         if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
+
+    def _stalled(self, stall: Stall) -> None:
+        self.metrics.loop_stalled(stall.seconds)
 
     async def _heartbeat_loop(self) -> None:
         await self._outage.forever(self._heartbeat_turn, wrote=True)  # a write Redis refuses at maxmemory
@@ -669,12 +700,16 @@ class Producer:
             self.name, self.keys.namespace, self._state, self.published, self.returned, self.duplicates,
         )
 
+    async def _give_back(self, work: Work) -> bool:
+        self._let_go(work)
+        return await self.prompts.give_back(work.stream, work.prompt_id, work.fields)
+
     async def _return_unfinished(self) -> None:
         """Put the prompts still held into the retry stream, with their attempt unchanged."""
         for work in list(self._work.values()):
             try:
                 returned = await self._outage.run(
-                    lambda w=work: self.prompts.give_back(w.stream, w.prompt_id, w.fields), give_up_after=30
+                    lambda w=work: self._give_back(w), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(
