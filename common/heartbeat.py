@@ -82,6 +82,10 @@ class Heartbeat:
     """The loop's largest lag since the previous heartbeat."""
     loop_stall_after_s: float = 0.0
     """The producer's stall threshold (``--loop-stall-after``; default a fifth of the lease, at most 5 s)."""
+    weight_versions_from: str = ""
+    """Where its samples' weight versions come from: ``engine replies`` (SGLang ``meta_info``, vLLM
+    spans), an endpoint it asks (``GET /weight_info``, ``GET /model_info``), or ``trainer at
+    admission`` when its engines report none (``producer/engine/discovery.py``)."""
     engine_fleet: list[dict] = field(default_factory=list)
     """Each engine's ``url``, ``state`` (healthy, suspect, ejected, wedged, behind, draining),
     ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,

@@ -8,6 +8,13 @@ of its own, with its own event loop and its own Redis connection, so a blocking 
 own prompt's time and nothing else. The producer's loop only says which prompts it holds
 (:meth:`Renewer.hold` / :meth:`Renewer.release`, under a lock) and hears back, on its own loop,
 which leases were lost.
+
+A prompt stays held until its last script (publish, dead letter, return) has returned: the loop
+can stall between the call and the script being sent. Likewise, while the loop claims prompts
+(ADMIT, XAUTOCLAIM, adopting its own: :meth:`Renewer.claiming`), the script may have run in
+Redis while the loop, stalled, has not read its reply: for that while every entry pending under
+the producer's name is renewed, not only the held ones. Outside it only held prompts are renewed,
+so an entry whose ADMIT reply was lost with a connection is still reclaimed after the lease.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from rollstream.common.connection import Outage, connect
 from rollstream.common.keys import Keys
@@ -54,8 +61,10 @@ class Renewer:
         self._loop = loop
         self._lock = threading.Lock()
         self._held: dict[bytes, str] = {}
+        self._claiming = 0
         self._thread: LoopThread | None = None
-        self._task: concurrent.futures.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        """The renewal loop, a task of the thread's loop."""
         self.turns = 0
         """Renewal turns that reached Redis (tests and the benchmark read it)."""
 
@@ -70,25 +79,40 @@ class Renewer:
         with self._lock:
             self._held.pop(prompt_id, None)
 
-    def holds(self, prompt_id: bytes) -> bool:
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[None]:
+        """Around a call that makes prompts pending under this producer's name, until they are
+        held: meanwhile every entry pending under the name is renewed."""
         with self._lock:
-            return prompt_id in self._held
+            self._claiming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._claiming -= 1
 
     def start(self) -> None:
         if self._thread is None:
             self._thread = LoopThread(f"rollstream-renew-{self.consumer}")
-            self._task = asyncio.run_coroutine_threadsafe(self._run(), self._thread.loop)
+            self._thread.run(self._spawn())
 
     def close(self) -> None:
-        """Stop renewing and end the thread (blocking: call it off the producer's loop)."""
-        thread, task = self._thread, self._task
-        self._thread = self._task = None
-        if thread is None or task is None:
+        """Stop renewing and end the thread once its loop has ended (blocking: call it off the
+        producer's loop)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
-        task.cancel()
-        with contextlib.suppress(BaseException):  # cancelled (the normal end), or an error already reported
-            task.result(timeout=CLOSE_TIMEOUT)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            asyncio.run_coroutine_threadsafe(self._cancel(), thread.loop).result(CLOSE_TIMEOUT)
         thread.close()
+
+    async def _spawn(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="renew")
+
+    async def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=CLOSE_TIMEOUT)
 
     # -- the renewal thread -------------------------------------------------------------
 
@@ -103,12 +127,21 @@ class Renewer:
                 by_stream: dict[str, list[bytes]] = {}
                 for pid, stream in self._held.items():
                     by_stream.setdefault(stream, []).append(pid)
+                claiming = self._claiming > 0
+            if claiming:  # claimed, perhaps not yet known to the stalled loop
+                for stream in prompts.streams:
+                    known = set(by_stream.get(stream, ()))
+                    extra = [pid for pid in await prompts.own_pending_ids(stream) if pid not in known]
+                    if extra:
+                        by_stream.setdefault(stream, []).extend(extra)
             if not by_stream:
-                return False
+                return claiming
             lost: list[bytes] = []
             for stream, ids in by_stream.items():
                 lost.extend(await prompts.renew(stream, ids))
             self.turns += 1
+            logger.debug("producer %s: renewed %d leases (%d lost)", self.consumer, sum(map(len, by_stream.values())),
+                         len(lost))
             if lost:
                 with self._lock:
                     lost = [pid for pid in lost if self._held.pop(pid, None) is not None]

@@ -234,6 +234,7 @@ class Producer:
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
             await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
+            await self.engine.check_versions()  # says once if no engine reports weight versions
             self._state = "running"
             watchdog = asyncio.create_task(self.watchdog.run(), name="watchdog")
             loops.append(watchdog)
@@ -355,14 +356,15 @@ class Producer:
             self._capacity.free -= extra * n
             held = count = 1 + extra
             try:
-                admission = await self._outage.run(
-                    lambda count=count: self.prompts.admit(self.config, count)
-                )
-                if self.config.max_staleness is not None:
-                    self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
-                for item in admission.entries:
-                    self._start_work(item, admission.weight_version)
-                    held -= 1
+                with self._claiming():
+                    admission = await self._outage.run(
+                        lambda count=count: self.prompts.admit(self.config, count)
+                    )
+                    if self.config.max_staleness is not None:
+                        self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
+                    for item in admission.entries:
+                        self._start_work(item, admission.weight_version)
+                        held -= 1
             finally:
                 if held:
                     self._capacity.give(held * n)
@@ -403,14 +405,19 @@ class Producer:
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
 
     def _hold(self, work: Work) -> None:
-        """List a prompt as held: its lease is renewed until :meth:`_let_go`."""
+        """List a prompt as held: its lease is renewed until :meth:`_drop`."""
         self._work[work.prompt_id] = work
         if self._renewer is not None:
             self._renewer.hold(work.stream, work.prompt_id)
 
-    def _let_go(self, work: Work) -> None:
-        """Stop renewing a prompt's lease: just before its last script (publish, dead letter,
-        return), so a renewal running meanwhile cannot report a lease lost that was given up."""
+    def _claiming(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call that claims prompts (ADMIT, XAUTOCLAIM, adoption) until they are held."""
+        return self._renewer.claiming() if self._renewer is not None else contextlib.nullcontext()
+
+    def _drop(self, work: Work) -> None:
+        """A prompt's last script returned: no longer held, no longer renewed. (Renewing goes on
+        until then: the loop may stall between the call and the script, see :mod:`.renewal`.)"""
+        self._work.pop(work.prompt_id, None)
         if self._renewer is not None:
             self._renewer.release(work.prompt_id)
 
@@ -439,7 +446,7 @@ class Producer:
                 await self._dead_letter_prompt(work, too_large)
                 finished = True
                 return
-            self._let_go(work)
+            work.finishing = True
             result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
             if result is None:
@@ -456,23 +463,26 @@ class Producer:
             self._set_fatal(exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
-                self._work.pop(work.prompt_id, None)
+                self._drop(work)
+            else:
+                work.finishing = False
             self._capacity.give(work.held)
             work.held = 0
 
     async def _dead_letter_prompt(self, work: Work, reason: str) -> None:
         logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
-        self._let_go(work)
+        work.finishing = True
         await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
     async def _adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
-        claimed = await self._outage.run(self.prompts.own_pending)
-        if claimed:
-            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
-            await self._take_over(claimed)
+        with self._claiming():
+            claimed = await self._outage.run(self.prompts.own_pending)
+            if claimed:
+                logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
+                await self._take_over(claimed)
 
     async def _take_over(self, claimed: list[Admitted]) -> None:
         n = self.config.n_samples_per_prompt
@@ -499,7 +509,7 @@ class Producer:
         """The renewal thread found prompts no longer ours (taken over after the lease)."""
         for pid in lost:
             work = self._work.get(pid)
-            if work is not None and not work.lease_lost:
+            if work is not None and not work.lease_lost and not work.finishing:
                 work.lease_lost = True
                 logger.warning(
                     "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
@@ -547,15 +557,16 @@ class Producer:
             await self.prompts.announce_reclaim()
             self._reclaim_seen_ms = now_ms()  # its own find: already acting on it
         await self._capacity.room(n, self._stopping)
-        claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
-        self._outage.recovered()  # before the take-over, whose own calls ride out an outage
-        if claimed:
-            logger.info(
-                "producer %s: reclaimed %d prompts idle past the %.0f s lease",
-                self.name, len(claimed), self.config.lease_seconds,
-            )
-            await self._take_over(claimed)
-        elif self.prompts.reclaim_scanned:
+        with self._claiming():
+            claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
+            self._outage.recovered()  # before the take-over, whose own calls ride out an outage
+            if claimed:
+                logger.info(
+                    "producer %s: reclaimed %d prompts idle past the %.0f s lease",
+                    self.name, len(claimed), self.config.lease_seconds,
+                )
+                await self._take_over(claimed)
+        if not claimed and self.prompts.reclaim_scanned:
             self._reclaim_due = False  # scanned to the end: nothing left to take over
         if not self._reclaim_due:
             self._wake.set()
@@ -608,6 +619,7 @@ class Producer:
             loop_stall_where=self.watchdog.longest.describe() if self.watchdog.longest else "",
             loop_lag_max_s=round(self.watchdog.take_max_lag(), 3),
             loop_stall_after_s=self.watchdog.threshold,
+            weight_versions_from=self.engine.versions_from,
         )
         await self.heartbeats.write(self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
@@ -701,7 +713,7 @@ class Producer:
         )
 
     async def _give_back(self, work: Work) -> bool:
-        self._let_go(work)
+        work.finishing = True
         return await self.prompts.give_back(work.stream, work.prompt_id, work.fields)
 
     async def _return_unfinished(self) -> None:
@@ -719,5 +731,5 @@ class Producer:
                 continue
             if returned:
                 self.returned += 1
-            self._work.pop(work.prompt_id, None)
+            self._drop(work)
 

@@ -25,7 +25,15 @@ import msgspec
 from rollstream.common.errors import EngineError, EngineRejected
 
 from .dialects import DIALECTS
-from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
+from .discovery import (
+    FROM_REPLIES,
+    FROM_TRAINER,
+    INFO_BYTES,
+    PROBE_ERRORS,
+    VERSION_HINTS,
+    gateway_workers,
+    probe_version_at,
+)
 from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
@@ -170,6 +178,10 @@ class EngineClient:
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
+        self._version_paths: dict[str, str] = {}
+        """Engine URL -> the endpoint that last gave its weight version."""
+        self._versions_from: dict[str, str] = {}
+        """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -433,6 +445,10 @@ class EngineClient:
                 if not missing:  # once per reply
                     asked, missing = await self.weight_version(engine), True
                 generation.weight_version = asked
+        self._versions_from[engine.url] = (
+            FROM_REPLIES if not missing else FROM_TRAINER if asked is None
+            else f"GET {self._version_paths.get(engine.url, '?')}"
+        )
         return generations
 
     # -- tokenization -------------------------------------------------------------------
@@ -500,15 +516,48 @@ class EngineClient:
         if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
             return engine.version
         engine.version_checked = now
-        version, exists = await probe_version(
+        version, path, exists = await probe_version_at(
             self.transport, engine.url, self.dialect.version_paths, self.settings.model_info_timeout
         )
         if not exists:
-            engine.has_model_info = False  # vLLM's OpenAI server: none exists; stop asking
+            engine.has_model_info = False  # an engine with none of the endpoints: stop asking
             logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
         elif version is not None:
+            self._version_paths[engine.url] = path
             self.fleet.version_seen(engine, version)
         return engine.version
+
+    @property
+    def versions_from(self) -> str:
+        """Where this producer's weight versions come from, over its engines' last replies (before
+        any reply: what :meth:`check_versions` found); the heartbeat's ``weight_versions_from``."""
+        return ", ".join(sorted(set(self._versions_from.values())))
+
+    async def check_versions(self) -> None:
+        """Once at start: ask every engine for its weight version, and say (a warning, once) which
+        engines gave none and which API would: their samples get the trainer's version at admission
+        (staleness is then counted from admission, not from the weights that generated them)."""
+        silent = []
+        for engine in list(self.fleet.engines.values()):
+            version = await self.weight_version(engine)
+            if version is not None:
+                self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
+            else:
+                silent.append(engine.url)
+        if not silent:
+            return
+        api = self.settings.api
+        replies = " (its replies may still carry them)" if api != "openai" else ""
+        logger.warning(
+            "engine(s) %s on --engine-api %s report no weight version at %s (or could not be asked)%s: "
+            "their samples get the trainer's version at admission (weight_version_source "
+            "trainer_at_admission); %s",
+            ", ".join(silent), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths), replies,
+            VERSION_HINTS.get(api, ""),
+        )
+        if api == "openai":
+            for url in silent:
+                self._versions_from.setdefault(url, FROM_TRAINER)
 
     # -- the fleet ----------------------------------------------------------------------
 
