@@ -55,11 +55,13 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common.attempts import exhausted
 from rollstream.common.cancellation import raise_if_cancelled
-from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large
+from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
     TRANSIENT_ERRORS,
@@ -441,6 +443,16 @@ class Producer:
                 return
             work.prompt = prompt
             group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
+            if (dead := exhausted(group, self.config)) is not None:
+                # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
+                reason, last = dead
+                logger.warning(
+                    "producer %s: prompt %d dead-lettered after %d attempts: %s",
+                    self.name, last.index, last.attempt, "; ".join(last.history),
+                )
+                await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False)
+                finished = True
+                return
             fields = group_fields(group)
             if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
                 await self._dead_letter_prompt(work, too_large)
@@ -469,10 +481,15 @@ class Producer:
             self._capacity.give(work.held)
             work.held = 0
 
-    async def _dead_letter_prompt(self, work: Work, reason: str) -> None:
-        logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
+    async def _dead_letter_prompt(
+        self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True
+    ) -> None:
+        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``."""
+        if log:
+            logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
         work.finishing = True
-        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
+        written = work.fields if fields is None else fields
+        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
