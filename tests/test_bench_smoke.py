@@ -106,3 +106,12 @@ def test_fleet_quick_measures_the_sick_fleet_the_old_engine_and_the_cache() -> N
     assert [row[2] for row in sick.rows] == [row[1] for row in sick.rows]  # every group completed
     assert behind.rows[1][2] <= behind.rows[0][2]  # the version gate wastes no more than before
     assert all(0 <= row[2] <= 1 for row in cache.rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_loop_stall_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["loop_stall"], quick=True)
+    (row,) = table.rows
+    assert row[0] == "12/12" and row[1] == 0  # every group trained once
+    assert row[5] >= 2 and row[6] >= 2  # the 2 stalls logged and in the heartbeats

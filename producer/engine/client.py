@@ -537,9 +537,10 @@ class EngineClient:
         """Once at start: ask every engine for its weight version, and say (a warning, once) which
         engines gave none and which API would: their samples get the trainer's version at admission
         (staleness is then counted from admission, not from the weights that generated them)."""
+        engines = list(self.fleet.engines.values())
+        versions = await asyncio.gather(*(self.weight_version(e) for e in engines))  # one timeout in all
         silent = []
-        for engine in list(self.fleet.engines.values()):
-            version = await self.weight_version(engine)
+        for engine, version in zip(engines, versions, strict=True):
             if version is not None:
                 self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
             else:
