@@ -29,8 +29,9 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_callable
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import Group
-from rollstream.common.watchdog import MAX_STALL_AFTER, LoopWatchdog
+from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 from rollstream.consumer import GroupConsumer
+from rollstream.consumer.options import NAME_LEASE_SECONDS
 
 from .convert import Framework
 from .journal import Journal, JournalRecord, journal_key
@@ -94,7 +95,8 @@ class RolloutSession:
         self._thread: LoopThread | None = None
         self._watchdog: asyncio.Task[None] | None = None
         """The loop-lag watchdog of the session's loop: the consumer's name lease is renewed on
-        it, so a stall there (a heavy conversion, a blocking keep filter) is named in the log."""
+        it, so a stall there (a heavy conversion, a blocking keep filter) is named in the log; the
+        threshold is a fifth of that lease (2 s)."""
         self._stack: AsyncExitStack | None = None
         self._consumer: Any = None
         self._journal: Journal | None = None
@@ -150,7 +152,9 @@ class RolloutSession:
     # -- internals (on the session's loop) ------------------------------------------------
 
     async def _watch(self) -> None:
-        watchdog = LoopWatchdog(f"rollstream {self.framework.name} integration", MAX_STALL_AFTER, logger)
+        watchdog = LoopWatchdog(
+            f"rollstream {self.framework.name} integration", default_stall_after(NAME_LEASE_SECONDS), logger
+        )
         self._watchdog = asyncio.create_task(watchdog.run(), name="watchdog")
 
     async def _unwatch(self) -> None:
