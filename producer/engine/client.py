@@ -182,6 +182,8 @@ class EngineClient:
         """Engine URL -> the endpoint that last gave its weight version."""
         self._versions_from: dict[str, str] = {}
         """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
+        self._said_no_version: set[str] = set()
+        """Engines named in the no-version warning (once each)."""
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -444,6 +446,8 @@ class EngineClient:
             if generation.weight_version is None:
                 if not missing:  # once per reply
                     asked, missing = await self.weight_version(engine), True
+                    if asked is None:
+                        self._say_no_version([engine.url])
                 generation.weight_version = asked
         self._versions_from[engine.url] = (
             FROM_REPLIES if not missing else FROM_TRAINER if asked is None
@@ -534,9 +538,12 @@ class EngineClient:
         return ", ".join(sorted(set(self._versions_from.values())))
 
     async def check_versions(self) -> None:
-        """Once at start: ask every engine for its weight version, and say (a warning, once) which
-        engines gave none and which API would: their samples get the trainer's version at admission
-        (staleness is then counted from admission, not from the weights that generated them)."""
+        """Once at start, on an API whose replies carry no version (OpenAI): ask every engine for
+        its weight version, and say which give none (:meth:`_say_no_version`). On the native APIs
+        the replies carry them; an engine whose reply has none and whose endpoint gives none is
+        named at that first reply instead."""
+        if self.settings.api != "openai":
+            return
         engines = list(self.fleet.engines.values())
         versions = await asyncio.gather(*(self.weight_version(e) for e in engines))  # one timeout in all
         silent = []
@@ -545,20 +552,25 @@ class EngineClient:
                 self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
             else:
                 silent.append(engine.url)
-        if not silent:
+                self._versions_from.setdefault(engine.url, FROM_TRAINER)
+        self._say_no_version(silent)
+
+    def _say_no_version(self, urls: list[str]) -> None:
+        """A warning, once per engine: its samples get the trainer's version at admission
+        (staleness is then counted from admission, not from the weights that generated them),
+        and which API would give versions."""
+        new = [url for url in urls if url not in self._said_no_version]
+        if not new:
             return
+        self._said_no_version.update(new)
         api = self.settings.api
-        replies = " (its replies may still carry them)" if api != "openai" else ""
         logger.warning(
             "engine(s) %s on --engine-api %s report no weight version at %s (or could not be asked)%s: "
             "their samples get the trainer's version at admission (weight_version_source "
             "trainer_at_admission); %s",
-            ", ".join(silent), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths), replies,
-            VERSION_HINTS.get(api, ""),
+            ", ".join(new), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths),
+            "" if api == "openai" else " nor in their replies", VERSION_HINTS.get(api, ""),
         )
-        if api == "openai":
-            for url in silent:
-                self._versions_from.setdefault(url, FROM_TRAINER)
 
     # -- the fleet ----------------------------------------------------------------------
 
