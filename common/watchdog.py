@@ -28,6 +28,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 TICK = 0.1
 """Seconds between two ticks of the loop (the resolution of the lag measurement)."""
 STALL_FRACTION = 0.2
@@ -112,7 +114,7 @@ class LoopWatchdog:
         tick: float = TICK,
     ) -> None:
         if not threshold > 0:
-            raise ValueError(f"the stall threshold must be positive, got {threshold!r}")
+            raise ConfigError(f"the loop stall threshold must be positive, got {threshold!r}")
         self.what = what
         self.threshold = threshold
         self.tick = min(tick, threshold / 2)
@@ -122,7 +124,6 @@ class LoopWatchdog:
         self.stalls = 0
         self.stall_seconds = 0.0
         self.longest: Stall | None = None
-        self.last: Stall | None = None
         self.max_lag = 0.0
         """The largest lag since :meth:`take_max_lag` last read it."""
         self._stamp = time.monotonic()
@@ -165,7 +166,6 @@ class LoopWatchdog:
         stall = Stall(round(seconds, 2), task, where)
         self.stalls += 1
         self.stall_seconds += seconds
-        self.last = stall
         if self.longest is None or stall.seconds > self.longest.seconds:
             self.longest = stall
         self._logger.warning(

@@ -65,8 +65,6 @@ class Renewer:
         self._thread: LoopThread | None = None
         self._task: asyncio.Task[None] | None = None
         """The renewal loop, a task of the thread's loop."""
-        self.turns = 0
-        """Renewal turns that reached Redis (tests and the benchmark read it)."""
 
     # -- the producer's loop ------------------------------------------------------------
 
@@ -75,7 +73,7 @@ class Renewer:
             self._held[prompt_id] = stream
 
     def release(self, prompt_id: bytes) -> None:
-        """Stop renewing ``prompt_id`` (before its last script: publish, dead letter, return)."""
+        """Stop renewing ``prompt_id`` (once its last script returned: publish, dead letter, return)."""
         with self._lock:
             self._held.pop(prompt_id, None)
 
@@ -139,7 +137,6 @@ class Renewer:
             lost: list[bytes] = []
             for stream, ids in by_stream.items():
                 lost.extend(await prompts.renew(stream, ids))
-            self.turns += 1
             logger.debug("producer %s: renewed %d leases (%d lost)", self.consumer, sum(map(len, by_stream.values())),
                          len(lost))
             if lost:
@@ -152,7 +149,8 @@ class Renewer:
         try:
             await outage.forever(turn)
         except Exception as exc:
-            self._loop.call_soon_threadsafe(self._on_error, exc)
+            with contextlib.suppress(RuntimeError):  # the producer's loop already closed
+                self._loop.call_soon_threadsafe(self._on_error, exc)
             raise
         finally:
             await redis.aclose()
