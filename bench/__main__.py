@@ -16,7 +16,7 @@ from bench.common import OUT, Table, machine
 
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
-    "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "scale",
+    "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "loop_stall", "scale",
 )
 DEFAULT = tuple(name for name in BENCHMARKS if name != "scale")
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own)."""

@@ -149,6 +149,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                         "distinct prompts in a row is fatal (a broken engine)")
     p.add_argument("--long-request-after", type=float, default=600.0,
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
+    p.add_argument("--loop-stall-after", type=float, default=None, metavar="SECONDS",
+                   help="event-loop lag that counts as a stall, logged with the code that blocked the loop "
+                        "(default: a fifth of the lease, at most 5 s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--gc-threshold", type=int, default=None, metavar="N",
@@ -544,6 +547,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         reward_failure_limit=args.reward_failure_limit,
         engine_failure_limit=args.engine_failure_limit,
         long_request_after=args.long_request_after,
+        loop_stall_after=args.loop_stall_after,
         **episode_options(args),
     )
     if args.metrics_port is not None:

@@ -128,7 +128,7 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     producers = _table(
         f"producers ({snap['producers_alive']} alive of {len(snap['producers'])})", plain,
         "name", "host", "pid", "status", "in flight", "engine reqs", "leases", "groups/min", "published",
-        "heartbeat",
+        "loop stalls", "versions from", "heartbeat",
     )
     for row in snap["producers"]:
         status = row["status"]
@@ -139,7 +139,9 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             row["name"], str(row.get("host") or "-"), str(row.get("pid") or "-"), Text(shown, style=style),
             f"{row.get('in_flight_samples', 0)}/{conc if conc is not None else '?'}",
             str(row.get("engine_requests", 0)), str(row.get("leases_held", 0)),
-            str(row.get("groups_last_minute", 0)), str(row.get("published", 0)), _age(row.get("heartbeat_age_s")),
+            str(row.get("groups_last_minute", 0)), str(row.get("published", 0)),
+            f"{row['loop_stalls']} (max {row['loop_stall_longest_s']:.1f}s)" if row.get("loop_stalls") else "0",
+            str(row.get("weight_versions_from") or "-"), _age(row.get("heartbeat_age_s")),
         )
     parts.append(producers)
 

@@ -87,6 +87,16 @@ class ProducerMetrics(Metrics):
             "rollstream_engine_kv_usage", "KV cache usage (0..1), where the engine reports it", engine_names,
             registry=self.registry,
         )
+        self._lag = Gauge(
+            "rollstream_loop_lag_seconds", "The event loop's largest lag since the previous scrape",
+            names, registry=self.registry,
+        ).labels(**labels)
+        self._stalls = Histogram(
+            "rollstream_loop_stall_seconds",
+            "Stalls of the event loop over the threshold (user code blocking it), by length",
+            names, buckets=(0.5, 1, 2, 5, 10, 30, 60, 300), registry=self.registry,
+        ).labels(**labels)
+        self._max_lag = 0.0
         self._engine: EngineClient | None = None
         self._seen_retries = 0
         self._seen_errors: dict[str, int] = {}
@@ -115,6 +125,12 @@ class ProducerMetrics(Metrics):
 
     def error(self, kind: str) -> None:
         self._errors.labels(**self._labels, kind=kind).inc()
+
+    def loop_lag(self, seconds: float) -> None:
+        self._max_lag = max(self._max_lag, seconds)
+
+    def loop_stalled(self, seconds: float) -> None:
+        self._stalls.observe(seconds)
 
     def _sync_engine(self) -> None:
         """Fold the engine client's counters in (it counts; this module exports)."""
@@ -145,6 +161,8 @@ class ProducerMetrics(Metrics):
 
     def render(self) -> bytes:
         self._sync_engine()
+        self._lag.set(self._max_lag)
+        self._max_lag = 0.0
         return generate_latest(self.registry)
 
     async def serve(self, host: str, port: int) -> web.AppRunner:

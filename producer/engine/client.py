@@ -25,7 +25,15 @@ import msgspec
 from rollstream.common.errors import EngineError, EngineRejected, PromptNotSupported
 
 from .dialects import DIALECTS
-from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
+from .discovery import (
+    FROM_REPLIES,
+    FROM_TRAINER,
+    INFO_BYTES,
+    PROBE_ERRORS,
+    VERSION_HINTS,
+    gateway_workers,
+    probe_version_at,
+)
 from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
@@ -184,6 +192,12 @@ class EngineClient:
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
+        self._version_paths: dict[str, str] = {}
+        """Engine URL -> the endpoint that last gave its weight version."""
+        self._versions_from: dict[str, str] = {}
+        """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
+        self._said_no_version: set[str] = set()
+        """Engines named in the no-version warning (once each)."""
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -475,7 +489,13 @@ class EngineClient:
             if generation.weight_version is None:
                 if not missing:  # once per reply
                     asked, missing = await self.weight_version(engine), True
+                    if asked is None:
+                        self._say_no_version([engine.url])
                 generation.weight_version = asked
+        self._versions_from[engine.url] = (
+            FROM_REPLIES if not missing else FROM_TRAINER if asked is None
+            else f"GET {self._version_paths.get(engine.url, '?')}"
+        )
         return generations
 
     # -- tokenization -------------------------------------------------------------------
@@ -543,15 +563,57 @@ class EngineClient:
         if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
             return engine.version
         engine.version_checked = now
-        version, exists = await probe_version(
+        version, path, exists = await probe_version_at(
             self.transport, engine.url, self.dialect.version_paths, self.settings.model_info_timeout
         )
         if not exists:
-            engine.has_model_info = False  # vLLM's OpenAI server: none exists; stop asking
+            engine.has_model_info = False  # an engine with none of the endpoints: stop asking
             logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
         elif version is not None:
+            self._version_paths[engine.url] = path
             self.fleet.version_seen(engine, version)
         return engine.version
+
+    @property
+    def versions_from(self) -> str:
+        """Where this producer's weight versions come from, over its engines' last replies (before
+        any reply: what :meth:`check_versions` found); the heartbeat's ``weight_versions_from``."""
+        return ", ".join(sorted(set(self._versions_from.values())))
+
+    async def check_versions(self) -> None:
+        """Once at start, on an API whose replies carry no version (OpenAI): ask every engine for
+        its weight version, and say which give none (:meth:`_say_no_version`). On the native APIs
+        the replies carry them; an engine whose reply has none and whose endpoint gives none is
+        named at that first reply instead."""
+        if self.dialect.replies_carry_versions:
+            return
+        engines = list(self.fleet.engines.values())
+        versions = await asyncio.gather(*(self.weight_version(e) for e in engines))  # one timeout in all
+        silent = []
+        for engine, version in zip(engines, versions, strict=True):
+            if version is not None:
+                self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
+            else:
+                silent.append(engine.url)
+                self._versions_from.setdefault(engine.url, FROM_TRAINER)
+        self._say_no_version(silent)
+
+    def _say_no_version(self, urls: list[str]) -> None:
+        """A warning, once per engine: its samples get the trainer's version at admission
+        (staleness is then counted from admission, not from the weights that generated them),
+        and which API would give versions."""
+        new = [url for url in urls if url not in self._said_no_version]
+        if not new:
+            return
+        self._said_no_version.update(new)
+        api = self.settings.api
+        logger.warning(
+            "engine(s) %s on --engine-api %s report no weight version at %s (or could not be asked)%s: "
+            "their samples get the trainer's version at admission (weight_version_source "
+            "trainer_at_admission); %s",
+            ", ".join(new), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths),
+            " nor in their replies" if self.dialect.replies_carry_versions else "", VERSION_HINTS.get(api, ""),
+        )
 
     # -- the fleet ----------------------------------------------------------------------
 

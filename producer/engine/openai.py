@@ -5,9 +5,10 @@ vLLM's ``return_tokens_as_token_ids`` and ``return_token_ids`` bring back token 
 Replies: ``choices[i].text``, ``.finish_reason``, ``.logprobs.tokens`` / ``.token_logprobs``,
 vLLM's ``.token_ids`` or ``"token_id:N"`` tokens, ``prompt_token_ids`` on the choice or the reply;
 chat: ``choices[i].message.content``, ``.logprobs.content[j].token`` / ``.logprob``, the same vLLM
-id fields. These servers report no weight version in the reply: it comes from the model-info
-endpoints, or is None (vLLM's OpenAI server has none; the producer then records the trainer's
-version at admission).
+id fields. These servers report no weight version in the reply: it comes from the engine's own
+endpoints, as with the native dialects: vLLM's ``GET /weight_info`` (dev mode), else SGLang's
+``GET /model_info``; an engine with none gets the trainer's version at admission (said once at
+start, ``discovery.VERSION_HINTS``).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class OpenAI:
     replies_carry_versions = False
     routing_replay = False
     seed_reschedule_kills = False
-    version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")
+    version_paths: tuple[str, ...] = ("/weight_info", "/model_info", "/get_model_info")
+    """vLLM's (dev mode) first, then SGLang's: the replies of this API carry no version."""
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
     load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics

@@ -15,7 +15,7 @@ from aiohttp import web
 from rollstream.testing.sim.model import POISON_MARKER, _plan_response
 from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
 
-MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang")
+MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang", "vllm", "absent")
 FAULT_STATUSES = (429, 500, 503)
 BAD_REPLY_MODES = ("not_json", "schema", "too_large", "hang")
 HANG_SECONDS = 30.0

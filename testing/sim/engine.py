@@ -72,8 +72,8 @@ vLLM (OpenAI-compatible) endpoint
     ``POST /v1/completions`` with ``prompt`` (a string or a list of token ids), ``n``,
     ``max_tokens``, ``logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``.
     ``POST /v1/chat/completions`` with ``messages`` (rendered by :func:`render_chat`) and the
-    same options (``logprobs: true``). No weight version is reported there (vLLM does not
-    report one).
+    same options (``logprobs: true``). No weight version is reported in these replies (vLLM does
+    not report one); ``GET /weight_info`` says it (above).
 
 Fault injection (for tests of retries and fallbacks)
     ``POST /sim/faults`` with a JSON object holding any of:
@@ -84,7 +84,10 @@ Fault injection (for tests of retries and fallbacks)
     * ``"model_info"``: ``"ok"`` (normal), ``"garbage"`` (a non-JSON body), ``"error"``
       (HTTP 500), ``"missing"`` (JSON without ``weight_version``), ``"non_integer"``
       (``weight_version`` is ``"abc"``) or ``"hang"`` (sleeps 30 s before answering) for
-      ``/model_info`` and ``/get_model_info``.
+      ``/model_info`` and ``/get_model_info``; ``"vllm"``: those two answer 404 and
+      ``/weight_info`` the version (vLLM's server in dev mode); ``"absent"``: all three answer 404
+      (vLLM's OpenAI server as started by default). ``"missing"`` also drops the version from
+      ``/weight_info``.
     * ``"report_weight_version": bool``: whether ``/generate`` replies carry
       ``meta_info.weight_version``.
     * ``"bad_replies": K`` and ``"bad_reply": MODE``: the next ``K`` generation requests (``-1``:

@@ -156,6 +156,8 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
 async def _model_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     mode = state.model_info_mode
+    if mode in ("vllm", "absent"):  # vLLM's server has no /model_info
+        return _error(404, "Not Found")
     if mode == "hang":
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.closing.wait(), timeout=HANG_SECONDS)

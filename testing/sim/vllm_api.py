@@ -103,7 +103,12 @@ async def _vllm_update_weight_version(request: web.Request) -> web.Response:
 
 
 async def _vllm_weight_info(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": str(request.app[STATE_KEY].weight_version)})
+    state = request.app[STATE_KEY]
+    if state.model_info_mode == "absent":  # vLLM without VLLM_SERVER_DEV_MODE
+        return _error(404, "Not Found")
+    if state.model_info_mode == "missing":
+        return web.json_response({})
+    return web.json_response({"weight_version": str(state.weight_version)})
 
 
 async def _vllm_abort_requests(request: web.Request) -> web.Response:
