@@ -9,62 +9,41 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
+from ..models import SAMPLE_FIELDS
+from ..sample_fields import Kind
 from .wire import CodecLimits, unpackb
 
+_VIEW_TYPES: dict[Kind, Any] = {
+    Kind.IDS: memoryview | UnsetType | None, Kind.FLOATS: memoryview | UnsetType | None,
+    Kind.MASK: memoryview | UnsetType | None, Kind.PACKED: tuple[str, list[int], memoryview] | UnsetType,
+}
+"""How the zero-copy path reads a field of each kind: ``bin`` arrays as views on the payload,
+any other kind raw (decoded by msgpack)."""
 
-class _SampleView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
-    """A wire sample as the zero-copy path reads it: ``bin`` arrays as views, the rest raw.
-    Unknown keys (a newer writer, or corruption msgspec would skip unchecked) leave the group
-    to the copying decoder."""
-
-    tok: memoryview | UnsetType = UNSET
-    lp: memoryview | UnsetType | None = UNSET
-    lm: memoryview | UnsetType | None = UNSET
-    i: Raw | UnsetType = UNSET
-    resp: Raw | UnsetType = UNSET
-    rlen: Raw | UnsetType = UNSET
-    pl: Raw | UnsetType = UNSET
-    rew: Raw | UnsetType = UNSET
-    st: Raw | UnsetType = UNSET
-    fr: Raw | UnsetType = UNSET
-    wv: Raw | UnsetType = UNSET
-    err: Raw | UnsetType = UNSET
-    md: Raw | UnsetType = UNSET
-    re: tuple[str, list[int], memoryview] | UnsetType = UNSET
-    ix: tuple[str, list[int], memoryview] | UnsetType = UNSET
-    tpi: tuple[str, list[int], memoryview] | UnsetType = UNSET
-    tpo: tuple[str, list[int], memoryview] | UnsetType = UNSET
-    tlp: memoryview | UnsetType = UNSET
-    kl: memoryview | UnsetType = UNSET
-    rm: Raw | UnsetType = UNSET
-    tm: Raw | UnsetType = UNSET
-    rid: Raw | UnsetType = UNSET
-    spec: Raw | UnsetType = UNSET
-    pc: Raw | UnsetType = UNSET
-    ngt: Raw | UnsetType = UNSET
-    ad: Raw | UnsetType = UNSET
-    mti: Raw | UnsetType = UNSET
-    wvs: Raw | UnsetType = UNSET
+_SampleView = msgspec.defstruct(
+    "_SampleView",
+    [(f.key, _VIEW_TYPES.get(f.kind, Raw | UnsetType), UNSET) for f in SAMPLE_FIELDS],
+    gc=False,
+    forbid_unknown_fields=True,
+)
+"""A wire sample as the zero-copy path reads it, one attribute per wire key of
+:data:`SAMPLE_FIELDS`. Unknown keys (a newer writer, or corruption msgspec would skip unchecked)
+leave the group to the copying decoder."""
 
 
-class _GroupView(msgspec.Struct, gc=False, forbid_unknown_fields=True):
-    samples: list[_SampleView] | UnsetType = UNSET
-    v: Raw | UnsetType = UNSET
-    kind: Raw | UnsetType = UNSET
-    index: Raw | UnsetType = UNSET
-    epoch: Raw | UnsetType = UNSET
-    attempt: Raw | UnsetType = UNSET
-    prompt: Raw | UnsetType = UNSET
-    label: Raw | UnsetType = UNSET
-    metadata: Raw | UnsetType = UNSET
-    producer: Raw | UnsetType = UNSET
-    history: Raw | UnsetType = UNSET
-    mmi: Raw | UnsetType = UNSET
+_GROUP_KEYS = ("v", "kind", "index", "epoch", "attempt", "prompt", "label", "metadata", "producer", "history", "mmi")
+_GroupView = msgspec.defstruct(
+    "_GroupView",
+    [("samples", list[_SampleView] | UnsetType, UNSET)]  # type: ignore[valid-type]
+    + [(key, Raw | UnsetType, UNSET) for key in _GROUP_KEYS],
+    gc=False,
+    forbid_unknown_fields=True,
+)
 
 
 _GROUP_VIEW_DECODER = msgspec.msgpack.Decoder(_GroupView)
 _SAMPLE_VIEW_FIELDS = _SampleView.__struct_fields__
-_GROUP_VIEW_FIELDS = tuple(f for f in _GroupView.__struct_fields__ if f != "samples")
+_GROUP_VIEW_FIELDS = _GROUP_KEYS
 
 
 def _fields_of(wire: Any, names: tuple[str, ...], limits: CodecLimits) -> dict[str, Any]:
@@ -82,7 +61,7 @@ def unpack_group_views(payload: bytes, limits: CodecLimits) -> dict[str, Any] | 
     """The group map of ``payload`` with its samples' arrays as views on it; None when this path
     cannot read it (the copying decoder then reports exactly why)."""
     try:
-        wire = _GROUP_VIEW_DECODER.decode(payload)
+        wire: Any = _GROUP_VIEW_DECODER.decode(payload)
         obj = _fields_of(wire, _GROUP_VIEW_FIELDS, limits)
         if wire.samples is not UNSET:
             if len(wire.samples) > limits.max_container_len:
