@@ -442,13 +442,14 @@ STORED_FLAGS_WAIT = 60.0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    import rollstream.integrations.rewards  # noqa: F401 - registers the slime:/miles: reward schemes
+    import rollstream.integrations.framework_rewards  # noqa: F401 - registers the slime:/miles: reward schemes
     from rollstream.producer import gcpolicy
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.rewards import load_reward
+    from rollstream.producer.settings import ProducerSettings, default_producer_name
     from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
-    from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
+    from rollstream.producer.worker import Producer
 
     gc_young = gcpolicy.check(args.gc_threshold)
     needs_stored = any(
@@ -547,7 +548,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_engine(args: argparse.Namespace) -> int:
-    from rollstream.testing.sim.engine import SimConfig, serve
+    from rollstream.testing.sim.simulator import SimConfig, serve
 
     config = SimConfig(
         seed=args.seed,

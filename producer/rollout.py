@@ -61,8 +61,6 @@ from .checks import as_samples, check_sample
 from .engine import EngineClient, route_key
 from .episode import EpisodeInfo, GenerateFunction
 from .outcomes import FailureLog, failed, rejected, to_sample
-from .plugin import SingleTurn as SingleTurn  # re-exported
-from .plugin import load_generate as load_generate
 from .plugin import single_turn
 from .replay import with_routed_experts
 from .rewards import RewardFunction

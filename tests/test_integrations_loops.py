@@ -19,9 +19,9 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample
 from rollstream.integrations.convert import SLIME
+from rollstream.integrations.environment import Settings
 from rollstream.integrations.journal import Journal, JournalRecord
-from rollstream.integrations.session import RolloutSession, open_consumer
-from rollstream.integrations.settings import Settings
+from rollstream.integrations.trainer_session import RolloutSession, open_consumer
 
 EVAL_RESULT = {"custom": {"rewards": [0.25], "truncated": [False], "samples": []}}
 

@@ -173,6 +173,50 @@ def test_the_top_package_exports_the_user_facing_types_lazily() -> None:
         rollstream.NoSuchThing  # noqa: B018
 
 
+SAME_NAME_ALLOWED = {
+    # producer/engine/ is being reworked (issue 31, the dialects) and may not be edited meanwhile;
+    # producer/settings.py (per process) and producer/engine/settings.py (per engine) both stay
+    "settings": {"producer/settings.py", "producer/engine/settings.py"},
+}
+"""Module names two library modules share on purpose, with the modules (nothing else may join)."""
+
+
+def module_names(root: Path = ROOT) -> dict[str, list[str]]:
+    """Each library module's own name (a package's is its folder's, the top ones their installed
+    name) -> the files that carry it."""
+    names: dict[str, list[str]] = {}
+    for package, path in library_files(root):
+        folder = root / path.relative_to(root).parts[0]
+        name = module_name(package, path, folder).rsplit(".", 1)[-1]
+        if name != "__main__":
+            names.setdefault(name, []).append(path.relative_to(root).as_posix())
+    return names
+
+
+def same_names(root: Path = ROOT) -> list[str]:
+    return [
+        f"{name}: {', '.join(paths)}" for name, paths in sorted(module_names(root).items())
+        if len(paths) > 1 and set(paths) != SAME_NAME_ALLOWED.get(name)
+    ]
+
+
+def test_one_module_name_per_meaning() -> None:
+    """Two library modules never share a name (``health``, ``control``, ``views`` meant two things
+    each), so a name says where you are; the exceptions are listed, with the reason."""
+    found = same_names()
+    assert not found, "library modules sharing a name (rename one, docs/architecture.md):\n" + "\n".join(found)
+
+
+def test_the_name_checker_catches_two_modules_of_one_name(tmp_path: Path) -> None:
+    for folder in ("common", "ops"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "health.py").write_text("")
+    (tmp_path / "common" / "ops").mkdir()  # a package named like a top one counts too
+    (tmp_path / "common" / "ops" / "__init__.py").write_text("")
+    assert same_names(tmp_path) == ["health: common/health.py, ops/health.py", "ops: common/ops/__init__.py, ops/__init__.py"]
+
+
 def test_redis_key_names_only_in_the_keys_module() -> None:
     found = list(key_spellings())
     assert not found, "key names spelled outside common/keys.py:\n" + "\n".join(found)

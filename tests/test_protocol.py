@@ -191,9 +191,9 @@ def test_where_a_change_goes() -> None:
     assert given == {f.name for f in dataclasses.fields(Heartbeat)}, "a heartbeat field the producer does not set"
     # A new reward scheme, a new rollout plug-in: one registry each, the frameworks' registered on import.
     import rollstream.integrations  # noqa: F401  (registers the framework schemes)
-    from rollstream.integrations import generate, rewards
+    from rollstream.integrations import framework_rewards, generate
     from rollstream.producer.plugin import generate_schemes
     from rollstream.producer.rewards.loader import schemes
 
-    assert {"math", "remote", *rewards.SCHEMES} <= set(schemes())
+    assert {"math", "remote", *framework_rewards.SCHEMES} <= set(schemes())
     assert set(generate.SCHEMES) <= set(generate_schemes())

@@ -288,14 +288,14 @@ def test_miles_train_data_conversion_reads_every_key_with_the_right_length() -> 
 
 def test_every_layer_derives_the_fields_from_the_one_table() -> None:
     """The codec's keys, its zero-copy struct and the batch's numpy views follow SAMPLE_FIELDS."""
-    from rollstream.common.codec import decode, encode, views, wire
+    from rollstream.common.codec import decode, encode, wire, zero_copy
     from rollstream.common.models import SAMPLE_FIELDS
     from rollstream.consumer import batch
 
     assert [f.name for f in SAMPLE_FIELDS] == [f.name for f in dataclasses.fields(Sample)]
     assert len({f.key for f in SAMPLE_FIELDS}) == len(SAMPLE_FIELDS), "one wire key per field"
     assert wire.V3_SAMPLE_KEYS == tuple(f.key for f in SAMPLE_FIELDS if f.since >= 3)
-    assert views._SampleView.__struct_fields__ == tuple(f.key for f in SAMPLE_FIELDS)
+    assert zero_copy._SampleView.__struct_fields__ == tuple(f.key for f in SAMPLE_FIELDS)
     assert set(batch._VIEWS) == {f.name for f in SAMPLE_FIELDS if f.numpy}
     kinds = {f.kind for f in SAMPLE_FIELDS}
     assert kinds <= set(decode._FROM_WIRE) and kinds <= set(encode._TO_WIRE)

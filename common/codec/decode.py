@@ -12,8 +12,8 @@ from ..arrays import PACKED_CODES, Packed
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
 from ..sample_fields import BIN_CODES, Kind, SampleField
-from .views import unpack_group_views
 from .wire import DEFAULT_LIMITS, LITTLE, READABLE_VERSIONS, CodecLimits, check_payload, check_version, unpack
+from .zero_copy import unpack_group_views
 
 
 def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:

@@ -8,7 +8,7 @@ from redis.asyncio.client import PubSub
 from ..errors import ConfigError
 from ..keys import Keys, StateField
 from ..lua import Scripts
-from ..parse import int_or
+from ..redis_values import int_or
 from .guard import Guarded
 
 # -- control ---------------------------------------------------------------------------------
