@@ -279,3 +279,16 @@ def test_where_a_change_goes() -> None:
 
     assert {"math", "remote", *framework_rewards.SCHEMES} <= set(schemes())
     assert set(generate.SCHEMES) <= set(generate_schemes())
+
+
+def test_docs_prose_lines_are_wrapped() -> None:
+    """No line of README.md or docs/*.md over 200 characters outside tables and code blocks
+    (a paragraph is wrapped, a table of prose is a list)."""
+    long = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fence = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            fence ^= line.startswith("```")
+            if len(line) > 200 and not fence and not line.startswith("|"):
+                long.append(f"{path.relative_to(ROOT)}:{number}: {len(line)} characters")
+    assert not long, "wrap these lines:\n" + "\n".join(long)
