@@ -188,13 +188,17 @@ def _adapter(value: Any) -> Adapter:
     return Adapter(str(value["name"]), int(value["slot"])) if isinstance(value, dict) else value
 
 
+def _status(value: Any) -> Status:
+    return value if type(value) is Status else Status(value)
+
+
 def _packed_of(value: Any) -> Packed:
     return value if isinstance(value, Packed) else Packed.of(value)
 
 
 _COERCE: dict[Kind, Callable[[Any], Any]] = {
     Kind.IDS: int_array, Kind.FLOATS: float_array, Kind.MASK: mask_array, Kind.PACKED: _packed_of,
-    Kind.ADAPTER: _adapter, Kind.STATUS: Status,
+    Kind.ADAPTER: _adapter, Kind.STATUS: _status,
 }
 """What a field of each kind accepts on construction, made into its own type."""
 

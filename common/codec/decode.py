@@ -77,11 +77,14 @@ def _text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str:
     return value
 
 
+_STATUSES = {status.value: status for status in Status}
+
+
 def _status(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Status:
-    try:
-        return Status(_text(value, what, f, limits))
-    except ValueError:
-        raise DecodeError("bad_field", f"{what}.{f.key} is not a status") from None
+    status = _STATUSES.get(_text(value, what, f, limits))
+    if status is None:
+        raise DecodeError("bad_field", f"{what}.{f.key} is not a status")
+    return status
 
 
 def _versions(value: Any, what: str, f: SampleField, limits: CodecLimits) -> list[int]:
@@ -175,6 +178,10 @@ def _missing(what: str, key: str) -> DecodeError:
     return DecodeError("missing_field", f"{what}.{key}")
 
 
+_PLAIN_TYPES = {Kind.INT: int, Kind.TEXT: str, Kind.OPT_TEXT: str, Kind.MAP: dict, Kind.GROUP_ID: int}
+"""Kinds whose value of exactly this type (what msgpack gives) is valid as it is."""
+
+
 def _write_reader(version: int) -> Callable[[dict[str, Any], str, CodecLimits], dict[str, Any]]:
     """The values of the fields a version-``version`` sample has, read and checked each on its
     own, written out from :data:`SAMPLE_FIELDS` once at import (as ``encode._sample_to_wire``):
@@ -187,6 +194,9 @@ def _write_reader(version: int) -> Callable[[dict[str, Any], str, CodecLimits], 
             continue
         env[f"_r{i}"], env[f"_f{i}"] = _FROM_WIRE[f.kind], f
         read = f"_r{i}(raw, what, _f{i}, limits)"
+        if f.kind in _PLAIN_TYPES:  # the common case inline; anything else goes to the reader
+            env[f"_t{i}"] = _PLAIN_TYPES[f.kind]
+            read = f"raw if type(raw) is _t{i} else {read}"
         if f.required:
             lines += [f"    raw = obj.get({f.key!r}, _missing)", "    if raw is _missing:",
                       f"        raise _missing(what, {f.key!r})", f"    values[{f.name!r}] = {read}"]
