@@ -214,9 +214,24 @@ def _write_reader(version: int) -> Callable[[dict[str, Any], str, CodecLimits], 
 
 
 _READERS = {version: _write_reader(version) for version in READABLE_VERSIONS}
-_LENGTHS = {v: tuple(f for f in SAMPLE_FIELDS if f.length is not None and f.since <= v) for v in READABLE_VERSIONS}
-_PAIRS = {v: tuple(f for f in SAMPLE_FIELDS if f.pair is not None and f.since <= v) for v in READABLE_VERSIONS}
-"""Per schema version, the fields whose length another implies, and the fields that travel in pairs."""
+
+
+def _relations(version: int) -> tuple[tuple[Any, ...], ...]:
+    fields = [f for f in SAMPLE_FIELDS if f.since <= version]
+    return (
+        tuple((f.name, f.key) for f in fields if f.length == "response"),
+        tuple((f.name, f.key, f.length == "rows_or_media") for f in fields if f.length in ("rows", "rows_or_media")),
+        tuple((f.name, str(f.pair), f.key) for f in fields if f.length == "offsets"),
+        tuple((f.name, str(f.pair), f.key, _BY_NAME[str(f.pair)].key) for f in fields if f.pair is not None),
+    )
+
+
+_RELATIONS = {version: _relations(version) for version in READABLE_VERSIONS}
+"""Per schema version, the fields whose length another implies (``response_length`` entries, a row
+per token, top-p offsets) and the fields that travel in pairs."""
+_RELATED = frozenset(
+    f.name for f in SAMPLE_FIELDS if f.pair is not None or f.length in ("rows", "rows_or_media", "offsets")
+)
 
 
 def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) -> Sample:
@@ -248,28 +263,32 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
 def _check_relations(values: dict[str, Any], what: str, version: int) -> None:
     """The lengths one field implies for another (``length``, ``pair``, the spans' range)."""
     tokens, rlen = values["tokens"], values["response_length"]
-    for f in _PAIRS[version]:
-        if (f.name in values) != (f.pair in values):
-            raise DecodeError("bad_field", f"{what}: {f.key} needs both {f.key} and {_BY_NAME[str(f.pair)].key}")
-    for f in _LENGTHS[version]:
-        value = values.get(f.name)
-        if value is None:
-            continue
-        if f.length == "response" and len(value) != rlen:
-            raise DecodeError("bad_field", f"{what}.{f.key} has {len(value)} entries for {rlen} response tokens")
-        if f.length in ("rows", "rows_or_media"):
-            rows = max(0, len(tokens) - 1)
+    response, rows, offsets, pairs = _RELATIONS[version]
+    for name, key in response:
+        value = values.get(name)
+        if value is not None and len(value) != rlen:
+            raise DecodeError("bad_field", f"{what}.{key} has {len(value)} entries for {rlen} response tokens")
+    if not _RELATED.isdisjoint(values):
+        for name, pair, key, pair_key in pairs:
+            if (name in values) != (pair in values):
+                raise DecodeError("bad_field", f"{what}: {key} needs both {key} and {pair_key}")
+        for name, key, media_ok in rows:
+            value = values.get(name)
+            count = max(0, len(tokens) - 1)
             # media-expanded rows (miles counts vision patches) only with processed media present
-            if len(value) != rows and not (
-                f.length == "rows_or_media" and len(value) > rows and any(values.get(m) for m in _MEDIA)
+            if value is not None and len(value) != count and not (
+                media_ok and len(value) > count and any(values.get(m) for m in _MEDIA)
             ):
-                raise DecodeError("bad_field", f"{what}.{f.key} has {len(value)} rows for {len(tokens)} tokens")
-        if f.length == "offsets":
-            ids = values[str(f.pair)]
+                raise DecodeError("bad_field", f"{what}.{key} has {len(value)} rows for {len(tokens)} tokens")
+        for name, pair, key in offsets:
+            value = values.get(name)
+            if value is None:
+                continue
+            ids = values[pair]
             if len(value) != rlen + 1 or value.data[0] != 0 or value.data[-1] != len(ids):
                 raise DecodeError(
                     "bad_field",
-                    f"{what}.{f.key}: {len(value)} offsets for {rlen} response tokens, must run from 0 to {len(ids)}",
+                    f"{what}.{key}: {len(value)} offsets for {rlen} response tokens, must run from 0 to {len(ids)}",
                 )
     for f in _SPANS:
         previous = 0
