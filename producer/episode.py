@@ -54,7 +54,20 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
+from rollstream.common.errors import EpisodeAborted, GenerateBroken
 from rollstream.common.models import PromptContent, Sample, Status
+
+__all__ = [  # the stable names above (the two errors are defined in common.errors, the one tree)
+    "Episode",
+    "EpisodeAborted",
+    "EpisodeInfo",
+    "GenerateBroken",
+    "GenerateFunction",
+    "GenerateResult",
+    "SamplingParams",
+    "Trajectory",
+    "Turn",
+]
 
 
 @dataclass(frozen=True, slots=True)

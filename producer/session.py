@@ -27,6 +27,7 @@ from rollstream.common.errors import (
     EngineError,
     EngineRejected,
     EpisodeAborted,
+    InvalidResult,  # noqa: F401  (raised by .checks; importable here as before)
     PromptNotSupported,
 )
 from rollstream.common.models import Sample, Status
