@@ -457,7 +457,7 @@ async def _registry_engines(url: str, ns: str, wait: float) -> tuple[str, ...]:
     """The registry's active engines (``--engines-from-registry`` alone), waiting up to ``wait``
     seconds for one to be added (producers may start before the engines)."""
     from rollstream.common.connection import Outage
-    from rollstream.common.protocol.engines import EngineRegistry
+    from rollstream.common.protocol.engine_registry import EngineRegistry
 
     keys = Keys(ns)
     redis = connect(url, name="rollstream-produce-registry")
@@ -486,13 +486,14 @@ STORED_FLAGS_WAIT = 60.0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    import rollstream.integrations.rewards  # noqa: F401 - registers the slime:/miles: reward schemes
+    import rollstream.integrations.framework_rewards  # noqa: F401 - registers the slime:/miles: reward schemes
     from rollstream.producer import gcpolicy
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.rewards import load_reward
+    from rollstream.producer.settings import ProducerSettings, default_producer_name
     from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
-    from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
+    from rollstream.producer.worker import Producer
 
     gc_young = gcpolicy.check(args.gc_threshold)
     needs_stored = any(
@@ -601,7 +602,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_engine(args: argparse.Namespace) -> int:
-    from rollstream.testing.sim.engine import SimConfig, serve
+    from rollstream.testing.sim.simulator import SimConfig, serve
 
     config = SimConfig(
         seed=args.seed,

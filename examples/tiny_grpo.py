@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rollstream.consumer import GroupConsumer
-from rollstream.engines import WeightSync
+from rollstream import GroupConsumer, WeightSync
 from rollstream.testing.children import start_cli, stop_processes
 from rollstream.testing.server import EmbeddedRedis, free_port
 from rollstream.testing.tiny_model import addition_prompts, build_model, save_weights

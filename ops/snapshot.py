@@ -17,8 +17,8 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.parse import damaged_fields
 from rollstream.common.protocol import Fleet, Heartbeat, StreamView, fold, state_mismatch
+from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
 from ._fields import text as _text

@@ -84,9 +84,7 @@ from .renewal import Renewer
 from .rewards import RewardFunction
 from .rollout import Rollout, RolloutSettings
 from .session import RESUME_POLL
-from .settings import LONG_REQUEST_AFTER as LONG_REQUEST_AFTER  # re-exported
-from .settings import ProducerSettings as ProducerSettings
-from .settings import default_producer_name as default_producer_name
+from .settings import ProducerSettings
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 

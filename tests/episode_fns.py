@@ -28,7 +28,7 @@ class ToolFailed(RuntimeError):
 
 
 def _calc(expression: str) -> str:
-    from rollstream.testing.sim.engine import evaluate_last_expression
+    from rollstream.testing.sim.simulator import evaluate_last_expression
 
     value = evaluate_last_expression(expression)
     return "?" if value is None else str(value)

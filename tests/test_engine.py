@@ -8,7 +8,7 @@ from rollstream.common.errors import ConfigError, EngineRejected
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.tokenizer import PromptTokenizer, load_tokenizer
 from rollstream.testing.sim import SimEngine
-from rollstream.testing.sim.engine import render_chat, tokenize
+from rollstream.testing.sim.simulator import render_chat, tokenize
 
 
 async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEngine) -> None:

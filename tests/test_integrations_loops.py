@@ -19,9 +19,9 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample
 from rollstream.integrations.convert import SLIME
+from rollstream.integrations.environment import Settings
 from rollstream.integrations.journal import Journal, JournalRecord
-from rollstream.integrations.session import RolloutSession, open_consumer
-from rollstream.integrations.settings import Settings
+from rollstream.integrations.trainer_session import RolloutSession, open_consumer
 
 EVAL_RESULT = {"custom": {"rewards": [0.25], "truncated": [False], "samples": []}}
 
@@ -306,7 +306,7 @@ async def test_the_integrations_loop_has_a_watchdog(redis: Redis, redis_url: str
         time.sleep(2.5)  # noqa: ASYNC251 -- a blocking conversion on the session's loop
         await asyncio.sleep(0.3)
 
-    caplog.set_level(logging.WARNING, logger="rollstream.integrations.session")
+    caplog.set_level(logging.WARNING, logger="rollstream.integrations.trainer_session")
     try:
         await asyncio.to_thread(session.run, convert_slowly())
     finally:

@@ -17,7 +17,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize, render_chat, tokenize
+from rollstream.testing.sim.simulator import detokenize, render_chat, tokenize
 
 TESTS_DIR = Path(__file__).resolve().parent
 OPENAI = ("--engine-api", "openai", "--model", "rollstream-sim")

@@ -233,7 +233,7 @@ async def test_a_prompt_stale_on_its_own_again_and_again_is_dead_lettered_not_on
     window while other groups are fresh): after MAX_STALE_RECYCLES stale recycles in a row it is
     dead-lettered. Recycles marked as made while every group went stale (the pipeline's fault)
     never count, and neither attempt is used up."""
-    from rollstream.consumer.consumer import ALL_STALE_MARK, MAX_STALE_RECYCLES
+    from rollstream.consumer.group_consumer import ALL_STALE_MARK, MAX_STALE_RECYCLES
 
     await make_namespace(redis, ns, max_staleness=1, max_attempts=2)
     alone = _group(1, [0])

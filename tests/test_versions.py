@@ -18,7 +18,7 @@ from rollstream.common.protocol import Heartbeat
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, parse_version
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize
+from rollstream.testing.sim.simulator import detokenize
 from test_staleness import stop_producers
 
 

@@ -27,7 +27,7 @@ from rollstream.producer.tokenizer import PromptTokenizer
 from rollstream.producer.worker import Producer, ProducerSettings
 from rollstream.testing.server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize, tokenize
+from rollstream.testing.sim.simulator import detokenize, tokenize
 
 SLOW = SimConfig(seed=4, mean_tokens=60, length_sigma=0, latency_per_token=0.02)  # ~1.2 s per sample
 

@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..events import now_ms
 from ..keys import Keys, StateField
 from ..lua import Scripts
-from ..parse import int_or, text
+from ..redis_values import int_or, text
 from .guard import Guarded
 
 # -- control ---------------------------------------------------------------------------------

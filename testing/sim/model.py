@@ -1,7 +1,7 @@
 """The simulator's "model": the toy byte tokenizer, the arithmetic it answers, the response plan
 (filler, answer, scripted tool calls), the routing replay and the teacher's log-probs. Pure
 functions of the text and a seeded RNG; no HTTP, no state (the behaviour is documented in
-:mod:`rollstream.testing.sim.engine`)."""
+:mod:`rollstream.testing.sim.simulator`)."""
 
 from __future__ import annotations
 

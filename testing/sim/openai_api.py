@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import MAX_MODEL_LEN, MODEL_NAME, detokenize, tokenize
+from rollstream.testing.sim.shared import (
     _BadRequest,
     _check_poison,
     _error,
@@ -24,7 +25,6 @@ from rollstream.testing.sim.base import (
     _json_body,
     _token_ids,
 )
-from rollstream.testing.sim.model import MAX_MODEL_LEN, MODEL_NAME, detokenize, tokenize
 from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
 
 VLLM_MAX_TOKENS = 16

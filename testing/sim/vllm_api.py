@@ -10,7 +10,9 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
+from rollstream.testing.sim.openai_api import VLLM_MAX_TOKENS, _chat_logprobs, _token_text, _vllm_lengths
+from rollstream.testing.sim.shared import (
     _BadRequest,
     _check_poison,
     _error,
@@ -20,8 +22,6 @@ from rollstream.testing.sim.base import (
     _sampling_params,
     _token_ids,
 )
-from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
-from rollstream.testing.sim.openai_api import VLLM_MAX_TOKENS, _chat_logprobs, _token_text, _vllm_lengths
 from rollstream.testing.sim.state import STATE_KEY
 
 

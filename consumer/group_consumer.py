@@ -43,7 +43,6 @@ from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, Tr
 from .batch import Batch, Tally, batch_id, batch_metrics
 from .connecting import Connecting
 from .filters import KeepFilter
-from .health import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 from .lease import NameHold
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
 from .verdict import (
@@ -56,6 +55,7 @@ from .verdict import (
     Verdict,
     judge,
 )
+from .waiting import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

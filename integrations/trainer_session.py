@@ -34,8 +34,8 @@ from rollstream.consumer import GroupConsumer
 from rollstream.consumer.options import NAME_LEASE_SECONDS
 
 from .convert import Framework
+from .environment import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 from .journal import Journal, JournalRecord, journal_key
-from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 
 logger = logging.getLogger(__name__)
 

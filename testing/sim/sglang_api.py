@@ -13,7 +13,15 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    _routed_experts_b64,
+    _teacher_reply,
+    detokenize,
+    tokenize,
+)
+from rollstream.testing.sim.shared import (
     HANG_SECONDS,
     _BadRequest,
     _check_poison,
@@ -24,14 +32,6 @@ from rollstream.testing.sim.base import (
     _json_body,
     _sampling_params,
     _token_ids,
-)
-from rollstream.testing.sim.model import (
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    _routed_experts_b64,
-    _teacher_reply,
-    detokenize,
-    tokenize,
 )
 from rollstream.testing.sim.state import STATE_KEY
 

@@ -139,7 +139,7 @@ import socket
 from types import TracebackType
 
 from aiohttp import web
-from rollstream.testing.sim import base, openai_api, sglang, vllm_api
+from rollstream.testing.sim import openai_api, sglang_api, shared, vllm_api
 from rollstream.testing.sim.model import (
     MAX_MODEL_LEN,
     MODEL_NAME,
@@ -166,12 +166,12 @@ logger = logging.getLogger(__name__)
 
 def create_app(config: SimConfig) -> web.Application:
     """The aiohttp application of a simulated engine (its state is ``app[STATE_KEY]``)."""
-    app = web.Application(middlewares=[base.errors_middleware])
+    app = web.Application(middlewares=[shared.errors_middleware])
     app[STATE_KEY] = SimState.from_config(config)
-    sglang.add_routes(app)
+    sglang_api.add_routes(app)
     openai_api.add_routes(app)
     vllm_api.add_routes(app)
-    base.add_routes(app)
+    shared.add_routes(app)
     return app
 
 
