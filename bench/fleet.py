@@ -212,6 +212,7 @@ def run(quick: bool = False) -> list[Table]:
         Table("fleet_adaptive", "Adaptive concurrency against fixed ones, one engine with a KV capacity (steady state)",
               ["concurrency", "tokens/s", "preemptions", "limit at the end", "x best fixed"], adaptive,
               ["simulated vLLM scheduling: 4,096 KV tokens, a preempted request recomputed at 0.5 ms per token "
-               "(the batch waits); load read every 0.25 s (a simulated request lasts ~1.5 s; on a real engine "
-               "the default 1 s against requests of 10-60 s); target: adaptive >= 0.95x the best fixed"], command),
+               "(the batch waits)",
+               "load read every 0.25 s: a simulated request lasts ~1.5 s (on a real engine: every 1 s, requests "
+               "of 10-60 s)", "target: adaptive >= 0.95x the best fixed"], command),
     ]

@@ -168,3 +168,26 @@ async def test_a_producer_reports_each_engines_limit_and_kv_usage(
         taken = await take_all(redis_url, ns, 24, 4, timeout=180)
     assert Counter(taken) == Counter(range(24))
     assert 4 <= int(engine["limit"]) <= 64  # type: ignore[call-overload]
+
+
+async def test_an_engine_whose_load_gives_no_answer_is_not_held_at_the_floor() -> None:
+    """A first load reading that times out (an engine that accepts and never answers it) leaves
+    the engine unlimited rather than at the floor: its health is the monitor's other business."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)  # accepts, never answers
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        settings = EngineSettings(urls=(url,), health_timeout=0.3)
+        async with EngineClient(settings) as client:
+            engine = client.fleet.engines[url]
+            assert engine.limit == settings.concurrency_floor
+            await client._read_load(engine)
+            assert engine.limit is None and engine.load_path == ""
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()

@@ -733,17 +733,15 @@ class EngineClient:
                 status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
             except PROBE_ERRORS as exc:
                 logger.debug("load of %s: %s failed: %s", engine.url, path, exc)
-                return  # unreachable now: its health is judged elsewhere
+                if engine.load_path is None:  # never read: not held at the floor for it
+                    self._no_load(engine, f"{path} failed: {type(exc).__name__}")
+                return  # its health is judged elsewhere
             load = parse_load(path, raw) if status == 200 else None
             if load is not None:
                 break
         else:
             if engine.load_path is None:
-                engine.load_path = ""
-                logger.info("engine %s reports no load (%s): no in-flight limit for it", engine.url, ", ".join(paths))
-                if engine.adaptive is not None:
-                    engine.adaptive.release()
-                    self.fleet.room_opened()
+                self._no_load(engine, "none of " + ", ".join(paths))
             return
         engine.load_path = path
         adaptive = engine.adaptive
@@ -755,6 +753,14 @@ class EngineClient:
         if adaptive.limit != before:
             logger.debug("engine %s: in-flight limit %s -> %s (%s)", engine.url, before, adaptive.limit, load)
         if raised:
+            self.fleet.room_opened()
+
+    def _no_load(self, engine: Engine, why: str) -> None:
+        """``engine``'s load cannot be read: it is not limited (driven as without the option)."""
+        engine.load_path = ""
+        logger.info("engine %s reports no load (%s): no in-flight limit for it", engine.url, why)
+        if engine.adaptive is not None:
+            engine.adaptive.release()
             self.fleet.room_opened()
 
     def _version_due(self, engine: Engine) -> bool:

@@ -151,7 +151,7 @@ class EngineSettings:
             if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
                 raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
             if not dialect.routing_replay:
-                replay = ", ".join(name for name, d in DIALECTS.items() if d.routing_replay)
+                replay = " or ".join(name for name, d in DIALECTS.items() if d.routing_replay)
                 raise ConfigError(f"--routed-experts needs --engine-api {replay} (the replay's endpoints)")
 
     @property
