@@ -345,40 +345,43 @@ class Producer:
             self._refusal_since_ms = now_ms() if reason else 0
 
     async def _admission_loop(self) -> None:
+        await self._outage.forever(self._admission_turn)
+
+    async def _admission_turn(self) -> bool:
+        """One ADMIT round: wait for room for ``n`` samples, admit as many prompts as there is room
+        for, start them; then wait as the answer says (new prompts, a full backlog, staleness).
+        False when it asked Redis nothing."""
         n = self.config.n_samples_per_prompt
-        while not self._stopping.is_set():
-            raise_if_cancelled()
-            if self._reclaim_due:  # prompts of a dead producer come first
-                await self._nap(0.2)
-                continue
-            if not await self._capacity.take(n, self._stopping):
-                return
-            extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
-            self._capacity.free -= extra * n
-            held = count = 1 + extra
-            try:
-                with self._claiming():
-                    admission = await self._outage.run(
-                        lambda count=count: self.prompts.admit(self.config, count)
-                    )
-                    if self.config.max_staleness is not None:
-                        self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
-                    for item in admission.entries:
-                        self._start_work(item, admission.weight_version)
-                        held -= 1
-            finally:
-                if held:
-                    self._capacity.give(held * n)
-            status = admission.status
-            if status == "ok":
-                self._blocked(False)
-            elif status == "empty":
-                self._blocked(False)
-                await self._wait_for_prompts()
-            else:
-                self._blocked(True, status)
-                self.metrics.admission_blocked(status)
-                await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
+        if self._reclaim_due:  # prompts of a dead producer come first
+            await self._nap(0.2)
+            return False
+        if self._stopping.is_set() or not await self._capacity.take(n, self._stopping):
+            await asyncio.Future()  # draining: nothing more is admitted; the drain cancels this loop
+        extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
+        self._capacity.free -= extra * n
+        held = count = 1 + extra
+        try:
+            with self._claiming():
+                admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
+                if self.config.max_staleness is not None:
+                    self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
+                for item in admission.entries:
+                    self._start_work(item, admission.weight_version)
+                    held -= 1
+        finally:
+            if held:
+                self._capacity.give(held * n)
+        status = admission.status
+        if status == "ok":
+            self._blocked(False)
+        elif status == "empty":
+            self._blocked(False)
+            await self._wait_for_prompts()
+        else:
+            self._blocked(True, status)
+            self.metrics.admission_blocked(status)
+            await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
+        return True
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
