@@ -164,10 +164,11 @@ class AdaptiveLimit:
             self.release()
             return opened
         limit = self.limit if self.limit is not None else max(self.floor, in_flight)
-        counts = load.preemptions is not None
-        preempted = counts and self._preemptions is not None and load.preemptions > self._preemptions  # type: ignore[operator]
+        preemptions, before = load.preemptions, self._preemptions
+        counts = preemptions is not None
+        preempted = preemptions is not None and before is not None and preemptions > before
         if counts:
-            self._preemptions = load.preemptions
+            self._preemptions = preemptions
         self._peak = max(self._peak, usage)
         settled = round_trip is not None and now - self._changed >= round_trip
         full = not counts and usage >= KV_FULL and (load.waiting or 0) > 0
