@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 from rollstream.common.models import Sample
 from rollstream.producer.episode import Episode
@@ -22,4 +23,17 @@ async def turns(episode: Episode) -> Sample:
             if TOOL_SLEEP > 0:
                 await asyncio.sleep(TOOL_SLEEP)
             await episode.observe(OBSERVATION)
+    return episode.sample
+
+
+BLOCK_SECONDS = float(os.environ.get("BENCH_BLOCK_SECONDS", "8"))
+BLOCK_EVERY = int(os.environ.get("BENCH_BLOCK_EVERY", "6"))
+
+
+async def blocking(episode: Episode) -> Sample:
+    """The single-turn rollout, but member 0 of every ``BENCH_BLOCK_EVERY``-th prompt first calls a
+    synchronous ``time.sleep(BENCH_BLOCK_SECONDS)`` on the event loop (issue 32: a blocking tool)."""
+    if episode.info.index % BLOCK_EVERY == 0 and episode.member == 0:
+        time.sleep(BLOCK_SECONDS)  # noqa: ASYNC251 -- the mistake this function reproduces
+    await episode.generate()
     return episode.sample

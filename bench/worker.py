@@ -25,8 +25,8 @@ from rollstream.common.connection import connect
 from rollstream.common.protocol import PromptQueue
 from rollstream.producer import gcpolicy, worker
 from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import load_reward
-from rollstream.producer.rollout import load_generate
 from rollstream.producer.session import EpisodeLimits
 from rollstream.producer.worker import Producer, ProducerSettings
 

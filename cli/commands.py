@@ -27,6 +27,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.producer.engine.settings import ENGINE_APIS
 
 logger = logging.getLogger("rollstream.cli")
 
@@ -89,8 +90,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
-    p.add_argument("--engine", action="append", required=True, metavar="URL", help="engine URL (repeatable)")
-    p.add_argument("--engine-api", default="sglang", choices=["sglang", "openai", "vllm"],
+    p.add_argument("--engine", action="append", default=[], metavar="URL",
+                   help="engine URL (repeatable; or --engines-from-registry)")
+    p.add_argument("--engine-api", default="sglang", choices=ENGINE_APIS,
                    help="vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
     p.add_argument("--request-seed", action="store_true",
                    help="send a random per-request seed (vllm API; kills vLLM's CPU engine on reschedule)")
@@ -112,8 +114,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--engines-from-registry", action="store_true",
-                   help="also use the namespace's engine registry (`rollstream engines add|drain|remove`), "
-                        "re-read every heartbeat, beside the --engine URLs")
+                   help="use the namespace's engine registry (`rollstream engines add|drain|remove`), re-read "
+                        "every heartbeat, alone or beside the --engine URLs")
     p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
@@ -125,6 +127,14 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="cache-aware routing keeps each engine within (1 + this) x the mean load")
     p.add_argument("--no-engine-timeout", type=float, default=120.0,
                    help="seconds a request waits while no engine is usable before the producer fails")
+    p.add_argument("--catch-up-engines", action="store_true",
+                   help="load the trainer's recorded weights (WeightSync.update, GroupConsumer.record_weights) into "
+                        "an engine found behind, then let it rejoin (docs/engines.md)")
+    p.add_argument("--adaptive-concurrency", action=argparse.BooleanOptionalAction, default=True,
+                   help="limit each engine's samples in flight by its own load (KV usage, preemptions), between "
+                        "--concurrency-floor and --concurrency (docs/engines.md)")
+    p.add_argument("--concurrency-floor", type=int, default=4,
+                   help="the least samples in flight an engine's adaptive limit allows")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds one engine request may take in total, reply body included")
     p.add_argument("--max-reply-mib", type=float, default=None,
@@ -139,6 +149,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                         "distinct prompts in a row is fatal (a broken engine)")
     p.add_argument("--long-request-after", type=float, default=600.0,
                    help="seconds after which an engine request in flight is reported as long (inspect warns)")
+    p.add_argument("--loop-stall-after", type=float, default=None, metavar="SECONDS",
+                   help="event-loop lag that counts as a stall, logged with the code that blocked the loop "
+                        "(default: a fifth of the lease, at most 5 s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--gc-threshold", type=int, default=None, metavar="N",
@@ -178,6 +191,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="a prefix cache of this many tokens (meta_info.cached_tokens); 0: none")
     p.add_argument("--prefill-per-token", type=float, default=0.0,
                    help="seconds per prompt token not in the prefix cache")
+    p.add_argument("--kv-capacity-tokens", type=int, default=0,
+                   help="KV memory in tokens: requests beyond it queue, and are preempted when the running ones "
+                        "outgrow it (recomputed at --prefill-per-token); 0: unlimited")
     p.set_defaults(func=cmd_sim_engine)
 
     p = sub.add_parser("pause", parents=with_redis, help="stop producers from admitting new prompts")
@@ -437,18 +453,47 @@ async def _read_stored_flags(url: str, ns: str, required: bool) -> dict[str, str
         await redis.aclose()
 
 
+async def _registry_engines(url: str, ns: str, wait: float) -> tuple[str, ...]:
+    """The registry's active engines (``--engines-from-registry`` alone), waiting up to ``wait``
+    seconds for one to be added (producers may start before the engines)."""
+    from rollstream.common.connection import Outage
+    from rollstream.common.protocol.engine_registry import EngineRegistry
+
+    keys = Keys(ns)
+    redis = connect(url, name="rollstream-produce-registry")
+    try:
+        registry = EngineRegistry(redis, keys)
+        deadline = time.monotonic() + wait
+        while True:
+            entries = await Outage(logger, "produce (reading the engine registry)").run(
+                registry.entries, give_up_after=STORED_FLAGS_WAIT)
+            active = tuple(u for u, e in entries.items() if e.usable and e.state == "active")
+            if active:
+                return active
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"the engine registry {keys.engines} lists no active engine after {wait:g} s: add one with "
+                    f"`rollstream engines add --ns {ns} URL`, or give --engine URL"
+                )
+            logger.info("produce: waiting for an active engine in the registry %s", keys.engines)
+            await asyncio.sleep(1.0)
+    finally:
+        await redis.aclose()
+
+
 STORED_FLAGS_WAIT = 60.0
 """Seconds ``produce`` waits for Redis to read the stored flags (it may be starting with us)."""
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    import rollstream.integrations.rewards  # noqa: F401 - registers the slime:/miles: reward schemes
+    import rollstream.integrations.framework_rewards  # noqa: F401 - registers the slime:/miles: reward schemes
     from rollstream.producer import gcpolicy
     from rollstream.producer.engine import EngineClient, EngineSettings
     from rollstream.producer.rewards import load_reward
+    from rollstream.producer.settings import ProducerSettings, default_producer_name
     from rollstream.producer.teacher import TeacherScorer
     from rollstream.producer.tokenizer import load_tokenizer
-    from rollstream.producer.worker import Producer, ProducerSettings, default_producer_name
+    from rollstream.producer.worker import Producer
 
     gc_young = gcpolicy.check(args.gc_threshold)
     needs_stored = any(
@@ -458,8 +503,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
     required = args.concurrency is None or args.reward is None
     stored = asyncio.run(_read_stored_flags(args.redis, args.ns, required)) if needs_stored else {}
     sampling_params = apply_stored_flags(args, stored)
+    if not args.engine and not args.engines_from_registry:
+        raise ConfigError("produce needs engines: --engine URL (repeatable), or --engines-from-registry")
+    registry_urls: tuple[str, ...] = ()
+    if not args.engine:
+        registry_urls = asyncio.run(_registry_engines(args.redis, args.ns, args.no_engine_timeout))
     engine_settings = EngineSettings(
         urls=tuple(args.engine),
+        registry_urls=registry_urls,
         api=args.engine_api,
         model=args.model,
         max_new_tokens=args.max_new_tokens,
@@ -472,6 +523,9 @@ def cmd_produce(args: argparse.Namespace) -> int:
         eject_after=args.eject_after,
         balance=args.route_balance,
         no_engine_timeout=args.no_engine_timeout,
+        catch_up=args.catch_up_engines,
+        adaptive_concurrency=args.adaptive_concurrency,
+        concurrency_floor=args.concurrency_floor,
         request_timeout=args.request_timeout,
         max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
         request_seed=args.request_seed,
@@ -494,6 +548,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         reward_failure_limit=args.reward_failure_limit,
         engine_failure_limit=args.engine_failure_limit,
         long_request_after=args.long_request_after,
+        loop_stall_after=args.loop_stall_after,
         **episode_options(args),
     )
     if args.metrics_port is not None:
@@ -547,7 +602,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_engine(args: argparse.Namespace) -> int:
-    from rollstream.testing.sim.engine import SimConfig, serve
+    from rollstream.testing.sim.simulator import SimConfig, serve
 
     config = SimConfig(
         seed=args.seed,
@@ -562,6 +617,7 @@ def cmd_sim_engine(args: argparse.Namespace) -> int:
         moe=args.moe,
         prefix_cache_tokens=args.prefix_cache_tokens,
         prefill_per_token=args.prefill_per_token,
+        kv_capacity_tokens=args.kv_capacity_tokens,
     )
     task: dict[str, asyncio.Task[None]] = {}
 

@@ -38,7 +38,7 @@ from rollstream.common.namespace import read_state, state_int
 from rollstream.testing.children import start_cli, stop_processes, wait_for_http
 from rollstream.testing.server import EmbeddedRedis, free_port
 
-from .options import REDIS_URL_ENV
+from .shared_options import REDIS_URL_ENV
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -128,7 +128,7 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     producers = _table(
         f"producers ({snap['producers_alive']} alive of {len(snap['producers'])})", plain,
         "name", "host", "pid", "status", "in flight", "engine reqs", "leases", "groups/min", "published",
-        "heartbeat",
+        "loop stalls", "versions from", "heartbeat",
     )
     for row in snap["producers"]:
         status = row["status"]
@@ -139,13 +139,15 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             row["name"], str(row.get("host") or "-"), str(row.get("pid") or "-"), Text(shown, style=style),
             f"{row.get('in_flight_samples', 0)}/{conc if conc is not None else '?'}",
             str(row.get("engine_requests", 0)), str(row.get("leases_held", 0)),
-            str(row.get("groups_last_minute", 0)), str(row.get("published", 0)), _age(row.get("heartbeat_age_s")),
+            str(row.get("groups_last_minute", 0)), str(row.get("published", 0)),
+            f"{row['loop_stalls']} (max {row['loop_stall_longest_s']:.1f}s)" if row.get("loop_stalls") else "0",
+            str(row.get("weight_versions_from") or "-"), _age(row.get("heartbeat_age_s")),
         )
     parts.append(producers)
 
     engines = _table(
-        "engines (per producer)", plain, "producer", "engine", "state", "in flight", "version", "errors",
-        "tokens", "hit rate", "why",
+        "engines (per producer)", plain, "producer", "engine", "state", "in flight", "limit", "kv", "version",
+        "errors", "tokens", "hit rate", "why",
     )
     shown_engines = 0
     for row in snap["producers"]:
@@ -157,6 +159,7 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             rate = e.get("prefix_hit_rate")
             engines.add_row(
                 row["name"], str(e.get("url", "?")), Text(state, style=style), str(e.get("in_flight", 0)),
+                str(e.get("limit", "-")), "-" if e.get("kv_usage") is None else f"{e['kv_usage']:.0%}",
                 str(e.get("version", "-")), str(e.get("errors", 0)), str(e.get("tokens", 0)),
                 "-" if rate is None else f"{rate:.0%}", str(e.get("reason", ""))[:80],
             )

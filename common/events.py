@@ -14,8 +14,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from .keys import EVENTS_MAXLEN, Keys
-from .parse import parse_int, text
 from .redis_errors import translate_errors
+from .redis_values import parse_int, text
 
 logger = logging.getLogger(__name__)
 

@@ -70,6 +70,22 @@ class Heartbeat:
     """Episodes whose generate function raised, timed out or returned an invalid result."""
     aborts_continued: int = 0
     """Aborted engine calls continued inside their episode (partial rollout on)."""
+    loop_stalls: int = 0
+    """Stalls of the producer's event loop over ``loop_stall_after_s`` (user code that blocked it:
+    a synchronous tool, a heavy reward), since it started (:mod:`.watchdog`)."""
+    loop_stall_s: float = 0.0
+    """Seconds the loop stood still in those stalls, in all."""
+    loop_stall_longest_s: float = 0.0
+    loop_stall_where: str = ""
+    """The longest stall: its length, the task that ran and the code that held the loop."""
+    loop_lag_max_s: float = 0.0
+    """The loop's largest lag since the previous heartbeat."""
+    loop_stall_after_s: float = 0.0
+    """The producer's stall threshold (``--loop-stall-after``; default a fifth of the lease, at most 5 s)."""
+    weight_versions_from: str = ""
+    """Where its samples' weight versions come from: ``engine replies`` (SGLang ``meta_info``, vLLM
+    spans), an endpoint it asks (``GET /weight_info``, ``GET /model_info``), or ``trainer at
+    admission`` when its engines report none (``producer/engine/discovery.py``)."""
     engine_fleet: list[dict] = field(default_factory=list)
     """Each engine's ``url``, ``state`` (healthy, suspect, ejected, wedged, behind, draining),
     ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,

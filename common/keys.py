@@ -95,6 +95,13 @@ class Keys:
         return f"{self.base}:engines"
 
     @property
+    def weights(self) -> str:
+        """Hash: where the trainer's current weights are, ``path``, ``version``, ``since_ms``
+        (``WeightSync.update``, ``GroupConsumer.record_weights``; producers with
+        ``--catch-up-engines`` load them into an engine that is behind)."""
+        return f"{self.base}:weights"
+
+    @property
     def control(self) -> str:
         """Pub/sub channel: pause, resume and version changes, so waiting producers wake at once."""
         return f"{self.base}:control"
@@ -152,6 +159,7 @@ class Keys:
             self.state,
             self.producers,
             self.engines,
+            self.weights,
             self.rollout_flags,
             self.group_bytes,
         ]

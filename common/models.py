@@ -19,11 +19,13 @@ from __future__ import annotations
 import enum
 import math
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Any
 
 from .arrays import FloatArray, IntArray, Packed, float_array, int_array, mask_array
+from .sample_fields import BIN_CODES, Kind, SampleField, declare
 
 Reward = float | dict[str, float]
 PromptContent = str | list[dict[str, Any]]
@@ -63,87 +65,92 @@ class Adapter:
 
 @dataclass(slots=True, eq=False)
 class Sample:
-    """One generated response to a prompt."""
+    """One generated response to a prompt.
 
-    index: int
+    Each field declares itself once (``metadata=declare(wire key, kind, ...)``): the codec, the
+    framework conversion and the batch's numpy views follow from :data:`SAMPLE_FIELDS`, in this
+    order (the wire order). A new field is one declaration here (and its tests)."""
+
+    index: int = field(metadata=declare("i", Kind.INT, required=True))
     """Position of the sample inside its group (0 .. n-1)."""
-    tokens: IntArray = field(default_factory=lambda: array("i"))
+    tokens: IntArray = field(default_factory=lambda: array("i"), metadata=declare("tok", Kind.IDS, required=True,
+                                                                                  numpy=True))
     """Prompt ids followed by response ids (response ids only when the prompt ids are unknown)."""
-    response: str = ""
-    response_length: int = 0
+    response: str = field(default="", metadata=declare("resp", Kind.TEXT, required=True))
+    response_length: int = field(default=0, metadata=declare("rlen", Kind.INT, required=True))
     """Response ids at the end of ``tokens``."""
-    prompt_length: int = -1
+    prompt_length: int = field(default=-1, metadata=declare("pl", Kind.INT, required=True, since=2))
     """Prompt ids at the start of ``tokens``: where the response starts. ``0`` when the producer did
     not know the prompt ids (``tokens`` then holds the response only). Left at ``-1`` on
     construction, it is set to ``len(tokens) - response_length``."""
-    reward: Reward | None = None
-    status: Status = Status.COMPLETED
-    finish_reason: str | None = None
-    weight_versions: list[int] = field(default_factory=list)
+    reward: Reward | None = field(default=None, metadata=declare("rew", Kind.REWARD))
+    status: Status = field(default=Status.COMPLETED, metadata=declare("st", Kind.STATUS, required=True))
+    finish_reason: str | None = field(default=None, metadata=declare("fr", Kind.OPT_TEXT))
+    weight_versions: list[int] = field(default_factory=list, metadata=declare("wv", Kind.VERSIONS, required=True))
     """The engine's weight version of every engine call that produced this response."""
-    rollout_log_probs: FloatArray | None = None
+    rollout_log_probs: FloatArray | None = field(default=None, metadata=declare("lp", Kind.FLOATS, numpy=True))
     """Log-probs of the response tokens, as the engine computed them."""
-    loss_mask: IntArray | None = None
+    loss_mask: IntArray | None = field(default=None, metadata=declare("lm", Kind.MASK, length="response", numpy=True))
     """One ``0``/``1`` per response token (slime's and miles' convention: ``response_length`` long,
     ``1`` = trained on). The producer always fills it with ones; a trainer may replace it (groups
     from ``take()`` hold read-only views: copy before editing in place)."""
-    error: str | None = None
+    error: str | None = field(default=None, metadata=declare("err", Kind.OPT_TEXT, since=2))
     """Why a FAILED sample failed (the engine's refusal), else None."""
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict, metadata=declare("md", Kind.MAP, required=True))
     # --- what slime and miles train on beyond the above (all optional; unset costs nothing) ---
-    routed_experts: Packed | None = None
+    routed_experts: Packed | None = field(default=None, metadata=declare(
+        "re", Kind.PACKED, since=3, ndim=3, length="rows_or_media", framework="rollout_routed_experts", numpy=True))
     """MoE routing replay (R3): the experts every token was routed to, shape
     ``(len(tokens) - 1, layers, topk)``, from the engine (SGLang ``return_routed_experts``)."""
-    indexer_topk: Packed | None = None
+    indexer_topk: Packed | None = field(default=None, metadata=declare(
+        "ix", Kind.PACKED, since=3, ndim=3, length="rows", framework="rollout_indexer_topk", numpy=True))
     """Indexer top-k replay of DSA models (miles ``rollout_indexer_topk``), shape
     ``(len(tokens) - 1, indexer_layers, index_topk)``."""
-    top_p_token_ids: Packed | None = None
+    top_p_token_ids: Packed | None = field(default=None, metadata=declare(
+        "tpi", Kind.PACKED, since=3, pair="top_p_token_offsets", framework="rollout_top_p_token_ids", numpy=True))
     """Nucleus replay (slime ``rollout_top_p_token_ids``): for response token ``i`` the kept ids
     are ``top_p_token_ids[offsets[i]:offsets[i + 1]]``."""
-    top_p_token_offsets: Packed | None = None
+    top_p_token_offsets: Packed | None = field(default=None, metadata=declare(
+        "tpo", Kind.PACKED, since=3, length="offsets", pair="top_p_token_ids",
+        framework="rollout_top_p_token_offsets", numpy=True))
     """``response_length + 1`` offsets into :attr:`top_p_token_ids`, starting at 0."""
-    teacher_log_probs: FloatArray | None = None
+    teacher_log_probs: FloatArray | None = field(default=None, metadata=declare(
+        "tlp", Kind.FLOATS, since=3, length="response", framework="teacher_log_probs", numpy=True))
     """Log-probs of the response tokens under a teacher model (on-policy distillation)."""
-    opd_reverse_kl: FloatArray | None = None
+    opd_reverse_kl: FloatArray | None = field(default=None, metadata=declare(
+        "kl", Kind.FLOATS, since=3, length="response", framework="opd_reverse_kl", numpy=True))
     """Per-token reverse-KL estimate of on-policy distillation (miles), ``response_length`` long."""
-    remove_sample: bool = False
+    remove_sample: bool = field(default=False, metadata=declare("rm", Kind.FLAG, since=3, framework="remove_sample"))
     """Kept in the batch (its reward counts for the group baseline) but its loss is zeroed."""
-    train_metadata: dict[str, Any] | None = None
+    train_metadata: dict[str, Any] | None = field(default=None, metadata=declare(
+        "tm", Kind.MAP, since=3, framework="train_metadata"))
     """Per-sample training options (e.g. which loss), handed to the trainer as ``metadata``."""
-    rollout_id: int | None = None
+    rollout_id: int | None = field(default=None, metadata=declare("rid", Kind.GROUP_ID, since=3,
+                                                                  framework="rollout_id"))
     """Shared by samples of one rollout execution (agent segments); None = one per sample."""
-    spec_info: dict[str, int] | None = None
+    spec_info: dict[str, int] | None = field(default=None, metadata=declare(
+        "spec", Kind.COUNTERS, since=3, framework="spec_info", framework_type="SpecInfo"))
     """Speculative decoding counters (slime/miles ``SpecInfo``: spec_accept_token_num, ...)."""
-    prefix_cache_info: dict[str, int] | None = None
+    prefix_cache_info: dict[str, int] | None = field(default=None, metadata=declare(
+        "pc", Kind.COUNTERS, since=3, framework="prefix_cache_info", framework_type="PrefixCacheInfo"))
     """Prefix-cache counters (``cached_tokens``, ``total_prompt_tokens``)."""
-    non_generation_time: float = 0.0
+    non_generation_time: float = field(default=0.0, metadata=declare(
+        "ngt", Kind.SECONDS, since=3, framework="non_generation_time"))
     """Seconds this sample spent outside the engine (tools, environment)."""
-    adapter: Adapter | None = None
+    adapter: Adapter | None = field(default=None, metadata=declare(
+        "ad", Kind.ADAPTER, since=3, framework="adapter", framework_type="AdapterRef"))
     """The LoRA adapter of a multi-LoRA run (miles)."""
-    multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = field(default=None, metadata=declare(
+        "mti", Kind.MEDIA, since=3, framework="multimodal_train_inputs"))
     """Processed media for the trainer (e.g. ``pixel_values``): plain data or :class:`Packed`."""
-    weight_version_spans: list[tuple[int, int, int]] | None = None
+    weight_version_spans: list[tuple[int, int, int]] | None = field(
+        default=None, metadata=declare("wvs", Kind.SPANS, since=2))
     """Optional per-token versions: ``(start, end, version)`` over the response tokens (offsets
     from ``prompt_length``, end exclusive), one span per engine call, in order; tokens of no span
     (tool observations) were not generated. Written by multi-turn episodes; None otherwise."""
 
     def __post_init__(self) -> None:
-        self.tokens = int_array(self.tokens)
-        if self.rollout_log_probs is not None:
-            self.rollout_log_probs = float_array(self.rollout_log_probs)
-        if self.loss_mask is not None:
-            self.loss_mask = mask_array(self.loss_mask)
-        for name in ("routed_experts", "indexer_topk", "top_p_token_ids", "top_p_token_offsets"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, Packed):
-                setattr(self, name, Packed.of(value))
-        if self.teacher_log_probs is not None:
-            self.teacher_log_probs = float_array(self.teacher_log_probs)
-        if self.opd_reverse_kl is not None:
-            self.opd_reverse_kl = float_array(self.opd_reverse_kl)
-        if isinstance(self.adapter, dict):
-            self.adapter = Adapter(str(self.adapter["name"]), int(self.adapter["slot"]))
-        self.status = Status(self.status)
+        _coerce(self)
         if self.prompt_length < 0:
             self.prompt_length = len(self.tokens) - self.response_length
 
@@ -168,40 +175,65 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        return _as_tuple(self) == _as_tuple(other)
+        return _values(self) == _values(other)
 
 
-def _as_tuple(sample: Sample) -> tuple[Any, ...]:
-    return (
-        sample.index,
-        sample.tokens.tolist(),
-        sample.response,
-        sample.response_length,
-        sample.prompt_length,
-        sample.reward,
-        sample.status,
-        sample.finish_reason,
-        sample.weight_versions,
-        None if sample.rollout_log_probs is None else sample.rollout_log_probs.tolist(),
-        None if sample.loss_mask is None else sample.loss_mask.tolist(),
-        sample.error,
-        sample.metadata,
-        sample.routed_experts,
-        sample.indexer_topk,
-        sample.top_p_token_ids,
-        sample.top_p_token_offsets,
-        None if sample.teacher_log_probs is None else sample.teacher_log_probs.tolist(),
-        None if sample.opd_reverse_kl is None else sample.opd_reverse_kl.tolist(),
-        sample.remove_sample,
-        sample.train_metadata,
-        sample.rollout_id,
-        sample.spec_info,
-        sample.prefix_cache_info,
-        sample.non_generation_time,
-        sample.adapter,
-        sample.multimodal_train_inputs,
-        sample.weight_version_spans,
-    )
+SAMPLE_FIELDS: tuple[SampleField, ...] = tuple(
+    replace(f.metadata["sample_field"], name=f.name) for f in fields(Sample)
+)
+"""Every field of :class:`Sample`, declared once, in wire order (see :mod:`.sample_fields`)."""
+
+
+def _adapter(value: Any) -> Adapter:
+    return Adapter(str(value["name"]), int(value["slot"])) if isinstance(value, dict) else value
+
+
+def _status(value: Any) -> Status:
+    return value if type(value) is Status else Status(value)
+
+
+def _packed_of(value: Any) -> Packed:
+    return value if isinstance(value, Packed) else Packed.of(value)
+
+
+_COERCE: dict[Kind, Callable[[Any], Any]] = {
+    Kind.IDS: int_array, Kind.FLOATS: float_array, Kind.MASK: mask_array, Kind.PACKED: _packed_of,
+    Kind.ADAPTER: _adapter, Kind.STATUS: _status,
+}
+"""What a field of each kind accepts on construction, made into its own type."""
+
+
+def _write_coerce() -> Callable[[Sample], None]:
+    """``_coerce(sample)``: every field of a kind in ``_COERCE`` made into its own type (a required
+    one always, another unless None), written out from :data:`SAMPLE_FIELDS` once at import, as
+    :mod:`dataclasses` writes ``__init__`` (a loop over the fields costs every sample more)."""
+    env: dict[str, Any] = {}
+    lines = ["def _coerce(sample):"]
+    for i, f in enumerate(SAMPLE_FIELDS):
+        if f.kind not in _COERCE:
+            continue
+        env[f"_c{i}"] = _COERCE[f.kind]
+        if f.required:
+            lines.append(f"    sample.{f.name} = _c{i}(sample.{f.name})")
+        else:
+            lines += [f"    if sample.{f.name} is not None:", f"        sample.{f.name} = _c{i}(sample.{f.name})"]
+    exec(compile("\n".join(lines), "<rollstream.common.models: SAMPLE_FIELDS>", "exec"), env)
+    coerce: Callable[[Sample], None] = env["_coerce"]
+    return coerce
+
+
+_coerce = _write_coerce()
+_ALL_VALUES = attrgetter(*(f.name for f in SAMPLE_FIELDS))
+_ARRAYS = tuple(i for i, f in enumerate(SAMPLE_FIELDS) if f.kind in BIN_CODES)
+
+
+def _values(sample: Sample) -> list[Any]:
+    """The sample's values, packed arrays as lists (an array and a view of it compare equal)."""
+    values = list(_ALL_VALUES(sample))
+    for i in _ARRAYS:
+        if values[i] is not None:
+            values[i] = values[i].tolist()
+    return values
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .events import now_ms
 from .keys import Keys, StateField
-from .parse import int_or, text
 from .protocol import Heartbeats, Keyspace
 from .redis_errors import translate_errors
+from .redis_values import int_or, text
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from rollstream.common.errors import (
 from rollstream.common.models import Group, Sample, Status
 
 from .batch import Batch
-from .consumer import Connecting, GroupConsumer
 from .filters import KeepFilter, rejection_reason, reward_variance
+from .group_consumer import Connecting, GroupConsumer
 from .options import ConsumerOptions
 from .sync import SyncGroupConsumer
 from .verdict import Cause, Route, Verdict, judge

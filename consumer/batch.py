@@ -6,12 +6,15 @@ import hashlib
 import math
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
-from rollstream.common.models import FloatArray, Group, IntArray
+from rollstream.common.models import SAMPLE_FIELDS, FloatArray, Group, IntArray, Packed
 from rollstream.common.protocol import TakeStats
+from rollstream.common.sample_fields import Kind
 
 from .verdict import RECYCLE_COUNTERS, Route, Verdict
 
@@ -35,62 +38,59 @@ class Batch:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def numpy_views(self, name: str) -> list[numpy.ndarray | None]:
+        """Every sample's field ``name`` as a numpy array, groups in batch order, samples in group
+        order, None where the field is unset: any field declared with a numpy view
+        (``SampleField.numpy``: token ids ``int32``, log-probs ``float32``, masks ``uint8``, a
+        ``Packed`` replay in its shape and wire dtype). Zero-copy: each array is a view on the
+        sample's packed array, which for groups from ``take()`` is the entry's bytes as Redis sent
+        them; it keeps that buffer alive, so it stays valid after :meth:`commit
+        <GroupConsumer.commit>`, after the consumer is closed and after the batch is dropped. Such
+        arrays are read-only (``.copy()`` one to modify it). Needs numpy (extra ``numpy``)."""
+        view = _VIEWS.get(name)
+        if view is None:
+            raise ConfigError(f"Sample.{name} has no numpy view (fields with one: {', '.join(_VIEWS)})")
+        return [None if (value := getattr(s, name)) is None else view(value) for g in self.groups for s in g.samples]
+
     def tokens_numpy(self) -> list[numpy.ndarray]:
-        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` numpy array, groups
-        in batch order, samples in group order. Zero-copy: each array is a view on the sample's
-        packed array, which for groups from ``take()`` is the entry's bytes as Redis sent them; it
-        keeps that buffer alive, so it stays valid after :meth:`commit <GroupConsumer.commit>`,
-        after the consumer is closed and after the batch is dropped. Such arrays are read-only
-        (``.copy()`` one to modify it). Needs numpy (extra ``numpy``)."""
-        return [_numpy_view(s.tokens) for g in self.groups for s in g.samples]
+        """Every sample's ``tokens`` (prompt + response ids) as an ``int32`` view; as :meth:`numpy_views`."""
+        return self.numpy_views("tokens")  # type: ignore[return-value]  # tokens are never None
 
     def log_probs_numpy(self) -> list[numpy.ndarray | None]:
-        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as
-        :meth:`tokens_numpy`."""
-        return [_numpy_view(s.rollout_log_probs) if s.rollout_log_probs is not None else None
-                for g in self.groups for s in g.samples]
+        """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as :meth:`numpy_views`."""
+        return self.numpy_views("rollout_log_probs")
 
     def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
-        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as
-        :meth:`tokens_numpy`."""
-        return [_numpy_view(s.loss_mask) if s.loss_mask is not None else None for g in self.groups for s in g.samples]
+        """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as :meth:`numpy_views`."""
+        return self.numpy_views("loss_mask")
 
     def routed_experts_numpy(self) -> list[numpy.ndarray | None]:
         """Every sample's routing replay (R3) as a ``(len(tokens) - 1, layers, topk)`` view in its
         wire dtype (``uint8`` for up to 256 experts, ``uint16``, ``int32``; ``.astype`` for
-        another), None where absent; zero-copy as :meth:`tokens_numpy`."""
-        return self._packed_numpy("routed_experts")
+        another), None where absent; as :meth:`numpy_views`."""
+        return self.numpy_views("routed_experts")
 
     def indexer_topk_numpy(self) -> list[numpy.ndarray | None]:
         """Every sample's indexer top-k replay (DSA models), as :meth:`routed_experts_numpy`."""
-        return self._packed_numpy("indexer_topk")
+        return self.numpy_views("indexer_topk")
 
     def top_p_numpy(self) -> list[tuple[numpy.ndarray, numpy.ndarray] | None]:
         """Every sample's nucleus replay as ``(token_ids, offsets)`` views (response token ``i``
         kept ``token_ids[offsets[i]:offsets[i + 1]]``), None where absent."""
         return [
-            (s.top_p_token_ids.numpy(), s.top_p_token_offsets.numpy())
-            if s.top_p_token_ids is not None and s.top_p_token_offsets is not None else None
-            for g in self.groups for s in g.samples
+            None if ids is None or offsets is None else (ids, offsets)
+            for ids, offsets in zip(
+                self.numpy_views("top_p_token_ids"), self.numpy_views("top_p_token_offsets"), strict=True
+            )
         ]
 
     def teacher_log_probs_numpy(self) -> list[numpy.ndarray | None]:
-        """Every sample's teacher log-probs (``response_length`` float32s), as :meth:`tokens_numpy`."""
-        return [_numpy_view(s.teacher_log_probs) if s.teacher_log_probs is not None else None
-                for g in self.groups for s in g.samples]
+        """Every sample's teacher log-probs (``response_length`` float32s), as :meth:`numpy_views`."""
+        return self.numpy_views("teacher_log_probs")
 
     def opd_reverse_kl_numpy(self) -> list[numpy.ndarray | None]:
-        """Every sample's OPD reverse-KL estimate (float32s), as :meth:`tokens_numpy`."""
-        return [_numpy_view(s.opd_reverse_kl) if s.opd_reverse_kl is not None else None
-                for g in self.groups for s in g.samples]
-
-    def _packed_numpy(self, name: str) -> list[numpy.ndarray | None]:
-        out: list[numpy.ndarray | None] = []
-        for g in self.groups:
-            for s in g.samples:
-                packed = getattr(s, name)
-                out.append(None if packed is None else packed.numpy())
-        return out
+        """Every sample's OPD reverse-KL estimate (float32s), as :meth:`numpy_views`."""
+        return self.numpy_views("opd_reverse_kl")
 
 
 _NUMPY_DTYPES = {"i": "int32", "f": "float32", "B": "uint8", "H": "uint16"}
@@ -101,6 +101,17 @@ def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
     np = require_extra("numpy", "numpy", "numpy views of a batch")
     code = values.typecode if isinstance(values, array) else values.format
     return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+
+
+def _packed_view(packed: Packed) -> numpy.ndarray:
+    return packed.numpy()
+
+
+_VIEW_RULES: dict[Kind, Callable[[Any], numpy.ndarray]] = {
+    Kind.IDS: _numpy_view, Kind.FLOATS: _numpy_view, Kind.MASK: _numpy_view, Kind.PACKED: _packed_view,
+}
+"""The numpy view of a field of each kind that has one."""
+_VIEWS = {f.name: _VIEW_RULES[f.kind] for f in SAMPLE_FIELDS if f.numpy}
 
 
 def batch_id(entry_ids: list[bytes]) -> str:

@@ -7,7 +7,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .consumer import GroupConsumer
+    from .group_consumer import GroupConsumer
 
 
 class Connecting:

@@ -8,8 +8,8 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.loop_thread import LoopThread
 
 from .batch import Batch
-from .consumer import UNSET, GroupConsumer
 from .filters import KeepFilter
+from .group_consumer import UNSET, GroupConsumer
 from .options import ConsumerOptions
 
 if TYPE_CHECKING:

@@ -4,7 +4,9 @@ In the order it is checked:
 
 * undecodable, wrong sample count, over the size limits -> dead-letter stream, with the reason;
 * any FAILED or ABORTED sample -> prompt recycled (``attempt + 1``, state reset, or with
-  partial rollout the partial samples kept); past ``max_attempts`` -> dead-letter stream;
+  partial rollout the partial samples kept); past ``max_attempts`` -> dead-letter stream (the
+  rule of :mod:`rollstream.common.attempts`, which the producer applies first: such a group is
+  dead-lettered where it was built, so this is the second line);
 * staleness (trainer version - oldest sample version) above the limit -> recycled with its
   attempt unchanged (staleness is not the prompt's fault); a prompt recycled as stale
   :data:`MAX_STALE_RECYCLES` times in a row while other groups were fresh -> dead-letter stream;
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rollstream.common.attempts import failure_reason, past_max_attempts
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import DecodeError
@@ -144,19 +147,19 @@ def judge(
         prompt = retry_prompt(group, reason)
         return Verdict(Cause.WRONG_SIZE, Route.DEAD_LETTER, reason, group, prompt_fields(prompt), prompt)
     staleness = group.staleness(version)
-    status = group.status
-    if status == Status.FAILED:
-        errors = {s.error or "failed" for s in group.samples if s.status == Status.FAILED}
-        return _recycle(group, Cause.FAILED, "; ".join(sorted(errors))[:300], config, staleness, stale)
-    if status == Status.ABORTED:
-        return _recycle(group, Cause.ABORTED, "", config, staleness, stale)
+    failure = failure_reason(group)
+    if failure is not None:
+        cause = Cause.FAILED if group.status == Status.FAILED else Cause.ABORTED
+        return _recycle(group, cause, failure, config, staleness, stale)
     if staleness_limit is not None and staleness > staleness_limit:
-        return _recycle(group, Cause.STALE, f"staleness {staleness} > {staleness_limit}", config, staleness, stale)
+        reason = f"{Cause.STALE}: staleness {staleness} > {staleness_limit}"
+        return _recycle(group, Cause.STALE, reason, config, staleness, stale)
     if keep is not None:
         rejection = rejection_reason(keep(group))
         if rejection is not None:
             if config.recycle_filtered:
-                return _recycle(group, Cause.FILTERED, rejection, config, staleness, stale, rejection)
+                reason = f"{Cause.FILTERED}: {rejection}"
+                return _recycle(group, Cause.FILTERED, reason, config, staleness, stale, rejection)
             return Verdict(Cause.FILTERED, Route.DROP, rejection, group, staleness=staleness, rejection=rejection)
     return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness)
 
@@ -164,14 +167,14 @@ def judge(
 def _recycle(
     group: Group,
     cause: Cause,
-    detail: str,
+    reason: str,
     config: PipelineConfig,
     staleness: int,
     stale: StaleContext,
     rejection: str | None = None,
 ) -> Verdict:
-    """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it)."""
-    reason = f"{cause}: {detail}" if detail else str(cause)
+    """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it);
+    ``reason`` is the history line (``<cause>: <detail>``)."""
     keep_partial = cause == Cause.ABORTED and config.partial_rollout
     # Staleness is the pipeline's doing, not the prompt's: it does not use up an attempt
     # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
@@ -194,7 +197,7 @@ def _recycle(
             f"were fresh: its generation outlasts max_staleness versions (raise max_staleness or lower "
             f"max_new_tokens); last: {reason}"
         ))
-    if not is_stale and prompt.attempt > config.max_attempts:
-        attempts = f"recycled {prompt.attempt} times (> {config.max_attempts})"
-        return verdict(Route.DEAD_LETTER, f"max_attempts: {attempts}; last: {reason}")
+    dead = None if is_stale else past_max_attempts(prompt.attempt, config, reason)
+    if dead is not None:
+        return verdict(Route.DEAD_LETTER, dead)
     return verdict(Route.RECYCLE, reason)

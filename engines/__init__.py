@@ -54,6 +54,8 @@ class Pausable(Protocol):
 
     async def resume(self, version: int | None = None) -> None: ...
 
+    async def record_weights(self, path: str, version: int) -> None: ...
+
 
 @dataclass(slots=True)
 class UpdateReport:
@@ -125,6 +127,7 @@ class WeightSync:
             await self._timed(report, "set version", self.set_version(version, rollstream=None))
         await self._timed(report, "resume", self._each("resume", lambda url: self._resume(url, mode)))
         if consumer is not None:
+            await self._timed(report, "record weights", consumer.record_weights(weights_path, version))
             await self._timed(report, "resume producers", consumer.resume(version))
         logger.info(
             "weights %s loaded as version %d on %d %s engines (%s) in %.3f s",

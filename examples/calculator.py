@@ -15,8 +15,7 @@ import ast
 import operator
 import re
 
-from rollstream.common.models import Sample
-from rollstream.producer.episode import Episode
+from rollstream import Episode, Sample
 
 TOOL_CALL = re.compile(r"<tool>calc: ([^<]*)</tool>")
 MAX_TURNS = 8

@@ -18,8 +18,7 @@ import asyncio
 import os
 import re
 
-from rollstream.common.models import Sample
-from rollstream.producer.episode import Episode
+from rollstream import Episode, Sample
 
 TOOL_CALL = re.compile(r"<tool>search: ([^<]*)</tool>")
 MAX_TURNS = 6

@@ -50,9 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rollstream.common.errors import ConfigError
-from rollstream.consumer import GroupConsumer
-from rollstream.engines import WeightSync
+from rollstream import ConfigError, GroupConsumer, WeightSync
 from rollstream.testing.children import start_cli, stop_processes
 from rollstream.testing.learning import (
     CORRECTIONS,

@@ -34,13 +34,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
-from rollstream.common.models import Adapter, Group, Packed, Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Packed, Sample, Status
+from rollstream.common.sample_fields import Kind, SampleField
 
 INFO_KEY = "rollstream"
 """Key of the framework sample's ``metadata`` entry that carries rollstream's own fields."""
@@ -95,15 +96,11 @@ def _response_mask(sample: Sample) -> tuple[list[int], bool]:
     )
 
 
-_ARRAY_FIELDS = {
-    # rollstream field -> framework field; packed arrays go to the framework as int32 numpy
-    "routed_experts": "rollout_routed_experts",
-    "indexer_topk": "rollout_indexer_topk",
-    "top_p_token_ids": "rollout_top_p_token_ids",
-    "top_p_token_offsets": "rollout_top_p_token_offsets",
-}
-_LIST_FIELDS = {"teacher_log_probs": "teacher_log_probs", "opd_reverse_kl": "opd_reverse_kl"}
-_PLAIN_FIELDS = ("remove_sample", "train_metadata", "non_generation_time")
+_FRAMEWORK_FIELDS = tuple(f for f in SAMPLE_FIELDS if f.framework is not None)
+"""The fields converted from their declaration (``SampleField.framework``); the others, which
+every framework sample has, are converted by :func:`to_framework` / :func:`from_framework`."""
+_CANNOT = object()
+"""What a rule returns when the framework has no way to hold the value (no class for it)."""
 
 
 def _field_names(sample_cls: Any) -> frozenset[str]:
@@ -130,54 +127,78 @@ def _counters(cls: Any, values: dict[str, int] | None) -> Any:
     return from_dict(values) if from_dict is not None else cls(**values)
 
 
+def _adapter_ref(value: Adapter, f: SampleField, sample_cls: Any, base: int) -> Any:
+    ref = _framework_class(sample_cls, str(f.framework_type))
+    return _CANNOT if ref is None else ref(name=value.name, slot=value.slot)
+
+
+def _counters_to(value: dict[str, int], f: SampleField, sample_cls: Any, base: int) -> Any:
+    counters = _counters(_framework_class(sample_cls, str(f.framework_type)), value)
+    return _CANNOT if counters is None else counters
+
+
+def _media_to(value: dict[str, Any], f: SampleField, sample_cls: Any, base: int) -> dict[str, Any]:
+    return {k: v.numpy().copy() if isinstance(v, Packed) else v for k, v in value.items()}
+
+
+ToFramework = Callable[[Any, SampleField, Any, int], Any]
+_TO_FRAMEWORK: dict[Kind, ToFramework] = {
+    Kind.PACKED: lambda value, f, cls, base: _int32(value),
+    Kind.FLOATS: lambda value, f, cls, base: list(value),
+    Kind.FLAG: lambda value, f, cls, base: value,
+    Kind.MAP: lambda value, f, cls, base: value,
+    Kind.SECONDS: lambda value, f, cls, base: value,
+    Kind.GROUP_ID: lambda value, f, cls, base: base + value,  # unique in the run, shared by siblings
+    Kind.COUNTERS: _counters_to,
+    Kind.ADAPTER: _adapter_ref,
+    Kind.MEDIA: _media_to,
+}
+"""A set field of each kind as the framework's field (``base`` = ``group_index * n``)."""
+_TO_INFO: dict[Kind, Callable[[Any], Any]] = {
+    Kind.PACKED: lambda p: [p.typecode, list(p.shape), p.data.tolist()],
+    Kind.FLOATS: list,
+    Kind.ADAPTER: lambda a: [a.name, a.slot],
+    Kind.MEDIA: lambda m: {k: _TO_INFO[Kind.PACKED](v) if isinstance(v, Packed) else [None, v] for k, v in m.items()},
+}
+"""A field of each kind as plain data, kept in the metadata when the framework has no such field
+(other kinds are kept as they are)."""
+_FROM_INFO: dict[Kind, Callable[[Any], Any]] = {
+    Kind.PACKED: lambda v: Packed.of(v[2], v[1], floats=v[0] == "f"),
+    Kind.ADAPTER: lambda v: Adapter(str(v[0]), int(v[1])),
+    Kind.MEDIA: lambda m: {k: v[1] if v[0] is None else _FROM_INFO[Kind.PACKED](v) for k, v in m.items()},
+}
+
+
 def _v3_kwargs(
     sample: Sample, group: Group, sample_cls: Any, names: frozenset[str], replays: bool = True
-) -> tuple[dict[str, Any], dict]:
-    """The framework keyword arguments of ``sample``'s version-3 fields, and the values of those
-    the framework has no field for (kept in the rollstream metadata entry)."""
-    n = len(group.samples)
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The framework keyword arguments of ``sample``'s declared fields (``_FRAMEWORK_FIELDS``),
+    the values of those the framework has no field for (the rollstream metadata entry's
+    ``fields``) and the GROUP_ID values the framework renumbers (kept in that entry by name)."""
+    base = group.index * len(group.samples)
     kwargs: dict[str, Any] = {}
     missing: dict[str, Any] = {}
-    for ours, theirs in _ARRAY_FIELDS.items():
-        packed = getattr(sample, ours)
-        if packed is None or not replays:
+    renumbered: dict[str, Any] = {}
+    for f in _FRAMEWORK_FIELDS:
+        value = getattr(sample, f.name)
+        if f.kind is Kind.GROUP_ID:  # every framework sample has one: its position when unset
+            if value is not None:
+                renumbered[f.name] = value
+            value = sample.index if value is None else value
+        elif not f.is_set(value) or (f.kind is Kind.PACKED and not replays):
             continue
-        if theirs in names:
-            kwargs[theirs] = _int32(packed)
-        else:
-            missing[ours] = [packed.typecode, list(packed.shape), packed.data.tolist()]
-    for ours, theirs in _LIST_FIELDS.items():
-        values = getattr(sample, ours)
-        if values is None:
-            continue
-        if theirs in names:
-            kwargs[theirs] = list(values)
-        else:
-            missing[ours] = list(values)
-    for name in _PLAIN_FIELDS:
-        kwargs[name] = getattr(sample, name)
-    if sample.rollout_id is not None:
-        kwargs["rollout_id"] = group.index * n + sample.rollout_id
-    for ours, cls_name in (("spec_info", "SpecInfo"), ("prefix_cache_info", "PrefixCacheInfo")):
-        values = getattr(sample, ours)
-        counters = _counters(_framework_class(sample_cls, cls_name), values)
-        if counters is not None and ours in names:
-            kwargs[ours] = counters
-        elif values is not None:
-            missing[ours] = values
-    if sample.adapter is not None:
-        ref = _framework_class(sample_cls, "AdapterRef")
-        if "adapter" in names and ref is not None:
-            kwargs["adapter"] = ref(name=sample.adapter.name, slot=sample.adapter.slot)
-        else:
-            missing["adapter"] = [sample.adapter.name, sample.adapter.slot]
-    if sample.multimodal_train_inputs is not None:
-        kwargs["multimodal_train_inputs"] = {
-            k: v.numpy().copy() if isinstance(v, Packed) else v for k, v in sample.multimodal_train_inputs.items()
-        }
-    if group.multimodal_inputs is not None:
+        theirs = _TO_FRAMEWORK[f.kind](value, f, sample_cls, base) if f.framework in names else _CANNOT
+        if theirs is not _CANNOT:
+            kwargs[str(f.framework)] = theirs
+        elif f.kind is not Kind.GROUP_ID:
+            missing[f.name] = _TO_INFO.get(f.kind, _same)(value)
+    if group.multimodal_inputs is not None and "multimodal_inputs" in names:
         kwargs["multimodal_inputs"] = group.multimodal_inputs
-    return {k: v for k, v in kwargs.items() if k in names}, missing
+    return kwargs, missing, renumbered
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False, replays: bool = True) -> list[Any]:
@@ -223,13 +244,11 @@ def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False, r
             "sample_metadata_keys": list(sample.metadata),
             "loss_mask_filled": filled,
         }
-        v3, missing = _v3_kwargs(sample, group, sample_cls, names, replays)
+        kwargs, missing, renumbered = _v3_kwargs(sample, group, sample_cls, names, replays)
         if missing:
             info["fields"] = missing
-        if sample.rollout_id is not None:
-            info["rollout_id"] = sample.rollout_id
+        info.update(renumbered)
         index = group.index * n + sample.index
-        kwargs = {"rollout_id": index, **v3}
         out.append(
             sample_cls(
                 group_index=group.index,
@@ -271,34 +290,35 @@ def _counters_back(value: Any) -> dict[str, int] | None:
     return values if any(values.values()) else None
 
 
+def _media_back(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: Packed.of(v) if hasattr(v, "shape") and hasattr(v, "dtype") else v for k, v in value.items()}
+
+
+_FROM_FRAMEWORK: dict[Kind, Callable[[Any], Any]] = {
+    Kind.PACKED: _packed_or_none,
+    Kind.FLOATS: _floats,
+    Kind.FLAG: bool,
+    Kind.MAP: _same,
+    Kind.SECONDS: lambda v: float(v or 0.0),
+    Kind.COUNTERS: _counters_back,
+    Kind.ADAPTER: lambda v: None if v is None else Adapter(str(v.name), int(v.slot)),
+    Kind.MEDIA: lambda v: None if v is None else _media_back(v),
+}
+"""A framework field of each kind back as ours (None: the framework's value is its default).
+A GROUP_ID is renumbered for the framework, so ours comes back from the metadata entry."""
+
+
 def _v3_fields(fw: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """The rollstream version-3 fields of a framework sample (plus those kept in ``info``)."""
+    """The rollstream declared fields of a framework sample (plus those kept in ``info``)."""
     out: dict[str, Any] = {}
-    for ours, theirs in _ARRAY_FIELDS.items():
-        out[ours] = _packed_or_none(getattr(fw, theirs, None))
-    for ours, theirs in _LIST_FIELDS.items():
-        out[ours] = _floats(getattr(fw, theirs, None))
-    out["remove_sample"] = bool(getattr(fw, "remove_sample", False))
-    out["train_metadata"] = getattr(fw, "train_metadata", None)
-    out["non_generation_time"] = float(getattr(fw, "non_generation_time", 0.0) or 0.0)
-    out["rollout_id"] = info.get("rollout_id")
-    out["spec_info"] = _counters_back(getattr(fw, "spec_info", None))
-    out["prefix_cache_info"] = _counters_back(getattr(fw, "prefix_cache_info", None))
-    adapter = getattr(fw, "adapter", None)
-    out["adapter"] = None if adapter is None else Adapter(str(adapter.name), int(adapter.slot))
-    mm = getattr(fw, "multimodal_train_inputs", None)
-    if mm is not None:
-        out["multimodal_train_inputs"] = {
-            k: Packed.of(v) if hasattr(v, "shape") and hasattr(v, "dtype") else v for k, v in mm.items()
-        }
-    for name, value in info.get("fields", {}).items():
-        if name in _ARRAY_FIELDS:
-            code, shape, flat = value
-            out[name] = Packed.of(flat, shape, floats=code == "f")
-        elif name == "adapter":
-            out[name] = Adapter(str(value[0]), int(value[1]))
+    for f in _FRAMEWORK_FIELDS:
+        if f.kind is Kind.GROUP_ID:
+            out[f.name] = info.get(f.name)
         else:
-            out[name] = value
+            out[f.name] = _FROM_FRAMEWORK[f.kind](getattr(fw, str(f.framework), None))
+    by_name = {f.name: f for f in _FRAMEWORK_FIELDS}
+    for name, value in info.get("fields", {}).items():
+        out[name] = _FROM_INFO.get(by_name[name].kind, _same)(value)
     return out
 
 

@@ -22,7 +22,7 @@ requests holds nothing.
 A refusal (a request that does not extend the conversation, a malformed body, an engine error)
 is answered to the caller *and* remembered: :meth:`Endpoint.run` cancels the user's code and
 raises it, so the sample is FAILED with that reason (an abort raises
-:class:`~rollstream.producer.episode.EpisodeAborted`) even if the caller swallowed the HTTP error.
+:class:`~rollstream.common.errors.EpisodeAborted`) even if the caller swallowed the HTTP error.
 
 The endpoints listen on ``127.0.0.1`` unless told otherwise (:class:`EndpointServer` ``host``).
 The SGLang route has no key (slime's ``post`` sends none): it is opened only for the adapters,
@@ -44,11 +44,15 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
-from rollstream.common.errors import ConfigError, ConversationDiverged, EndpointRefused  # the last two: re-exported
-from rollstream.producer.episode import Episode, EpisodeAborted, SamplingParams
+from rollstream.common.errors import (  # ConversationDiverged, EndpointRefused: re-exported
+    ConfigError,
+    ConversationDiverged,
+    EndpointRefused,
+    EpisodeAborted,
+)
+from rollstream.producer.episode import Episode, SamplingParams
 
-from .chat import ChatRecorder as ChatRecorder  # re-exported
-from .chat import normalize_message as normalize_message
+from .chat import ChatRecorder, normalize_message
 
 logger = logging.getLogger(__name__)
 

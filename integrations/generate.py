@@ -54,7 +54,7 @@ from rollstream.producer.plugin import GenerateContext, register_generate_scheme
 
 from .convert import MILES, SLIME, Framework
 from .endpoints import Endpoint, EndpointServer
-from .settings import args_from_env
+from .environment import args_from_env
 
 GENERATE_ARGS = "ROLLSTREAM_GENERATE_ARGS"
 SCHEMES = ("slime", "miles", "openai")

@@ -15,8 +15,8 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import validate_namespace
 
 from .convert import Framework
-from .session import RolloutSession
-from .settings import CONSUMER_NAME, ENGINE_URL, NAMESPACE, REDIS_URL, Settings
+from .environment import CONSUMER_NAME, ENGINE_URL, NAMESPACE, REDIS_URL, Settings
+from .trainer_session import RolloutSession
 
 METRIC_PREFIX = "rollout/rollstream/"
 

@@ -4,7 +4,7 @@ are plain async functions over a redis client so scripts and dashboards can call
 
 from rollstream.common.admission import DEFAULT_STALL_AFTER
 
-from .control import pause, release_consumer, resume
+from .actions import pause, release_consumer, resume
 from .deadletter import DeadEntry, dead_entries, dead_entry, drop_dead, requeue_dead
 from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, judge
 from .namespaces import delete_namespace, existing_keys, list_namespaces

@@ -151,6 +151,12 @@ def judge(
                 f"{p['long_request_s']:.0f} s (oldest {p['oldest_request_s']:.0f} s): a stuck engine or a very "
                 "long generation"
             )
+        if p.get("loop_stalls"):
+            warnings.append(
+                f"{p['name']}: event loop stalled {p['loop_stalls']} time(s), {p['loop_stall_s']:.1f} s in all; "
+                f"longest {p['loop_stall_where']}: user code blocking the loop (a synchronous tool or reward) "
+                "freezes every prompt of the producer; run it with asyncio.to_thread (docs/rollouts.md)"
+            )
         for engine in p.get("engine_fleet") or ():
             state = engine.get("state")
             if state in ("ejected", "wedged", "behind", "draining"):

@@ -17,8 +17,8 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.parse import damaged_fields
 from rollstream.common.protocol import Fleet, Heartbeat, StreamView, fold, state_mismatch
+from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
 from ._fields import text as _text
@@ -140,6 +140,11 @@ def _producer_rows(fleet: Fleet, pending: dict[str, int], now: int) -> list[dict
                 "episodes_failed": beat.episodes_failed,
                 "aborts_continued": beat.aborts_continued,
                 "engine_fleet": beat.engine_fleet,
+                "loop_stalls": beat.loop_stalls,
+                "loop_stall_s": beat.loop_stall_s,
+                "loop_stall_longest_s": beat.loop_stall_longest_s,
+                "loop_stall_where": beat.loop_stall_where,
+                "weight_versions_from": beat.weight_versions_from,
                 "last_seen_ms": beat.last_seen_ms,
                 "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
                 "admission": beat.admission,

@@ -5,6 +5,7 @@ Run it with ``rollstream produce``; use :class:`Producer` to embed it in another
 """
 
 from .engine import EngineClient, EngineSettings
+from .episode import Episode, GenerateFunction
 from .feeder import Feeder, FeedSettings, feed, load_jsonl
 from .rewards import RewardFunction, load_reward
 from .rollout import Rollout, RolloutSettings
@@ -14,8 +15,10 @@ from .worker import Producer, ProducerSettings
 __all__ = [
     "EngineClient",
     "EngineSettings",
+    "Episode",
     "FeedSettings",
     "Feeder",
+    "GenerateFunction",
     "Metrics",
     "Producer",
     "ProducerSettings",

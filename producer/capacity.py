@@ -57,5 +57,8 @@ class Work:
     prompt: Prompt | None = None
     task: asyncio.Task[None] | None = None
     lease_lost: bool = False
+    finishing: bool = False
+    """Its last script (publish, dead letter, return) is under way: that script's XACK says
+    whether the lease held, so a renewal that finds the entry gone is no loss."""
     held: int = 0
     """Capacity units (samples) this prompt still holds."""

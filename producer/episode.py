@@ -35,7 +35,7 @@ writes an HTTP call, a retry or an alignment rule:
 Returning several samples (segments, or agents of one episode): build each with
 :meth:`Episode.segment` (or by hand) and return the list; they all get the episode's
 ``member`` as ``Sample.index`` (the episode id inside the group) and ``metadata["segment"]``.
-Every returned sample is validated before publish (:func:`rollstream.producer.session.check_sample`).
+Every returned sample is validated before publish (:func:`rollstream.producer.checks.check_sample`).
 
 Stable names (the adapters for slime's and miles' generate functions build on them):
 :class:`SamplingParams`, :class:`EpisodeInfo`, :class:`Turn`, :class:`Trajectory`,
@@ -54,9 +54,20 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
-from rollstream.common.errors import EpisodeAborted as EpisodeAborted  # re-exported: defined in common.errors
-from rollstream.common.errors import GenerateBroken as GenerateBroken
+from rollstream.common.errors import EpisodeAborted, GenerateBroken
 from rollstream.common.models import PromptContent, Sample, Status
+
+__all__ = [  # the stable names above (the two errors are defined in common.errors, the one tree)
+    "Episode",
+    "EpisodeAborted",
+    "EpisodeInfo",
+    "GenerateBroken",
+    "GenerateFunction",
+    "GenerateResult",
+    "SamplingParams",
+    "Trajectory",
+    "Turn",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, as_prompt_content, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed
+from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +214,20 @@ class Feeder:
         return next_index, epoch, position
 
     async def run(self) -> int:
-        """Feed until the epochs are done (or :meth:`stop`); returns the prompts fed by this call."""
-        await load_config(self.redis, self.keys)
+        """Feed until the epochs are done (or :meth:`stop`); returns the prompts fed by this call.
+        A loop-lag watchdog runs meanwhile (a stall is logged with the code that held the loop)."""
+        config = await load_config(self.redis, self.keys)
+        watchdog = LoopWatchdog(
+            f"feeder (ns {self.keys.namespace})", default_stall_after(config.lease_seconds), logger
+        )
+        watching = asyncio.create_task(watchdog.run(), name="watchdog")
+        try:
+            return await self._feed()
+        finally:
+            watching.cancel()
+            await asyncio.wait([watching], timeout=5)
+
+    async def _feed(self) -> int:
         next_index, epoch, position = await self._cursor()
         logger.info(
             "feeder (ns %s): starting at index %d, epoch %d, position %d of %d (window %d)",

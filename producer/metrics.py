@@ -79,6 +79,24 @@ class ProducerMetrics(Metrics):
             "rollstream_engine_prefix_hit_rate", "Cached share of prompt tokens, where the engine reports it",
             engine_names, registry=self.registry,
         )
+        self._engine_limit = Gauge(
+            "rollstream_engine_limit", "Each engine's adaptive in-flight limit (samples), where it is limited",
+            engine_names, registry=self.registry,
+        )
+        self._engine_kv_usage = Gauge(
+            "rollstream_engine_kv_usage", "KV cache usage (0..1), where the engine reports it", engine_names,
+            registry=self.registry,
+        )
+        self._lag = Gauge(
+            "rollstream_loop_lag_seconds", "The event loop's largest lag since the previous scrape",
+            names, registry=self.registry,
+        ).labels(**labels)
+        self._stalls = Histogram(
+            "rollstream_loop_stall_seconds",
+            "Stalls of the event loop over the threshold (user code blocking it), by length",
+            names, buckets=(0.5, 1, 2, 5, 10, 30, 60, 300), registry=self.registry,
+        ).labels(**labels)
+        self._max_lag = 0.0
         self._engine: EngineClient | None = None
         self._seen_retries = 0
         self._seen_errors: dict[str, int] = {}
@@ -108,6 +126,12 @@ class ProducerMetrics(Metrics):
     def error(self, kind: str) -> None:
         self._errors.labels(**self._labels, kind=kind).inc()
 
+    def loop_lag(self, seconds: float) -> None:
+        self._max_lag = max(self._max_lag, seconds)
+
+    def loop_stalled(self, seconds: float) -> None:
+        self._stalls.observe(seconds)
+
     def _sync_engine(self) -> None:
         """Fold the engine client's counters in (it counts; this module exports)."""
         if self._engine is None:
@@ -121,6 +145,8 @@ class ProducerMetrics(Metrics):
                 self._errors.labels(**self._labels, kind=f"engine_{kind}").inc(count - seen)
                 self._seen_errors[kind] = count
         self._engine_state.clear()  # engines leave; a state is 1 only where the engine is now
+        self._engine_limit.clear()  # and a limit goes when the engine turns out to report no load
+        self._engine_kv_usage.clear()
         for status in self._engine.fleet_status():
             engine = {**self._labels, "engine": status["url"]}
             self._engine_state.labels(**engine, state=status["state"]).set(1)
@@ -129,9 +155,14 @@ class ProducerMetrics(Metrics):
                 self._engine_version.labels(**engine).set(status["version"])
             if "prefix_hit_rate" in status:
                 self._engine_hit_rate.labels(**engine).set(status["prefix_hit_rate"])
+            for gauge, key in ((self._engine_limit, "limit"), (self._engine_kv_usage, "kv_usage")):
+                if key in status:
+                    gauge.labels(**engine).set(status[key])
 
     def render(self) -> bytes:
         self._sync_engine()
+        self._lag.set(self._max_lag)
+        self._max_lag = 0.0
         return generate_latest(self.registry)
 
     async def serve(self, host: str, port: int) -> web.AppRunner:

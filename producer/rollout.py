@@ -61,8 +61,6 @@ from .checks import as_samples, check_sample
 from .engine import EngineClient, route_key
 from .episode import EpisodeInfo, GenerateFunction
 from .outcomes import FailureLog, failed, rejected, to_sample
-from .plugin import SingleTurn as SingleTurn  # re-exported
-from .plugin import load_generate as load_generate
 from .plugin import single_turn
 from .replay import with_routed_experts
 from .rewards import RewardFunction
@@ -403,35 +401,26 @@ class Rollout:
             finally:
                 runtime.episodes -= 1
             samples = as_samples(result)
-        except EpisodeAborted:
-            if session.fatal is not None:
+        except Exception as exc:
+            if session.fatal is not None:  # an engine that keeps failing, even if the user's code caught it
                 raise session.fatal from None
-            aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
-            return [with_routed_experts(aborted, session.main.generations, prefix)]
-        except EngineRejected as exc:  # the engine refused a request (or the prompt cannot be sent)
-            if session.fatal is not None:
-                raise session.fatal from None
-            self._engine_refused(prompt, exc)
-            return [rejected(member, prompt_ids, exc)]
-        except TimeoutError as exc:
-            if session.fatal is not None:
-                raise session.fatal from None
-            if scope is None or not scope.expired():
-                return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
-            self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
-            self.metrics.error("episode_deadline")
-            reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
-            self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
-            return [failed(member, prompt_ids, reason, "deadline")]
-        except InvalidResult as exc:
-            if session.fatal is not None:
-                raise session.fatal from None
-            return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")]
-        except Exception as exc:  # the user's code or a tool raised: this sample fails, not the producer
-            if session.fatal is not None:
-                raise session.fatal from None
-            if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):
+            if isinstance(exc, EpisodeAborted):
+                aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
+                return [with_routed_experts(aborted, session.main.generations, prefix)]
+            if isinstance(exc, EngineRejected):  # the engine refused a request (or the prompt cannot be sent)
+                self._engine_refused(prompt, exc)
+                return [rejected(member, prompt_ids, exc)]
+            if isinstance(exc, TimeoutError) and scope is not None and scope.expired():
+                self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
+                self.metrics.error("episode_deadline")
+                reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
+                self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
+                return [failed(member, prompt_ids, reason, "deadline")]
+            if isinstance(exc, InvalidResult):
+                return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")]
+            if isinstance(exc, EngineError) and not isinstance(exc, TimeoutError):
                 raise  # an engine that keeps failing is fatal, as in the single-turn rollout
+            # the user's code or a tool raised: this sample fails, not the producer
             return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
         if session.fatal is not None:
             raise session.fatal

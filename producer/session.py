@@ -6,7 +6,7 @@ so tool time frees them), the named limits, the counters the heartbeat and the t
 wait for the pipeline to resume after an abort. :class:`EpisodeSession` is one episode (the
 :class:`~.episode.Episode` a generate function gets) and :class:`_Trajectory` one token
 sequence of it, whose tokens, loss mask, log-probs, versions and version spans grow together,
-so they cannot drift apart. :func:`check_sample` is the one validation of what is published.
+so they cannot drift apart. :func:`~.checks.check_sample` is the one validation of what is published.
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ from rollstream.common.errors import (
     ConfigError,
     EngineError,
     EngineRejected,
+    EpisodeAborted,
+    InvalidResult,  # noqa: F401  (raised by .checks; importable here as before)
     PromptNotSupported,
 )
-from rollstream.common.errors import InvalidResult as InvalidResult  # re-exported (moved to common.errors)
 from rollstream.common.models import Sample, Status
 
-from .checks import as_samples as as_samples  # re-exported
-from .checks import check_sample as check_sample
 from .engine import EngineClient, Generation, route_key
 from .engine.client import IdsJson
-from .episode import Episode, EpisodeAborted, EpisodeInfo, SamplingParams, Trajectory, Turn
+from .episode import Episode, EpisodeInfo, SamplingParams, Trajectory, Turn
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)

@@ -38,6 +38,9 @@ class ProducerSettings:
     drain_timeout: float = 30.0
     renew_interval: float | None = None
     """Default: a third of the lease."""
+    loop_stall_after: float | None = None
+    """Seconds of event-loop lag that count as a stall (logged with the code that held the loop,
+    counted in the heartbeat); default a fifth of the lease, at most 5 s."""
     reclaim_interval: float | None = None
     """Default: a quarter of the lease, at most 5 s."""
     tokenize_prompts: bool = True
@@ -64,6 +67,8 @@ class ProducerSettings:
         for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.loop_stall_after is not None and not self.loop_stall_after > 0:
+            raise ConfigError(f"loop_stall_after must be positive, got {self.loop_stall_after!r}")
         for limit in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
             if getattr(self, limit) < 1:
                 raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")

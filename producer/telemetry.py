@@ -32,3 +32,9 @@ class Metrics:
 
     def error(self, kind: str) -> None:
         """An error of ``kind`` happened."""
+
+    def loop_lag(self, seconds: float) -> None:
+        """The event loop woke ``seconds`` late (measured every tick by the watchdog)."""
+
+    def loop_stalled(self, seconds: float) -> None:
+        """The event loop stood still ``seconds``, over the stall threshold (a stall ended)."""

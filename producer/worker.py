@@ -16,7 +16,12 @@ One asyncio process, several cooperating loops (all tasks referenced, all cancel
   the group's last unit, held until the group is published (so groups being scored or
   published count too, and prompts in flight never exceed ``concurrency``). A long-tailed group
   holds one unit, not ``n``, while its slowest sample runs.
-* **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids).
+* **leases**: renews the lease of every prompt it works on (XCLAIM JUSTID of its own ids), from
+  a thread of its own with its own Redis connection (:mod:`.renewal`): a rollout that blocks the
+  event loop costs its own prompt's time, never the leases of the others.
+* **watchdog**: measures the loop's lag (:mod:`rollstream.common.watchdog`); a stall over
+  ``--loop-stall-after`` is logged once with the code that held the loop, counted in the
+  heartbeat and the metrics.
 * **reclaim**: XAUTOCLAIM, keeping its cursor, takes over prompts idle past the lease
   (a producer that died); on Redis 6.2 deleted entries come back without fields and are
   acknowledged and skipped.
@@ -50,11 +55,13 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common.attempts import exhausted
 from rollstream.common.cancellation import raise_if_cancelled
-from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large
+from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
     TRANSIENT_ERRORS,
@@ -69,15 +76,15 @@ from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_e
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Admitted, Control, EngineRegistry, Heartbeat, Heartbeats, PromptQueue
+from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
 from .capacity import Capacity, Work
 from .engine import EngineClient
+from .renewal import Renewer
 from .rewards import RewardFunction
 from .rollout import Rollout, RolloutSettings
 from .session import RESUME_POLL
-from .settings import LONG_REQUEST_AFTER as LONG_REQUEST_AFTER  # re-exported
-from .settings import ProducerSettings as ProducerSettings
-from .settings import default_producer_name as default_producer_name
+from .settings import ProducerSettings
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
@@ -167,6 +174,14 @@ class Producer:
         self.reclaimed = 0
         self.returned = 0
         self._publish_times: list[float] = []
+        self.watchdog = LoopWatchdog(
+            f"producer {self.name}",
+            settings.loop_stall_after or default_stall_after(config.lease_seconds),
+            logger,
+            on_stall=self._stalled,
+            on_lag=self.metrics.loop_lag,
+        )
+        self._renewer: Renewer | None = None
 
     @classmethod
     async def connect(
@@ -211,7 +226,7 @@ class Producer:
         logger.info(
             "producer %s (ns %s) starting: concurrency %d samples, n=%d, engines %s",
             self.name, self.keys.namespace, self.settings.concurrency, n,
-            ", ".join(redact_url(u) for u in self.engine.settings.urls),
+            ", ".join(redact_url(u) for u in self.engine.settings.all_urls),
         )
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
         heartbeat: asyncio.Task[None] | None = None
@@ -219,15 +234,24 @@ class Producer:
         stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
         try:
             await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
+            await self.engine.check_versions()  # says once if no engine reports weight versions
             self._state = "running"
+            watchdog = asyncio.create_task(self.watchdog.run(), name="watchdog")
+            loops.append(watchdog)
+            self._renewer = Renewer(
+                self.url, self.keys, self.name,
+                self.settings.renew_interval or self.config.lease_seconds / 3,
+                self._leases_lost, self._set_fatal, asyncio.get_running_loop(),
+            )
+            self._renewer.start()
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
             await self._outage.run(self._follow_registry)
+            await self._outage.run(self._follow_weights)
             await self._outage.run(self._heartbeat_once)
             await self._adopt_own_pending()
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-            loops = [
+            loops += [
                 asyncio.create_task(self._admission_loop(), name="admission"),
-                asyncio.create_task(self._renew_loop(), name="renew"),
                 asyncio.create_task(self._reclaim_loop(), name="reclaim"),
                 asyncio.create_task(self._control_loop(), name="control"),
             ]
@@ -243,6 +267,8 @@ class Producer:
             try:
                 await self._shutdown()
             finally:
+                if self._renewer is not None:  # after the shutdown: the drain's prompts are renewed
+                    await asyncio.to_thread(self._renewer.close)
                 try:
                     await self._close_generate()
                 finally:
@@ -319,39 +345,43 @@ class Producer:
             self._refusal_since_ms = now_ms() if reason else 0
 
     async def _admission_loop(self) -> None:
+        await self._outage.forever(self._admission_turn)
+
+    async def _admission_turn(self) -> bool:
+        """One ADMIT round: wait for room for ``n`` samples, admit as many prompts as there is room
+        for, start them; then wait as the answer says (new prompts, a full backlog, staleness).
+        False when it asked Redis nothing."""
         n = self.config.n_samples_per_prompt
-        while not self._stopping.is_set():
-            raise_if_cancelled()
-            if self._reclaim_due:  # prompts of a dead producer come first
-                await self._nap(0.2)
-                continue
-            if not await self._capacity.take(n, self._stopping):
-                return
-            extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
-            self._capacity.free -= extra * n
-            held = count = 1 + extra
-            try:
-                admission = await self._outage.run(
-                    lambda count=count: self.prompts.admit(self.config, count)
-                )
+        if self._reclaim_due:  # prompts of a dead producer come first
+            await self._nap(0.2)
+            return False
+        if self._stopping.is_set() or not await self._capacity.take(n, self._stopping):
+            await asyncio.Future()  # draining: nothing more is admitted; the drain cancels this loop
+        extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
+        self._capacity.free -= extra * n
+        held = count = 1 + extra
+        try:
+            with self._claiming():
+                admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
                 if self.config.max_staleness is not None:
                     self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
                 for item in admission.entries:
                     self._start_work(item, admission.weight_version)
                     held -= 1
-            finally:
-                if held:
-                    self._capacity.give(held * n)
-            status = admission.status
-            if status == "ok":
-                self._blocked(False)
-            elif status == "empty":
-                self._blocked(False)
-                await self._wait_for_prompts()
-            else:
-                self._blocked(True, status)
-                self.metrics.admission_blocked(status)
-                await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
+        finally:
+            if held:
+                self._capacity.give(held * n)
+        status = admission.status
+        if status == "ok":
+            self._blocked(False)
+        elif status == "empty":
+            self._blocked(False)
+            await self._wait_for_prompts()
+        else:
+            self._blocked(True, status)
+            self.metrics.admission_blocked(status)
+            await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
+        return True
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
@@ -375,8 +405,25 @@ class Producer:
             stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
             held=self.config.n_samples_per_prompt,
         )
-        self._work[item.entry_id] = work
+        self._hold(work)
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
+
+    def _hold(self, work: Work) -> None:
+        """List a prompt as held: its lease is renewed until :meth:`_drop`."""
+        self._work[work.prompt_id] = work
+        if self._renewer is not None:
+            self._renewer.hold(work.stream, work.prompt_id)
+
+    def _claiming(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call that claims prompts (ADMIT, XAUTOCLAIM, adoption) until they are held."""
+        return self._renewer.claiming() if self._renewer is not None else contextlib.nullcontext()
+
+    def _drop(self, work: Work) -> None:
+        """A prompt's last script returned: no longer held, no longer renewed. (Renewing goes on
+        until then: the loop may stall between the call and the script, see :mod:`.renewal`.)"""
+        self._work.pop(work.prompt_id, None)
+        if self._renewer is not None:
+            self._renewer.release(work.prompt_id)
 
     # -- one prompt ---------------------------------------------------------------------
 
@@ -398,11 +445,22 @@ class Producer:
                 return
             work.prompt = prompt
             group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
+            if (dead := exhausted(group, self.config)) is not None:
+                # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
+                reason, last = dead
+                logger.warning(
+                    "producer %s: prompt %d dead-lettered after %d attempts: %s",
+                    self.name, last.index, last.attempt, "; ".join(last.history),
+                )
+                await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False)
+                finished = True
+                return
             fields = group_fields(group)
             if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
                 await self._dead_letter_prompt(work, too_large)
                 finished = True
                 return
+            work.finishing = True
             result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
             finished = True
             if result is None:
@@ -419,22 +477,31 @@ class Producer:
             self._set_fatal(exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
-                self._work.pop(work.prompt_id, None)
+                self._drop(work)
+            else:
+                work.finishing = False
             self._capacity.give(work.held)
             work.held = 0
 
-    async def _dead_letter_prompt(self, work: Work, reason: str) -> None:
-        logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
-        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, work.fields, reason))
+    async def _dead_letter_prompt(
+        self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True
+    ) -> None:
+        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``."""
+        if log:
+            logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
+        work.finishing = True
+        written = work.fields if fields is None else fields
+        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason))
 
     # -- leases, reclaim ----------------------------------------------------------------
 
     async def _adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
-        claimed = await self._outage.run(self.prompts.own_pending)
-        if claimed:
-            logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
-            await self._take_over(claimed)
+        with self._claiming():
+            claimed = await self._outage.run(self.prompts.own_pending)
+            if claimed:
+                logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
+                await self._take_over(claimed)
 
     async def _take_over(self, claimed: list[Admitted]) -> None:
         n = self.config.n_samples_per_prompt
@@ -447,9 +514,7 @@ class Producer:
                 continue
             if not await self._capacity.take(n, self._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                self._work[item.entry_id] = Work(
-                    stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version
-                )
+                self._hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))
                 continue
             self.reclaimed += 1
             self._start_work(item, version)
@@ -459,30 +524,16 @@ class Producer:
     async def _trainer_version(self) -> int:
         return await self._outage.run(self.control.weight_version)
 
-    async def _renew_loop(self) -> None:
-        await self._outage.forever(self._renew_turn)
-
-    async def _renew_turn(self) -> bool:
-        interval = self.settings.renew_interval or self.config.lease_seconds / 3
-        await asyncio.sleep(interval)
-        by_stream: dict[str, list[bytes]] = {}
-        for pid, w in self._work.items():
-            if not w.lease_lost:
-                by_stream.setdefault(w.stream, []).append(pid)
-        if not by_stream:
-            return False
-        lost: list[bytes] = []
-        for stream, ids in by_stream.items():
-            lost.extend(await self.prompts.renew(stream, ids))
+    def _leases_lost(self, lost: list[bytes]) -> None:
+        """The renewal thread found prompts no longer ours (taken over after the lease)."""
         for pid in lost:
             work = self._work.get(pid)
-            if work is not None and not work.lease_lost:
+            if work is not None and not work.lease_lost and not work.finishing:
                 work.lease_lost = True
                 logger.warning(
                     "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
                     self.name, pid.decode(), self.config.lease_seconds,
                 )
-        return True
 
     async def _reclaim_loop(self) -> None:
         """Take over prompts idle past the lease; while some are due, admission holds off so the
@@ -525,15 +576,16 @@ class Producer:
             await self.prompts.announce_reclaim()
             self._reclaim_seen_ms = now_ms()  # its own find: already acting on it
         await self._capacity.room(n, self._stopping)
-        claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
-        self._outage.recovered()  # before the take-over, whose own calls ride out an outage
-        if claimed:
-            logger.info(
-                "producer %s: reclaimed %d prompts idle past the %.0f s lease",
-                self.name, len(claimed), self.config.lease_seconds,
-            )
-            await self._take_over(claimed)
-        elif self.prompts.reclaim_scanned:
+        with self._claiming():
+            claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
+            self._outage.recovered()  # before the take-over, whose own calls ride out an outage
+            if claimed:
+                logger.info(
+                    "producer %s: reclaimed %d prompts idle past the %.0f s lease",
+                    self.name, len(claimed), self.config.lease_seconds,
+                )
+                await self._take_over(claimed)
+        if not claimed and self.prompts.reclaim_scanned:
             self._reclaim_due = False  # scanned to the end: nothing left to take over
         if not self._reclaim_due:
             self._wake.set()
@@ -565,7 +617,7 @@ class Producer:
             duplicates=self.duplicates,
             reclaimed=self.reclaimed,
             engine_retries=self.engine.retries,
-            engines=[redact_url(u) for u in self.engine.settings.urls],
+            engines=[redact_url(u) for u in self.engine.settings.all_urls],
             started_ms=int(self._started * 1000),
             last_seen_ms=now_ms(),
             admission=self._refusal,
@@ -580,11 +632,21 @@ class Producer:
             episodes_failed=self.rollout.episodes_failed,
             aborts_continued=self.rollout.runtime.aborts_continued,
             engine_fleet=self.engine.fleet_status(),
+            loop_stalls=self.watchdog.stalls,
+            loop_stall_s=round(self.watchdog.stall_seconds, 2),
+            loop_stall_longest_s=self.watchdog.longest.seconds if self.watchdog.longest else 0.0,
+            loop_stall_where=self.watchdog.longest.describe() if self.watchdog.longest else "",
+            loop_lag_max_s=round(self.watchdog.take_max_lag(), 3),
+            loop_stall_after_s=self.watchdog.threshold,
+            weight_versions_from=self.engine.versions_from,
         )
         await self.heartbeats.write(self.name, beat, blocked_ms)
         self._blocked_reported += blocked_ms / 1000
         if blocked_ms > 0:
             self.metrics.admission_blocked_for(blocked_ms / 1000)
+
+    def _stalled(self, stall: Stall) -> None:
+        self.metrics.loop_stalled(stall.seconds)
 
     async def _heartbeat_loop(self) -> None:
         await self._outage.forever(self._heartbeat_turn, wrote=True)  # a write Redis refuses at maxmemory
@@ -592,8 +654,14 @@ class Producer:
     async def _heartbeat_turn(self) -> bool:
         await asyncio.sleep(self.settings.heartbeat_interval)
         await self._follow_registry()
+        await self._follow_weights()
         await self._heartbeat_once()
         return True
+
+    async def _follow_weights(self) -> None:
+        """Where the trainer's weights are, for engines found behind (``--catch-up-engines``)."""
+        if self.engine.settings.catch_up:
+            self.engine.set_weights_source(await self.control.weights())
 
     async def _follow_registry(self) -> None:
         """The engine registry's changes to the fleet (``--engines-from-registry``); an entry that
@@ -669,12 +737,16 @@ class Producer:
             self.name, self.keys.namespace, self._state, self.published, self.returned, self.duplicates,
         )
 
+    async def _give_back(self, work: Work) -> bool:
+        work.finishing = True
+        return await self.prompts.give_back(work.stream, work.prompt_id, work.fields)
+
     async def _return_unfinished(self) -> None:
         """Put the prompts still held into the retry stream, with their attempt unchanged."""
         for work in list(self._work.values()):
             try:
                 returned = await self._outage.run(
-                    lambda w=work: self.prompts.give_back(w.stream, w.prompt_id, w.fields), give_up_after=30
+                    lambda w=work: self._give_back(w), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 logger.error(
@@ -684,5 +756,5 @@ class Producer:
                 continue
             if returned:
                 self.returned += 1
-            self._work.pop(work.prompt_id, None)
+            self._drop(work)
 

@@ -1,11 +1,17 @@
-"""Samples with every field set, for tests and benchmarks (never imported by library code)."""
+"""Samples with every field set, for tests and benchmarks (never imported by library code).
+
+:func:`full_sample` gives the fields realistic values and fills any other declared field
+(a version-3 field of :data:`~rollstream.common.models.SAMPLE_FIELDS`) with :func:`example_value`, so a
+field declared in the model is set here (and round-tripped by the tests) without an edit."""
 
 from __future__ import annotations
 
 import random
 from array import array
+from typing import Any
 
-from rollstream.common.models import Adapter, Group, Packed, Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Packed, Sample, Status
+from rollstream.common.sample_fields import Kind, SampleField
 
 
 def routed_experts(tokens: int, layers: int, topk: int, experts: int = 128, seed: int = 0) -> Packed:
@@ -40,7 +46,7 @@ def full_sample(
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    return Sample(
+    sample = Sample(
         index=index,
         tokens=tokens,
         response="r" * response_len,
@@ -71,6 +77,28 @@ def full_sample(
             "image_grid_thw": [[1, 2, 3]],
         },
     )
+    for f in SAMPLE_FIELDS:
+        if f.since >= 3 and not f.is_set(getattr(sample, f.name)):
+            setattr(sample, f.name, example_value(f, n_tokens, response_len))
+    return sample
+
+
+def example_value(f: SampleField, tokens: int, response_length: int) -> Any:
+    """A set value of field ``f`` for a sample of ``tokens`` tokens ending in ``response_length``
+    response tokens (lengths as the codec checks them)."""
+    if f.kind is Kind.PACKED:
+        if f.length in ("rows", "rows_or_media"):
+            return Packed(array("B", bytes((tokens - 1) * 2)), (tokens - 1, 1, 2))
+        if f.length == "offsets":
+            return Packed.of(list(range(response_length + 1)))
+        return Packed.of(list(range(response_length)))
+    examples = {
+        Kind.FLOATS: [0.5] * response_length, Kind.MASK: [1] * response_length, Kind.MAP: {"example": 1},
+        Kind.COUNTERS: {"example": 1}, Kind.FLAG: True, Kind.GROUP_ID: 0, Kind.SECONDS: 0.5,
+        Kind.ADAPTER: Adapter("example", 0), Kind.MEDIA: {"example": [1]}, Kind.SPANS: [(0, response_length, 3)],
+        Kind.TEXT: "example", Kind.OPT_TEXT: "example", Kind.INT: 1, Kind.VERSIONS: [3],
+    }
+    return examples[f.kind]
 
 
 def full_group(n: int = 4, index: int = 7, **sample_kwargs: int) -> Group:

@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from array import array
 from pathlib import Path
 
@@ -27,7 +28,7 @@ class ToolFailed(RuntimeError):
 
 
 def _calc(expression: str) -> str:
-    from rollstream.testing.sim.engine import evaluate_last_expression
+    from rollstream.testing.sim.simulator import evaluate_last_expression
 
     value = evaluate_last_expression(expression)
     return "?" if value is None else str(value)
@@ -111,3 +112,16 @@ async def object_metadata(episode: Episode) -> Sample:
     if "OBJECT" in str(episode.prompt):
         sample.metadata = {**sample.metadata, "tool_state": object()}
     return sample
+
+
+BLOCK = re.compile(r"BLOCK=(\d+(?:\.\d+)?)")
+
+
+async def blocking(episode: Episode) -> Sample:
+    """The single-turn rollout, except that member 0 of a prompt holding ``BLOCK=S`` first calls
+    a synchronous ``time.sleep(S)`` on the event loop (issue 32: a blocking tool)."""
+    found = BLOCK.search(str(episode.prompt))
+    if found and episode.member == 0:
+        time.sleep(float(found.group(1)))  # noqa: ASYNC251 -- the mistake under test
+    await episode.generate()
+    return episode.sample

@@ -99,13 +99,23 @@ def test_diagnose_quick_produces_rows() -> None:
     assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in table.rows)
 
 
-def test_fleet_quick_measures_the_sick_fleet_the_old_engine_and_the_cache() -> None:
+def test_fleet_quick_measures_the_sick_fleet_the_old_engine_the_cache_and_adaptive_concurrency() -> None:
     from bench import fleet
 
-    sick, behind, cache = fleet.run(quick=True)
+    sick, behind, cache, adaptive = fleet.run(quick=True)
     assert [row[2] for row in sick.rows] == [row[1] for row in sick.rows]  # every group completed
     assert behind.rows[1][2] <= behind.rows[0][2]  # the version gate wastes no more than before
     assert all(0 <= row[2] <= 1 for row in cache.rows)
+    assert all(row[1] > 0 for row in adaptive.rows) and adaptive.rows[-1][0].startswith("adaptive")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_loop_stall_quick_produces_rows() -> None:
+    (table,) = bench_main.run(["loop_stall"], quick=True)
+    (row,) = table.rows
+    assert row[0] == "12/12" and row[1] == 0  # every group trained once
+    assert row[5] >= 2 and row[6] >= 2  # the 2 stalls logged and in the heartbeats
 
 
 @pytest.mark.timeout(240)

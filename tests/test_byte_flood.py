@@ -11,7 +11,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.keys import Keys, StateField
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.sim.engine import SimConfig, SimEngine
+from rollstream.testing.sim.simulator import SimConfig, SimEngine
 
 PROMPTS = 40
 BATCH = 4

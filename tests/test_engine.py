@@ -8,7 +8,7 @@ from rollstream.common.errors import ConfigError, EngineRejected
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.tokenizer import PromptTokenizer, load_tokenizer
 from rollstream.testing.sim import SimEngine
-from rollstream.testing.sim.engine import render_chat, tokenize
+from rollstream.testing.sim.simulator import render_chat, tokenize
 
 
 async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEngine) -> None:
@@ -24,7 +24,7 @@ async def test_openai_generate_n_is_one_request_with_ids_and_logprobs(sim: SimEn
 
 
 async def test_openai_weight_version_is_none_without_a_model_info_endpoint(sim: SimEngine) -> None:
-    sim.state.model_info_mode = "error"
+    sim.state.model_info_mode = "absent"  # no /weight_info, /model_info nor /get_model_info
     settings = EngineSettings(urls=(sim.url,), api="openai", model="m")
     async with EngineClient(settings) as engine:
         generation = await engine.generate(text="Compute 1 + 1")

@@ -42,13 +42,41 @@ def test_http_libraries_are_imported_only_by_the_transport() -> None:
     assert sockets == [], f"connections are opened by the transport only, not {sockets}"
 
 
+CONTRACT = ("name", "batches_samples", "accepts_messages", "needs_token_ids", "needs_model", "replies_carry_versions",
+            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths")
+
+
 def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
     assert ENGINE_APIS == tuple(DIALECTS)
     for name, dialect in DIALECTS.items():
-        for attribute in ("batches_samples", "accepts_messages", "version_paths", "abort_path", "abort_body"):
+        for attribute in CONTRACT:
             assert hasattr(dialect, attribute), (name, attribute)
-        assert callable(dialect.generate) and dialect.version_paths, name
+        assert dialect.name == name
+        assert callable(dialect.encode) and callable(dialect.decode) and dialect.version_paths, name
+        assert dialect.reload_requests("/w", 3), name
         EngineSettings(urls=("http://e",), api=name, model="m")  # each API is a valid setting
+
+
+def test_dialects_only_translate() -> None:
+    """A dialect writes a request and reads a reply: it imports nothing of the client (it never
+    sends, retries or blames); the client alone does."""
+    for name in ("sglang.py", "openai.py", "vllm.py", "vllm_replay.py", "parse.py", "types.py", "dialects.py"):
+        tree = ast.parse((ENGINE / name).read_text())
+        relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert not relative & {"client", "fleet", "transport", "http11", "discovery"}, (name, relative)
+
+
+def test_a_dialect_encodes_and_decodes_without_a_client() -> None:
+    from rollstream.producer.engine.types import Request
+
+    dialect = DIALECTS["sglang"]
+    settings = EngineSettings(urls=("http://e",))
+    encoded = dialect.encode(Request(1, "1+1=", None, None, 8, {"temperature": 1.0}), settings)
+    assert encoded.path == "/generate" and encoded.body["text"] == "1+1=" and encoded.weight == 1
+    reply = (b'{"text": "2", "output_ids": [50], "meta_info": {"finish_reason": {"type": "stop"}, '
+             b'"output_token_logprobs": [[-0.5, 50, null]], "weight_version": "3"}}')
+    (generation,) = dialect.decode(encoded, reply, settings, "http://e/generate")
+    assert list(generation.output_ids) == [50] and generation.weight_version == 3
 
 
 def test_weight_versions_are_parsed_in_one_place() -> None:

@@ -101,3 +101,59 @@ async def test_engines_join_and_drain_under_a_running_producer_and_every_prompt_
         assert await _requests(joining) == after_drain  # a drained engine gets no new requests
     assert producer.poll() is None, procs.log_of(producer)
     assert "engine registry entry 'not a url' skipped" in procs.log_of(producer)
+
+
+def _produce_from_registry(procs: ProcessPool, redis_url: str, ns: str, *extra: str) -> subprocess.Popen[bytes]:
+    """A producer with no ``--engine``: its engines are the registry's."""
+    return procs.start("produce", "--redis", redis_url, "--ns", ns, "--engines-from-registry", "--concurrency", "4",
+                       "--reward", "math", "--max-new-tokens", "256", "--heartbeat-interval", "0.5",
+                       "--name", "registry-only", *extra, log_name="registry-only")
+
+
+async def test_a_producer_on_the_registry_alone_follows_engines_replacing_each_other(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """No ``--engine``: the producer starts on the registry's engine; removed while another is
+    added, it is drained and dropped, the prompts after go to the new one, and every prompt is
+    trained once."""
+    keys = Keys(ns)
+    registry = EngineRegistry(redis, keys)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    await registry.add([sim.url])
+    async with SimEngine(SimConfig(seed=6, mean_tokens=16)) as second:
+        producer = _produce_from_registry(procs, redis_url, ns)
+        taken: list[int] = []
+        async with GroupConsumer.connect(redis_url, ns, "trainer-alone") as consumer:
+            async def take(count: int) -> None:
+                async with asyncio.timeout(120):
+                    while count > 0:
+                        batch = await consumer.take(2)
+                        taken.extend(g.index for g in batch.groups)
+                        await consumer.commit(batch)
+                        count -= 2
+
+            await add_prompts(redis, ns, 12)
+            await take(12)
+            await registry.add([second.url])
+            await registry.remove([sim.url])
+
+            async def replaced() -> bool:
+                beat = json.loads((await redis.hget(keys.producers, "registry-only")) or "{}")
+                return [e["url"] for e in beat.get("engine_fleet", [])] == [second.url]
+
+            await wait_until(replaced, timeout=60, message="the removed engine dropped, the added one in the fleet")
+            first_requests = await _requests(sim)
+            await add_prompts(redis, ns, 12, start=12)
+            await take(12)
+        assert Counter(taken) == Counter(range(24))  # nothing lost, nothing doubled
+        assert await _requests(sim) == first_requests and await _requests(second) > 0
+    assert producer.poll() is None, procs.log_of(producer)
+
+
+async def test_produce_without_engines_says_what_to_give(redis: Redis, redis_url: str, ns: str) -> None:
+    await make_namespace(redis, ns)
+    base = ("produce", "--redis", redis_url, "--ns", ns, "--concurrency", "4", "--reward", "math")
+    code, out = await cli(*base)
+    assert code == 2 and "--engine URL" in out and "--engines-from-registry" in out, out
+    code, out = await cli(*base, "--engines-from-registry", "--no-engine-timeout", "0.5")
+    assert code == 2 and "lists no active engine" in out and "rollstream engines add" in out, out

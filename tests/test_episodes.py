@@ -16,15 +16,17 @@ import episode_fns
 import httpx
 import pytest
 from conftest import wait_until
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, GenerateBroken
 from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.producer.checks import check_sample
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.episode import Episode, GenerateBroken, SamplingParams
+from rollstream.producer.episode import Episode, SamplingParams
+from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings, load_generate, single_turn
-from rollstream.producer.session import EpisodeLimits, check_sample, parse_limits
+from rollstream.producer.rollout import Rollout, RolloutSettings, single_turn
+from rollstream.producer.session import EpisodeLimits, parse_limits
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize, tokenize
+from rollstream.testing.sim.simulator import detokenize, tokenize
 
 CALC = "What is 2 + 3? [tools=2]"
 

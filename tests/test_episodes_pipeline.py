@@ -23,7 +23,7 @@ from rollstream.common.models import Status
 from rollstream.common.protocol import Heartbeat
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimEngine
-from rollstream.testing.sim.engine import detokenize
+from rollstream.testing.sim.simulator import detokenize
 from test_faults import wait_exit
 
 FNS = Path(__file__).with_name("episode_fns.py")

@@ -35,7 +35,7 @@ from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.tokenizer import load_tokenizer
 from rollstream.producer.worker import Producer, ProducerSettings
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize
+from rollstream.testing.sim.simulator import detokenize
 
 TESTS_DIR = Path(__file__).parent
 TOKENIZER = "fake_tokenizer:FakeChatTokenizer"

@@ -21,12 +21,14 @@ import pytest
 from aiohttp import web
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
-from rollstream.common.codec import prompt_fields
+from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, prompt_fields
+from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import EngineError
 from rollstream.common.events import recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
-from rollstream.common.models import Group, Prompt, Status
+from rollstream.common.models import Group, Prompt, Sample, Status
 from rollstream.consumer import GroupConsumer
+from rollstream.consumer.verdict import Route, judge
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.worker import Producer, ProducerSettings
@@ -277,6 +279,53 @@ async def test_a_reward_broken_for_every_prompt_is_fatal_with_a_clear_message(
 
 async def _len(redis: Redis, key: str, n: int) -> bool:
     return await redis.xlen(key) >= n
+
+
+async def test_a_group_past_max_attempts_is_dead_lettered_by_its_producer_not_left_in_the_backlog(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Issue 32, item 3. A prompt the engine always refuses, max_attempts 1: its first failed group
+    is recycled by take(); its second can never be trained, so the producer that built it
+    dead-letters it (the same reason text take() writes) instead of publishing it, and the backlog
+    holds nothing no take will accept: a trainer done with its epoch takes nothing more."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, max_attempts=1)
+    await add_prompt(redis, ns, 7, "POISON: the engine refuses this prompt")
+    # concurrency n: one prompt at a time, so the order below is the order of the streams
+    producer = procs.producer(redis_url, ns, sim.url, name="where-it-fails", concurrency=2)
+    await wait_until(lambda: _len(redis, keys.groups, 1), message="the first failed group")
+    await add_prompt(redis, ns, 8, "Compute 8 + 1 and box it.", label="9")
+    await wait_until(lambda: _len(redis, keys.groups, 2), message="the good group behind it")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-h") as consumer:
+        batch = await asyncio.wait_for(consumer.take(1), 60)  # recycles the failed group, keeps the good one
+        assert [g.index for g in batch.groups] == [8]
+        assert await consumer.commit(batch) == 1
+    # No take from here on: the retry fails again and is dead-lettered where it failed.
+    await wait_until(lambda: _len(redis, keys.dead, 1), message="the retry dead-lettered by its producer")
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"source"] == b"prompts" and int(dead[b"index"]) == 7, dead
+    prompt = decode_prompt_entry(dead, DEFAULT_LIMITS)
+    assert prompt.attempt == 2 and len(prompt.history) == 2
+    assert prompt.history[0] == prompt.history[1]  # take()'s recycle line and the producer's: one rule
+    assert prompt.history[0].startswith("failed: ") and "POISON" in prompt.history[0]
+    # the reason take() would have written for that group
+    failed = Group(index=7, prompt=prompt.prompt, attempt=1, history=prompt.history[:1], samples=[
+        Sample(index=i, status=Status.FAILED, error=prompt.history[0].removeprefix("failed: ")) for i in range(2)
+    ])
+    verdict = judge(group_fields(failed), PipelineConfig(n_samples_per_prompt=2, batch_size=4, max_attempts=1),
+                    version=0, staleness_limit=None)
+    assert verdict.route == Route.DEAD_LETTER and dead[b"reason"].decode() == verdict.reason
+    assert verdict.reason == f"max_attempts: recycled 2 times (> 1); last: {prompt.history[1]}"
+    # Counted exactly: 2 published (the failed attempt 0, the good one), 1 recycled, 1 committed,
+    # 1 dead; nothing left in any stream or pending.
+    st = await counters(redis, ns)
+    assert (st["published"], st["recycled_failed"], st["committed"], st["dead_lettered"]) == (2, 1, 1, 1), st
+    for stream in (keys.prompts, keys.retry, keys.groups):
+        assert await redis.xlen(stream) == 0, stream
+    for stream in (keys.prompts, keys.retry):
+        assert (await redis.xpending(stream, PRODUCERS_GROUP))["pending"] == 0
+    assert "dead-lettered after 2 attempts" in procs.log_of(producer)
+    assert producer.poll() is None, procs.log_of(producer)
 
 
 # -- items 3 and 4: garbage engine replies, requests in flight for too long ----------------------

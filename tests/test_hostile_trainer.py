@@ -18,8 +18,8 @@ from rollstream.common.codec import group_fields
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample, Status
 from rollstream.consumer import ConsumerNameInUse, GroupConsumer, PipelineStalled
-from rollstream.consumer.consumer import NAME_LEASE_SECONDS
-from rollstream.ops.control import release_consumer
+from rollstream.consumer.group_consumer import NAME_LEASE_SECONDS
+from rollstream.ops.actions import release_consumer
 from rollstream.testing.sim import SimEngine
 from test_faults import TRAINER, _run_trainer
 

@@ -190,7 +190,7 @@ async def test_inspect_reports_an_admission_stall_with_its_terms_and_take_names_
     assert code == 1 and "admission stalled" in text and "outstanding" in text
 
     # take() waits, and its warning says why.
-    caplog.set_level("WARNING", logger="rollstream.consumer.consumer")
+    caplog.set_level("WARNING", logger="rollstream.consumer.group_consumer")
     async with await GroupConsumer.connect(redis_url, ns, "trainer", warn_interval=0.3) as consumer:
         take = asyncio.create_task(consumer.take(4))
         # Until the warning is logged (after the first empty read), however slow the machine.

@@ -13,9 +13,9 @@ import pytest
 from integration_helpers import STANDINS, set_env, slime_args
 from rollstream.common.errors import ConfigError
 from rollstream.common.models import Group, Sample, Status
-from rollstream.integrations import convert, settings
+from rollstream.integrations import convert, environment
 from rollstream.integrations.convert import MILES, SLIME, from_framework, to_framework
-from rollstream.integrations.rewards import is_framework_reward, load_framework_reward, reward_args
+from rollstream.integrations.framework_rewards import is_framework_reward, load_framework_reward, reward_args
 from rollstream.integrations.slime import RollstreamDataSource, generate_rollout, parse_weight_version
 
 
@@ -141,12 +141,12 @@ def test_malformed_environment_variable_is_named(name: str, value: str, text: st
     env = {"ROLLSTREAM_REDIS_URL": "redis://h:1/0", "ROLLSTREAM_NAMESPACE": "ns", "ROLLSTREAM_CONSUMER_NAME": "t"}
     env[name] = value
     with pytest.raises(ConfigError, match=text):
-        settings.Settings.from_env(env)
+        environment.Settings.from_env(env)
 
 
 def test_settings_defaults() -> None:
     env = {"ROLLSTREAM_REDIS_URL": "redis://h:1/0", "ROLLSTREAM_NAMESPACE": "ns", "ROLLSTREAM_CONSUMER_NAME": "t"}
-    got = settings.Settings.from_env(env)
+    got = environment.Settings.from_env(env)
     assert (got.keep_checkpoints, got.take_timeout, got.eval_function, got.allow_journal_gap) == (2, None, None, False)
 
 
@@ -195,7 +195,7 @@ async def test_slime_reward_is_called_with_slime_samples(monkeypatch: pytest.Mon
 
 
 async def test_the_one_reward_loader_builds_framework_rewards_by_their_registered_scheme() -> None:
-    from rollstream.integrations.rewards import FrameworkReward
+    from rollstream.integrations.framework_rewards import FrameworkReward
     from rollstream.producer.rewards import load_reward, schemes
 
     assert {"math", "remote", "slime", "slime-group", "miles", "miles-group"} <= set(schemes())

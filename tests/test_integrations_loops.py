@@ -19,9 +19,9 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample
 from rollstream.integrations.convert import SLIME
+from rollstream.integrations.environment import Settings
 from rollstream.integrations.journal import Journal, JournalRecord
-from rollstream.integrations.session import RolloutSession, open_consumer
-from rollstream.integrations.settings import Settings
+from rollstream.integrations.trainer_session import RolloutSession, open_consumer
 
 EVAL_RESULT = {"custom": {"rewards": [0.25], "truncated": [False], "samples": []}}
 
@@ -290,3 +290,27 @@ async def test_producer_scores_with_a_slime_group_reward(
         await asyncio.to_thread(manager.data_source.close)
     rewards = data["rewards"]
     assert sorted(rewards) == [0.0] * 4 + [1.0] * 4, procs.logs()
+
+
+async def test_the_integrations_loop_has_a_watchdog(redis: Redis, redis_url: str, ns: str, caplog: Any) -> None:
+    """The session's loop (where the trainer's name lease is renewed) is watched: a stall over a
+    fifth of that lease is logged with the code that held it, from the session's own thread."""
+    import logging
+    import time
+
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
+    session = RolloutSession(Settings(redis_url=redis_url, namespace=ns, consumer_name="t0"), SLIME)
+
+    async def convert_slowly() -> None:
+        await asyncio.sleep(0.3)
+        time.sleep(2.5)  # noqa: ASYNC251 -- a blocking conversion on the session's loop
+        await asyncio.sleep(0.3)
+
+    caplog.set_level(logging.WARNING, logger="rollstream.integrations.trainer_session")
+    try:
+        await asyncio.to_thread(session.run, convert_slowly())
+    finally:
+        await asyncio.to_thread(session.close)
+    stalls = [r.getMessage() for r in caplog.records if "event loop stalled" in r.getMessage()]
+    assert len(stalls) == 1, stalls
+    assert stalls[0].startswith("rollstream slime integration: event loop stalled") and "convert_slowly" in stalls[0]

@@ -17,7 +17,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize, render_chat, tokenize
+from rollstream.testing.sim.simulator import detokenize, render_chat, tokenize
 
 TESTS_DIR = Path(__file__).resolve().parent
 OPENAI = ("--engine-api", "openai", "--model", "rollstream-sim")
@@ -205,3 +205,74 @@ async def test_chat_prompts_on_sglang_without_tokenizer_fail_with_a_clear_reason
     reason = b" ".join(v for _, fields in entries for k, v in fields.items() if k == b"reason").decode()
     assert "tokenizer" in reason and "openai" in reason, reason
     assert sim.state.requests == 0, "nothing was sent to /generate"
+
+
+# -- issue 32, item 2: versions on the OpenAI API where the engine has them ---------------------
+
+
+async def test_vllm_behind_the_openai_api_reports_its_versions_from_weight_info(
+    redis_url: str, redis: Redis, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """vLLM's OpenAI server has no /model_info but answers /weight_info (dev mode): the OpenAI
+    dialect reads it like the native dialect does, and the heartbeat and inspect say so."""
+    from test_inspect import inspect_json
+
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    await _faults(sim, model_info="vllm")
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{sim.url}/update_weight_version", json={"new_version": 5})).raise_for_status()
+    await add_prompts(redis, ns, 4)
+    producer = procs.producer(redis_url, ns, sim.url, *OPENAI, name="vllm-openai")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        await consumer.set_weight_version(3)
+        batches = [await asyncio.wait_for(consumer.take(2), 120) for _ in range(2)]
+        for batch in batches:
+            await consumer.commit(batch)
+    samples = [s for b in batches for g in b.groups for s in g.samples]
+    assert len(samples) == 8, procs.logs()
+    for sample in samples:
+        assert sample.weight_versions == [5], procs.log_of(producer)  # the engine's, not the trainer's 3
+        assert sample.metadata.get("weight_version_source") != "trainer_at_admission"
+    beat = await wait_until(
+        lambda: _beat_with(redis, ns, "vllm-openai", "weight_versions_from"), message="weight_versions_from"
+    )
+    assert beat["weight_versions_from"] == "GET /weight_info"
+    _, snap = await inspect_json(redis_url, ns)
+    (row,) = [p for p in snap["producers"] if p["name"] == "vllm-openai"]
+    assert row["weight_versions_from"] == "GET /weight_info"
+    assert "report no weight version" not in procs.log_of(producer)
+
+
+async def test_an_engine_with_no_version_anywhere_is_named_once_at_start(
+    redis_url: str, redis: Redis, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """vLLM's OpenAI server without dev mode: no version endpoint at all. The producer says so once,
+    at start, naming the engine and the API that would give versions; inspect shows the source."""
+    from test_inspect import run_inspect
+
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    await _faults(sim, model_info="absent")
+    await add_prompts(redis, ns, 4)
+    producer = procs.producer(redis_url, ns, sim.url, *OPENAI, name="silent")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        await consumer.set_weight_version(2)
+        for _ in range(2):
+            batch = await asyncio.wait_for(consumer.take(2), 120)
+            assert all(s.weight_versions == [2] for g in batch.groups for s in g.samples)
+            assert all(s.metadata["weight_version_source"] == "trainer_at_admission"
+                       for g in batch.groups for s in g.samples)
+            await consumer.commit(batch)
+    log = procs.log_of(producer)
+    warnings = [line for line in log.splitlines() if "report no weight version" in line]
+    assert len(warnings) == 1, log
+    assert sim.url in warnings[0] and "--engine-api openai" in warnings[0]
+    assert "GET /weight_info" in warnings[0] and "VLLM_SERVER_DEV_MODE" in warnings[0]
+    assert "--engine-api vllm" in warnings[0]
+    await wait_until(lambda: _beat_with(redis, ns, "silent", "weight_versions_from"), message="heartbeat")
+    _, text = await run_inspect(redis_url, ns)
+    assert "trainer at admission" in text, text
+
+
+async def _beat_with(redis: Redis, ns: str, name: str, field: str) -> dict[str, object] | None:
+    beat = await _heartbeat(redis, ns, name)
+    return beat if beat.get(field) else None

@@ -4,11 +4,14 @@ the rule that library code outside it sends no Redis command itself."""
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
+import importlib
 import inspect
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.exceptions import ResponseError
@@ -134,7 +137,10 @@ def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
 
 # -- docs/architecture.md's "where a change goes" ------------------------------------------
 
-CHANGES = ("a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new rollout plug-in")
+CHANGES = (
+    "a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new rollout plug-in",
+    "a new sample field",
+)
 _PATH = re.compile(r"`([A-Za-z0-9_./<>-]+(?:\.py|\.md|\.template|/))`")
 
 
@@ -156,6 +162,85 @@ def _library_modules() -> dict[str, ast.Module]:
         for path in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else []:
             out[path.relative_to(ROOT).as_posix()] = ast.parse(path.read_text())
     return out
+
+
+_CODE = re.compile(r"`([^`]+)`")
+_NAME = re.compile(r"^(?:self\.)?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?$")
+
+
+def _row_namespaces(row: str) -> tuple[list[Any], dict[str, set[str]]]:
+    """The library modules a row names (``<api>`` standing for every file it matches), and the
+    top-level names of the test files it names (read, not imported)."""
+    modules: list[Any] = []
+    tests: dict[str, set[str]] = {}
+    test_files = [f"tests/{code.partition('::')[0]}" for code in _CODE.findall(row) if code.partition("::")[0]]
+    for named in [*_named_paths(row), *test_files]:
+        for path in ROOT.glob(re.sub(r"<[^>]+>", "*", named)):
+            relative = path.relative_to(ROOT).as_posix()
+            if relative.startswith("tests/") and path.suffix == ".py":
+                tree = ast.parse(path.read_text())
+                tests[path.name] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+                tests[path.name] |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                                     if isinstance(t, ast.Name)}
+            elif path.suffix == ".py" and relative.split("/")[0] in (*LIBRARY, "testing", "engines"):
+                parts = path.with_suffix("").relative_to(ROOT).parts
+                parts = parts[:-1] if parts[-1] == "__init__" else parts
+                modules.append(importlib.import_module(".".join(("rollstream", *parts))))
+    return modules, tests
+
+
+def _resolves(name: str, modules: list[Any]) -> bool:
+    """``name`` is a module-level name of one of ``modules`` (``mod.attr``: of the module named
+    ``mod``), an attribute of a class they hold (a method, a dataclass field), a builtin or an
+    importable module."""
+    first, *rest = name.split(".")
+    for module in modules:
+        if rest and module.__name__.rsplit(".", 1)[-1] == first and _getattr_chain(module, rest) is not None:
+            return True
+        if not rest and hasattr(module, first):
+            return True
+    last = name.rsplit(".", 1)[-1]
+    classes = [v for m in modules for v in vars(m).values() if isinstance(v, type)]
+    if any(hasattr(c, last) or last in getattr(c, "__dataclass_fields__", {}) for c in classes):
+        return True
+    if not rest and hasattr(builtins, first):
+        return True
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _getattr_chain(obj: Any, parts: list[str]) -> Any:
+    for part in parts:
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def test_every_name_where_a_change_goes_names_exists() -> None:
+    """Every function, class or constant a row names is where the row says (in a file the row
+    names, or a class of one), and every test it names exists: a moved function fails here."""
+    missing = []
+    for change, row in _change_table().items():
+        modules, tests = _row_namespaces(row)
+        test_file = None
+        for code in _CODE.findall(row):
+            if "::" in code:
+                file, _, test = code.partition("::")
+                test_file = file or test_file
+                if test_file not in tests or test not in tests[test_file]:
+                    missing.append(f"{change}: {code}")
+                continue
+            match = _NAME.match(code)
+            if match is None or "/" in code or code.endswith((".py", ".md")):
+                continue  # a path, a flag, a spec: not a name
+            name = match.group(1)
+            if not _resolves(name, modules) and not any(name in names for names in tests.values()):
+                missing.append(f"{change}: {code}")
+    assert not missing, "names in docs/architecture.md's 'where a change goes' that are not there:\n" + "\n".join(missing)
 
 
 def test_where_a_change_goes() -> None:
@@ -188,9 +273,22 @@ def test_where_a_change_goes() -> None:
     assert given == {f.name for f in dataclasses.fields(Heartbeat)}, "a heartbeat field the producer does not set"
     # A new reward scheme, a new rollout plug-in: one registry each, the frameworks' registered on import.
     import rollstream.integrations  # noqa: F401  (registers the framework schemes)
-    from rollstream.integrations import generate, rewards
+    from rollstream.integrations import framework_rewards, generate
     from rollstream.producer.plugin import generate_schemes
     from rollstream.producer.rewards.loader import schemes
 
-    assert {"math", "remote", *rewards.SCHEMES} <= set(schemes())
+    assert {"math", "remote", *framework_rewards.SCHEMES} <= set(schemes())
     assert set(generate.SCHEMES) <= set(generate_schemes())
+
+
+def test_docs_prose_lines_are_wrapped() -> None:
+    """No line of README.md or docs/*.md over 200 characters outside tables and code blocks
+    (a paragraph is wrapped, a table of prose is a list)."""
+    long = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fence = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            fence ^= line.startswith("```")
+            if len(line) > 200 and not fence and not line.startswith("|"):
+                long.append(f"{path.relative_to(ROOT)}:{number}: {len(line)} characters")
+    assert not long, "wrap these lines:\n" + "\n".join(long)

@@ -21,7 +21,7 @@ from rollstream.producer.engine import sglang as replies
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout, RolloutSettings
 from rollstream.producer.teacher import TeacherScorer
-from rollstream.testing.sim.engine import SimConfig, SimEngine, routed_expert, teacher_logprob
+from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert, teacher_logprob
 
 MOE = (4, 2, 16)
 

@@ -49,6 +49,7 @@ PROMPT_CALLS: dict[str, Call] = {
     "admit": lambda q, k, r, e: q.admit(CONFIG),
     "renew": lambda q, k, r, e: q.renew(k.prompts, [e]),
     "own_pending": lambda q, k, r, e: q.own_pending(),
+    "own_pending_ids": lambda q, k, r, e: q.own_pending_ids(k.prompts),
     "any_idle": lambda q, k, r, e: q.any_idle(0),
     "reclaim": lambda q, k, r, e: q.reclaim(0, 10),
     "ack_deleted": lambda q, k, r, e: q.ack_deleted(k.prompts, e),

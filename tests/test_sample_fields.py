@@ -281,3 +281,71 @@ def test_miles_train_data_conversion_reads_every_key_with_the_right_length() -> 
         assert data["rollout_indexer_topk"][i].shape == (len(s.tokens) - 1, 2, 4)
         assert len(data["opd_reverse_kl"][i]) == s.response_length
     assert data["adapter_slots"] == [1] * 8 and data["step_adapter_batch_sizes"] == {1: 8}
+
+
+# -- the fields declared once (common/sample_fields.py, docs/architecture.md "where a change goes") --
+
+
+def test_every_layer_derives_the_fields_from_the_one_table() -> None:
+    """The codec's keys, its zero-copy struct and the batch's numpy views follow SAMPLE_FIELDS."""
+    from rollstream.common.codec import decode, encode, wire, zero_copy
+    from rollstream.common.models import SAMPLE_FIELDS
+    from rollstream.consumer import batch
+
+    assert [f.name for f in SAMPLE_FIELDS] == [f.name for f in dataclasses.fields(Sample)]
+    assert len({f.key for f in SAMPLE_FIELDS}) == len(SAMPLE_FIELDS), "one wire key per field"
+    assert wire.V3_SAMPLE_KEYS == tuple(f.key for f in SAMPLE_FIELDS if f.since >= 3)
+    assert zero_copy._SampleView.__struct_fields__ == tuple(f.key for f in SAMPLE_FIELDS)
+    assert set(batch._VIEWS) == {f.name for f in SAMPLE_FIELDS if f.numpy}
+    kinds = {f.kind for f in SAMPLE_FIELDS}
+    assert kinds <= set(decode._FROM_WIRE) and kinds <= set(encode._TO_WIRE)
+    from rollstream.integrations import convert
+
+    assert {f.kind for f in SAMPLE_FIELDS if f.framework} <= set(convert._TO_FRAMEWORK)
+    sample = full_sample(1)
+    encoded = encode._sample_to_wire(sample)
+    assert list(encoded) == [f.key for f in SAMPLE_FIELDS if not f.optional or f.is_set(getattr(sample, f.name))]
+
+
+def test_no_layer_spells_a_version_3_wire_key_or_framework_field() -> None:
+    """A field's key and framework name are written once, in its declaration: the codec, the
+    conversion and the batch read them from the table (a hand-written branch would fail here)."""
+    import re
+    from pathlib import Path
+
+    from rollstream.common.models import SAMPLE_FIELDS
+
+    root = Path(__file__).resolve().parent.parent
+    keys = {f.key for f in SAMPLE_FIELDS if f.since >= 3}
+    framework = {f.framework for f in SAMPLE_FIELDS if f.framework}
+    # (the batch's named shortcuts, tokens_numpy() & co., spell our field names: those are allowed)
+    for path, spelled in [*((p, keys | framework) for p in (root / "common" / "codec").glob("*.py")),
+                          (root / "integrations" / "convert.py", keys | framework),
+                          (root / "consumer" / "batch.py", keys)]:
+        literals = set(re.findall(r"\"([a-z_]+)\"", path.read_text()))
+        assert not literals & spelled, f"{path.name} spells {sorted(literals & spelled)}"
+
+
+def test_metadata_maps_keep_any_plain_value() -> None:
+    sample = dataclasses.replace(full_sample(0), metadata={"ok": True, "n": None}, train_metadata={"kl": False})
+    for views in (False, True):
+        decoded = decode_group(encode_group(Group(index=0, prompt="p", samples=[sample])), views=views).samples[0]
+        assert decoded.metadata == {"ok": True, "n": None} and decoded.train_metadata == {"kl": False}
+
+
+def test_batch_numpy_views_serve_every_declared_field() -> None:
+    from rollstream.common.errors import ConfigError
+    from rollstream.common.models import SAMPLE_FIELDS
+    from rollstream.consumer.batch import Batch
+
+    group = decode_group(encode_group(full_group(2)), views=True)
+    batch = Batch(id="b", groups=[group], entry_ids=[b"1-0"])
+    for f in SAMPLE_FIELDS:
+        if f.numpy:
+            got = batch.numpy_views(f.name)
+            want = [getattr(s, f.name) for s in group.samples]
+            assert [None if g is None else g.tolist() for g in got] == [
+                None if w is None else w.tolist() for w in want], f.name
+    assert [a.tolist() for a in batch.tokens_numpy()] == [s.tokens.tolist() for s in group.samples]
+    with pytest.raises(ConfigError, match="no numpy view"):
+        batch.numpy_views("reward")

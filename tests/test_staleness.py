@@ -8,11 +8,9 @@ producer matters (a recycled prompt comes back, a poison prompt keeps failing).
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from typing import Any
 
-import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry, group_fields
@@ -132,10 +130,9 @@ async def test_aborted_group_is_recycled_reset_and_comes_back(
 
 
 async def test_poison_prompt_is_dead_lettered_after_max_attempts(
-    redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool, caplog: pytest.LogCaptureFixture
+    redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool
 ) -> None:
     """POISON -> HTTP 400 -> FAILED samples -> recycled max_attempts times -> dead letter, loudly."""
-    caplog.set_level(logging.WARNING, logger="rollstream.consumer")
     await make_namespace(redis, ns, max_attempts=2)
     keys = Keys(ns)
     await add_prompts(redis, ns, 1, start=0, text="POISON: compute 1 + 1")
@@ -149,7 +146,7 @@ async def test_poison_prompt_is_dead_lettered_after_max_attempts(
             await asyncio.sleep(0.02)
 
     feeding = asyncio.create_task(feeder())
-    procs.producer(redis_url, ns, sim.url)
+    producer = procs.producer(redis_url, ns, sim.url)
     recycled_failed = 0
     indexes: list[int] = []
     try:
@@ -173,13 +170,15 @@ async def test_poison_prompt_is_dead_lettered_after_max_attempts(
     (dead,) = await redis.xrange(keys.dead)
     fields = dead[1]
     reason = fields[b"reason"].decode()
-    assert fields[b"source"] == b"groups" and fields[b"index"] == b"0"
+    # dead-lettered by the producer that ran the attempt past max_attempts (issue 32): its group
+    # never reached the backlog
+    assert fields[b"source"] == b"prompts" and fields[b"index"] == b"0"
     assert reason.startswith("max_attempts: recycled 3 times (> 2)") and "failed:" in reason and "POISON" in reason
     assert decode_prompt_entry(fields).history[-1].startswith("failed:")
     state = await _state(redis, ns)
     assert state["recycled_failed"] == "2" and state["dead_lettered"] == "1"
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "dead-lettered after" in r.message]
-    assert warnings and "prompt 0 " in warnings[0].getMessage()
+    warnings = [line for line in procs.log_of(producer).splitlines() if "dead-lettered after" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and "prompt 0 " in warnings[0], procs.logs()
 
 
 async def test_filter_drops_zero_variance_groups_without_recycling(redis: Redis, redis_url: str, ns: str) -> None:
@@ -234,7 +233,7 @@ async def test_a_prompt_stale_on_its_own_again_and_again_is_dead_lettered_not_on
     window while other groups are fresh): after MAX_STALE_RECYCLES stale recycles in a row it is
     dead-lettered. Recycles marked as made while every group went stale (the pipeline's fault)
     never count, and neither attempt is used up."""
-    from rollstream.consumer.consumer import ALL_STALE_MARK, MAX_STALE_RECYCLES
+    from rollstream.consumer.group_consumer import ALL_STALE_MARK, MAX_STALE_RECYCLES
 
     await make_namespace(redis, ns, max_staleness=1, max_attempts=2)
     alone = _group(1, [0])

@@ -13,9 +13,9 @@ from rollstream.common.codec import CodecLimits, decode_prompt, group_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.models import Group, Sample, Status
 from rollstream.consumer import Cause, ConfigError, ConsumerOptions, Route, judge
-from rollstream.consumer.health import StaleWatch
 from rollstream.consumer.options import ConsumerOptionArgs
 from rollstream.consumer.verdict import ALL_STALE_MARK, MAX_STALE_RECYCLES, STALE_STREAK_MIN, StaleContext
+from rollstream.consumer.waiting import StaleWatch
 
 
 def _group(

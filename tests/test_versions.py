@@ -18,7 +18,7 @@ from rollstream.common.protocol import Heartbeat
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, parse_version
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize
+from rollstream.testing.sim.simulator import detokenize
 from test_staleness import stop_producers
 
 
@@ -137,3 +137,22 @@ async def test_without_partial_rollout_an_aborted_episode_is_recycled_whole(
     assert all(s.weight_versions == [1] and "continued_from" not in s.metadata for s in group.samples)
     assert (await redis.hgetall(Keys(ns).state))[b"recycled_aborted"] == b"1"
     await stop_producers(procs)
+
+
+async def test_a_native_engine_with_no_version_anywhere_is_named_once(sim: SimEngine, caplog: Any) -> None:
+    """SGLang replies without meta_info.weight_version and no /model_info: the client says so
+    once for that engine (which API would give versions), however many replies follow."""
+    import logging
+
+    settings = EngineSettings(urls=(sim.url,), max_new_tokens=8)
+    caplog.set_level(logging.WARNING, logger="rollstream.producer.engine.client")
+    async with httpx.AsyncClient(base_url=sim.url) as http, EngineClient(settings) as engine:
+        await http.post("/sim/faults", json={"model_info": "absent", "report_weight_version": False})
+        await engine.check_versions()  # the native API: nothing asked at start
+        assert not caplog.records
+        for _ in range(3):
+            assert (await engine.generate(text="Compute 1 + 1")).weight_version is None
+        assert engine.versions_from == "trainer at admission"
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert sim.url in warning and "--engine-api sglang" in warning and "nor in their replies" in warning
+    assert "meta_info.weight_version" in warning

@@ -255,3 +255,20 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
         assert max(abs(a - b) for a, b in zip(rollout, v2, strict=True)) > TOLERANCE, "the whole sample matches v2"
     print(f"keep: {len(spanning)} of {len(samples)} samples span the update ({running:.0f} requests running at it)")
     assert not failures, f"{len(failures)} of {len(spanning)} spanning samples:\n" + "\n".join(failures)
+
+
+async def test_real_vllm_reports_the_load_adaptive_concurrency_reads(served: Served) -> None:
+    """vLLM's ``/metrics`` names (``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``,
+    ...) as the client parses them: a KV usage, so the engine gets an adaptive limit."""
+    from rollstream.producer.engine import EngineClient, EngineSettings
+    from rollstream.producer.engine.load import parse_metrics
+
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        load = parse_metrics((await http.get(served.url + "/metrics")).text)
+    assert load is not None and load.kv_usage is not None and 0 <= load.kv_usage <= 1, load
+    assert load.preemptions is not None and load.running is not None and load.waiting is not None, load
+    settings = EngineSettings(urls=(served.url,), api="openai", model="tiny", load_interval=0.1)
+    async with EngineClient(settings) as client:
+        engine = client.fleet.engines[served.url]
+        await client._read_load(engine)
+        assert engine.load_path == "/metrics" and engine.limit is not None, client.fleet_status()

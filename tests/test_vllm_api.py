@@ -27,7 +27,7 @@ from rollstream.producer.tokenizer import PromptTokenizer
 from rollstream.producer.worker import Producer, ProducerSettings
 from rollstream.testing.server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
-from rollstream.testing.sim.engine import detokenize, tokenize
+from rollstream.testing.sim.simulator import detokenize, tokenize
 
 SLOW = SimConfig(seed=4, mean_tokens=60, length_sigma=0, latency_per_token=0.02)  # ~1.2 s per sample
 
@@ -145,6 +145,7 @@ async def test_weight_sync_moves_engines_and_rollstream_to_the_new_version(
         report = await sync.update(consumer, "/ckpt/step-3", 3, mode=mode)  # type: ignore[arg-type]
         assert await sync.versions() == {a.url: 3, b.url: 3}
         assert await consumer.weight_version() == 3
+        assert await consumer.control.weights() == ("/ckpt/step-3", 3)  # for --catch-up-engines
         assert not await consumer.control.paused()
         for sim in (a, b):
             assert not sim.state.paused

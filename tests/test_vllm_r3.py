@@ -24,7 +24,7 @@ from rollstream.producer.engine import EngineClient, EngineReplyInvalid, EngineS
 from rollstream.producer.engine.vllm_replay import decode_npy_routed_experts, routed_experts_of
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout, RolloutSettings
-from rollstream.testing.sim.engine import SimConfig, SimEngine, routed_expert
+from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert
 
 MOE = (4, 2, 16)
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..arrays import PACKED_CODES, FloatArray, IntArray, Packed
+from ..arrays import PACKED_CODES, Packed
 from ..errors import DecodeError
-from ..models import Adapter, Group, Prompt, Sample, Status
-from .views import unpack_group_views
-from .wire import DEFAULT_LIMITS, LITTLE, CodecLimits, check_payload, check_version, unpack
+from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
+from ..sample_fields import BIN_CODES, Kind, SampleField
+from .wire import DEFAULT_LIMITS, LITTLE, READABLE_VERSIONS, CodecLimits, check_payload, check_version, unpack
+from .zero_copy import unpack_group_views
 
 
 def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:
@@ -64,16 +65,185 @@ def _reward(value: Any, what: str) -> Any:
     raise DecodeError("bad_field", f"{what}.rew must be a number, a map of numbers or nil")
 
 
+def _int(value: Any, what: str, f: SampleField, limits: CodecLimits) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be an int")
+    return value
+
+
+def _text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str:
+    if not isinstance(value, str):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a string")
+    return value
+
+
+_STATUSES = {status.value: status for status in Status}
+
+
+def _status(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Status:
+    status = _STATUSES.get(_text(value, what, f, limits))
+    if status is None:
+        raise DecodeError("bad_field", f"{what}.{f.key} is not a status")
+    return status
+
+
+def _versions(value: Any, what: str, f: SampleField, limits: CodecLimits) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a list of ints")
+    return value
+
+
+def _bin(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Any:
+    return _unpack_array(BIN_CODES[f.kind], value, f"{what}.{f.key}", limits.max_tokens)
+
+
+def _packed(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Packed:
+    return _packed_from_wire(value, f"{what}.{f.key}", limits, f.ndim)
+
+
+def _map(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a map")
+    return value
+
+
+def _counters(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+    return _plain_map(value, f"{what}.{f.key}", int)
+
+
+def _flag(value: Any, what: str, f: SampleField, limits: CodecLimits) -> bool:
+    if not isinstance(value, bool):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a bool")
+    return value
+
+
+def _seconds(value: Any, what: str, f: SampleField, limits: CodecLimits) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a finite number")
+    return float(value)
+
+
+def _adapter(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Adapter:
+    if (
+        not isinstance(value, list | tuple) or len(value) != 2 or not isinstance(value[0], str)
+        or not isinstance(value[1], int) or isinstance(value[1], bool)
+    ):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be [name, slot]")
+    return Adapter(value[0], value[1])
+
+
+def _media(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+    name = f"{what}.{f.key}"
+    if not isinstance(value, list | tuple) or len(value) != 2 or not isinstance(value[1], dict):
+        raise DecodeError("bad_field", f"{name} must be [plain map, packed map]")
+    inputs = dict(_plain_map(value[0], name))
+    for key, packed in value[1].items():
+        if not isinstance(packed, list | tuple) or len(packed) != 3 or not isinstance(packed[1], list | tuple):
+            raise DecodeError("bad_field", f"{name}.{key} must be [typecode, shape, bin]")
+        inputs[key] = _packed_from_wire(packed, f"{name}.{key}", limits, len(packed[1]))
+    return inputs
+
+
+def _spans(value: Any, what: str, f: SampleField, limits: CodecLimits) -> list[tuple[int, int, int]]:
+    """Flat ``start, end, version`` triples (their order and range are checked with the sample's)."""
+    if not isinstance(value, list) or len(value) % 3 or not all(type(x) is int for x in value):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a flat list of int triples")
+    return [(value[i], value[i + 1], value[i + 2]) for i in range(0, len(value), 3)]
+
+
+def _reward_of(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Any:
+    return _reward(value, what)
+
+
+def _optional_text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise DecodeError("bad_field", f"{what}.{f.key} must be a string or nil")
+    return value
+
+
+FromWire = Callable[[Any, str, SampleField, CodecLimits], Any]
+_FROM_WIRE: dict[Kind, FromWire] = {
+    Kind.INT: _int, Kind.TEXT: _text, Kind.OPT_TEXT: _optional_text, Kind.REWARD: _reward_of,
+    Kind.STATUS: _status, Kind.VERSIONS: _versions, Kind.IDS: _bin, Kind.FLOATS: _bin, Kind.MASK: _bin,
+    Kind.PACKED: _packed, Kind.MAP: _map, Kind.COUNTERS: _counters, Kind.FLAG: _flag, Kind.GROUP_ID: _int,
+    Kind.SECONDS: _seconds, Kind.ADAPTER: _adapter, Kind.MEDIA: _media, Kind.SPANS: _spans,
+}
+"""How a field of each kind is read and checked on its own (lengths are checked with the sample)."""
+_BY_NAME = {f.name: f for f in SAMPLE_FIELDS}
+_MEDIA = tuple(f.name for f in SAMPLE_FIELDS if f.kind is Kind.MEDIA)
+_SPANS = tuple(f for f in SAMPLE_FIELDS if f.kind is Kind.SPANS)
+
+
+def _missing(what: str, key: str) -> DecodeError:
+    return DecodeError("missing_field", f"{what}.{key}")
+
+
+_PLAIN_TYPES = {Kind.INT: int, Kind.TEXT: str, Kind.OPT_TEXT: str, Kind.MAP: dict, Kind.GROUP_ID: int}
+"""Kinds whose value of exactly this type (what msgpack gives) is valid as it is."""
+
+
+def _write_reader(version: int) -> Callable[[dict[str, Any], str, CodecLimits], dict[str, Any]]:
+    """The values of the fields a version-``version`` sample has, read and checked each on its
+    own, written out from :data:`SAMPLE_FIELDS` once at import (as ``encode._sample_to_wire``):
+    a required key missing is ``missing_field``; nil is None for the fields before version 3 that
+    may be unset; an absent optional field keeps its default."""
+    env: dict[str, Any] = {"_missing": _missing}
+    lines = [f"def _read_v{version}(obj, what, limits):", "    values = {}"]
+    for i, f in enumerate(SAMPLE_FIELDS):
+        if f.since > version:
+            continue
+        env[f"_r{i}"], env[f"_f{i}"] = _FROM_WIRE[f.kind], f
+        read = f"_r{i}(raw, what, _f{i}, limits)"
+        if f.kind in _PLAIN_TYPES:  # the common case inline; anything else goes to the reader
+            env[f"_t{i}"] = _PLAIN_TYPES[f.kind]
+            read = f"raw if type(raw) is _t{i} else {read}"
+        if f.required:
+            lines += [f"    raw = obj.get({f.key!r}, _missing)", "    if raw is _missing:",
+                      f"        raise _missing(what, {f.key!r})", f"    values[{f.name!r}] = {read}"]
+        elif f.since < 3:
+            lines += [f"    raw = obj.get({f.key!r}, _missing)", "    if raw is not _missing:",
+                      f"        values[{f.name!r}] = None if raw is None else {read}"]
+        else:
+            lines += [f"    if {f.key!r} in obj:", f"        raw = obj[{f.key!r}]",
+                      f"        values[{f.name!r}] = {read}"]
+    lines.append("    return values")
+    source = "\n".join(lines)
+    exec(compile(source, f"<rollstream.common.codec.decode: SAMPLE_FIELDS v{version}>", "exec"), env)
+    reader: Callable[[dict[str, Any], str, CodecLimits], dict[str, Any]] = env[f"_read_v{version}"]
+    return reader
+
+
+_READERS = {version: _write_reader(version) for version in READABLE_VERSIONS}
+
+
+def _relations(version: int) -> tuple[tuple[Any, ...], ...]:
+    fields = [f for f in SAMPLE_FIELDS if f.since <= version]
+    return (
+        tuple((f.name, f.key) for f in fields if f.length == "response"),
+        tuple((f.name, f.key, f.length == "rows_or_media") for f in fields if f.length in ("rows", "rows_or_media")),
+        tuple((f.name, str(f.pair), f.key) for f in fields if f.length == "offsets"),
+        tuple((f.name, str(f.pair), f.key, _BY_NAME[str(f.pair)].key) for f in fields if f.pair is not None),
+    )
+
+
+_RELATIONS = {version: _relations(version) for version in READABLE_VERSIONS}
+"""Per schema version, the fields whose length another implies (``response_length`` entries, a row
+per token, top-p offsets) and the fields that travel in pairs."""
+_RELATED = frozenset(
+    f.name for f in SAMPLE_FIELDS if f.pair is not None or f.length in ("rows", "rows_or_media", "offsets")
+)
+
+
 def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
-    tokens: IntArray = _unpack_array("i", _get(obj, "tok", (bytes, memoryview), what), f"{what}.tok", limits.max_tokens)
-    rlen = _get(obj, "rlen", int, what)
+    values = _READERS[version](obj, what, limits)
+    tokens, rlen = values["tokens"], values["response_length"]
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
-    metadata = _get(obj, "md", dict, what)
     if version == 1:  # flags travelled in the metadata, and the prompt length was implied
-        plen = len(tokens) - rlen
+        metadata = values["metadata"]
+        values["prompt_length"] = len(tokens) - rlen
         if metadata.get("prompt_ids") == "unknown":
             metadata = {k: v for k, v in metadata.items() if k != "prompt_ids"}
         error = metadata.get("error")
@@ -81,53 +251,53 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
             metadata = {k: v for k, v in metadata.items() if k != "error"}
         else:
             error = None
-    else:
-        plen = _get(obj, "pl", int, what)
-        if plen + rlen != len(tokens):
-            raise DecodeError("bad_field", f"{what}: pl {plen} + rlen {rlen} != {len(tokens)} tokens")
-        error = obj.get("err")
-        if error is not None and not isinstance(error, str):
-            raise DecodeError("bad_field", f"{what}.err must be a string or nil")
-    try:
-        status = Status(_get(obj, "st", str, what))
-    except ValueError:
-        raise DecodeError("bad_field", f"{what}.st is not a status") from None
-    versions = _get(obj, "wv", list, what)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
-        raise DecodeError("bad_field", f"{what}.wv must be a list of ints")
-    lp_raw = obj.get("lp")
-    lm_raw = obj.get("lm")
-    log_probs: FloatArray | None = None
-    if lp_raw is not None:
-        log_probs = _unpack_array("f", lp_raw, f"{what}.lp", limits.max_tokens)
-    mask: IntArray | None = None if lm_raw is None else _unpack_array("B", lm_raw, f"{what}.lm", limits.max_tokens)
-    if mask is not None and len(mask) != rlen:
-        raise DecodeError("bad_field", f"{what}.lm has {len(mask)} entries for {rlen} response tokens")
-    if mask is None and version == 1:
-        mask = array("B", b"\x01" * rlen)
-    finish = obj.get("fr")
-    if finish is not None and not isinstance(finish, str):
-        raise DecodeError("bad_field", f"{what}.fr must be a string or nil")
-    spans = _spans(obj.get("wvs"), rlen, what)
-    sample = Sample(
-        index=_get(obj, "i", int, what),
-        tokens=tokens,
-        response=_get(obj, "resp", str, what),
-        response_length=rlen,
-        prompt_length=plen,
-        reward=_reward(obj.get("rew"), what),
-        status=status,
-        finish_reason=finish,
-        weight_versions=versions,
-        rollout_log_probs=log_probs,
-        loss_mask=mask,
-        error=error,
-        metadata=metadata,
-        weight_version_spans=spans,
-    )
-    if version >= 3:
-        _v3_sample_from_wire(sample, obj, what, limits)
-    return sample
+        values["metadata"], values["error"] = metadata, error
+        if values.get("loss_mask") is None:
+            values["loss_mask"] = array("B", b"\x01" * rlen)
+    elif values["prompt_length"] + rlen != len(tokens):
+        raise DecodeError("bad_field", f"{what}: pl {values['prompt_length']} + rlen {rlen} != {len(tokens)} tokens")
+    _check_relations(values, what, version)
+    return Sample(**values)
+
+
+def _check_relations(values: dict[str, Any], what: str, version: int) -> None:
+    """The lengths one field implies for another (``length``, ``pair``, the spans' range)."""
+    tokens, rlen = values["tokens"], values["response_length"]
+    response, rows, offsets, pairs = _RELATIONS[version]
+    for name, key in response:
+        value = values.get(name)
+        if value is not None and len(value) != rlen:
+            raise DecodeError("bad_field", f"{what}.{key} has {len(value)} entries for {rlen} response tokens")
+    if not _RELATED.isdisjoint(values):
+        for name, pair, key, pair_key in pairs:
+            if (name in values) != (pair in values):
+                raise DecodeError("bad_field", f"{what}: {key} needs both {key} and {pair_key}")
+        for name, key, media_ok in rows:
+            value = values.get(name)
+            count = max(0, len(tokens) - 1)
+            # media-expanded rows (miles counts vision patches) only with processed media present
+            if value is not None and len(value) != count and not (
+                media_ok and len(value) > count and any(values.get(m) for m in _MEDIA)
+            ):
+                raise DecodeError("bad_field", f"{what}.{key} has {len(value)} rows for {len(tokens)} tokens")
+        for name, pair, key in offsets:
+            value = values.get(name)
+            if value is None:
+                continue
+            ids = values[pair]
+            if len(value) != rlen + 1 or value.data[0] != 0 or value.data[-1] != len(ids):
+                raise DecodeError(
+                    "bad_field",
+                    f"{what}.{key}: {len(value)} offsets for {rlen} response tokens, must run from 0 to {len(ids)}",
+                )
+    for f in _SPANS:
+        previous = 0
+        for start, end, _ in values.get(f.name) or ():
+            if not previous <= start <= end <= rlen:
+                raise DecodeError(
+                    "bad_field", f"{what}.{f.key} span {start}..{end} is out of order or past {rlen} tokens"
+                )
+            previous = end
 
 
 def _packed_from_wire(raw: Any, what: str, limits: CodecLimits, ndim: int) -> Packed:
@@ -156,100 +326,11 @@ def _plain_map(value: Any, what: str, kinds: type | tuple[type, ...] = object) -
     return value
 
 
-def _v3_sample_from_wire(sample: Sample, obj: Mapping[str, Any], what: str, limits: CodecLimits) -> None:
-    """Fill the version-3 fields of ``sample`` from ``obj``, checking every length they imply."""
-    rows = max(0, len(sample.tokens) - 1)
-    if "mti" in obj:
-        raw = obj["mti"]
-        if not isinstance(raw, list | tuple) or len(raw) != 2 or not isinstance(raw[1], dict):
-            raise DecodeError("bad_field", f"{what}.mti must be [plain map, packed map]")
-        inputs = dict(_plain_map(raw[0], f"{what}.mti"))
-        for name, packed in raw[1].items():
-            if not isinstance(packed, list | tuple) or len(packed) != 3 or not isinstance(packed[1], list | tuple):
-                raise DecodeError("bad_field", f"{what}.mti.{name} must be [typecode, shape, bin]")
-            inputs[name] = _packed_from_wire(packed, f"{what}.mti.{name}", limits, len(packed[1]))
-        sample.multimodal_train_inputs = inputs
-    if "re" in obj:
-        experts = _packed_from_wire(obj["re"], f"{what}.re", limits, 3)
-        # media-expanded rows (miles counts vision patches) only with processed media present
-        if len(experts) != rows and not (sample.multimodal_train_inputs and len(experts) > rows):
-            raise DecodeError("bad_field", f"{what}.re has {len(experts)} rows for {len(sample.tokens)} tokens")
-        sample.routed_experts = experts
-    if "ix" in obj:
-        indexer = _packed_from_wire(obj["ix"], f"{what}.ix", limits, 3)
-        if len(indexer) != rows:
-            raise DecodeError("bad_field", f"{what}.ix has {len(indexer)} rows for {len(sample.tokens)} tokens")
-        sample.indexer_topk = indexer
-    if ("tpi" in obj) != ("tpo" in obj):
-        raise DecodeError("bad_field", f"{what}: top-p replay needs both tpi and tpo")
-    if "tpi" in obj:
-        ids = _packed_from_wire(obj["tpi"], f"{what}.tpi", limits, 1)
-        offsets = _packed_from_wire(obj["tpo"], f"{what}.tpo", limits, 1)
-        if len(offsets) != sample.response_length + 1 or offsets.data[0] != 0 or offsets.data[-1] != len(ids):
-            raise DecodeError(
-                "bad_field",
-                f"{what}.tpo: {len(offsets)} offsets for {sample.response_length} response tokens, "
-                f"must run from 0 to {len(ids)}",
-            )
-        sample.top_p_token_ids, sample.top_p_token_offsets = ids, offsets
-    for key, name in (("tlp", "teacher_log_probs"), ("kl", "opd_reverse_kl")):
-        if key in obj:
-            values = _unpack_array("f", obj[key], f"{what}.{key}", limits.max_tokens)
-            if len(values) != sample.response_length:
-                raise DecodeError(
-                    "bad_field", f"{what}.{key} has {len(values)} entries for {sample.response_length} response tokens"
-                )
-            setattr(sample, name, values)
-    if "rm" in obj:
-        if not isinstance(obj["rm"], bool):
-            raise DecodeError("bad_field", f"{what}.rm must be a bool")
-        sample.remove_sample = obj["rm"]
-    if "tm" in obj:
-        sample.train_metadata = _plain_map(obj["tm"], f"{what}.tm")
-    if "rid" in obj:
-        rid = obj["rid"]
-        if not isinstance(rid, int) or isinstance(rid, bool):
-            raise DecodeError("bad_field", f"{what}.rid must be an int")
-        sample.rollout_id = rid
-    if "spec" in obj:
-        sample.spec_info = _plain_map(obj["spec"], f"{what}.spec", int)
-    if "pc" in obj:
-        sample.prefix_cache_info = _plain_map(obj["pc"], f"{what}.pc", int)
-    if "ngt" in obj:
-        ngt = obj["ngt"]
-        if not isinstance(ngt, int | float) or isinstance(ngt, bool) or not math.isfinite(ngt):
-            raise DecodeError("bad_field", f"{what}.ngt must be a finite number")
-        sample.non_generation_time = float(ngt)
-    if "ad" in obj:
-        ad = obj["ad"]
-        if (
-            not isinstance(ad, list | tuple) or len(ad) != 2 or not isinstance(ad[0], str)
-            or not isinstance(ad[1], int) or isinstance(ad[1], bool)
-        ):
-            raise DecodeError("bad_field", f"{what}.ad must be [name, slot]")
-        sample.adapter = Adapter(ad[0], ad[1])
-
-
 def _multimodal(obj: Mapping[str, Any], what: str) -> dict[str, Any] | None:
     value = obj.get("mmi")
     if value is not None and not isinstance(value, dict):
         raise DecodeError("bad_field", f"{what}.mmi must be a map or nil")
     return value
-
-
-def _spans(raw: Any, rlen: int, what: str) -> list[tuple[int, int, int]] | None:
-    """``wvs`` (optional): flat ``start, end, version`` triples over the response, in order."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or len(raw) % 3 or not all(type(x) is int for x in raw):
-        raise DecodeError("bad_field", f"{what}.wvs must be a flat list of int triples")
-    spans = [(raw[i], raw[i + 1], raw[i + 2]) for i in range(0, len(raw), 3)]
-    previous = 0
-    for start, end, _ in spans:
-        if not previous <= start <= end <= rlen:
-            raise DecodeError("bad_field", f"{what}.wvs span {start}..{end} is out of order or past {rlen} tokens")
-        previous = end
-    return spans
 
 
 def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:

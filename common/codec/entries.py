@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import DecodeError
 from ..models import Group, Prompt
-from ..parse import utf8
+from ..redis_values import utf8
 from .decode import decode_group, decode_prompt
 from .encode import encode_group, encode_prompt
 from .wire import DEFAULT_LIMITS, CodecLimits

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 from ..errors import ConfigError, DecodeError
+from ..models import SAMPLE_FIELDS
 
 SCHEMA_VERSION = 3
 """The newest version this build writes, for groups and prompts that use a version-3 field
@@ -20,7 +21,7 @@ as version 2, byte for byte what the previous build wrote, so a trainer still on
 it until a run turns the new fields on. Version 1 entries (before ``pl``, ``err`` and the filled
 ``lm``) are still read, so producers can be upgraded while a pipeline runs."""
 READABLE_VERSIONS = (1, 2, 3)
-V3_SAMPLE_KEYS = ("re", "ix", "tpi", "tpo", "tlp", "kl", "rm", "tm", "rid", "spec", "pc", "ngt", "ad", "mti")
+V3_SAMPLE_KEYS = tuple(f.key for f in SAMPLE_FIELDS if f.since >= 3)
 """Version-3 sample keys, each present only when its field is set: absent fields cost nothing."""
 LITTLE = sys.byteorder == "little"
 

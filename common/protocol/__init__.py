@@ -32,7 +32,7 @@ classes call through :class:`~..lua.Scripts`.
 
 from ..heartbeat import Fleet, Heartbeat, Member, admission_refusals, fold, live_producers
 from .control import TAKEN_MESSAGE, Control
-from .engines import EngineRegistry, RegistryEntry, check_engine_url
+from .engine_registry import EngineRegistry, RegistryEntry, check_engine_url
 from .feed import Feed, FeedCursor, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused

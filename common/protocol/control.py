@@ -6,9 +6,10 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from ..errors import ConfigError
+from ..events import now_ms
 from ..keys import Keys, StateField
 from ..lua import Scripts
-from ..parse import int_or
+from ..redis_values import int_or, text
 from .guard import Guarded
 
 # -- control ---------------------------------------------------------------------------------
@@ -46,6 +47,21 @@ class Control(Guarded):
         (the terms of staleness-aware admission), in the same script."""
         _check_version(version)
         await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
+
+    async def record_weights(self, path: str, version: int) -> None:
+        """Where the weights of ``version`` are (a path every engine can load from)."""
+        _check_version(version)
+        if not path or len(path) > 4096:
+            raise ConfigError(f"a weights path must be 1 to 4096 characters, got {len(path)}")
+        await self.redis.hset(self.keys.weights, mapping={"path": path, "version": version, "since_ms": now_ms()})
+
+    async def weights(self) -> tuple[str, int] | None:
+        """The recorded ``(path, version)``, or None (none recorded, or damaged)."""
+        raw = await self.redis.hmget(self.keys.weights, ["path", "version"])
+        path, version = (text(v) if v is not None else None for v in raw)
+        if not path or version is None or not version.isdigit():
+            return None
+        return path, int(version)
 
     async def pause(self) -> None:
         await self.redis.hset(self.keys.state, StateField.PAUSED, 1)

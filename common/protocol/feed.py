@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from ..errors import ConfigError
 from ..keys import Keys, StateField
 from ..lua import Scripts
-from ..parse import int_or, text
+from ..redis_values import int_or, text
 from .guard import Guarded
 
 # -- feed ------------------------------------------------------------------------------------

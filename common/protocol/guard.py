@@ -15,8 +15,8 @@ from redis.exceptions import ResponseError
 from ..connection import TRANSIENT_ERRORS
 from ..errors import NamespaceGone, RedisDataLost
 from ..keys import NAMESPACE_SCAN_PATTERN, Keys, namespace_of
-from ..parse import int_or, text
 from ..redis_errors import is_noperm, is_oom, translated
+from ..redis_values import int_or, text
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 """A stream entry: its id and its raw fields (empty for an entry deleted meanwhile)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from ..keys import Keys
-from ..parse import text
+from ..redis_values import text
 from .guard import Server, Translated
 
 

@@ -72,6 +72,13 @@ class PromptQueue(Guarded):
         """Renew the leases of ``ids`` (entries of ``stream``); the ids this producer no longer owns."""
         return await self.scripts.renew(stream, self.consumer, list(ids))
 
+    async def own_pending_ids(self, stream: str, count: int = 1000) -> list[bytes]:
+        """The ids pending under this producer's name in ``stream`` (at most ``count``)."""
+        rows = await self.redis.xpending_range(
+            stream, PRODUCERS_GROUP, min="-", max="+", count=count, consumername=self.consumer
+        )
+        return [row["message_id"] for row in rows]
+
     async def own_pending(self, count: int = 1000) -> list[Admitted]:
         """Claim back the prompts pending under this producer's name (a restart with the same name)."""
         out: list[Admitted] = []

@@ -20,8 +20,8 @@ from ..admission import AdmissionTerms, admission_capacity
 from ..config import PipelineConfig
 from ..events import FATAL, Event, events_to_read, now_ms, parse_events
 from ..keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from ..parse import int_or, text
 from ..redis_errors import is_oom
+from ..redis_values import int_or, text
 from .control import TAKEN_MESSAGE
 from .guard import Guarded, Server, is_nogroup, memory_figures
 

@@ -9,12 +9,17 @@
   loads; :mod:`.discovery`: model-info versions and gateway workers.
 * dialects (:mod:`.dialects` names them): :mod:`.sglang` (native ``/generate``), :mod:`.openai`
   (``/v1/completions``, ``/v1/chat/completions``), :mod:`.vllm` (``/inference/v1/generate``):
-  each writes its request and parses its reply, bytes straight to packed arrays, into
-  :class:`Generation`; :mod:`.parse` holds the checks they share.
+  each only translates (pure ``encode(request, settings) -> Encoded`` and ``decode(encoded,
+  bytes, settings, where) -> [Generation]``, bytes straight to packed arrays; they import nothing
+  of the client), and declares what differs per API (token ids or text, a model name, versions
+  in replies, the routing replay, a seed that kills the engine, the abort, load and reload
+  endpoints); :mod:`.parse` holds the checks they share; :mod:`.load`: each engine's own load
+  and its adaptive in-flight limit.
 * :mod:`.settings`: :class:`EngineSettings` and the reply bound :func:`reply_byte_bound`.
 
-A new engine API is one dialect module (a class with ``generate``, ``version_paths``, the abort
-endpoint) and its line in :data:`~.dialects.DIALECTS`.
+A new engine API is one dialect module (a class with ``encode``, ``decode`` and the attributes of
+:class:`~.types.Dialect`) and its line in :data:`~.dialects.DIALECTS`: the CLI's ``--engine-api``
+choices and the settings' per-API checks come from it.
 
 Weight versions come from the reply (SGLang's ``meta_info.weight_version``, vLLM's spans); when
 a reply has none, from the dialect's model-info endpoints (SGLang, OpenAI: ``GET /model_info``

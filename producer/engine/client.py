@@ -22,13 +22,22 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rollstream.common.errors import EngineError, EngineRejected
+from rollstream.common.errors import EngineError, EngineRejected, PromptNotSupported
 
 from .dialects import DIALECTS
-from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers, probe_version
+from .discovery import (
+    FROM_REPLIES,
+    FROM_TRAINER,
+    INFO_BYTES,
+    PROBE_ERRORS,
+    VERSION_HINTS,
+    gateway_workers,
+    probe_version_at,
+)
 from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
+from .load import LOAD_BYTES, parse_load
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
@@ -44,6 +53,12 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """The routing key of a request (its group's): what the SGLang gateway's consistent-hashing
 policy reads (slime sends its session id in it); engines ignore it."""
+ROUND_TRIP_WEIGHT = 0.1
+"""Weight of the newest request in an engine's mean request time."""
+CATCH_UP_TIMEOUT = 600.0
+"""Seconds one step of a catch-up (a weight reload) may take."""
+CATCH_UP_RETRY = 60.0
+"""Seconds before a failed catch-up of an engine is tried again."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -164,12 +179,25 @@ class EngineClient:
             bare_urls.append(bare)
             if auth is not None:
                 transport.add_credentials(bare, auth)
-        self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance)
+        self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance,
+                           concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None,
+                           registered=settings.registry_urls)
+        self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
+        self._weights: tuple[str, int] | None = None
+        """Where the trainer's weights are (``--catch-up-engines``): path, version."""
+        self._catch_ups: dict[str, asyncio.Task[None]] = {}
+        self._catch_up_after: dict[str, float] = {}
         self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
+        self._version_paths: dict[str, str] = {}
+        """Engine URL -> the endpoint that last gave its weight version."""
+        self._versions_from: dict[str, str] = {}
+        """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
+        self._said_no_version: set[str] = set()
+        """Engines named in the no-version warning (once each)."""
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -179,10 +207,13 @@ class EngineClient:
 
     async def aclose(self) -> None:
         monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            monitor.cancel()
+        tasks = [*self._catch_ups.values(), *([monitor] if monitor is not None else [])]
+        self._catch_ups.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await monitor
+                await task
         await self.transport.aclose()
 
     @property
@@ -215,13 +246,20 @@ class EngineClient:
         return engine if engine is not None else next(iter(self.fleet.engines.values()))
 
     async def _routed(self, key: str | None, weight: int) -> Engine:
-        """The engine for a request; waits (at most ``no_engine_timeout``) while none is routed."""
-        engine = self.fleet.pick(key, weight)
+        """The engine for a request; waits while every routed engine is at its in-flight limit
+        (for a request to end), and at most ``no_engine_timeout`` while none is routed."""
+        fleet = self.fleet
+        engine = fleet.pick(key, weight)
         if engine is not None:
             return engine
         self._ensure_monitor()
         deadline = time.monotonic() + self.settings.no_engine_timeout
-        while (engine := self.fleet.pick(key, weight)) is None:
+        woken = False
+        while (engine := fleet.pick(key, weight)) is None:
+            if fleet.any_routed():  # all at their limits: not a fleet without engines
+                woken = await fleet.wait_room(self.settings.health_interval, again=woken)
+                deadline = time.monotonic() + self.settings.no_engine_timeout
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.fleet.engines.values())
@@ -278,13 +316,14 @@ class EngineClient:
         fleet = self.fleet
         headers = {ROUTING_KEY_HEADER: key} if key is not None else None
         task = asyncio.current_task()
-        if self._monitor is None and len(fleet.engines) > 1:
+        if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
             self._ensure_monitor()
         attempt = 0
         while True:
             engine = await self._routed(key, weight)
             url = engine.url + path
             engine.in_flight += weight
+            sent = time.monotonic()
             try:
                 with self.blame(engine), attempt_on(engine, task):
                     status, raw = await self.transport.request("POST", url, content, limit=limit,
@@ -315,6 +354,8 @@ class EngineClient:
                 raise deadline from None
             else:
                 if status == 200:
+                    took, mean = time.monotonic() - sent, engine.round_trip
+                    engine.round_trip = took if mean is None else mean + ROUND_TRIP_WEIGHT * (took - mean)
                     return engine, raw
                 self._count_error(f"http_{status}")
                 failure = f"HTTP {status}"
@@ -322,6 +363,8 @@ class EngineClient:
                     continue
             finally:
                 engine.in_flight -= weight
+                if fleet.waiting_for_room:
+                    fleet.room_freed()
             if attempt >= settings.max_retries:
                 raise EngineError(f"{url} failed after {attempt + 1} attempts; last error: {failure}")
             delay = self._backoff.delay(attempt)
@@ -407,8 +450,22 @@ class EngineClient:
             n, text, input_ids, messages, settings.max_new_tokens if max_new_tokens is None else max_new_tokens,
             sampling, rid, image_data, key,
         )
+        dialect = self.dialect
+        if dialect.needs_token_ids and request.input_ids is None:
+            found = await (self.chat_ids(messages) if messages is not None else self.tokenize(text or ""))
+            if found is None:
+                raise PromptNotSupported(
+                    f"--engine-api {dialect.name} sends token ids: give a tokenizer (--tokenizer) or an engine "
+                    "with /tokenize"
+                )
+            request.input_ids = found
+        encoded = dialect.encode(request, settings)
+        limit = self.reply_limit(request.max_new_tokens, encoded.weight, encoded.prompt_tokens, encoded.prompt_copies,
+                                 replay_prompt_tokens=encoded.replay_prompt_tokens)
         try:
-            engine, generations = await self.dialect.generate(self, request)
+            engine, raw = await self.request(encoded.path, encoded.body, encoded.weight, limit=limit, key=request.key)
+            with self.blame(engine):
+                generations = dialect.decode(encoded, raw, settings, engine.url + encoded.path)
         except EngineReplyInvalid as exc:
             self._count_error("bad_reply")
             bad = self.fleet.engines.get(exc.engine) if exc.engine else None
@@ -432,7 +489,13 @@ class EngineClient:
             if generation.weight_version is None:
                 if not missing:  # once per reply
                     asked, missing = await self.weight_version(engine), True
+                    if asked is None:
+                        self._say_no_version([engine.url])
                 generation.weight_version = asked
+        self._versions_from[engine.url] = (
+            FROM_REPLIES if not missing else FROM_TRAINER if asked is None
+            else f"GET {self._version_paths.get(engine.url, '?')}"
+        )
         return generations
 
     # -- tokenization -------------------------------------------------------------------
@@ -500,15 +563,57 @@ class EngineClient:
         if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
             return engine.version
         engine.version_checked = now
-        version, exists = await probe_version(
+        version, path, exists = await probe_version_at(
             self.transport, engine.url, self.dialect.version_paths, self.settings.model_info_timeout
         )
         if not exists:
-            engine.has_model_info = False  # vLLM's OpenAI server: none exists; stop asking
+            engine.has_model_info = False  # an engine with none of the endpoints: stop asking
             logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
         elif version is not None:
+            self._version_paths[engine.url] = path
             self.fleet.version_seen(engine, version)
         return engine.version
+
+    @property
+    def versions_from(self) -> str:
+        """Where this producer's weight versions come from, over its engines' last replies (before
+        any reply: what :meth:`check_versions` found); the heartbeat's ``weight_versions_from``."""
+        return ", ".join(sorted(set(self._versions_from.values())))
+
+    async def check_versions(self) -> None:
+        """Once at start, on an API whose replies carry no version (OpenAI): ask every engine for
+        its weight version, and say which give none (:meth:`_say_no_version`). On the native APIs
+        the replies carry them; an engine whose reply has none and whose endpoint gives none is
+        named at that first reply instead."""
+        if self.dialect.replies_carry_versions:
+            return
+        engines = list(self.fleet.engines.values())
+        versions = await asyncio.gather(*(self.weight_version(e) for e in engines))  # one timeout in all
+        silent = []
+        for engine, version in zip(engines, versions, strict=True):
+            if version is not None:
+                self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
+            else:
+                silent.append(engine.url)
+                self._versions_from.setdefault(engine.url, FROM_TRAINER)
+        self._say_no_version(silent)
+
+    def _say_no_version(self, urls: list[str]) -> None:
+        """A warning, once per engine: its samples get the trainer's version at admission
+        (staleness is then counted from admission, not from the weights that generated them),
+        and which API would give versions."""
+        new = [url for url in urls if url not in self._said_no_version]
+        if not new:
+            return
+        self._said_no_version.update(new)
+        api = self.settings.api
+        logger.warning(
+            "engine(s) %s on --engine-api %s report no weight version at %s (or could not be asked)%s: "
+            "their samples get the trainer's version at admission (weight_version_source "
+            "trainer_at_admission); %s",
+            ", ".join(new), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths),
+            " nor in their replies" if self.dialect.replies_carry_versions else "", VERSION_HINTS.get(api, ""),
+        )
 
     # -- the fleet ----------------------------------------------------------------------
 
@@ -533,6 +638,49 @@ class EngineClient:
         self.fleet.apply_registry(valid, self.settings.drain_timeout)
         self._ensure_monitor()
 
+    def set_weights_source(self, weights: tuple[str, int] | None) -> None:
+        """Where the trainer's current weights are (``Keys.weights``): what a behind engine loads
+        with ``catch_up``."""
+        if weights != self._weights and weights is not None and any(
+            e.state is EngineState.BEHIND for e in self.fleet.engines.values()
+        ):
+            self._monitor_wake.set()
+        self._weights = weights
+
+    def _maybe_catch_up(self, engine: Engine) -> None:
+        """Start loading the recorded weights into ``engine`` (behind) when they are newer than
+        its version, it is idle, and no catch-up of it runs or failed within a minute."""
+        weights = self._weights
+        if (not self.settings.catch_up or weights is None or engine.state is not EngineState.BEHIND
+                or engine.in_flight or engine.url in self._catch_ups
+                or time.monotonic() < self._catch_up_after.get(engine.url, 0.0)
+                or (engine.version is not None and weights[1] <= engine.version)):
+            return
+        task = asyncio.create_task(self._catch_up(engine, *weights), name=f"catch-up {engine.url}")
+        self._catch_ups[engine.url] = task
+        task.add_done_callback(lambda _: self._catch_ups.pop(engine.url, None))
+
+    async def _catch_up(self, engine: Engine, path: str, version: int) -> None:
+        logger.warning("engine %s at version %s, behind: loading %s (version %d) into it (--catch-up-engines)",
+                       engine.url, engine.version, path, version)
+        started = time.monotonic()
+        for step, body in self.dialect.reload_requests(path, version):
+            try:
+                status, raw = await self.transport.request("POST", engine.url + step, _ENCODER.encode(body),
+                                                           limit=INFO_BYTES, seconds=CATCH_UP_TIMEOUT)
+            except PROBE_ERRORS as exc:
+                status, raw = 0, f"{type(exc).__name__}: {exc}".encode()
+            reply = json_object(raw) if status == 200 else None
+            if status != 200 or (reply is not None and reply.get("success") is False):
+                self._catch_up_after[engine.url] = time.monotonic() + CATCH_UP_RETRY
+                logger.warning("engine %s: catch-up failed at %s (HTTP %s: %s); tried again in %.0f s", engine.url,
+                               step, status or "-", raw.decode("utf-8", "replace")[:300], CATCH_UP_RETRY)
+                return
+        engine.version_checked = -float("inf")
+        await self.weight_version(engine)
+        logger.warning("engine %s: loaded version %d in %.1f s, now at version %s", engine.url, version,
+                       time.monotonic() - started, engine.version)
+
     def take_out(self, url: str, why: str) -> bool:
         """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
         last routed one: True when it was (it is probed and rejoins as any ejected engine)."""
@@ -553,11 +701,9 @@ class EngineClient:
         for health (with backoff), the busy ones without a reply for ``health_interval`` for a
         wedge, the behind ones for their version; drains past their timeout."""
         settings = self.settings
+        adaptive = settings.adaptive_concurrency
+        tick = min(settings.health_interval, settings.load_interval) if adaptive else settings.health_interval
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.health_interval):
-                    await self._monitor_wake.wait()
-            self._monitor_wake.clear()
             now = time.monotonic()
             fleet = self.fleet
             fleet.drop_drained(now)
@@ -567,7 +713,55 @@ class EngineClient:
                 or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
                 or e.state is EngineState.BEHIND or self._version_due(e)
             ]
-            await gather_probes(self._probe, due)
+            loads: list[Engine] = []
+            if adaptive and now >= self._next_load:
+                self._next_load = now + settings.load_interval
+                loads = [e for e in fleet.engines.values() if e.routed and e.load_path != ""]
+            await asyncio.gather(gather_probes(self._probe, due), gather_probes(self._read_load, loads))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(tick):
+                    await self._monitor_wake.wait()
+            self._monitor_wake.clear()
+
+    async def _read_load(self, engine: Engine) -> None:
+        """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
+        that one) and move its in-flight limit (:mod:`.load`)."""
+        paths = (engine.load_path,) if engine.load_path else self.dialect.load_paths
+        seconds = min(5.0, self.settings.health_timeout)
+        for path in paths:
+            try:
+                status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
+            except PROBE_ERRORS as exc:
+                logger.debug("load of %s: %s failed: %s", engine.url, path, exc)
+                if engine.load_path is None:  # never read: not held at the floor for it
+                    self._no_load(engine, f"{path} failed: {type(exc).__name__}")
+                return  # its health is judged elsewhere
+            load = parse_load(path, raw) if status == 200 else None
+            if load is not None:
+                break
+        else:
+            if engine.load_path is None:
+                self._no_load(engine, "none of " + ", ".join(paths))
+            return
+        engine.load_path = path
+        adaptive = engine.adaptive
+        if adaptive is None:
+            return
+        before = adaptive.limit
+        raised = adaptive.update(load, engine.in_flight, engine.held, time.monotonic(), engine.round_trip)
+        engine.held, engine.load = False, load
+        if adaptive.limit != before:
+            logger.debug("engine %s: in-flight limit %s -> %s (%s)", engine.url, before, adaptive.limit, load)
+        if raised:
+            self.fleet.room_opened()
+
+    def _no_load(self, engine: Engine, why: str) -> None:
+        """``engine``'s load cannot be read: it is not limited (driven as without the option)."""
+        engine.load_path = ""
+        logger.info("engine %s reports no load (%s): no in-flight limit for it", engine.url, why)
+        if engine.adaptive is not None:
+            engine.adaptive.release()
+            self.fleet.room_opened()
 
     def _version_due(self, engine: Engine) -> bool:
         """Whether ``engine``'s version is worth asking now: it looks behind the trainer on what
@@ -588,6 +782,7 @@ class EngineClient:
         if engine.state is EngineState.BEHIND or self._version_due(engine):
             engine.version_checked = -float("inf")
             await self.weight_version(engine)
+            self._maybe_catch_up(engine)
             return
         try:
             status, _ = await self.transport.request(

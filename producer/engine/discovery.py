@@ -25,10 +25,18 @@ PROBE_ERRORS = (ConnectionError, TimeoutError, EngineReplyInvalid)
 async def probe_version(
     transport: Transport, url: str, paths: tuple[str, ...], seconds: float, *, until_valid: bool = False
 ) -> tuple[int | None, bool]:
-    """``(version, exists)``: the ``weight_version`` of the first of ``paths`` that exists on
-    ``url`` (a 404 tries the next; ``exists`` is False when every one is 404). A failure, another
-    status or no integer version gives None, unless ``until_valid``: then the next path is tried.
-    ``seconds`` per path, in total."""
+    """``(version, exists)``: :func:`probe_version_at` without the path."""
+    version, _, exists = await probe_version_at(transport, url, paths, seconds, until_valid=until_valid)
+    return version, exists
+
+
+async def probe_version_at(
+    transport: Transport, url: str, paths: tuple[str, ...], seconds: float, *, until_valid: bool = False
+) -> tuple[int | None, str, bool]:
+    """``(version, path, exists)``: the ``weight_version`` of the first of ``paths`` that exists on
+    ``url`` and the path that gave it (a 404 tries the next; ``exists`` is False when every one is
+    404). A failure, another status or no integer version gives None, unless ``until_valid``:
+    then the next path is tried. ``seconds`` per path, in total."""
     missing = 0
     for path in paths:
         try:
@@ -37,7 +45,7 @@ async def probe_version(
             logger.debug("%s%s failed: %s: %s", url, path, type(exc).__name__, exc)
             if until_valid:
                 continue
-            return None, True
+            return None, "", True
         if status == 404:
             missing += 1
             continue
@@ -46,8 +54,22 @@ async def probe_version(
             logger.debug("%s%s: HTTP %d, no integer weight_version", url, path, status)
             if until_valid:
                 continue
-        return version, True
-    return None, missing < len(paths)
+            return None, "", True
+        return version, path, True
+    return None, "", missing < len(paths)
+
+
+FROM_REPLIES = "engine replies"
+"""``weight_versions_from`` when the replies carry the versions (SGLang ``meta_info``, vLLM spans)."""
+FROM_TRAINER = "trainer at admission"
+"""``weight_versions_from`` when no engine says: the trainer's version when the prompt was admitted."""
+VERSION_HINTS = {
+    "openai": "vLLM answers GET /weight_info (VLLM_SERVER_DEV_MODE=1), SGLang GET /model_info; "
+              "--engine-api vllm (vLLM --enable-scale-out) gives per-token version spans",
+    "sglang": "SGLang reports meta_info.weight_version in its replies and at GET /model_info",
+    "vllm": "vLLM reports weight_versions spans and GET /weight_info once /update_weight_version set one",
+}
+"""Which engine API gives versions, per ``--engine-api`` (the producer's start-up warning)."""
 
 
 async def engine_version(url: str, paths: tuple[str, ...], seconds: float = 2.0) -> int | None:

@@ -25,7 +25,9 @@ engine a consistent-hash ring names for it, unless that engine would then hold m
 consistent hashing with bounded loads, Mirrokni et al.): then the next one clockwise. The
 samples of a group and the turns of an episode meet their prefix cache; no engine runs far above
 the others. Requests without a key go to the
-least-loaded usable engine.
+least-loaded usable engine. With adaptive concurrency (:mod:`.load`) an engine at its in-flight
+limit is skipped like a full one; when every routed engine is at its limit, requests wait in the
+client (:meth:`Fleet.wait_room`, first come first served) for one to end.
 """
 
 from __future__ import annotations
@@ -40,15 +42,22 @@ import math
 import random
 import time
 import zlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from rollstream.common.backoff import Backoff
 
+from .load import AdaptiveLimit, EngineLoad
+
 logger = logging.getLogger(__name__)
 
 RING_POINTS = 64
-"""Points per engine on the hash ring (spreads keys evenly over a few engines)."""
+"""Points per engine on the hash ring, at least (spreads keys evenly over many engines)."""
+RING_SIZE = 4096
+"""Points on the ring of a small fleet: ``RING_SIZE // engines`` each, so two engines' shares of
+the keys differ by a few per cent rather than ten (three runs of the bench's cache part: two
+engines' prefix hit rate 0.99-1.0x one engine's, against 0.94-0.99x with 64 points each)."""
 AFFINITY_SLACK = 8
 """Samples an engine may hold above the bounded load for its keys: at a light load the bound
 alone would split every group (a first request sees a mean of 0.5); a group of up to 8 stays
@@ -74,12 +83,13 @@ class Engine:
     """One engine URL (credentials stripped), its state and what the client knows of it."""
 
     __slots__ = (
-        "attempts", "cached_tokens", "drain_deadline", "errors", "failures", "has_model_info", "in_flight",
-        "last_reply", "lost", "next_probe", "out_count", "prompt_tokens", "reason", "registered", "removed",
-        "replies", "since", "state", "tokens", "url", "version", "version_checked", "workers", "workers_checked",
+        "adaptive", "attempts", "cached_tokens", "drain_deadline", "errors", "failures", "has_model_info", "held",
+        "in_flight", "last_reply", "load", "load_path", "lost", "next_probe", "out_count", "prompt_tokens", "reason",
+        "registered", "removed", "replies", "round_trip", "since", "state", "tokens", "url", "version",
+        "version_checked", "workers", "workers_checked",
     )
 
-    def __init__(self, url: str, *, registered: bool = False) -> None:
+    def __init__(self, url: str, *, registered: bool = False, concurrency_floor: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.in_flight = 0
         self.version: int | None = None
@@ -111,6 +121,27 @@ class Engine:
         """Came from the engine registry (dropped once drained when the registry forgets it)."""
         self.removed = False
         self.drain_deadline: float | None = None
+        self.adaptive = AdaptiveLimit(concurrency_floor) if concurrency_floor is not None else None
+        """Its in-flight limit from its own load (None: adaptive concurrency is off)."""
+        self.held = False
+        """A request waited for room on it since its load was last read (its limit binds)."""
+        self.load: EngineLoad | None = None
+        self.load_path: str | None = None
+        """The load endpoint that answered; ``""``: none does (no limit then)."""
+        self.round_trip: float | None = None
+        """Mean seconds of its answered requests (moving average; adaptive concurrency's pace)."""
+
+    @property
+    def limit(self) -> int | None:
+        """Samples in flight at most now (None: not limited)."""
+        return self.adaptive.limit if self.adaptive is not None else None
+
+    def has_room(self, weight: int) -> bool:
+        limit = self.limit
+        if limit is None or self.in_flight == 0 or self.in_flight + weight <= limit:
+            return True
+        self.held = True
+        return False
 
     @property
     def routed(self) -> bool:
@@ -127,6 +158,14 @@ class Engine:
             out["reason"] = self.reason
         if self.prompt_tokens:
             out["prefix_hit_rate"] = round(self.cached_tokens / self.prompt_tokens, 3)
+        if self.limit is not None:
+            out["limit"] = self.limit
+        load = self.load
+        if load is not None:
+            if load.waiting is not None:
+                out["engine_waiting"] = load.waiting
+            if load.kv_usage is not None:
+                out["kv_usage"] = round(load.kv_usage, 3)
         return out
 
 
@@ -138,10 +177,16 @@ class Fleet:
     """The engines of one client: states, routing and the ring (no I/O; the monitor probes)."""
 
     def __init__(self, urls: Iterable[str], *, eject_after: int = 3, balance: float = 0.25,
-                 probe_backoff: Backoff | None = None) -> None:
+                 probe_backoff: Backoff | None = None, concurrency_floor: int | None = None,
+                 registered: Iterable[str] = ()) -> None:
+        self.concurrency_floor = concurrency_floor
+        """Adaptive concurrency's floor; None: off (no engine is ever limited)."""
         self.engines: dict[str, Engine] = {}
         for url in urls:
-            engine = Engine(url)
+            engine = Engine(url, concurrency_floor=concurrency_floor)
+            self.engines.setdefault(engine.url, engine)
+        for url in registered:
+            engine = Engine(url, registered=True, concurrency_floor=concurrency_floor)
             self.engines.setdefault(engine.url, engine)
         self.eject_after = eject_after
         self.balance = balance
@@ -151,6 +196,7 @@ class Fleet:
         self.changed = asyncio.Event()
         """Set (and replaced) on every state change: a request waiting for a usable engine wakes."""
         self.transitions = 0
+        self._room_waiters: deque[asyncio.Future[None]] = deque()
         self._ring: list[int] = []
         self._owners: list[Engine] = []
         self._rebuild()
@@ -158,7 +204,8 @@ class Fleet:
     # -- routing ----------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        points = sorted((_point(f"{e.url}#{i}"), e.url) for e in self.engines.values() for i in range(RING_POINTS))
+        per_engine = max(RING_POINTS, RING_SIZE // max(1, len(self.engines)))
+        points = sorted((_point(f"{e.url}#{i}"), e.url) for e in self.engines.values() for i in range(per_engine))
         self._ring = [p for p, _ in points]
         self._owners = [self.engines[u] for _, u in points]
 
@@ -166,12 +213,15 @@ class Fleet:
         return [e for e in self.engines.values() if e.routed]
 
     def pick(self, key: str | None = None, weight: int = 1) -> Engine | None:
-        """The engine for a request of ``weight`` samples (None: no engine is routed now)."""
+        """The engine for a request of ``weight`` samples (None: no engine is routed, or every
+        routed one is at its in-flight limit: see :meth:`wait_room`)."""
         engines = self.engines
         if len(engines) == 1:
             only = next(iter(engines.values()))
-            return only if only.routed else None
+            return only if only.routed and only.has_room(weight) else None
         usable = self.routed()
+        if self.concurrency_floor is not None:
+            usable = [e for e in usable if e.has_room(weight)]
         if not usable:
             return None
         if key is None or len(usable) == 1:
@@ -184,7 +234,7 @@ class Fleet:
         seen: set[str] = set()
         for i in range(len(ring)):
             engine = owners[(start + i) % len(ring)]
-            if engine.url in seen or not engine.routed:
+            if engine.url in seen or not engine.routed or not engine.has_room(weight):
                 continue
             if engine.in_flight + weight <= bound:
                 return engine
@@ -192,6 +242,54 @@ class Fleet:
             if len(seen) == len(usable):
                 break
         return min(usable, key=lambda e: e.in_flight)
+
+    def any_routed(self) -> bool:
+        return any(e.routed for e in self.engines.values())
+
+    async def wait_room(self, seconds: float, *, again: bool = False) -> bool:
+        """Wait (at most ``seconds``) for a request to end while every routed engine is at its
+        limit; first come first served (``again``: woken before and beaten to the room, so first
+        in line). True when woken, False on the timeout."""
+        waiter = asyncio.get_running_loop().create_future()
+        if again:
+            self._room_waiters.appendleft(waiter)
+        else:
+            self._room_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(seconds):
+                await waiter
+            return True
+        except TimeoutError:
+            return False
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.room_freed()  # woken, then cancelled: the next in line gets the room
+            raise
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):
+                self._room_waiters.remove(waiter)
+
+    def room_freed(self) -> None:
+        """A request ended (or a limit rose): the first request waiting for room tries again."""
+        waiters = self._room_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def room_opened(self) -> None:
+        """Limits rose or engines changed: every request waiting for room tries again."""
+        waiters, self._room_waiters = self._room_waiters, deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    @property
+    def waiting_for_room(self) -> int:
+        return len(self._room_waiters)
 
     # -- what requests tell -----------------------------------------------------------
 
@@ -293,7 +391,7 @@ class Fleet:
             if engine is None:
                 if state != "active":
                     continue
-                engine = self.engines[url] = Engine(url, registered=True)
+                engine = self.engines[url] = Engine(url, registered=True, concurrency_floor=self.concurrency_floor)
                 changed = True
                 logger.warning("engine %s joined (registry)", url)
                 self._wake()
@@ -348,6 +446,7 @@ class Fleet:
     def _wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
+        self.room_opened()
 
     def status(self, limit: int = 64) -> list[dict[str, Any]]:
         """Each engine's status; past ``limit`` engines only those not healthy (at most

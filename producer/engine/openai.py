@@ -5,9 +5,10 @@ vLLM's ``return_tokens_as_token_ids`` and ``return_token_ids`` bring back token 
 Replies: ``choices[i].text``, ``.finish_reason``, ``.logprobs.tokens`` / ``.token_logprobs``,
 vLLM's ``.token_ids`` or ``"token_id:N"`` tokens, ``prompt_token_ids`` on the choice or the reply;
 chat: ``choices[i].message.content``, ``.logprobs.content[j].token`` / ``.logprob``, the same vLLM
-id fields. These servers report no weight version in the reply: it comes from the model-info
-endpoints, or is None (vLLM's OpenAI server has none; the producer then records the trainer's
-version at admission).
+id fields. These servers report no weight version in the reply: it comes from the engine's own
+endpoints, as with the native dialects: vLLM's ``GET /weight_info`` (dev mode), else SGLang's
+``GET /model_info``; an engine with none gets the trainer's version at admission (said once at
+start, ``discovery.VERSION_HINTS``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
-from .types import EngineReplyInvalid, Generation, Request
+from .types import Encoded, EngineReplyInvalid, Generation, Request
+from .vllm import vllm_reload_requests
 
 if TYPE_CHECKING:
-    from .client import Engine, EngineClient
+    from .settings import EngineSettings
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -145,34 +147,45 @@ def _utf8_tokens(text: str) -> int:
 class OpenAI:
     """``--engine-api openai``."""
 
+    name = "openai"
     batches_samples = True
     accepts_messages = True
-    version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")
+    needs_token_ids = False
+    needs_model = True
+    replies_carry_versions = False
+    routing_replay = False
+    seed_reschedule_kills = False
+    version_paths: tuple[str, ...] = ("/weight_info", "/model_info", "/get_model_info")
+    """vLLM's (dev mode) first, then SGLang's: the replies of this API carry no version."""
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
+    load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics
 
-    async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
-        settings = client.settings
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return vllm_reload_requests(path, version)  # vLLM's dev-mode endpoints behind its OpenAI server
+
+    def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         n = request.n
         body: dict[str, Any] = {
             "model": settings.model, "n": n, "max_tokens": request.max_new_tokens,
             "return_tokens_as_token_ids": True, "return_token_ids": True, **request.sampling,
         }
         if request.messages is not None:
-            path, parse = CHAT, parse_chat
+            path = CHAT
             body["messages"] = [dict(m) for m in request.messages]
             if settings.return_logprob:
                 body["logprobs"] = True
             prompt_tokens = len(msgspec.json.encode({"messages": body["messages"]})) + 256  # the template adds some
         else:
-            path, parse = COMPLETIONS, parse_completions
+            path = COMPLETIONS
             text, input_ids = request.text, request.input_ids
             body["prompt"] = text if text is not None else list(input_ids or ())
             if settings.return_logprob:
                 body["logprobs"] = 0  # the sampled token's log-prob only
             prompt_tokens = len(input_ids or ()) if text is None else _utf8_tokens(text)
         # vLLM echoes the prompt ids on the reply and on each choice.
-        limit = client.reply_limit(request.max_new_tokens, n, prompt_tokens, prompt_copies=n + 1)
-        engine, raw = await client.request(path, body, weight=n, limit=limit, key=request.key)
-        with client.blame(engine):
-            return engine, parse(raw, n, want_logprobs=settings.return_logprob, where=engine.url + path)
+        return Encoded(path, body, n, prompt_tokens, prompt_copies=n + 1)
+
+    def decode(self, encoded: Encoded, raw: bytes, settings: EngineSettings, where: str) -> list[Generation]:
+        parse = parse_chat if encoded.path == CHAT else parse_completions
+        return parse(raw, encoded.weight, want_logprobs=settings.return_logprob, where=where)

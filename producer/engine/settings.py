@@ -47,6 +47,7 @@ class EngineSettings:
     """How to reach the engines and what to ask them for."""
 
     urls: tuple[str, ...]
+    """The ``--engine`` URLs (may be empty when ``registry_urls`` are given)."""
     api: str = "sglang"
     """An engine API: a key of :data:`~.dialects.DIALECTS`."""
     model: str | None = None
@@ -95,22 +96,35 @@ class EngineSettings:
     """Seconds a request waits for a routed engine (all out, probed) before it fails: fatal."""
     drain_timeout: float = 300.0
     """Seconds a drained engine's requests may still run before they are retried elsewhere."""
+    adaptive_concurrency: bool = True
+    """Limit each engine's samples in flight by its own load (KV usage, waiting requests,
+    preemptions), between ``concurrency_floor`` and the producer's concurrency (see ``load.py``)."""
+    concurrency_floor: int = 4
+    load_interval: float = 1.0
+    """Seconds between readings of each engine's load (with ``adaptive_concurrency``)."""
+    catch_up: bool = False
+    """Load the trainer's recorded weights (``Keys.weights``) into an engine found behind, then
+    let it rejoin (``--catch-up-engines``)."""
+    registry_urls: tuple[str, ...] = ()
+    """Engines from the engine registry at start (``--engines-from-registry`` without
+    ``--engine``): dropped once the registry forgets them, as engines that join later."""
 
     def __post_init__(self) -> None:
-        if not self.urls:
-            raise ConfigError("at least one engine URL is needed (--engine URL)")
-        for url in self.urls:
+        if not self.urls and not self.registry_urls:
+            raise ConfigError("at least one engine URL is needed (--engine URL, or --engines-from-registry)")
+        for url in (*self.urls, *self.registry_urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
         if self.api not in ENGINE_APIS:
             raise ConfigError(f"engine api must be one of {', '.join(ENGINE_APIS)}, got {self.api!r}")
-        if self.api == "vllm" and "seed" in self.sampling_params:
+        dialect = DIALECTS[self.api]
+        if dialect.seed_reschedule_kills and "seed" in self.sampling_params:
             raise ConfigError(
-                "a per-request seed kills vLLM's CPU engine when the request is rescheduled (pause keep, "
+                f"a per-request seed kills {self.api}'s CPU engine when the request is rescheduled (pause keep, "
                 "a weight reload): drop 'seed' from sampling_params (or use request_seed=True knowingly)"
             )
-        if self.api == "openai" and not self.model:
-            raise ConfigError("--engine-api openai needs --model NAME")
+        if dialect.needs_model and not self.model:
+            raise ConfigError(f"--engine-api {self.api} needs --model NAME")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
         if self.temperature < 0:
@@ -126,15 +140,25 @@ class EngineSettings:
             raise ConfigError("eject_after must be at least 1")
         if self.balance < 0:
             raise ConfigError("balance must be non-negative")
+        if isinstance(self.concurrency_floor, bool) or not isinstance(self.concurrency_floor, int) \
+                or self.concurrency_floor < 1:
+            raise ConfigError(f"concurrency_floor must be a positive integer, got {self.concurrency_floor!r}")
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max", "health_interval",
-                     "health_timeout", "no_engine_timeout", "drain_timeout"):
+                     "health_timeout", "no_engine_timeout", "drain_timeout", "load_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.routed_experts is not None:
             if len(self.routed_experts) != 3 or any(not isinstance(v, int) or v < 1 for v in self.routed_experts):
                 raise ConfigError(f"routed_experts must be (layers, topk, experts) >= 1, got {self.routed_experts!r}")
-            if self.api == "openai":
-                raise ConfigError("--routed-experts needs --engine-api sglang or vllm (the replay's endpoints)")
+            if not dialect.routing_replay:
+                replay = " or ".join(name for name, d in DIALECTS.items() if d.routing_replay)
+                raise ConfigError(f"--routed-experts needs --engine-api {replay} (the replay's endpoints)")
+
+    @property
+    def all_urls(self) -> tuple[str, ...]:
+        """The engines given at start: ``--engine`` URLs (credentials included: redact before
+        showing them) and the registry's."""
+        return (*self.urls, *self.registry_urls)
 
     @property
     def backoff(self) -> Backoff:

@@ -30,10 +30,10 @@ from rollstream.common.models import Packed
 from rollstream.common.versions import parse_version
 
 from .parse import TokenId, check_logprobs, decode, floats, ids
-from .types import EngineReplyInvalid, Generation, Request
+from .types import Encoded, EngineReplyInvalid, Generation, Request
 
 if TYPE_CHECKING:
-    from .client import Engine, EngineClient
+    from .settings import EngineSettings
 
 PATH = "/generate"
 
@@ -191,19 +191,28 @@ def parse_teacher(raw: bytes, tokens: array[int] | memoryview, response_length: 
 class SGLang:
     """``--engine-api sglang``."""
 
+    name = "sglang"
     batches_samples = False
     accepts_messages = False
+    needs_token_ids = False
+    needs_model = False
+    replies_carry_versions = True
+    routing_replay = True
+    seed_reschedule_kills = False
     version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")  # the gateway only routes the latter
     abort_path = "/abort_request"
     abort_body: Mapping[str, Any] = {"abort_all": True}
+    load_paths: tuple[str, ...] = ("/v1/loads", "/get_load", "/metrics")
 
-    async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return [("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})]
+
+    def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         if request.messages is not None:
             raise PromptNotSupported(
                 "SGLang's /generate does not take chat messages: configure a tokenizer with a chat "
                 "template (--tokenizer) or use --engine-api openai",
             )
-        settings = client.settings
         body: dict[str, Any] = {
             "sampling_params": {"max_new_tokens": request.max_new_tokens, **request.sampling},
             "return_logprob": settings.return_logprob,
@@ -217,18 +226,13 @@ class SGLang:
             body["rid"] = request.rid
         if request.image_data:
             body["image_data"] = list(request.image_data)
-        shape = settings.routed_experts
-        if shape is not None:
+        replay = 0
+        if settings.routed_experts is not None:
             body["return_routed_experts"] = True
-        # SGLang echoes no prompt ids; a routing replay has a row per prompt and output token.
-        prompt_tokens = len(input_ids or ()) if text is None else len(text.encode("utf-8")) + 16
-        limit = client.reply_limit(request.max_new_tokens, replay_prompt_tokens=prompt_tokens if shape else 0)
-        engine, raw = await client.request(PATH, body, limit=limit, key=request.key)
-        with client.blame(engine):
-            generation = parse_sglang(
-                raw, want_logprobs=settings.return_logprob, where=engine.url + PATH, routed_experts=shape,
-                counters=settings.engine_stats,
-            )[0]
-        if generation.weight_version is not None:
-            engine.version = generation.weight_version
-        return engine, [generation]
+            # SGLang echoes no prompt ids; a routing replay has a row per prompt and output token.
+            replay = len(input_ids or ()) if text is None else len(text.encode("utf-8")) + 16
+        return Encoded(PATH, body, replay_prompt_tokens=replay)
+
+    def decode(self, encoded: Encoded, raw: bytes, settings: EngineSettings, where: str) -> list[Generation]:
+        return parse_sglang(raw, want_logprobs=settings.return_logprob, where=where,
+                            routed_experts=settings.routed_experts, counters=settings.engine_stats)[:1]

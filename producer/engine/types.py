@@ -3,7 +3,9 @@
 :class:`Generation` is one sample of an engine reply, normalised across APIs: the dialects'
 parsers build it straight from the reply bytes, the client then names the engine and fills in a
 weight version the reply did not carry. :class:`Dialect` is what an engine API implements (one
-module per API: :mod:`.sglang`, :mod:`.openai`, :mod:`.vllm`).
+module per API: :mod:`.sglang`, :mod:`.openai`, :mod:`.vllm`): it only translates, a request into
+an :class:`Encoded` (path, body, what the reply may hold) and the reply's bytes into generations;
+the client alone sends, retries, blames an engine and records versions.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  #
 from rollstream.common.models import Packed
 
 if TYPE_CHECKING:
-    from .client import Engine, EngineClient
+    from .settings import EngineSettings
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -70,9 +72,38 @@ class Request:
     """The routing key (the group's): its samples and turns go to one engine (:mod:`.fleet`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A request as a dialect writes it: where it goes, its body, and what its reply may hold
+    (the client derives the reply bound from it, :meth:`~.client.EngineClient.reply_limit`)."""
+
+    path: str
+    body: dict[str, Any]
+    weight: int = 1
+    """Samples it asks for."""
+    prompt_tokens: int = 0
+    """Prompt tokens the reply echoes, ``prompt_copies`` times."""
+    prompt_copies: int = 0
+    replay_prompt_tokens: int = 0
+    """Prompt tokens the routing replay covers (one row each)."""
+
+
 class Dialect(Protocol):
-    """An engine API: how a request is written and a reply read. Transport (pool, retries,
-    bounds, discovery) is the client's; a dialect calls :meth:`EngineClient.request` and parses."""
+    """An engine API: how a request is written and a reply read, nothing else (pure functions;
+    transport, retries, blame and versions are the client's)."""
+
+    name: str
+    """Its ``--engine-api`` value."""
+    needs_token_ids: bool
+    """Whether prompts go as token ids (the client tokenizes text and chat messages first)."""
+    needs_model: bool
+    """Whether requests name the model (``--model``)."""
+    replies_carry_versions: bool
+    """Whether replies carry the weight version (else it is read from ``version_paths``)."""
+    routing_replay: bool
+    """Whether the API returns the routing replay (``--routed-experts``)."""
+    seed_reschedule_kills: bool
+    """Whether a per-request seed kills the engine when it reschedules the request (vLLM's CPU engine)."""
 
     batches_samples: bool
     """Whether one request asks for a group's ``n`` samples (else ``n`` requests)."""
@@ -82,7 +113,16 @@ class Dialect(Protocol):
     """Model-info endpoints with a ``weight_version``, tried in order (a 404 tries the next)."""
     abort_path: str
     abort_body: Mapping[str, Any]
+    load_paths: tuple[str, ...]
+    """Endpoints of the engine's own load, tried in order (:mod:`.load`)."""
 
-    async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
-        """The engine that answered and the reply's samples (the client names the engine on
-        them and fills in the weight versions the reply did not carry)."""
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        """The POSTs that load the weights at ``path`` as ``version`` into one engine (an engine
+        found behind, ``--catch-up-engines``), in order."""
+
+    def encode(self, request: Request, settings: EngineSettings) -> Encoded:
+        """The request to send (``PromptNotSupported`` for a prompt this API cannot take)."""
+
+    def decode(self, encoded: Encoded, raw: bytes, settings: EngineSettings, where: str) -> list[Generation]:
+        """The samples of a reply to ``encoded`` (``EngineReplyInvalid`` when unusable; ``where``
+        names the URL on errors)."""

@@ -25,11 +25,11 @@ from rollstream.common.errors import PromptNotSupported
 from rollstream.common.versions import parse_version
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
-from .types import EngineReplyInvalid, Generation, Request
+from .types import Encoded, EngineReplyInvalid, Generation, Request
 from .vllm_replay import routed_experts_of
 
 if TYPE_CHECKING:
-    from .client import Engine, EngineClient
+    from .settings import EngineSettings
 
 PATH = "/inference/v1/generate"
 
@@ -125,28 +125,38 @@ def parse_vllm_generate(
     ]
 
 
+
+def vllm_reload_requests(path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+    """vLLM's dev-mode weight reload (``VLLM_SERVER_DEV_MODE=1``), then the version label."""
+    return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
+            ("/update_weight_version", {"new_version": str(version)})]
+
+
 class VLLM:
     """``--engine-api vllm``."""
 
+    name = "vllm"
     batches_samples = True
     accepts_messages = False
+    needs_token_ids = True
+    needs_model = False
+    replies_carry_versions = True
+    routing_replay = True
+    seed_reschedule_kills = True
     version_paths: tuple[str, ...] = ("/weight_info",)
     abort_path = "/abort_requests"  # dev mode; an empty body aborts everything in flight
     abort_body: Mapping[str, Any] = {}
+    load_paths: tuple[str, ...] = ("/metrics",)
 
-    async def generate(self, client: EngineClient, request: Request) -> tuple[Engine, list[Generation]]:
-        settings = client.settings
+    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        return vllm_reload_requests(path, version)
+
+    def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         input_ids = request.input_ids
-        if input_ids is None:
-            if request.messages is not None:
-                found = await client.chat_ids(request.messages)
-            else:
-                found = await client.tokenize(request.text or "")
-            if found is None:
-                raise PromptNotSupported(
-                    "--engine-api vllm sends token ids: give a tokenizer (--tokenizer) or an engine with /tokenize"
-                )
-            input_ids = found
+        if input_ids is None:  # the client tokenizes first (needs_token_ids)
+            raise PromptNotSupported(
+                "--engine-api vllm sends token ids: give a tokenizer (--tokenizer) or an engine with /tokenize"
+            )
         n = request.n
         params: dict[str, Any] = {"n": n, "max_tokens": request.max_new_tokens, **request.sampling}
         if settings.return_logprob:
@@ -161,12 +171,8 @@ class VLLM:
         # The reply may echo the prompt ids (on the reply and on each choice), like the completions API.
         # With the routing replay on, every choice's replay also covers the prompt's tokens.
         replay = n * len(input_ids) if settings.routed_experts is not None else 0
-        limit = client.reply_limit(
-            request.max_new_tokens, n, len(input_ids), prompt_copies=n + 1, replay_prompt_tokens=replay
-        )
-        engine, raw = await client.request(PATH, body, weight=n, limit=limit, key=request.key)
-        with client.blame(engine):
-            return engine, parse_vllm_generate(
-                raw, n, want_logprobs=settings.return_logprob, where=engine.url + PATH,
-                routed_experts=settings.routed_experts,
-            )
+        return Encoded(PATH, body, n, len(input_ids), prompt_copies=n + 1, replay_prompt_tokens=replay)
+
+    def decode(self, encoded: Encoded, raw: bytes, settings: EngineSettings, where: str) -> list[Generation]:
+        return parse_vllm_generate(raw, encoded.weight, want_logprobs=settings.return_logprob, where=where,
+                                   routed_experts=settings.routed_experts)

@@ -5,7 +5,7 @@ One package, one module per kind, one loader:
 * :mod:`.base`: the interface (:class:`RewardFunction`: deadline, errors, validation);
 * :mod:`.answers` (``math``), :mod:`.remote` (``remote:URL``), :mod:`.python` (``module:function``);
 * :mod:`.loader`: :func:`load_reward`, which picks the kind by the spec's scheme; other layers
-  add schemes with :func:`register_scheme` (:mod:`rollstream.integrations.rewards` adds
+  add schemes with :func:`register_scheme` (:mod:`rollstream.integrations.framework_rewards` adds
   ``slime:``, ``slime-group:``, ``miles:``, ``miles-group:``).
 
 A reward function is loaded from a spec string by :func:`load_reward`:
@@ -43,7 +43,7 @@ A reward function is loaded from a spec string by :func:`load_reward`:
 
 ``"slime:pkg.module.fn"``, ``"miles:..."`` (``-group`` for per group)
     A slime or miles reward function, called with the framework's ``Sample`` objects
-    (:mod:`rollstream.integrations.rewards`, registered when that module is imported).
+    (:mod:`rollstream.integrations.framework_rewards`, registered when that module is imported).
 
 ``"module.path:function"`` or ``"path/to/file.py:function"``
     A Python callable (:class:`PythonReward`); ``function`` may be a dotted attribute path

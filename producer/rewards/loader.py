@@ -1,7 +1,7 @@
 """The one reward loader: ``--reward SPEC`` -> a :class:`~.base.RewardFunction`, by scheme.
 
 A spec is ``scheme:rest`` for a registered scheme (``remote:URL``; ``slime:`` / ``miles:`` and
-their ``-group`` forms once :mod:`rollstream.integrations.rewards` is imported, as the CLI does),
+their ``-group`` forms once :mod:`rollstream.integrations.framework_rewards` is imported, as the CLI does),
 a registered bare name (``math``), else a Python callable (``module.path:function`` or
 ``path/to/file.py:function``, :func:`rollstream.common.imports.import_callable`).
 

@@ -5,7 +5,7 @@ One module per seam (issue 24): ``model`` (toy tokenizer, answers, routing repla
 ``sglang``, ``openai_api`` and ``vllm_api`` (one per engine API simulated), ``engine`` (the app,
 :class:`SimEngine`, :func:`serve`, and the behaviour of the whole, documented once)."""
 
-from rollstream.testing.sim.engine import (
+from rollstream.testing.sim.simulator import (
     SimConfig,
     SimEngine,
     SimState,

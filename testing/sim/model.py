@@ -1,7 +1,7 @@
 """The simulator's "model": the toy byte tokenizer, the arithmetic it answers, the response plan
 (filler, answer, scripted tool calls), the routing replay and the teacher's log-probs. Pure
 functions of the text and a seeded RNG; no HTTP, no state (the behaviour is documented in
-:mod:`rollstream.testing.sim.engine`)."""
+:mod:`rollstream.testing.sim.simulator`)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ class SimConfig:
     """Capacity of the prefix cache in tokens (whole :data:`CACHE_BLOCK` blocks, LRU); 0: none."""
     prefill_per_token: float = 0.0
     """Seconds per prompt token not found in the prefix cache, before the first output token."""
+    kv_capacity_tokens: int = 0
+    """KV memory in tokens (prompt + output of every running request); 0: unlimited. With a
+    capacity, requests are scheduled in steps as vLLM's scheduler does: admitted while their
+    tokens fit, the newest running one preempted (its tokens recomputed later, at
+    ``prefill_per_token``, stalling the whole batch) when the running ones outgrow it."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy <= 1.0:
@@ -78,6 +83,8 @@ class SimConfig:
             raise ValueError(f"weight_version must be >= 0, got {self.weight_version}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
+        if self.kv_capacity_tokens < 0:
+            raise ValueError(f"kv_capacity_tokens must be >= 0, got {self.kv_capacity_tokens}")
         if not math.isfinite(self.prefill_per_token) or self.prefill_per_token < 0:
             raise ValueError(f"prefill_per_token must be a finite number >= 0, got {self.prefill_per_token}")
 

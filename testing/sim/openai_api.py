@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import MAX_MODEL_LEN, MODEL_NAME, detokenize, tokenize
+from rollstream.testing.sim.shared import (
     _BadRequest,
     _check_poison,
+    _error,
     _faultable,
     _generate_all,
     _int_param,
     _json_body,
     _token_ids,
 )
-from rollstream.testing.sim.model import MAX_MODEL_LEN, MODEL_NAME, detokenize, tokenize
 from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
 
 VLLM_MAX_TOKENS = 16
@@ -125,7 +126,8 @@ async def _answer(
     _check_poison(text)
 
     reply_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{reply_id}-{i}" for i in range(n)], max_tokens)
+    outcomes = await _generate_all(state, text, [f"{reply_id}-{i}" for i in range(n)], max_tokens,
+                                   len(tokenize(text)))
     choices: list[dict[str, Any]] = []
     for i, outcome in enumerate(outcomes):
         choice: dict[str, Any] = {
@@ -212,7 +214,26 @@ async def _chat_completions(request: web.Request) -> web.Response:
     return await _answer(request.app[STATE_KEY], body, _CHAT_COMPLETIONS, text, tokenize(text))
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    """vLLM's ``/metrics`` (Prometheus text): its load gauges and preemption counter."""
+    state = request.app[STATE_KEY]
+    if not state.load_endpoints:
+        return _error(404, "Not Found")
+    stats = state.stats()
+    label = f'{{engine="0",model_name="{MODEL_NAME}"}}'
+    lines = [
+        "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{label} {stats['running']}.0",
+        "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{label} {stats['waiting']}.0",
+        "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{label} {state.preemptions}.0",
+    ]
+    usage = state.kv_usage()
+    if usage is not None:  # a simulator without a KV capacity has none to report
+        lines += ["# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{label} {usage}"]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _faultable(_completions))
     app.router.add_post("/v1/chat/completions", _faultable(_chat_completions))

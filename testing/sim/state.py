@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,29 @@ class _Job:
 
     rid: str
     abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+KV_STEP_TOKENS = 4
+"""Tokens every running request gains per scheduler step with a KV capacity (a step lasts
+``latency_per_token`` x this, so a request's speed is the same as without a capacity)."""
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A request in the KV scheduler: its tokens, and the future its handler waits on."""
+
+    job: _Job
+    prompt: int
+    target: int
+    prefill: int
+    """Tokens to compute when it is next admitted (its uncached prompt; all it holds after a preemption)."""
+    done: asyncio.Future[None]
+    produced: int = 0
+    started: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.produced
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,14 @@ class SimState:
     unwedged: asyncio.Event = field(default_factory=asyncio.Event)
     """Cleared while wedged: every request but ``/sim/*`` waits, and so does every reply."""
     restarts: int = 0
+    kv_running: list[_Seq] = field(default_factory=list)
+    kv_waiting: deque[_Seq] = field(default_factory=deque)
+    kv_used: int = 0
+    """Tokens held by the running requests (of ``config.kv_capacity_tokens``)."""
+    preemptions: int = 0
+    load_endpoints: bool = True
+    """Whether ``/get_load``, ``/v1/loads`` and ``/metrics`` answer (else 404, as an engine without them)."""
+    _kv_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimState:
@@ -115,6 +146,8 @@ class SimState:
         return count
 
     def stats(self) -> dict[str, Any]:
+        if self.config.kv_capacity_tokens:
+            self.running, self.waiting = len(self.kv_running), len(self.kv_waiting)
         return {
             "running": self.running,
             "waiting": self.waiting,
@@ -131,7 +164,14 @@ class SimState:
             "cached_tokens": self.cached_tokens,
             "wedged": not self.unwedged.is_set(),
             "restarts": self.restarts,
+            "kv_used": self.kv_used,
+            "preemptions": self.preemptions,
         }
+
+    def kv_usage(self) -> float | None:
+        """The fraction of the KV capacity in use (None without a capacity: not reported)."""
+        capacity = self.config.kv_capacity_tokens
+        return min(1.0, self.kv_used / capacity) if capacity else None
 
     def cached_prefix(self, ids: list[int]) -> int:
         """Tokens of ``ids`` found in the prefix cache (whole blocks from the start), counted."""
@@ -198,12 +238,27 @@ class SimState:
                 closer.cancel()
         return not self.closing.is_set()
 
-    async def generate(self, rid: str, plan: _Plan, max_new_tokens: int) -> _Outcome:
-        """Run one generation: queue for a slot, then let tokens accrue until done or aborted."""
+    async def generate(self, rid: str, plan: _Plan, max_new_tokens: int, prompt_tokens: int = 0,
+                       prefill_tokens: int | None = None) -> _Outcome:
+        """Run one generation: queue for a slot, then let tokens accrue until done or aborted.
+        ``prompt_tokens`` (and the uncached ``prefill_tokens`` of them) count with a KV capacity."""
         n_out = min(len(plan.response_ids), max_new_tokens)
         finish = "stop" if n_out == len(plan.response_ids) else "length"
         job = _Job(rid)
         self.jobs.add(job)
+        if self.config.kv_capacity_tokens:
+            try:
+                seq = await self._schedule(job, prompt_tokens, n_out,
+                                           prompt_tokens if prefill_tokens is None else prefill_tokens)
+            finally:
+                self.jobs.discard(job)
+            self.generated_tokens += seq.produced
+            if seq.produced < n_out:
+                self.aborted += 1
+                message = "Abort in the middle of generation" if seq.started else "Abort in waiting queue"
+                return _Outcome(plan.response_ids[:seq.produced], plan.logprobs[:seq.produced], "abort", message,
+                                started=seq.started)
+            return _Outcome(plan.response_ids[:n_out], plan.logprobs[:n_out], finish, started=seq.started)
         try:
             if not await self._acquire_slot(job):
                 self.aborted += 1
@@ -299,6 +354,75 @@ class SimState:
         if config.latency_per_token <= 0:
             return n_out
         return min(n_out, int(elapsed / config.latency_per_token))
+
+
+    # -- the KV scheduler (with config.kv_capacity_tokens) ---------------------------------
+
+    async def _schedule(self, job: _Job, prompt: int, target: int, prefill: int) -> _Seq:
+        """Queue ``job`` in the KV scheduler; its seq once finished, aborted or dropped."""
+        seq = _Seq(job, prompt, target, prefill, asyncio.get_running_loop().create_future())
+        self.kv_waiting.append(seq)
+        if self._kv_task is None or self._kv_task.done():
+            self._kv_task = asyncio.create_task(self._kv_loop(), name="sim-kv-scheduler")
+        try:
+            await seq.done
+        finally:
+            self._kv_drop(seq)  # cancelled (client gone): frees its tokens
+        return seq
+
+    def _kv_drop(self, seq: _Seq) -> None:
+        if seq in self.kv_running:
+            self.kv_running.remove(seq)
+            self.kv_used -= seq.tokens
+        elif seq in self.kv_waiting:
+            self.kv_waiting.remove(seq)
+        if not seq.done.done():
+            seq.done.set_result(None)
+
+    async def _kv_loop(self) -> None:
+        """vLLM's scheduling in steps: running requests first, the newest preempted when their next
+        tokens do not fit (its tokens recomputed when readmitted); waiting ones admitted in order
+        while they fit and nothing was preempted this step. A step lasts ``latency_per_token`` x
+        :data:`KV_STEP_TOKENS` plus ``prefill_per_token`` per token computed on admission."""
+        config = self.config
+        capacity = config.kv_capacity_tokens
+        running, waiting = self.kv_running, self.kv_waiting
+        while running or waiting:
+            for seq in [*running, *waiting]:
+                if seq.job.abort.is_set():
+                    self._kv_drop(seq)
+            preempted = False
+            grow = sum(min(KV_STEP_TOKENS, s.target - s.produced) for s in running)
+            while len(running) > 1 and self.kv_used + grow > capacity:
+                victim = running.pop()
+                self.kv_used -= victim.tokens
+                grow -= min(KV_STEP_TOKENS, victim.target - victim.produced)
+                victim.prefill = victim.tokens
+                waiting.appendleft(victim)
+                self.preemptions += 1
+                preempted = True
+            prefill = 0
+            while not preempted and waiting and len(running) < config.max_running:
+                seq = waiting[0]
+                step = min(KV_STEP_TOKENS, seq.target - seq.produced)
+                if running and self.kv_used + grow + seq.tokens + step > capacity:
+                    break
+                waiting.popleft()
+                running.append(seq)
+                self.kv_used += seq.tokens
+                grow += step
+                prefill += seq.prefill
+                seq.started = seq.started or time.monotonic()
+            self.max_running_seen = max(self.max_running_seen, len(running))
+            if not running:  # every request was aborted
+                break
+            await asyncio.sleep(config.latency_per_token * KV_STEP_TOKENS + config.prefill_per_token * prefill)
+            for seq in list(running):
+                step = min(KV_STEP_TOKENS, seq.target - seq.produced)
+                seq.produced += step
+                self.kv_used += step
+                if seq.produced >= seq.target:
+                    self._kv_drop(seq)
 
 
 STATE_KEY = web.AppKey("rollstream_sim_state", SimState)

@@ -10,7 +10,9 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
+from rollstream.testing.sim.openai_api import VLLM_MAX_TOKENS, _chat_logprobs, _token_text, _vllm_lengths
+from rollstream.testing.sim.shared import (
     _BadRequest,
     _check_poison,
     _error,
@@ -20,8 +22,6 @@ from rollstream.testing.sim.base import (
     _sampling_params,
     _token_ids,
 )
-from rollstream.testing.sim.model import POISON_MARKER, _routed_experts_npy_b64, detokenize
-from rollstream.testing.sim.openai_api import VLLM_MAX_TOKENS, _chat_logprobs, _token_text, _vllm_lengths
 from rollstream.testing.sim.state import STATE_KEY
 
 
@@ -36,7 +36,7 @@ async def _vllm_generate(request: web.Request) -> web.Response:
     text = detokenize(prompt_ids)
     _check_poison(text)
     rid = f"generate-tokens-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens)
+    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens, len(prompt_ids))
     choices = []
     for i, outcome in enumerate(outcomes):
         choice: dict[str, Any] = {
@@ -103,7 +103,12 @@ async def _vllm_update_weight_version(request: web.Request) -> web.Response:
 
 
 async def _vllm_weight_info(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": str(request.app[STATE_KEY].weight_version)})
+    state = request.app[STATE_KEY]
+    if state.model_info_mode == "absent":  # vLLM without VLLM_SERVER_DEV_MODE
+        return _error(404, "Not Found")
+    if state.model_info_mode == "missing":
+        return web.json_response({})
+    return web.json_response({"weight_version": str(state.weight_version)})
 
 
 async def _vllm_abort_requests(request: web.Request) -> web.Response:

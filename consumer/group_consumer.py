@@ -43,7 +43,6 @@ from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, Tr
 from .batch import Batch, Tally, batch_id, batch_metrics
 from .connecting import Connecting
 from .filters import KeepFilter
-from .health import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 from .lease import NameHold
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
 from .verdict import (
@@ -56,6 +55,7 @@ from .verdict import (
     Verdict,
     judge,
 )
+from .waiting import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -206,6 +206,12 @@ class GroupConsumer:
     async def set_weight_version(self, version: int) -> None:
         """Record the trainer's new weight version (after pushing weights to the engines)."""
         await self._outage.run(lambda: self.control.set_weight_version(version))
+
+    async def record_weights(self, path: str, version: int) -> None:
+        """Record where the weights of ``version`` are (a path the engines can load): producers
+        with ``--catch-up-engines`` load them into an engine found behind (restarted on its base
+        checkpoint). ``WeightSync.update`` records its path itself."""
+        await self._outage.run(lambda: self.control.record_weights(path, version))
 
     async def pause(self) -> None:
         """Stop every producer from admitting new prompts (effective at once: ADMIT checks it)."""

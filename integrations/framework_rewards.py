@@ -33,7 +33,7 @@ from rollstream.common.models import Group, PromptContent, Sample
 from rollstream.producer.rewards import RewardFunction, register_scheme
 
 from .convert import MILES, SLIME, Framework, to_framework
-from .settings import args_from_env
+from .environment import args_from_env
 
 REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
 ARG_DEFAULTS: dict[str, Any] = {"custom_rm_path": None, "rm_type": None, "rm_url": None, "reward_key": None}

@@ -29,11 +29,13 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_callable
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import Group
+from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 from rollstream.consumer import GroupConsumer
+from rollstream.consumer.options import NAME_LEASE_SECONDS
 
 from .convert import Framework
+from .environment import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 from .journal import Journal, JournalRecord, journal_key
-from .settings import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,10 @@ class RolloutSession:
         self.loaded_from: int | None = None
         """The checkpoint rollout id given to :meth:`load` (None: not called, or a fresh start)."""
         self._thread: LoopThread | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        """The loop-lag watchdog of the session's loop: the consumer's name lease is renewed on
+        it, so a stall there (a heavy conversion, a blocking keep filter) is named in the log; the
+        threshold is a fifth of that lease (2 s)."""
         self._stack: AsyncExitStack | None = None
         self._consumer: Any = None
         self._journal: Journal | None = None
@@ -102,6 +108,7 @@ class RolloutSession:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._thread is None:
             self._thread = LoopThread(f"rollstream-{self.framework.name}")
+            self._thread.run(self._watch())
         return self._thread.run(coro)
 
     def train_batch(
@@ -138,10 +145,23 @@ class RolloutSession:
             self._stack = None
             self._consumer = None
             self._journal = None
+        self._thread.run(self._unwatch())
         self._thread.close()
         self._thread = None
 
     # -- internals (on the session's loop) ------------------------------------------------
+
+    async def _watch(self) -> None:
+        watchdog = LoopWatchdog(
+            f"rollstream {self.framework.name} integration", default_stall_after(NAME_LEASE_SECONDS), logger
+        )
+        self._watchdog = asyncio.create_task(watchdog.run(), name="watchdog")
+
+    async def _unwatch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.wait([self._watchdog], timeout=5)
+            self._watchdog = None
 
     async def _ensure(self) -> tuple[Any, Journal]:
         if self._consumer is None or self._journal is None:

@@ -15,7 +15,7 @@ from aiohttp import web
 from rollstream.testing.sim.model import POISON_MARKER, _plan_response
 from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
 
-MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang")
+MODEL_INFO_MODES = ("ok", "garbage", "error", "missing", "non_integer", "hang", "vllm", "absent")
 FAULT_STATUSES = (429, 500, 503)
 BAD_REPLY_MODES = ("not_json", "schema", "too_large", "hang")
 HANG_SECONDS = 30.0
@@ -99,13 +99,16 @@ async def errors_middleware(
         return _error(503, "the engine is shutting down")
 
 
-async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int) -> list[_Outcome]:
+async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int,
+                        prompt_tokens: int = 0, prefill_tokens: int | None = None) -> list[_Outcome]:
     """Plan one response per request id, wait out a pause, generate them concurrently; raises
-    :class:`_ShuttingDown` when the engine shuts down while paused."""
+    :class:`_ShuttingDown` when the engine shuts down while paused. The prompt's tokens (and the
+    uncached ones) count with a KV capacity."""
     plans = [_plan_response(state.config, text, random.Random(state.rng.getrandbits(64))) for _ in rids]
     if not await state.wait_resumed():
         raise _ShuttingDown
-    runs = (state.generate(rid, plan, max_tokens) for rid, plan in zip(rids, plans, strict=True))
+    runs = (state.generate(rid, plan, max_tokens, prompt_tokens, prefill_tokens)
+            for rid, plan in zip(rids, plans, strict=True))
     return list(await asyncio.gather(*runs))
 
 
@@ -163,6 +166,10 @@ async def _set_faults(request: web.Request) -> web.Response:
         if not isinstance(body["report_weight_version"], bool):
             raise _BadRequest("report_weight_version must be a boolean")
         state.report_weight_version = body["report_weight_version"]
+    if "load_endpoints" in body:
+        if not isinstance(body["load_endpoints"], bool):
+            raise _BadRequest("load_endpoints must be a boolean")
+        state.load_endpoints = body["load_endpoints"]
     if "wedge" in body:
         if not isinstance(body["wedge"], bool):
             raise _BadRequest("wedge must be a boolean")
@@ -188,6 +195,7 @@ async def _set_faults(request: web.Request) -> web.Response:
             "bad_replies": state.bad_replies,
             "bad_reply": state.bad_reply_mode,
             "wedge": not state.unwedged.is_set(),
+            "load_endpoints": state.load_endpoints,
         }
     )
 

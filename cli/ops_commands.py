@@ -32,7 +32,7 @@ from rollstream.ops import (
 )
 
 from .inspect import render
-from .options import add_redis_url
+from .shared_options import add_redis_url
 
 if TYPE_CHECKING:
     pass

@@ -13,7 +13,15 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from rollstream.testing.sim.base import (
+from rollstream.testing.sim.model import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    _routed_experts_b64,
+    _teacher_reply,
+    detokenize,
+    tokenize,
+)
+from rollstream.testing.sim.shared import (
     HANG_SECONDS,
     _BadRequest,
     _check_poison,
@@ -24,14 +32,6 @@ from rollstream.testing.sim.base import (
     _json_body,
     _sampling_params,
     _token_ids,
-)
-from rollstream.testing.sim.model import (
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    _routed_experts_b64,
-    _teacher_reply,
-    detokenize,
-    tokenize,
 )
 from rollstream.testing.sim.state import STATE_KEY
 
@@ -65,10 +65,10 @@ async def _generate(request: web.Request) -> web.Response:
 
     start = time.monotonic()
     cached = state.cached_prefix(input_ids)
-    if state.config.prefill_per_token:
+    if state.config.prefill_per_token and not state.config.kv_capacity_tokens:  # else the scheduler's
         await asyncio.sleep(state.config.prefill_per_token * (len(input_ids) - cached))
     state.cache(input_ids)  # a radix cache holds the prompt once it is prefilled
-    (outcome,) = await _generate_all(state, text, [rid], max_new_tokens)
+    (outcome,) = await _generate_all(state, text, [rid], max_new_tokens, len(input_ids), len(input_ids) - cached)
     if outcome.finish != "abort":
         state.cache([*input_ids, *outcome.output_ids])
 
@@ -156,6 +156,8 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
 async def _model_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     mode = state.model_info_mode
+    if mode in ("vllm", "absent"):  # vLLM's server has no /model_info
+        return _error(404, "Not Found")
     if mode == "hang":
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.closing.wait(), timeout=HANG_SECONDS)
@@ -194,6 +196,33 @@ async def _server_info(request: web.Request) -> web.Response:
     )
 
 
+async def _get_load(request: web.Request) -> web.Response:
+    """SGLang's ``/get_load``: one object per DP rank (requests, waiting ones, tokens in use)."""
+    state = request.app[STATE_KEY]
+    if not state.load_endpoints:
+        return _error(404, "Not Found")
+    stats = state.stats()
+    return web.json_response([{"dp_rank": 0, "num_reqs": stats["running"] + stats["waiting"],
+                               "num_waiting_reqs": stats["waiting"], "num_tokens": state.kv_used}])
+
+
+async def _loads(request: web.Request) -> web.Response:
+    """SGLang's ``/v1/loads``: per DP rank, running and waiting requests and the token usage."""
+    state = request.app[STATE_KEY]
+    if not state.load_endpoints:
+        return _error(404, "Not Found")
+    stats = state.stats()
+    load = {
+        "dp_rank": 0, "num_running_reqs": stats["running"], "num_waiting_reqs": stats["waiting"],
+        "num_total_reqs": stats["running"] + stats["waiting"], "num_used_tokens": state.kv_used,
+        "max_total_num_tokens": state.config.kv_capacity_tokens,
+    }
+    usage = state.kv_usage()
+    if usage is not None:
+        load["token_usage"] = usage
+    return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [load]})
+
+
 async def _tokenize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     text = body.get("prompt", body.get("text"))
@@ -224,4 +253,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/server_info", _server_info)  # what the SGLang gateway asks first
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/get_load", _get_load)
+    app.router.add_get("/v1/loads", _loads)
     app.router.add_post("/detokenize", _detokenize)

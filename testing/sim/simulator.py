@@ -72,8 +72,8 @@ vLLM (OpenAI-compatible) endpoint
     ``POST /v1/completions`` with ``prompt`` (a string or a list of token ids), ``n``,
     ``max_tokens``, ``logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``.
     ``POST /v1/chat/completions`` with ``messages`` (rendered by :func:`render_chat`) and the
-    same options (``logprobs: true``). No weight version is reported there (vLLM does not
-    report one).
+    same options (``logprobs: true``). No weight version is reported in these replies (vLLM does
+    not report one); ``GET /weight_info`` says it (above).
 
 Fault injection (for tests of retries and fallbacks)
     ``POST /sim/faults`` with a JSON object holding any of:
@@ -84,7 +84,10 @@ Fault injection (for tests of retries and fallbacks)
     * ``"model_info"``: ``"ok"`` (normal), ``"garbage"`` (a non-JSON body), ``"error"``
       (HTTP 500), ``"missing"`` (JSON without ``weight_version``), ``"non_integer"``
       (``weight_version`` is ``"abc"``) or ``"hang"`` (sleeps 30 s before answering) for
-      ``/model_info`` and ``/get_model_info``.
+      ``/model_info`` and ``/get_model_info``; ``"vllm"``: those two answer 404 and
+      ``/weight_info`` the version (vLLM's server in dev mode); ``"absent"``: all three answer 404
+      (vLLM's OpenAI server as started by default). ``"missing"`` also drops the version from
+      ``/weight_info``.
     * ``"report_weight_version": bool``: whether ``/generate`` replies carry
       ``meta_info.weight_version``.
     * ``"bad_replies": K`` and ``"bad_reply": MODE``: the next ``K`` generation requests (``-1``:
@@ -110,6 +113,17 @@ Prefix cache
     output's when a request ends not aborted. ``/sim/stats`` counts
     ``prompt_tokens`` and ``cached_tokens`` (the hit rate).
 
+KV capacity and load
+    With :attr:`SimConfig.kv_capacity_tokens`, generations are scheduled in steps of
+    ``KV_STEP_TOKENS`` tokens as vLLM schedules them: running requests first, the newest preempted
+    when their next tokens do not fit (its tokens recomputed at ``prefill_per_token`` when it is
+    readmitted, the whole batch waiting), waiting ones admitted in order while they fit and nothing
+    was preempted in the step. ``GET /metrics`` (vLLM's names: ``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``),
+    ``GET /v1/loads`` and ``GET /get_load`` (SGLang's two forms) report the load; without a
+    capacity no KV usage is reported. ``"load_endpoints": false`` in ``/sim/faults`` makes them
+    answer 404.
+
     ``GET /sim/stats`` answers ``{"running", "waiting", "max_running_seen", "requests",
     "aborted", "weight_version", "paused", ...}``: ``running`` counts the requests holding a
     generation slot, ``max_running_seen`` its peak, ``requests`` every generation request
@@ -125,7 +139,7 @@ import socket
 from types import TracebackType
 
 from aiohttp import web
-from rollstream.testing.sim import base, openai_api, sglang, vllm_api
+from rollstream.testing.sim import openai_api, sglang_api, shared, vllm_api
 from rollstream.testing.sim.model import (
     MAX_MODEL_LEN,
     MODEL_NAME,
@@ -152,12 +166,12 @@ logger = logging.getLogger(__name__)
 
 def create_app(config: SimConfig) -> web.Application:
     """The aiohttp application of a simulated engine (its state is ``app[STATE_KEY]``)."""
-    app = web.Application(middlewares=[base.errors_middleware])
+    app = web.Application(middlewares=[shared.errors_middleware])
     app[STATE_KEY] = SimState.from_config(config)
-    sglang.add_routes(app)
+    sglang_api.add_routes(app)
     openai_api.add_routes(app)
     vllm_api.add_routes(app)
-    base.add_routes(app)
+    shared.add_routes(app)
     return app
 
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from ..errors import ConfigError
 from ..keys import Keys
-from ..parse import text
+from ..redis_values import text
 from .guard import Translated
 
 STATES = ("active", "draining")
