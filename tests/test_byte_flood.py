@@ -33,7 +33,7 @@ async def test_a_flood_of_large_groups_stays_under_the_byte_budget(
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=BATCH, max_backlog=1000,
                          max_backlog_bytes=budget)
     keys = Keys(ns)
-    base = int((await redis.info("memory"))["used_memory_dataset"])
+    base = await _dataset(redis)
     await add_prompts(redis, ns, PROMPTS)
     for i in range(2):
         procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", "48x8x128", "--max-new-tokens", "600",
@@ -44,7 +44,7 @@ async def test_a_flood_of_large_groups_stays_under_the_byte_budget(
     async def watch() -> None:
         while not stop.is_set():
             held = int(await redis.hget(keys.state, StateField.GROUP_BYTES) or 0)
-            dataset = int((await redis.info("memory"))["used_memory_dataset"]) - base
+            dataset = await _dataset(redis) - base
             peak["held"] = max(peak["held"], held)
             peak["dataset"] = max(peak["dataset"], dataset)
             await asyncio.sleep(0.01)
@@ -71,8 +71,17 @@ async def test_a_flood_of_large_groups_stays_under_the_byte_budget(
     mean = int(state[StateField.PUBLISHED_BYTES.encode()]) // int(state[b"published"])
     assert mean > 700 * 1024 // 2  # the groups were large (R3): ~190 KiB a sample
     assert peak["held"] <= budget, peak
-    assert peak["dataset"] <= budget * 1.1 + 512 * 1024, peak  # Redis' own memory: the budget plus overhead
+    # Redis' own memory: the budget, jemalloc's rounding of each large entry up to its size class
+    # (at most 25 % above the request for allocations this size) and the rest of the namespace
+    assert peak["dataset"] <= budget * 1.25 + 1024 * 1024, peak
     assert int(state[StateField.GROUP_BYTES.encode()]) == 0
+
+
+async def _dataset(redis: Redis) -> int:
+    """Redis' dataset memory, ``used_memory - used_memory_overhead`` as signed numbers (Redis'
+    own ``used_memory_dataset`` is unsigned and wraps when the overhead is momentarily larger)."""
+    info = await redis.info("memory")
+    return max(0, int(info["used_memory"]) - int(info["used_memory_overhead"]))
 
 
 async def _refused(redis: Redis, keys: Keys) -> bool:
