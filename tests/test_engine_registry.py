@@ -53,6 +53,16 @@ async def test_the_cli_adds_drains_lists_and_removes(redis: Redis, redis_url: st
     assert (await EngineRegistry(redis, Keys(ns)).entries())["http://bad"].damage == "not JSON"
 
 
+async def _take_pairs(consumer: GroupConsumer, taken: list[int], count: int) -> None:
+    """Take and commit ``count`` groups two at a time, their indexes appended to ``taken``."""
+    async with asyncio.timeout(120):
+        while count > 0:
+            batch = await consumer.take(2)
+            taken.extend(g.index for g in batch.groups)
+            await consumer.commit(batch)
+            count -= 2
+
+
 async def _requests(engine: SimEngine) -> int:
     async with httpx.AsyncClient() as http:
         stats = (await http.get(f"{engine.url}/sim/stats")).json()
@@ -73,12 +83,7 @@ async def test_engines_join_and_drain_under_a_running_producer_and_every_prompt_
         taken: list[int] = []
         async with GroupConsumer.connect(redis_url, ns, "trainer-r") as consumer:
             async def take(count: int) -> None:
-                async with asyncio.timeout(120):
-                    while count > 0:
-                        batch = await consumer.take(2)
-                        taken.extend(g.index for g in batch.groups)
-                        await consumer.commit(batch)
-                        count -= 2
+                await _take_pairs(consumer, taken, count)
 
             await take(4)
             await registry.add([joining.url])
@@ -125,12 +130,7 @@ async def test_a_producer_on_the_registry_alone_follows_engines_replacing_each_o
         taken: list[int] = []
         async with GroupConsumer.connect(redis_url, ns, "trainer-alone") as consumer:
             async def take(count: int) -> None:
-                async with asyncio.timeout(120):
-                    while count > 0:
-                        batch = await consumer.take(2)
-                        taken.extend(g.index for g in batch.groups)
-                        await consumer.commit(batch)
-                        count -= 2
+                await _take_pairs(consumer, taken, count)
 
             await add_prompts(redis, ns, 12)
             await take(12)
