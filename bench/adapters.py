@@ -28,7 +28,8 @@ from rollstream.common.models import Prompt
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.episode import Episode
 from rollstream.producer.rewards import load_reward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 from rollstream.producer.tokenizer import PromptTokenizer
 
 from bench.common import ROOT, Table, children, machine, spawn
@@ -136,7 +137,7 @@ async def measure(variant: str, url: str, episodes: int, concurrency: int, token
                                      concurrency=concurrency * N, server=server)
     settings = EngineSettings(urls=(url,), max_new_tokens=tokens, max_connections=concurrency * N)
     async with EngineClient(settings, tokenizer=PromptTokenizer(tokenizer=ByteChatTokenizer())) as engine:
-        rollout = Rollout(engine, load_reward("math"), RolloutSettings(n_samples=N, generate=fn))
+        rollout = Rollout(engine, load_reward("math"), N, EpisodeSettings(generate=fn))
         groups = episodes // N
         gate = asyncio.Semaphore(max(1, concurrency // N))
 

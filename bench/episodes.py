@@ -44,7 +44,8 @@ from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineSettings
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 from rollstream.testing.server import EmbeddedRedis
 
 from bench import episode_fns
@@ -145,7 +146,7 @@ async def session_only(generate: Any, turns: int, prompts: int) -> float:
     """µs of CPU per engine call in-process on ``NoEngine`` (a prebuilt reply, no HTTP, no JSON):
     what the rollout and the session cost per turn without the engine client and Redis."""
     engine = NoEngine(TOKENS, EngineSettings(urls=("http://none",), max_new_tokens=TOKENS))
-    rollout = Rollout(engine, ConstReward(), RolloutSettings(n_samples=N, generate=generate))
+    rollout = Rollout(engine, ConstReward(), N, EpisodeSettings(generate=generate))
     episode_fns.TURNS, episode_fns.TOOL_SLEEP = turns, 0.0
     started = time.process_time()
     for start in range(0, prompts, 64):

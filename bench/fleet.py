@@ -31,7 +31,8 @@ import httpx
 from rollstream.common.models import Prompt
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 from rollstream.testing.sim import SimConfig, SimEngine
 
 from bench import episode_fns
@@ -52,7 +53,7 @@ def _without_affinity(client: EngineClient) -> None:
 
 async def _roll(client: EngineClient, prompts: Sequence[Prompt], *, n: int, concurrency: int,
                 generate: Any = None) -> tuple[float, list[Any]]:
-    rollout = Rollout(client, _reward(), RolloutSettings(n_samples=n, generate=generate))
+    rollout = Rollout(client, _reward(), n, EpisodeSettings(generate=generate))
     gate = asyncio.Semaphore(max(1, concurrency // n))
 
     async def one(prompt: Prompt) -> Any:
@@ -146,7 +147,7 @@ async def _cache(quick: bool) -> list[list[Any]]:
 async def _steady(client: EngineClient, sim: SimEngine, concurrency: int, warm: float, window: float) -> float:
     """Tokens/s the engine generates over ``window`` s after ``warm`` s, under a backlog that
     never empties (``concurrency`` samples in flight, groups of 4)."""
-    rollout = Rollout(client, _reward(), RolloutSettings(n_samples=4))
+    rollout = Rollout(client, _reward(), 4)
     indexes = itertools.count()
 
     async def worker() -> None:

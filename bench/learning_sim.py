@@ -33,7 +33,8 @@ from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
 from rollstream.engines import WeightSync
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.settings import EpisodeSettings, ProducerSettings
+from rollstream.producer.worker import Producer
 from rollstream.testing.learning import Bound
 from rollstream.testing.server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -69,8 +70,8 @@ async def _one_mode(redis_url: str, engine: SimEngine, mode: str, max_staleness:
         for i in range(PRODUCERS):
             client = EngineClient(EngineSettings(urls=(engine.url,), max_new_tokens=CAP))
             clients.append(client)
-            settings = ProducerSettings(namespace=ns, concurrency=N, name=f"p{i}", tokenize_prompts=False,
-                                        drain_timeout=5.0, heartbeat_interval=5.0)
+            settings = ProducerSettings(namespace=ns, concurrency=N, name=f"p{i}", drain_timeout=5.0,
+                                        heartbeat_interval=5.0, episodes=EpisodeSettings(tokenize_prompts=False))
             producers.append(await Producer.connect(redis_url, settings, client, ConstReward()))
         async with asyncio.TaskGroup() as tasks:
             running = [tasks.create_task(p.run()) for p in producers]

@@ -28,7 +28,8 @@ from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.session import EpisodeLimits
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.settings import EpisodeSettings, ProducerSettings
+from rollstream.producer.worker import Producer
 
 from bench.common import ConstReward, NoEngine, instant_transport, make_group
 from bench.http_client import AiohttpTransport
@@ -89,9 +90,12 @@ async def produce(args: argparse.Namespace) -> None:
         )
     reward = load_reward(args.reward) if args.reward != "const" else ConstReward()
     settings = ProducerSettings(
-        namespace=args.ns, concurrency=args.concurrency, name=args.name, tokenize_prompts=False, drain_timeout=5.0,
-        generate=load_generate(args.generate) if args.generate else None,
-        limits=EpisodeLimits(engine_concurrency=args.engine_concurrency),
+        namespace=args.ns, concurrency=args.concurrency, name=args.name, drain_timeout=5.0,
+        episodes=EpisodeSettings(
+            generate=load_generate(args.generate) if args.generate else None,
+            limits=EpisodeLimits(engine_concurrency=args.engine_concurrency),
+            tokenize_prompts=False,
+        ),
     )
     if args.variant:
         VARIANTS[args.variant]()

@@ -1,9 +1,5 @@
-"""Core commands: server, init, feed, produce, sim-engine, pause, resume, trainer release.
-
-Why over 500 lines: one parser block and one ``cmd_*`` function per command, each short; the
-longest, ``produce``, is mostly the mapping of its flags onto the settings classes (the reward
-and the generate function come from their one loader each: :func:`rollstream.producer.rewards.load_reward`,
-``rollstream.producer.plugin.load_generate``)."""
+"""Core commands: server, init, feed, sim-engine, engines, pause, resume, trainer release
+(``produce`` is :mod:`.produce`): one parser block and one short ``cmd_*`` function each."""
 
 from __future__ import annotations
 
@@ -13,11 +9,9 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from rollstream import ops
@@ -27,12 +21,9 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 from rollstream.common.protocol import EngineRegistry, check_engine_url
-from rollstream.producer.engine.settings import ENGINE_APIS
+from rollstream.producer.engine.settings import parse_moe_shape
 
 logger = logging.getLogger("rollstream.cli")
-
-REWARD_ARGS = "ROLLSTREAM_REWARD_ARGS"
-
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("server", parents=base, help="run a private redis-server in the foreground")
@@ -89,90 +80,6 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--window", type=int, default=256, help="at most this many prompts queued")
     p.set_defaults(func=cmd_feed)
 
-    p = sub.add_parser("produce", parents=with_redis, help="run a rollout producer")
-    p.add_argument("--engine", action="append", default=[], metavar="URL",
-                   help="engine URL (repeatable; or --engines-from-registry)")
-    p.add_argument("--engine-api", default="sglang", choices=ENGINE_APIS,
-                   help="vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
-    p.add_argument("--request-seed", action="store_true",
-                   help="send a random per-request seed (vllm API; kills vLLM's CPU engine on reschedule)")
-    p.add_argument("--model", default=None, help="model name (OpenAI-compatible engines)")
-    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
-                   help="tokenize prompts and render chat templates locally (Hugging Face name/path, "
-                        "needs the transformers extra; or module:attribute)")
-    stored = " (default: the run's stored rollout flags, see docs/integrations.md)"
-    p.add_argument("--concurrency", type=int, default=None, help="samples in flight at most" + stored)
-    p.add_argument(
-        "--reward", default=None, metavar="SPEC",
-        help="math | remote:URL | module:function | slime:module.fn | slime-group:module.fn (also miles:)" + stored,
-    )
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 1024" + stored)
-    p.add_argument("--temperature", type=float, default=None, help="default 1.0" + stored)
-    p.add_argument("--top-p", type=float, default=None, help="default 1.0" + stored)
-    p.add_argument("--n-samples", type=int, default=None, help="must match the namespace config")
-    p.add_argument("--name", default=None, help="producer id (default host-pid)")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--heartbeat-interval", type=float, default=2.0)
-    p.add_argument("--engines-from-registry", action="store_true",
-                   help="use the namespace's engine registry (`rollstream engines add|drain|remove`), re-read "
-                        "every heartbeat, alone or beside the --engine URLs")
-    p.add_argument("--max-retries", type=int, default=5, help="engine retries per request")
-    p.add_argument("--health-interval", type=float, default=2.0,
-                   help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
-    p.add_argument("--health-timeout", type=float, default=5.0,
-                   help="an engine whose /health gives no answer this long while its requests wait is wedged")
-    p.add_argument("--eject-after", type=int, default=3,
-                   help="failed requests in a row (5xx, unusable replies) that take an engine out of routing")
-    p.add_argument("--route-balance", type=float, default=0.25,
-                   help="cache-aware routing keeps each engine within (1 + this) x the mean load")
-    p.add_argument("--no-engine-timeout", type=float, default=120.0,
-                   help="seconds a request waits while no engine is usable before the producer fails")
-    p.add_argument("--catch-up-engines", action="store_true",
-                   help="load the trainer's recorded weights (WeightSync.update, GroupConsumer.record_weights) into "
-                        "an engine found behind, then let it rejoin (docs/engines.md)")
-    p.add_argument("--adaptive-concurrency", action=argparse.BooleanOptionalAction, default=True,
-                   help="limit each engine's samples in flight by its own load (KV usage, preemptions), between "
-                        "--concurrency-floor and --concurrency (docs/engines.md)")
-    p.add_argument("--concurrency-floor", type=int, default=4,
-                   help="the least samples in flight an engine's adaptive limit allows")
-    p.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="seconds one engine request may take in total, reply body included")
-    p.add_argument("--max-reply-mib", type=float, default=None,
-                   help="largest engine reply accepted, in MiB (checked while reading); default: derived per "
-                        "request from --max-new-tokens, n and log-probs (docs/engines.md)")
-    p.add_argument("--reward-timeout", type=float, default=300.0,
-                   help="seconds the reward may take on one group; past it the group fails (recycled)")
-    p.add_argument("--reward-failure-limit", type=int, default=8,
-                   help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
-    p.add_argument("--engine-failure-limit", type=int, default=8,
-                   help="an engine (or all engines) refusing or answering unusable replies on this many "
-                        "distinct prompts in a row is fatal (a broken engine)")
-    p.add_argument("--long-request-after", type=float, default=600.0,
-                   help="seconds after which an engine request in flight is reported as long (inspect warns)")
-    p.add_argument("--loop-stall-after", type=float, default=None, metavar="SECONDS",
-                   help="event-loop lag that counts as a stall, logged with the code that blocked the loop "
-                        "(default: a fifth of the lease, at most 5 s)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-host", default="0.0.0.0")
-    p.add_argument("--gc-threshold", type=int, default=None, metavar="N",
-                   help="once started, freeze the start-up heap and run Python's young garbage collection "
-                        "every N net allocations (default 50000; 0: Python's own 700, nothing frozen)")
-    p.add_argument(
-        "--routed-experts", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
-        help="ask the engine for the MoE routing replay (R3: SGLang's return_routed_experts, vLLM's "
-             "choices[].routed_experts with --engine-api vllm; the server runs with "
-             "--enable-return-routed-experts), e.g. 48x8x128; checked against this shape",
-    )
-    p.add_argument("--engine-stats", action="store_true",
-                   help="record SGLang's prefix-cache and speculative-decoding counters per sample")
-    p.add_argument(
-        "--teacher-engine", action="append", default=None, metavar="URL",
-        help="score every response on this SGLang teacher (log-probs of the response tokens: "
-             "teacher_log_probs, on-policy distillation); repeatable",
-    )
-    add_episode_arguments(p)
-    p.set_defaults(func=cmd_produce)
-
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -220,57 +127,6 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         a.set_defaults(func=cmd_engines)
 
 
-def add_episode_arguments(p: argparse.ArgumentParser) -> None:
-    """The rollout plug-in and its caps (docs/rollouts.md), shared by ``produce`` and ``demo``."""
-    p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
-                   help="the rollout plug-in: async def generate(episode) -> Sample | list[Sample] "
-                        "(default: the single-turn rollout); slime:pkg.mod.fn / miles:pkg.mod.fn run "
-                        "those frameworks' generate functions, openai:pkg.mod.fn an OpenAI-API agent")
-    p.add_argument("--engine-concurrency", type=int, default=None,
-                   help="engine requests in flight at most (default: --concurrency); tool time holds none")
-    p.add_argument("--limit", action="append", default=[], metavar="NAME=K",
-                   help="a named concurrency limit for `async with episode.limit(NAME)` (repeatable)")
-    p.add_argument("--episode-timeout", type=float, default=None,
-                   help="seconds one episode may take in total; past it the sample fails (recycled)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="tokens an episode's trajectory may hold: max_new_tokens is clamped to the room left")
-    p.add_argument("--endpoint-host", default="127.0.0.1",
-                   help="where the per-episode endpoints of --generate slime:/miles:/openai: listen "
-                        "(loopback by default; the OpenAI endpoint answers only the episode's key)")
-    p.add_argument("--generate-failure-limit", type=int, default=8,
-                   help="the generate function failing on this many distinct prompts in a row is fatal")
-
-
-def episode_options(args: argparse.Namespace) -> dict[str, Any]:
-    """ProducerSettings keywords from :func:`add_episode_arguments`' flags."""
-    from rollstream.producer.session import EpisodeLimits, parse_limits
-
-    return {
-        "generate": _load_generate(args) if args.generate else None,
-        "limits": EpisodeLimits(
-            engine_concurrency=args.engine_concurrency,
-            named=parse_limits(args.limit),
-            episode_timeout=args.episode_timeout,
-            max_context=args.max_context,
-        ),
-        "generate_failure_limit": args.generate_failure_limit,
-    }
-
-
-def _load_generate(args: argparse.Namespace) -> Any:
-    """``--generate`` through its one loader (the integrations register ``slime:`` / ``miles:`` /
-    ``openai:`` when imported)."""
-    import rollstream.integrations.generate  # noqa: F401 - registers the slime:/miles:/openai: schemes
-    from rollstream.producer.plugin import GenerateContext, load_generate
-
-    context = GenerateContext(
-        tokenizer=getattr(args, "tokenizer", None),
-        concurrency=getattr(args, "concurrency", 256) or 256,
-        endpoint_host=getattr(args, "endpoint_host", "127.0.0.1"),
-    )
-    return load_generate(args.generate, context)
-
-
 def run_with_signals(main: Any, on_signal: Any) -> None:
     """Run ``main`` (a coroutine function) with SIGTERM/SIGINT calling ``on_signal()``."""
 
@@ -312,18 +168,6 @@ async def _with_redis(url: str, work: Any) -> Any:
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_moe_shape(value: str) -> tuple[int, int, int]:
-    """``LAYERSxTOPKxEXPERTS`` (e.g. ``48x8x128``) as three positive ints (argparse type)."""
-    parts = value.lower().split("x")
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not LAYERSxTOPKxEXPERTS (e.g. 48x8x128)")
-    return shape
 
 
 def parse_bytes(value: str) -> int:
@@ -386,218 +230,6 @@ def cmd_feed(args: argparse.Namespace) -> int:
             await redis.aclose()
 
     run_with_signals(main, feeder.stop)
-    return 0
-
-
-PRODUCE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 1024, "temperature": 1.0, "top_p": 1.0}
-"""``rollstream produce``'s defaults for what neither the command line nor the stored flags set."""
-
-
-def apply_stored_flags(args: argparse.Namespace, stored: Mapping[str, str]) -> dict[str, Any]:
-    """Fill the produce options not given on the command line from a run's stored rollout flags
-    (:class:`rollstream.integrations.flags.RolloutFlags`); explicit flags win. Returns the extra
-    engine sampling parameters stored with them."""
-    from rollstream.integrations.flags import RolloutFlags
-
-    flags = RolloutFlags.from_fields(stored) if stored else None
-    taken = []
-    for name in ("concurrency", "reward", "tokenizer", "max_new_tokens", "temperature", "top_p"):
-        if getattr(args, name) is None and flags is not None and getattr(flags, name) is not None:
-            setattr(args, name, getattr(flags, name))
-            taken.append(name)
-        if getattr(args, name) is None and name in PRODUCE_DEFAULTS:
-            setattr(args, name, PRODUCE_DEFAULTS[name])
-    missing = [f"--{name.replace('_', '-')}" for name in ("concurrency", "reward") if getattr(args, name) is None]
-    if missing:
-        raise ConfigError(
-            f"rollstream produce needs {' and '.join(missing)}: namespace {args.ns!r} holds no stored rollout flags "
-            f"(a slime/miles run that starts its pipeline stores them), so give them on the command line"
-        )
-    if flags is None:
-        return {}
-    if flags.reward_args is not None and not os.environ.get(REWARD_ARGS):
-        os.environ[REWARD_ARGS] = flags.reward_args  # the run's args for a slime:/miles: reward
-    if flags.generate is not None:
-        if not hasattr(args, "generate"):
-            raise ConfigError(
-                f"namespace {args.ns!r} was started with a custom generate function ({flags.generate}), which "
-                f"this rollstream cannot run on producers"
-            )
-        if args.generate is None:
-            args.generate = flags.generate
-            taken.append("generate")
-    if taken:
-        logger.info(
-            "produce: %s from the run's stored rollout flags (%s)", ", ".join(taken), Keys(args.ns).rollout_flags
-        )
-    return dict(flags.sampling_params)
-
-
-async def _read_stored_flags(url: str, ns: str, required: bool) -> dict[str, str]:
-    """The stored flags; when nothing required is missing, an unreachable Redis is not waited for
-    (the producer itself waits for it and says so)."""
-    from rollstream.common.connection import TRANSIENT_ERRORS, Outage
-    from rollstream.common.protocol import RolloutFlagsHash
-
-    redis = connect(url, name="rollstream-produce-flags")
-    try:
-        return await Outage(logger, "produce (reading the stored rollout flags)").run(
-            lambda: RolloutFlagsHash(redis, Keys(ns)).read(), give_up_after=STORED_FLAGS_WAIT if required else 0.0
-        )
-    except TRANSIENT_ERRORS as exc:
-        if required:
-            raise
-        logger.warning("produce: could not read the stored rollout flags (%s); using the command line's", exc)
-        return {}
-    finally:
-        await redis.aclose()
-
-
-async def _registry_engines(url: str, ns: str, wait: float) -> tuple[str, ...]:
-    """The registry's active engines (``--engines-from-registry`` alone), waiting up to ``wait``
-    seconds for one to be added (producers may start before the engines)."""
-    from rollstream.common.connection import Outage
-    from rollstream.common.protocol.engine_registry import EngineRegistry
-
-    keys = Keys(ns)
-    redis = connect(url, name="rollstream-produce-registry")
-    try:
-        registry = EngineRegistry(redis, keys)
-        deadline = time.monotonic() + wait
-        while True:
-            entries = await Outage(logger, "produce (reading the engine registry)").run(
-                registry.entries, give_up_after=STORED_FLAGS_WAIT)
-            active = tuple(u for u, e in entries.items() if e.usable and e.state == "active")
-            if active:
-                return active
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"the engine registry {keys.engines} lists no active engine after {wait:g} s: add one with "
-                    f"`rollstream engines add --ns {ns} URL`, or give --engine URL"
-                )
-            logger.info("produce: waiting for an active engine in the registry %s", keys.engines)
-            await asyncio.sleep(1.0)
-    finally:
-        await redis.aclose()
-
-
-STORED_FLAGS_WAIT = 60.0
-"""Seconds ``produce`` waits for Redis to read the stored flags (it may be starting with us)."""
-
-
-def cmd_produce(args: argparse.Namespace) -> int:
-    import rollstream.integrations.framework_rewards  # noqa: F401 - registers the slime:/miles: reward schemes
-    from rollstream.producer import gcpolicy
-    from rollstream.producer.engine import EngineClient, EngineSettings
-    from rollstream.producer.rewards import load_reward
-    from rollstream.producer.settings import ProducerSettings, default_producer_name
-    from rollstream.producer.teacher import TeacherScorer
-    from rollstream.producer.tokenizer import load_tokenizer
-    from rollstream.producer.worker import Producer
-
-    gc_young = gcpolicy.check(args.gc_threshold)
-    needs_stored = any(
-        getattr(args, name) is None
-        for name in ("concurrency", "reward", "tokenizer", "max_new_tokens", "temperature", "top_p")
-    )
-    required = args.concurrency is None or args.reward is None
-    stored = asyncio.run(_read_stored_flags(args.redis, args.ns, required)) if needs_stored else {}
-    sampling_params = apply_stored_flags(args, stored)
-    if not args.engine and not args.engines_from_registry:
-        raise ConfigError("produce needs engines: --engine URL (repeatable), or --engines-from-registry")
-    registry_urls: tuple[str, ...] = ()
-    if not args.engine:
-        registry_urls = asyncio.run(_registry_engines(args.redis, args.ns, args.no_engine_timeout))
-    engine_settings = EngineSettings(
-        urls=tuple(args.engine),
-        registry_urls=registry_urls,
-        api=args.engine_api,
-        model=args.model,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        sampling_params=sampling_params,
-        max_retries=args.max_retries,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        eject_after=args.eject_after,
-        balance=args.route_balance,
-        no_engine_timeout=args.no_engine_timeout,
-        catch_up=args.catch_up_engines,
-        adaptive_concurrency=args.adaptive_concurrency,
-        concurrency_floor=args.concurrency_floor,
-        request_timeout=args.request_timeout,
-        max_reply_bytes=None if args.max_reply_mib is None else int(args.max_reply_mib * 2**20),
-        request_seed=args.request_seed,
-        routed_experts=args.routed_experts,
-        engine_stats=args.engine_stats,
-    )
-    teacher_settings = None
-    if args.teacher_engine:
-        teacher_settings = dataclasses.replace(
-            engine_settings, urls=tuple(args.teacher_engine), routed_experts=None, api="sglang"
-        )
-    settings = ProducerSettings(
-        namespace=args.ns,
-        concurrency=args.concurrency,
-        name=args.name or default_producer_name(),
-        n_samples=args.n_samples,
-        drain_timeout=args.drain_timeout,
-        heartbeat_interval=args.heartbeat_interval,
-        engines_from_registry=args.engines_from_registry,
-        reward_failure_limit=args.reward_failure_limit,
-        engine_failure_limit=args.engine_failure_limit,
-        long_request_after=args.long_request_after,
-        loop_stall_after=args.loop_stall_after,
-        **episode_options(args),
-    )
-    if args.metrics_port is not None:
-        from rollstream.producer.metrics import ProducerMetrics
-    reward = load_reward(args.reward, timeout=args.reward_timeout)
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    holder: dict[str, Producer] = {}
-    stop_requested = False
-
-    def on_signal() -> None:
-        nonlocal stop_requested
-        stop_requested = True
-        if "producer" in holder:
-            holder["producer"].stop()
-
-    async def main() -> None:
-        metrics = ProducerMetrics(args.ns, settings.name) if args.metrics_port is not None else None
-        runner = None
-        async with contextlib.AsyncExitStack() as stack:
-            engine = await stack.enter_async_context(EngineClient(engine_settings, tokenizer=tokenizer))
-            teacher = None
-            if teacher_settings is not None:
-                teacher = await stack.enter_async_context(TeacherScorer(EngineClient(teacher_settings)))
-            try:
-                if metrics is not None:
-                    metrics.attach(engine)
-                    runner = await metrics.serve(args.metrics_host, args.metrics_port)
-                producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics,
-                                                  teacher=teacher)
-                gcpolicy.tune(gc_young)
-                holder["producer"] = producer
-                if stop_requested:
-                    producer.stop()
-                try:
-                    await producer.run()
-                finally:
-                    await producer.aclose()
-            finally:
-                await reward.aclose()
-                if runner is not None:
-                    await runner.cleanup()
-
-    try:
-        run_with_signals(main, on_signal)
-    except Exception as exc:
-        if isinstance(exc, ValueError) and "producer" not in holder:
-            raise
-        logger.error("producer %s exited on a fatal error: %s", settings.name, exc)
-        return 1
     return 0
 
 

@@ -8,14 +8,18 @@ from .engine import EngineClient, EngineSettings
 from .episode import Episode, GenerateFunction
 from .feeder import Feeder, FeedSettings, feed, load_jsonl
 from .rewards import RewardFunction, load_reward
-from .rollout import Rollout, RolloutSettings
+from .rollout import Rollout
+from .session import EpisodeLimits
+from .settings import EpisodeSettings, ProducerSettings
 from .telemetry import Metrics
-from .worker import Producer, ProducerSettings
+from .worker import Producer
 
 __all__ = [
     "EngineClient",
     "EngineSettings",
     "Episode",
+    "EpisodeLimits",
+    "EpisodeSettings",
     "FeedSettings",
     "Feeder",
     "GenerateFunction",
@@ -24,7 +28,6 @@ __all__ = [
     "ProducerSettings",
     "RewardFunction",
     "Rollout",
-    "RolloutSettings",
     "feed",
     "load_jsonl",
     "load_reward",

@@ -38,7 +38,7 @@ import logging
 import time
 from array import array
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -64,19 +64,13 @@ from .outcomes import FailureLog, failed, rejected, to_sample
 from .plugin import single_turn
 from .replay import with_routed_experts
 from .rewards import RewardFunction
-from .session import EpisodeLimits, EpisodeRuntime, EpisodeSession
+from .session import EpisodeRuntime, EpisodeSession
+from .settings import EpisodeSettings
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
 
-REWARD_FAILURE_LIMIT = 8
-"""Default: a reward that failed on this many distinct prompts in a row is broken (fatal)."""
-GENERATE_FAILURE_LIMIT = 8
-"""Default: a generate function that failed on this many distinct prompts in a row is broken (fatal)."""
-ENGINE_FAILURE_LIMIT = 8
-"""Default: an engine (or all engines) with no usable reply on this many distinct prompts in a
-row is broken (fatal)."""
 ALL_ENGINES = "all engines"
 """What :class:`EngineBroken` names when no engine in particular is to blame."""
 
@@ -89,39 +83,6 @@ def _ignore(count: int) -> None:
     """The default ``sample_done``: nobody is counting."""
 
 
-@dataclass(frozen=True, slots=True)
-class RolloutSettings:
-    """What a rollout needs to know of the pipeline and of its producer."""
-
-    n_samples: int
-    """Samples per prompt (the namespace's ``n_samples_per_prompt``)."""
-    partial_rollout: bool = False
-    """Continue an aborted engine call inside its episode after the resume, and (default
-    rollout) the aborted samples of an earlier attempt, instead of regenerating them."""
-    tokenize_prompts: bool = True
-    """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
-    producer: str = ""
-    """Written into every group's ``producer`` field."""
-    reward_failure_limit: int = REWARD_FAILURE_LIMIT
-    """A reward that failed on this many distinct prompts in a row is broken: fatal."""
-    generate: GenerateFunction | None = None
-    """The rollout plug-in (``--generate``); None: :data:`single_turn`."""
-    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
-    """Engine concurrency, named limits, the episode deadline and the context budget."""
-    generate_failure_limit: int = GENERATE_FAILURE_LIMIT
-    """A generate function that failed on this many distinct prompts in a row is broken: fatal."""
-    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
-    """An engine (or all of them) with no usable reply on this many distinct prompts in a row is
-    broken: fatal."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
-            raise ConfigError(f"n_samples must be a positive integer, got {self.n_samples!r}")
-        for name in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-
-
 class Rollout:
     """Turns a prompt into a scored group: ``n`` episodes of the generate function, then the reward."""
 
@@ -129,23 +90,34 @@ class Rollout:
         self,
         engine: EngineClient,
         reward: RewardFunction,
-        settings: RolloutSettings,
+        n_samples: int,
+        episodes: EpisodeSettings | None = None,
+        *,
+        partial_rollout: bool = False,
+        producer: str = "",
         metrics: Metrics | None = None,
         teacher: TeacherScorer | None = None,
-        *,
         wait_resumed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``n_samples`` per prompt and ``partial_rollout`` are the namespace's; ``producer`` is
+        written into every group; ``episodes`` (the producer's sub-settings) hold the plug-in,
+        its caps and the failure limits."""
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ConfigError(f"n_samples must be a positive integer, got {n_samples!r}")
         self.engine = engine
         self.teacher = teacher
         """Scores every response on a teacher model before the reward (``--teacher-engine``)."""
         self.reward = reward
-        self.settings = settings
+        self.n_samples = n_samples
+        self.settings = episodes if episodes is not None else EpisodeSettings()
+        self.partial_rollout = partial_rollout
+        self.producer = producer
         self.metrics = metrics if metrics is not None else Metrics()
-        self.generate: GenerateFunction = settings.generate if settings.generate is not None else single_turn
+        self.generate: GenerateFunction = self.settings.generate if self.settings.generate is not None else single_turn
         self.runtime = EpisodeRuntime(
             engine,
-            settings.limits,
-            partial_rollout=settings.partial_rollout,
+            self.settings.limits,
+            partial_rollout=partial_rollout,
             metrics=self.metrics,
             on_reply=self._engine_answered,
             **({"wait_resumed": wait_resumed} if wait_resumed is not None else {}),
@@ -174,10 +146,10 @@ class Rollout:
         one request of ``n``), before the group is scored: the producer releases capacity per
         episode with it. Over a run that returns, it is called for ``n`` in total; a run that
         raises may have called it for fewer."""
-        n = self.settings.n_samples
+        n = self.n_samples
         done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
-        partial = prompt.partial if self.settings.partial_rollout else None
+        partial = prompt.partial if self.partial_rollout else None
         if self.generate is single_turn and partial is None and self.engine.batches_samples:  # one request with n
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
@@ -194,7 +166,7 @@ class Rollout:
             label=prompt.label,
             metadata=dict(prompt.metadata),
             samples=samples,
-            producer=self.settings.producer,
+            producer=self.producer,
             history=prompt.history,
             multimodal_inputs=prompt.multimodal_inputs,
         )
@@ -368,7 +340,7 @@ class Rollout:
             shared = self._shared(prompt, prompt_ids)
         info = EpisodeInfo(
             index=prompt.index, epoch=prompt.epoch, attempt=prompt.attempt, member=member,
-            n=self.settings.n_samples, prompt=prompt.prompt, label=prompt.label,
+            n=self.n_samples, prompt=prompt.prompt, label=prompt.label,
             metadata=shared.metadata, prompt_ids=shared.prompt_ids,
             admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
             partial=partial,

@@ -19,7 +19,7 @@ import time
 import weakref
 from array import array
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.errors import (
@@ -31,6 +31,7 @@ from rollstream.common.errors import (
     PromptNotSupported,
 )
 from rollstream.common.models import Sample, Status
+from rollstream.common.settings_fields import option
 
 from .engine import EngineClient, Generation, route_key
 from .engine.client import IdsJson
@@ -53,14 +54,16 @@ async def _resumed_at_once() -> None:
 class EpisodeLimits:
     """The caps of a producer's episodes (``rollstream produce`` flags)."""
 
-    engine_concurrency: int | None = None
-    """Engine requests in flight at most (``--engine-concurrency``); None: as many as episodes."""
-    named: Mapping[str, int] = field(default_factory=dict)
-    """Named limits (``--limit sandbox=4``), held with ``async with episode.limit(name)``."""
-    episode_timeout: float | None = None
-    """Wall-clock seconds an episode may take (``--episode-timeout``); past it: FAILED."""
-    max_context: int | None = None
-    """Tokens a trajectory may hold (``--max-context``): max_new_tokens is clamped to the room left."""
+    engine_concurrency: int | None = option(
+        None, parse=int, help="engine requests in flight at most (default: --concurrency); tool time holds none")
+    named: Mapping[str, int] = option(
+        flag="--limit", factory=dict, parse=str, repeat=True, metavar="NAME=K",
+        convert=lambda specs: parse_limits(specs),
+        help="a named concurrency limit for `async with episode.limit(NAME)` (repeatable)")
+    episode_timeout: float | None = option(
+        None, parse=float, help="seconds one episode may take in total; past it the sample fails (recycled)")
+    max_context: int | None = option(
+        None, parse=int, help="tokens an episode's trajectory may hold: max_new_tokens is clamped to the room left")
 
     def __post_init__(self) -> None:
         if self.engine_concurrency is not None and self.engine_concurrency < 1:

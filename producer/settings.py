@@ -1,20 +1,28 @@
-"""The producer's per-process settings (the pipeline-wide ones live in the namespace config)."""
+"""The producer's per-process settings (the pipeline-wide ones live in the namespace config).
+
+One tree, each field declared once with its flag, help and default (:mod:`rollstream.common.settings_fields`):
+:class:`ProducerSettings` holds the producer's own fields and its :class:`EpisodeSettings`
+(what the rollout needs: the plug-in, its caps, what counts as broken), which hold the
+:class:`~.session.EpisodeLimits`; the engine's are :class:`~.engine.EngineSettings`. ``rollstream
+produce``'s flags are derived from the tree (``rollstream.cli.produce``)."""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
+from rollstream.common.settings_fields import branch, option, set_by
 
 from .episode import GenerateFunction
-from .rollout import ENGINE_FAILURE_LIMIT, GENERATE_FAILURE_LIMIT, REWARD_FAILURE_LIMIT
 from .session import EpisodeLimits
 
 LONG_REQUEST_AFTER = 600.0
 """Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""
+FAILURE_LIMIT = 8
+"""Default of the failure limits: failing on this many distinct prompts in a row is broken (fatal)."""
 
 
 def default_producer_name() -> str:
@@ -22,42 +30,58 @@ def default_producer_name() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class EpisodeSettings:
+    """What the rollout needs of its producer: the plug-in, its caps, and when a part that keeps
+    failing is broken (fatal) rather than unlucky; counted over distinct prompts in a row, with
+    no success in between."""
+
+    generate: GenerateFunction | None = set_by("the --generate spec, loaded (ProduceOptions.generate)", None)
+    """The rollout plug-in; None: the single-turn rollout."""
+    limits: EpisodeLimits = branch(EpisodeLimits)
+    tokenize_prompts: bool = option(
+        True, help="ask the engine's /tokenize for prompt ids, so samples carry prompt + response ids")
+    reward_failure_limit: int = option(
+        FAILURE_LIMIT, help="the reward failing on this many distinct prompts in a row is fatal (a broken reward)")
+    generate_failure_limit: int = option(
+        FAILURE_LIMIT, help="the generate function failing on this many distinct prompts in a row is fatal")
+    engine_failure_limit: int = option(
+        FAILURE_LIMIT, help="an engine (or all engines) refusing or answering unusable replies on this many "
+                            "distinct prompts in a row is fatal (a broken engine)")
+
+    def __post_init__(self) -> None:
+        for limit in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
+            if getattr(self, limit) < 1:
+                raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ProducerSettings:
     """Per-process settings; the pipeline-wide ones live in the namespace config."""
 
-    namespace: str
-    concurrency: int
-    """Samples (episodes) in flight at most (a prompt needs ``n_samples_per_prompt`` of them);
-    engine requests are capped apart by ``limits.engine_concurrency``."""
-    name: str = field(default_factory=default_producer_name)
-    n_samples: int | None = None
-    """When given, must match the namespace's ``n_samples_per_prompt``."""
-    heartbeat_interval: float = 2.0
-    engines_from_registry: bool = False
-    """Follow the namespace's engine registry (``rollstream engines``), read every heartbeat."""
-    drain_timeout: float = 30.0
-    renew_interval: float | None = None
-    """Default: a third of the lease."""
-    loop_stall_after: float | None = None
-    """Seconds of event-loop lag that count as a stall (logged with the code that held the loop,
-    counted in the heartbeat); default a fifth of the lease, at most 5 s."""
-    reclaim_interval: float | None = None
-    """Default: a quarter of the lease, at most 5 s."""
-    tokenize_prompts: bool = True
-    """Ask the engine's ``/tokenize`` for prompt ids, so samples carry prompt + response ids."""
-    reward_failure_limit: int = REWARD_FAILURE_LIMIT
-    """The reward failed on this many distinct prompts in a row (none scored between): fatal."""
-    engine_failure_limit: int = ENGINE_FAILURE_LIMIT
-    """An engine (or all engines) gave no usable reply on this many distinct prompts in a row: fatal."""
-    long_request_after: float = LONG_REQUEST_AFTER
-    """Engine requests in flight longer than this (seconds) are reported in the heartbeat
-    (``long_requests``) and shown by ``inspect`` as a warning."""
-    generate: GenerateFunction | None = None
-    """The rollout plug-in (``--generate module:function``); None: the single-turn rollout."""
-    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
-    """Episode caps: engine requests in flight, named limits, episode deadline, context budget."""
-    generate_failure_limit: int = GENERATE_FAILURE_LIMIT
-    """The generate function failed on this many distinct prompts in a row: fatal."""
+    namespace: str = set_by("--ns")
+    concurrency: int = option(stored=True, parse=int, help="samples (episodes) in flight at most")
+    """A prompt needs ``n_samples_per_prompt`` of them; engine requests are capped apart by
+    ``episodes.limits.engine_concurrency``."""
+    name: str = option(factory=default_producer_name, parse=str, help="producer id (default host-pid)")
+    n_samples: int | None = option(None, parse=int, help="must match the namespace config")
+    heartbeat_interval: float = option(2.0, help="seconds between heartbeats")
+    engines_from_registry: bool = option(
+        False, help="use the namespace's engine registry (`rollstream engines add|drain|remove`), re-read "
+                    "every heartbeat, alone or beside the --engine URLs")
+    drain_timeout: float = option(
+        30.0, help="seconds the groups in flight may take to finish after SIGTERM before they are returned")
+    renew_interval: float | None = option(None, parse=float, help="seconds between lease renewals "
+                                                                  "(default: a third of the lease)")
+    loop_stall_after: float | None = option(
+        None, parse=float, metavar="SECONDS",
+        help="event-loop lag that counts as a stall, logged with the code that blocked the loop "
+             "(default: a fifth of the lease, at most 5 s)")
+    reclaim_interval: float | None = option(
+        None, parse=float, help="seconds between reclaim passes over expired leases "
+                                "(default: a quarter of the lease, at most 5 s)")
+    long_request_after: float = option(
+        LONG_REQUEST_AFTER, help="seconds after which an engine request in flight is reported as long (inspect warns)")
+    episodes: EpisodeSettings = branch(EpisodeSettings)
 
     def __post_init__(self) -> None:
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -67,11 +91,10 @@ class ProducerSettings:
         for name in ("heartbeat_interval", "drain_timeout", "long_request_after"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.loop_stall_after is not None and not self.loop_stall_after > 0:
-            raise ConfigError(f"loop_stall_after must be positive, got {self.loop_stall_after!r}")
-        for limit in ("reward_failure_limit", "generate_failure_limit", "engine_failure_limit"):
-            if getattr(self, limit) < 1:
-                raise ConfigError(f"{limit} must be at least 1, got {getattr(self, limit)!r}")
+        for name in ("loop_stall_after", "renew_interval", "reclaim_interval"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value!r}")
 
     def check(self, config: PipelineConfig) -> None:
         config.check_matches(n_samples_per_prompt=self.n_samples)

@@ -13,14 +13,18 @@ is fatal for the producer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from array import array
 from typing import Any
 
 from rollstream.common.errors import EngineRejected
 from rollstream.common.models import Sample, Status
 
-from .engine import EngineClient
+from .engine import EngineClient, EngineSettings
 from .engine.sglang import parse_teacher
+
+TEACHER_API = "sglang"
+"""The teacher's engine API: the log-probs of given tokens are SGLang's ``/generate`` form."""
 
 
 class TeacherScorer:
@@ -31,6 +35,12 @@ class TeacherScorer:
         self.temperature = temperature
         self.scored = 0
         self.failed = 0
+
+    @staticmethod
+    def engine_settings(policy: EngineSettings, urls: tuple[str, ...]) -> EngineSettings:
+        """The teacher's engine client settings: the policy engines' limits and timeouts, on
+        ``urls`` with the teacher's API (no routing replay)."""
+        return dataclasses.replace(policy, urls=urls, registry_urls=(), routed_experts=None, api=TEACHER_API)
 
     async def __aenter__(self) -> TeacherScorer:
         return self

@@ -82,7 +82,7 @@ from .capacity import Capacity, Work
 from .engine import EngineClient
 from .renewal import Renewer
 from .rewards import RewardFunction
-from .rollout import Rollout, RolloutSettings
+from .rollout import Rollout
 from .session import RESUME_POLL
 from .settings import ProducerSettings
 from .teacher import TeacherScorer
@@ -133,19 +133,12 @@ class Producer:
         self.rollout = Rollout(
             engine,
             reward,
-            RolloutSettings(
-                n_samples=config.n_samples_per_prompt,
-                partial_rollout=config.partial_rollout,
-                tokenize_prompts=settings.tokenize_prompts,
-                producer=settings.name,
-                reward_failure_limit=settings.reward_failure_limit,
-                generate=settings.generate,
-                limits=settings.limits,
-                generate_failure_limit=settings.generate_failure_limit,
-                engine_failure_limit=settings.engine_failure_limit,
-            ),
-            self.metrics,
-            teacher,
+            config.n_samples_per_prompt,
+            settings.episodes,
+            partial_rollout=config.partial_rollout,
+            producer=settings.name,
+            metrics=self.metrics,
+            teacher=teacher,
             wait_resumed=self._wait_resumed,
         )
         self._control_changed = asyncio.Event()

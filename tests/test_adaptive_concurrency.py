@@ -15,7 +15,7 @@ from rollstream.common.models import Prompt
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.engine.load import DECREASE, AdaptiveLimit, EngineLoad, parse_load, parse_metrics
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
 from rollstream.testing.sim import SimConfig, SimEngine
 
 VLLM_METRICS = """\
@@ -98,7 +98,7 @@ def _kv_sim() -> SimConfig:
 
 
 async def _roll(client: EngineClient, groups: int, in_flight: int) -> list[str]:
-    rollout = Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"), RolloutSettings(n_samples=4))
+    rollout = Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"), 4)
     gate = asyncio.Semaphore(in_flight // 4)
 
     async def one(i: int) -> str:

@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.settings import EpisodeSettings, ProducerSettings
+from rollstream.producer.worker import Producer
 
 N = 4
 
@@ -59,7 +60,8 @@ async def test_a_long_tailed_group_frees_the_slots_of_its_finished_samples(
     reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
     # Room for one prompt and one sample more: with capacity held per group, prompt 0's slow
     # sample would keep the other prompts out until it ends.
-    settings = ProducerSettings(namespace=ns, concurrency=N + 1, name="tail", tokenize_prompts=False)
+    settings = ProducerSettings(namespace=ns, concurrency=N + 1, name="tail",
+                                episodes=EpisodeSettings(tokenize_prompts=False))
     producer = await Producer.connect(redis_url, settings, client, reward)
     run = asyncio.create_task(producer.run())
     try:

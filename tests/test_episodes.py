@@ -23,8 +23,9 @@ from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.episode import Episode, SamplingParams
 from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings, single_turn
+from rollstream.producer.rollout import Rollout, single_turn
 from rollstream.producer.session import EpisodeLimits, parse_limits
+from rollstream.producer.settings import EpisodeSettings
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize, tokenize
 
@@ -44,12 +45,9 @@ async def make_rollout(
 ) -> AsyncIterator[Rollout]:
     engine = EngineClient(EngineSettings(urls=(url,), max_new_tokens=max_new_tokens, max_retries=0))
     reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
-    settings = RolloutSettings(
-        n_samples=n, partial_rollout=partial, producer="p", generate=fn,
-        limits=limits or EpisodeLimits(), generate_failure_limit=failure_limit,
-    )
+    settings = EpisodeSettings(generate=fn, limits=limits or EpisodeLimits(), generate_failure_limit=failure_limit)
     try:
-        yield Rollout(engine, reward, settings)
+        yield Rollout(engine, reward, n, settings, partial_rollout=partial, producer="p")
     finally:
         await engine.aclose()
         await reward.aclose()

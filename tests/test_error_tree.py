@@ -66,11 +66,13 @@ def test_errors_stay_importable_where_they_were(module: str, name: str) -> None:
 
 
 def test_rollout_settings_check_with_config_error() -> None:
-    from rollstream.producer.rollout import RolloutSettings
+    from rollstream.producer.rollout import Rollout
+    from rollstream.producer.settings import EpisodeSettings
 
-    for bad in ({"n_samples": 0}, {"n_samples": 2, "reward_failure_limit": 0}):
-        with pytest.raises(ConfigError):
-            RolloutSettings(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="n_samples"):
+        Rollout(None, None, 0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="reward_failure_limit"):
+        EpisodeSettings(reward_failure_limit=0)
 
 
 def test_user_code_is_imported_in_one_place() -> None:

@@ -21,7 +21,8 @@ from rollstream.producer import gcpolicy
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.episode import Episode
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 from test_request_path import PROMPT_IDS, TOOL, URL, TurnEngine
 
 
@@ -39,7 +40,7 @@ async def test_a_finished_episode_is_freed_without_the_cyclic_collector() -> Non
         return [episode.sample, other.sample]
 
     client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=8), transport=httpx.MockTransport(TurnEngine()))
-    rollout = Rollout(client, PythonReward(lambda *a: 1.0, name="one"), RolloutSettings(n_samples=4, generate=generate))
+    rollout = Rollout(client, PythonReward(lambda *a: 1.0, name="one"), 4, EpisodeSettings(generate=generate))
     gc.collect()
     gc.disable()
     try:

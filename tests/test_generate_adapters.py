@@ -31,9 +31,10 @@ from rollstream.integrations.endpoints import EndpointServer
 from rollstream.integrations.generate import load_framework_generate
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings, ProducerSettings
 from rollstream.producer.tokenizer import load_tokenizer
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.worker import Producer
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize
 
@@ -250,10 +251,10 @@ class _Harness:
         settings = EngineSettings(urls=(self.sim.url,), max_new_tokens=64, **self.engine_kwargs)
         async with EngineClient(settings, tokenizer=tokenizer) as engine:
             fn = load_framework_generate(self.spec, tokenizer=TOKENIZER, server=self.server)
-            settings = RolloutSettings(n_samples=N, generate=fn, partial_rollout=self.partial)
             resumed = self.resumed
             wait = None if resumed is None else resumed.wait
-            rollout = Rollout(engine, load_reward("math"), settings, wait_resumed=wait)
+            rollout = Rollout(engine, load_reward("math"), N, EpisodeSettings(generate=fn),
+                              partial_rollout=self.partial, wait_resumed=wait)
             return await rollout.run(Prompt(index=index, prompt=prompt, label="3"), 0)
 
 
@@ -301,7 +302,7 @@ async def test_the_producer_closes_the_endpoint_server_when_it_drains(
     await add_prompts(redis, ns, 1)
     server = EndpointServer()
     fn = load_framework_generate("openai:adapter_fns.openai_tool_agent", tokenizer=TOKENIZER, server=server)
-    settings = ProducerSettings(namespace=ns, concurrency=N, name="closer", generate=fn)
+    settings = ProducerSettings(namespace=ns, concurrency=N, name="closer", episodes=EpisodeSettings(generate=fn))
     async with EngineClient(EngineSettings(urls=(sim.url,), max_new_tokens=64),
                             tokenizer=load_tokenizer(TOKENIZER)) as engine:
         producer = await Producer.connect(redis_url, settings, engine, load_reward("math"))

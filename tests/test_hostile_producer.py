@@ -31,7 +31,8 @@ from rollstream.consumer import GroupConsumer
 from rollstream.consumer.verdict import Route, judge
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.settings import ProducerSettings
+from rollstream.producer.worker import Producer
 from rollstream.testing.sim import SimEngine
 
 TESTS_DIR = Path(__file__).resolve().parent

@@ -21,8 +21,8 @@ import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from integration_helpers import STANDINS
 from redis.asyncio import Redis
-from rollstream.cli.commands import apply_stored_flags
 from rollstream.cli.main import build_parser
+from rollstream.cli.produce import produce_options
 from rollstream.common.codec import decode_group_entry, decode_prompt_entry
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
@@ -243,18 +243,21 @@ async def test_produce_takes_what_the_command_line_leaves_out_from_the_stored_fl
     monkeypatch.setenv("ROLLSTREAM_REWARD_ARGS", "")
 
     args = build_parser().parse_args(["produce", "--ns", ns, "--engine", "http://e:1", "--temperature", "1.0"])
-    params = apply_stored_flags(args, read)
-    assert (args.concurrency, args.reward, args.tokenizer, args.max_new_tokens) == (96, "slime:user_rm.rm",
-                                                                                  "fake_tokenizer:FakeChatTokenizer", 512)
-    assert (args.temperature, args.top_p) == (1.0, 0.95)  # an explicit flag wins
-    assert params == {"top_k": 5} and os.environ["ROLLSTREAM_REWARD_ARGS"] == '{"rm_type": "math"}'
+    options = produce_options(args, read)
+    assert (options.producer.concurrency, options.reward, options.tokenizer, options.engine.max_new_tokens) == (
+        96, "slime:user_rm.rm", "fake_tokenizer:FakeChatTokenizer", 512)
+    assert (options.engine.temperature, options.engine.top_p) == (1.0, 0.95)  # an explicit flag wins
+    assert options.engine.sampling_params == {"top_k": 5}
+    assert os.environ["ROLLSTREAM_REWARD_ARGS"] == '{"rm_type": "math"}'
 
     bare = build_parser().parse_args(["produce", "--ns", ns, "--engine", "http://e:1"])
     with pytest.raises(ConfigError, match="needs --concurrency and --reward"):
-        apply_stored_flags(bare, {})
+        produce_options(bare, {})
     bare = build_parser().parse_args(["produce", "--ns", ns, "--engine", "http://e:1", "--concurrency", "4",
                                       "--reward", "math"])
-    assert apply_stored_flags(bare, {}) == {} and (bare.max_new_tokens, bare.temperature) == (1024, 1.0)
+    options = produce_options(bare, {})
+    assert options.engine.sampling_params == {} and (options.engine.max_new_tokens, options.engine.temperature) == (
+        1024, 1.0)
     await RolloutFlagsHash(redis, Keys(ns)).replace({"framework": "slime"})
     assert await RolloutFlagsHash(redis, Keys(ns)).read() == {"framework": "slime"}  # replaced whole
     assert Keys(ns).rollout_flags in Keys(ns).all_keys()  # `ns delete` deletes it

@@ -19,7 +19,7 @@ from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineReplyInvalid, EngineSettings
 from rollstream.producer.engine import sglang as replies
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
 from rollstream.producer.teacher import TeacherScorer
 from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert, teacher_logprob
 
@@ -89,7 +89,7 @@ def _rollout(engine: Any, partial: bool = False) -> Rollout:
     settings = EngineSettings(urls=("http://e",), max_new_tokens=16, routed_experts=MOE)
     client = EngineClient(settings, transport=httpx.MockTransport(engine))
     reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
-    return Rollout(client, reward, RolloutSettings(n_samples=1, partial_rollout=partial))
+    return Rollout(client, reward, 1, partial_rollout=partial)
 
 
 def _check_rows(sample: Sample) -> None:
@@ -142,7 +142,7 @@ async def test_the_teacher_scores_every_response_token(teacher_sim: SimEngine) -
         teacher = TeacherScorer(EngineClient(dataclasses_replace(settings, urls=(teacher_sim.url,))))
         async with EngineClient(settings) as client, teacher:
             reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
-            rollout = Rollout(client, reward, RolloutSettings(n_samples=3), teacher=teacher)
+            rollout = Rollout(client, reward, 3, teacher=teacher)
             group = await rollout.run(Prompt(index=0, prompt="Compute 2 + 3."), 0)
     assert group.status in (Status.COMPLETED, Status.TRUNCATED)
     for sample in group.samples:
@@ -267,7 +267,7 @@ async def test_engine_stats_sum_over_a_continuation_when_asked_for() -> None:
         settings = EngineSettings(urls=("http://e",), max_new_tokens=16, engine_stats=stats)
         client = EngineClient(settings, transport=httpx.MockTransport(handler))
         return Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"),
-                       RolloutSettings(n_samples=1, partial_rollout=partial))
+                       1, partial_rollout=partial)
 
     first = (await make(True).run(Prompt(index=0, prompt="hi"), 0)).samples[0]
     assert first.prefix_cache_info == {"cached_tokens": 2, "total_prompt_tokens": 3}

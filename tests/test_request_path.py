@@ -16,7 +16,8 @@ from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.engine.client import _ENCODER, IdsJson
 from rollstream.producer.episode import Episode
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 
 URL = "http://engine"
 PROMPT_IDS = [7, 8, 9]
@@ -52,7 +53,7 @@ async def _run(fn: Any, n: int = 2, **sampling: Any) -> tuple[TurnEngine, list[S
     async def generate(episode: Episode) -> Sample:
         return await fn(episode, lengths)
 
-    rollout = Rollout(client, PythonReward(lambda *a: 1.0, name="one"), RolloutSettings(n_samples=n, generate=generate))
+    rollout = Rollout(client, PythonReward(lambda *a: 1.0, name="one"), n, EpisodeSettings(generate=generate))
     try:
         group = await rollout.run(Prompt(index=0, prompt="p", input_ids=array("i", PROMPT_IDS)), 0)
     finally:

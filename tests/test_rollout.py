@@ -12,7 +12,8 @@ from rollstream.common.errors import EngineBroken
 from rollstream.common.models import Group, Prompt, PromptContent, Sample, Status
 from rollstream.producer.engine import EngineClient, EngineSettings, EngineState
 from rollstream.producer.rewards import PythonReward, RewardBroken, RewardFunction
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import EpisodeSettings
 from rollstream.producer.telemetry import Metrics
 
 URL = "http://engine"
@@ -66,8 +67,7 @@ class CountingMetrics(Metrics):
 def rollout(engine: FakeEngine, n: int = 2, *, partial: bool = False, metrics: Metrics | None = None) -> Rollout:
     client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(engine))
     reward = PythonReward(lambda sample, prompt, label: float(sample.index), name="by-index")
-    settings = RolloutSettings(n_samples=n, partial_rollout=partial, producer="p-1")
-    return Rollout(client, reward, settings, metrics)
+    return Rollout(client, reward, n, partial_rollout=partial, producer="p-1", metrics=metrics)
 
 
 async def test_a_text_prompt_becomes_a_scored_group_of_prompt_plus_response_ids() -> None:
@@ -144,7 +144,7 @@ async def test_sample_done_reports_every_sample_once_before_the_reward() -> None
         return 1.0
 
     client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(FakeEngine()))
-    run = Rollout(client, PythonReward(score, name="s"), RolloutSettings(n_samples=3))
+    run = Rollout(client, PythonReward(score, name="s"), 3)
     await run.run(Prompt(index=0, prompt="hi"), admitted_version=0, sample_done=reported.append)
     assert reported == [1, 1, 1]  # one call per sample request, as each ends
     assert rewarded_after == [3, 3, 3]  # capacity is released before the group is scored
@@ -171,7 +171,7 @@ class MetadataReward(RewardFunction):
 async def test_the_reward_function_receives_the_group_metadata() -> None:
     reward = MetadataReward()
     client = EngineClient(EngineSettings(urls=(URL,)), transport=httpx.MockTransport(FakeEngine()))
-    group = await Rollout(client, reward, RolloutSettings(n_samples=2)).run(
+    group = await Rollout(client, reward, 2).run(
         Prompt(index=0, prompt="hi", metadata={"difficulty": "hard"}), admitted_version=0
     )
     assert reward.seen == [{"difficulty": "hard"}]
@@ -185,7 +185,7 @@ async def test_a_reward_failing_on_a_prompt_fails_its_group_and_a_broken_one_is_
         return 1.0
 
     client = EngineClient(EngineSettings(urls=(URL,), max_new_tokens=16), transport=httpx.MockTransport(FakeEngine()))
-    roll = Rollout(client, PythonReward(picky, name="picky"), RolloutSettings(n_samples=2, reward_failure_limit=3))
+    roll = Rollout(client, PythonReward(picky, name="picky"), 2, EpisodeSettings(reward_failure_limit=3))
     bad = await roll.run(Prompt(index=0, prompt="bad"), admitted_version=0)
     assert bad.status == Status.FAILED
     assert all(s.status == Status.FAILED and s.reward is None for s in bad.samples)
@@ -234,7 +234,7 @@ async def test_one_bad_reply_fails_one_sample_and_an_engine_failing_on_every_pro
     client = EngineClient(EngineSettings(urls=("http://good",), max_new_tokens=16),
                           transport=httpx.MockTransport(RoutedEngines(garbage_for="bad")))
     roll = Rollout(client, PythonReward(lambda s, p, lab: 1.0, name="one"),
-                   RolloutSettings(n_samples=2, engine_failure_limit=3, tokenize_prompts=False))
+                   2, EpisodeSettings(engine_failure_limit=3, tokenize_prompts=False))
     bad = await roll.run(Prompt(index=0, prompt="bad"), admitted_version=0)
     assert bad.status == Status.FAILED and all("not_json" in (s.error or "") for s in bad.samples)
     # The same prompt again (a retry) counts once; a usable reply ends the run of failures.
@@ -254,12 +254,12 @@ async def test_a_broken_engine_among_good_ones_is_taken_out_and_all_broken_engin
 ) -> None:
     _alternating(monkeypatch)
     reward = PythonReward(lambda s, p, lab: 1.0, name="one")
-    settings = RolloutSettings(n_samples=1, engine_failure_limit=3, tokenize_prompts=False)
+    settings = EpisodeSettings(engine_failure_limit=3, tokenize_prompts=False)
     # One engine of two answers garbage: it is ejected (not fatal) and the good one does the rest.
     client = EngineClient(EngineSettings(urls=("http://good", "http://garbage"), max_new_tokens=16,
                                          eject_after=3, health_interval=60.0),
                           transport=httpx.MockTransport(RoutedEngines()))
-    roll = Rollout(client, reward, settings)
+    roll = Rollout(client, reward, 1, settings)
     statuses = [(await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status for index in range(20)]
     # Each group's key names its engine (cache-aware routing): the garbage engine gets its share
     # until its third unusable reply, then nothing.
@@ -272,7 +272,7 @@ async def test_a_broken_engine_among_good_ones_is_taken_out_and_all_broken_engin
     # Two engines broken in different ways: after 3 prompts neither has 3 alone, all engines have.
     client = EngineClient(EngineSettings(urls=("http://refusing", "http://garbage"), max_new_tokens=16),
                           transport=httpx.MockTransport(RoutedEngines()))
-    roll = Rollout(client, reward, settings)
+    roll = Rollout(client, reward, 1, settings)
     for index in range(2):
         assert (await roll.run(Prompt(index=index, prompt="x"), admitted_version=0)).status == Status.FAILED
     expected = r"^all engines gave no usable reply for 3 distinct prompts in a row \(none usable from any"

@@ -22,9 +22,10 @@ from rollstream.consumer import GroupConsumer
 from rollstream.engines import WeightSync, WeightSyncError
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
+from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.tokenizer import PromptTokenizer
-from rollstream.producer.worker import Producer, ProducerSettings
+from rollstream.producer.worker import Producer
 from rollstream.testing.server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize, tokenize
@@ -57,7 +58,7 @@ async def test_a_sample_generated_across_an_update_records_both_versions_and_whe
     redis_url: str, redis: Redis, ns: str
 ) -> None:
     async with SimEngine(SLOW) as sim, _client(sim.url) as client:
-        rollout = Rollout(client, _reward(), RolloutSettings(n_samples=2))
+        rollout = Rollout(client, _reward(), 2)
         run = asyncio.create_task(rollout.run(Prompt(index=0, prompt="Compute 1 + 1.", label="2"), 0))
         await wait_until(lambda: sim.state.running == 2, timeout=10, message="both samples generating")
         await asyncio.sleep(0.3)  # some tokens on version 0 (the split point is measured, not assumed)
@@ -78,7 +79,7 @@ async def test_a_sample_generated_across_an_update_records_both_versions_and_whe
 
 async def test_an_abort_keeps_the_partial_tokens_of_an_aborted_sample() -> None:
     async with SimEngine(SLOW) as sim, _client(sim.url) as client:
-        rollout = Rollout(client, _reward(), RolloutSettings(n_samples=2, partial_rollout=True))
+        rollout = Rollout(client, _reward(), 2, partial_rollout=True)
         run = asyncio.create_task(rollout.run(Prompt(index=0, prompt="Compute 1 + 1.", label="2"), 0))
         await wait_until(lambda: sim.state.running == 2, timeout=10, message="both samples generating")
         await asyncio.sleep(0.2)
@@ -124,7 +125,7 @@ async def test_bad_spans_fail_the_sample_with_a_reason() -> None:
 
     settings = EngineSettings(urls=("http://e",), api="vllm")
     async with EngineClient(settings, transport=httpx.MockTransport(handler)) as client:
-        rollout = Rollout(client, _reward(), RolloutSettings(n_samples=1))
+        rollout = Rollout(client, _reward(), 1)
         group = await rollout.run(Prompt(index=0, prompt="q", label="a", input_ids=array("i", [1])), 0)
     assert group.samples[0].status == Status.FAILED
     assert "spans" in (group.samples[0].error or "")

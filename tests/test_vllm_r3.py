@@ -23,7 +23,7 @@ from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineReplyInvalid, EngineSettings
 from rollstream.producer.engine.vllm_replay import decode_npy_routed_experts, routed_experts_of
 from rollstream.producer.rewards import PythonReward
-from rollstream.producer.rollout import Rollout, RolloutSettings
+from rollstream.producer.rollout import Rollout
 from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert
 
 MOE = (4, 2, 16)
@@ -99,12 +99,12 @@ async def test_every_sample_of_a_vllm_reply_carries_its_own_rows() -> None:
         settings = EngineSettings(urls=(engine.url,), api="vllm", max_new_tokens=64, routed_experts=MOE)
         async with EngineClient(settings) as client:
             reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
-            group = await Rollout(client, reward, RolloutSettings(n_samples=3)).run(
+            group = await Rollout(client, reward, 3).run(
                 Prompt(index=0, prompt="Compute 2 + 3."), 0
             )
         without = EngineSettings(urls=(engine.url,), api="vllm", max_new_tokens=8)
         async with EngineClient(without) as client:
-            plain = await Rollout(client, reward, RolloutSettings(n_samples=1)).run(Prompt(index=1, prompt="1 + 1"), 0)
+            plain = await Rollout(client, reward, 1).run(Prompt(index=1, prompt="1 + 1"), 0)
     assert group.status in (Status.COMPLETED, Status.TRUNCATED)
     for sample in group.samples:
         _check_rows(sample)
@@ -116,7 +116,7 @@ async def test_a_vllm_without_the_flag_fails_the_group_with_the_fix() -> None:
         settings = EngineSettings(urls=(engine.url,), api="vllm", max_new_tokens=16, routed_experts=MOE)
         async with EngineClient(settings) as client:
             reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
-            group = await Rollout(client, reward, RolloutSettings(n_samples=2)).run(Prompt(index=0, prompt="2 + 2"), 0)
+            group = await Rollout(client, reward, 2).run(Prompt(index=0, prompt="2 + 2"), 0)
     assert group.status == Status.FAILED
     assert all("enable-return-routed-experts" in (s.error or "") for s in group.samples), group.samples
 

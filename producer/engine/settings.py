@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.backoff import Backoff
 from rollstream.common.errors import ConfigError
+from rollstream.common.settings_fields import option, set_by
 
 from .dialects import DIALECTS
 
@@ -46,68 +48,77 @@ def reply_byte_bound(
 class EngineSettings:
     """How to reach the engines and what to ask them for."""
 
-    urls: tuple[str, ...]
+    urls: tuple[str, ...] = option(
+        (), flag="--engine", parse=str, repeat=True, convert=tuple, metavar="URL",
+        help="engine URL (repeatable; or --engines-from-registry)")
     """The ``--engine`` URLs (may be empty when ``registry_urls`` are given)."""
-    api: str = "sglang"
+    api: str = option(
+        "sglang", flag="--engine-api", choices=ENGINE_APIS,
+        help="the engines' API; vllm: vLLM's /inference/v1/generate (token ids, weight version spans)")
     """An engine API: a key of :data:`~.dialects.DIALECTS`."""
-    model: str | None = None
-    """Model name for OpenAI-compatible servers (required there)."""
-    max_new_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    model: str | None = option(None, parse=str, help="model name (OpenAI-compatible engines; required there)")
+    max_new_tokens: int = option(1024, stored=True, help="tokens one sample may generate at most")
+    temperature: float = option(1.0, stored=True, help="sampling temperature")
+    top_p: float = option(1.0, stored=True, help="nucleus sampling's top-p")
+    sampling_params: Mapping[str, Any] = set_by("the run's stored rollout flags (their sampling_params)", factory=dict)
     """Extra sampling parameters passed through as they are."""
-    request_timeout: float = 3600.0
-    """Seconds one generation request may take in total, body included (not per read); past
-    it the sample fails with :class:`EngineReplyInvalid` ``deadline``."""
-    connect_timeout: float = 5.0
-    max_reply_bytes: int | None = None
-    """Largest reply body accepted (bytes, checked while reading); larger fails the sample.
-    None (the default): derived per request from what it can legitimately return
-    (:func:`reply_byte_bound`), so the replies in flight take at most about ``concurrency`` x
-    the bound of one sample."""
-    max_retries: int = 5
-    backoff_base: float = 0.2
-    backoff_max: float = 10.0
-    max_connections: int = 512
-    model_info_timeout: float = 2.0
-    model_info_ttl: float = 5.0
-    return_logprob: bool = True
-    request_seed: bool = False
-    """Send a random per-request ``seed`` (vLLM API only). Off: a seeded request that the CPU
-    engine reschedules (pause ``keep``, the recompute after a weight reload) kills it."""
-    routed_experts: tuple[int, int, int] | None = None
-    """``(layers, topk, experts)``: ask for the routing replay (SGLang ``return_routed_experts``;
-    vLLM sends ``choices[].routed_experts`` unasked, see producer/engine/vllm_replay.py; both servers
-    run with ``--enable-return-routed-experts``) and check it against this shape."""
-    engine_stats: bool = False
-    """Record SGLang's prefix-cache and speculative-decoding counters per sample (``spec_info``,
-    ``prefix_cache_info``: wire format v3)."""
-    health_interval: float = 2.0
-    """Seconds between the fleet monitor's rounds (probes of engines in trouble, see ``fleet.py``)."""
-    health_timeout: float = 5.0
-    """A ``/health`` probe unanswered this long, while requests wait on the engine: wedged."""
-    eject_after: int = 3
-    """Failed requests in a row (5xx, unusable replies) that take an engine out of routing;
-    a refused or reset connection takes it out at once. Never the last routed engine."""
-    balance: float = 0.25
-    """Bounded load of cache-aware routing: no engine above ``(1 + balance)`` x the mean."""
-    no_engine_timeout: float = 120.0
-    """Seconds a request waits for a routed engine (all out, probed) before it fails: fatal."""
-    drain_timeout: float = 300.0
-    """Seconds a drained engine's requests may still run before they are retried elsewhere."""
-    adaptive_concurrency: bool = True
-    """Limit each engine's samples in flight by its own load (KV usage, waiting requests,
-    preemptions), between ``concurrency_floor`` and the producer's concurrency (see ``load.py``)."""
-    concurrency_floor: int = 4
-    load_interval: float = 1.0
-    """Seconds between readings of each engine's load (with ``adaptive_concurrency``)."""
-    catch_up: bool = False
-    """Load the trainer's recorded weights (``Keys.weights``) into an engine found behind, then
-    let it rejoin (``--catch-up-engines``)."""
-    registry_urls: tuple[str, ...] = ()
-    """Engines from the engine registry at start (``--engines-from-registry`` without
-    ``--engine``): dropped once the registry forgets them, as engines that join later."""
+    request_timeout: float = option(
+        3600.0, help="seconds one engine request may take in total, reply body included")
+    """Not per read: past it the sample fails with :class:`EngineReplyInvalid` ``deadline``."""
+    connect_timeout: float = option(5.0, help="seconds to connect to an engine")
+    max_reply_bytes: int | None = option(
+        None, flag="--max-reply-mib", parse=float, convert=lambda mib: int(mib * 2**20),
+        help="largest engine reply accepted, in MiB (checked while reading); default: derived per request "
+             "from --max-new-tokens, n and log-probs (docs/engines.md)")
+    """Larger fails the sample. None (the default): derived per request from what it can
+    legitimately return (:func:`reply_byte_bound`), so the replies in flight take at most about
+    ``concurrency`` x the bound of one sample."""
+    max_retries: int = option(5, help="engine retries per request")
+    backoff_base: float = option(0.2, flag="--retry-backoff", help="seconds before an engine request's first retry")
+    backoff_max: float = option(10.0, flag="--retry-backoff-max", help="the most seconds between two retries")
+    max_connections: int = option(512, help="HTTP connections to the engines at most")
+    model_info_timeout: float = option(2.0, help="seconds to wait for an engine's weight version")
+    model_info_ttl: float = option(5.0, help="seconds an engine's weight version is believed before it is re-read")
+    return_logprob: bool = option(True, help="ask the engines for each sampled token's log-prob")
+    request_seed: bool = option(
+        False, help="send a random per-request seed (vllm API; kills vLLM's CPU engine on reschedule)")
+    """Off: a seeded request that the CPU engine reschedules (pause ``keep``, the recompute after
+    a weight reload) kills it."""
+    routed_experts: tuple[int, int, int] | None = option(
+        None, parse=lambda value: parse_moe_shape(value), metavar="LAYERSxTOPKxEXPERTS",
+        help="ask the engine for the MoE routing replay (R3: SGLang's return_routed_experts, vLLM's "
+             "choices[].routed_experts with --engine-api vllm; the server runs with "
+             "--enable-return-routed-experts), e.g. 48x8x128; checked against this shape")
+    """See producer/engine/vllm_replay.py for vLLM's form."""
+    engine_stats: bool = option(
+        False, help="record SGLang's prefix-cache and speculative-decoding counters per sample (wire format v3)")
+    health_interval: float = option(
+        2.0, help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
+    health_timeout: float = option(
+        5.0, help="an engine whose /health gives no answer this long while its requests wait is wedged")
+    eject_after: int = option(
+        3, help="failed requests in a row (5xx, unusable replies) that take an engine out of routing")
+    """A refused or reset connection takes it out at once. Never the last routed engine."""
+    balance: float = option(
+        0.25, flag="--route-balance", help="cache-aware routing keeps each engine within (1 + this) x the mean load")
+    no_engine_timeout: float = option(
+        120.0, help="seconds a request waits while no engine is usable before the producer fails")
+    drain_timeout: float = option(
+        300.0, flag="--engine-drain-timeout",
+        help="seconds a drained engine's requests may still run before they are retried elsewhere")
+    adaptive_concurrency: bool = option(
+        True, help="limit each engine's samples in flight by its own load (KV usage, preemptions), between "
+                   "--concurrency-floor and --concurrency (docs/engines.md)")
+    """See ``load.py``."""
+    concurrency_floor: int = option(4, help="the least samples in flight an engine's adaptive limit allows")
+    load_interval: float = option(1.0, help="seconds between readings of each engine's load (adaptive concurrency)")
+    catch_up: bool = option(
+        False, flag="--catch-up-engines",
+        help="load the trainer's recorded weights (WeightSync.update, GroupConsumer.record_weights) into "
+             "an engine found behind, then let it rejoin (docs/engines.md)")
+    """From ``Keys.weights``."""
+    registry_urls: tuple[str, ...] = set_by("the engine registry, with --engines-from-registry and no --engine", ())
+    """Dropped once the registry forgets them, as engines that join later."""
 
     def __post_init__(self) -> None:
         if not self.urls and not self.registry_urls:
@@ -164,3 +175,15 @@ class EngineSettings:
     def backoff(self) -> Backoff:
         """The retry delays: from ``backoff_base`` seconds, at most ``backoff_max``, jittered."""
         return Backoff(self.backoff_base, self.backoff_max)
+
+
+def parse_moe_shape(value: str) -> tuple[int, int, int]:
+    """``LAYERSxTOPKxEXPERTS`` (e.g. ``48x8x128``) as three positive ints (argparse type)."""
+    parts = value.lower().split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not LAYERSxTOPKxEXPERTS (e.g. 48x8x128)")
+    return (shape[0], shape[1], shape[2])
