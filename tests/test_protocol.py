@@ -138,8 +138,8 @@ def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
 # -- docs/architecture.md's "where a change goes" ------------------------------------------
 
 CHANGES = (
-    "a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new rollout plug-in",
-    "a new sample field",
+    "a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new producer option",
+    "a new rollout plug-in", "a new sample field",
 )
 _PATH = re.compile(r"`([A-Za-z0-9_./<>-]+(?:\.py|\.md|\.template|/))`")
 
