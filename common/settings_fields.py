@@ -129,8 +129,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, stored_note: str = 
             continue
         owner = leaf.path.rpartition(".")[0]
         if owner not in groups:
-            doc = (_class_at(cls, owner).__doc__ or "").strip().split("\n")[0]
-            groups[owner] = parser.add_argument_group(owner or "options", doc or None)
+            doc = (_class_at(cls, owner).__doc__ or "").strip().split("\n")[0].replace("``", "")
+            groups[owner] = parser.add_argument_group(owner or parser.prog.split()[-1], doc or None)
         default = leaf.default
         kwargs: dict[str, Any] = {"dest": leaf.dest, "default": None,
                                   "help": _help(declared, leaf.field.default, stored_note)}

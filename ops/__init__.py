@@ -6,7 +6,7 @@ from rollstream.common.admission import DEFAULT_STALL_AFTER
 
 from .actions import pause, release_consumer, resume
 from .deadletter import DeadEntry, dead_entries, dead_entry, drop_dead, requeue_dead
-from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, judge
+from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, assess
 from .namespaces import delete_namespace, existing_keys, list_namespaces
 from .snapshot import SCHEMA_VERSION, snapshot
 
@@ -16,12 +16,12 @@ __all__ = [
     "LEASE_WARNING_FRACTION",
     "SCHEMA_VERSION",
     "DeadEntry",
+    "assess",
     "dead_entries",
     "dead_entry",
     "delete_namespace",
     "drop_dead",
     "existing_keys",
-    "judge",
     "list_namespaces",
     "pause",
     "release_consumer",

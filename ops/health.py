@@ -43,7 +43,7 @@ def _memory(memory: dict[str, Any] | None, problems: list[str], warnings: list[s
         )
 
 
-def judge(
+def assess(
     snap: dict[str, Any], stuck_after: float, now: int, *, terms: AdmissionTerms | None = None
 ) -> dict[str, Any]:
     """The verdict on one snapshot: problems make it unhealthy, warnings do not. ``terms``: the

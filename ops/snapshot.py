@@ -2,7 +2,7 @@
 
 The CLI renders it as a screen or prints it as JSON; the JSON keys are a stable interface
 (documented in ``docs/operations.md``), so every field here is added, never renamed. The
-snapshot also judges health, so the exit code of ``inspect`` and what an operator reads agree.
+snapshot also assesses health, so the exit code of ``inspect`` and what an operator reads agree.
 Everything is read with non-blocking commands (XLEN, XPENDING, XINFO, HGETALL, XREVRANGE).
 """
 
@@ -22,7 +22,7 @@ from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
 from ._fields import text as _text
-from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, judge
+from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, assess
 
 SCHEMA_VERSION = 1
 _PENDING_SCAN_LIMIT = 10_000
@@ -297,5 +297,5 @@ async def snapshot(
         limit = memory["maxmemory"]
         memory["used_fraction"] = round(memory["used_memory"] / limit, 4) if limit else None
     snap["redis_memory"] = memory
-    snap["health"] = judge(snap, stuck_after, now, terms=terms)
+    snap["health"] = assess(snap, stuck_after, now, terms=terms)
     return snap

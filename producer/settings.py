@@ -31,9 +31,10 @@ def default_producer_name() -> str:
 
 @dataclass(frozen=True, slots=True)
 class EpisodeSettings:
-    """What the rollout needs of its producer: the plug-in, its caps, and when a part that keeps
-    failing is broken (fatal) rather than unlucky; counted over distinct prompts in a row, with
-    no success in between."""
+    """What the rollout needs of its producer: the plug-in, its caps, the failure limits.
+
+    A part that keeps failing is broken (fatal) rather than unlucky when it failed on a limit's
+    number of distinct prompts in a row, with no success in between."""
 
     generate: GenerateFunction | None = set_by("the --generate spec, loaded (ProduceOptions.generate)", None)
     """The rollout plug-in; None: the single-turn rollout."""
