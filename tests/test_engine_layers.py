@@ -82,7 +82,7 @@ def test_a_dialect_encodes_and_decodes_without_a_client() -> None:
 def test_weight_versions_are_parsed_in_one_place() -> None:
     """``int(...weight_version...)`` parsing outside common/versions.py is a second copy."""
     copies = []
-    for folder in ("producer", "integrations", "engines", "consumer", "ops", "cli"):
+    for folder in ("producer", "integrations", "weight_sync", "consumer", "ops", "cli"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text()
             if "def parse_version" in text or "def parse_weight_version" in text:
