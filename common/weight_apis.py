@@ -45,7 +45,7 @@ class Call:
 
 def _fill(value: Any, path: str, version: int) -> Any:
     if isinstance(value, Slot):
-        return path if value is WEIGHTS_PATH else str(version)
+        return path if value.name == "path" else str(version)
     if isinstance(value, Mapping):
         return {k: _fill(v, path, version) for k, v in value.items()}
     if isinstance(value, list | tuple):

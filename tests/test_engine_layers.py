@@ -43,7 +43,7 @@ def test_http_libraries_are_imported_only_by_the_transport() -> None:
 
 
 CONTRACT = ("name", "batches_samples", "accepts_messages", "needs_token_ids", "needs_model", "replies_carry_versions",
-            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths")
+            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths", "weights")
 
 
 def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
