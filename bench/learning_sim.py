@@ -31,13 +31,13 @@ from typing import Any
 from rollstream.common.connection import connect
 from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
-from rollstream.engines import WeightSync
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.settings import EpisodeSettings, ProducerSettings
 from rollstream.producer.worker import Producer
 from rollstream.testing.learning import Bound
 from rollstream.testing.server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
+from rollstream.weight_sync import WeightSync
 
 from bench.common import ConstReward, Table, add_prompts, init_ns
 

@@ -7,7 +7,7 @@ start vLLM on it, an embedded Redis, the feeder and the producers (``--engine-ap
 train with GRPO: take a batch, recompute the samples' log-probs with the trainer's weights (the
 rollout-vs-trainer log-prob gap), one policy-gradient step with the off-policy correction
 (``--correction tis|mis|none``), save the weights and move vLLM and rollstream to the new
-version with :class:`rollstream.engines.WeightSync`. A live table per step; ``steps.json`` and
+version with :class:`rollstream.weight_sync.WeightSync`. A live table per step; ``steps.json`` and
 ``learning.png`` in ``--out``.
 
 ``--schedule sync|one-off|async`` (issue 30; docs/benchmarks.md): sync generates a batch on the

@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports eac
     )
     from rollstream.common.models import Group, Prompt, Sample, Status
     from rollstream.consumer import Batch, ConsumerOptions, GroupConsumer, SyncGroupConsumer
-    from rollstream.engines import WeightSync, WeightSyncError
     from rollstream.producer.episode import (
         Episode,
         EpisodeInfo,
@@ -42,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports eac
         Trajectory,
         Turn,
     )
+    from rollstream.weight_sync import WeightSync, WeightSyncError
 
 _EXPORTS = {
     **dict.fromkeys(("Group", "Prompt", "Sample", "Status"), "rollstream.common.models"),
@@ -50,7 +50,7 @@ _EXPORTS = {
         ("Episode", "EpisodeInfo", "GenerateFunction", "SamplingParams", "Trajectory", "Turn"),
         "rollstream.producer.episode",
     ),
-    **dict.fromkeys(("WeightSync", "WeightSyncError"), "rollstream.engines"),
+    **dict.fromkeys(("WeightSync", "WeightSyncError"), "rollstream.weight_sync"),
     **dict.fromkeys(
         ("AllGroupsStale", "ConfigError", "DecodeError", "EpisodeAborted", "GenerateBroken", "PipelineStalled",
          "ProducerFailed", "RollstreamError"),

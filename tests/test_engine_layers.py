@@ -43,7 +43,7 @@ def test_http_libraries_are_imported_only_by_the_transport() -> None:
 
 
 CONTRACT = ("name", "batches_samples", "accepts_messages", "needs_token_ids", "needs_model", "replies_carry_versions",
-            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths")
+            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths", "weights")
 
 
 def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
@@ -82,7 +82,7 @@ def test_a_dialect_encodes_and_decodes_without_a_client() -> None:
 def test_weight_versions_are_parsed_in_one_place() -> None:
     """``int(...weight_version...)`` parsing outside common/versions.py is a second copy."""
     copies = []
-    for folder in ("producer", "integrations", "engines", "consumer", "ops", "cli"):
+    for folder in ("producer", "integrations", "weight_sync", "consumer", "ops", "cli"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text()
             if "def parse_version" in text or "def parse_weight_version" in text:

@@ -58,7 +58,7 @@ def test_every_error_is_in_the_tree_and_the_drawing() -> None:
         ("rollstream.producer.session", "InvalidResult"),
         ("rollstream.integrations.endpoints", "EndpointRefused"),
         ("rollstream.integrations.endpoints", "ConversationDiverged"),
-        ("rollstream.engines", "WeightSyncError"),
+        ("rollstream.weight_sync", "WeightSyncError"),
     ],
 )
 def test_errors_stay_importable_where_they_were(module: str, name: str) -> None:

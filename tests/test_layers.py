@@ -1,7 +1,7 @@
 """The import rules of docs/architecture.md, read from the source (ast), so a wrong-way import
 fails the suite instead of slowly tangling the packages.
 
-Layers, top to bottom: cli -> integrations / ops / testing -> producer, consumer, engines -> common.
+Layers, top to bottom: cli -> integrations / ops / testing -> producer, consumer, weight_sync -> common.
 An import may only point down (or stay inside its own package); producer and consumer never
 import each other; Redis key names are spelled only in ``common/keys.py``.
 """
@@ -25,7 +25,7 @@ FOLDERS = {
     "consumer": "rollstream.consumer",
     "ops": "rollstream.ops",
     "integrations": "rollstream.integrations",
-    "engines": "rollstream.engines",
+    "weight_sync": "rollstream.weight_sync",
     "testing": "rollstream.testing",
     "cli": "rollstream.cli",
 }
@@ -34,11 +34,11 @@ ALLOWED = {
     "common": {"common"},
     "producer": {"producer", "common"},
     "consumer": {"consumer", "common"},
-    "engines": {"engines", "common"},
+    "weight_sync": {"weight_sync", "common"},
     "ops": {"ops", "producer", "consumer", "common"},
     "integrations": {"integrations", "testing", "producer", "consumer", "common"},
-    "testing": {"testing", "producer", "consumer", "engines", "common"},
-    "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "engines", "common", "rollstream"},
+    "testing": {"testing", "producer", "consumer", "weight_sync", "common"},
+    "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "weight_sync", "common", "rollstream"},
 }
 HAND_BUILT_KEY = re.compile(r"\}:|:\{")
 KEY_LITERAL = re.compile(r"rollstream:(?! )")  # "rollstream: error: ..." is a message, not a key

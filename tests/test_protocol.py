@@ -182,7 +182,7 @@ def _row_namespaces(row: str) -> tuple[list[Any], dict[str, set[str]]]:
                 tests[path.name] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
                 tests[path.name] |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
                                      if isinstance(t, ast.Name)}
-            elif path.suffix == ".py" and relative.split("/")[0] in (*LIBRARY, "testing", "engines"):
+            elif path.suffix == ".py" and relative.split("/")[0] in (*LIBRARY, "testing", "weight_sync"):
                 parts = path.with_suffix("").relative_to(ROOT).parts
                 parts = parts[:-1] if parts[-1] == "__init__" else parts
                 modules.append(importlib.import_module(".".join(("rollstream", *parts))))

@@ -29,10 +29,10 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Sample, Status
 from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
-from rollstream.engines import WeightSync
 from rollstream.testing.server import free_port
 from rollstream.testing.tiny_model import addition_prompts
 from rollstream.testing.vllm_server import vllm_python
+from rollstream.weight_sync import WeightSync
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "tokenizers"))
 VLLM_PYTHON = vllm_python() if HAVE_TORCH else None

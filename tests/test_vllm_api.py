@@ -1,5 +1,5 @@
 """vLLM's own API (``--engine-api vllm``: /inference/v1/generate with weight version spans) and the
-trainer's weight sync (``rollstream.engines``), on the simulator over real HTTP and real Redis.
+trainer's weight sync (``rollstream.weight_sync``), on the simulator over real HTTP and real Redis.
 The same paths against a real vLLM are in tests/test_vllm.py (slow)."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Status
 from rollstream.consumer import GroupConsumer
-from rollstream.engines import WeightSync, WeightSyncError
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout
@@ -29,6 +28,7 @@ from rollstream.producer.worker import Producer
 from rollstream.testing.server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize, tokenize
+from rollstream.weight_sync import WeightSync, WeightSyncError
 
 SLOW = SimConfig(seed=4, mean_tokens=60, length_sigma=0, latency_per_token=0.02)  # ~1.2 s per sample
 

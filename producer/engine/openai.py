@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from rollstream.common.weight_apis import VLLM_WEIGHTS
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
 from .types import Encoded, EngineReplyInvalid, Generation, Request
-from .vllm import vllm_reload_requests
 
 if TYPE_CHECKING:
     from .settings import EngineSettings
@@ -161,8 +161,10 @@ class OpenAI:
     abort_body: Mapping[str, Any] = {"abort_all": True}
     load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics
 
+    weights = VLLM_WEIGHTS  # vLLM's dev-mode endpoints behind its OpenAI server
+
     def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return vllm_reload_requests(path, version)  # vLLM's dev-mode endpoints behind its OpenAI server
+        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         n = request.n

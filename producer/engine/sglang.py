@@ -28,6 +28,7 @@ import msgspec
 from rollstream.common.errors import PromptNotSupported
 from rollstream.common.models import Packed
 from rollstream.common.versions import parse_version
+from rollstream.common.weight_apis import SGLANG_WEIGHTS
 
 from .parse import TokenId, check_logprobs, decode, floats, ids
 from .types import Encoded, EngineReplyInvalid, Generation, Request
@@ -204,8 +205,10 @@ class SGLang:
     abort_body: Mapping[str, Any] = {"abort_all": True}
     load_paths: tuple[str, ...] = ("/v1/loads", "/get_load", "/metrics")
 
+    weights = SGLANG_WEIGHTS
+
     def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return [("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})]
+        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         if request.messages is not None:

@@ -19,6 +19,8 @@ from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  #
 from rollstream.common.models import Packed
 
 if TYPE_CHECKING:
+    from rollstream.common.weight_apis import WeightAPI
+
     from .settings import EngineSettings
 
 Messages = Sequence[Mapping[str, Any]]
@@ -116,9 +118,13 @@ class Dialect(Protocol):
     load_paths: tuple[str, ...]
     """Endpoints of the engine's own load, tried in order (:mod:`.load`)."""
 
+    weights: WeightAPI
+    """The server's weight-update endpoints (``common/weight_apis.py``, also the trainer's
+    ``WeightSync``'s): where ``reload_requests`` comes from."""
+
     def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
         """The POSTs that load the weights at ``path`` as ``version`` into one engine (an engine
-        found behind, ``--catch-up-engines``), in order."""
+        found behind, ``--catch-up-engines``), in order: ``weights.catch_up_requests``."""
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         """The request to send (``PromptNotSupported`` for a prompt this API cannot take)."""

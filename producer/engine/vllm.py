@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import msgspec
 from rollstream.common.errors import PromptNotSupported
 from rollstream.common.versions import parse_version
+from rollstream.common.weight_apis import VLLM_WEIGHTS
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
 from .types import Encoded, EngineReplyInvalid, Generation, Request
@@ -126,12 +127,6 @@ def parse_vllm_generate(
 
 
 
-def vllm_reload_requests(path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-    """vLLM's dev-mode weight reload (``VLLM_SERVER_DEV_MODE=1``), then the version label."""
-    return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
-            ("/update_weight_version", {"new_version": str(version)})]
-
-
 class VLLM:
     """``--engine-api vllm``."""
 
@@ -147,9 +142,10 @@ class VLLM:
     abort_path = "/abort_requests"  # dev mode; an empty body aborts everything in flight
     abort_body: Mapping[str, Any] = {}
     load_paths: tuple[str, ...] = ("/metrics",)
+    weights = VLLM_WEIGHTS  # dev mode: /collective_rpc reload_weights, then /update_weight_version
 
     def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return vllm_reload_requests(path, version)
+        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         input_ids = request.input_ids

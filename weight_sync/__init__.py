@@ -19,11 +19,18 @@ frozen and continue on the new weights after the resume: their samples span two 
 say so). SGLang: ``abort`` and ``keep`` pause with ``abort`` / ``in_place``; ``wait`` does not
 pause (its ``/update_weights_from_disk`` waits for the requests in flight).
 
+Those endpoints are not written here: each engine server's are one
+:class:`~rollstream.common.weight_apis.WeightAPI` in :data:`~rollstream.common.weight_apis.WEIGHT_APIS`
+(``kind`` is its key), which the producer's catch-up of an engine found behind reads too. A new
+server is a declaration there; this module needs no edit.
+
 Engines are driven concurrently, each stage within its timeout. A failure raises
 :class:`WeightSyncError` naming the engine, the stage and the reply, and leaves producers paused
 (engines may hold different weights: the trainer retries :meth:`WeightSync.update`, which is
 safe to repeat, or stops). The consumer is anything with ``pause()`` and ``resume(version)``
-(a :class:`~rollstream.consumer.GroupConsumer`), so this module depends on nothing but httpx.
+(a :class:`~rollstream.consumer.GroupConsumer`), so this module depends on nothing but httpx
+and ``rollstream.common``. It was the package ``rollstream.engines`` until issue 31; users import
+``from rollstream import WeightSync``.
 """
 
 from __future__ import annotations
@@ -33,18 +40,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
 from rollstream.common.versions import version_of
+from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS, Call, PauseMode, WeightAPI
 
 logger = logging.getLogger(__name__)
 
-EngineKind = Literal["vllm", "sglang"]
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES = ("abort", "wait", "keep")
-_SGLANG_PAUSE = {"abort": "abort", "keep": "in_place"}
+EngineKind = str
+"""A key of :data:`~rollstream.common.weight_apis.WEIGHT_APIS` (``"vllm"``, ``"sglang"``)."""
 
 
 class Pausable(Protocol):
@@ -88,12 +94,13 @@ class WeightSync:
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
-        if kind not in ("vllm", "sglang"):
-            raise ConfigError(f"engine kind must be 'vllm' or 'sglang', got {kind!r}")
+        if kind not in WEIGHT_APIS:
+            raise ConfigError(f"engine kind must be one of {', '.join(WEIGHT_APIS)}, got {kind!r}")
         if timeout <= 0 or pause_timeout <= 0:
             raise ConfigError("timeout and pause_timeout must be positive")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.kind = kind
+        self.api: WeightAPI = WEIGHT_APIS[kind]
         self.timeout = timeout
         self.pause_timeout = pause_timeout
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(pause_timeout, connect=10.0), transport=transport)
@@ -123,7 +130,7 @@ class WeightSync:
             await self._timed(report, "pause producers", consumer.pause())
         await self._timed(report, "pause", self._each("pause", lambda url: self._pause(url, mode), self.pause_timeout))
         await self._timed(report, "reload", self._each("reload", lambda url: self._reload(url, weights_path, version)))
-        if self.kind == "vllm":
+        if self.api.set_version is not None:
             await self._timed(report, "set version", self.set_version(version, rollstream=None))
         await self._timed(report, "resume", self._each("resume", lambda url: self._resume(url, mode)))
         if consumer is not None:
@@ -138,17 +145,15 @@ class WeightSync:
     async def set_version(self, version: int, *, rollstream: Pausable | None = None) -> None:
         """Label the engines' current weights ``version`` (vLLM starts as ``"default"``, which
         is no version: call this once at the start), and rollstream's if given."""
-        if self.kind == "vllm":
-            await self._each(
-                "set version",
-                lambda url: self._post(url, "/update_weight_version", {"new_version": str(version)}, "set version"),
-            )
+        call = self.api.set_version
+        if call is not None:
+            await self._each("set version", lambda url: self._call(url, call, "set version", version=version))
         if rollstream is not None:
             await rollstream.resume(version)
 
     async def versions(self) -> dict[str, int | None]:
         """Each engine's weight version as it reports it (None: not an integer)."""
-        path = "/weight_info" if self.kind == "vllm" else "/get_model_info"
+        path = self.api.version_path
 
         async def one(url: str) -> int | None:
             return version_of(await self._request(url, "GET", path, None, "read version", self.timeout))
@@ -156,33 +161,28 @@ class WeightSync:
         results = await asyncio.gather(*(one(url) for url in self.urls))
         return dict(zip(self.urls, results, strict=True))
 
-    # -- per kind ---------------------------------------------------------------------
+    # -- the declared calls ------------------------------------------------------------
 
     async def _pause(self, url: str, mode: PauseMode) -> None:
-        if self.kind == "vllm":
-            # clear_cache (vLLM's default, said explicitly): with keep it preempts the frozen
-            # requests and recomputes their KV with the new weights at the resume, so every token
-            # after the split is the new weights'; without it they run on the old KV and match
-            # neither version (docs/engines.md, "keep")
-            await self._post(url, f"/pause?mode={mode}&clear_cache=true", None, "pause", self.pause_timeout)
-        elif mode in _SGLANG_PAUSE:
-            await self._post(url, "/pause_generation", {"mode": _SGLANG_PAUSE[mode]}, "pause", self.pause_timeout)
+        call = self.api.pause[mode]
+        if call is not None:
+            await self._call(url, call, "pause", self.pause_timeout)
 
     async def _reload(self, url: str, path: str, version: int) -> None:
-        if self.kind == "vllm":
-            body: dict[str, Any] = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-            await self._post(url, "/collective_rpc", body, "reload")
-        else:
-            body = {"model_path": path, "weight_version": str(version)}
-            reply = await self._post(url, "/update_weights_from_disk", body, "reload")
+        for call in self.api.reload:
+            reply = await self._call(url, call, "reload", path=path, version=version)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise WeightSyncError(url, "reload", str(reply.get("message", reply))[:500])
 
     async def _resume(self, url: str, mode: PauseMode) -> None:
-        if self.kind == "vllm":
-            await self._post(url, "/resume", None, "resume")
-        elif mode in _SGLANG_PAUSE:
-            await self._post(url, "/continue_generation", {}, "resume")
+        if self.api.pause[mode] is not None:  # a mode that did not pause does not resume
+            await self._call(url, self.api.resume, "resume")
+
+    async def _call(
+        self, url: str, call: Call, stage: str, seconds: float | None = None, *, path: str = "", version: int = 0
+    ) -> Any:
+        step, body = call.filled(path, version)
+        return await self._post(url, step, body, stage, seconds)
 
     # -- plumbing ---------------------------------------------------------------------
 

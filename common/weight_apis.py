@@ -1,0 +1,109 @@
+"""The engines' weight-update endpoints, declared once as data: read by the trainer's
+:class:`~rollstream.weight_sync.WeightSync` (pause, reload, version, resume) and by the producer's
+catch-up of an engine found behind (the dialects' ``reload_requests``), so a reload body is
+written in one place and neither reader compares engine names.
+
+It lives in common because both readers may import it and neither may import the other. A new
+engine server with its own endpoints is one :class:`WeightAPI` here and its line in
+:data:`WEIGHT_APIS`; a dialect names the declaration of the server it speaks to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+"""What happens to requests in flight at the pause: end them, let them finish, freeze them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A placeholder in a declared body, filled at the call (the weights' folder or the version)."""
+
+    name: Literal["path", "version"]
+
+
+WEIGHTS_PATH = Slot("path")
+VERSION = Slot("version")
+"""Filled with the version as a string (both servers take ``"3"``, not ``3``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One ``POST``: its path and JSON body (None: no body at all, which is not ``{}``)."""
+
+    path: str
+    body: Mapping[str, Any] | None = None
+
+    def filled(self, path: str, version: int) -> tuple[str, dict[str, Any] | None]:
+        """The path and body with the slots replaced."""
+        return self.path, None if self.body is None else _fill(self.body, path, version)
+
+
+def _fill(value: Any, path: str, version: int) -> Any:
+    if isinstance(value, Slot):
+        return path if value.name == "path" else str(version)
+    if isinstance(value, Mapping):
+        return {k: _fill(v, path, version) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_fill(v, path, version) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class WeightAPI:
+    """How one engine server pauses, loads weights from a folder, labels them and resumes.
+
+    A mode whose ``pause`` is None does not pause (and so does not resume); a reload reply
+    ``{"success": false}`` is a failure even with HTTP 200 (SGLang answers so). Every mode of
+    :data:`PAUSE_MODES` is a key of ``pause``."""
+
+    pause: Mapping[PauseMode, Call | None]
+    reload: tuple[Call, ...]
+    """In order; the bodies take :data:`WEIGHTS_PATH` and :data:`VERSION`."""
+    resume: Call
+    version_path: str
+    """``GET`` that answers the engine's ``weight_version``."""
+    set_version: Call | None = None
+    """Labels the current weights (None: the reload already does)."""
+
+    def catch_up_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
+        """The reload and the version label, in order: what loads ``path`` as ``version`` into an
+        engine without pausing it (the producer's ``--catch-up-engines``)."""
+        calls = (*self.reload, *((self.set_version,) if self.set_version is not None else ()))
+        out: list[tuple[str, Mapping[str, Any]]] = []
+        for call in calls:
+            step, body = call.filled(path, version)
+            out.append((step, body if body is not None else {}))
+        return out
+
+
+# clear_cache (vLLM's default, said explicitly): with keep it preempts the frozen requests and
+# recomputes their KV with the new weights at the resume, so every token after the split is the new
+# weights'; without it they run on the old KV and match neither version (docs/engines.md, "keep")
+VLLM_WEIGHTS = WeightAPI(
+    pause={mode: Call(f"/pause?mode={mode}&clear_cache=true") for mode in PAUSE_MODES},
+    reload=(Call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": WEIGHTS_PATH}}),),
+    set_version=Call("/update_weight_version", {"new_version": VERSION}),
+    resume=Call("/resume"),
+    version_path="/weight_info",
+)
+"""vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``), also behind its OpenAI server."""
+
+SGLANG_WEIGHTS = WeightAPI(
+    # wait does not pause: /update_weights_from_disk itself waits for the requests in flight
+    pause={
+        "abort": Call("/pause_generation", {"mode": "abort"}),
+        "wait": None,
+        "keep": Call("/pause_generation", {"mode": "in_place"}),
+    },
+    reload=(Call("/update_weights_from_disk", {"model_path": WEIGHTS_PATH, "weight_version": VERSION}),),
+    resume=Call("/continue_generation", {}),
+    version_path="/get_model_info",  # the gateway routes it, not /model_info
+)
+
+WEIGHT_APIS: dict[str, WeightAPI] = {"vllm": VLLM_WEIGHTS, "sglang": SGLANG_WEIGHTS}
+"""``WeightSync(kind=...)``: the engine servers whose weights rollstream can update."""

@@ -1,0 +1,84 @@
+"""WeightSync reads its HTTP calls from ``common/weight_apis.py``: the exact requests of each
+engine server and pause mode, pinned here, and the producer's catch-up built from the same
+declaration."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from rollstream import WeightSync
+from rollstream.common.errors import ConfigError, WeightSyncError
+from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS
+from rollstream.producer.engine.dialects import DIALECTS
+
+RELOAD_VLLM = ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/3"}})
+SET_VLLM = ("POST", "/update_weight_version", {"new_version": "3"})
+RELOAD_SGLANG = ("POST", "/update_weights_from_disk", {"model_path": "/ckpt/3", "weight_version": "3"})
+
+EXPECTED: dict[tuple[str, str], list[tuple[str, str, Any]]] = {
+    **{
+        ("vllm", mode): [
+            ("POST", f"/pause?mode={mode}&clear_cache=true", None), RELOAD_VLLM, SET_VLLM, ("POST", "/resume", None),
+        ]
+        for mode in PAUSE_MODES
+    },
+    ("sglang", "abort"): [("POST", "/pause_generation", {"mode": "abort"}), RELOAD_SGLANG,
+                          ("POST", "/continue_generation", {})],
+    ("sglang", "keep"): [("POST", "/pause_generation", {"mode": "in_place"}), RELOAD_SGLANG,
+                         ("POST", "/continue_generation", {})],
+    ("sglang", "wait"): [RELOAD_SGLANG],  # its reload waits for the requests in flight
+}
+"""The requests of ``update(None, "/ckpt/3", 3, mode=...)``, as WeightSync sent them before the
+declaration (body None: no body)."""
+
+
+def _recorder(seen: list[tuple[str, str, Any]], reply: dict[str, Any] | None = None) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.raw_path.decode()
+        seen.append((request.method, path, json.loads(request.content) if request.content else None))
+        return httpx.Response(200, json=reply or {"weight_version": "3"})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize(("kind", "mode"), sorted(EXPECTED))
+async def test_each_server_and_mode_sends_the_declared_requests_in_order(kind: str, mode: str) -> None:
+    seen: list[tuple[str, str, Any]] = []
+    async with WeightSync(["http://e"], kind=kind, transport=_recorder(seen)) as sync:
+        report = await sync.update(None, "/ckpt/3", 3, mode=mode)  # type: ignore[arg-type]
+        assert ("set version" in report.seconds) == (kind == "vllm")
+        assert seen == EXPECTED[kind, mode]
+        seen.clear()
+        assert await sync.versions() == {"http://e": 3}
+        assert seen == [("GET", WEIGHT_APIS[kind].version_path, None)]
+
+
+async def test_a_reload_answering_success_false_fails_the_stage() -> None:
+    seen: list[tuple[str, str, Any]] = []
+    reply = {"success": False, "message": "no such folder"}
+    async with WeightSync(["http://e"], kind="sglang", transport=_recorder(seen, reply)) as sync:
+        with pytest.raises(WeightSyncError, match="no such folder") as caught:
+            await sync.update(None, "/ckpt/3", 3)
+    assert caught.value.stage == "reload"
+
+
+def test_the_kind_is_checked_against_the_declared_servers() -> None:
+    with pytest.raises(ConfigError, match="one of vllm, sglang, got 'tgi'"):
+        WeightSync(["http://e"], kind="tgi")
+
+
+def test_every_server_declares_every_pause_mode() -> None:
+    for name, api in WEIGHT_APIS.items():
+        assert set(api.pause) == set(PAUSE_MODES), name
+        assert api.reload and api.version_path.startswith("/"), name
+
+
+def test_the_catch_up_is_the_declared_reload_then_the_version() -> None:
+    """The producer's ``--catch-up-engines`` sends what WeightSync's reload and set-version send."""
+    vllm = [(path, body) for _, path, body in (RELOAD_VLLM, SET_VLLM)]
+    assert DIALECTS["vllm"].reload_requests("/ckpt/3", 3) == vllm
+    assert DIALECTS["openai"].reload_requests("/ckpt/3", 3) == vllm  # vLLM's endpoints behind its OpenAI server
+    assert DIALECTS["sglang"].reload_requests("/ckpt/3", 3) == [RELOAD_SGLANG[1:]]
