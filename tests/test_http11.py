@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from rollstream.common.errors import EngineReplyInvalid
 from rollstream.producer.engine.http11 import MAX_HEAD_BYTES, Http11Transport
 from rollstream.producer.engine.transport import ERROR_BODY_BYTES
-from rollstream.producer.engine.types import EngineReplyInvalid
 
 from tests.redis_nodes import make_certs
 

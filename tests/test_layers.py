@@ -217,6 +217,31 @@ def test_the_name_checker_catches_two_modules_of_one_name(tmp_path: Path) -> Non
     assert same_names(tmp_path) == ["health: common/health.py, ops/health.py", "ops: common/ops/__init__.py, ops/__init__.py"]
 
 
+def reexport_shims(root: Path = ROOT) -> list[str]:
+    """``from m import X as X`` / ``import m as m`` in a library module: a name kept where it no
+    longer lives (callers should import it from its defining module)."""
+    return [
+        f"{path.relative_to(root).as_posix()}:{node.lineno} {alias.name}"
+        for _, path in library_files(root)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+        if alias.asname is not None and alias.asname == alias.name.rsplit(".", 1)[-1]
+    ]
+
+
+def test_no_reexport_shims() -> None:
+    found = reexport_shims()
+    assert not found, "`import X as X` re-export shims (import from the defining module):\n" + "\n".join(found)
+
+
+def test_the_shim_checker_catches_one(tmp_path: Path) -> None:
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "__init__.py").write_text("")
+    (tmp_path / "common" / "a.py").write_text("from common.errors import Boom as Boom\nimport json as js\n")
+    assert reexport_shims(tmp_path) == ["common/a.py:1 Boom"]
+
+
 def test_redis_key_names_only_in_the_keys_module() -> None:
     found = list(key_spellings())
     assert not found, "key names spelled outside common/keys.py:\n" + "\n".join(found)

@@ -31,6 +31,7 @@ producer falls back to the trainer's version at admission. A gateway is detected
 :meth:`EngineClient.tokenize` falls back to a worker's ``/tokenize``.
 """
 
+from rollstream.common.errors import EngineReplyInvalid
 from rollstream.common.versions import parse_version
 
 from .client import EngineClient, route_key
@@ -44,7 +45,7 @@ from .settings import (
     EngineSettings,
     reply_byte_bound,
 )
-from .types import EngineReplyInvalid, Generation, Messages
+from .types import Generation, Messages
 
 __all__ = [
     "ENGINE_APIS",

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rollstream.common.errors import EngineError, EngineRejected, PromptNotSupported
+from rollstream.common.errors import EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
 
 from .dialects import DIALECTS
 from .discovery import (
@@ -41,7 +41,7 @@ from .load import LOAD_BYTES, parse_load
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
-from .types import EngineReplyInvalid, Generation, Messages, Request
+from .types import Generation, Messages, Request
 
 if TYPE_CHECKING:
     from ..tokenizer import PromptTokenizer

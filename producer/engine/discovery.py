@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
+from rollstream.common.errors import EngineReplyInvalid
 from rollstream.common.versions import version_of
 
 from .http11 import Http11Transport
 from .parse import json_object
 from .transport import Transport
-from .types import EngineReplyInvalid
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ from collections import deque
 from typing import cast
 from urllib.parse import urlsplit
 
+from rollstream.common.errors import EngineReplyInvalid
+
 from .transport import ERROR_BODY_BYTES, Transport, too_large
-from .types import EngineReplyInvalid
 
 MAX_HEAD_BYTES = 65536
 """Longest response head (status line and headers) accepted."""

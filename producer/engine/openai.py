@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from rollstream.common.errors import EngineReplyInvalid
 from rollstream.common.weight_apis import VLLM_WEIGHTS
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
-from .types import Encoded, EngineReplyInvalid, Generation, Request
+from .types import Encoded, Generation, Request
 
 if TYPE_CHECKING:
     from .settings import EngineSettings

@@ -17,8 +17,7 @@ from array import array
 from typing import Annotated, Any, cast
 
 import msgspec
-
-from .types import EngineReplyInvalid
+from rollstream.common.errors import EngineReplyInvalid
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 """A token id that fits ``array('i')``; negative ids are refused."""

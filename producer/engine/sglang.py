@@ -25,13 +25,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-from rollstream.common.errors import PromptNotSupported
+from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
 from rollstream.common.models import Packed
 from rollstream.common.versions import parse_version
 from rollstream.common.weight_apis import SGLANG_WEIGHTS
 
 from .parse import TokenId, check_logprobs, decode, floats, ids
-from .types import Encoded, EngineReplyInvalid, Generation, Request
+from .types import Encoded, Generation, Request
 
 if TYPE_CHECKING:
     from .settings import EngineSettings

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from .types import EngineReplyInvalid
+from rollstream.common.errors import EngineReplyInvalid
 
 if TYPE_CHECKING:
     import httpx

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollstream.common.errors import EngineReplyInvalid as EngineReplyInvalid  # re-exported: defined in common.errors
 from rollstream.common.models import Packed
 
 if TYPE_CHECKING:

@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import msgspec
-from rollstream.common.errors import PromptNotSupported
+from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
 from rollstream.common.versions import parse_version
 from rollstream.common.weight_apis import VLLM_WEIGHTS
 
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
-from .types import Encoded, EngineReplyInvalid, Generation, Request
+from .types import Encoded, Generation, Request
 from .vllm_replay import routed_experts_of
 
 if TYPE_CHECKING:

@@ -23,9 +23,8 @@ import binascii
 import sys
 from array import array
 
+from rollstream.common.errors import EngineReplyInvalid
 from rollstream.common.models import Packed
-
-from .types import EngineReplyInvalid
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 4096
