@@ -10,7 +10,8 @@ from typing import Any
 import msgpack
 from rollstream.common.codec import check_lengths
 from rollstream.common.errors import DecodeError, InvalidResult
-from rollstream.common.models import Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Sample, Status
+from rollstream.common.sample_fields import Kind
 
 
 def as_samples(result: Any) -> list[Sample]:
@@ -91,13 +92,17 @@ def lengths_problem(sample: Sample) -> str | None:
     return None
 
 
+_FREE_FORM = tuple(f.name for f in SAMPLE_FIELDS if f.kind in (Kind.TEXT, Kind.REWARD, Kind.MAP, Kind.COUNTERS))
+"""The fields that hold whatever the user's code put there (msgpack encodes them as they are)."""
+
+
 def _not_plain(sample: Sample) -> str | None:
     """Why a free-form field of ``sample`` cannot be encoded (msgpack, as the codec does), or
     None: an object the codec cannot encode would stop the producer at publish (fatal) instead
     of failing one sample."""
     if not isinstance(sample.metadata, dict):
         return f"metadata is a {type(sample.metadata).__name__}, not a dict"
-    for name in ("metadata", "train_metadata", "spec_info", "prefix_cache_info", "reward", "response"):
+    for name in _FREE_FORM:
         value = getattr(sample, name)
         if value is not None and (problem := not_plain(value, name)) is not None:
             return problem
