@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -271,7 +272,7 @@ def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False, r
     return out
 
 
-def _packed_back(value: Any, f: SampleField, base: int, n: int) -> Packed | None:
+def _packed_back(value: Any, f: SampleField, base: int) -> Packed | None:
     if value is None:
         return None
     packed = Packed.of(value)
@@ -280,7 +281,7 @@ def _packed_back(value: Any, f: SampleField, base: int, n: int) -> Packed | None
     return packed
 
 
-def _floats_back(value: Any, f: SampleField, base: int, n: int) -> list[float] | None:
+def _floats_back(value: Any, f: SampleField, base: int) -> list[float] | None:
     if value is None:
         return None
     if hasattr(value, "tolist"):
@@ -288,20 +289,20 @@ def _floats_back(value: Any, f: SampleField, base: int, n: int) -> list[float] |
     return [float(v) for v in value]
 
 
-def _map_back(value: Any, f: SampleField, base: int, n: int) -> dict[str, Any] | None:
+def _map_back(value: Any, f: SampleField, base: int) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise TypeError(f"a {type(value).__name__}, not a dict")
     return value
 
 
-def _seconds_back(value: Any, f: SampleField, base: int, n: int) -> float:
+def _seconds_back(value: Any, f: SampleField, base: int) -> float:
     seconds = float(value or 0.0)
     if not math.isfinite(seconds):
         raise ValueError(f"{seconds!r}, not a finite number of seconds")
     return seconds
 
 
-def _counters_back(value: Any, f: SampleField, base: int, n: int) -> dict[str, int] | None:
+def _counters_back(value: Any, f: SampleField, base: int) -> dict[str, int] | None:
     """The framework's SpecInfo / PrefixCacheInfo as a dict; None when all zero (its default)."""
     if value is None:
         return None
@@ -311,21 +312,18 @@ def _counters_back(value: Any, f: SampleField, base: int, n: int) -> dict[str, i
     return values if any(values.values()) else None
 
 
-def _group_id_back(value: Any, f: SampleField, base: int, n: int) -> int | None:
-    """The inverse of ``base + value`` (the frameworks number it within the run)."""
-    if value is None:
-        return None
-    ours = int(value) - base
-    if not 0 <= ours < n:
-        raise ValueError(f"{value} is not one of its group's ({base} .. {base + n - 1})")
-    return ours
+def _group_id_back(value: Any, f: SampleField, base: int) -> int | None:
+    """The inverse of ``base + value`` (the frameworks number it within the run), so the trainer
+    sees the id the framework sample had, whatever the function numbered it (``sample.index``,
+    ``group_index``, ...)."""
+    return None if value is None else operator.index(value) - base
 
 
-def _adapter_back(value: Any, f: SampleField, base: int, n: int) -> Adapter | None:
+def _adapter_back(value: Any, f: SampleField, base: int) -> Adapter | None:
     return None if value is None else Adapter(str(value.name), int(value.slot))
 
 
-def _media_back(value: Any, f: SampleField, base: int, n: int) -> dict[str, Any] | None:
+def _media_back(value: Any, f: SampleField, base: int) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -333,11 +331,11 @@ def _media_back(value: Any, f: SampleField, base: int, n: int) -> dict[str, Any]
     return {k: Packed.of(v) if hasattr(v, "shape") and hasattr(v, "dtype") else v for k, v in value.items()}
 
 
-FromFramework = Callable[[Any, SampleField, int, int], Any]
+FromFramework = Callable[[Any, SampleField, int], Any]
 _FROM_FRAMEWORK: dict[Kind, FromFramework] = {
     Kind.PACKED: _packed_back,
     Kind.FLOATS: _floats_back,
-    Kind.FLAG: lambda value, f, base, n: bool(value),
+    Kind.FLAG: lambda value, f, base: bool(value),
     Kind.MAP: _map_back,
     Kind.SECONDS: _seconds_back,
     Kind.GROUP_ID: _group_id_back,
@@ -350,7 +348,7 @@ framework's value is its default; ``base`` = ``group_index * n``); ValueError or
 the value cannot be ours."""
 
 
-def framework_fields(fw: Any, base: int, n: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
+def framework_fields(fw: Any, base: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """The declared fields (``SampleField.framework``) of framework sample ``fw`` as ours, each by
     its kind's rule; a field the framework lacks is unset. With ``info`` (the rollstream metadata
     entry :func:`to_framework` writes) the GROUP_IDs and the fields the framework lacks come from
@@ -362,7 +360,7 @@ def framework_fields(fw: Any, base: int, n: int, info: dict[str, Any] | None = N
             continue
         value = getattr(fw, str(f.framework), None)
         try:
-            out[f.name] = _FROM_FRAMEWORK[f.kind](value, f, base, n)
+            out[f.name] = _FROM_FRAMEWORK[f.kind](value, f, base)
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{f.framework}: {exc}") from exc
     by_name = {f.name: f for f in _FRAMEWORK_FIELDS}
@@ -407,7 +405,7 @@ def from_framework(samples: Sequence[Any]) -> Group:
                 rollout_log_probs=None if fw.rollout_log_probs is None else list(fw.rollout_log_probs),
                 loss_mask=None if filled or fw.loss_mask is None else list(fw.loss_mask),
                 metadata=metadata,
-                **framework_fields(fw, base, len(samples), info),
+                **framework_fields(fw, base, info),
             )
         )
     return Group(

@@ -230,7 +230,7 @@ def from_framework_sample(
         if not math.isfinite(reward):
             raise InvalidResult(f"returned a non-finite reward {reward!r}")
     try:
-        declared = framework_fields(fw, info.index * info.n, info.n)
+        declared = framework_fields(fw, info.index * info.n)
     except ValueError as exc:
         raise InvalidResult(f"the returned sample's {exc}") from None
     sample = Sample(

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 from rollstream.common.codec import check_lengths
 from rollstream.common.errors import DecodeError, InvalidResult
-from rollstream.common.models import SAMPLE_FIELDS, Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Packed, Sample, Status
 from rollstream.common.sample_fields import Kind
 
 
@@ -94,6 +94,8 @@ def lengths_problem(sample: Sample) -> str | None:
 
 _FREE_FORM = tuple(f.name for f in SAMPLE_FIELDS if f.kind in (Kind.TEXT, Kind.REWARD, Kind.MAP, Kind.COUNTERS))
 """The fields that hold whatever the user's code put there (msgpack encodes them as they are)."""
+_MEDIA = tuple(f.name for f in SAMPLE_FIELDS if f.kind is Kind.MEDIA)
+"""Processed media: plain values beside the packed tensors."""
 
 
 def _not_plain(sample: Sample) -> str | None:
@@ -105,6 +107,15 @@ def _not_plain(sample: Sample) -> str | None:
     for name in _FREE_FORM:
         value = getattr(sample, name)
         if value is not None and (problem := not_plain(value, name)) is not None:
+            return problem
+    for name in _MEDIA:
+        media = getattr(sample, name)
+        if media is None:
+            continue
+        if not isinstance(media, dict):
+            return f"{name} is a {type(media).__name__}, not a dict"
+        plain = {k: v for k, v in media.items() if not isinstance(v, Packed)}  # tensors travel packed
+        if (problem := not_plain(plain, name)) is not None:
             return problem
     if not isinstance(sample.response, str):
         return f"response is a {type(sample.response).__name__}, not a str"

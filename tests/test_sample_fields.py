@@ -399,6 +399,16 @@ def test_a_framework_sample_a_generate_function_returns_keeps_every_mapped_field
         assert check_sample(back) is None
 
 
+@pytest.mark.parametrize("rollout_id", [None, 7 * 2 + 1, 7, 3], ids=["unset", "its-index", "group-index", "other"])
+def test_the_rollout_id_a_generate_function_sets_reaches_the_trainer_as_it_was(rollout_id: int | None) -> None:
+    group = full_group(2)
+    fw = to_framework(group, SLIME.sample_class())[1]
+    fw.rollout_id = rollout_id
+    back = _from_framework(fw, group, 1)
+    again = to_framework(dataclasses.replace(group, samples=[group.samples[0], back]), SLIME.sample_class())[1]
+    assert again.rollout_id == (fw.index if rollout_id is None else rollout_id)
+
+
 def _per_token_cases() -> list[Any]:
     cases = []
     for framework in (SLIME, MILES):
@@ -427,7 +437,7 @@ def test_a_per_token_field_of_the_wrong_length_is_an_invalid_result(
     ("attribute", "value", "match"),
     [
         ("train_metadata", [1], "train_metadata: a list, not a dict"),
-        ("rollout_id", 5, r"rollout_id: 5 is not one of its group's \(14 \.\. 15\)"),
+        ("rollout_id", "5", "rollout_id: 'str' object cannot be interpreted as an integer"),
         ("non_generation_time", float("inf"), "non_generation_time"),
         ("rollout_routed_experts", np.zeros((10, 6), dtype=np.int32), "not 3 dimensions"),
         ("multimodal_train_inputs", ["x"], "multimodal_train_inputs: a list"),
@@ -450,3 +460,14 @@ def test_check_sample_refuses_a_length_the_decoder_would(field: SampleField, sta
     short = example_value(field, len(sample.tokens) - 1, sample.response_length - 1)  # one short
     problem = check_sample(dataclasses.replace(sample, **{field.name: short}))
     assert problem is not None and (field.name in problem or field.name == "loss_mask"), problem
+
+
+def test_media_a_generate_function_returns_must_be_plain_data_or_tensors() -> None:
+    """Processed media now comes back from a framework sample: an object the codec cannot encode
+    fails the sample before publish (it would stop the producer at publish otherwise)."""
+    group = full_group(2)
+    fw = to_framework(group, MILES.sample_class())[0]
+    fw.multimodal_train_inputs = {**fw.multimodal_train_inputs, "image": object()}
+    back = _from_framework(fw, group, 0)
+    assert isinstance(back.multimodal_train_inputs["pixel_values"], Packed)
+    assert "multimodal_train_inputs is not plain data" in (check_sample(back) or "")
