@@ -27,6 +27,10 @@ framework's training path reads:
   siblings: ``group_index * n + rollout_id``), ``spec_info`` / ``prefix_cache_info`` as the
   framework's own classes, ``non_generation_time``, ``adapter`` (miles' ``AdapterRef``),
   ``multimodal_inputs`` (the group's) and ``multimodal_train_inputs`` (packed values as numpy).
+
+The way back of those declared fields, one rule per kind (:func:`framework_fields`), serves both
+:func:`from_framework` and the samples a slime/miles generate function returns on a producer
+(:mod:`.generate`), so a new field is converted both ways from its declaration.
 """
 
 from __future__ import annotations
@@ -315,7 +319,7 @@ def _counters_back(value: Any, f: SampleField, base: int) -> dict[str, int] | No
 def _group_id_back(value: Any, f: SampleField, base: int) -> int | None:
     """The inverse of ``base + value`` (the frameworks number it within the run), so the trainer
     sees the id the framework sample had, whatever the function numbered it (``sample.index``,
-    ``group_index``, ...)."""
+    ``group_index``, ...; exact while the group holds its ``n`` samples, as ``index`` is)."""
     return None if value is None else operator.index(value) - base
 
 
