@@ -27,12 +27,18 @@ framework's training path reads:
   siblings: ``group_index * n + rollout_id``), ``spec_info`` / ``prefix_cache_info`` as the
   framework's own classes, ``non_generation_time``, ``adapter`` (miles' ``AdapterRef``),
   ``multimodal_inputs`` (the group's) and ``multimodal_train_inputs`` (packed values as numpy).
+
+The way back of those declared fields, one rule per kind (:func:`framework_fields`), serves both
+:func:`from_framework` and the samples a slime/miles generate function returns on a producer
+(:mod:`.generate`), so a new field is converted both ways from its declaration.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -270,11 +276,16 @@ def to_framework(group: Group, sample_cls: Any, *, for_training: bool = False, r
     return out
 
 
-def _packed_or_none(value: Any) -> Packed | None:
-    return None if value is None else Packed.of(value)
+def _packed_back(value: Any, f: SampleField, base: int) -> Packed | None:
+    if value is None:
+        return None
+    packed = Packed.of(value)
+    if len(packed.shape) != f.ndim:
+        raise ValueError(f"shape {packed.shape}, not {f.ndim} dimensions")
+    return packed
 
 
-def _floats(value: Any) -> list[float] | None:
+def _floats_back(value: Any, f: SampleField, base: int) -> list[float] | None:
     if value is None:
         return None
     if hasattr(value, "tolist"):
@@ -282,42 +293,82 @@ def _floats(value: Any) -> list[float] | None:
     return [float(v) for v in value]
 
 
-def _counters_back(value: Any) -> dict[str, int] | None:
+def _map_back(value: Any, f: SampleField, base: int) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"a {type(value).__name__}, not a dict")
+    return value
+
+
+def _seconds_back(value: Any, f: SampleField, base: int) -> float:
+    seconds = float(value or 0.0)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{seconds!r}, not a finite number of seconds")
+    return seconds
+
+
+def _counters_back(value: Any, f: SampleField, base: int) -> dict[str, int] | None:
     """The framework's SpecInfo / PrefixCacheInfo as a dict; None when all zero (its default)."""
     if value is None:
         return None
     values = value.to_dict() if hasattr(value, "to_dict") else dict(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+        raise TypeError(f"not int counters: {values!r}")
     return values if any(values.values()) else None
 
 
-def _media_back(value: dict[str, Any]) -> dict[str, Any]:
+def _group_id_back(value: Any, f: SampleField, base: int) -> int | None:
+    """The inverse of ``base + value`` (the frameworks number it within the run), so the trainer
+    sees the id the framework sample had, whatever the function numbered it (``sample.index``,
+    ``group_index``, ...; exact while the group holds its ``n`` samples, as ``index`` is)."""
+    return None if value is None else operator.index(value) - base
+
+
+def _adapter_back(value: Any, f: SampleField, base: int) -> Adapter | None:
+    return None if value is None else Adapter(str(value.name), int(value.slot))
+
+
+def _media_back(value: Any, f: SampleField, base: int) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"a {type(value).__name__}, not a dict")
     return {k: Packed.of(v) if hasattr(v, "shape") and hasattr(v, "dtype") else v for k, v in value.items()}
 
 
-_FROM_FRAMEWORK: dict[Kind, Callable[[Any], Any]] = {
-    Kind.PACKED: _packed_or_none,
-    Kind.FLOATS: _floats,
-    Kind.FLAG: bool,
-    Kind.MAP: _same,
-    Kind.SECONDS: lambda v: float(v or 0.0),
+FromFramework = Callable[[Any, SampleField, int], Any]
+_FROM_FRAMEWORK: dict[Kind, FromFramework] = {
+    Kind.PACKED: _packed_back,
+    Kind.FLOATS: _floats_back,
+    Kind.FLAG: lambda value, f, base: bool(value),
+    Kind.MAP: _map_back,
+    Kind.SECONDS: _seconds_back,
+    Kind.GROUP_ID: _group_id_back,
     Kind.COUNTERS: _counters_back,
-    Kind.ADAPTER: lambda v: None if v is None else Adapter(str(v.name), int(v.slot)),
-    Kind.MEDIA: lambda v: None if v is None else _media_back(v),
+    Kind.ADAPTER: _adapter_back,
+    Kind.MEDIA: _media_back,
 }
-"""A framework field of each kind back as ours (None: the framework's value is its default).
-A GROUP_ID is renumbered for the framework, so ours comes back from the metadata entry."""
+"""A framework field of each kind back as ours, the inverse of :data:`_TO_FRAMEWORK` (None: the
+framework's value is its default; ``base`` = ``group_index * n``); ValueError or TypeError when
+the value cannot be ours."""
 
 
-def _v3_fields(fw: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """The rollstream declared fields of a framework sample (plus those kept in ``info``)."""
+def framework_fields(fw: Any, base: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The declared fields (``SampleField.framework``) of framework sample ``fw`` as ours, each by
+    its kind's rule; a field the framework lacks is unset. With ``info`` (the rollstream metadata
+    entry :func:`to_framework` writes) the GROUP_IDs and the fields the framework lacks come from
+    it. ValueError naming the framework field when a value cannot be ours."""
     out: dict[str, Any] = {}
     for f in _FRAMEWORK_FIELDS:
-        if f.kind is Kind.GROUP_ID:
+        if info is not None and f.kind is Kind.GROUP_ID:
             out[f.name] = info.get(f.name)
-        else:
-            out[f.name] = _FROM_FRAMEWORK[f.kind](getattr(fw, str(f.framework), None))
+            continue
+        value = getattr(fw, str(f.framework), None)
+        try:
+            out[f.name] = _FROM_FRAMEWORK[f.kind](value, f, base)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{f.framework}: {exc}") from exc
     by_name = {f.name: f for f in _FRAMEWORK_FIELDS}
-    for name, value in info.get("fields", {}).items():
+    for name, value in (info or {}).get("fields", {}).items():
         out[name] = _FROM_INFO.get(by_name[name].kind, _same)(value)
     return out
 
@@ -336,6 +387,7 @@ def from_framework(samples: Sequence[Any]) -> Group:
         raise ValueError("a group needs at least one sample")
     first = samples[0]
     first_info = (first.metadata or {}).get(INFO_KEY, {})
+    base = int(first.group_index or 0) * len(samples)
     converted = []
     for position, fw in enumerate(samples):
         metadata = dict(fw.metadata or {})
@@ -357,7 +409,7 @@ def from_framework(samples: Sequence[Any]) -> Group:
                 rollout_log_probs=None if fw.rollout_log_probs is None else list(fw.rollout_log_probs),
                 loss_mask=None if filled or fw.loss_mask is None else list(fw.loss_mask),
                 metadata=metadata,
-                **_v3_fields(fw, info),
+                **framework_fields(fw, base, info),
             )
         )
     return Group(

@@ -45,14 +45,15 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollstream.common.errors import ConfigError, InvalidResult
+from rollstream.common.codec import check_lengths
+from rollstream.common.errors import ConfigError, DecodeError, InvalidResult
 from rollstream.common.imports import import_callable, import_object
 from rollstream.common.models import Sample, Status
 from rollstream.producer.checks import not_plain
 from rollstream.producer.episode import Episode, GenerateFunction, GenerateResult
 from rollstream.producer.plugin import GenerateContext, register_generate_scheme
 
-from .convert import MILES, SLIME, Framework
+from .convert import MILES, SLIME, Framework, framework_fields
 from .endpoints import Endpoint, EndpointServer
 from .environment import args_from_env
 
@@ -177,7 +178,12 @@ def _versions(values: Any) -> list[int]:
 def from_framework_sample(
     fw: Any, member: int, endpoint: Endpoint | None, episode: Episode, *, only: bool = True
 ) -> Sample:
-    """A rollstream sample of a framework sample the function returned; InvalidResult when its shape is wrong."""
+    """A rollstream sample of a framework sample the function returned; InvalidResult when its shape is wrong.
+
+    The fields every framework sample has are read here (tokens and lengths, status and finish
+    reason, weight versions, loss mask, reward); the declared ones (``SampleField.framework``:
+    replays, teacher log-probs, spec info, ...) by :func:`~.convert.framework_fields`, one rule
+    per kind, so none is dropped; lengths are checked as the trainer's decoder checks them."""
     if isinstance(fw, list | tuple):
         raise InvalidResult(
             f"returned a nested list ({type(fw).__name__} inside the list): give a Sample or a flat list"
@@ -185,6 +191,7 @@ def from_framework_sample(
     for name in ("tokens", "response_length", "status"):
         if not hasattr(fw, name):
             raise InvalidResult(f"returned a {type(fw).__name__}, not a framework Sample (no {name!r})")
+    info = episode.info
     tokens = array("i", [int(t) for t in fw.tokens])
     response_length = int(fw.response_length)
     if not 0 <= response_length <= len(tokens):
@@ -210,7 +217,7 @@ def from_framework_sample(
         # function's meta_info says one)
         versions = list(endpoint.versions)
     if not versions:
-        versions = [episode.admitted_version]
+        versions = [info.admitted_version]
     mask = None if fw.loss_mask is None else array("B", [int(m) for m in fw.loss_mask])
     if mask is None:
         mask = array("B", b"\x01" * response_length)
@@ -222,7 +229,11 @@ def from_framework_sample(
         reward = float(reward)
         if not math.isfinite(reward):
             raise InvalidResult(f"returned a non-finite reward {reward!r}")
-    return Sample(
+    try:
+        declared = framework_fields(fw, info.index * info.n)
+    except ValueError as exc:
+        raise InvalidResult(f"the returned sample's {exc}") from None
+    sample = Sample(
         index=member,
         tokens=tokens,
         response=fw.response or "",
@@ -236,7 +247,13 @@ def from_framework_sample(
         loss_mask=mask,
         metadata=metadata,
         error=error,
+        **declared,
     )
+    try:
+        check_lengths(sample, "the returned sample")
+    except DecodeError as exc:
+        raise InvalidResult(exc.detail) from None
+    return sample
 
 
 def to_samples(result: Any, endpoint: Endpoint | None, episode: Episode) -> GenerateResult:

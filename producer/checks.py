@@ -8,8 +8,10 @@ import sys
 from typing import Any
 
 import msgpack
-from rollstream.common.errors import InvalidResult
-from rollstream.common.models import Sample, Status
+from rollstream.common.codec import check_lengths
+from rollstream.common.errors import DecodeError, InvalidResult
+from rollstream.common.models import SAMPLE_FIELDS, Packed, Sample, Status
+from rollstream.common.sample_fields import Kind
 
 
 def as_samples(result: Any) -> list[Sample]:
@@ -45,10 +47,14 @@ def check_sample(sample: Sample) -> str | None:
     """Why ``sample`` cannot be published (None when it can): its metadata (and the other free-form
     fields) plain data the wire format encodes, tokens = prompt + response, one loss-mask entry
     (0/1) and one log-prob per response token, finite log-probs where the mask is 1, version
-    spans inside the response. FAILED samples are published as they are, once they encode."""
+    spans inside the response, and every length the decoder checks (the training arrays of
+    ``response_length`` entries or a row per token: :func:`~rollstream.common.codec.check_lengths`).
+    FAILED samples are published as they are, once they encode and decode."""
     problem = _not_plain(sample)
-    if problem is not None or sample.status == Status.FAILED:
+    if problem is not None:
         return problem
+    if sample.status == Status.FAILED:
+        return lengths_problem(sample)
     tokens, rlen, plen = sample.tokens, sample.response_length, sample.prompt_length
     if rlen < 0 or plen < 0 or plen + rlen != len(tokens):
         return f"tokens ({len(tokens)}) != prompt ({plen}) + response ({rlen})"
@@ -73,7 +79,23 @@ def check_sample(sample: Sample) -> str | None:
             if len(span) != 3 or not all(type(x) is int for x in span) or not end <= span[0] <= span[1] <= rlen:
                 return f"weight version span {span!r} is out of order or outside the response"
             end = span[1]
+    return lengths_problem(sample)
+
+
+def lengths_problem(sample: Sample) -> str | None:
+    """Why the lengths of ``sample``'s fields do not agree (what the trainer's decoder would
+    refuse, failing the whole group), or None."""
+    try:
+        check_lengths(sample)
+    except DecodeError as exc:
+        return exc.detail
     return None
+
+
+_FREE_FORM = tuple(f.name for f in SAMPLE_FIELDS if f.kind in (Kind.TEXT, Kind.REWARD, Kind.MAP, Kind.COUNTERS))
+"""The fields that hold whatever the user's code put there (msgpack encodes them as they are)."""
+_MEDIA = tuple(f.name for f in SAMPLE_FIELDS if f.kind is Kind.MEDIA)
+"""Processed media: plain values beside the packed tensors."""
 
 
 def _not_plain(sample: Sample) -> str | None:
@@ -82,9 +104,18 @@ def _not_plain(sample: Sample) -> str | None:
     of failing one sample."""
     if not isinstance(sample.metadata, dict):
         return f"metadata is a {type(sample.metadata).__name__}, not a dict"
-    for name in ("metadata", "train_metadata", "spec_info", "prefix_cache_info", "reward", "response"):
+    for name in _FREE_FORM:
         value = getattr(sample, name)
         if value is not None and (problem := not_plain(value, name)) is not None:
+            return problem
+    for name in _MEDIA:
+        media = getattr(sample, name)
+        if media is None:
+            continue
+        if not isinstance(media, dict):
+            return f"{name} is a {type(media).__name__}, not a dict"
+        plain = {k: v for k, v in media.items() if not isinstance(v, Packed)}  # tensors travel packed
+        if (problem := not_plain(plain, name)) is not None:
             return problem
     if not isinstance(sample.response, str):
         return f"response is a {type(sample.response).__name__}, not a str"

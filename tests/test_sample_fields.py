@@ -16,12 +16,14 @@ from conftest import make_namespace
 from integration_helpers import STANDINS  # noqa: F401  (puts the stand-ins on sys.path)
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_group, decode_prompt, encode_group, encode_prompt, group_fields
-from rollstream.common.errors import DecodeError
+from rollstream.common.errors import DecodeError, InvalidResult
 from rollstream.common.keys import Keys
-from rollstream.common.models import Group, Packed, Sample, retry_prompt
+from rollstream.common.models import SAMPLE_FIELDS, Group, Packed, Sample, Status, retry_prompt
+from rollstream.common.sample_fields import SampleField
 from rollstream.consumer import GroupConsumer
 from rollstream.integrations.convert import MILES, SLIME, Framework, from_framework, to_framework
-from rollstream.testing.samples import full_group, full_sample
+from rollstream.producer.checks import check_sample
+from rollstream.testing.samples import example_value, full_group, full_sample
 
 V3_FIELDS = (
     "routed_experts", "indexer_topk", "top_p_token_ids", "top_p_token_offsets", "teacher_log_probs",
@@ -302,6 +304,8 @@ def test_every_layer_derives_the_fields_from_the_one_table() -> None:
     from rollstream.integrations import convert
 
     assert {f.kind for f in SAMPLE_FIELDS if f.framework} <= set(convert._TO_FRAMEWORK)
+    # each kind's way into the framework sample has its way back (generate functions' samples)
+    assert set(convert._FROM_FRAMEWORK) == set(convert._TO_FRAMEWORK)
     sample = full_sample(1)
     encoded = encode._sample_to_wire(sample)
     assert list(encoded) == [f.key for f in SAMPLE_FIELDS if not f.optional or f.is_set(getattr(sample, f.name))]
@@ -321,6 +325,7 @@ def test_no_layer_spells_a_version_3_wire_key_or_framework_field() -> None:
     # (the batch's named shortcuts, tokens_numpy() & co., spell our field names: those are allowed)
     for path, spelled in [*((p, keys | framework) for p in (root / "common" / "codec").glob("*.py")),
                           (root / "integrations" / "convert.py", keys | framework),
+                          (root / "integrations" / "generate.py", keys | framework),
                           (root / "consumer" / "batch.py", keys)]:
         literals = set(re.findall(r"\"([a-z_]+)\"", path.read_text()))
         assert not literals & spelled, f"{path.name} spells {sorted(literals & spelled)}"
@@ -349,3 +354,120 @@ def test_batch_numpy_views_serve_every_declared_field() -> None:
     assert [a.tolist() for a in batch.tokens_numpy()] == [s.tokens.tolist() for s in group.samples]
     with pytest.raises(ConfigError, match="no numpy view"):
         batch.numpy_views("reward")
+
+
+# -- a framework Sample a generate function returns, back as ours (integrations/generate.py) --
+
+
+@dataclasses.dataclass
+class _Info:
+    index: int
+    n: int
+    admitted_version: int = 0
+
+
+@dataclasses.dataclass
+class _Episode:
+    info: _Info
+
+
+def _from_framework(fw: Any, group: Group, member: int) -> Sample:
+    from rollstream.integrations.generate import from_framework_sample
+
+    episode = _Episode(_Info(group.index, len(group.samples)))
+    return from_framework_sample(fw, member, None, episode)  # type: ignore[arg-type]
+
+
+MAPPED = tuple(f for f in SAMPLE_FIELDS if f.framework)
+"""The fields declared with a framework counterpart: the round trip below covers a new one."""
+
+
+@pytest.mark.parametrize("framework", [SLIME, MILES], ids=["slime", "miles"])
+def test_a_framework_sample_a_generate_function_returns_keeps_every_mapped_field(framework: Framework) -> None:
+    """Ours -> the framework's (convert.py) -> ours (generate.py): every field the framework has
+    comes back; one it lacks comes back unset (nothing invented)."""
+    group = full_group(4)
+    names = {f.name for f in dataclasses.fields(framework.sample_class())}
+    for original, fw in zip(group.samples, to_framework(group, framework.sample_class()), strict=True):
+        back = _from_framework(fw, group, original.index)
+        for f in MAPPED:
+            want = getattr(original, f.name) if f.framework in names else f.unset
+            assert getattr(back, f.name) == want, f.name
+        for name in ("tokens", "response", "response_length", "prompt_length", "reward", "status", "finish_reason",
+                     "weight_versions", "rollout_log_probs", "loss_mask", "error"):
+            assert getattr(back, name) == getattr(original, name), name
+        assert check_sample(back) is None
+
+
+@pytest.mark.parametrize("rollout_id", [None, 7 * 2 + 1, 7, 3], ids=["unset", "its-index", "group-index", "other"])
+def test_the_rollout_id_a_generate_function_sets_reaches_the_trainer_as_it_was(rollout_id: int | None) -> None:
+    group = full_group(2)
+    fw = to_framework(group, SLIME.sample_class())[1]
+    fw.rollout_id = rollout_id
+    back = _from_framework(fw, group, 1)
+    again = to_framework(dataclasses.replace(group, samples=[group.samples[0], back]), SLIME.sample_class())[1]
+    assert again.rollout_id == (fw.index if rollout_id is None else rollout_id)
+
+
+def _per_token_cases() -> list[Any]:
+    cases = []
+    for framework in (SLIME, MILES):
+        names = {f.name for f in dataclasses.fields(framework.sample_class())}
+        for f in MAPPED:
+            if f.length is not None and f.framework in names:
+                cases.append(pytest.param(framework, str(f.framework), f.name, id=f"{framework.name}-{f.name}"))
+        cases.append(pytest.param(framework, "loss_mask", "loss_mask", id=f"{framework.name}-loss_mask"))
+    return cases
+
+
+@pytest.mark.parametrize(("framework", "attribute", "name"), _per_token_cases())
+def test_a_per_token_field_of_the_wrong_length_is_an_invalid_result(
+    framework: Framework, attribute: str, name: str
+) -> None:
+    """One entry short is refused with the field's name, not truncated or dropped (the trainer's
+    decoder would refuse the whole group)."""
+    group = full_group(2)
+    fw = to_framework(group, framework.sample_class())[0]
+    setattr(fw, attribute, getattr(fw, attribute)[:-1])
+    with pytest.raises(InvalidResult, match=name):
+        _from_framework(fw, group, 0)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "match"),
+    [
+        ("train_metadata", [1], "train_metadata: a list, not a dict"),
+        ("rollout_id", "5", "rollout_id: 'str' object cannot be interpreted as an integer"),
+        ("non_generation_time", float("inf"), "non_generation_time"),
+        ("rollout_routed_experts", np.zeros((10, 6), dtype=np.int32), "not 3 dimensions"),
+        ("multimodal_train_inputs", ["x"], "multimodal_train_inputs: a list"),
+    ],
+)
+def test_a_declared_field_that_cannot_be_ours_is_an_invalid_result(attribute: str, value: Any, match: str) -> None:
+    group = full_group(2)
+    fw = to_framework(group, MILES.sample_class())[0]
+    setattr(fw, attribute, value)
+    with pytest.raises(InvalidResult, match=match):
+        _from_framework(fw, group, 0)
+
+
+@pytest.mark.parametrize("field", [f for f in SAMPLE_FIELDS if f.length is not None], ids=lambda f: f.name)
+@pytest.mark.parametrize("status", [Status.COMPLETED, Status.FAILED], ids=["completed", "failed"])
+def test_check_sample_refuses_a_length_the_decoder_would(field: SampleField, status: Status) -> None:
+    """Before publish, not on the trainer's side where the whole group would fail to decode."""
+    sample = dataclasses.replace(full_sample(0), status=status)
+    assert check_sample(sample) is None
+    short = example_value(field, len(sample.tokens) - 1, sample.response_length - 1)  # one short
+    problem = check_sample(dataclasses.replace(sample, **{field.name: short}))
+    assert problem is not None and (field.name in problem or field.name == "loss_mask"), problem
+
+
+def test_media_a_generate_function_returns_must_be_plain_data_or_tensors() -> None:
+    """Processed media now comes back from a framework sample: an object the codec cannot encode
+    fails the sample before publish (it would stop the producer at publish otherwise)."""
+    group = full_group(2)
+    fw = to_framework(group, MILES.sample_class())[0]
+    fw.multimodal_train_inputs = {**fw.multimodal_train_inputs, "image": object()}
+    back = _from_framework(fw, group, 0)
+    assert isinstance(back.multimodal_train_inputs["pixel_values"], Packed)
+    assert "multimodal_train_inputs is not plain data" in (check_sample(back) or "")

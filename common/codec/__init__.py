@@ -27,7 +27,7 @@ One module per seam: :mod:`.wire` (versions, limits, bounded reading), :mod:`.en
 :mod:`.entries` (stream entries); every name is importable from here.
 """
 
-from .decode import decode_group, decode_prompt
+from .decode import check_lengths, decode_group, decode_prompt
 from .encode import encode_group, encode_prompt
 from .entries import (
     Fields,
@@ -46,6 +46,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CodecLimits",
     "Fields",
+    "check_lengths",
     "decode_group",
     "decode_group_entry",
     "decode_prompt",

@@ -12,7 +12,16 @@ from ..arrays import PACKED_CODES, Packed
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
 from ..sample_fields import BIN_CODES, Kind, SampleField
-from .wire import DEFAULT_LIMITS, LITTLE, READABLE_VERSIONS, CodecLimits, check_payload, check_version, unpack
+from .wire import (
+    DEFAULT_LIMITS,
+    LITTLE,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    CodecLimits,
+    check_payload,
+    check_version,
+    unpack,
+)
 from .zero_copy import unpack_group_views
 
 
@@ -216,19 +225,25 @@ def _write_reader(version: int) -> Callable[[dict[str, Any], str, CodecLimits], 
 _READERS = {version: _write_reader(version) for version in READABLE_VERSIONS}
 
 
-def _relations(version: int) -> tuple[tuple[Any, ...], ...]:
+def _relations(version: int, named: bool = False) -> tuple[tuple[Any, ...], ...]:
     fields = [f for f in SAMPLE_FIELDS if f.since <= version]
+
+    def key(f: SampleField) -> str:
+        return f.name if named else f.key
+
     return (
-        tuple((f.name, f.key) for f in fields if f.length == "response"),
-        tuple((f.name, f.key, f.length == "rows_or_media") for f in fields if f.length in ("rows", "rows_or_media")),
-        tuple((f.name, str(f.pair), f.key) for f in fields if f.length == "offsets"),
-        tuple((f.name, str(f.pair), f.key, _BY_NAME[str(f.pair)].key) for f in fields if f.pair is not None),
+        tuple((f.name, key(f)) for f in fields if f.length == "response"),
+        tuple((f.name, key(f), f.length == "rows_or_media") for f in fields if f.length in ("rows", "rows_or_media")),
+        tuple((f.name, str(f.pair), key(f)) for f in fields if f.length == "offsets"),
+        tuple((f.name, str(f.pair), key(f), key(_BY_NAME[str(f.pair)])) for f in fields if f.pair is not None),
     )
 
 
 _RELATIONS = {version: _relations(version) for version in READABLE_VERSIONS}
 """Per schema version, the fields whose length another implies (``response_length`` entries, a row
 per token, top-p offsets) and the fields that travel in pairs."""
+_NAMED_RELATIONS = _relations(SCHEMA_VERSION, named=True)
+"""The same for a :class:`Sample` object, its fields named by attribute (:func:`check_lengths`)."""
 _RELATED = frozenset(
     f.name for f in SAMPLE_FIELDS if f.pair is not None or f.length in ("rows", "rows_or_media", "offsets")
 )
@@ -256,14 +271,27 @@ def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) ->
             values["loss_mask"] = array("B", b"\x01" * rlen)
     elif values["prompt_length"] + rlen != len(tokens):
         raise DecodeError("bad_field", f"{what}: pl {values['prompt_length']} + rlen {rlen} != {len(tokens)} tokens")
-    _check_relations(values, what, version)
+    _check_relations(values, what, _RELATIONS[version])
     return Sample(**values)
 
 
-def _check_relations(values: dict[str, Any], what: str, version: int) -> None:
+def check_lengths(sample: Sample, what: str = "sample") -> None:
+    """DecodeError when a field of ``sample`` has a length another implies it cannot (a loss mask,
+    teacher log-probs, ... of ``response_length`` entries, a replay row per token, the top-p
+    offsets, the pairs, the spans): what the decoder would refuse, checked before publish so one
+    sample fails rather than its whole group on the trainer's side. Fields are named by attribute."""
+    values = {}
+    for f in SAMPLE_FIELDS:
+        value = getattr(sample, f.name)
+        if not f.optional or f.is_set(value):
+            values[f.name] = value
+    _check_relations(values, what, _NAMED_RELATIONS)
+
+
+def _check_relations(values: dict[str, Any], what: str, relations: tuple[tuple[Any, ...], ...]) -> None:
     """The lengths one field implies for another (``length``, ``pair``, the spans' range)."""
     tokens, rlen = values["tokens"], values["response_length"]
-    response, rows, offsets, pairs = _RELATIONS[version]
+    response, rows, offsets, pairs = relations
     for name, key in response:
         value = values.get(name)
         if value is not None and len(value) != rlen:
