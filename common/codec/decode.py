@@ -11,7 +11,7 @@ from typing import Any
 from ..arrays import PACKED_CODES, Packed
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
-from ..sample_fields import BIN_CODES, Kind, SampleField
+from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind, SampleField
 from .wire import (
     DEFAULT_LIMITS,
     LITTLE,
@@ -281,11 +281,20 @@ def check_lengths(sample: Sample, what: str = "sample") -> None:
     offsets, the pairs, the spans): what the decoder would refuse, checked before publish so one
     sample fails rather than its whole group on the trainer's side. Fields are named by attribute."""
     values = {}
-    for f in SAMPLE_FIELDS:
-        value = getattr(sample, f.name)
-        if not f.optional or f.is_set(value):
-            values[f.name] = value
+    for name, optional, set_when_true in _LENGTH_FIELDS:
+        value = getattr(sample, name)
+        if not optional or (bool(value) if set_when_true else value is not None):  # SampleField.is_set
+            values[name] = value
     _check_relations(values, what, _NAMED_RELATIONS)
+
+
+_LENGTH_FIELDS = tuple(
+    (f.name, f.optional, f.kind in SET_WHEN_TRUE) for f in SAMPLE_FIELDS
+    if f.name in ("tokens", "response_length") or f.length is not None or f.pair is not None
+    or f.kind in (Kind.MEDIA, Kind.SPANS)
+)
+"""The fields :func:`check_lengths` reads (name, optional, set when true): the ones a length
+relation names. It runs on every sample before publish, so it reads no other."""
 
 
 def _check_relations(values: dict[str, Any], what: str, relations: tuple[tuple[Any, ...], ...]) -> None:
