@@ -59,8 +59,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--force", action="store_true", help="overwrite a different existing config")
     p.set_defaults(func=cmd_init)
 
-    p = sub.add_parser("feed", parents=with_redis, help="feed a JSONL dataset into the prompt stream")
-    p.add_argument("dataset", help="JSONL file, one object per line")
+    p = sub.add_parser("feed", parents=with_redis, help="stream a dataset (JSONL, Parquet, shards) into the prompts")
+    p.add_argument("dataset", help="a JSONL or Parquet file, a folder or glob of them; path@[start:stop]: those rows")
     epochs = p.add_mutually_exclusive_group()
     epochs.add_argument("--epochs", type=int, default=1)
     epochs.add_argument("--forever", action="store_true")
@@ -68,6 +68,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle-scheme", default="rollstream", choices=["rollstream", "slime"],
                    help="slime: the order slime's and miles' --rollout-shuffle --rollout-seed give")
+    p.add_argument("--shuffle-buffer", type=int, default=65536,
+                   help="rows held to shuffle a dataset larger than this (units in a seeded order, rows "
+                        "through a seeded buffer); a dataset that fits is fully permuted (docs/running.md)")
     p.add_argument("--prompt-key", default="prompt")
     p.add_argument("--label-key", default="label", help="'' for no label (slime's default)")
     p.add_argument("--metadata-key", default=None,
@@ -206,7 +209,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
+    from rollstream.producer.datasets import RowFormat, open_dataset
+    from rollstream.producer.feeder import Feeder, FeedSettings
 
     settings = FeedSettings(
         namespace=args.ns,
@@ -215,13 +219,14 @@ def cmd_feed(args: argparse.Namespace) -> int:
         seed=args.seed,
         window=args.window,
         shuffle_scheme=args.shuffle_scheme,
+        shuffle_buffer=args.shuffle_buffer,
     )
-    records = load_jsonl(
-        args.dataset, args.prompt_key, args.label_key or None,
-        metadata_key=args.metadata_key, tool_key=args.tool_key, as_chat=args.as_chat,
+    dataset = open_dataset(
+        args.dataset,
+        RowFormat(args.prompt_key, args.label_key or None, args.metadata_key, args.tool_key, args.as_chat),
     )
     redis = connect(args.redis, name="rollstream-feeder")
-    feeder = Feeder(redis, records, settings)
+    feeder = Feeder(redis, dataset, settings)
 
     async def main() -> None:
         try:

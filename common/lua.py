@@ -24,6 +24,7 @@ so that a script is read, and changed, in one place.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -363,18 +364,24 @@ return {won, num(st[2])}
 """),
 )
 
-# ``width``: fields per entry (names and values), ``entries``: all entries' fields. The feeder's
+# ``width``: fields per entry (names and values), ``entries``: all entries' fields, ``rejected``: a
+# JSON list of dead letters (flat field lists) for rows that cannot be fed. The feeder's
 # XADD and its cursor move together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
 FEED = Script(
     "FEED",
-    keys=("prompts", "state"),
-    argv=("expected_next", "next_after", "epoch", "position", "dataset", "width", "*entries"),
+    keys=("prompts", "state", "dead"),
+    argv=("expected_next", "next_after", "epoch", "position", "dataset", "rejected", "width", "*entries"),
     source=_template("""
 local cur = redis.call('HGET', KEYS[2], '$FEED_NEXT_INDEX') or '0'
 if cur ~= ARGV[1] then return false end
-local width = tonumber(ARGV[6])
+local dead = cjson.decode(ARGV[6])
+for _, fields in ipairs(dead) do
+  redis.call('XADD', KEYS[3], '*', unpack(fields))
+end
+incr(KEYS[2], '$DEAD', #dead)
+local width = tonumber(ARGV[7])
 local added = 0
-for i = 7, #ARGV, width do
+for i = 8, #ARGV, width do
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, i, i + width - 1))
   added = added + 1
 end
@@ -654,8 +661,10 @@ class Scripts:
         position: int,
         dataset: str,
         entries: Sequence[Mapping[str, Any]],
+        dead: Sequence[Mapping[str, Any]] = (),
     ) -> int | None:
-        """Add prompt entries and move the cursor; None when the cursor moved meanwhile."""
+        """Add prompt entries (and dead letters for rows that cannot be fed) and move the cursor;
+        None when the cursor moved meanwhile."""
         width = 2 * len(entries[0]) if entries else 0
         flat: list[Any] = []
         for fields in entries:
@@ -664,7 +673,8 @@ class Scripts:
             flat.extend(_flatten(fields))
         result = await self._run(
             FEED, expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
-            dataset=dataset, width=width or 2, entries=flat,
+            dataset=dataset, rejected=json.dumps([[str(v) for v in _flatten(d)] for d in dead]), width=width or 2,
+            entries=flat,
         )
         return None if result is None else int(result)
 

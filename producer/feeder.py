@@ -1,21 +1,21 @@
-"""The feeder: a JSONL dataset into the prompt stream, epoch after epoch, within a window.
+"""The feeder: a dataset streamed into the prompt stream, epoch after epoch, within a window.
 
 At most ``window`` prompts are queued (``XLEN prompts``, in-flight ones included). Every prompt
 gets a global increasing ``index`` and its ``epoch``. The XADDs and the cursor (next index,
 epoch, position in the epoch's order) move together in one Lua script that first checks the
 cursor it started from, so a restarted feeder resumes exactly where it stopped and a re-sent
-call after a dropped connection adds nothing twice. Shuffling is a seeded permutation per
-epoch, so the order survives restarts too.
+call after a dropped connection adds nothing twice. The dataset is read from disk as it is fed
+(:mod:`~rollstream.producer.datasets`: JSONL, Parquet, shards), its order a seeded function of
+the epoch, so the order survives restarts too. A row that cannot be fed is a dead letter with
+its file and row, written by the same script; the epoch goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
-import random
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,22 +26,26 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
-from rollstream.common.models import Prompt, as_prompt_content, multimodal_of
+from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
+from .datasets import (
+    MAX_LINE_BYTES,
+    Dataset,
+    EpochWalk,
+    MemoryDataset,
+    Order,
+    Record,
+    RowError,
+    RowFormat,
+    open_dataset,
+)
+
 logger = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    prompt: Any
-    label: Any
-    metadata: dict[str, Any]
-
+__all__ = ["MAX_LINE_BYTES", "FeedSettings", "Feeder", "Record", "feed", "load_jsonl", "split_row_slice"]
 
 _SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
@@ -64,7 +68,8 @@ def load_jsonl(
     tool_key: str | None = None,
     as_chat: bool = False,
 ) -> list[Record]:
-    """Read and validate a JSONL dataset; ConfigError names the first bad line.
+    """Read and validate a whole dataset into memory (small ones: tests, tools); ConfigError names
+    the first bad row. The feeder streams instead (:func:`~rollstream.producer.datasets.open_dataset`).
 
     By default a record's metadata is every other field. With ``metadata_key`` it is that field's
     object (missing or null: empty), plus ``tools`` from ``tool_key`` (a list, or a JSON string of
@@ -73,58 +78,19 @@ def load_jsonl(
     itself is rendered by the producer's ``--tokenizer``). ``label_key=None``: no label, as there.
     A ``path@[start:stop]`` keeps those rows, as their ``--prompt-data`` does.
     """
-    real_path, rows = split_row_slice(path)
-    if real_path.endswith(".parquet"):
-        raise ConfigError(f"{real_path}: only JSONL datasets can be fed (convert the parquet file to JSONL)")
+    dataset = open_dataset(path, RowFormat(prompt_key, label_key, metadata_key, tool_key, as_chat))
     records = []
-    with open(real_path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            if len(line) > MAX_LINE_BYTES:
-                raise ConfigError(f"{real_path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+    for index in range(len(dataset.units)):
+        for rid, raw in dataset.read(index):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{real_path}:{number}: not JSON: {exc}") from None
-            if not isinstance(obj, dict) or prompt_key not in obj:
-                raise ConfigError(f"{real_path}:{number}: expected an object with a {prompt_key!r} field")
-            raw_prompt = obj[prompt_key]
-            if as_chat and isinstance(raw_prompt, str):
-                raw_prompt = [{"role": "user", "content": raw_prompt}]
-            try:
-                prompt = as_prompt_content(raw_prompt)
-            except ValueError as exc:
-                raise ConfigError(f"{real_path}:{number}: {exc}") from None
-            label = obj.get(label_key) if label_key is not None else None
-            if metadata_key is None:
-                metadata = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
-            else:
-                metadata = _record_metadata(obj, metadata_key, tool_key, f"{real_path}:{number}")
-            records.append(Record(prompt, label, metadata))
-    if rows is not None:
-        records = records[rows]
+                record = dataset.record(rid, raw)
+            except RowError as exc:
+                raise ConfigError(str(exc)) from None
+            if record is not None:
+                records.append(record)
     if not records:
         raise ConfigError(f"{path}: no records")
     return records
-
-
-def _record_metadata(obj: dict[str, Any], metadata_key: str, tool_key: str | None, where: str) -> dict[str, Any]:
-    metadata = obj.get(metadata_key) or {}
-    if not isinstance(metadata, dict):
-        raise ConfigError(f"{where}: field {metadata_key!r} must be an object, got {type(metadata).__name__}")
-    metadata = dict(metadata)
-    if tool_key is not None and tool_key in obj:
-        tools = obj[tool_key]
-        if isinstance(tools, str):
-            try:
-                tools = json.loads(tools)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: field {tool_key!r} is a string but not JSON: {exc}") from None
-        if not isinstance(tools, list):
-            raise ConfigError(f"{where}: field {tool_key!r} must be a list of tools, got {type(tools).__name__}")
-        metadata["tools"] = tools
-    return metadata
 
 
 SHUFFLE_SCHEMES = ("rollstream", "slime")
@@ -144,6 +110,10 @@ class FeedSettings:
     """``rollstream``: a permutation seeded by ``"{seed}:{epoch}"``; ``slime``: the one slime's and
     miles' ``Dataset.shuffle`` makes (``random.seed(seed + epoch)``), so a run switched to
     rollstream sees its prompts in the order it saw them before."""
+    shuffle_buffer: int = 65536
+    """``rollstream`` shuffle of a dataset with more rows than this: units (JSONL megabytes,
+    Parquet row groups) in a seeded order, rows through a seeded shuffle buffer of this many rows
+    (held in memory). A dataset that fits gets a full permutation."""
 
     def __post_init__(self) -> None:
         if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
@@ -152,53 +122,42 @@ class FeedSettings:
             raise ConfigError("window must be at least 1")
         if self.chunk < 1 or self.poll_interval <= 0:
             raise ConfigError("chunk and poll_interval must be positive")
+        if self.shuffle_buffer < 1:
+            raise ConfigError("shuffle_buffer must be at least 1")
         if self.shuffle_scheme not in SHUFFLE_SCHEMES:
             raise ConfigError(
                 f"shuffle scheme must be one of {', '.join(SHUFFLE_SCHEMES)}, got {self.shuffle_scheme!r}"
             )
 
 
-def dataset_id(records: list[Record], settings: FeedSettings) -> str:
-    digest = hashlib.sha1(usedforsecurity=False)
-    for record in records:
-        digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
-    order = "o"
-    if settings.shuffle:
-        order = ("s" if settings.shuffle_scheme == "rollstream" else "slime") + str(settings.seed)
-    return f"{digest.hexdigest()[:12]}:{len(records)}:{order}"
+def _order(settings: FeedSettings) -> Order:
+    return Order(settings.shuffle, settings.seed, settings.shuffle_scheme, settings.shuffle_buffer)
 
 
 class Feeder:
-    """Feeds ``records`` into a namespace; ``await feeder.run()`` returns when the epochs are done."""
+    """Feeds a dataset into a namespace; ``await feeder.run()`` returns when the epochs are done."""
 
-    def __init__(self, redis: Redis, records: list[Record], settings: FeedSettings) -> None:
+    def __init__(self, redis: Redis, dataset: Dataset | list[Record], settings: FeedSettings) -> None:
         self.redis = redis
-        self.records = records
+        self.source = dataset if isinstance(dataset, Dataset) else MemoryDataset(dataset)
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.feed = Feed(redis, self.keys)
-        self.dataset = dataset_id(records, settings)
+        self.order = _order(settings)
+        self.dataset = f"{self.source.fingerprint()}:{self.order.tag(self.source.rows)}"
         self.fed = 0
+        self.rejected = 0
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.records)))
-        if self.settings.shuffle and self.settings.shuffle_scheme == "slime":
-            random.Random(self.settings.seed + epoch).shuffle(order)  # = random.seed(seed + epoch); shuffle
-        elif self.settings.shuffle:
-            random.Random(f"{self.settings.seed}:{epoch}").shuffle(order)
-        return order
-
-    def _walk(self, epoch: int, position: int) -> Iterator[tuple[int, int, int]]:
-        """(epoch, position after, record index) from a cursor onwards."""
+    def _walk(self, epoch: int, position: int) -> Iterator[tuple[int, int, int, Any]]:
+        """(epoch, position after, row id, raw row) from a cursor onwards."""
         while self.settings.epochs is None or epoch < self.settings.epochs:
-            order = self._order(epoch)
-            for pos in range(position, len(order)):
-                yield epoch, pos + 1, order[pos]
+            for after, rid, raw in EpochWalk(self.source, self.order, epoch, position):
+                yield epoch, after, rid, raw
             epoch, position = epoch + 1, 0
 
     async def _cursor(self) -> tuple[int, int, int]:
@@ -209,7 +168,7 @@ class Feeder:
                 f"namespace {self.keys.namespace!r} was fed from another dataset or order ({fed_dataset}, "
                 f"this one is {self.dataset}); use a new namespace to feed a different dataset"
             )
-        if fed_dataset is not None and position >= len(self.records):
+        if fed_dataset is not None and position >= self.source.rows:
             epoch, position = epoch + 1, 0
         return next_index, epoch, position
 
@@ -230,11 +189,12 @@ class Feeder:
     async def _feed(self) -> int:
         next_index, epoch, position = await self._cursor()
         logger.info(
-            "feeder (ns %s): starting at index %d, epoch %d, position %d of %d (window %d)",
-            self.keys.namespace, next_index, epoch, position, len(self.records), self.settings.window,
+            "feeder (ns %s): starting at index %d, epoch %d, position %d of %d rows (window %d)",
+            self.keys.namespace, next_index, epoch, position, self.source.rows, self.settings.window,
         )
+        self.source.check()
         walk = self._walk(epoch, position)
-        pending: list[tuple[int, int, int]] = []
+        pending: list[tuple[int, int, int, Any]] = []
         while not self._stop.is_set():
             queued = await self._outage.run(self.feed.queued)
             room = min(self.settings.window - queued, self.settings.chunk)
@@ -249,20 +209,12 @@ class Feeder:
             if not pending:
                 break
             chunk = pending[:room]
-            entries = []
-            for offset, (ep, _, record_index) in enumerate(chunk):
-                record = self.records[record_index]
-                prompt = Prompt(
-                    index=next_index + offset, prompt=record.prompt, label=record.label, epoch=ep,
-                    metadata={**record.metadata, "dataset_index": record_index},
-                    multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
-                )
-                entries.append(prompt_fields(prompt))
-            last_epoch, last_position, _ = chunk[-1]
+            entries, dead = self._entries(chunk, next_index)
+            last_epoch, last_position, _, _ = chunk[-1]
             added = await self._outage.run(
-                lambda e=entries, le=last_epoch, lp=last_position, ni=next_index: self.feed.add(
+                lambda e=entries, d=dead, le=last_epoch, lp=last_position, ni=next_index: self.feed.add(
                     expected_next=ni, next_after=ni + len(e), epoch=le, position=lp,
-                    dataset=self.dataset, entries=e,
+                    dataset=self.dataset, entries=e, dead=d,
                 )
             )
             if added is None:
@@ -274,9 +226,36 @@ class Feeder:
                 continue
             next_index += added
             self.fed += added
+            self.rejected += len(dead)
             pending = pending[room:]
         logger.info("feeder (ns %s): fed %d prompts; next index %d", self.keys.namespace, self.fed, next_index)
         return self.fed
+
+    def _entries(
+        self, chunk: list[tuple[int, int, int, Any]], next_index: int
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The chunk's prompt entries, and dead letters for its rows that cannot be fed."""
+        entries: list[dict[str, Any]] = []
+        dead: list[dict[str, Any]] = []
+        for ep, _, rid, raw in chunk:
+            try:
+                record = self.source.record(rid, raw)
+            except RowError as exc:
+                logger.warning("feeder (ns %s): row dead-lettered: %s", self.keys.namespace, exc)
+                dead.append({
+                    "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
+                    "epoch": ep, "dataset_index": rid, "row": _row_text(raw),
+                })
+                continue
+            if record is None:
+                continue
+            prompt = Prompt(
+                index=next_index + len(entries), prompt=record.prompt, label=record.label, epoch=ep,
+                metadata={**record.metadata, "dataset_index": rid},
+                multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
+            )
+            entries.append(prompt_fields(prompt))
+        return entries, dead
 
     async def _sleep(self) -> None:
         try:
@@ -284,6 +263,12 @@ class Feeder:
                 await self._stop.wait()
         except TimeoutError:
             pass
+
+
+def _row_text(raw: Any, limit: int = 4096) -> str:
+    if isinstance(raw, bytes):
+        return raw[:limit].decode("utf-8", "replace")
+    return repr(raw)[:limit]
 
 
 async def feed(
@@ -294,10 +279,11 @@ async def feed(
     prompt_key: str = "prompt",
     label_key: str | None = "label",
 ) -> int:
-    """Library entry point: feed a JSONL file into a namespace; returns the prompts fed."""
-    records = load_jsonl(path, prompt_key, label_key)
+    """Library entry point: stream a dataset (JSONL, Parquet, shards) into a namespace; returns
+    the prompts fed."""
+    dataset = open_dataset(path, RowFormat(prompt_key, label_key))
     redis = connect(url, name="rollstream-feeder")
     try:
-        return await Feeder(redis, records, settings).run()
+        return await Feeder(redis, dataset, settings).run()
     finally:
         await redis.aclose()

@@ -451,6 +451,52 @@ async def test_a_shared_redis_run_grows_with_producers_started_by_one_command(
     assert not (tmp_path / "ckpt" / "rollstream" / "redis").exists()  # no Redis of its own
 
 
+async def test_a_parquet_prompt_data_is_streamed_by_the_runs_feeder(
+    redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """slime's --prompt-data may be Parquet (its Dataset reads it): the run's feeder streams it
+    with the run's keys (--input-key, --label-key, --metadata-key)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({
+        "input": [f"what is {i}?" for i in range(40)], "label": [str(i) for i in range(40)],
+        "metadata": [{"row": i} for i in range(40)],
+    }), data, row_group_size=16)
+    host, port = sim.url.removeprefix("http://").rsplit(":", 1)
+    monkeypatch.setenv("ROLLSTREAM_REDIS_URL", redis_url)
+    monkeypatch.setenv("ROLLSTREAM_NAMESPACE", ns)
+    monkeypatch.setenv("ROLLSTREAM_CONSUMER_NAME", "t0")
+    monkeypatch.setenv("ROLLSTREAM_START", "feeder")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDINS), os.environ.get("PYTHONPATH")])))
+    args = slime_parse([
+        *ROLLSTREAM_FLAGS, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--prompt-data", f"{data}@[8:40]", "--label-key", "label", "--rollout-shuffle",
+        "--custom-rm-path", "user_rm.rm", "--rollout-max-response-len", "64",
+        "--sglang-router-ip", host, "--sglang-router-port", port, "--sglang-server-concurrency", "6",
+        "--save", str(tmp_path / "ckpt"),
+    ])
+    rollout = importlib.import_module("slime.ray.rollout")
+    manager = await asyncio.to_thread(rollout.RolloutManager, args)
+    try:
+        procs.start("produce", "--redis", redis_url, "--ns", ns, "--engine", sim.url, "--name", "node-b",
+                    "--heartbeat-interval", "0.5", log_name="node-b")
+        await asyncio.to_thread(manager.load, -1)
+        data_out, _ = await asyncio.wait_for(asyncio.to_thread(manager.generate, 0), 60)
+        assert len(set(data_out["group_indices"])) == 4, procs.logs()
+        queued = [decode_prompt_entry(f) for _, f in await redis.xrange(Keys(ns).prompts)]
+        assert queued, "the feeder keeps the window filled"
+        for prompt in queued:
+            row = prompt.metadata["row"]
+            assert 8 <= row < 40 and prompt.label == str(row) and prompt.metadata["dataset_index"] == row - 8
+            assert prompt.prompt == f"what is {row}?"
+    finally:
+        await asyncio.to_thread(manager.data_source.close)
+        await procs.astop_all()
+
+
 async def test_a_child_stopped_by_a_config_error_fails_the_rollout_instead_of_restarting(
     sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
