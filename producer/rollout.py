@@ -434,14 +434,39 @@ class Rollout:
             self._engine_refused(prompt, exc)
             done(n)
             return [rejected(i, prompt_ids, exc) for i in range(n)]
-        done(n)
         for engine in {g.engine for g in generations}:
             self._engine_answered(engine)
         self.metrics.tokens_generated(sum(len(g.output_ids) for g in generations))
-        return [
+        samples = [
             with_routed_experts(to_sample(i, prompt_ids, g, admitted_version), [g], None)
             for i, g in enumerate(generations)
         ]
+        aborted = [s for s in samples if s.status == Status.ABORTED] if self.partial_rollout else []
+        done(n - len(aborted))
+        if aborted:
+            await self._continue_aborted(prompt, samples, aborted, admitted_version, done)
+        return samples
+
+    async def _continue_aborted(
+        self, prompt: Prompt, samples: list[Sample], aborted: list[Sample], admitted_version: int, done: SampleDone
+    ) -> None:
+        """Partial rollout on the one request of ``n``: each aborted sample is continued in its
+        own episode once the pipeline resumes (prompt + its tokens as token input), as the
+        episodes of the SGLang API continue theirs; a sample whose prompt ids nobody knows
+        (no tokenizer, no echo) or that carries images stays ABORTED and the group is recycled."""
+        ids = aborted[0].tokens[: aborted[0].prompt_length] if aborted[0].prompt_length else None
+        if ids is None or _media(prompt):
+            done(len(aborted))
+            return
+        self.runtime.aborts_continued += len(aborted)
+        await self.runtime.wait_resumed()
+        shared = self._shared(prompt, ids)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(self._member(prompt, ids, s.index, admitted_version, s, done, shared)) for s in aborted
+            ]
+        for sample, task in zip(aborted, tasks, strict=True):
+            samples[sample.index : sample.index + 1] = task.result()[:1]
 
     def _prompt_source(self, prompt: Prompt, prompt_ids: array[int] | None) -> dict[str, Any]:
         """How the prompt goes to the engine: token ids, else text, else chat messages (which

@@ -313,8 +313,12 @@ class _Trajectory(Trajectory):
         self.log_probs = None if prefix.rollout_log_probs is None else array("f", prefix.rollout_log_probs)
         self.text = [prefix.response]
         self.versions = list(prefix.weight_versions)
-        self.spans = list(prefix.weight_version_spans or ())
+        spans = prefix.weight_version_spans
+        if not spans and prefix.response_length:  # one call: its tokens share a version (the oldest if unsure)
+            spans = [(0, prefix.response_length, min(prefix.weight_versions, default=0))]
+        self.spans = list(spans or ())
         self.metadata = {**prefix.metadata, "continued_from": prefix.response_length}
+        self._session.multi_turn = True  # the sample spans calls: publish each token's version
 
     @property
     def response_length(self) -> int:
@@ -533,7 +537,9 @@ class EpisodeSession(Episode):
         prompt_ids: array[int] | None = None
         for aborts in itertools.count():
             if aborts:
-                request = source if not ids else {"input_ids": source["input_ids"] + ids}
+                sent = source.get("input_ids")
+                prefix = sent if sent is not None else prompt_ids
+                request = source if not ids or prefix is None else {"input_ids": array("i", prefix) + ids}
                 generation = await self._request(request, max_new - len(ids), params)
                 self.last_generations.append(generation)
             if prompt_ids is None and generation.prompt_ids is not None:
@@ -555,6 +561,9 @@ class EpisodeSession(Episode):
             finish = generation.finish_reason
             if finish != "abort":
                 break
+            # Without the prompt's ids sent, the engine's echo of them (OpenAI ``return_token_ids``)
+            # lets the call continue as token input; not beside images, which ids cannot carry.
+            continuable = continuable or (prompt_ids is not None and not self.media)
             if not runtime.partial_rollout or not continuable or aborts >= MAX_ABORTS_PER_CALL:
                 self.aborted = True  # the caller appends what came, then raises EpisodeAborted
                 break

@@ -78,15 +78,24 @@ async def slow_sim() -> Any:
         yield engine
 
 
+API_FLAGS = {
+    "sglang": (),
+    "vllm": ("--engine-api", "vllm"),
+    # the version is read from the engine (no reply carries it): believed until an abort
+    "openai": ("--engine-api", "openai", "--model", "rollstream-sim", "--model-info-ttl", "3600"),
+}
+
+
 async def _weight_update_mid_turn(
-    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, *, partial: bool
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, *, partial: bool,
+    api: str = "sglang",
 ) -> tuple[Group, subprocess.Popen[bytes]]:
     """One prompt of n=2 generating; the trainer pauses, the engines abort both calls, the
     weights go to version 1, the trainer resumes: the group the trainer then takes."""
     await make_namespace(redis, ns, partial_rollout=partial, max_staleness=3)
     await add_prompts(redis, ns, 1)
     # room for the continuation's fresh plan (up to 200 more tokens) after any prefix: no truncation
-    producer = procs.producer(redis_url, ns, sim.url, "--max-new-tokens", "1024", concurrency=2)
+    producer = procs.producer(redis_url, ns, sim.url, "--max-new-tokens", "1024", *API_FLAGS[api], concurrency=2)
     async with httpx.AsyncClient(base_url=sim.url) as http, await GroupConsumer.connect(
         redis_url, ns, "trainer"
     ) as consumer:
@@ -106,19 +115,26 @@ async def _weight_update_mid_turn(
     return group, producer
 
 
+@pytest.mark.parametrize("api", ["sglang", "vllm", "openai"])
 async def test_partial_rollout_continues_an_aborted_call_inside_the_episode(
-    redis: Redis, redis_url: str, ns: str, slow_sim: SimEngine, procs: ProcessPool
+    redis: Redis, redis_url: str, ns: str, slow_sim: SimEngine, procs: ProcessPool, api: str
 ) -> None:
     """With partial rollout on each aborted call waits for the resume and continues from its
-    tokens inside its episode: one group, attempt 0, nothing recycled, both versions recorded
-    per call and as spans, no token lost or repeated."""
-    group, producer = await _weight_update_mid_turn(redis, redis_url, ns, slow_sim, procs, partial=True)
+    tokens as token input, on every API that takes it (SGLang ``input_ids``, vLLM's
+    ``token_ids``, OpenAI ``prompt`` ids echoed by the engine): one group, attempt 0, nothing
+    recycled, the first tokens kept as the engine sent them before the abort, both versions
+    recorded per call and as per-token spans, no token lost or repeated."""
+    group, producer = await _weight_update_mid_turn(redis, redis_url, ns, slow_sim, procs, partial=True, api=api)
     assert (group.index, group.attempt) == (0, 0) and group.status == Status.COMPLETED
+    first_outputs = slow_sim.state.aborted_outputs
+    assert len(first_outputs) == 2 and all(first_outputs), "both calls were aborted with tokens"
     for sample in group.samples:
         assert sample.weight_versions == [0, 1]
         spans = sample.weight_version_spans
         assert spans is not None and [v for _, _, v in spans] == [0, 1]
         assert spans[0][0] == 0 and spans[0][1] == spans[1][0] > 0 and spans[1][1] == sample.response_length
+        kept = sample.response_tokens.tolist()[: spans[0][1]]
+        assert kept in first_outputs, "the continued sample starts with the aborted call's own tokens"
         assert detokenize(sample.response_tokens.tolist()) == sample.response
         assert sample.response.count("The answer is") == 1  # continued, not restarted
         assert sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length

@@ -78,8 +78,9 @@ async def test_a_sample_generated_across_an_update_records_both_versions_and_whe
 
 
 async def test_an_abort_keeps_the_partial_tokens_of_an_aborted_sample() -> None:
+    """Partial rollout off: the aborted samples keep their tokens (the group is recycled)."""
     async with SimEngine(SLOW) as sim, _client(sim.url) as client:
-        rollout = Rollout(client, _reward(), 2, partial_rollout=True)
+        rollout = Rollout(client, _reward(), 2)
         run = asyncio.create_task(rollout.run(Prompt(index=0, prompt="Compute 1 + 1.", label="2"), 0))
         await wait_until(lambda: sim.state.running == 2, timeout=10, message="both samples generating")
         await asyncio.sleep(0.2)

@@ -196,6 +196,11 @@ class EngineClient:
         """Engine URL -> the endpoint that last gave its weight version."""
         self._versions_from: dict[str, str] = {}
         """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
+        self._version_reads: dict[str, asyncio.Future[None]] = {}
+        """Engine URL -> its weight-version read in flight (concurrent askers share it)."""
+        self._reread_version: set[str] = set()
+        """Engines whose last reply without a version was aborted (a weight update starts so): the
+        next finished reply reads the version again, whatever was cached in between."""
         self._said_no_version: set[str] = set()
         """Engines named in the no-version warning (once each)."""
 
@@ -485,13 +490,19 @@ class EngineClient:
                 engine.cached_tokens += cache[1]
             engine.tokens += len(generation.output_ids)
         self.fleet.answered(engine, newest)
+        aborted = any(g.finish_reason == "abort" for g in generations)
         for generation in generations:
             if generation.weight_version is None:
                 if not missing:  # once per reply
+                    if not aborted and engine.url in self._reread_version:
+                        engine.version_checked = -float("inf")
+                        self._reread_version.discard(engine.url)
                     asked, missing = await self.weight_version(engine), True
                     if asked is None:
                         self._say_no_version([engine.url])
                 generation.weight_version = asked
+        if missing and aborted:
+            self._reread_version.add(engine.url)
         self._versions_from[engine.url] = (
             FROM_REPLIES if not missing else FROM_TRAINER if asked is None
             else f"GET {self._version_paths.get(engine.url, '?')}"
@@ -559,10 +570,24 @@ class EngineClient:
         """Best-effort weight version of an engine: cached for ``model_info_ttl`` seconds,
         refreshed from the dialect's model-info endpoints; a failure keeps the last good value."""
         engine = engine or self._engines[0]
+        reading = self._version_reads.get(engine.url)
+        if reading is not None:  # a read in flight: wait for its answer rather than the value it replaces
+            await asyncio.shield(reading)
+            return engine.version
         now = time.monotonic()
         if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
             return engine.version
         engine.version_checked = now
+        read = asyncio.ensure_future(self._read_version(engine))
+        self._version_reads[engine.url] = read
+        try:
+            await asyncio.shield(read)
+        finally:
+            if self._version_reads.get(engine.url) is read:
+                del self._version_reads[engine.url]
+        return engine.version
+
+    async def _read_version(self, engine: Engine) -> None:
         version, path, exists = await probe_version_at(
             self.transport, engine.url, self.dialect.version_paths, self.settings.model_info_timeout
         )
@@ -572,7 +597,6 @@ class EngineClient:
         elif version is not None:
             self._version_paths[engine.url] = path
             self.fleet.version_seen(engine, version)
-        return engine.version
 
     @property
     def versions_from(self) -> str:

@@ -88,6 +88,8 @@ class SimState:
     max_running_seen: int = 0
     requests: int = 0
     aborted: int = 0
+    aborted_outputs: list[list[int]] = field(default_factory=list)
+    """The tokens each generation aborted mid-way had produced (a continuation must keep them)."""
     generated_tokens: int = 0
     version_log: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time, version) of every weight version change: the vLLM API's spans."""
@@ -255,6 +257,7 @@ class SimState:
             self.generated_tokens += seq.produced
             if seq.produced < n_out:
                 self.aborted += 1
+                self.aborted_outputs.append(plan.response_ids[: seq.produced])
                 message = "Abort in the middle of generation" if seq.started else "Abort in waiting queue"
                 return _Outcome(plan.response_ids[:seq.produced], plan.logprobs[:seq.produced], "abort", message,
                                 started=seq.started)
@@ -274,6 +277,7 @@ class SimState:
         self.generated_tokens += produced
         if produced < n_out:
             self.aborted += 1
+            self.aborted_outputs.append(plan.response_ids[:produced])
             return _Outcome(
                 plan.response_ids[:produced],
                 plan.logprobs[:produced],
