@@ -46,6 +46,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         "--max-group-bytes", type=parse_bytes, default=512 * 1024 * 1024, metavar="SIZE",
         help="a larger group is dead-lettered (group_too_large), default 512MiB",
     )
+    p.add_argument(
+        "--archive-bytes", type=parse_bytes, default=0, metavar="SIZE",
+        help="keep every group's fate for `rollstream archive` in a stream of at most this size "
+        "(e.g. 2GiB; past it the oldest unarchived records are dropped and counted; 0 = no archive)",
+    )
     p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
     p.add_argument("--max-attempts", type=int, default=5)
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
@@ -201,6 +206,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         steps_per_version=args.steps_per_version,
         max_backlog_bytes=args.max_backlog_bytes,
         max_group_bytes=args.max_group_bytes,
+        archive_bytes=args.archive_bytes,
     )
     keys = Keys(args.ns)
     written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))

@@ -123,6 +123,14 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         f"taken uncommitted {g['taken_uncommitted']} ({taken}); {_bytes_line(g)}",
     )
     streams.add_row("dead", str(snap["dead"]["length"]), "dead-letter entries")
+    a = snap.get("archive") or {}
+    if a.get("bytes_budget") or a.get("length"):
+        streams.add_row(
+            "archive", str(a["length"]),
+            f"fates unarchived, bytes {_size(a['bytes'])} of {_size(a['bytes_budget'])} budget; recorded "
+            f"{a['recorded']}, archived {a['archived']}, archive_dropped {a['dropped']}; archiver last seen "
+            f"{_age(a['archiver_seen_age_s'])}",
+        )
     parts.append(streams)
 
     producers = _table(

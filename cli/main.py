@@ -21,7 +21,7 @@ from rollstream import __version__
 from rollstream.common.errors import ConfigError, RollstreamError
 from rollstream.testing.children import FATAL_FILE_ENV
 
-from . import commands, demo, inspect, ops_commands, produce
+from . import archive_commands, commands, demo, inspect, ops_commands, produce
 from .shared_options import apply_redis_secrets, common_options, redis_options
 
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     base = [common_options()]
     with_redis = [common_options(), redis_options()]
-    for module in (commands, produce, demo, inspect, ops_commands):
+    for module in (commands, produce, demo, inspect, ops_commands, archive_commands):
         module.register(sub, base, with_redis)
     return parser
 

@@ -48,6 +48,10 @@ class PipelineConfig:
     """A group whose encoded data is larger is dead-lettered (``group_too_large``), not published
     (512 MiB: Redis' ``proto-max-bulk-len`` default)."""
 
+    archive_bytes: int = 0
+    """Byte budget of the archive stream (every group's fate, read by ``rollstream archive``);
+    past it the oldest unarchived records are dropped and counted. 0 = no archive."""
+
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
             value = getattr(self, name)
@@ -69,7 +73,7 @@ class PipelineConfig:
             raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds!r}")
         if not isinstance(self.heartbeat_timeout, int | float) or not self.heartbeat_timeout > 0:
             raise ConfigError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout!r}")
-        for name in ("max_backlog_bytes", "max_group_bytes"):
+        for name in ("max_backlog_bytes", "max_group_bytes", "archive_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (bytes), got {value!r}")

@@ -84,6 +84,14 @@ class Keys:
         return f"{self.base}:group_bytes"
 
     @property
+    def archive(self) -> str:
+        """Stream: every group's fate (trained, filtered, recycled, dead-lettered) with a copy of its
+        entry, added by the script that decided it while the namespace has an ``archive_bytes``
+        budget; read and deleted by ``rollstream archive`` (``ops/archiver.py``), the oldest dropped and
+        counted (``archive_dropped``) past the budget."""
+        return f"{self.base}:archive"
+
+    @property
     def producers(self) -> str:
         """Hash: producer id -> JSON heartbeat."""
         return f"{self.base}:producers"
@@ -162,6 +170,7 @@ class Keys:
             self.weights,
             self.rollout_flags,
             self.group_bytes,
+            self.archive,
         ]
 
 
@@ -245,6 +254,21 @@ class StateField:
     PUBLISHED_BYTES = "published_bytes"
     """Bytes of group data ever published (with ``published``: the mean group size)."""
 
+    ARCHIVE_BYTES = "archive_bytes"
+    """Bytes of fate records held in the archive stream (what ``archive_bytes`` of the config bounds)."""
+    ARCHIVE_RECORDED = "archive_recorded"
+    """Fate records ever added to the archive stream."""
+    ARCHIVE_DROPPED = "archive_dropped"
+    """Fate records deleted unarchived to keep the archive stream under its budget (or larger than it)."""
+    ARCHIVED = "archived"
+    """Fate records written to Parquet by an archiver and deleted from Redis."""
+    ARCHIVE_CURSOR = "archive_cursor"
+    """The archive stream id of the last record an archiver wrote (its files are the truth)."""
+    ARCHIVE_SEEN_MS = "archive_seen_ms"
+    """When an archiver last confirmed records (or found none): its liveness for ``inspect``."""
+    TRAINED_STEPS = "trained_steps"
+    """Commits that acknowledged at least one group: a trained record's ``step``."""
+
     @staticmethod
     def filtered(reason: str) -> str:
         """The per-reason counter of groups rejected by the dynamic-sampling filter."""
@@ -289,5 +313,11 @@ class StateField:
         RECLAIM_DUE_MS,
         GROUP_BYTES,
         PUBLISHED_BYTES,
+        ARCHIVE_BYTES,
+        ARCHIVE_RECORDED,
+        ARCHIVE_DROPPED,
+        ARCHIVED,
+        ARCHIVE_SEEN_MS,
+        TRAINED_STEPS,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

@@ -68,6 +68,49 @@ end
 """
 
 
+# The archive of fates (DESIGN §4.19), used by the scripts that decide a fate: while the
+# namespace's config has an ``archive_bytes`` budget, a copy of entry ``id`` of ``src`` goes to the
+# archive stream with ``meta`` = {fate, reason, actor, step, position, kind, ts_ms} in front of
+# its own fields, in the same step as the hand-over. The archive never refuses a hand-over: the
+# oldest records are deleted (``archive_dropped``) until the new one fits; one larger than the
+# whole budget is dropped itself. ``record_bytes`` is the record's size in the ledger.
+_ARCHIVE = """
+local function archive(cfg, akey, state, src, id, meta)
+  local budget = num(redis.call('HGET', cfg, 'archive_bytes'))
+  if budget <= 0 then return end
+  local rows = redis.call('XRANGE', src, id, id)
+  if #rows == 0 then return end
+  local f = rows[1][2]
+  local size = 64
+  for i = 1, #f do size = size + #f[i] end
+  for i = 1, #meta do size = size + #meta[i] end
+  local held = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
+  local dropped = 0
+  while held > 0 and held + size > budget do
+    local first = redis.call('XRANGE', akey, '-', '+', 'COUNT', 1)
+    if #first == 0 then held = 0 break end
+    local ff, fb = first[1][2], 0
+    for i = 1, #ff - 1, 2 do if ff[i] == 'record_bytes' then fb = num(ff[i + 1]) break end end
+    redis.call('XDEL', akey, first[1][1])
+    held = math.max(0, held - fb)
+    dropped = dropped + 1
+  end
+  if size > budget then
+    dropped = dropped + 1
+  else
+    local version = redis.call('HGET', state, '$WEIGHT_VERSION') or '0'
+    redis.call('XADD', akey, '*', 'fate', meta[1], 'reason', meta[2], 'actor', meta[3], 'step', meta[4],
+      'position', meta[5], 'kind', meta[6], 'ts_ms', meta[7], 'trainer_version', version, 'entry_id', id,
+      'record_bytes', size, unpack(f))
+    held = held + size
+    incr(state, '$ARCHIVE_RECORDED', 1)
+  end
+  redis.call('HSET', state, '$ARCHIVE_BYTES', held)
+  if dropped > 0 then incr(state, '$ARCHIVE_DROPPED', dropped) end
+end
+"""
+
+
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
     (an unknown name fails the import), after the helpers."""
@@ -156,20 +199,25 @@ return id
 # Acknowledges and deletes an entry of the source stream and adds a new entry to the target
 # stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
 # (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
-# byte ledger with it.
+# byte ledger with it. ``fate`` ('recycled', 'dead_lettered' or '' = none) is archived first
+# (``_ARCHIVE``), by ``actor`` from the ``kind`` of stream it left.
 MOVE = Script(
     "MOVE",
-    keys=("source", "target", "state", "group_bytes"),
-    argv=("group", "entry_id", "counter", "ledger", "*fields"),
-    source=_template("""
+    keys=("source", "target", "state", "group_bytes", "config", "archive"),
+    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "*fields"),
+    source=_template(_ARCHIVE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
   return false
 end
+if ARGV[5] ~= '' then
+  archive(KEYS[5], KEYS[6], KEYS[3], KEYS[1], ARGV[2],
+    {ARGV[5], ARGV[6], ARGV[7], '', '', ARGV[8], ARGV[9]})
+end
 redis.call('XDEL', KEYS[1], ARGV[2])
 local b = 0
 if ARGV[4] ~= '' then b = forget(KEYS[4], KEYS[3], ARGV[2]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10))
 if ARGV[4] == 'st' and b > 0 then
   redis.call('HSET', KEYS[4], id, b)
   incr(KEYS[3], '$GROUP_BYTES', b)
@@ -181,16 +229,26 @@ return id
 
 # ``second_counter`` and ``time_field`` may be ''. Acknowledges and deletes entries (commit, filtered drop);
 # counts the acknowledged ones only, and takes those out of the byte ledger (an id the ledger
-# does not hold, e.g. a prompt's, changes nothing).
+# does not hold, e.g. a prompt's, changes nothing). ``fate`` ('trained', 'filtered' or '' = none)
+# is archived for each acknowledged group first (``_ARCHIVE``); a commit that acknowledged any is
+# one more trained step (``trained_steps``: the records' ``step``, ``position`` = order in it).
 ACK_DELETE = Script(
     "ACK_DELETE",
-    keys=("stream", "state", "sizes"),
-    argv=("group", "counter", "second_counter", "time_field", "now_ms", "*ids"),
-    source=_template("""
+    keys=("stream", "state", "sizes", "config", "archive"),
+    argv=("group", "counter", "second_counter", "time_field", "now_ms", "fate", "reason", "actor", "*ids"),
+    source=_template(_ARCHIVE + """
 local acked = 0
-for i = 6, #ARGV do
+local step = ''
+if ARGV[6] == 'trained' then step = tostring(num(redis.call('HGET', KEYS[2], '$TRAINED_STEPS')) + 1) end
+for i = 9, #ARGV do
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
     acked = acked + 1
+    if ARGV[6] ~= '' then
+      local position = ''
+      if step ~= '' then position = tostring(i - 9) end
+      archive(KEYS[4], KEYS[5], KEYS[2], KEYS[1], ARGV[i],
+        {ARGV[6], ARGV[7], ARGV[8], step, position, 'groups', ARGV[5]})
+    end
     redis.call('XDEL', KEYS[1], ARGV[i])
     if KEYS[3] ~= KEYS[1] then forget(KEYS[3], KEYS[2], ARGV[i]) end
   end
@@ -199,9 +257,33 @@ if acked == 0 then group_exists(KEYS[1], ARGV[1]) end
 if acked > 0 then
   incr(KEYS[2], ARGV[2], acked)
   if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
+  if step ~= '' then redis.call('HSET', KEYS[2], '$TRAINED_STEPS', step) end
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
 return acked
+"""),
+)
+
+# The archiver's confirmation: ``pairs`` are (archive id, record size) of records written to
+# Parquet; each one still in the stream is deleted and leaves the ledger (one the budget dropped
+# meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``.
+ARCHIVED = Script(
+    "ARCHIVED",
+    keys=("archive", "state"),
+    argv=("cursor", "now_ms", "*pairs"),
+    source=_template("""
+local gone, freed = 0, 0
+for i = 3, #ARGV - 1, 2 do
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then
+    gone = gone + 1
+    freed = freed + num(ARGV[i + 1])
+  end
+end
+if freed > 0 and incr(KEYS[2], '$ARCHIVE_BYTES', -freed) < 0 then redis.call('HSET', KEYS[2], '$ARCHIVE_BYTES', 0) end
+if gone > 0 then incr(KEYS[2], '$ARCHIVED', gone) end
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], '$ARCHIVE_CURSOR', ARGV[1]) end
+redis.call('HSET', KEYS[2], '$ARCHIVE_SEEN_MS', ARGV[2])
+return gone
 """),
 )
 
@@ -536,22 +618,35 @@ class Scripts:
         target: str,
         counter: str,
         fields: Mapping[Any, Any],
+        fate: str = "",
+        reason: str = "",
+        actor: str = "",
+        now_ms: int = 0,
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically
-        (the byte ledger follows a group entry out of, or within, the group stream)."""
-        groups = self.keys.groups
+        (the byte ledger follows a group entry out of, or within, the group stream; a ``fate``
+        is archived, decided by ``actor``, in the same step)."""
+        k = self.keys
+        groups = k.groups
         ledger = ("s" if source == groups else "") + ("t" if source == target == groups else "")
+        kind = "groups" if source == groups else "retry" if source == k.retry else "prompts"
         moved = await self._run(
             MOVE, source=source, target=target, group=group, entry_id=entry_id, counter=counter,
-            ledger=ledger, fields=_flatten(fields),
+            ledger=ledger, fate=fate, reason=reason, actor=actor, kind=kind, now_ms=now_ms,
+            fields=_flatten(fields),
         )
         return bool(moved)
 
-    async def recycle(self, group_id: str | bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
+    async def recycle(
+        self, group_id: str | bytes, counter: str, prompt_fields: Mapping[str, Any], *,
+        reason: str = "", actor: str = "", now_ms: int = 0,
+    ) -> bool:
+        """A group's prompt back to the retry stream (archived as ``recycled`` with ``reason``)."""
         k = self.keys
         return await self.move(
             source=k.groups, group=TRAINER_GROUP, entry_id=group_id, target=k.retry,
-            counter=counter, fields=prompt_fields,
+            counter=counter, fields=prompt_fields, fate="recycled", reason=reason or counter,
+            actor=actor, now_ms=now_ms,
         )
 
     async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
@@ -571,8 +666,10 @@ class Scripts:
         reason: str,
         fields: Mapping[Any, Any],
         now_ms: int,
+        actor: str = "",
     ) -> bool:
-        """Move an entry to the dead-letter stream with a reason; its original fields are kept."""
+        """Move an entry to the dead-letter stream with a reason; its original fields are kept
+        (and it is archived as ``dead_lettered``, decided by ``actor``)."""
         kind = "groups" if source == self.keys.groups else "prompts"
         # Field names are kept as they came (bytes that are not UTF-8 included: a hostile entry
         # must be dead-lettered, not crash the process that reads it).
@@ -580,7 +677,8 @@ class Scripts:
         dead_fields = {"source": kind, "reason": reason, "entry_id": entry_id, "ts_ms": now_ms, **original}
         return await self.move(
             source=source, group=group, entry_id=entry_id, target=self.keys.dead,
-            counter=StateField.DEAD, fields=dead_fields,
+            counter=StateField.DEAD, fields=dead_fields, fate="dead_lettered", reason=reason, actor=actor,
+            now_ms=now_ms,
         )
 
     async def ack_delete(
@@ -593,16 +691,30 @@ class Scripts:
         second_counter: str = "",
         time_field: str = "",
         now_ms: int = 0,
+        fate: str = "",
+        reason: str = "",
+        actor: str = "",
     ) -> int:
+        """Acknowledge and delete ``ids``; the number acknowledged now. A ``fate`` (``trained``,
+        ``filtered``) is archived for each, in the order given (a batch's order)."""
         if not ids:
             return 0
         # the ledger holds group ids only: for another stream, pass the stream itself (= none)
         sizes = self.keys.group_bytes if stream == self.keys.groups else stream
         acked = await self._run(
             ACK_DELETE, stream=stream, sizes=sizes, group=group, counter=counter,
-            second_counter=second_counter, time_field=time_field, now_ms=now_ms, ids=ids,
+            second_counter=second_counter, time_field=time_field, now_ms=now_ms, fate=fate, reason=reason,
+            actor=actor, ids=ids,
         )
         return int(acked)
+
+    async def archived(self, pairs: Sequence[tuple[bytes | str, int]], cursor: str, now_ms: int) -> int:
+        """Confirm archive records written to files: deleted from the stream and the ledger; the
+        number still there."""
+        flat: list[Any] = []
+        for record_id, size in pairs:
+            flat.extend((record_id, size))
+        return int(await self._run(ARCHIVED, cursor=cursor, now_ms=now_ms, pairs=flat))
 
     async def admit(self, *, consumer: str, config: PipelineConfig, count: int = 1, now_ms: int = 0) -> AdmitReply:
         """Run ADMIT under the namespace's ``config`` (its backlog caps and admission rule): up to

@@ -406,7 +406,7 @@ class GroupConsumer:
         fields = verdict.fields or {}
         if verdict.route == Route.RECYCLE:
             counter = RECYCLE_COUNTERS[verdict.cause]
-            if await self._outage.run(lambda: self.queue.recycle(entry_id, counter, fields)):
+            if await self._outage.run(lambda: self.queue.recycle(entry_id, counter, fields, reason)):
                 tally.handed_back(verdict)
                 logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index if group else -1, reason)
             return

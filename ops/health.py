@@ -63,6 +63,12 @@ def assess(
             "`rollstream init` with the same config: it re-creates the group at id 0 (finished entries are deleted, "
             "so nothing finished is delivered again)"
         )
+    archive = snap.get("archive") or {}
+    if archive.get("dropped"):
+        warnings.append(
+            f"archive_dropped {archive['dropped']}: fate records were dropped unarchived at the archive_bytes "
+            "budget (no `rollstream archive` running, or it falls behind)"
+        )
     ledger = snap.get("ledger")
     if ledger and ledger["vanished"]:
         problems.append(

@@ -16,6 +16,7 @@ classes call through :class:`~..lua.Scripts`.
   (:class:`Heartbeat`, :func:`fold`, :class:`Fleet`) live in :mod:`..heartbeat`.
 * :mod:`.keyspace` :class:`Keyspace`: a namespace's keys as a whole (list, delete, trainer names).
 * :mod:`.stores` :class:`DeadLetters`, :class:`JournalHash`, :class:`RolloutFlagsHash`.
+* :mod:`.archive_stream` :class:`ArchiveStream`: the archive of fates, read and confirmed by the archiver.
 * :mod:`.views` :class:`StreamView`: every read-only look ``inspect`` takes.
 * :mod:`.trainer` :class:`TrainerMonitor`: what a ``take()`` reads and records, and the diagnosis
   of a waiting take, one round trip each (the consumer's).
@@ -31,6 +32,7 @@ classes call through :class:`~..lua.Scripts`.
 """
 
 from ..heartbeat import Fleet, Heartbeat, Member, admission_refusals, fold, live_producers
+from .archive_stream import ArchiveStream
 from .control import TAKEN_MESSAGE, Control
 from .engine_registry import EngineRegistry, RegistryEntry, check_engine_url
 from .feed import Feed, FeedCursor, state_mismatch
@@ -47,6 +49,7 @@ __all__ = [
     "TAKEN_MESSAGE",
     "Admission",
     "Admitted",
+    "ArchiveStream",
     "Control",
     "DeadLetters",
     "Diagnosis",

@@ -79,19 +79,22 @@ class GroupQueue(Guarded):
         """Acknowledge a delivered entry that is gone from the stream (and forget its bytes)."""
         await self.scripts.forget_group(entry_id)
 
-    async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any]) -> bool:
-        return await self.scripts.recycle(entry_id, counter, prompt_fields)
+    async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any], reason: str = "") -> bool:
+        return await self.scripts.recycle(
+            entry_id, counter, prompt_fields, reason=reason, actor=self.consumer, now_ms=now_ms()
+        )
 
     async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
         return await self.scripts.dead_letter(
             source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(),
+            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer,
         )
 
     async def drop_filtered(self, entry_id: bytes, reason: str) -> int:
         return await self.scripts.ack_delete(
             stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
             counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
+            fate="filtered", reason=reason, actor=self.consumer, now_ms=now_ms(),
         )
 
     async def release(self) -> int:
@@ -123,4 +126,5 @@ class GroupQueue(Guarded):
         return await self.scripts.ack_delete(
             stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
             counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
+            fate="trained", actor=self.consumer,
         )

@@ -166,5 +166,5 @@ class PromptQueue(Guarded):
     async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
         return await self.scripts.dead_letter(
             source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(),
+            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer,
         )

@@ -1,0 +1,59 @@
+"""``rollstream archive``: the long-running archiver (every group's fate into Parquet)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
+
+from .commands import run_with_signals
+from .shared_options import add_redis_url
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "archive", parents=base,
+        help="write every group's fate (trained, filtered, recycled, dead-lettered) to Parquet, for ever",
+    )
+    add_redis_url(p)
+    p.add_argument("--ns", default=None, metavar="NAME", help="pipeline namespace ")
+    p.add_argument("--out", default=None, metavar="DIR", help="the archive folder ")
+    p.add_argument("--partition", default="version", choices=["version", "hour"],
+                   help="a folder per trainer version (default) or per UTC hour")
+    p.add_argument("--keep-arrays", action="store_true",
+                   help="keep the big per-token arrays (routing replay, teacher log-probs)")
+    p.add_argument("--batch", type=int, default=512, help="records per read and at most per file")
+    p.add_argument("--flush-seconds", type=float, default=5.0, help="records read are written within this long")
+    p.set_defaults(func=cmd_archive)
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    from rollstream.ops.archiver import Archiver, ArchiveSettings
+
+    if not args.ns or not args.out:
+        raise ConfigError("rollstream archive needs --ns NAME and --out DIR")
+    settings = ArchiveSettings(
+        namespace=args.ns, out=Path(args.out), partition=args.partition, keep_arrays=args.keep_arrays,
+        batch=args.batch, flush_seconds=args.flush_seconds,
+    )
+    redis = connect(args.redis, name="rollstream-archiver")
+    blocking = connect(args.redis, block_ms=1000, name="rollstream-archiver-read")
+    archiver = Archiver(redis, blocking, settings)
+
+    async def main() -> None:
+        try:
+            written = await archiver.run()
+            logger.info("archiver (ns %s): stopped after %d records in %d files", args.ns, written, archiver.files)
+        finally:
+            await redis.aclose()
+            await blocking.aclose()
+
+    run_with_signals(main, archiver.stop)
+    return 0
+

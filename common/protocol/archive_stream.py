@@ -1,0 +1,48 @@
+"""The archive stream of one namespace: every group's fate, added by the scripts that decide it
+(:mod:`..lua`, ``_ARCHIVE``), read and confirmed by ``rollstream archive``. It has no consumer
+group: the archiver's files hold its cursor, and a confirmed record is deleted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from ..keys import Keys, StateField
+from ..lua import Scripts
+from .guard import Entry, Guarded, flat_entries
+
+
+class ArchiveStream(Guarded):
+    """Read fate records after a cursor, confirm the ones written to files."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def after(self, cursor: str, count: int, blocking: Redis | None = None, block_ms: int = 0) -> list[Entry]:
+        """Up to ``count`` records with ids above ``cursor`` (``0-0``: from the start), oldest first;
+        with ``blocking`` (a client made for blocking reads), waiting up to ``block_ms`` for one."""
+        if blocking is not None and block_ms > 0:
+            reply = await blocking.xread({self.keys.archive: cursor}, count=count, block=block_ms)
+            return flat_entries(reply[0][1] if reply else [])
+        return flat_entries(await self.redis.xrange(self.keys.archive, min=f"({cursor}", count=count))
+
+    async def up_to(self, cursor: str, count: int) -> list[Entry]:
+        """Records at or below ``cursor``: written to files by an archiver killed before it confirmed them."""
+        return flat_entries(await self.redis.xrange(self.keys.archive, max=cursor, count=count))
+
+    async def confirm(self, pairs: Sequence[tuple[bytes, int]], cursor: str, now: int) -> int:
+        """Delete records written to files (id, record size) and leave them out of the ledger."""
+        return await self.scripts.archived(pairs, cursor, now)
+
+    async def dropped(self) -> int:
+        raw = await self.redis.hget(self.keys.state, StateField.ARCHIVE_DROPPED)
+        try:
+            return int(raw or 0)
+        except ValueError:
+            return 0
+
+    async def length(self) -> int:
+        return int(await self.redis.xlen(self.keys.archive))

@@ -1,0 +1,177 @@
+"""``rollstream archive``: the archive stream of fates into Parquet files, exactly once.
+
+The archiver reads records after its cursor, writes each contiguous run of one partition as one
+file (:func:`rollstream.common.archive_schema.write_part`: temporary name, fsync, rename), and only then
+deletes the records from Redis (Lua ARCHIVED). Its cursor is the highest last id in the files, so
+a killed archiver resumes after what it wrote and deletes, on start, the records it wrote but had
+not confirmed: nothing is written twice and nothing written is lost. It never slows training: the
+scripts that decide a fate drop the oldest records past the namespace's ``archive_bytes`` budget
+(``archive_dropped``), and this process warns when that count grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.asyncio import Redis
+from rollstream.common.archive_schema import (
+    ArchiveRecord,
+    partition_of,
+    pyarrow,
+    record_row,
+    remove_partial,
+    write_part,
+    written_cursor,
+)
+from rollstream.common.connection import Outage
+from rollstream.common.errors import ConfigError
+from rollstream.common.events import now_ms
+from rollstream.common.keys import Keys
+from rollstream.common.namespace import load_config
+from rollstream.common.protocol import ArchiveStream
+
+logger = logging.getLogger(__name__)
+
+PARTITIONS = ("version", "hour")
+_BLOCK_MS = 1000
+_DROP_CHECK_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveSettings:
+    """What one archiver does; checked on construction (``ConfigError``)."""
+
+    namespace: str
+    out: Path
+    partition: str = "version"
+    """Folder per trainer version (``version=N``) or per UTC hour (``hour=YYYYMMDDHH``)."""
+    keep_arrays: bool = False
+    """Keep the big per-token arrays (routing replay, teacher log-probs) in ``data``."""
+    batch: int = 512
+    """Records read per call, and the most written per file."""
+    flush_seconds: float = 5.0
+    """Records read are written within this long, however few."""
+
+    def __post_init__(self) -> None:
+        if self.partition not in PARTITIONS:
+            raise ConfigError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ConfigError(f"batch must be a positive integer, got {self.batch!r}")
+        if not self.flush_seconds > 0:
+            raise ConfigError(f"flush_seconds must be positive, got {self.flush_seconds!r}")
+
+
+class Archiver:
+    """One namespace's archive stream into ``settings.out``; ``await run()`` until :meth:`stop`."""
+
+    def __init__(self, redis: Redis, blocking: Redis, settings: ArchiveSettings) -> None:
+        self.redis = redis
+        self.blocking = blocking
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.stream = ArchiveStream(redis, self.keys)
+        self.written = 0
+        self.files = 0
+        self._outage = Outage(logger, f"archiver (ns {settings.namespace})")
+        self._stop = asyncio.Event()
+        self._dropped: int | None = None
+        self._dropped_checked = 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Archive until stopped; the records written by this call."""
+        pyarrow()  # the extra's absence is a ConfigError now, not after the first read
+        config = await self._outage.run(lambda: load_config(self.redis, self.keys))
+        if config.archive_bytes <= 0:
+            raise ConfigError(
+                f"namespace {self.keys.namespace!r} keeps no archive (archive_bytes 0): "
+                "re-run `rollstream init ... --archive-bytes SIZE --force`"
+            )
+        out = self.settings.out
+        out.mkdir(parents=True, exist_ok=True)
+        if partial := remove_partial(out):
+            logger.info("archiver (ns %s): removed %d unfinished file(s) of a killed run", self.keys.namespace, partial)
+        cursor = written_cursor(out)
+        await self._confirm_written(cursor)
+        logger.info("archiver (ns %s): writing to %s after record %s", self.keys.namespace, out, cursor)
+        buffer: list[ArchiveRecord] = []
+        oldest = 0.0
+        while not self._stop.is_set():
+            read_from = buffer[-1].archive_id if buffer else cursor
+            want = self.settings.batch - len(buffer)
+            entries = await self._outage.run(
+                lambda f=read_from, w=want: self.stream.after(f, w, self.blocking, _BLOCK_MS)
+            )
+            if entries and not buffer:
+                oldest = time.monotonic()
+            buffer.extend(ArchiveRecord.parse(eid, fields) for eid, fields in entries)
+            full = len(buffer) >= self.settings.batch
+            if buffer and (full or time.monotonic() - oldest >= self.settings.flush_seconds):
+                cursor = await self._flush(buffer)
+                buffer = []
+            elif not buffer:
+                await self._outage.run(lambda: self.stream.confirm([], "", now_ms()))
+            await self._check_drops()
+        if buffer:
+            await self._flush(buffer)
+        return self.written
+
+    async def _confirm_written(self, cursor: str) -> None:
+        """Records at or below ``cursor`` are in the files: delete those still in Redis."""
+        if cursor == "0-0":
+            return
+        while rows := await self._outage.run(lambda: self.stream.up_to(cursor, 1000)):
+            pairs = [(eid, ArchiveRecord.parse(eid, fields).record_bytes) for eid, fields in rows]
+            await self._outage.run(lambda p=pairs: self.stream.confirm(p, cursor, now_ms()))
+
+    async def _flush(self, records: list[ArchiveRecord]) -> str:
+        """Write the records (one file per run of one partition, in id order), then confirm them."""
+        await asyncio.to_thread(self._write, records)
+        cursor = records[-1].archive_id
+        pairs = [(r.archive_id.encode(), r.record_bytes) for r in records]
+        await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms()))
+        return cursor
+
+    def _write(self, records: list[ArchiveRecord]) -> None:
+        by = self.settings.partition
+        run: list[ArchiveRecord] = []
+        for record in records:
+            if run and partition_of(record, by) != partition_of(run[0], by):
+                self._write_run(run)
+                run = []
+            run.append(record)
+        if run:
+            self._write_run(run)
+
+    def _write_run(self, run: list[ArchiveRecord]) -> None:
+        rows = [record_row(r, keep_arrays=self.settings.keep_arrays) for r in run]
+        path = write_part(self.settings.out, partition_of(run[0], self.settings.partition), rows)
+        self.written += len(rows)
+        self.files += 1
+        logger.debug("archiver (ns %s): %d records to %s", self.keys.namespace, len(rows), path)
+
+    async def _check_drops(self) -> None:
+        now = time.monotonic()
+        if now - self._dropped_checked < _DROP_CHECK_S:
+            return
+        self._dropped_checked = now
+        dropped = await self._outage.run(self.stream.dropped)
+        if self._dropped is not None and dropped > self._dropped:
+            logger.warning(
+                "archiver (ns %s): %d fate records were dropped unarchived since the last check (%d in all): "
+                "the archive stream reached its archive_bytes budget; this archiver is behind (see `rollstream "
+                "inspect`; raise the budget with `rollstream init --archive-bytes`)",
+                self.keys.namespace, dropped - self._dropped, dropped,
+            )
+        elif self._dropped is None and dropped:
+            logger.warning(
+                "archiver (ns %s): %d fate records were dropped unarchived before this archiver started "
+                "(archive_bytes budget reached while no archiver ran)", self.keys.namespace, dropped,
+            )
+        self._dropped = dropped

@@ -1,0 +1,268 @@
+"""The archive of fates: every group's fate recorded by the script that decides it, bounded by a
+byte budget (drops counted, shown, warned), and written to Parquet exactly once by
+``rollstream archive``, across a SIGKILL of the archiver."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rollstream.common.archive_schema import (
+    SCHEMA_VERSION,
+    ArchiveRecord,
+    archive_files,
+    file_schema_version,
+    read_table,
+    written_cursor,
+)
+from rollstream.common.codec import decode_group, group_fields, prompt_fields
+from rollstream.common.config import PipelineConfig
+from rollstream.common.connection import connect
+from rollstream.common.errors import ConfigError
+from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
+from rollstream.common.models import Prompt
+from rollstream.common.protocol import ArchiveStream, GroupQueue, PromptQueue
+from rollstream.consumer import GroupConsumer
+from rollstream.ops.archiver import Archiver, ArchiveSettings
+from rollstream.ops.snapshot import snapshot
+from rollstream.testing.samples import full_group
+
+pytest.importorskip("pyarrow")
+
+
+async def _publish(redis: Redis, keys: Keys, index: int, **kwargs: int) -> bytes:
+    group = full_group(n=2, index=index, **kwargs)
+    entry_id: bytes = await redis.xadd(keys.groups, group_fields(group))
+    return entry_id
+
+
+async def _read(redis: Redis, keys: Keys) -> list[ArchiveRecord]:
+    return [ArchiveRecord.parse(eid, fields) for eid, fields in await redis.xrange(keys.archive)]
+
+
+async def test_each_fate_is_recorded_by_its_script(redis: Redis, ns: str, keys: Keys) -> None:
+    await make_namespace(redis, ns, archive_bytes=50_000_000)
+    await redis.hset(keys.state, StateField.WEIGHT_VERSION, 3)
+    ids = [await _publish(redis, keys, i) for i in range(6)]
+    await redis.xreadgroup(TRAINER_GROUP, "trainer-a", {keys.groups: ">"})
+    queue = GroupQueue(redis, keys, "trainer-a")
+    assert await queue.commit([ids[1], ids[0]]) == 2
+    assert await queue.commit([ids[2]]) == 1
+    assert await queue.drop_filtered(ids[3], "zero_std") == 1
+    assert await queue.recycle(ids[4], StateField.RECYCLED_STALE, {"index": 4, "attempt": 1}, "stale: 2 > 1")
+    assert await queue.dead_letter(ids[5], {"index": 5}, "wrong_group_size: 1 != 2")
+    assert await queue.commit([ids[0]]) == 0  # nothing acknowledged: neither a record nor a step
+
+    records = await _read(redis, keys)
+    assert [(r.fate, r.entry_id, r.step, r.position) for r in records] == [
+        ("trained", ids[1].decode(), 1, 0), ("trained", ids[0].decode(), 1, 1), ("trained", ids[2].decode(), 2, 0),
+        ("filtered", ids[3].decode(), None, None), ("recycled", ids[4].decode(), None, None),
+        ("dead_lettered", ids[5].decode(), None, None),
+    ]
+    assert [r.reason for r in records[3:]] == ["zero_std", "stale: 2 > 1", "wrong_group_size: 1 != 2"]
+    assert {r.actor for r in records} == {"trainer-a"} and {r.trainer_version for r in records} == {3}
+    assert decode_group(records[0].fields[b"data"]).index == 1  # the entry itself, copied before XDEL
+    state = await redis.hgetall(keys.state)
+    assert int(state[b"archive_recorded"]) == 6 and int(state[b"trained_steps"]) == 2
+    assert int(state[b"archive_bytes"]) == sum(r.record_bytes for r in records)
+
+    # a prompt the producer dead-letters is archived too, decided by the producer
+    prompt_id = await redis.xadd(keys.prompts, prompt_fields(Prompt(index=9, prompt="p")))
+    await redis.xreadgroup("producers", "producer-1", {keys.prompts: ">"})
+    prompts = PromptQueue(redis, keys, "producer-1")
+    assert await prompts.dead_letter(keys.prompts, prompt_id, {"index": 9}, "undecodable: bad")
+    last = (await _read(redis, keys))[-1]
+    assert (last.fate, last.actor, last.stream, last.reason) == ("dead_lettered", "producer-1", "prompts", "undecodable: bad")
+
+
+async def test_no_budget_no_records(redis: Redis, ns: str, keys: Keys) -> None:
+    await make_namespace(redis, ns)
+    entry = await _publish(redis, keys, 0)
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await GroupQueue(redis, keys, "t").commit([entry]) == 1
+    assert await redis.xlen(keys.archive) == 0 and await redis.hget(keys.state, StateField.ARCHIVE_RECORDED) is None
+
+
+async def test_budget_drops_oldest_counted_and_shown(redis: Redis, ns: str, keys: Keys) -> None:
+    one = len(group_fields(full_group(n=2, index=0))["data"])  # type: ignore[arg-type]
+    budget = int(one * 3.5)
+    await make_namespace(redis, ns, archive_bytes=budget)
+    ids = [await _publish(redis, keys, i) for i in range(10)]
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    queue = GroupQueue(redis, keys, "t")
+    for entry in ids:  # committing is never refused, whatever the archive holds
+        assert await queue.commit([entry]) == 1
+    records = await _read(redis, keys)
+    state = await redis.hgetall(keys.state)
+    assert int(state[b"archive_bytes"]) == sum(r.record_bytes for r in records) <= budget
+    assert [r.entry_id for r in records] == [i.decode() for i in ids[-len(records):]]  # the newest kept
+    dropped = int(state[b"archive_dropped"])
+    assert dropped == 10 - len(records) > 0
+    snap = await snapshot(redis, keys)
+    assert snap["archive"]["dropped"] == dropped and snap["archive"]["length"] == len(records)
+    assert any("archive_dropped" in w for w in snap["health"]["warnings"])
+
+    # a record larger than the whole budget is dropped itself, counted
+    await make_namespace(redis, ns, archive_bytes=100)
+    big = await _publish(redis, keys, 50)
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await queue.commit([big]) == 1
+    assert int(await redis.hget(keys.state, StateField.ARCHIVE_DROPPED) or 0) > dropped
+
+
+async def _archive_until(archiver: Archiver, redis: Redis, keys: Keys) -> None:
+    """Run ``archiver`` until the archive stream is empty and confirmed, then stop it."""
+    task = asyncio.create_task(archiver.run())
+    try:
+        await wait_until(
+            lambda: _drained(redis, keys, task), message="the archiver to empty the archive stream"
+        )
+    finally:
+        archiver.stop()
+        await task
+
+
+async def _drained(redis: Redis, keys: Keys, task: asyncio.Task[int]) -> bool:
+    if task.done():
+        task.result()
+    recorded = int(await redis.hget(keys.state, StateField.ARCHIVE_RECORDED) or 0)
+    archived = int(await redis.hget(keys.state, StateField.ARCHIVED) or 0)
+    return await redis.xlen(keys.archive) == 0 and archived == recorded
+
+
+async def test_archiver_resumes_after_files_written_but_not_confirmed(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, tmp_path: Path
+) -> None:
+    """The crash window: files renamed, records still in Redis. The restarted archiver confirms
+    them from the files and writes nothing twice."""
+    await make_namespace(redis, ns, archive_bytes=50_000_000)
+    ids = [await _publish(redis, keys, i) for i in range(6)]
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    queue = GroupQueue(redis, keys, "t")
+    await queue.commit(ids[:4])
+    settings = ArchiveSettings(namespace=ns, out=tmp_path / "arch", batch=100, flush_seconds=0.05)
+    blocking = connect(redis_url, block_ms=1000)
+    try:
+        first = Archiver(redis, blocking, settings)
+        (tmp_path / "arch").mkdir()
+        stream = ArchiveStream(redis, keys)
+        first._write([ArchiveRecord.parse(e, f) for e, f in await stream.after("0-0", 100)])  # killed before confirm
+        (tmp_path / "arch" / "version=0" / "part_9-0_9-1.parquet.tmp").write_bytes(b"half a file")
+        await queue.commit(ids[4:])
+        await _archive_until(Archiver(redis, blocking, settings), redis, keys)
+    finally:
+        await blocking.aclose()
+    table = read_table(tmp_path / "arch")
+    assert table.column("entry_id").to_pylist() == [i.decode() for i in ids]
+    assert len(set(table.column("archive_id").to_pylist())) == 6
+    assert not list((tmp_path / "arch").rglob("*.tmp"))
+    assert int(await redis.hget(keys.state, StateField.ARCHIVE_BYTES) or 0) == 0
+
+
+async def test_schema_columns_and_arrays(redis: Redis, redis_url: str, ns: str, keys: Keys, tmp_path: Path) -> None:
+    await make_namespace(redis, ns, archive_bytes=50_000_000)
+    ids = []
+    for i in range(2):
+        group = full_group(n=2, index=i)
+        assert group.samples[0].routed_experts is not None
+        ids.append(await redis.xadd(keys.groups, group_fields(group)))
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    await GroupQueue(redis, keys, "t").commit(ids)
+    blocking = connect(redis_url, block_ms=1000)
+    try:
+        await _archive_until(
+            Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path / "a", flush_seconds=0.05)), redis, keys
+        )
+    finally:
+        await blocking.aclose()
+    [path] = archive_files(tmp_path / "a")
+    assert path.parent.name == "version=0" and file_schema_version(path) == SCHEMA_VERSION
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "ZSTD"
+    rows = read_table(tmp_path / "a").to_pylist()
+    assert [r["fate"] for r in rows] == ["trained", "trained"] and rows[0]["step"] == 1
+    sample = rows[0]["samples"][0]
+    assert sample["tokens"] and sample["loss_mask"] is not None and sample["weight_versions"]
+    assert decode_group(rows[0]["data"]).samples[0].routed_experts is None  # dropped without --keep-arrays
+    assert written_cursor(tmp_path / "a") == rows[-1]["archive_id"]
+
+
+def test_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        ArchiveSettings(namespace="x", out=tmp_path, partition="day")
+    with pytest.raises(ConfigError):
+        ArchiveSettings(namespace="x", out=tmp_path, batch=0)
+    with pytest.raises(ConfigError):
+        PipelineConfig(n_samples_per_prompt=1, batch_size=1, archive_bytes=-1)
+
+
+async def test_archiver_refuses_a_namespace_without_archive(
+    redis: Redis, redis_url: str, ns: str, tmp_path: Path
+) -> None:
+    await make_namespace(redis, ns)
+    blocking = connect(redis_url, block_ms=1000)
+    try:
+        with pytest.raises(ConfigError, match="archive-bytes"):
+            await Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path)).run()
+    finally:
+        await blocking.aclose()
+
+
+async def test_pipeline_archive_exactly_once_across_sigkill(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, sim, procs: ProcessPool, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real pipeline (producer process, simulator, trainer with a keep filter) and a real
+    archiver process SIGKILLed while it works: every fate is in the files exactly once, and the
+    trained records are the committed batches, in order."""
+    caplog.set_level(logging.INFO)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, archive_bytes=200_000_000)
+    await add_prompts(redis, ns, 48)
+    procs.producer(redis_url, ns, sim.url)
+    out = tmp_path / "archive"
+    archiver_args = ["archive", "--redis", redis_url, "--ns", ns, "--out", str(out), "--batch", "3",
+                     "--flush-seconds", "0.05", "--partition", "version"]
+    archiver = procs.start(*archiver_args, log_name="archiver")
+    batches: list[list[int]] = []
+    killed = False
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-x", keep=lambda g: g.index % 5 != 0) as consumer:
+        async with asyncio.timeout(120):
+            while sum(map(len, batches)) < 32:
+                batch = await consumer.take(4)
+                batches.append([g.index for g in batch.groups])
+                await consumer.commit(batch)
+                await consumer.set_weight_version(len(batches) // 3)
+                if not killed and len(archive_files(out)) >= 3:
+                    os.kill(archiver.pid, signal.SIGKILL)
+                    archiver.wait()
+                    killed = True
+                    archiver = procs.start(*archiver_args, log_name="archiver")
+    assert killed, procs.logs()
+    await wait_until(lambda: _settled(redis, keys), message="every fate archived", timeout=90)
+    table = read_table(out)
+    rows = table.to_pylist()
+    archive_ids = [r["archive_id"] for r in rows]
+    assert len(archive_ids) == len(set(archive_ids)) == int(await redis.hget(keys.state, StateField.ARCHIVE_RECORDED))
+    assert int(await redis.hget(keys.state, StateField.ARCHIVE_DROPPED) or 0) == 0
+    trained: dict[int, list[tuple[int, int]]] = {}
+    for r in rows:
+        if r["fate"] == "trained":
+            assert r["actor"] == "trainer-x"
+            trained.setdefault(r["step"], []).append((r["position"], r["index"]))
+    assert [[i for _, i in sorted(v)] for _, v in sorted(trained.items())] == batches
+    filtered = {r["index"] for r in rows if r["fate"] == "filtered"}
+    assert filtered and all(i % 5 == 0 for i in filtered)
+    assert {p.parent.name for p in archive_files(out)} >= {"version=0", "version=1"}
+
+
+async def _settled(redis: Redis, keys: Keys) -> bool:
+    recorded = int(await redis.hget(keys.state, StateField.ARCHIVE_RECORDED) or 0)
+    archived = int(await redis.hget(keys.state, StateField.ARCHIVED) or 0)
+    return recorded > 0 and archived == recorded and await redis.xlen(keys.archive) == 0
