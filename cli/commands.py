@@ -54,6 +54,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
     p.add_argument("--max-attempts", type=int, default=5)
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
+    p.add_argument(
+        "--durable-episodes", action="store_true",
+        help="journal every step of user-written episodes in Redis: a producer that takes a prompt over resumes "
+             "its episodes at their last finished step (docs/rollouts.md)",
+    )
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
     p.add_argument("--heartbeat-timeout", type=float, default=15.0)
@@ -200,6 +205,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         lease_seconds=args.lease,
         max_attempts=args.max_attempts,
         partial_rollout=args.partial_rollout,
+        durable_episodes=args.durable_episodes,
         admission_control=False if args.no_admission_control else None,
         recycle_filtered=args.recycle_filtered,
         heartbeat_timeout=args.heartbeat_timeout,

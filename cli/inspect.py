@@ -132,6 +132,12 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             f"{_age(a['archiver_seen_age_s'])}",
         )
     parts.append(streams)
+    ep = snap.get("episodes") or {}
+    if ep.get("durable") or ep.get("journals"):
+        parts.append(Text(
+            f"durable episodes: {ep['journals']} journals, {_size(ep['journal_bytes'])}; "
+            f"steps journaled {ep['journal_steps']}, resumes diverged {ep['resume_diverged']}"
+        ))
 
     producers = _table(
         f"producers ({snap['producers_alive']} alive of {len(snap['producers'])})", plain,

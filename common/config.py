@@ -44,6 +44,10 @@ class PipelineConfig:
     """Byte budget of the group stream: producers stop admitting while the group data held in
     Redis (ready and taken, not committed) plus the prompts in flight at the mean group size
     reaches it, and groups are ready. 0 = no budget (``max_backlog`` alone bounds the backlog)."""
+    durable_episodes: bool = False
+    """Every finished step of a user-written episode is journaled in Redis, and a producer that
+    takes the prompt over resumes the episode from it (docs/rollouts.md). Off by default: the
+    journal costs Redis memory for every step held (docs/benchmarks.md)."""
     max_group_bytes: int = 512 * 1024 * 1024
     """A group whose encoded data is larger is dead-lettered (``group_too_large``), not published
     (512 MiB: Redis' ``proto-max-bulk-len`` default)."""

@@ -19,6 +19,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   │   └── PromptNotSupported            (see ConfigError)
     │   ├── EpisodeAborted                    an engine call was aborted (weight update), partial rollout off
     │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
+    ├── EpisodeDrained                        a drain stopped a durable episode at a step: resumed elsewhere
     ├── WeightSyncError                       an engine failed a stage of the trainer's weight update
     ├── RewardError                           the reward function failed: the group fails
     │   └── RewardBroken                      ... on many distinct prompts in a row, or its threads hang: fatal
@@ -181,6 +182,12 @@ class EngineReplyInvalid(EngineRejected):
 class EpisodeAborted(EngineError):
     """An engine call was aborted (a weight update) with partial rollout off: the episode is
     recycled whole. Raised out of ``Trajectory.generate``; user code should let it pass."""
+
+
+class EpisodeDrained(RollstreamError):
+    """A draining producer stopped a durable episode at a step boundary: its prompt goes back
+    with its journal, and the producer that takes it over resumes it. User code should let it
+    pass (the session remembers if it is caught)."""
 
 
 class WeightSyncError(RollstreamError):

@@ -70,6 +70,14 @@ class Heartbeat:
     """Episodes whose generate function raised, timed out or returned an invalid result."""
     aborts_continued: int = 0
     """Aborted engine calls continued inside their episode (partial rollout on)."""
+    journal_steps: int = 0
+    """Durable episodes: steps this producer journaled."""
+    replayed_steps: int = 0
+    """Steps answered from a journal (no engine call or ``once`` function made again)."""
+    episodes_resumed: int = 0
+    """Episodes started with a journal (taken over from a killed or drained producer)."""
+    resume_diverged: int = 0
+    """Of those, the ones whose replay met a different step and went on live."""
     loop_stalls: int = 0
     """Stalls of the producer's event loop over ``loop_stall_after_s`` (user code that blocked it:
     a synchronous tool, a heavy reward), since it started (:mod:`.watchdog`)."""

@@ -130,6 +130,18 @@ class Keys:
         """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
         return f"{self.base}:journal:*"
 
+    def episode(self, index: int, epoch: int) -> str:
+        """Hash: the journal of one prompt's episodes (durable episodes): field ``M:S`` is member
+        M's step S (msgpack), ``n:M`` its step count, ``bytes`` the total. Appended under the
+        prompt attempt's lease, deleted with its publish or dead letter, kept when it is returned
+        (a drain), so the producer that takes the prompt over replays it."""
+        return f"{self.base}:episode:{index}:{epoch}"
+
+    @property
+    def episode_pattern(self) -> str:
+        """SCAN MATCH pattern of every episode journal of the namespace."""
+        return f"{self.base}:episode:*"
+
     @property
     def work_streams(self) -> tuple[str, ...]:
         """The streams holding prompts and groups that are not finished yet (what ``inspect``'s
@@ -147,8 +159,9 @@ class Keys:
 
     @property
     def per_consumer_patterns(self) -> tuple[str, ...]:
-        """SCAN MATCH patterns of the per-trainer-consumer keys (journals, name leases)."""
-        return (self.journal_pattern, self.lease_pattern)
+        """SCAN MATCH patterns of the keys not fixed by name: per trainer consumer (journals, name
+        leases) and per prompt (episode journals)."""
+        return (self.journal_pattern, self.lease_pattern, self.episode_pattern)
 
     @property
     def lease_pattern(self) -> str:
@@ -253,6 +266,13 @@ class StateField:
     atomically by PUBLISH and the scripts that remove groups: what the byte budget bounds."""
     PUBLISHED_BYTES = "published_bytes"
     """Bytes of group data ever published (with ``published``: the mean group size)."""
+    JOURNAL_BYTES = "journal_bytes"
+    """Bytes held in episode journals (durable episodes), kept by the scripts that append to and
+    delete them; with ``group_bytes`` it is what the byte budget bounds."""
+    JOURNAL_STEPS = "journal_steps"
+    """Episode steps ever journaled."""
+    RESUME_DIVERGED = "resume_diverged"
+    """Resumed episodes whose replay met a different request and went on live from that step."""
 
     ARCHIVE_BYTES = "archive_bytes"
     """Bytes of fate records held in the archive stream (what ``archive_bytes`` of the config bounds)."""
@@ -319,5 +339,8 @@ class StateField:
         ARCHIVED,
         ARCHIVE_SEEN_MS,
         TRAINED_STEPS,
+        JOURNAL_BYTES,
+        JOURNAL_STEPS,
+        RESUME_DIVERGED,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

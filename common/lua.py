@@ -17,7 +17,7 @@ namespace, and :class:`Scripts` binds every declaration of this module by itself
 A new script: its declaration here, a :class:`Scripts` method that runs it (``self._run``) and
 shapes its reply, and the protocol method that calls that.
 
-Longer than 500 lines on purpose: most of it is the Lua source of the twelve scripts with the
+Longer than 500 lines on purpose: most of it is the Lua source of the scripts with the
 reasoning each needs, and a script's declaration and its :class:`Scripts` method stay in one file
 so that a script is read, and changed, in one place.
 """
@@ -64,6 +64,14 @@ local function forget(sizes, state, id)
     if incr(state, 'GROUP_BYTES', -b) < 0 then redis.call('HSET', state, 'GROUP_BYTES', 0) end
   end
   return b
+end
+-- An episode journal (durable episodes) leaves with its prompt: its bytes leave the state hash's
+-- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop.
+local function drop_journal(journal, state)
+  if journal == '' then return end
+  local b = num(redis.call('HGET', journal, 'bytes'))
+  redis.call('DEL', journal)
+  if b > 0 and incr(state, 'JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, 'JOURNAL_BYTES', 0) end
 end
 """
 
@@ -114,7 +122,8 @@ end
 def _template(source: str) -> str:
     """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
     (an unknown name fails the import), after the helpers."""
-    helpers = _HELPERS.replace("'GROUP_BYTES'", f"'{StateField.GROUP_BYTES}'")
+    helpers = _HELPERS.replace("'GROUP_BYTES'", f"'{StateField.GROUP_BYTES}'").replace(
+        "'JOURNAL_BYTES'", f"'{StateField.JOURNAL_BYTES}'")
     return helpers + Template(source).substitute(_STATE_FIELDS)
 
 
@@ -170,11 +179,12 @@ class Script:
 
 
 # A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
-# group's size goes into the byte ledger in the same step as the group.
+# group's size goes into the byte ledger in the same step as the group, and the prompt's episode
+# journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too.
 PUBLISH = Script(
     "PUBLISH",
-    keys=("source", "groups", "state", "group_bytes"),
-    argv=("group", "prompt_id", "now_ms", "data_bytes", "*fields"),
+    keys=("source", "groups", "state", "group_bytes", "journal"),
+    argv=("group", "prompt_id", "now_ms", "data_bytes", "drop", "*fields"),
     source=_template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
@@ -182,7 +192,8 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return false
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+if ARGV[5] == '1' then drop_journal(KEYS[5], KEYS[3]) end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
 incr(KEYS[3], '$PUBLISHED', 1)
 local b = tonumber(ARGV[4]) or 0
 if b > 0 then
@@ -200,11 +211,13 @@ return id
 # stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
 # (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
 # byte ledger with it. ``fate`` ('recycled', 'dead_lettered' or '' = none) is archived first
-# (``_ARCHIVE``), by ``actor`` from the ``kind`` of stream it left.
+# (``_ARCHIVE``), by ``actor`` from the ``kind`` of stream it left. ``drop`` '1': the prompt's
+# episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
+# keeps it for the producer that takes it over.
 MOVE = Script(
     "MOVE",
-    keys=("source", "target", "state", "group_bytes", "config", "archive"),
-    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "*fields"),
+    keys=("source", "target", "state", "group_bytes", "config", "archive", "journal"),
+    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "drop", "*fields"),
     source=_template(_ARCHIVE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
@@ -215,9 +228,10 @@ if ARGV[5] ~= '' then
     {ARGV[5], ARGV[6], ARGV[7], '', '', ARGV[8], ARGV[9]})
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[10] == '1' then drop_journal(KEYS[7], KEYS[3]) end
 local b = 0
 if ARGV[4] ~= '' then b = forget(KEYS[4], KEYS[3], ARGV[2]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 11))
 if ARGV[4] == 'st' and b > 0 then
   redis.call('HSET', KEYS[4], id, b)
   incr(KEYS[3], '$GROUP_BYTES', b)
@@ -488,6 +502,48 @@ return forget(KEYS[3], KEYS[2], ARGV[2])
 """),
 )
 
+# One finished step of an episode (durable episodes), appended to its prompt's journal only while
+# ``consumer`` holds the prompt attempt's lease (the entry ``entry_id`` of ``source`` is pending
+# under its name): a producer whose prompt was taken over writes nothing. Step ``seq`` of
+# ``member`` replaces that member's steps from ``seq`` on (a replay that diverged drops the rest;
+# a re-sent append rewrites the same step). ``budget`` > 0: the bytes of the groups held plus the
+# journals may not pass it, else nothing is written ('full'). Returns 'ok', 'lost' or 'full'.
+JOURNAL_APPEND = Script(
+    "JOURNAL_APPEND",
+    keys=("source", "journal", "state"),
+    argv=("group", "consumer", "entry_id", "member", "seq", "budget", "step"),
+    defaults={"group": PRODUCERS_GROUP},
+    source=_template("""
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if not p[1] or p[1][2] ~= ARGV[2] then return 'lost' end
+local m, seq = ARGV[4], tonumber(ARGV[5])
+local count = num(redis.call('HGET', KEYS[2], 'n:' .. m))
+local freed = 0
+for s = seq, count - 1 do
+  local f = m .. ':' .. s
+  freed = freed + redis.call('HSTRLEN', KEYS[2], f)
+  redis.call('HDEL', KEYS[2], f)
+end
+local size = string.len(ARGV[7])
+local budget = tonumber(ARGV[6]) or 0
+local st = redis.call('HMGET', KEYS[3], '$GROUP_BYTES', '$JOURNAL_BYTES')
+local status = 'ok'
+if budget > 0 and num(st[1]) + num(st[2]) - freed + size > budget then
+  size = 0
+  status = 'full'
+  if seq < count then redis.call('HSET', KEYS[2], 'n:' .. m, seq) end
+else
+  redis.call('HSET', KEYS[2], m .. ':' .. seq, ARGV[7], 'n:' .. m, seq + 1)
+  incr(KEYS[3], '$JOURNAL_STEPS', 1)
+end
+if size - freed ~= 0 then
+  redis.call('HINCRBY', KEYS[2], 'bytes', size - freed)
+  if incr(KEYS[3], '$JOURNAL_BYTES', size - freed) < 0 then redis.call('HSET', KEYS[3], '$JOURNAL_BYTES', 0) end
+end
+return status
+"""),
+)
+
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
 REQUEUE = Script(
@@ -599,13 +655,16 @@ class Scripts:
         return await self._bound[script.name](keys=keys, args=args)
 
     async def publish(
-        self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int
+        self, source: str, prompt_id: str | bytes, group_fields: Mapping[str, Any], now_ms: int,
+        journal: str | None = None,
     ) -> bytes | None:
         """Publish a group and ack its prompt (an entry of ``source``: prompts or retry); None when
-        the prompt was already acknowledged. The size of its ``data`` enters the byte ledger."""
+        the prompt was already acknowledged. The size of its ``data`` enters the byte ledger; the
+        prompt's episode ``journal`` (if any) is deleted with it."""
         result = await self._run(
             PUBLISH, source=source, group=PRODUCERS_GROUP, prompt_id=prompt_id, now_ms=now_ms,
             data_bytes=len(group_fields.get("data", b"")), fields=_flatten(group_fields),
+            journal=journal or self.keys.state, drop="1" if journal else "",
         )
         return result or None
 
@@ -622,10 +681,12 @@ class Scripts:
         reason: str = "",
         actor: str = "",
         now_ms: int = 0,
+        journal: str | None = None,
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically
         (the byte ledger follows a group entry out of, or within, the group stream; a ``fate``
-        is archived, decided by ``actor``, in the same step)."""
+        is archived, decided by ``actor``, in the same step; the prompt's episode ``journal``, if
+        given, is deleted in it too)."""
         k = self.keys
         groups = k.groups
         ledger = ("s" if source == groups else "") + ("t" if source == target == groups else "")
@@ -633,7 +694,7 @@ class Scripts:
         moved = await self._run(
             MOVE, source=source, target=target, group=group, entry_id=entry_id, counter=counter,
             ledger=ledger, fate=fate, reason=reason, actor=actor, kind=kind, now_ms=now_ms,
-            fields=_flatten(fields),
+            fields=_flatten(fields), journal=journal or k.state, drop="1" if journal else "",
         )
         return bool(moved)
 
@@ -667,9 +728,11 @@ class Scripts:
         fields: Mapping[Any, Any],
         now_ms: int,
         actor: str = "",
+        journal: str | None = None,
     ) -> bool:
         """Move an entry to the dead-letter stream with a reason; its original fields are kept
-        (and it is archived as ``dead_lettered``, decided by ``actor``)."""
+        (and it is archived as ``dead_lettered``, decided by ``actor``; a prompt's episode
+        ``journal`` is deleted)."""
         kind = "groups" if source == self.keys.groups else "prompts"
         # Field names are kept as they came (bytes that are not UTF-8 included: a hostile entry
         # must be dead-lettered, not crash the process that reads it).
@@ -678,7 +741,7 @@ class Scripts:
         return await self.move(
             source=source, group=group, entry_id=entry_id, target=self.keys.dead,
             counter=StateField.DEAD, fields=dead_fields, fate="dead_lettered", reason=reason, actor=actor,
-            now_ms=now_ms,
+            now_ms=now_ms, journal=journal,
         )
 
     async def ack_delete(
@@ -789,6 +852,17 @@ class Scripts:
             entries=flat,
         )
         return None if result is None else int(result)
+
+    async def journal_append(
+        self, *, source: str, consumer: str, entry_id: str | bytes, journal: str, member: int, seq: int,
+        budget: int, step: bytes,
+    ) -> str:
+        """Append one episode step under the lease: 'ok', 'lost' (not ours) or 'full' (budget)."""
+        result = await self._run(
+            JOURNAL_APPEND, source=source, journal=journal, consumer=consumer, entry_id=entry_id,
+            member=member, seq=seq, budget=budget, step=step,
+        )
+        return result.decode() if isinstance(result, bytes) else str(result)
 
     async def lease(self, key: str, token: str, ttl_ms: int) -> bool:
         """Take the lease ``key`` if free, or renew it if ``token`` holds it; False when another does."""

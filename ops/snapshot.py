@@ -17,7 +17,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.protocol import Fleet, Heartbeat, StreamView, fold, state_mismatch
+from rollstream.common.protocol import EpisodeJournals, Fleet, Heartbeat, StreamView, fold, state_mismatch
 from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
@@ -293,6 +293,15 @@ async def snapshot(
     snap["groups"]["bytes"] = _int(state.get(StateField.GROUP_BYTES))
     snap["groups"]["bytes_budget"] = config.max_backlog_bytes if config else 0
     snap["groups"]["mean_group_bytes"] = _int(state.get(StateField.PUBLISHED_BYTES)) // published if published else 0
+    journal_bytes = _int(state.get(StateField.JOURNAL_BYTES))
+    durable = bool(config and config.durable_episodes)
+    snap["episodes"] = {
+        "durable": durable,
+        "journals": await EpisodeJournals(redis, keys, "inspect").count() if durable or journal_bytes else 0,
+        "journal_bytes": journal_bytes,
+        "journal_steps": _int(state.get(StateField.JOURNAL_STEPS)),
+        "resume_diverged": _int(state.get(StateField.RESUME_DIVERGED)),
+    }
     terms = await view.admission_terms(config) if config is not None else None
     snap["admission"] = {
         "enabled": bool(config and config.admission_enabled),

@@ -32,6 +32,13 @@ writes an HTTP call, a retry or an alignment rule:
   on many distinct prompts in a row is broken (:class:`GenerateBroken`, fatal for the producer,
   loud at the trainer).
 
+Durable episodes (``rollstream init --durable-episodes``, :mod:`.durable`): every finished step
+(an engine reply, an ``observe()``, an :meth:`Episode.once` result) is journaled in Redis, and a
+producer that takes the prompt over (its producer was killed or drained) runs the function
+again with the calls answered from the journal while they ask the same thing; the code between
+them (tools) runs again. A draining producer stops such episodes at a step boundary
+(:class:`~rollstream.common.errors.EpisodeDrained`: let it pass).
+
 Returning several samples (segments, or agents of one episode): build each with
 :meth:`Episode.segment` (or by hand) and return the list; they all get the episode's
 ``member`` as ``Sample.index`` (the episode id inside the group) and ``metadata["segment"]``.
@@ -235,6 +242,14 @@ class Episode(Trajectory):
     def limit(self, name: str) -> AbstractAsyncContextManager[None]:
         """Hold one unit of the producer-wide named limit ``name`` (``--limit name=K``) while
         inside; an unknown name raises ``KeyError`` (the sample fails)."""
+
+    async def once(self, key: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` (sync or async) once per episode: with durable episodes its result is
+        journaled, and a resumed episode gets it back instead of running ``fn`` again (a paid API
+        call, a sandbox that must not be created twice). The result must be msgpack-encodable.
+        Without durable episodes it simply runs ``fn``."""
+        result = fn()
+        return await result if isinstance(result, Awaitable) else result
 
     @abc.abstractmethod
     async def segment(self, prompt: str | Sequence[int]) -> Trajectory:

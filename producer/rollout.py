@@ -49,6 +49,7 @@ from rollstream.common.errors import (
     EngineRejected,
     EngineReplyInvalid,
     EpisodeAborted,
+    EpisodeDrained,
     GenerateBroken,
     InvalidResult,
     PromptNotSupported,
@@ -58,6 +59,7 @@ from rollstream.common.errors import (
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .checks import as_samples, check_sample
+from .durable import EpisodeLog, PromptJournal
 from .engine import EngineClient, route_key
 from .episode import EpisodeInfo, GenerateFunction
 from .outcomes import FailureLog, failed, rejected, to_sample
@@ -136,8 +138,15 @@ class Rollout:
         self._engines_failed_on: set[tuple[int, int]] = set()
         """The same over all engines: since any engine last gave a usable reply."""
 
+    @property
+    def journals(self) -> bool:
+        """Whether durable episodes apply: a generate function of the user's (the default
+        single-turn rollout already continues its one call with partial rollout)."""
+        return self.generate is not single_turn
+
     async def run(
-        self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None
+        self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None,
+        journal: PromptJournal | None = None,
     ) -> Group:
         """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
         prompt was admitted) stands in for engines that do not report their own.
@@ -145,7 +154,9 @@ class Rollout:
         ``sample_done(k)`` is called as soon as ``k`` episodes have ended (each member's, or the
         one request of ``n``), before the group is scored: the producer releases capacity per
         episode with it. Over a run that returns, it is called for ``n`` in total; a run that
-        raises may have called it for fewer."""
+        raises may have called it for fewer. ``journal`` (durable episodes): the prompt's episode
+        journal, replayed by each member and appended to; a drain then raises
+        :class:`EpisodeDrained` out of here (the prompt goes back with its journal)."""
         n = self.n_samples
         done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
@@ -153,7 +164,7 @@ class Rollout:
         if self.generate is single_turn and partial is None and self.engine.batches_samples:  # one request with n
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
-            samples = await self._episodes(prompt, prompt_ids, n, admitted_version, partial, done)
+            samples = await self._episodes(prompt, prompt_ids, n, admitted_version, partial, done, journal)
         if self.teacher is not None and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self.teacher.score(samples)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
@@ -259,8 +270,10 @@ class Rollout:
         admitted_version: int,
         partial: list[Sample] | None,
         done: SampleDone,
+        journal: PromptJournal | None = None,
     ) -> list[Sample]:
-        """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates."""
+        """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates,
+        and so does a drain's :class:`EpisodeDrained`."""
         failed_before = self.function_failures
         shared = self._shared(prompt, prompt_ids)
         try:
@@ -270,12 +283,14 @@ class Rollout:
                         self._member(
                             prompt, prompt_ids, i, admitted_version,
                             partial[i] if partial is not None and i < len(partial) else None, done, shared,
+                            journal,
                         )
                     )
                     for i in range(n)
                 ]
         except ExceptionGroup as errors:
-            first: BaseException = errors
+            fatal = errors.subgroup(lambda e: not isinstance(e, EpisodeDrained | BaseExceptionGroup))
+            first: BaseException = fatal if fatal is not None else errors
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from None
@@ -302,9 +317,11 @@ class Rollout:
         partial: Sample | None,
         done: SampleDone,
         shared: _Shared | None = None,
+        journal: PromptJournal | None = None,
     ) -> list[Sample]:
         # A member that raised is not reported: the caller releases what a failed run still holds.
-        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial, shared)
+        log = journal.member(member) if journal is not None else None
+        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial, shared, log)
         done(1)
         return samples
 
@@ -327,9 +344,11 @@ class Rollout:
         admitted_version: int,
         partial: Sample | None,
         shared: _Shared | None = None,
+        log: EpisodeLog | None = None,
     ) -> list[Sample]:
         """One member's episode: run the function under its deadline, validate what it returned;
-        every failure becomes a FAILED (or ABORTED) sample with the reason."""
+        every failure becomes a FAILED (or ABORTED) sample with the reason. A durable episode
+        stopped by a drain raises :class:`EpisodeDrained` instead."""
         fn = self.generate
         resumable = bool(getattr(fn, "continues_partial", False))
         if resumable and partial is not None and partial.status in (Status.COMPLETED, Status.TRUNCATED):
@@ -351,7 +370,7 @@ class Rollout:
                 source = self._prompt_source(prompt, prompt_ids)
             except PromptNotSupported as exc:
                 source = exc
-        session = EpisodeSession(self.runtime, info, source, shared.media, prompt_ids=prompt_ids)
+        session = EpisodeSession(self.runtime, info, source, shared.media, prompt_ids=prompt_ids, log=log)
         prefix: Sample | None = None
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):
@@ -362,6 +381,9 @@ class Rollout:
         where = f"prompt {prompt.index} (attempt {prompt.attempt}) member {member}"
         scope: asyncio.Timeout | None = None
         runtime = self.runtime
+        if log is not None:
+            session.task = asyncio.current_task()
+            runtime.sessions.add(session)
         try:
             runtime.episode_started()
             try:
@@ -372,10 +394,20 @@ class Rollout:
                         result = await fn(session)
             finally:
                 runtime.episodes -= 1
+                runtime.sessions.discard(session)
+            if session.drained:  # the user's code caught EpisodeDrained and returned
+                raise EpisodeDrained(f"{where}: stopped by the drain")
             samples = as_samples(result)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if session.drained and task is not None and task.uncancel() == 0:  # cancelled by the drain only
+                raise EpisodeDrained(f"{where}: stopped by the drain between steps") from None
+            raise
         except Exception as exc:
             if session.fatal is not None:  # an engine that keeps failing, even if the user's code caught it
                 raise session.fatal from None
+            if session.drained or isinstance(exc, EpisodeDrained):
+                raise EpisodeDrained(f"{where}: stopped by the drain") from None
             if isinstance(exc, EpisodeAborted):
                 aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
                 return [with_routed_experts(aborted, session.main.generations, prefix)]

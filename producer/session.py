@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -27,12 +28,24 @@ from rollstream.common.errors import (
     EngineError,
     EngineRejected,
     EpisodeAborted,
+    EpisodeDrained,
     InvalidResult,  # noqa: F401  (raised by .checks; importable here as before)
     PromptNotSupported,
 )
 from rollstream.common.models import Sample, Status
 from rollstream.common.settings_fields import option
 
+from .durable import (
+    EpisodeLog,
+    JournalStats,
+    decode_once,
+    encode_once,
+    pack_floats,
+    pack_ints,
+    request_digest,
+    unpack_floats,
+    unpack_ints,
+)
 from .engine import EngineClient, Generation, route_key
 from .engine.client import IdsJson
 from .episode import Episode, EpisodeInfo, SamplingParams, Trajectory, Turn
@@ -214,6 +227,21 @@ class EpisodeRuntime:
         self._sampling_of: Any = None
         self._sampling = SamplingParams(1)
         self._sampling_params: dict[str, Any] = {}
+        self.journal = JournalStats()
+        """Durable episodes: steps journaled, replayed, episodes resumed and diverged."""
+        self.stopping = False
+        """A drain with durable episodes: episodes stop at their next step boundary."""
+        self.sessions: set[EpisodeSession] = set()
+        """Durable episodes running now (so a drain can stop the ones between steps at once)."""
+
+    def stop_episodes(self) -> None:
+        """A drain (durable episodes): every journaled episode stops at a step boundary. One
+        between steps (in a tool, in user code) is cancelled now, its journal ends at its last
+        finished step; one inside a step (an engine call, a ``once`` function) finishes and
+        journals the step first. The prompts go back with their journals."""
+        self.stopping = True
+        for session in list(self.sessions):
+            session.stop_now()
 
     @property
     def engine_requests(self) -> int:
@@ -279,8 +307,11 @@ class _Trajectory(Trajectory):
     """One growing token sequence; every append keeps tokens, mask, log-probs and spans aligned."""
 
     def __init__(
-        self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any] | PromptNotSupported
+        self, session: EpisodeSession, prompt_ids: Sequence[int] | None, source: dict[str, Any] | PromptNotSupported,
+        number: int = 0,
     ) -> None:
+        self.number = number
+        """0 for the episode's main trajectory, k for its k-th segment (names it in the journal)."""
         # A weak reference: the session holds its trajectories, and a cycle between them would
         # leave every finished episode (its arrays, replies, tasks) to the cyclic collector
         # instead of freeing it at once (producer/gcpolicy.py)
@@ -361,21 +392,35 @@ class _Trajectory(Trajectory):
         if limit <= 0:  # nothing may be added: the trajectory is at its length budget
             self.finish_reason, self.status = "length", Status.TRUNCATED
             return Turn("", array("i"), array("f"), "length", ())
-        if self.known_prompt:
-            encoded = self._encoded
-            if encoded is None or encoded.source is not self.tokens:
-                self._encoded = encoded = IdsJson(self.tokens)
-            source: dict[str, Any] = {"input_ids": encoded.ids()}  # each token JSON-encoded once, in the body
-        elif self.response_length == 0:
-            if isinstance(self._source, PromptNotSupported):
-                raise self._source
-            source = self._source
+        session.boundary()
+        log = session.log
+        step: dict[str, Any] | None = None
+        digest = b""
+        if log is not None:
+            extra = [limit, session.runtime.sampling_dict(sampling), None if self.known_prompt else self._source]
+            digest = request_digest("g", self.number, self.tokens if self.known_prompt else None, extra)
+            step = await log.match("g", digest)
+        if step is not None:
+            turn, prompt_ids = session.replayed(step)
         else:
-            raise PromptNotSupported(
-                "a multi-turn episode needs the prompt's token ids: give --tokenizer, or an engine "
-                "with /tokenize (or one that returns prompt token ids)"
-            )
-        turn, prompt_ids = await session.call(source, limit, sampling, continuable=self.known_prompt)
+            if self.known_prompt:
+                encoded = self._encoded
+                if encoded is None or encoded.source is not self.tokens:
+                    self._encoded = encoded = IdsJson(self.tokens)
+                source: dict[str, Any] = {"input_ids": encoded.ids()}  # each token JSON-encoded once, in the body
+            elif self.response_length == 0:
+                if isinstance(self._source, PromptNotSupported):
+                    raise self._source
+                source = self._source
+            else:
+                raise PromptNotSupported(
+                    "a multi-turn episode needs the prompt's token ids: give --tokenizer, or an engine "
+                    "with /tokenize (or one that returns prompt token ids)"
+                )
+            with session.in_step():
+                turn, prompt_ids = await session.call(source, limit, sampling, continuable=self.known_prompt)
+                if log is not None and not session.aborted:
+                    await log.record(session.turn_step("g", digest, turn, prompt_ids))
         if not self.known_prompt and prompt_ids is not None:  # the engine said (vLLM return_token_ids)
             self.tokens = array("i", prompt_ids)
             self.prompt_length = len(self.tokens)
@@ -399,14 +444,16 @@ class _Trajectory(Trajectory):
         if session.aborted:
             self.status = Status.ABORTED
             raise _aborted()
+        session.boundary()
         return turn
 
     async def observe(self, content: str | Sequence[int]) -> int:
         if not self.known_prompt:
             raise PromptNotSupported("observing tokens needs the prompt's token ids (--tokenizer or /tokenize)")
+        session = self._session
+        session.boundary()
         if isinstance(content, str):
-            ids: Sequence[int] = await self._session.tokenize(content)
-            self.text.append(content)
+            ids: Sequence[int] = await session.tokenize(content)
         else:
             ids = content
         room = self.room
@@ -414,10 +461,18 @@ class _Trajectory(Trajectory):
             ids = ids[:room]
         before = len(self.tokens)
         self.tokens.extend(ids)  # TypeError / OverflowError on anything but int32 ids: the sample fails
+        if isinstance(content, str):
+            self.text.append(content)
         added = len(self.tokens) - before
         self.mask.frombytes(b"\x00" * added)
         if self.log_probs is not None:
             self.log_probs.frombytes(b"\x00" * (4 * added))
+        log = session.log
+        if log is not None:
+            digest = request_digest("o", self.number, self.tokens[before:], None)
+            if await log.match("o", digest) is None:
+                await log.record({"k": "o", "r": digest})
+            session.boundary()
         return added
 
 
@@ -432,8 +487,16 @@ class EpisodeSession(Episode):
         media: Mapping[str, Any] | None = None,
         *,
         prompt_ids: array[int] | None = None,
+        log: EpisodeLog | None = None,
     ) -> None:
         self.runtime = runtime
+        self.log = log
+        """Durable episodes: this episode's journal (replayed first, then appended); else None."""
+        self.drained = False
+        """A drain stopped the episode at a step boundary (:class:`EpisodeDrained`)."""
+        self.task: asyncio.Task[Any] | None = None
+        """The task running the generate function (a drain cancels it between steps)."""
+        self._steps_running = 0
         self.media = dict(media) if media else {}
         """The prompt's images (SGLang ``image_data``), sent with every request of the episode."""
         self._info = info
@@ -454,6 +517,68 @@ class EpisodeSession(Episode):
     @property
     def info(self) -> EpisodeInfo:
         return self._info
+
+    # -- durable episodes ---------------------------------------------------------------
+
+    def boundary(self) -> None:
+        """At a step boundary: a draining producer stops a journaled episode here."""
+        if self.runtime.stopping and self.log is not None and self.log.durable:
+            self.drained = True
+            raise EpisodeDrained("the producer is draining: the episode stops here and resumes from its journal")
+
+    def stop_now(self) -> None:
+        """A drain: cancel the episode if it is between steps (its journal is complete)."""
+        if self._steps_running == 0 and self.log is not None and self.log.durable and self.task is not None:
+            self.drained = True
+            self.task.cancel()
+
+    @contextlib.contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Around a step's own work: a drain lets it finish (and be journaled)."""
+        self._steps_running += 1
+        try:
+            yield
+        finally:
+            self._steps_running -= 1
+
+    def turn_step(self, kind: str, digest: bytes, turn: Turn, prompt_ids: array[int] | None) -> dict[str, Any]:
+        """The journal entry of an engine call's reply."""
+        return {
+            "k": kind, "r": digest, "x": turn.text, "i": pack_ints(turn.token_ids),
+            "l": None if turn.log_probs is None else pack_floats(turn.log_probs), "f": turn.finish_reason,
+            "v": list(turn.weight_versions), "s": [list(span) for span in turn.weight_version_spans],
+            "p": None if prompt_ids is None else pack_ints(prompt_ids), "m": dict(self.last_call_metadata),
+        }
+
+    def replayed(self, step: dict[str, Any]) -> tuple[Turn, array[int] | None]:
+        """The turn (and prompt ids) a journaled reply stands for; no engine is asked."""
+        log_probs = step.get("l")
+        turn = Turn(
+            str(step.get("x") or ""), unpack_ints(step["i"]), None if log_probs is None else unpack_floats(log_probs),
+            step.get("f"), tuple(int(v) for v in step.get("v") or ()),
+            tuple((int(a), int(b), int(c)) for a, b, c in step.get("s") or ()),
+        )
+        self.last_call_metadata = dict(step.get("m") or {})
+        self.last_generations = []
+        if len(turn.weight_versions) > 1:
+            self.multi_turn = True
+        prompt_ids = step.get("p")
+        return turn, None if prompt_ids is None else unpack_ints(prompt_ids)
+
+    async def once(self, key: str, fn: Callable[[], Any]) -> Any:
+        self.boundary()
+        log = self.log
+        if log is None:
+            return await _run_once(fn)
+        digest = request_digest("once", 0, None, key)
+        step = await log.match("once", digest)
+        if step is not None:
+            return decode_once(step["val"])
+        with self.in_step():
+            value = await _run_once(fn)
+            await log.record({"k": "once", "r": digest, "val": encode_once(value)})
+        self.boundary()
+        return value
 
     @property
     def sample(self) -> Sample:
@@ -494,7 +619,7 @@ class EpisodeSession(Episode):
     async def segment(self, prompt: str | Sequence[int]) -> Trajectory:
         self.multi_turn = True
         ids = await self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        trajectory = _Trajectory(self, ids, {})
+        trajectory = _Trajectory(self, ids, {}, len(self.segments) + 1)
         self.segments.append(trajectory)
         return trajectory
 
@@ -511,9 +636,22 @@ class EpisodeSession(Episode):
             limit = min(limit, budget - len(input_ids))
         if limit <= 0:
             return Turn("", array("i"), array("f"), "length", ())
-        turn, _ = await self.call({"input_ids": array("i", input_ids)}, limit, sampling, continuable=True)
+        self.boundary()
+        log = self.log
+        digest = b""
+        if log is not None:
+            digest = request_digest("c", 0, input_ids, [limit, self.runtime.sampling_dict(sampling)])
+            step = await log.match("c", digest)
+            if step is not None:
+                self.boundary()
+                return self.replayed(step)[0]
+        with self.in_step():
+            turn, _ = await self.call({"input_ids": array("i", input_ids)}, limit, sampling, continuable=True)
+            if log is not None and not self.aborted:
+                await log.record(self.turn_step("c", digest, turn, None))
         if self.aborted:
             raise _aborted()
+        self.boundary()
         return turn
 
     async def call(
@@ -614,6 +752,11 @@ class EpisodeSession(Episode):
             return generation.weight_version
         self.last_call_metadata["weight_version_source"] = "trainer_at_admission"
         return self.info.admitted_version
+
+
+async def _run_once(fn: Callable[[], Any]) -> Any:
+    result = fn()
+    return await result if inspect.isawaitable(result) else result
 
 
 def _aborted() -> EpisodeAborted:

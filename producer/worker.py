@@ -71,14 +71,25 @@ from rollstream.common.connection import (
 )
 from rollstream.common.errors import (
     DecodeError,
+    EpisodeDrained,
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
+from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Admitted, Control, EngineRegistry, Heartbeat, Heartbeats, PromptQueue
+from rollstream.common.protocol import (
+    Admitted,
+    Control,
+    EngineRegistry,
+    EpisodeJournals,
+    Heartbeat,
+    Heartbeats,
+    PromptQueue,
+)
 from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
 from .capacity import Capacity, Work
+from .durable import PromptJournal
 from .engine import EngineClient
 from .renewal import Renewer
 from .rewards import RewardFunction
@@ -124,6 +135,7 @@ class Producer:
         self.redis = redis
         self._blocking = blocking
         self.prompts = PromptQueue(redis, self.keys, settings.name)
+        self.journals = EpisodeJournals(redis, self.keys, settings.name)
         self.control = Control(redis, self.keys)
         self.heartbeats = Heartbeats(redis, self.keys)
         self.registry = EngineRegistry(redis, self.keys)
@@ -175,6 +187,8 @@ class Producer:
             on_lag=self.metrics.loop_lag,
         )
         self._renewer: Renewer | None = None
+        self.durable = config.durable_episodes and self.rollout.journals
+        """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
     @classmethod
     async def connect(
@@ -212,6 +226,8 @@ class Producer:
         self._stopping.set()
         self._wake.set()
         self._capacity.wake()
+        if self.durable:  # episodes stop at a step boundary; their journals go back with the prompts
+            self.rollout.runtime.stop_episodes()
 
     async def run(self) -> None:
         """Run until :meth:`stop` (returns) or a fatal error (raises it, after recording it)."""
@@ -437,7 +453,13 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
-            group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k))
+            journal = await self._journal(work, prompt) if self.durable else None
+            try:
+                group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k), journal)
+            except EpisodeDrained:
+                logger.info("producer %s: prompt %d stopped by the drain; its journal goes back with it",
+                            self.name, prompt.index)
+                return
             if (dead := exhausted(group, self.config)) is not None:
                 # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
                 reason, last = dead
@@ -454,7 +476,9 @@ class Producer:
                 finished = True
                 return
             work.finishing = True
-            result = await self._outage.run(lambda: self.prompts.publish(work.stream, work.prompt_id, fields))
+            result = await self._outage.run(
+                lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work))
+            )
             finished = True
             if result is None:
                 self.duplicates += 1
@@ -484,7 +508,32 @@ class Producer:
             logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
         work.finishing = True
         written = work.fields if fields is None else fields
-        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason))
+        journal = self._journal_key(work)
+        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason, journal))
+
+    def _journal_key(self, work: Work) -> str | None:
+        """The prompt's episode journal, deleted with its publish or dead letter (durable episodes)."""
+        if not self.durable or work.prompt is None:
+            return None
+        return self.keys.episode(work.prompt.index, work.prompt.epoch)
+
+    async def _journal(self, work: Work, prompt: Prompt) -> PromptJournal:
+        """The prompt's episode journal as another producer left it (``{}`` when fresh), and its
+        writer: appends name this attempt's entry, so they stop when the lease is lost."""
+        index, epoch = prompt.index, prompt.epoch
+        steps = await self._outage.run(lambda: self.journals.load(index, epoch))
+        if steps:
+            logger.info("producer %s: prompt %d resumes from its journal (%s steps)", self.name, index,
+                        ", ".join(f"member {m}: {len(s)}" for m, s in sorted(steps.items())))
+
+        async def append(member: int, seq: int, step: bytes) -> str:
+            return await self.journals.append(
+                stream=work.stream, entry_id=work.prompt_id, index=index, epoch=epoch, member=member, seq=seq,
+                budget=self.config.max_backlog_bytes, step=step,
+            )
+
+        return PromptJournal(steps, append, self.journals.count_diverged, self.rollout.runtime.journal,
+                             f"producer {self.name}: prompt {index}")
 
     # -- leases, reclaim ----------------------------------------------------------------
 
@@ -624,6 +673,10 @@ class Producer:
             engine_requests_peak=self.rollout.runtime.engine_slots.peak,
             episodes_failed=self.rollout.episodes_failed,
             aborts_continued=self.rollout.runtime.aborts_continued,
+            journal_steps=self.rollout.runtime.journal.journaled,
+            replayed_steps=self.rollout.runtime.journal.replayed,
+            episodes_resumed=self.rollout.runtime.journal.resumed,
+            resume_diverged=self.rollout.runtime.journal.diverged,
             engine_fleet=self.engine.fleet_status(),
             loop_stalls=self.watchdog.stalls,
             loop_stall_s=round(self.watchdog.stall_seconds, 2),

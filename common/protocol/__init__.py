@@ -35,6 +35,7 @@ from ..heartbeat import Fleet, Heartbeat, Member, admission_refusals, fold, live
 from .archive_stream import ArchiveStream
 from .control import TAKEN_MESSAGE, Control
 from .engine_registry import EngineRegistry, RegistryEntry, check_engine_url
+from .episodes import EpisodeJournals
 from .feed import Feed, FeedCursor, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
@@ -55,6 +56,7 @@ __all__ = [
     "Diagnosis",
     "EngineRegistry",
     "Entry",
+    "EpisodeJournals",
     "Feed",
     "FeedCursor",
     "Fleet",

@@ -154,17 +154,22 @@ class PromptQueue(Guarded):
     async def count_reclaimed(self) -> None:
         await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
 
-    async def publish(self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any]) -> bytes | None:
-        """Publish a group and acknowledge its prompt atomically; None for a duplicate (the prompt
-        was taken over and acknowledged by another producer)."""
-        return await self.scripts.publish(stream, entry_id, group_fields, now_ms())
+    async def publish(
+        self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any], journal: str | None = None
+    ) -> bytes | None:
+        """Publish a group and acknowledge its prompt atomically (deleting its episode
+        ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
+        producer)."""
+        return await self.scripts.publish(stream, entry_id, group_fields, now_ms(), journal)
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged."""
         return await self.scripts.return_prompt(stream, entry_id, fields)
 
-    async def dead_letter(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
+    async def dead_letter(
+        self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str, journal: str | None = None
+    ) -> bool:
         return await self.scripts.dead_letter(
             source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer,
+            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer, journal=journal,
         )

@@ -1,0 +1,53 @@
+"""Episode journals (durable episodes): one hash per prompt, read whole when a producer takes the
+prompt over, appended one step at a time under the prompt attempt's lease (JOURNAL_APPEND)."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from ..keys import Keys, StateField
+from ..lua import Scripts
+from .guard import Guarded, Server
+
+
+class EpisodeJournals(Guarded):
+    """One producer's reads and appends of its prompts' episode journals."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def load(self, index: int, epoch: int) -> dict[int, list[bytes]]:
+        """Member -> its journaled steps in order (a gap ends a member's steps); {} when none."""
+        raw = await self.redis.hgetall(self.keys.episode(index, epoch))
+        steps: dict[int, dict[int, bytes]] = {}
+        for name, value in raw.items():
+            member, sep, seq = name.decode("ascii", "replace").partition(":")
+            if sep and member.isdigit() and seq.isdigit():
+                steps.setdefault(int(member), {})[int(seq)] = value
+        out: dict[int, list[bytes]] = {}
+        for member, by_seq in steps.items():
+            ordered: list[bytes] = []
+            while len(ordered) in by_seq:
+                ordered.append(by_seq[len(ordered)])
+            out[member] = ordered
+        return out
+
+    async def append(
+        self, *, stream: str, entry_id: bytes, index: int, epoch: int, member: int, seq: int, budget: int,
+        step: bytes,
+    ) -> str:
+        """Journal step ``seq`` of ``member`` while this producer holds the entry: 'ok', 'lost', 'full'."""
+        return await self.scripts.journal_append(
+            source=stream, consumer=self.consumer, entry_id=entry_id, journal=self.keys.episode(index, epoch),
+            member=member, seq=seq, budget=budget, step=step,
+        )
+
+    async def count_diverged(self) -> None:
+        await self.redis.hincrby(self.keys.state, StateField.RESUME_DIVERGED, 1)
+
+    async def count(self) -> int:
+        """How many episode journals the namespace holds (a SCAN: for inspect, not hot paths)."""
+        return len(await Server(self.redis).scan(self.keys.episode_pattern))

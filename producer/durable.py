@@ -1,0 +1,210 @@
+"""Durable episodes (``rollstream init --durable-episodes``): every finished step of an episode is
+journaled in Redis, and the producer that takes the prompt over replays it.
+
+A *step* is an engine call's reply (tokens, log-probs, versions, spans, finish reason), an
+``observe()`` (only a digest of its tokens: the user's code produces them again) or an
+``episode.once(key, fn)`` result. :class:`PromptJournal` is one prompt attempt's journal: the
+steps read when the producer starts the prompt (``{}`` for a fresh one) and the writer, which
+appends one step at a time under the attempt's lease (the JOURNAL_APPEND script: a producer
+whose prompt was taken over writes nothing). :class:`EpisodeLog` is one member's part.
+
+Replay: while the journal has steps, each call compares what it is about to do with the next
+journaled step, a digest of the request (the trajectory's token ids, the length limit and the
+sampling parameters) or of the observed tokens. Equal: the journaled reply is the answer, and no
+engine call is made. Different (a nondeterministic tool, changed code) or undecodable: the rest
+of the journal is dropped (the next append replaces it), the episode goes on live, and the
+divergence is counted (``resume_diverged``) and logged once with the step. Versions come from
+the journaled replies, so a resumed episode's staleness is the uninterrupted one's.
+
+Writing is best effort by design: a journal that cannot be written (the byte budget is reached,
+the lease was lost, Redis is unreachable) stops journaling that episode, which then runs as
+without durable episodes; the prompt's own hand-overs stay exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from array import array
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from rollstream.common.codec.wire import DEFAULT_LIMITS, LITTLE, unpackb
+from rollstream.common.connection import TRANSIENT_ERRORS
+
+logger = logging.getLogger(__name__)
+
+Append = Callable[[int, int, bytes], Awaitable[str]]
+"""``(member, seq, step) -> 'ok' | 'lost' | 'full'``: the JOURNAL_APPEND script for one prompt."""
+
+
+@dataclass(slots=True)
+class JournalStats:
+    """A producer's journal counters (heartbeat, metrics, the benchmark)."""
+
+    journaled: int = 0
+    """Steps appended."""
+    replayed: int = 0
+    """Steps answered from a journal (no engine call, no ``once`` function run)."""
+    resumed: int = 0
+    """Episodes that started with a journal."""
+    diverged: int = 0
+    """Resumed episodes that met a different step and went on live (``resume_diverged``)."""
+    unwritten: int = 0
+    """Episodes whose journaling stopped: byte budget, lost lease or Redis unreachable."""
+
+
+def pack_ints(values: array[int] | Sequence[int]) -> bytes:
+    data = values if isinstance(values, array) and values.typecode == "i" else array("i", values)
+    if not LITTLE:  # pragma: no cover - big-endian hosts
+        data = array("i", data)
+        data.byteswap()
+    return data.tobytes()
+
+
+def unpack_ints(raw: bytes) -> array[int]:
+    data = array("i")
+    data.frombytes(raw)
+    if not LITTLE:  # pragma: no cover
+        data.byteswap()
+    return data
+
+
+def pack_floats(values: array[float]) -> bytes:
+    data = values if values.typecode == "f" else array("f", values)
+    if not LITTLE:  # pragma: no cover
+        data = array("f", data)
+        data.byteswap()
+    return data.tobytes()
+
+
+def unpack_floats(raw: bytes) -> array[float]:
+    data = array("f")
+    data.frombytes(raw)
+    if not LITTLE:  # pragma: no cover
+        data.byteswap()
+    return data
+
+
+def request_digest(kind: str, trajectory: int, tokens: array[int] | Sequence[int] | None, extra: Any) -> bytes:
+    """What identifies one step's request: its kind, trajectory, the token ids it sends and the
+    rest (limit, sampling parameters, text source) as canonical JSON."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{kind}:{trajectory}:".encode())
+    if tokens is not None:
+        h.update(pack_ints(tokens))
+    h.update(json.dumps(extra, sort_keys=True, separators=(",", ":"), default=str).encode())
+    return h.digest()
+
+
+class PromptJournal:
+    """One prompt attempt's journal: its members' steps as read, and the writer."""
+
+    def __init__(
+        self,
+        steps: Mapping[int, list[bytes]],
+        append: Append,
+        on_diverged: Callable[[], Awaitable[None]],
+        stats: JournalStats,
+        where: str,
+    ) -> None:
+        self.steps = steps
+        self.append = append
+        self.on_diverged = on_diverged
+        self.stats = stats
+        self.where = where
+
+    def member(self, member: int) -> EpisodeLog:
+        return EpisodeLog(self, member, list(self.steps.get(member, ())))
+
+
+class EpisodeLog:
+    """One episode's journal: replays its steps while they match, then appends the live ones."""
+
+    def __init__(self, journal: PromptJournal, member: int, steps: list[bytes]) -> None:
+        self.journal = journal
+        self.member = member
+        self.steps = steps
+        self.seq = 0
+        """The next step's number (replayed or appended)."""
+        self.replaying = bool(steps)
+        self.writing = True
+        if steps:
+            journal.stats.resumed += 1
+
+    async def match(self, kind: str, digest: bytes, key: str | None = None) -> dict[str, Any] | None:
+        """The journaled step that answers this call (advancing past it), else None: the
+        journal is exhausted, or it differs (diverged: counted, logged once, replay off)."""
+        if not self.replaying:
+            return None
+        if self.seq >= len(self.steps):
+            self.replaying = False
+            return None
+        try:
+            step = unpackb(self.steps[self.seq], DEFAULT_LIMITS)
+        except Exception:  # msgpack raises a zoo of types: an unreadable step is a difference
+            step = None
+        if (
+            isinstance(step, dict) and step.get("k") == kind and step.get("r") == digest
+            and (key is None or step.get("key") == key)
+        ):
+            self.seq += 1
+            self.journal.stats.replayed += 1
+            return step
+        self.replaying = False
+        self.journal.stats.diverged += 1
+        logger.warning(
+            "%s member %d: resumed episode diverged from its journal at step %d of %d (%s): "
+            "the rest is dropped, the episode goes on live",
+            self.journal.where, self.member, self.seq, len(self.steps),
+            "unreadable step" if not isinstance(step, dict) else f"journaled {step.get('k')!r}, now {kind!r}",
+        )
+        try:
+            await self.journal.on_diverged()
+        except TRANSIENT_ERRORS as exc:  # only a counter
+            logger.debug("resume_diverged not counted: %s", exc)
+        return None
+
+    async def record(self, step: dict[str, Any]) -> None:
+        """Append a live step (no-op once journaling stopped for this episode)."""
+        if not self.writing:
+            return
+        data = msgpack.packb(step, use_bin_type=True)
+        try:
+            status = await self.journal.append(self.member, self.seq, data)
+        except TRANSIENT_ERRORS as exc:
+            status = f"unreachable ({type(exc).__name__}: {exc})"
+        if status == "ok":
+            self.seq += 1
+            self.journal.stats.journaled += 1
+            return
+        self.writing = False
+        self.journal.stats.unwritten += 1
+        logger.warning(
+            "%s member %d: journaling stopped at step %d: %s; the episode goes on without it",
+            self.journal.where, self.member, self.seq,
+            {"full": "the namespace byte budget is reached", "lost": "the prompt's lease was lost"}.get(status, status),
+        )
+
+    @property
+    def durable(self) -> bool:
+        """Whether stopping this episode now keeps its progress (its journal is being written)."""
+        return self.writing
+
+
+def encode_once(value: Any) -> bytes:
+    """``episode.once``'s result as journaled; a value msgpack cannot hold is the user's error."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(
+            f"episode.once(): the function's result must be msgpack-encodable (None, bool, int, float, "
+            f"str, bytes, lists and dicts of them) to be journaled: {exc}"
+        ) from None
+
+
+def decode_once(raw: bytes) -> Any:
+    return unpackb(raw, DEFAULT_LIMITS)

@@ -1,0 +1,48 @@
+"""Generate functions for the durable-episode tests (``durable_fns:NAME``), steered by env vars
+set per producer process: ``TOOL_LOG`` (a file each tool call and ``once`` call appends a line
+to), ``BLOCK_AT`` (the tool of that turn never returns: the producer is killed or drained there),
+``TOOL_SALT`` (appended to tool output: a different value makes a nondeterministic tool)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from rollstream.common.models import Sample
+from rollstream.producer.episode import Episode
+
+TURNS = 6
+
+
+def _note(line: str) -> None:
+    with Path(os.environ["TOOL_LOG"]).open("a") as out:
+        out.write(f"{os.getpid()} {line}\n")
+
+
+async def six_turns(episode: Episode) -> Sample:
+    """Six engine calls with a tool call between each two, behind one ``once`` (a sandbox)."""
+    block_at = int(os.environ.get("BLOCK_AT", "0"))
+    salt = os.environ.get("TOOL_SALT", "")
+
+    def sandbox() -> str:
+        _note("once sandbox")
+        return f"sandbox-{os.getpid()}"
+
+    box = await episode.once("sandbox", sandbox)
+    for turn in range(1, TURNS + 1):
+        await episode.generate(max_new_tokens=8)
+        if turn == TURNS:
+            break
+        _note(f"tool {turn} {box}")
+        if turn == block_at:
+            await asyncio.Event().wait()  # the producer is killed or drained here
+        await episode.observe(f"<result>{turn}{salt}</result>")
+    return episode.sample
+
+
+async def fails_after_steps(episode: Episode) -> Sample:
+    """Journals two steps, then raises: the group fails, is recycled, then dead-lettered."""
+    await episode.generate(max_new_tokens=8)
+    await episode.observe("<result>1</result>")
+    raise RuntimeError("the tool broke after two steps")

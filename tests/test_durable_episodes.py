@@ -1,0 +1,242 @@
+"""Durable episodes: a journal per episode in Redis, replayed by the producer that takes a prompt
+over. Real Redis, real ``rollstream produce`` processes killed with SIGKILL or drained with
+SIGTERM, the simulator counting every engine call; the JOURNAL_APPEND script and the hand-overs
+that delete a journal are checked on Redis directly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rich.console import Console
+from rollstream.cli.inspect import render
+from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
+from rollstream.common.lua import Scripts
+from rollstream.common.models import Status
+from rollstream.common.protocol import EpisodeJournals, Heartbeat
+from rollstream.consumer import GroupConsumer
+from rollstream.ops.snapshot import snapshot
+from rollstream.testing.sim import SimEngine
+from test_episodes_pipeline import heartbeat
+from test_faults import wait_exit
+
+USABLE = (Status.COMPLETED, Status.TRUNCATED)
+FNS = Path(__file__).with_name("durable_fns.py")
+
+
+def fn(name: str) -> str:
+    return f"{FNS}:{name}"
+
+
+async def _state_int(redis: Redis, ns: str, field: str) -> int:
+    return int(await redis.hget(Keys(ns).state, field) or 0)  # type: ignore[misc]
+
+
+async def _journal_keys(redis: Redis, ns: str) -> list[bytes]:
+    return [key async for key in redis.scan_iter(match=Keys(ns).episode_pattern)]
+
+
+async def _assert_no_journal(redis: Redis, ns: str) -> None:
+    assert await _journal_keys(redis, ns) == []
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 0
+
+
+async def _published_beat(redis: Redis, ns: str, name: str) -> Heartbeat:
+    """The producer's heartbeat once it reports its group published (its counters then final)."""
+
+    async def published() -> Heartbeat | None:
+        beat = await heartbeat(redis, ns, name)
+        return beat if beat.published == 1 and beat.episodes == 0 else None
+
+    return await wait_until(published, message=f"{name}'s heartbeat after the publish")
+
+
+def _tool_lines(log: Path) -> list[tuple[int, str]]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(int(pid), rest) for pid, _, rest in (line.partition(" ") for line in lines)]
+
+
+# -- the script, on Redis directly --------------------------------------------------------------
+
+
+async def _claimed_prompt(redis: Redis, keys: Keys, consumer: str) -> bytes:
+    await redis.xgroup_create(keys.prompts, PRODUCERS_GROUP, id="0", mkstream=True)
+    entry_id = await redis.xadd(keys.prompts, {"index": 0})
+    await redis.xreadgroup(PRODUCERS_GROUP, consumer, {keys.prompts: ">"}, count=1)
+    return entry_id
+
+
+async def test_append_writes_only_under_the_lease_within_the_budget_and_truncates_on_divergence(
+    redis: Redis, ns: str
+) -> None:
+    keys = Keys(ns)
+    entry_id = await _claimed_prompt(redis, keys, "a")
+    mine = EpisodeJournals(redis, keys, "a")
+    other = EpisodeJournals(redis, keys, "b")
+
+    async def append(who: EpisodeJournals, seq: int, step: bytes, budget: int = 0, member: int = 0) -> str:
+        return await who.append(stream=keys.prompts, entry_id=entry_id, index=0, epoch=0, member=member,
+                                seq=seq, budget=budget, step=step)
+
+    assert [await append(mine, s, b"x" * 10) for s in range(3)] == ["ok"] * 3
+    assert await append(mine, 0, b"y" * 5, member=1) == "ok"
+    assert await append(other, 3, b"z") == "lost"  # not its lease: nothing written
+    assert await mine.load(0, 0) == {0: [b"x" * 10] * 3, 1: [b"y" * 5]}
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 35
+    # a replay that diverged at step 1: steps 1 and 2 go, the new step 1 replaces them
+    assert await append(mine, 1, b"w" * 4) == "ok"
+    assert await mine.load(0, 0) == {0: [b"x" * 10, b"w" * 4], 1: [b"y" * 5]}
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 19
+    assert int(await redis.hget(keys.episode(0, 0), "bytes")) == 19  # type: ignore[misc]
+    # the byte budget (groups held + journals): a step that would pass it is not written
+    await redis.hset(keys.state, StateField.GROUP_BYTES, 100)  # type: ignore[misc]
+    assert await append(mine, 2, b"v" * 2, budget=120) == "full"
+    assert await append(mine, 2, b"v", budget=120) == "ok"
+    assert await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 6
+
+
+@pytest.mark.parametrize("ending", ["publish", "dead_letter", "return"])
+async def test_a_journal_goes_with_its_prompts_publish_and_dead_letter_and_stays_when_returned(
+    redis: Redis, ns: str, ending: str
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns)
+    entry_id = await redis.xadd(keys.prompts, {"index": 0})
+    await redis.xreadgroup(PRODUCERS_GROUP, "a", {keys.prompts: ">"}, count=1)
+    journals = EpisodeJournals(redis, keys, "a")
+    assert await journals.append(stream=keys.prompts, entry_id=entry_id, index=0, epoch=0, member=0, seq=0,
+                                 budget=0, step=b"s" * 7) == "ok"
+    scripts = Scripts(redis, keys)
+    journal = keys.episode(0, 0)
+    if ending == "publish":
+        assert await scripts.publish(keys.prompts, entry_id, {"data": b"g"}, 0, journal) is not None
+    elif ending == "dead_letter":
+        assert await scripts.dead_letter(source=keys.prompts, group=PRODUCERS_GROUP, entry_id=entry_id,
+                                         reason="test", fields={"index": 0}, now_ms=0, journal=journal)
+    else:
+        assert await scripts.return_prompt(keys.prompts, entry_id, {"index": 0})
+    if ending == "return":  # a drain: the producer that takes the prompt over resumes from it
+        assert await journals.load(0, 0) == {0: [b"s" * 7]}
+        assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 7
+    else:
+        await _assert_no_journal(redis, ns)
+
+
+# -- real producers -----------------------------------------------------------------------------
+
+
+async def _start_blocked(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, monkeypatch: pytest.MonkeyPatch,
+    tool_log: Path, salt: str = "",
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Producer ``a`` runs one 6-turn episode up to the tool of turn 4, which never returns."""
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, lease_seconds=3.0, durable_episodes=True)
+    await add_prompts(redis, ns, 1, text="Compute 2 + 2.")
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    monkeypatch.setenv("BLOCK_AT", "4")
+    monkeypatch.setenv("TOOL_SALT", salt)
+    first = procs.producer(redis_url, ns, sim.url, "--generate", fn("six_turns"), "--drain-timeout", "20", name="a")
+
+    async def at_turn_four() -> bool:  # once + (generate, observe) x 3 + generate 4
+        return await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 8
+
+    await wait_until(at_turn_four, message="the episode journaled up to turn 4")
+    await wait_until(lambda: any(rest.startswith("tool 4") for _, rest in _tool_lines(tool_log)),
+                     message="in the tool of turn 4")
+    monkeypatch.delenv("BLOCK_AT")
+    return first, sim.state.requests
+
+
+async def _finish_with_b(redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool) -> Status:
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("six_turns"), name="b")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(90):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    (group,) = batch.groups
+    assert group.producer == "b"
+    (sample,) = group.samples
+    assert len(sample.weight_versions) == 6  # six engine calls' versions, journaled or live
+    return group.status
+
+
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+async def test_a_six_turn_episode_resumes_at_turn_four_after_its_producer_is_killed_or_drained(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, stop: str,
+) -> None:
+    keys = Keys(ns)
+    tool_log = tmp_path / "tools.log"
+    first, calls_before = await _start_blocked(redis, redis_url, ns, sim, procs, monkeypatch, tool_log)
+    assert calls_before == 4
+    if stop == "SIGKILL":
+        first.send_signal(signal.SIGKILL)
+        assert await wait_exit(first) == -signal.SIGKILL
+    else:
+        first.send_signal(signal.SIGTERM)
+        assert await wait_exit(first) == 0, procs.log_of(first)
+        assert "returned 1 prompts" in procs.log_of(first)
+        assert await redis.xlen(keys.retry) == 1  # back at once: the tool was not waited for
+        assert int(await redis.hget(keys.episode(0, 0), "n:0")) == 8  # type: ignore[misc]  # the journal stays
+        snap = await snapshot(redis, keys)  # counted in inspect
+        assert snap["episodes"]["journals"] == 1 and snap["episodes"]["journal_bytes"] > 0
+        screen = Console(width=200, record=True)
+        screen.print(render(snap, plain=True))
+        assert "durable episodes: 1 journals" in screen.export_text()
+    assert await _finish_with_b(redis, redis_url, ns, sim, procs) in USABLE
+    assert sim.state.requests == 6  # turns 1-4 from a, 5-6 from b: no finished engine call made again
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 8, 0)
+    lines = _tool_lines(tool_log)
+    onces = [pid for pid, rest in lines if rest == "once sandbox"]
+    assert onces == [first.pid]  # b got the sandbox from the journal
+    b_tools = [rest for pid, rest in lines if pid != first.pid and rest.startswith("tool")]
+    # the user's code between steps runs again (it rebuilds the tool's state), with a's sandbox
+    assert b_tools == [f"tool {t} sandbox-{first.pid}" for t in range(1, 6)]
+    await _assert_no_journal(redis, ns)
+
+
+async def test_a_divergent_tool_drops_the_rest_of_the_journal_and_goes_on_live(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tool_log = tmp_path / "tools.log"
+    first, _ = await _start_blocked(redis, redis_url, ns, sim, procs, monkeypatch, tool_log, salt="x")
+    first.send_signal(signal.SIGKILL)
+    await wait_exit(first)
+    monkeypatch.setenv("TOOL_SALT", "y")  # the tool answers differently now
+    assert await _finish_with_b(redis, redis_url, ns, sim, procs) in USABLE
+    # once and generate 1 replayed; the first observe differs: generates 2-6 live
+    assert sim.state.requests == 4 + 5
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 2, 1)
+    assert await _state_int(redis, ns, StateField.RESUME_DIVERGED) == 1
+    log = procs.logs()
+    assert log.count("diverged from its journal at step 2 of 8") == 1
+    await _assert_no_journal(redis, ns)
+
+
+async def test_the_journal_is_removed_when_the_group_is_published_failed_and_then_dead_lettered(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, max_attempts=1, durable_episodes=True)
+    await add_prompts(redis, ns, 1, text="Compute 1 + 1.")
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("fails_after_steps"), name="p")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        taking = asyncio.create_task(consumer.take(1))  # recycles the failed group once
+        try:
+            await wait_until(lambda: redis.xlen(keys.dead), message="the prompt dead-lettered")
+        finally:
+            taking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await taking
+    assert await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 2 * 2 * 2  # 2 attempts x 2 members x 2 steps
+    await _assert_no_journal(redis, ns)
