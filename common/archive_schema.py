@@ -6,7 +6,7 @@ trainer consumer, or the producer for a prompt it dead-lettered), the trainer's 
 ``position`` in the batch for a trained group, the trainer version at the time, and a copy of
 the entry. A row keeps readable columns (samples with prompt, response, tokens, loss mask,
 log-probs, reward, versions; history) beside ``data``, the entry's wire-format payload, from which
-:mod:`rollstream.consumer.replay` rebuilds the exact group.
+:mod:`rollstream.consumer.archive_replay` rebuilds the exact group.
 
 Files are named ``part_<first id>_<last id>.parquet`` (ids with ``-`` as in Redis) under a
 partition folder (``version=N`` or ``hour=YYYYMMDDHH``) and each holds a contiguous run of the

@@ -30,8 +30,9 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   └── GenerateBroken                    it failed on many distinct prompts in a row: fatal
     └── PipelineError                         raised by ``take()`` instead of hanging
         ├── ProducerFailed                    a producer recorded a fatal error (remote traceback)
-        └── PipelineStalled                   no producer has been alive for too long
-            └── AllGroupsStale                every group read for too long was recycled as stale
+        ├── PipelineStalled                   no producer has been alive for too long
+        │   └── AllGroupsStale                every group read for too long was recycled as stale
+        └── ReplayExhausted                   an archive replay handed out its last recorded batch
 
 What a user meets where: ``ConfigError`` at start (bad flags, specs, settings); the "sample fails"
 errors become a FAILED sample with the message in ``Sample.error`` (the group is recycled with
@@ -252,3 +253,7 @@ class PipelineStalled(PipelineError):
 class AllGroupsStale(PipelineStalled):
     """Every group ``take()`` read for longer than its stall timeout was recycled as stale, none
     usable: the engines are not getting the trainer's weights (or generation outlasts them)."""
+
+
+class ReplayExhausted(PipelineError):
+    """``ArchiveReplay.take()`` after the last recorded batch: the replayed run is over."""

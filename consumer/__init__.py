@@ -1,4 +1,5 @@
 """The trainer's side of rollstream: ``GroupConsumer`` (asyncio) and ``SyncGroupConsumer``,
+``ArchiveReplay`` (recorded batches from an archive, the same ``take``/``commit``),
 their options (``ConsumerOptions``) and the pure rule that routes each group (``judge``).
 
 Every error a trainer can meet is exported here; all derive from :class:`RollstreamError`
@@ -17,10 +18,12 @@ from rollstream.common.errors import (
     PipelineStalled,
     ProducerFailed,
     RedisDataLost,
+    ReplayExhausted,
     RollstreamError,
 )
 from rollstream.common.models import Group, Sample, Status
 
+from .archive_replay import ArchiveReplay
 from .batch import Batch
 from .filters import KeepFilter, rejection_reason, reward_variance
 from .group_consumer import Connecting, GroupConsumer
@@ -30,6 +33,7 @@ from .verdict import Cause, Route, Verdict, judge
 
 __all__ = [
     "AllGroupsStale",
+    "ArchiveReplay",
     "Batch",
     "Cause",
     "ConfigError",
@@ -46,6 +50,7 @@ __all__ = [
     "PipelineStalled",
     "ProducerFailed",
     "RedisDataLost",
+    "ReplayExhausted",
     "RollstreamError",
     "Route",
     "Sample",

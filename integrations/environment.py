@@ -28,6 +28,9 @@ TAKE_TIMEOUT = "ROLLSTREAM_TAKE_TIMEOUT"
 KEEP_CHECKPOINTS = "ROLLSTREAM_KEEP_CHECKPOINTS"
 ALLOW_JOURNAL_GAP = "ROLLSTREAM_ALLOW_JOURNAL_GAP"
 KEEP_FILTER = "ROLLSTREAM_KEEP_FILTER"
+REPLAY_ARCHIVE = "ROLLSTREAM_REPLAY_ARCHIVE"
+"""An archive folder (``rollstream archive --out``): train on its recorded batches, in order, with
+no Redis, producers or engines (slime's ``--load-debug-rollout-data`` for rollstream)."""
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -49,6 +52,25 @@ class Settings:
     """Resume from a checkpoint older than the journal covers (losing the rollouts in between)."""
     keep_filter: str | None = None
     """Import path ``module:function`` of the dynamic-sampling filter given to ``take()``."""
+    replay_archive: str | None = None
+    """An archive folder whose trained batches are replayed instead of taking from Redis."""
+
+    @classmethod
+    def replaying(cls, framework: str, environ: Mapping[str, str] | None = None) -> Settings | None:
+        """The settings of a replay run when ``ROLLSTREAM_REPLAY_ARCHIVE`` is set, else None: no
+        Redis variable is needed (``ROLLSTREAM_CONSUMER_NAME``, when set, picks that trainer's
+        batches in an archive several trained into)."""
+        env = os.environ if environ is None else environ
+        folder = env.get(REPLAY_ARCHIVE, "").strip()
+        if not folder:
+            return None
+        if not os.path.isdir(folder):
+            raise ConfigError(f"environment variable {REPLAY_ARCHIVE}={folder!r} is not a folder")
+        return cls(
+            redis_url="", namespace=env.get(NAMESPACE, "").strip() or framework,
+            consumer_name=env.get(CONSUMER_NAME, "").strip(), eval_function=env.get(EVAL_FUNCTION, "").strip() or None,
+            replay_archive=folder,
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -109,7 +109,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     if source.first_rollout_id is None:
         source.first_rollout_id = rollout_id
     source.ensure_pipeline()
-    version, from_engine = trainer_version(args, source, rollout_id)
+    version, from_engine = (None, False) if source.replaying else trainer_version(args, source, rollout_id)
     batch = source.session.train_batch(
         rollout_id,
         n_samples=args.n_samples_per_prompt,

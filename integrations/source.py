@@ -51,6 +51,8 @@ class RollstreamDataSourceBase:
         first start the pipeline the run's flags describe (docs/integrations.md, the one-flag run)."""
         from .pipeline import components, producer_count
 
+        if (replay := Settings.replaying(self.framework.name)) is not None:
+            return replay  # recorded batches: no Redis, no pipeline
         env = dict(os.environ)
         url = env.get(REDIS_URL, "").strip()
         wanted = components(env, redis_url_set=bool(url))
@@ -82,6 +84,11 @@ class RollstreamDataSourceBase:
         )
         env[REDIS_URL] = self.pipeline.start()
         return Settings.from_env(env)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether this run trains on an archive's recorded batches (``ROLLSTREAM_REPLAY_ARCHIVE``)."""
+        return self.settings.replay_archive is not None
 
     def get_samples(self, num_samples: int) -> list[list[Any]]:
         raise RuntimeError(

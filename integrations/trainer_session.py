@@ -30,7 +30,7 @@ from rollstream.common.imports import import_callable
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import Group
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
-from rollstream.consumer import GroupConsumer
+from rollstream.consumer import ArchiveReplay, GroupConsumer
 from rollstream.consumer.options import NAME_LEASE_SECONDS
 
 from .convert import Framework
@@ -102,6 +102,7 @@ class RolloutSession:
         self._journal: Journal | None = None
         self._known_ids: set[bytes] | None = None
         self._sizes_checked = False
+        self._recorded: ArchiveReplay | None = None
 
     # -- sync facade (any thread) ---------------------------------------------------------
 
@@ -184,8 +185,30 @@ class RolloutSession:
         return self._consumer, self._journal
 
     async def _config(self) -> Any:
+        if self.settings.replay_archive:
+            return self._replaying().config
         consumer, _ = await self._ensure()
         return consumer.config
+
+    def _replaying(self) -> ArchiveReplay:
+        if self._recorded is None:
+            self._recorded = ArchiveReplay.open(
+                self.settings.replay_archive or "", consumer=self.settings.consumer_name or None
+            )
+            logger.info(
+                "replaying %d recorded batches of %s (ROLLSTREAM_REPLAY_ARCHIVE): no Redis, no engines",
+                len(self._recorded), self.settings.replay_archive,
+            )
+        return self._recorded
+
+    def _replayed(self, n_samples: int, batch_size: int) -> TrainBatch:
+        """The next recorded batch of the archive, as it was trained."""
+        replay = self._replaying()
+        if not self._sizes_checked:
+            self._check_sizes(replay.config, n_samples, batch_size, None)
+            self._sizes_checked = True
+        batch = replay.take_next(batch_size)
+        return TrainBatch(groups=batch.groups, metrics=dict(batch.metrics), replayed=True)
 
     def _check_sizes(self, config: Any, n_samples: int, batch_size: int, max_staleness: int | None) -> None:
         ns = self.settings.namespace
@@ -248,6 +271,8 @@ class RolloutSession:
     async def _train_batch(
         self, rollout_id: int, n_samples: int, batch_size: int, weight_version: int | None, max_staleness: int | None
     ) -> TrainBatch:
+        if self.settings.replay_archive:
+            return self._replayed(n_samples, batch_size)
         self._check_health()
         consumer, journal = await self._ensure()
         if not self._sizes_checked:
@@ -308,6 +333,8 @@ class RolloutSession:
         return TrainBatch(groups=record.groups, metrics={**record.metrics, "replayed": 1.0}, replayed=True)
 
     async def _save(self, rollout_id: int) -> None:
+        if self.settings.replay_archive:
+            return  # nothing was taken from Redis
         _, journal = await self._ensure()
         meta = await journal.meta()
         meta.checkpoints = sorted({*meta.checkpoints, rollout_id})[-self.settings.keep_checkpoints :]
@@ -321,6 +348,12 @@ class RolloutSession:
         )
 
     async def _load(self, rollout_id: int | None) -> None:
+        if self.settings.replay_archive:
+            # rollouts count from 0, recorded steps from 1: resume after the checkpoint's rollout
+            self.loaded_from = None if rollout_id is None or rollout_id < 0 else rollout_id
+            if self.loaded_from is not None:
+                self._replaying().seek(self.loaded_from + 2)
+            return
         _, journal = await self._ensure()
         meta = await journal.meta()
         pending = await journal.rollout_ids()
