@@ -215,6 +215,9 @@ class StateField:
     PUBLISHED = "published"
     COMMITTED = "committed"
     RECYCLED_ABORTED = "recycled_aborted"
+    """Groups recycled because the engine aborted a call, not a weight update: uses an attempt."""
+    RECYCLED_WEIGHT_UPDATE = "recycled_weight_update"
+    """Groups recycled because a weight update aborted a call: the attempt is kept (DESIGN §4.17)."""
     RECYCLED_STALE = "recycled_stale"
     RECYCLED_FAILED = "recycled_failed"
     RECYCLED_FILTERED = "recycled_filtered"
@@ -302,6 +305,7 @@ class StateField:
         PUBLISHED,
         COMMITTED,
         RECYCLED_ABORTED,
+        RECYCLED_WEIGHT_UPDATE,
         RECYCLED_STALE,
         RECYCLED_FAILED,
         RECYCLED_FILTERED,

@@ -3,6 +3,9 @@
 In the order it is checked:
 
 * undecodable, wrong sample count, over the size limits -> dead-letter stream, with the reason;
+* ABORTED by a weight update (:func:`~rollstream.common.attempts.by_weight_update`) -> prompt
+  recycled with its attempt unchanged (the pipeline's cadence is not the prompt's fault), counted
+  in ``recycled_weight_update``, never dead-lettered for it;
 * any FAILED or ABORTED sample -> prompt recycled (``attempt + 1``, state reset, or with
   partial rollout the partial samples kept); past ``max_attempts`` -> dead-letter stream (the
   rule of :mod:`rollstream.common.attempts`, which the producer applies first: such a group is
@@ -25,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollstream.common.attempts import failure_reason, past_max_attempts
+from rollstream.common.attempts import WEIGHT_UPDATE_REASON, failure_reason, past_max_attempts
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import DecodeError
@@ -52,6 +55,8 @@ class Cause(enum.StrEnum):
     WRONG_SIZE = "wrong_group_size"
     FAILED = "failed"
     ABORTED = "aborted"
+    WEIGHT_UPDATE = "weight_update"
+    """Aborted by a weight update: the pipeline's cadence, the attempt is kept."""
     STALE = "stale"
     FILTERED = "filtered"
     USABLE = "usable"
@@ -78,6 +83,7 @@ class Route(enum.StrEnum):
 
 RECYCLE_COUNTERS = {
     Cause.ABORTED: StateField.RECYCLED_ABORTED,
+    Cause.WEIGHT_UPDATE: StateField.RECYCLED_WEIGHT_UPDATE,
     Cause.STALE: StateField.RECYCLED_STALE,
     Cause.FAILED: StateField.RECYCLED_FAILED,
     Cause.FILTERED: StateField.RECYCLED_FILTERED,
@@ -149,7 +155,10 @@ def judge(
     staleness = group.staleness(version)
     failure = failure_reason(group)
     if failure is not None:
-        cause = Cause.FAILED if group.status == Status.FAILED else Cause.ABORTED
+        if group.status == Status.FAILED:
+            cause = Cause.FAILED
+        else:
+            cause = Cause.WEIGHT_UPDATE if failure == WEIGHT_UPDATE_REASON else Cause.ABORTED
         return _recycle(group, cause, failure, config, staleness, stale)
     if staleness_limit is not None and staleness > staleness_limit:
         reason = f"{Cause.STALE}: staleness {staleness} > {staleness_limit}"
@@ -175,15 +184,17 @@ def _recycle(
 ) -> Verdict:
     """Put the group's prompt back with ``attempt + 1`` (past max_attempts: dead-letter it);
     ``reason`` is the history line (``<cause>: <detail>``)."""
-    keep_partial = cause == Cause.ABORTED and config.partial_rollout
+    keep_partial = cause in (Cause.ABORTED, Cause.WEIGHT_UPDATE) and config.partial_rollout
     # Staleness is the pipeline's doing, not the prompt's: it does not use up an attempt
     # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
+    # Nor does an abort by a weight update (counted in recycled_weight_update).
     is_stale = cause == Cause.STALE
+    cadence = is_stale or cause == Cause.WEIGHT_UPDATE
     # other groups are fresh (this one counts towards the streak)
     alone = is_stale and stale.fresh_seen and not stale_reportable(stale.streak + 1, config.batch_size)
     if is_stale and not alone:
         reason += ALL_STALE_MARK
-    prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not is_stale)
+    prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not cadence)
     fields = prompt_fields(prompt)
 
     def verdict(route: Route, why: str) -> Verdict:
@@ -197,7 +208,7 @@ def _recycle(
             f"were fresh: its generation outlasts max_staleness versions (raise max_staleness or lower "
             f"max_new_tokens); last: {reason}"
         ))
-    dead = None if is_stale else past_max_attempts(prompt.attempt, config, reason)
+    dead = None if cadence else past_max_attempts(prompt.attempt, config, reason)
     if dead is not None:
         return verdict(Route.DEAD_LETTER, dead)
     return verdict(Route.RECYCLE, reason)

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
-from rollstream.common.attempts import exhausted
+from rollstream.common.attempts import exhausted, mark_weight_update
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large, prompt_fields
 from rollstream.common.config import PipelineConfig
@@ -75,7 +75,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
-from rollstream.common.models import Prompt
+from rollstream.common.models import Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import (
     Admitted,
@@ -460,6 +460,11 @@ class Producer:
                 logger.info("producer %s: prompt %d stopped by the drain; its journal goes back with it",
                             self.name, prompt.index)
                 return
+            if group.status == Status.ABORTED and await self._outage.run(
+                lambda: self.control.updated_since(work.version)
+            ):
+                # The engine aborted during a weight update: the pipeline's cadence, the attempt is kept.
+                mark_weight_update(group)
             if (dead := exhausted(group, self.config)) is not None:
                 # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
                 reason, last = dead

@@ -42,6 +42,12 @@ class Control(Guarded):
     async def paused(self) -> bool:
         return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
 
+    async def updated_since(self, version: int) -> bool:
+        """Whether the pipeline is paused or its weight version is no longer ``version``: a
+        weight update began or ended since then (an abort seen now is the pipeline's doing)."""
+        paused, current = await self.redis.hmget(self.keys.state, [StateField.PAUSED, StateField.WEIGHT_VERSION])
+        return paused == b"1" or max(0, int_or(current)) != version
+
     async def set_weight_version(self, version: int) -> None:
         """Record a new version; a change also records where it began in the consumption count
         (the terms of staleness-aware admission), in the same script."""

@@ -272,9 +272,26 @@ class _Plan:
     logprobs: list[float]
 
 
+REPLY_MARKER = re.compile(r"\[reply=(\d+)\]")
+"""A prompt's own reply length: ``[reply=N]`` (the bias benchmark's long and short prompts)."""
+
+
+def reply_length(text: str) -> int | None:
+    """The tokens still to generate for an input holding ``[reply=N]`` (the last one): ``N``
+    minus the tokens after it (a continuation's partial response); None without one."""
+    found = list(REPLY_MARKER.finditer(text))
+    if not found:
+        return None
+    last = found[-1]
+    return max(0, int(last.group(1)) - len(tokenize(text[last.end():])))
+
+
 def _plan_response(config: SimConfig, text: str, rng: random.Random) -> _Plan:
     answer_part = tool_turn(text) or f" The answer is \\boxed{{{_answer(text, config.accuracy, rng)}}}."
-    if config.length_sigma > 0:
+    own = reply_length(text) if "[reply=" in text else None
+    if own is not None:
+        drawn = own
+    elif config.length_sigma > 0:
         mu = math.log(config.mean_tokens) - config.length_sigma**2 / 2
         drawn = round(rng.lognormvariate(mu, config.length_sigma))
     else:

@@ -30,7 +30,9 @@ Responses
     ``abort``); a client that disconnects frees its slot. ``meta_info.weight_version`` is the
     version when the reply is sent. Sampling parameters other than the length limit
     (temperature, top_p, stop, ...) are accepted and ignored. An input containing ``POISON``
-    is refused with HTTP 400.
+    is refused with HTTP 400. A prompt ending with ``[reply=N]`` sets its own length: ``L`` is
+    ``N`` minus the tokens the input holds after the marker (a continuation's partial response),
+    at least the answer (:func:`~.model.reply_length`).
 
 Routing replay and teacher scoring
     With :attr:`SimConfig.moe` ``(layers, topk, experts)``, a ``/generate`` request with

@@ -1,0 +1,221 @@
+"""Does the trainer see the dataset, or its fast half? Issue 38's scenario on the simulator.
+
+One epoch of 160 prompts, 80 % short (``[reply=40]``) and 20 % long (``[reply=500]``), 2 ms per
+token, so a long reply takes about 1.5 training steps; n = 4, batch 8, ``max_staleness`` 1; one
+producer process (``rollstream produce``, concurrency 64). Each step follows slime's pattern:
+``take(8)``, 0.3 s of "training", ``commit``, then ``WeightSync(kind="sglang").update(...,
+mode="abort")`` (pause with abort, reload, continue). Run with partial rollout off (the
+namespace default) and on.
+
+Measured from outside the pipeline (the benchmark knows which prompts are long): prompts
+dead-lettered, long prompts trained within the epoch, the long prompts' share of the trained
+groups against their share of the dataset (0.20), tokens the engine generated per token trained,
+and how many steps after the short prompts fed beside them the long ones were trained.
+``python -m bench bias`` (``--quick``: 40 prompts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from typing import Any
+
+import httpx
+from rollstream import WeightSync
+from rollstream.common.codec import prompt_fields
+from rollstream.common.connection import connect
+from rollstream.common.keys import Keys
+from rollstream.common.models import Prompt
+from rollstream.common.namespace import read_state, state_int
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import EmbeddedRedis, free_port
+
+from bench.common import IMG, OUT, Table, children, init_ns, spawn
+
+N = 4
+BATCH = 8
+PROMPTS = 160
+LONG_EVERY = 5
+"""Every fifth prompt is long: 20 % of the dataset."""
+SHORT_TOKENS = 40
+LONG_TOKENS = 500
+PER_TOKEN = 0.002
+TRAIN = 0.3
+CONCURRENCY = 64
+MAX_STEPS = 80
+"""A run stops here even if prompts are still out (a pipeline that never trains them)."""
+IDLE_END = 20.0
+"""Seconds without a group before a run gives up on the prompts still out."""
+
+
+def is_long(index: int) -> bool:
+    return index % LONG_EVERY == LONG_EVERY - 1
+
+
+def bias_prompt(index: int) -> Prompt:
+    a, b = index % 97, (index * 7) % 89
+    reply = LONG_TOKENS if is_long(index) else SHORT_TOKENS
+    return Prompt(index=index, prompt=f"What is {a} + {b}? [reply={reply}]", label=str(a + b))
+
+
+async def _wait_engine(url: str) -> None:
+    async with httpx.AsyncClient() as http:
+        for _ in range(400):
+            try:
+                if (await http.get(url + "/health", timeout=1)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError("simulator did not start")
+
+
+async def _dead_indices(redis: Any, keys: Keys) -> list[int]:
+    return [int(fields[b"index"]) for _, fields in await redis.xrange(keys.dead) if b"index" in fields]
+
+
+async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: int, label: str) -> dict[str, Any]:
+    """One epoch; what became of every prompt, per step."""
+    ns = f"bias-{label}-{time.monotonic_ns()}"
+    redis = connect(redis_url)
+    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_staleness=1, partial_rollout=partial)
+    async with redis.pipeline(transaction=False) as pipe:
+        for i in range(prompts):
+            pipe.xadd(keys.prompts, prompt_fields(bias_prompt(i)))  # type: ignore[arg-type]
+        await pipe.execute()
+    async with httpx.AsyncClient(timeout=10) as http:
+        before = (await http.get(engine_url + "/sim/stats")).json()["generated_tokens"]
+    trained_at: dict[int, int] = {}
+    trained_tokens = 0
+    steps: list[dict[str, float]] = []
+    metrics: list[dict[str, float]] = []
+    started = time.perf_counter()
+    with children() as procs:
+        procs.append(spawn(
+            ["-m", "rollstream.cli", "produce", "--redis", redis_url, "--ns", ns, "--engine", engine_url,
+             "--concurrency", str(CONCURRENCY), "--reward", "math", "--max-new-tokens", "1024", "--name", "p0",
+             "--log-level", "WARNING"],
+            OUT / f"bias-{label}.log",
+        ))
+        async with (
+            await GroupConsumer.connect(redis_url, ns, "trainer", stall_timeout=60) as consumer,
+            WeightSync([engine_url], kind="sglang") as sync,
+        ):
+            version = 0
+            for step in range(MAX_STEPS):
+                dead = await _dead_indices(redis, keys)
+                left = prompts - len(trained_at) - len(set(dead))
+                if left <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(IDLE_END):
+                        batch = await consumer.take(min(BATCH, left))
+                except TimeoutError:
+                    break
+                for group in batch.groups:
+                    trained_at.setdefault(group.index, step)
+                    trained_tokens += sum(s.response_length for s in group.samples)
+                metrics.append(dict(batch.metrics))
+                await asyncio.sleep(TRAIN)
+                await consumer.commit(batch)
+                version += 1
+                await sync.update(consumer, f"/weights/{version}", version, mode="abort")
+                long_trained = sum(1 for i in trained_at if is_long(i))
+                steps.append({"step": step, "trained": len(trained_at), "long_trained": long_trained,
+                              "batch_long": sum(1 for g in batch.groups if is_long(g.index)) / len(batch.groups)})
+        wall = time.perf_counter() - started
+        state = await read_state(redis, keys)
+        dead = await _dead_indices(redis, keys)
+    async with httpx.AsyncClient(timeout=10) as http:
+        generated = (await http.get(engine_url + "/sim/stats")).json()["generated_tokens"] - before
+    await redis.aclose()
+    long_total = sum(1 for i in range(prompts) if is_long(i))
+    trained = len(trained_at)
+    long_trained = sum(1 for i in trained_at if is_long(i))
+    lags = []
+    for i, at in trained_at.items():
+        if not is_long(i):
+            continue
+        beside = [trained_at[j] for j in range(i - LONG_EVERY, i + LONG_EVERY + 1) if j in trained_at and not is_long(j)]
+        if beside:
+            lags.append(at - statistics.fmean(beside))
+    return {
+        "label": label, "partial": partial, "wall": wall, "steps": len(steps), "step_rows": steps,
+        "dead_long": sum(1 for i in set(dead) if is_long(i)), "dead_short": sum(1 for i in set(dead) if not is_long(i)),
+        "long_total": long_total, "long_trained": long_trained, "trained": trained,
+        "long_share": long_trained / trained if trained else math.nan, "fed_share": long_total / prompts,
+        "tokens_per_trained": generated / trained_tokens if trained_tokens else math.nan,
+        "long_lag_steps": statistics.fmean(lags) if lags else math.nan,
+        "recycled_aborted": state_int(state, "recycled_aborted"), "recycled_stale": state_int(state, "recycled_stale"),
+        "recycled_weight_update": state_int(state, "recycled_weight_update"),
+        "metrics": metrics,
+    }
+
+
+async def measure(quick: bool) -> list[dict[str, Any]]:
+    prompts = 40 if quick else PROMPTS
+    port = free_port()
+    engine_url = f"http://127.0.0.1:{port}"
+    results = []
+    with EmbeddedRedis() as server, children() as procs:
+        procs.append(spawn(
+            ["-m", "rollstream.cli", "sim-engine", "--port", str(port), "--length-sigma", "0",
+             "--latency-per-token", str(PER_TOKEN), "--max-running", str(CONCURRENCY), "--log-level", "WARNING"],
+            OUT / "sim-bias.log",
+        ))
+        await _wait_engine(engine_url)
+        for partial in (False, True):
+            label = "partial" if partial else "defaults"
+            results.append(await one_run(server.url, engine_url, partial=partial, prompts=prompts, label=label))
+    return results
+
+
+def plot(results: list[dict[str, Any]], path: Any) -> None:
+    """Cumulative share of long prompts among the trained groups per step, against the dataset's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for r in results:
+        rows = r["step_rows"]
+        ax.plot([x["step"] for x in rows], [x["long_trained"] / x["trained"] for x in rows],
+                label=f"trained, {'partial rollout' if r['partial'] else 'defaults'}")
+    if results:
+        ax.axhline(results[0]["fed_share"], color="black", linestyle="--", label="fed (dataset)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("share of long prompts")
+    ax.set_ylim(0, 0.4)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool = False) -> list[Table]:
+    results = asyncio.run(measure(quick))
+    if not quick:
+        try:
+            plot(results, IMG / "bias-shares.png")
+        except ImportError:
+            pass
+    rows = [[
+        r["label"], r["steps"], f"{r['dead_long']} / {r['dead_short']}", f"{r['long_trained']} / {r['long_total']}",
+        r["long_share"], r["fed_share"], r["tokens_per_trained"], r["long_lag_steps"],
+        r["recycled_aborted"], r["recycled_weight_update"], r["recycled_stale"], r["wall"],
+    ] for r in results]
+    return [Table(
+        "bias",
+        f"The trainer's view of the dataset: {results[0]['long_total'] if results else 0} long prompts of "
+        f"{PROMPTS if not quick else 40}, a weight update (mode abort) every step",
+        ["run", "steps", "dead-lettered long / short", "long trained", "long share trained", "long share fed",
+         "tokens generated / trained", "long trained, steps after short", "recycled aborted",
+         "recycled weight update", "recycled stale", "wall s"],
+        rows,
+        [f"n={N}, batch {BATCH}, max_staleness 1, {PER_TOKEN * 1000:g} ms/token, long {LONG_TOKENS} / short "
+         f"{SHORT_TOKENS} tokens, train {TRAIN} s, WeightSync(kind='sglang').update(mode='abort') after every commit."],
+        command="python -m bench bias",
+    )]
