@@ -1,4 +1,5 @@
-"""``rollstream archive``: the long-running archiver (every group's fate into Parquet)."""
+"""``rollstream archive``: the long-running archiver (every group's fate into Parquet) and
+``rollstream archive view DIR`` (one static HTML page of an archive)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,19 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--batch", type=int, default=512, help="records per read and at most per file")
     p.add_argument("--flush-seconds", type=float, default=5.0, help="records read are written within this long")
     p.set_defaults(func=cmd_archive)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    v = actions.add_parser("view", parents=base, help="write one static HTML page to look at an archive's groups")
+    v.add_argument("dir", metavar="DIR", help="an archive folder written by `rollstream archive`")
+    v.add_argument("--html", default=None, metavar="PATH", help="the page to write (default DIR/index.html)")
+    v.add_argument("--limit", type=int, default=5000, help="at most this many groups, the newest (default 5000)")
+    v.set_defaults(func=cmd_view)
 
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from rollstream.ops.archiver import Archiver, ArchiveSettings
 
     if not args.ns or not args.out:
-        raise ConfigError("rollstream archive needs --ns NAME and --out DIR")
+        raise ConfigError("rollstream archive needs --ns NAME and --out DIR (or the action `view DIR`)")
     settings = ArchiveSettings(
         namespace=args.ns, out=Path(args.out), partition=args.partition, keep_arrays=args.keep_arrays,
         batch=args.batch, flush_seconds=args.flush_seconds,
@@ -57,3 +64,16 @@ def cmd_archive(args: argparse.Namespace) -> int:
     run_with_signals(main, archiver.stop)
     return 0
 
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from rollstream.ops.archive_view import write_page
+
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not an archive folder")
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be positive, got {args.limit}")
+    out = Path(args.html) if args.html else folder / "index.html"
+    count = write_page(folder, out, args.limit)
+    logger.info("wrote %s (%d groups)", out, count)
+    return 0
