@@ -27,7 +27,7 @@ from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 from bench.common import OUT, Table, add_prompts, children, cpu_seconds, init_ns, spawn
 

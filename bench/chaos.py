@@ -45,8 +45,8 @@ from typing import Any
 
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
-from rollstream.testing.children import stop_processes, wait_for_http
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.children import stop_processes, wait_for_http
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 NS = "chaos"
 TRAINER_NAME = "trainer-0"

@@ -27,7 +27,7 @@ from rollstream.common.namespace import init_namespace
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, Generation
 from rollstream.producer.rewards import RewardFunction
-from rollstream.testing.children import stop_processes
+from rollstream.runtime.children import stop_processes
 from rollstream.testing.samples import routed_experts
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from rollstream.common.events import FATAL, recent_events, record_event
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.namespace import read_state
 from rollstream.common.protocol import Heartbeat, Heartbeats, TrainerMonitor
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import Table, init_ns
 

@@ -46,7 +46,7 @@ from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineSettings
 from rollstream.producer.rollout import Rollout
 from rollstream.producer.settings import EpisodeSettings
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench import episode_fns
 from bench.common import (

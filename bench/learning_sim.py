@@ -34,8 +34,8 @@ from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.settings import EpisodeSettings, ProducerSettings
 from rollstream.producer.worker import Producer
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.learning import Bound
-from rollstream.testing.server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.weight_sync import WeightSync
 

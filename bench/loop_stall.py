@@ -20,7 +20,7 @@ from typing import Any
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 
 from bench.common import OUT, Table, add_prompts, children, init_ns, spawn

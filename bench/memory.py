@@ -9,7 +9,7 @@ from typing import Any
 
 from rollstream.common.connection import connect
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import OUT, Table, add_prompts, children, init_ns, rss_mb, spawn
 

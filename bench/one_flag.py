@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollstream.testing.children import wait_for_http
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.children import wait_for_http
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 from bench.common import ROOT, Table, children, spawn
 

@@ -16,7 +16,7 @@ from rollstream.common.codec import decode_group, encode_group, group_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import MEMORY_HEADROOM
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.codec import _time
 from bench.common import PROMPT_TOKENS, R3_SHAPE, Table, make_group

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import redis as redis_sync
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import Table
 

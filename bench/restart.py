@@ -24,7 +24,7 @@ from typing import Any
 from rollstream.common.connection import connect
 from rollstream.common.protocol import Heartbeat, Heartbeats
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import OUT, Table, children, cpu_seconds, init_ns, spawn, stop_all
 

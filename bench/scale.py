@@ -55,7 +55,7 @@ from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.namespaces import delete_namespace
 from rollstream.ops.snapshot import snapshot
-from rollstream.testing.server import find_redis_server
+from rollstream.runtime.redis_server import find_redis_server
 
 from bench import netns
 from bench.common import OUT, ROOT, Table, add_prompts, init_ns, percentile
@@ -380,7 +380,7 @@ async def drive(spec: Spec, logs: Path) -> dict[str, Any]:
                 "--mean-tokens", str(spec.tokens), "--length-sigma", "0", "--base-latency", str(spec.latency),
                 "--max-running", "100000", "--log-level", "WARNING"], logs / f"sim-{host}.log"))
         for host in hosts.producer_hosts:
-            check = "from rollstream.testing.children import wait_for_http; wait_for_http('http://127.0.0.1:30000', 60)"
+            check = "from rollstream.runtime.children import wait_for_http; wait_for_http('http://127.0.0.1:30000', 60)"
             await asyncio.to_thread(subprocess.run, hosts.command(host, [sys.executable, "-c", check]), check=True,
                                     timeout=90)
         meter = Meter(url)

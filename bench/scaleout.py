@@ -8,7 +8,7 @@ from typing import Any
 
 from rollstream.common.connection import connect
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 from bench.async_vs_sync import _wait_engine
 from bench.common import OUT, Table, add_prompts, children, cpu_seconds, init_ns, spawn

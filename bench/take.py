@@ -26,7 +26,7 @@ from rollstream.common.codec import decode_group_entry, group_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import TRAINER_GROUP
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import ROOT, Table, init_ns, make_group
 

@@ -23,7 +23,7 @@ from rollstream.common.connection import connect
 from rollstream.common.models import Group, Sample
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import (
     OUT,

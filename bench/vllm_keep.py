@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-    from rollstream.testing.server import free_port
+    from rollstream.runtime.redis_server import free_port
     from rollstream.testing.tiny_model import build_model, save_weights
     from rollstream.testing.vllm_server import vllm_server
     from transformers import AutoTokenizer, LlamaForCausalLM

@@ -38,8 +38,8 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.children import start_cli, stop_processes
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.children import start_cli, stop_processes
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 from rollstream.testing.tiny_model import addition_prompts, build_model
 from rollstream.testing.vllm_server import vllm_server
 from rollstream.weight_sync import WeightSync

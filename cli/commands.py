@@ -153,7 +153,7 @@ def run_with_signals(main: Any, on_signal: Any) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from rollstream.testing.server import EmbeddedRedis
+    from rollstream.runtime.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(port=args.port, dir=args.dir, appendonly=args.appendonly, appendfsync=args.appendfsync)
     stopping = False

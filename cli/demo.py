@@ -35,8 +35,8 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
-from rollstream.testing.children import start_cli, stop_processes, wait_for_http
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.children import start_cli, stop_processes, wait_for_http
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 from .shared_options import REDIS_URL_ENV
 

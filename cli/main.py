@@ -19,7 +19,7 @@ from pathlib import Path
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rollstream import __version__
 from rollstream.common.errors import ConfigError, RollstreamError
-from rollstream.testing.children import FATAL_FILE_ENV
+from rollstream.runtime.children import FATAL_FILE_ENV
 
 from . import archive_commands, commands, demo, inspect, ops_commands, produce
 from .shared_options import apply_redis_secrets, common_options, redis_options

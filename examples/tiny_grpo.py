@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 from rollstream import ConfigError, GroupConsumer, WeightSync
-from rollstream.testing.children import start_cli, stop_processes
+from rollstream.runtime.children import start_cli, stop_processes
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 from rollstream.testing.learning import (
     CORRECTIONS,
     SCHEDULES,
@@ -64,7 +65,6 @@ from rollstream.testing.learning import (
     ratio_stats,
     resolve_schedule,
 )
-from rollstream.testing.server import EmbeddedRedis, free_port
 from rollstream.testing.tiny_model import build_model, save_weights
 from rollstream.testing.vllm_server import vllm_server
 

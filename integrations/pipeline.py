@@ -1,7 +1,7 @@
 """The one-flag run: the pipeline a slime or miles run starts by itself.
 
 Without ``ROLLSTREAM_REDIS_URL`` the data source starts, as children it owns
-(:class:`rollstream.testing.children.Supervisor`): an embedded redis-server with AOF
+(:class:`rollstream.runtime.children.Supervisor`): an embedded redis-server with AOF
 (``appendfsync always``) whose data lives under ``{--save}/rollstream/redis``, so a resumed run
 finds its streams and its journal; then it initialises the namespace from the run's flags and
 stores the run's rollout flags (:mod:`rollstream.integrations.flags`), and starts ``rollstream
@@ -34,8 +34,8 @@ from rollstream.common.keys import Keys
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.namespace import init_namespace
 from rollstream.common.protocol import NameLease, RolloutFlagsHash
-from rollstream.testing.children import ChildSpec, Supervisor
-from rollstream.testing.server import EmbeddedRedis, free_port, wait_for_redis
+from rollstream.runtime.children import ChildSpec, Supervisor
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port, wait_for_redis
 
 from .flags import RunPlan, require_engine
 

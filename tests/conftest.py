@@ -22,8 +22,8 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import init_namespace
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.children import start_cli, stop_processes
-from rollstream.testing.server import EmbeddedRedis, find_redis_server
+from rollstream.runtime.children import start_cli, stop_processes
+from rollstream.runtime.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.testing.sim import SimConfig, SimEngine
 
 _counter = itertools.count()

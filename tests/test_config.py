@@ -71,7 +71,7 @@ def _settings_errors() -> list[Callable[[], object]]:
     from rollstream.producer.feeder import FeedSettings
     from rollstream.producer.rewards import load_reward
     from rollstream.producer.worker import ProducerSettings
-    from rollstream.testing.server import EmbeddedRedis
+    from rollstream.runtime.redis_server import EmbeddedRedis
 
     return [
         lambda: CodecLimits(max_tokens=0),

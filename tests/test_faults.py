@@ -30,7 +30,7 @@ from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.common.models import Group, Sample, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.consumer.group_consumer import _READ_BLOCK_MS
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 
 

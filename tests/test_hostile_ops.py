@@ -20,7 +20,7 @@ from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
 from rollstream.consumer import GroupConsumer, NamespaceGone, ProducerFailed, RedisDataLost
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimEngine
 from test_hostile_trainer import _group
 from test_inspect import inspect_json, run_inspect

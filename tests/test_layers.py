@@ -1,9 +1,10 @@
 """The import rules of docs/architecture.md, read from the source (ast), so a wrong-way import
 fails the suite instead of slowly tangling the packages.
 
-Layers, top to bottom: cli -> integrations / ops / testing -> producer, consumer, weight_sync -> common.
-An import may only point down (or stay inside its own package); producer and consumer never
-import each other; Redis key names are spelled only in ``common/keys.py``.
+Layers, top to bottom: cli -> integrations / ops / testing -> producer, consumer, weight_sync -> runtime
+-> common. An import may only point down (or stay inside its own package); producer and consumer
+never import each other; library code never imports ``testing`` (the CLI's ``sim-engine`` and
+``demo`` may: they serve the simulator); Redis key names are spelled only in ``common/keys.py``.
 """
 
 from __future__ import annotations
@@ -27,18 +28,21 @@ FOLDERS = {
     "integrations": "rollstream.integrations",
     "weight_sync": "rollstream.weight_sync",
     "testing": "rollstream.testing",
+    "runtime": "rollstream.runtime",
     "cli": "rollstream.cli",
 }
 ALLOWED = {
     "rollstream": set(),  # imported first by every subpackage: it must stay light
     "common": {"common"},
+    "runtime": {"runtime", "common"},  # the embedded Redis, the supervisor, parent-death watching
     "producer": {"producer", "common"},
     "consumer": {"consumer", "common"},
     "weight_sync": {"weight_sync", "common"},
     "ops": {"ops", "producer", "consumer", "common"},
-    "integrations": {"integrations", "testing", "producer", "consumer", "common"},
-    "testing": {"testing", "producer", "consumer", "weight_sync", "common"},
-    "cli": {"cli", "ops", "integrations", "testing", "producer", "consumer", "weight_sync", "common", "rollstream"},
+    "integrations": {"integrations", "runtime", "producer", "consumer", "common"},
+    "testing": {"testing", "runtime", "producer", "consumer", "weight_sync", "common"},
+    "cli": {"cli", "ops", "integrations", "testing", "runtime", "producer", "consumer", "weight_sync", "common",
+            "rollstream"},
 }
 HAND_BUILT_KEY = re.compile(r"\}:|:\{")
 KEY_LITERAL = re.compile(r"rollstream:(?! )")  # "rollstream: error: ..." is a message, not a key
@@ -143,6 +147,24 @@ def key_spellings(root: Path = ROOT) -> Iterator[str]:
 def test_imports_point_down() -> None:
     found = list(violations())
     assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+LIBRARY = ("common", "runtime", "producer", "consumer", "weight_sync", "ops", "integrations")
+"""What a trainer or a producer runs: none of it may import ``rollstream.testing`` (the simulator,
+sample factories, the tiny model), so an install without the test extras runs everything."""
+
+
+def test_library_code_never_imports_testing() -> None:
+    assert all("testing" not in ALLOWED[name] for name in LIBRARY)
+    found = [v for v in violations() if "must not import rollstream.testing" in v]
+    assert not found, "library code importing rollstream.testing:\n" + "\n".join(found)
+
+
+def test_the_rule_checker_catches_library_code_importing_testing(tmp_path: Path) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text("from rollstream.testing.sim import serve\n")
+    assert [layer(target) for _, target in imported(path, "rollstream.integrations.bad")] == ["testing"]
+    assert "testing" not in ALLOWED["integrations"]
 
 
 def test_the_top_package_exports_the_user_facing_types_lazily() -> None:

@@ -21,7 +21,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 from rollstream.testing.sim import SimEngine
 from test_inspect import inspect_json
 

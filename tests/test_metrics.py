@@ -7,7 +7,7 @@ from conftest import add_prompts, make_namespace, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rollstream.common.keys import Keys
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 
 UNLABELLED = (
     "rollstream_requests_in_flight",

@@ -32,8 +32,8 @@ from rollstream.integrations.flags import RolloutFlags, plan_run, require_engine
 from rollstream.integrations.journal import Journal
 from rollstream.integrations.pipeline import components
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
-from rollstream.testing.children import ChildSpec, Supervisor
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.children import ChildSpec, Supervisor
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 TRAINER = Path(__file__).parent / "one_flag_trainer.py"
 
@@ -325,7 +325,7 @@ async def test_supervisor_restarts_a_dead_child_with_a_backoff_and_stops_them_al
 ) -> None:
     from rollstream.common.backoff import Backoff
 
-    caplog.set_level(logging.INFO, logger="rollstream.testing.children")
+    caplog.set_level(logging.INFO, logger="rollstream.runtime.children")
     supervisor = Supervisor(tmp_path / "logs", backoff=Backoff(0.1, 0.5), pids_file=tmp_path / "children.json")
     try:
         sleeper = supervisor.start(ChildSpec("sleeper", SLEEPER))
@@ -360,7 +360,7 @@ async def test_children_die_with_their_owner_even_on_sigkill(tmp_path: Path) -> 
     signal), nothing is left behind."""
     script = textwrap.dedent(f"""
         import sys, time
-        from rollstream.testing.children import ChildSpec, Supervisor
+        from rollstream.runtime.children import ChildSpec, Supervisor
         s = Supervisor({str(tmp_path / "logs")!r}, pids_file={str(tmp_path / "children.json")!r})
         s.start(ChildSpec("a", {SLEEPER!r}))
         s.start(ChildSpec("b", {SLEEPER!r}))

@@ -16,7 +16,7 @@ from rollstream import ops
 from rollstream.common.errors import ConfigError, NamespaceNotInitialized
 from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 
 
 async def cli(*args: str, stdin: bytes = b"") -> tuple[int, str]:

@@ -22,7 +22,7 @@ from rollstream.common.models import Group, Sample, Status
 from rollstream.common.protocol import Feed, GroupQueue, PromptQueue, TrainerMonitor
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 
 OOM_LINE = "Redis is out of memory (used_memory reached maxmemory"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import redis_binary_under_test
 from rollstream.common.connection import connect
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from rollstream.common import lua
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import Keys
 from rollstream.common.protocol import Heartbeat, Heartbeats, PromptQueue
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the repository root
 

@@ -29,7 +29,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Sample, Status
 from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 from rollstream.testing.tiny_model import addition_prompts
 from rollstream.testing.vllm_server import vllm_python
 from rollstream.weight_sync import WeightSync

@@ -25,7 +25,7 @@ from rollstream.producer.rollout import Rollout
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.tokenizer import PromptTokenizer
 from rollstream.producer.worker import Producer
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize, tokenize
 from rollstream.weight_sync import WeightSync, WeightSyncError

@@ -76,7 +76,7 @@ def wait_for_http(url: str, timeout: float = 20.0) -> None:
 
 @dataclass
 class ChildSpec:
-    """One supervised child: its command line (run under :mod:`rollstream.testing.parent_death`)."""
+    """One supervised child: its command line (run under :mod:`rollstream.runtime.parent_death`)."""
 
     name: str
     argv: list[str]
@@ -126,7 +126,7 @@ class Supervisor:
     child has run ``stable_after`` seconds), and stops them all.
 
     Every child is started from the supervisor's own thread, in a new session (its own process
-    group, out of reach of the terminal's Ctrl-C), under :mod:`rollstream.testing.parent_death`, which sets
+    group, out of reach of the terminal's Ctrl-C), under :mod:`rollstream.runtime.parent_death`, which sets
     the Linux parent-death signal: the kernel kills the children when that thread dies, i.e. when
     the owning process exits in any way, SIGKILL included. :meth:`stop` is the graceful way:
     SIGTERM by stage, a bounded wait, then SIGKILL of each process group.
@@ -252,7 +252,7 @@ class Supervisor:
         fatal.unlink(missing_ok=True)
         with open(log, "ab") as handle:
             process = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.testing.parent_death", str(os.getpid()), "--", *spec.argv],
+                [sys.executable, "-m", "rollstream.runtime.parent_death", str(os.getpid()), "--", *spec.argv],
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

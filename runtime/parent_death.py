@@ -1,4 +1,4 @@
-"""``python -m rollstream.testing.parent_death PARENT_PID -- COMMAND...``: run COMMAND so that it dies with
+"""``python -m rollstream.runtime.parent_death PARENT_PID -- COMMAND...``: run COMMAND so that it dies with
 its parent.
 
 Sets the Linux parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, kept across ``execve``),
@@ -31,7 +31,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-        sys.stderr.write("usage: python -m rollstream.testing.parent_death PARENT_PID -- COMMAND...\n")
+        sys.stderr.write("usage: python -m rollstream.runtime.parent_death PARENT_PID -- COMMAND...\n")
         return 2
     parent, command = int(argv[0]), argv[2:]
     set_parent_death_signal()
