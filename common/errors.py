@@ -9,16 +9,16 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   │   └── RedisDataLost                 ... because Redis restarted without persistence
     │   ├── ConsumerNameInUse                 another live trainer holds this consumer name
     │   ├── RedisPermissionDenied             the Redis ACL user lacks a command (NOPERM), naming the role
-    │   ├── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
-    │   └── PromptNotSupported                a prompt this producer's setup cannot send (also EngineRejected)
+    │   └── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
-    ├── EngineError                           an inference engine failed after the retries
-    │   ├── EngineRejected                    the engine refused the request (4xx): not retried, the sample fails
-    │   │   ├── EngineReplyInvalid            it answered, but nothing usable (malformed, too large, too slow)
-    │   │   └── PromptNotSupported            (see ConfigError)
-    │   ├── EpisodeAborted                    an engine call was aborted (weight update), partial rollout off
+    ├── EngineError                           the engines failed after the retries (or none is usable): fatal
     │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
+    ├── EngineRejected                        one request cannot be served, not retried: the sample fails
+    │   ├── EngineReplyInvalid                the engine answered, but nothing usable (malformed, too large, too slow)
+    │   └── PromptNotSupported                the producer's setup cannot send this prompt (no engine was asked)
+    ├── EpisodeAborted                        an engine call was aborted (weight update), partial rollout off:
+    │                                         the episode is recycled whole (not the prompt's fault)
     ├── EpisodeDrained                        a drain stopped a durable episode at a step: resumed elsewhere
     ├── WeightSyncError                       an engine failed a stage of the trainer's weight update
     ├── RewardError                           the reward function failed: the group fails
@@ -33,6 +33,11 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
         ├── PipelineStalled                   no producer has been alive for too long
         │   └── AllGroupsStale                every group read for too long was recycled as stale
         └── ReplayExhausted                   an archive replay handed out its last recorded batch
+
+Each node is one thing the caller does, and no class has two parents in the tree (the ``also
+ValueError`` ones are ``ValueError`` for argument checks only), so a handler is one ``except``
+per node: ``EngineError`` stops the producer, ``EngineRejected`` fails the sample,
+``EpisodeAborted`` recycles the episode, in any order.
 
 What a user meets where: ``ConfigError`` at start (bad flags, specs, settings); the "sample fails"
 errors become a FAILED sample with the message in ``Sample.error`` (the group is recycled with
@@ -126,18 +131,7 @@ class DecodeError(RollstreamError, ValueError):
 
 
 class EngineError(RollstreamError):
-    """An inference engine request failed after all retries."""
-
-
-class EngineRejected(EngineError):
-    """The engine answered with a client error (4xx other than 429): retrying cannot help."""
-
-    def __init__(self, status_code: int, body: str) -> None:
-        super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
-        self.status_code = status_code
-        self.body = body
-        self.engine = ""
-        """The engine's URL (set by the client), so a run of refusals can be blamed on one engine."""
+    """The engines failed after all retries, or no engine stayed usable: fatal for the producer."""
 
 
 class EngineBroken(EngineError):
@@ -150,11 +144,23 @@ class EngineBroken(EngineError):
         self.reason = reason
 
 
-class PromptNotSupported(ConfigError, EngineRejected):
+class EngineRejected(RollstreamError):
+    """One request cannot be served and retrying cannot help: the engine answered with a client
+    error (4xx other than 429), or (subclasses) an unusable reply or a prompt that cannot be sent.
+    The sample fails; a run of them on distinct prompts becomes :class:`EngineBroken`."""
+
+    def __init__(self, status_code: int, body: str) -> None:
+        super().__init__(f"engine rejected the request with HTTP {status_code}: {body[:500]}")
+        self.status_code = status_code
+        self.body = body
+        self.engine = ""
+        """The engine's URL (set by the client), so a run of refusals can be blamed on one engine."""
+
+
+class PromptNotSupported(EngineRejected):
     """A prompt this producer's configuration cannot send (e.g. chat messages to SGLang without a
-    tokenizer): decided locally, no engine was asked. It is also an ``EngineRejected`` (status
-    400) so the prompt's samples fail and the prompt is recycled exactly as after an engine's 400,
-    rather than stopping the producer."""
+    tokenizer): decided locally, no engine was asked. Its samples fail and the prompt is recycled
+    exactly as after an engine's 400 (status 400), and it is never blamed on an engine."""
 
     def __init__(self, detail: str) -> None:
         RollstreamError.__init__(self, f"prompt not supported by this producer's configuration: {detail}")
@@ -171,7 +177,7 @@ class EngineReplyInvalid(EngineRejected):
     Not retried: the producer turns it into a FAILED sample with this message."""
 
     def __init__(self, reason: str, detail: str, where: str = "") -> None:
-        EngineError.__init__(self, f"invalid engine reply{f' from {where}' if where else ''}: {reason}: {detail}")
+        RollstreamError.__init__(self, f"invalid engine reply{f' from {where}' if where else ''}: {reason}: {detail}")
         self.status_code = 200
         self.body = detail
         self.reason = reason
@@ -180,9 +186,10 @@ class EngineReplyInvalid(EngineRejected):
         self.engine = ""
 
 
-class EpisodeAborted(EngineError):
+class EpisodeAborted(RollstreamError):
     """An engine call was aborted (a weight update) with partial rollout off: the episode is
-    recycled whole. Raised out of ``Trajectory.generate``; user code should let it pass."""
+    recycled whole. Raised out of ``Trajectory.generate``; user code
+    should let it pass (it is no ``EngineError``, so ``except EngineError`` does not swallow it)."""
 
 
 class EpisodeDrained(RollstreamError):

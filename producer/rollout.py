@@ -422,7 +422,7 @@ class Rollout:
                 return [failed(member, prompt_ids, reason, "deadline")]
             if isinstance(exc, InvalidResult):
                 return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")]
-            if isinstance(exc, EngineError) and not isinstance(exc, TimeoutError):
+            if isinstance(exc, EngineError):
                 raise  # an engine that keeps failing is fatal, as in the single-turn rollout
             # the user's code or a tool raised: this sample fails, not the producer
             return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]

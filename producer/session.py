@@ -26,7 +26,6 @@ from typing import Any
 from rollstream.common.errors import (
     ConfigError,
     EngineError,
-    EngineRejected,
     EpisodeAborted,
     EpisodeDrained,
     InvalidResult,  # noqa: F401  (raised by .checks; importable here as before)
@@ -738,9 +737,8 @@ class EpisodeSession(Episode):
                     **{**self.media, **source}, max_new_tokens=max_new, sampling=params,
                     key=route_key(self._info.index, self._info.epoch),
                 )
-        except Exception as exc:
-            if isinstance(exc, EngineError) and not isinstance(exc, EngineRejected):
-                self.fatal = exc  # kept even if the user's code swallows it
+        except EngineError as exc:
+            self.fatal = exc  # kept even if the user's code swallows it
             raise
         if runtime.on_reply is not None:
             runtime.on_reply(generation.engine)

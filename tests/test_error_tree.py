@@ -48,6 +48,28 @@ def test_every_error_is_in_the_tree_and_the_drawing() -> None:
         assert f" {cls.__name__} " in doc or f" {cls.__name__}\n" in doc, f"{cls.__name__} is not drawn in the tree"
 
 
+def diamonds(classes: list[type]) -> list[str]:
+    """The classes with two ``RollstreamError`` parents."""
+    return [c.__name__ for c in classes if sum(issubclass(b, RollstreamError) for b in c.__bases__) > 1]
+
+
+def test_no_error_has_two_parents_in_the_tree() -> None:
+    """One node per error: a class derives from one ``RollstreamError`` class (``ValueError`` may
+    sit beside it), so an ``except`` per node reads as what the caller does, in any order."""
+    from rollstream.common.errors import EngineError, EngineRejected, EpisodeAborted, PromptNotSupported
+
+    assert not diamonds([c for _, c in inspect.getmembers(errors, inspect.isclass)])
+    assert not issubclass(EpisodeAborted, EngineError) and not issubclass(EngineRejected, EngineError)
+    assert not issubclass(PromptNotSupported, ConfigError)
+
+
+def test_the_diamond_check_catches_one() -> None:
+    class Both(ConfigError, errors.EngineRejected):
+        pass
+
+    assert diamonds([Both, errors.PromptNotSupported]) == ["Both"]
+
+
 @pytest.mark.parametrize(
     ("module", "name"),
     [
