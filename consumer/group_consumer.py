@@ -36,6 +36,7 @@ from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import AllGroupsStale, PipelineStalled, ProducerFailed
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
@@ -102,6 +103,7 @@ class GroupConsumer:
         self.url = url
         self.keys = Keys(namespace)
         self.name = name
+        self.log = Prefixed(logger, "consumer", name, namespace)
         self.config = config
         self.options = options if options is not None else ConsumerOptions()
         self.redis = redis
@@ -256,9 +258,9 @@ class GroupConsumer:
             if self._redeliver is None:
                 self._redeliver = deque(await self._own_pending())
                 if self._redeliver:
-                    logger.info(
-                        "consumer %s (ns %s): %d groups taken but not committed earlier are delivered first",
-                        self.name, self.keys.namespace, len(self._redeliver),
+                    self.log.info(
+                        "%d groups taken but not committed earlier are delivered first",
+                        len(self._redeliver),
                     )
             last_warning = started
             while len(taken) < target:
@@ -293,9 +295,9 @@ class GroupConsumer:
                 if now - last_warning >= self.options.warn_interval:
                     last_warning = now
                     # a deadlock at maxmemory ends only when someone raises maxmemory: an error
-                    (logger.error if self._memory_deadlock else logger.warning)(
-                        "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
-                        self.name, self.keys.namespace, target, now - started, len(taken), health,
+                    (self.log.error if self._memory_deadlock else self.log.warning)(
+                        "take(%d) waiting for %.0f s with %d groups; %s",
+                        target, now - started, len(taken), health,
                     )
             return await self._finish(taken, version, started, tally, redelivered)
         except BaseException:
@@ -317,9 +319,9 @@ class GroupConsumer:
         acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids))
         self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
-            logger.warning(
-                "consumer %s: commit of batch %s acknowledged %d of %d groups (already committed?)",
-                self.name, batch.id, acked, len(batch.entry_ids),
+            self.log.warning(
+                "commit of batch %s acknowledged %d of %d groups (already committed?)",
+                batch.id, acked, len(batch.entry_ids),
             )
         return acked
 
@@ -350,9 +352,9 @@ class GroupConsumer:
         known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
         orphans = [eid for eid in pending if eid not in known]
         if orphans:
-            logger.warning(
-                "consumer %s (ns %s): %d groups delivered to a lost read are handed out now",
-                self.name, self.keys.namespace, len(orphans),
+            self.log.warning(
+                "%d groups delivered to a lost read are handed out now",
+                len(orphans),
             )
             self._redeliver.extend((eid, {}) for eid in orphans)
 
@@ -378,10 +380,10 @@ class GroupConsumer:
             fields = await self._fetch(entry_id)
             if not fields:  # deleted meanwhile: nothing left to hand back
                 if entry_id not in self._handed_back_maybe:  # not by us: XTRIM, XDEL, a lost AOF tail
-                    logger.warning(
-                        "consumer %s (ns %s): group entry %s was delivered but is gone from the stream "
+                    self.log.warning(
+                        "group entry %s was delivered but is gone from the stream "
                         "(XTRIM / XDEL?): acknowledged, its group is lost (see `rollstream inspect`)",
-                        self.name, self.keys.namespace, entry_id.decode(),
+                        entry_id.decode(),
                     )
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 self._handed_back_maybe.discard(entry_id)
@@ -408,17 +410,17 @@ class GroupConsumer:
             counter = RECYCLE_COUNTERS[verdict.cause]
             if await self._outage.run(lambda: self.queue.recycle(entry_id, counter, fields, reason)):
                 tally.handed_back(verdict)
-                logger.debug("consumer %s: prompt %d recycled (%s)", self.name, group.index if group else -1, reason)
+                self.log.debug("prompt %d recycled (%s)", group.index if group else -1, reason)
             return
         prompt = verdict.prompt
         if prompt is None or verdict.cause == Cause.WRONG_SIZE:
-            logger.warning("consumer %s: group entry %s dead-lettered: %s", self.name, entry_id.decode(), reason)
+            self.log.warning("group entry %s dead-lettered: %s", entry_id.decode(), reason)
         elif verdict.cause == Cause.STALE:
-            logger.warning("consumer %s: prompt %d dead-lettered: %s", self.name, prompt.index, reason)
+            self.log.warning("prompt %d dead-lettered: %s", prompt.index, reason)
         else:
-            logger.warning(
-                "consumer %s: prompt %d dead-lettered after %d attempts: %s",
-                self.name, prompt.index, prompt.attempt, "; ".join(prompt.history),
+            self.log.warning(
+                "prompt %d dead-lettered after %d attempts: %s",
+                prompt.index, prompt.attempt, "; ".join(prompt.history),
             )
         if await self._outage.run(lambda: self.queue.dead_letter(entry_id, fields, reason)):
             tally.handed_back(verdict)
@@ -433,9 +435,9 @@ class GroupConsumer:
         now = time.monotonic()
         if now - streak.reported >= self.options.warn_interval:
             streak.reported = now
-            logger.warning(
-                "consumer %s (ns %s): take(%d) waiting for %.0f s with %d groups; %s",
-                self.name, self.keys.namespace, target, now - started, have, streak.describe(),
+            self.log.warning(
+                "take(%d) waiting for %.0f s with %d groups; %s",
+                target, now - started, have, streak.describe(),
             )
             values = streak.record(now_ms())
             await self._outage.run(lambda: self.monitor.record_stale_streak(values))

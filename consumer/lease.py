@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from rollstream.common.connection import TRANSIENT_ERRORS
 from rollstream.common.errors import ConsumerNameInUse
 from rollstream.common.keys import Keys
+from rollstream.common.logs import Prefixed
 from rollstream.common.protocol import NameLease
 
 from .options import NAME_LEASE_SECONDS
@@ -26,6 +27,7 @@ class NameHold:
     def __init__(self, redis: Redis, keys: Keys, name: str) -> None:
         self.keys = keys
         self.name = name
+        self.log = Prefixed(logger, "consumer", name, keys.namespace)
         self.lease = NameLease(redis, keys, name, f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}")
         self.lost: ConsumerNameInUse | None = None
         self._task: asyncio.Task[None] | None = None
@@ -42,9 +44,9 @@ class NameHold:
                 )
             if not announced:
                 announced = True
-                logger.warning(
-                    "consumer %s (ns %s): the name is held by %s; waiting up to %.0f s for it to be released or expire",
-                    self.name, self.keys.namespace, holder, wait,
+                self.log.warning(
+                    "the name is held by %s; waiting up to %.0f s for it to be released or expire",
+                    holder, wait,
                 )
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -67,7 +69,7 @@ class NameHold:
             async with asyncio.timeout(2):
                 await self.lease.release()
         except (TimeoutError, *TRANSIENT_ERRORS) as exc:
-            logger.debug("releasing the consumer name lease failed (%s); it expires by itself", exc)
+            self.log.debug("releasing the name lease failed (%s); it expires by itself", exc)
 
     async def _renew(self) -> None:
         while True:
@@ -77,7 +79,7 @@ class NameHold:
                     continue
                 holder = await self.lease.holder()
             except TRANSIENT_ERRORS as exc:
-                logger.debug("consumer %s: renewing the name lease failed (%s); retrying", self.name, exc)
+                self.log.debug("renewing the name lease failed (%s); retrying", exc)
                 continue
             self.lost = ConsumerNameInUse(
                 self.keys.namespace, self.name, holder,

@@ -26,6 +26,7 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed
@@ -142,6 +143,7 @@ class Feeder:
         self.source = dataset if isinstance(dataset, Dataset) else MemoryDataset(dataset)
         self.settings = settings
         self.keys = Keys(settings.namespace)
+        self.log = Prefixed(logger, "feeder", namespace=settings.namespace)
         self.feed = Feed(redis, self.keys)
         self.order = _order(settings)
         self.dataset = f"{self.source.fingerprint()}:{self.order.tag(self.source.rows)}"
@@ -188,9 +190,9 @@ class Feeder:
 
     async def _feed(self) -> int:
         next_index, epoch, position = await self._cursor()
-        logger.info(
-            "feeder (ns %s): starting at index %d, epoch %d, position %d of %d rows (window %d)",
-            self.keys.namespace, next_index, epoch, position, self.source.rows, self.settings.window,
+        self.log.info(
+            "starting at index %d, epoch %d, position %d of %d rows (window %d)",
+            next_index, epoch, position, self.source.rows, self.settings.window,
         )
         self.source.check()
         walk = self._walk(epoch, position)
@@ -219,7 +221,7 @@ class Feeder:
             )
             if added is None:
                 # The cursor moved under us: a re-sent call that had gone through, or another feeder.
-                logger.warning("feeder (ns %s): cursor moved concurrently; re-reading it", self.keys.namespace)
+                self.log.warning("cursor moved concurrently; re-reading it")
                 next_index, epoch, position = await self._cursor()
                 walk = self._walk(epoch, position)
                 pending = []
@@ -228,7 +230,7 @@ class Feeder:
             self.fed += added
             self.rejected += len(dead)
             pending = pending[room:]
-        logger.info("feeder (ns %s): fed %d prompts; next index %d", self.keys.namespace, self.fed, next_index)
+        self.log.info("fed %d prompts; next index %d", self.fed, next_index)
         return self.fed
 
     def _entries(
@@ -241,7 +243,7 @@ class Feeder:
             try:
                 record = self.source.record(rid, raw)
             except RowError as exc:
-                logger.warning("feeder (ns %s): row dead-lettered: %s", self.keys.namespace, exc)
+                self.log.warning("row dead-lettered: %s", exc)
                 dead.append({
                     "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
                     "epoch": ep, "dataset_index": rid, "row": _row_text(raw),

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from rollstream.common.connection import Outage, connect
 from rollstream.common.keys import Keys
+from rollstream.common.logs import Prefixed
 from rollstream.common.loop_thread import LoopThread
 from rollstream.common.protocol import PromptQueue
 
@@ -55,6 +56,7 @@ class Renewer:
         self.url = redis_url
         self.keys = keys
         self.consumer = consumer
+        self.log = Prefixed(logger, "producer", consumer, keys.namespace)
         self.interval = interval
         self._on_lost = on_lost
         self._on_error = on_error
@@ -137,8 +139,7 @@ class Renewer:
             lost: list[bytes] = []
             for stream, ids in by_stream.items():
                 lost.extend(await prompts.renew(stream, ids))
-            logger.debug("producer %s: renewed %d leases (%d lost)", self.consumer, sum(map(len, by_stream.values())),
-                         len(lost))
+            self.log.debug("renewed %d leases (%d lost)", sum(map(len, by_stream.values())), len(lost))
             if lost:
                 with self._lock:
                     lost = [pid for pid in lost if self._held.pop(pid, None) is not None]

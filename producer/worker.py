@@ -75,6 +75,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import (
@@ -142,6 +143,7 @@ class Producer:
         self._registry_skipped: set[str] = set()
         self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.name
+        self.log = Prefixed(logger, "producer", settings.name, settings.namespace)
         self.rollout = Rollout(
             engine,
             reward,
@@ -222,7 +224,7 @@ class Producer:
     def stop(self) -> None:
         """Ask for a drain: stop admitting, finish or return what is in flight."""
         if not self._stopping.is_set():
-            logger.info("producer %s (ns %s): drain requested", self.name, self.keys.namespace)
+            self.log.info("drain requested")
         self._stopping.set()
         self._wake.set()
         self._capacity.wake()
@@ -232,9 +234,9 @@ class Producer:
     async def run(self) -> None:
         """Run until :meth:`stop` (returns) or a fatal error (raises it, after recording it)."""
         n = self.config.n_samples_per_prompt
-        logger.info(
-            "producer %s (ns %s) starting: concurrency %d samples, n=%d, engines %s",
-            self.name, self.keys.namespace, self.settings.concurrency, n,
+        self.log.info(
+            "starting: concurrency %d samples, n=%d, engines %s",
+            self.settings.concurrency, n,
             ", ".join(redact_url(u) for u in self.engine.settings.all_urls),
         )
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
@@ -296,7 +298,7 @@ class Producer:
         try:
             await self.rollout.aclose()
         except Exception as exc:
-            logger.warning("producer %s: closing the generate function failed: %s", self.name, exc)
+            self.log.warning("closing the generate function failed: %s", exc)
 
     async def _cancel_and_wait(self, tasks: list[asyncio.Task[Any]], what: str) -> None:
         """Cancel ``tasks`` and wait for them, at most :data:`TASK_EXIT_TIMEOUT` seconds: one
@@ -310,16 +312,16 @@ class Producer:
         for task in pending:
             self._abandoned.add(task)
             task.add_done_callback(self._abandoned.discard)
-            logger.warning(
-                "producer %s: %s task %s did not end %.0f s after its cancellation; left behind",
-                self.name, what, task.get_name(), TASK_EXIT_TIMEOUT,
+            self.log.warning(
+                "%s task %s did not end %.0f s after its cancellation; left behind",
+                what, task.get_name(), TASK_EXIT_TIMEOUT,
             )
 
     def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
             self._fatal = exc
             self._fatal_tb = "".join(traceback.format_exception(exc))
-            logger.error("producer %s (ns %s): fatal error: %s", self.name, self.keys.namespace, exc)
+            self.log.error("fatal error: %s", exc)
         self._stopping.set()
         self._wake.set()
         self._capacity.wake()
@@ -457,8 +459,7 @@ class Producer:
             try:
                 group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k), journal)
             except EpisodeDrained:
-                logger.info("producer %s: prompt %d stopped by the drain; its journal goes back with it",
-                            self.name, prompt.index)
+                self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
                 return
             if group.status == Status.ABORTED and await self._outage.run(
                 lambda: self.control.updated_since(work.version)
@@ -468,9 +469,9 @@ class Producer:
             if (dead := exhausted(group, self.config)) is not None:
                 # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
                 reason, last = dead
-                logger.warning(
-                    "producer %s: prompt %d dead-lettered after %d attempts: %s",
-                    self.name, last.index, last.attempt, "; ".join(last.history),
+                self.log.warning(
+                    "prompt %d dead-lettered after %d attempts: %s",
+                    last.index, last.attempt, "; ".join(last.history),
                 )
                 await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False)
                 finished = True
@@ -487,9 +488,9 @@ class Producer:
             finished = True
             if result is None:
                 self.duplicates += 1
-                logger.warning(
-                    "producer %s: prompt %d was taken over by another producer; duplicate group discarded",
-                    self.name, prompt.index,
+                self.log.warning(
+                    "prompt %d was taken over by another producer; duplicate group discarded",
+                    prompt.index,
                 )
             else:
                 self.published += 1
@@ -510,7 +511,7 @@ class Producer:
     ) -> None:
         """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``."""
         if log:
-            logger.warning("producer %s: prompt entry %s dead-lettered: %s", self.name, work.prompt_id, reason)
+            self.log.warning("prompt entry %s dead-lettered: %s", work.prompt_id, reason)
         work.finishing = True
         written = work.fields if fields is None else fields
         journal = self._journal_key(work)
@@ -528,8 +529,8 @@ class Producer:
         index, epoch = prompt.index, prompt.epoch
         steps = await self._outage.run(lambda: self.journals.load(index, epoch))
         if steps:
-            logger.info("producer %s: prompt %d resumes from its journal (%s steps)", self.name, index,
-                        ", ".join(f"member {m}: {len(s)}" for m, s in sorted(steps.items())))
+            self.log.info("prompt %d resumes from its journal (%s steps)", index,
+                          ", ".join(f"member {m}: {len(s)}" for m, s in sorted(steps.items())))
 
         async def append(member: int, seq: int, step: bytes) -> str:
             return await self.journals.append(
@@ -547,7 +548,7 @@ class Producer:
         with self._claiming():
             claimed = await self._outage.run(self.prompts.own_pending)
             if claimed:
-                logger.info("producer %s: adopting %d prompts pending under its name", self.name, len(claimed))
+                self.log.info("adopting %d prompts pending under its name", len(claimed))
                 await self._take_over(claimed)
 
     async def _take_over(self, claimed: list[Admitted]) -> None:
@@ -577,9 +578,9 @@ class Producer:
             work = self._work.get(pid)
             if work is not None and not work.lease_lost and not work.finishing:
                 work.lease_lost = True
-                logger.warning(
-                    "producer %s: lost the lease of prompt entry %s (taken over after %.0f s idle)",
-                    self.name, pid.decode(), self.config.lease_seconds,
+                self.log.warning(
+                    "lost the lease of prompt entry %s (taken over after %.0f s idle)",
+                    pid.decode(), self.config.lease_seconds,
                 )
 
     async def _reclaim_loop(self) -> None:
@@ -627,9 +628,9 @@ class Producer:
             claimed = await self.prompts.reclaim(lease_ms, count=self._capacity.free // n, held=self._work)
             self._outage.recovered()  # before the take-over, whose own calls ride out an outage
             if claimed:
-                logger.info(
-                    "producer %s: reclaimed %d prompts idle past the %.0f s lease",
-                    self.name, len(claimed), self.config.lease_seconds,
+                self.log.info(
+                    "reclaimed %d prompts idle past the %.0f s lease",
+                    len(claimed), self.config.lease_seconds,
                 )
                 await self._take_over(claimed)
         if not claimed and self.prompts.reclaim_scanned:
@@ -723,8 +724,8 @@ class Producer:
         for url, entry in entries.items():
             if not entry.usable and url not in self._registry_skipped:
                 self._registry_skipped.add(url)
-                logger.warning("producer %s: engine registry entry %r skipped: %s", self.name, url,
-                               entry.damage or "not an http(s) URL without credentials")
+                self.log.warning("engine registry entry %r skipped: %s", url,
+                                 entry.damage or "not an http(s) URL without credentials")
         self.engine.apply_registry({url: e.state for url, e in entries.items() if e.usable})
 
     async def _control_loop(self) -> None:
@@ -739,7 +740,7 @@ class Producer:
                 raise_if_cancelled()
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is not None:
-                    logger.debug("producer %s: control message %r", self.name, message.get("data"))
+                    self.log.debug("control message %r", message.get("data"))
                     self._wake.set()
                     changed, self._control_changed = self._control_changed, asyncio.Event()
                     changed.set()
@@ -753,9 +754,9 @@ class Producer:
         work_tasks = [w.task for w in self._work.values() if w.task is not None]
         if self._fatal is None:
             self._state = "draining"
-            logger.info(
-                "producer %s (ns %s): draining %d prompts (up to %.0f s)",
-                self.name, self.keys.namespace, len(work_tasks), self.settings.drain_timeout,
+            self.log.info(
+                "draining %d prompts (up to %.0f s)",
+                len(work_tasks), self.settings.drain_timeout,
             )
             with contextlib.suppress(Exception):
                 await self._heartbeat_once()
@@ -783,9 +784,9 @@ class Producer:
                 )
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await self._heartbeat_once()
-        logger.info(
-            "producer %s (ns %s) %s: published %d groups, returned %d prompts, discarded %d duplicates",
-            self.name, self.keys.namespace, self._state, self.published, self.returned, self.duplicates,
+        self.log.info(
+            "%s: published %d groups, returned %d prompts, discarded %d duplicates",
+            self._state, self.published, self.returned, self.duplicates,
         )
 
     async def _give_back(self, work: Work) -> bool:
@@ -800,9 +801,9 @@ class Producer:
                     lambda w=work: self._give_back(w), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
-                logger.error(
-                    "producer %s: could not return prompt entry %s; it will be reclaimed after the lease",
-                    self.name, work.prompt_id.decode(),
+                self.log.error(
+                    "could not return prompt entry %s; it will be reclaimed after the lease",
+                    work.prompt_id.decode(),
                 )
                 continue
             if returned:
