@@ -30,7 +30,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis, free_port
+from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
 from bench.common import IMG, OUT, Table, children, init_ns, spawn
 
