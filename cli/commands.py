@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from rollstream import ops
-from rollstream.common.config import PipelineConfig
+from rollstream.common.config import STALENESS_RULES, PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
@@ -58,6 +58,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         "--durable-episodes", action="store_true",
         help="journal every step of user-written episodes in Redis: a producer that takes a prompt over resumes "
              "its episodes at their last finished step (docs/rollouts.md)",
+    )
+    p.add_argument(
+        "--staleness-rule", choices=STALENESS_RULES, default="newest_token",
+        help="a sample's staleness counts from its newest token (default) or its oldest (strict); docs/staleness.md",
     )
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
@@ -206,6 +210,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         partial_rollout=args.partial_rollout,
         durable_episodes=args.durable_episodes,
+        staleness_rule=args.staleness_rule,
         admission_control=False if args.no_admission_control else None,
         recycle_filtered=args.recycle_filtered,
         heartbeat_timeout=args.heartbeat_timeout,

@@ -15,6 +15,8 @@ from typing import Any
 
 from .errors import ConfigError
 
+STALENESS_RULES = ("newest_token", "oldest_token")
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
@@ -32,6 +34,10 @@ class PipelineConfig:
     """A prompt recycled more often than this goes to the dead-letter stream."""
     partial_rollout: bool = False
     """Aborted samples keep their partial tokens and the next attempt continues them."""
+    staleness_rule: str = "newest_token"
+    """How a group's staleness is counted (docs/staleness.md): ``newest_token`` (each sample from
+    its last engine call: a continued generation is not penalised for its length) or
+    ``oldest_token`` (from the oldest token of any sample: strict)."""
     admission_control: bool | None = None
     """Staleness-aware admission; None means on when ``max_staleness`` is set."""
     recycle_filtered: bool = False
@@ -83,6 +89,10 @@ class PipelineConfig:
                 raise ConfigError(f"{name} must be a non-negative integer (bytes), got {value!r}")
         if self.max_group_bytes == 0:
             raise ConfigError("max_group_bytes must be positive")
+        if self.staleness_rule not in STALENESS_RULES:
+            raise ConfigError(
+                f"staleness_rule must be one of {', '.join(STALENESS_RULES)}, got {self.staleness_rule!r}"
+            )
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
 

@@ -156,8 +156,29 @@ class Sample:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest weight version of any engine call of this sample (staleness is judged by it)."""
+        """The oldest weight version of any engine call of this sample (the strict rule judges by it)."""
         return min(self.weight_versions) if self.weight_versions else None
+
+    @property
+    def newest_version(self) -> int | None:
+        """The version of this sample's last engine call (the default rule judges by it)."""
+        return max(self.weight_versions) if self.weight_versions else None
+
+    def token_versions(self) -> array[int]:
+        """The weight version of each response token (``response_length`` ints): from
+        :attr:`weight_version_spans`, else the one version of the sample; tokens of no span (tool
+        observations) and samples whose split is unknown get the oldest version (never too new).
+        Empty when the sample has no version."""
+        length = self.response_length
+        oldest = self.oldest_version
+        if oldest is None:
+            return array("i")
+        versions = array("i", [oldest]) * length
+        for start, end, version in self.weight_version_spans or ():
+            start, end = max(0, start), min(length, end)
+            if end > start:
+                versions[start:end] = array("i", [version]) * (end - start)
+        return versions
 
     @property
     def response_tokens(self) -> IntArray:
@@ -316,10 +337,34 @@ class Group:
         rewards = [r for r in rewards if not math.isnan(r)]
         return sum(rewards) / len(rewards) if rewards else math.nan
 
-    def staleness(self, trainer_version: int) -> int:
-        """Trainer version minus the oldest sample version (0 when no version is known)."""
-        oldest = self.min_version
-        return 0 if oldest is None else max(0, trainer_version - oldest)
+    def staleness(self, trainer_version: int, rule: str = "newest_token") -> int:
+        """How many versions behind the trainer the group is (0 when no version is known).
+
+        ``newest_token`` (the default, docs/staleness.md): from the newest version of any token,
+        the version the group was finished under, so how long the group waited for the trainer
+        once generated, whatever its length: a generation continued across weight updates, and
+        the short samples of a group waiting for its longest, are not penalised (their older
+        tokens carry their lag to the trainer instead). ``oldest_token``: from the oldest version
+        of any sample (strict: grows with the generation's length)."""
+        since = self.min_version if rule == "oldest_token" else self.max_version
+        return 0 if since is None else max(0, trainer_version - since)
+
+    def token_lags(self, trainer_version: int) -> tuple[int, int, int]:
+        """(sum, max, count) of the response tokens' version lags behind ``trainer_version``
+        (generated tokens of samples that carry versions)."""
+        total = worst = count = 0
+        for sample in self.samples:
+            oldest = sample.oldest_version
+            if oldest is None:
+                continue
+            if not sample.weight_version_spans:
+                lag, n = max(0, trainer_version - oldest), sample.response_length
+                total, count, worst = total + lag * n, count + n, max(worst, lag if n else 0)
+                continue
+            for start, end, version in sample.weight_version_spans:
+                lag, n = max(0, trainer_version - version), max(0, end - start)
+                total, count, worst = total + lag * n, count + n, max(worst, lag if n else 0)
+        return total, worst, count
 
 
 MAX_HISTORY = 20

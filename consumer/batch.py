@@ -60,6 +60,24 @@ class Batch:
         """Every sample's ``rollout_log_probs`` as a ``float32`` view (None where absent); as :meth:`numpy_views`."""
         return self.numpy_views("rollout_log_probs")
 
+    def token_lags_numpy(self) -> list[numpy.ndarray | None]:
+        """Every sample's per-token version lag, ``int32``, ``response_length`` long, aligned with
+        :meth:`log_probs_numpy` (the behaviour log-probs): ``weight_version`` minus the version
+        that generated each token (``Sample.token_versions``), so a trainer can correct or mask
+        per token (TIS/MIS by lag). None for a sample with no version. Computed (not zero-copy),
+        one small array per sample; needs numpy."""
+        np = require_extra("numpy", "numpy", "numpy views of a batch")
+        out: list[numpy.ndarray | None] = []
+        for group in self.groups:
+            for sample in group.samples:
+                versions = sample.token_versions()
+                if not versions and sample.oldest_version is None:
+                    out.append(None)
+                    continue
+                lags = self.weight_version - np.frombuffer(versions, dtype=np.int32)
+                out.append(np.maximum(lags, 0).astype(np.int32, copy=False))
+        return out
+
     def loss_masks_numpy(self) -> list[numpy.ndarray | None]:
         """Every sample's ``loss_mask`` as a ``uint8`` view (None where absent); as :meth:`numpy_views`."""
         return self.numpy_views("loss_mask")
@@ -156,9 +174,14 @@ def batch_metrics(
     alive: int,
     in_flight: int,
     blocked_delta_ms: int,
+    staleness_rule: str = "newest_token",
 ) -> dict[str, float]:
     """:attr:`Batch.metrics`: the batch, the pipeline when it was taken, what the take handed back."""
-    staleness = [g.staleness(version) for g in groups]
+    staleness = [g.staleness(version, staleness_rule) for g in groups]
+    lag_total = lag_max = lag_count = 0
+    for group in groups:
+        total, worst, count = group.token_lags(version)
+        lag_total, lag_max, lag_count = lag_total + total, max(lag_max, worst), lag_count + count
     rewards = [r for g in groups if not math.isnan(r := g.reward_mean)]
     metrics: dict[str, float] = {
         "groups": float(len(groups)),
@@ -175,6 +198,8 @@ def batch_metrics(
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "staleness_max": float(max(staleness, default=0)),
         "staleness_max_seen": float(tally.staleness_max_seen),
+        "token_lag_mean": lag_total / lag_count if lag_count else 0.0,
+        "token_lag_max": float(lag_max),
         "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
         "admission_blocked_s": blocked_delta_ms / 1000,
     }

@@ -513,7 +513,8 @@ class GroupConsumer:
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
         self._last_blocked_ms = blocked_ms
         metrics = batch_metrics(
-            groups, version, stats, tally, wait_s=wait, alive=alive, in_flight=in_flight, blocked_delta_ms=blocked_delta
+            groups, version, stats, tally, wait_s=wait, alive=alive, in_flight=in_flight,
+            blocked_delta_ms=blocked_delta, staleness_rule=self.config.staleness_rule,
         )
         # the last step, after the last await: a call cancelled before here hands these out again
         self._handed_out.update(entry_ids)

@@ -152,7 +152,7 @@ def judge(
         # dead letters hold prompts: what `rollstream dead requeue` puts back
         prompt = retry_prompt(group, reason)
         return Verdict(Cause.WRONG_SIZE, Route.DEAD_LETTER, reason, group, prompt_fields(prompt), prompt)
-    staleness = group.staleness(version)
+    staleness = group.staleness(version, config.staleness_rule)
     failure = failure_reason(group)
     if failure is not None:
         if group.status == Status.FAILED:

@@ -61,6 +61,7 @@ from rollstream.testing.learning import (
     check_correction,
     first_reaching,
     importance_weights,
+    mask_by_lag,
     quantile,
     ratio_stats,
     resolve_schedule,
@@ -151,6 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="off-policy correction from the behaviour log-probs: truncated (tis) or masked (mis) "
                         "importance sampling, or none")
     p.add_argument("--is-cap", type=float, default=2.0, help="the ratio's truncation / mask threshold")
+    p.add_argument("--max-token-lag", type=int, default=None,
+                   help="mask out of the loss the tokens generated more than K versions before the trainer's "
+                        "(Batch.token_lags_numpy: MIS by lag); default: keep every token")
+    p.add_argument("--staleness-rule", choices=["newest_token", "oldest_token"], default="newest_token",
+                   help="the namespace's staleness rule (docs/staleness.md)")
     p.add_argument("--mode", default="abort", choices=["abort", "wait", "keep"], help="engine pause mode")
     p.add_argument("--engine-cpus", default=None, help="cores of vLLM, the producers, Redis, the feeder "
                    "(e.g. 0 or 0-1; default: the first half of the allowed CPUs; 'all': no pinning)")
@@ -286,29 +292,35 @@ def grpo_step(model: Any, optimizer: Any, batch: Any, pad_id: int, args: argpars
     weighted by the off-policy correction from its behaviour log-prob; the rollout-vs-trainer
     log-prob gap and the importance ratio per staleness level measured on the same forward
     pass, before the update."""
-    samples, advantages, staleness = [], [], []
+    samples, advantages, lags = [], [], []
+    token_lags = iter(batch.token_lags_numpy())  # per sample, aligned with its behaviour log-probs
     for group in batch.groups:
         rewards = torch.tensor([s.reward for s in group.samples], dtype=torch.float32)
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4) if len(rewards) > 1 else rewards * 0
         for sample, a in zip(group.samples, adv.tolist(), strict=True):
+            lag = next(token_lags)
             if sample.response_length > 0 and sample.rollout_log_probs is not None:
                 samples.append(sample)
                 advantages.append(a)
-                staleness.append(batch.weight_version - min(sample.weight_versions))
+                lags.append(torch.zeros(sample.response_length, dtype=torch.int32) if lag is None
+                            else torch.from_numpy(lag.copy()))
     model.train()
     new = response_logprobs(model, samples, pad_id)
     gaps, gaps_onpolicy = [], []
     ratios: dict[int, list[float]] = {}
     total_tokens = sum(s.response_length for s in samples)
     loss = torch.zeros(())
-    for sample, logp, adv, stale in zip(samples, new, advantages, staleness, strict=True):
+    masked = 0
+    for sample, logp, adv, lag in zip(samples, new, advantages, lags, strict=True):
         old = torch.tensor(list(sample.rollout_log_probs), dtype=torch.float32)
         gap = (logp.detach() - old).abs()
         gaps.append(gap)
-        if stale == 0:
-            gaps_onpolicy.append(gap)
+        gaps_onpolicy.append(gap[lag == 0])
         weights, ratio = importance_weights(logp, old, args.correction, args.is_cap)
-        ratios.setdefault(stale, []).extend(ratio.tolist())
+        weights, dropped = mask_by_lag(weights, lag, args.max_token_lag)
+        masked += dropped
+        for level in lag.unique().tolist():  # each token under its own lag (a continued sample spans several)
+            ratios.setdefault(level, []).extend(ratio[lag == level].tolist())
         # d/dθ exp(logp - sg(logp)) = ∇ logp: the policy gradient at the trainer's weights
         loss = loss - (weights * adv * torch.exp(logp - logp.detach())).sum() / total_tokens
     optimizer.zero_grad()
@@ -316,7 +328,8 @@ def grpo_step(model: Any, optimizer: Any, batch: Any, pad_id: int, args: argpars
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     every = torch.cat(gaps) if gaps else torch.zeros(1)
-    onpolicy = torch.cat(gaps_onpolicy) if gaps_onpolicy else torch.full((1,), math.nan)
+    onpolicy = torch.cat(gaps_onpolicy) if gaps_onpolicy else torch.zeros(0)
+    onpolicy = onpolicy if len(onpolicy) else torch.full((1,), math.nan)
     stats = ratio_stats(ratios)
     stale_tokens = [r for s, values in ratios.items() if s > 0 for r in values]
     return {
@@ -329,6 +342,9 @@ def grpo_step(model: Any, optimizer: Any, batch: Any, pad_id: int, args: argpars
         "ratio_p99": quantile(stale_tokens, 0.99) if stale_tokens else math.nan,
         "samples": float(len(samples)),
         "response_tokens": float(total_tokens),
+        "tokens_masked_by_lag": float(masked),
+        "token_lag_mean": float(torch.cat(lags).double().mean()) if lags else 0.0,
+        "token_lag_max": float(max((int(x.max()) for x in lags if len(x)), default=0)),
     }
 
 
@@ -410,6 +426,7 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], points: list
     s0 = [r["ratio_s0_max_dev"] for r in rows if not math.isnan(r["ratio_s0_max_dev"])]
     return {
         "schedule": args.schedule, "max_staleness": args.max_staleness, "partial_rollout": args.partial_rollout,
+        "staleness_rule": args.staleness_rule, "max_token_lag": args.max_token_lag,
         "correction": args.correction, "target": args.target, "reached": reached is not None,
         "steps_to_target": reached[0] if reached else None, "time_to_target_s": reached[1] if reached else None,
         "best_eval": best["reward"], "best_eval_step": best["step"], "steps": len(rows), "stopped": stopped,
@@ -535,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         data.write_text("".join(json.dumps(r) + "\n" for r in task_records(train_pairs, 4000, args.seed)))
         init = ["init", "--redis", redis.url, "--ns", "tiny", "--n-samples", str(args.n_samples),
                 "--batch-size", str(args.batch_size), "--max-staleness", str(args.max_staleness),
-                "--max-backlog", str(4 * args.batch_size), "--lease", "60", "--force"]
+                "--max-backlog", str(4 * args.batch_size), "--lease", "60", "--staleness-rule", args.staleness_rule,
+                "--force"]
         _cli(init + (["--partial-rollout"] if args.partial_rollout else []))
         children: list[subprocess.Popen[bytes]] = []
         stack.callback(stop_processes, children)

@@ -96,6 +96,17 @@ def importance_weights(trainer_logp: Any, behaviour_logp: Any, kind: str, cap: f
     return weights.to(trainer_logp.dtype), ratio
 
 
+def mask_by_lag(weights: Any, lags: Any, max_lag: int | None) -> tuple[Any, int]:
+    """``(weights, masked)``: the token weights with those of tokens whose version lag exceeds
+    ``max_lag`` set to 0 (None: unchanged), and how many were. ``lags`` is the sample's
+    ``Batch.token_lags_numpy()`` entry (or a tensor of it), aligned with the weights; numpy
+    arrays and torch tensors alike."""
+    if max_lag is None:
+        return weights, 0
+    keep = lags <= max_lag
+    return weights * keep, int((~keep).sum())
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default) of a non-empty sequence."""
     ordered = sorted(values)

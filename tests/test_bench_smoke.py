@@ -131,3 +131,16 @@ def test_learning_sim_quick_times_sync_and_async_against_the_bound() -> None:
             bound, speedup, fraction = row[6], row[7], row[8]
             assert bound > 1 and speedup > 0
             assert fraction == pytest.approx(speedup / bound)
+
+
+@pytest.mark.timeout(240)
+def test_staleness_rule_quick_compares_partial_rollout_and_the_two_rules() -> None:
+    (table,) = bench_main.run(["staleness_rule"], quick=True)
+    assert table.name == "staleness_rule"
+    assert [row[0] for row in table.rows] == [
+        "partial rollout off", "partial on, oldest_token (strict)", "partial on, newest_token (chosen)",
+    ]
+    for row in table.rows:
+        assert row[1] > 0 and row[2] >= 1  # s/step; every trained token was generated
+        assert row[9] <= 1  # the rule's staleness within max_staleness
+    assert table.rows[1][3] == table.rows[2][3] == 0  # partial rollout: nothing recycled for an abort

@@ -126,6 +126,18 @@ def test_the_importance_ratio_is_one_at_staleness_zero_and_truncated_or_masked_a
     assert torch.equal(none, torch.ones(4))
 
 
+def test_tokens_lagging_past_the_limit_are_masked_out_of_the_loss() -> None:
+    np = pytest.importorskip("numpy")
+    from rollstream.testing.learning import mask_by_lag
+
+    weights = np.array([0.5, 1.0, 2.0, 1.5], dtype=np.float32)
+    lags = np.array([3, 3, 1, 0], dtype=np.int32)  # a continued sample: its first tokens are older
+    assert mask_by_lag(weights, lags, None) == (weights, 0)
+    masked, dropped = mask_by_lag(weights, lags, 2)
+    assert masked.tolist() == [0.0, 0.0, 2.0, 1.5] and dropped == 2
+    assert mask_by_lag(weights, lags, 3)[1] == 0
+
+
 @pytest.mark.skipif(vllm_python() is None, reason="the example imports torch: needs the vLLM venv (scripts/vllm-env)")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import asyncio
 import math
 from typing import Any
 
+import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry, group_fields
@@ -63,7 +64,7 @@ async def _state(redis: Redis, ns: str) -> dict[str, str]:
 
 
 async def test_stale_group_is_recycled_and_the_batch_is_still_full(redis: Redis, redis_url: str, ns: str) -> None:
-    await make_namespace(redis, ns, max_staleness=2)
+    await make_namespace(redis, ns, max_staleness=2, staleness_rule="oldest_token")
     await _publish(redis, ns, _group(0, [9]))
     await _publish(redis, ns, _group(1, [5]))  # staleness 10 - 5 = 5 > 2
     await _publish(redis, ns, _group(2, [8, 10]))  # oldest version 8: staleness 2, allowed
@@ -85,6 +86,43 @@ async def test_stale_group_is_recycled_and_the_batch_is_still_full(redis: Redis,
     assert prompt.history == ["stale: staleness 5 > 2"]
     assert (await _state(redis, ns))["recycled_stale"] == "1"
     assert await redis.xlen(Keys(ns).groups) == 0
+
+
+@pytest.mark.parametrize("rule", ["newest_token", "oldest_token"])
+async def test_a_continued_generation_is_judged_by_its_newest_token_not_its_length(
+    redis: Redis, redis_url: str, ns: str, rule: str
+) -> None:
+    """A group holding a long generation continued across weight updates (versions 6 to 10, 100
+    tokens: 10 at 6, 90 at 10) is not stale under the default rule (it was finished at the
+    trainer's version), is under the strict one (its oldest token lags 4 > 2); a group whose
+    newest token lags past the limit is stale under both. The batch reports the tokens' lags."""
+    await make_namespace(redis, ns, max_staleness=2, staleness_rule=rule)
+    long = _group(0, [6, 10])
+    long.samples = [
+        Sample(index=s.index, tokens=list(range(103)), response="x" * 100, response_length=100, prompt_length=3,
+               reward=s.reward, finish_reason="stop", weight_versions=[6, 10],
+               weight_version_spans=[(0, 10, 6), (10, 100, 10)], rollout_log_probs=[-0.5] * 100, loss_mask=[1] * 100)
+        for s in long.samples
+    ]
+    await _publish(redis, ns, long)
+    await _publish(redis, ns, _group(1, [5, 7]))  # its newest token lags 3 > 2: stale under both
+    await _publish(redis, ns, _group(2, [10]))
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        await consumer.set_weight_version(10)
+        async with asyncio.timeout(15):
+            batch = await consumer.take(1 if rule == "oldest_token" else 2)
+        await consumer.commit(batch)
+    recycled = [p.index for p in await _prompts(redis, ns)]
+    if rule == "newest_token":
+        assert [g.index for g in batch.groups] == [0, 2] and recycled == [1]
+        assert batch.metrics["staleness_max"] == 0
+        assert batch.metrics["token_lag_max"] == 4
+        assert batch.metrics["token_lag_mean"] == pytest.approx(2 * 10 * 4 / (2 * 100 + 2 * 2))
+        lags = batch.token_lags_numpy()
+        assert lags[0] is not None and lags[0].tolist() == [4] * 10 + [0] * 90
+        assert lags[2] is not None and lags[2].tolist() == [0, 0]
+    else:
+        assert [g.index for g in batch.groups] == [2] and recycled == [0, 1]
 
 
 async def test_take_overrides_max_staleness(redis: Redis, redis_url: str, ns: str) -> None:

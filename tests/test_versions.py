@@ -110,7 +110,8 @@ async def _weight_update_mid_turn(
         async with asyncio.timeout(25):
             batch = await consumer.take(1)
         await consumer.commit(batch)
-    assert batch.metrics["staleness_max"] == (1 if partial else 0)  # judged by the oldest version
+    assert batch.metrics["staleness_max"] == 0  # judged by the newest token (the default rule)
+    assert batch.metrics["token_lag_max"] == (1 if partial else 0)  # the continued prefix lags one version
     (group,) = batch.groups
     return group, producer
 
