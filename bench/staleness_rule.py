@@ -35,7 +35,7 @@ from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.worker import Producer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.weight_sync import WeightSync
 
