@@ -130,14 +130,25 @@ def with_generate(options: ProduceOptions) -> ProducerSettings:
 
 async def _read_stored_flags(url: str, ns: str, required: bool) -> dict[str, str]:
     """The stored flags; when nothing required is missing, an unreachable Redis is not waited for
-    (the producer itself waits for it and says so)."""
+    (the producer itself waits for it and says so). With required flags missing and none stored,
+    a namespace that was never initialised says so (``rollstream init`` first), not which flags
+    to give."""
     from rollstream.common.connection import TRANSIENT_ERRORS, Outage
+    from rollstream.common.namespace import load_config
     from rollstream.common.protocol import RolloutFlagsHash
 
+    keys = Keys(ns)
     redis = connect(url, name="rollstream-produce-flags")
+
+    async def read() -> dict[str, str]:
+        stored = await RolloutFlagsHash(redis, keys).read()
+        if not stored and required:
+            await load_config(redis, keys)  # NamespaceNotInitialized: say that, not which flags to give
+        return stored
+
     try:
         return await Outage(logger, "produce (reading the stored rollout flags)").run(
-            lambda: RolloutFlagsHash(redis, Keys(ns)).read(), give_up_after=STORED_FLAGS_WAIT if required else 0.0
+            read, give_up_after=STORED_FLAGS_WAIT if required else 0.0
         )
     except TRANSIENT_ERRORS as exc:
         if required:

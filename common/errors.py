@@ -173,7 +173,7 @@ class EngineReplyInvalid(EngineRejected):
     """The engine answered, but the reply cannot be used (malformed, too large, too slow).
 
     ``reason`` is a short slug (``not_json``, ``schema``, ``no_logprobs``, ``count_mismatch``,
-    ``non_finite_logprob``, ``choices``, ``spans``, ``too_large``, ``deadline``); ``detail`` says more.
+    ``non_finite_logprob``, ``choices``, ``spans``, ``version``, ``too_large``, ``deadline``); ``detail`` says more.
     Not retried: the producer turns it into a FAILED sample with this message."""
 
     def __init__(self, reason: str, detail: str, where: str = "") -> None:

@@ -594,11 +594,12 @@ SCRIPTS: tuple[Script, ...] = tuple(value for value in list(globals().values()) 
 
 @dataclass(frozen=True, slots=True)
 class AdmitReply:
-    """ADMIT's answer: ``ok`` with entries (source stream key, id, fields), else a refusal with
-    its numbers (``backlog``: ready; ``staleness``: outstanding, capacity, c, G)."""
+    """ADMIT's answer: ``ok`` with entries (source stream key, id, fields) and the trainer's
+    version, else a refusal with its numbers (``backlog``: ready; ``staleness``: outstanding,
+    capacity, c, G) and no version (None: a refusal never reads one, so it must not pass for 0)."""
 
     status: str
-    weight_version: int
+    weight_version: int | None
     entries: list[tuple[str, bytes, dict[bytes, bytes]]]
     terms: list[int]
 
@@ -790,7 +791,7 @@ class Scripts:
         )
         status = result[0].decode() if isinstance(result[0], bytes) else str(result[0])
         if status != "ok":
-            return AdmitReply(status, 0, [], [int(x) for x in result[1:]])
+            return AdmitReply(status, None, [], [int(x) for x in result[1:]])
         streams = (self.keys.retry, self.keys.prompts)
         entries = []
         for i in range(2, len(result), 3):

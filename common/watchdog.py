@@ -12,6 +12,10 @@ happens, so the watchdog has two halves:
   on the loop (``asyncio.current_task``) once per stall: that is the code holding the loop, found
   while it holds it (the ticker only learns of the stall once it is over).
 
+A stall during which the thread could not run either and the process used no CPU is no code's:
+the whole process was stopped (SIGSTOP, a debugger, a suspended machine). It is logged as such,
+counted apart (:attr:`LoopWatchdog.stops`) and blamed on nothing.
+
 Used by every long-running process: the producer (heartbeat ``loop_*`` fields, ``inspect``,
 metrics), the feeder and the integrations' loop.
 """
@@ -38,6 +42,10 @@ MAX_STALL_AFTER = 5.0
 """The default threshold's cap (seconds): a long lease must not hide a stall of seconds."""
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
 _THIS_FILE = os.path.abspath(__file__)
+STOPPED_CPU = 0.2
+"""A stall the watchdog's thread did not see while it lasted, during which the process used less
+CPU than this fraction of its length, was the process stopped (a blocked loop that held the GIL
+in C code uses a core the whole time)."""
 HINT = "run blocking calls with asyncio.to_thread or an executor (docs/rollouts.md)"
 
 
@@ -129,6 +137,13 @@ class LoopWatchdog:
         self._stamp = time.monotonic()
         self._sample: tuple[float, str, str] | None = None
         """(the stamp of the stall it belongs to, task, where): written by the thread only."""
+        self._live = 0.0
+        """The stamp of the stall the thread saw while it lasted (it ran on time): written by the thread only."""
+        self._cpu = time.process_time()
+        """The process's CPU seconds at the last tick: a stopped process uses none."""
+        self.stops = 0
+        """Stalls that were the whole process stopped, not code holding the loop."""
+        self.stopped_seconds = 0.0
         self._stop = threading.Event()
 
     def take_max_lag(self) -> float:
@@ -147,11 +162,14 @@ class LoopWatchdog:
         thread.start()
         try:
             while True:
-                before = self._stamp
+                before, cpu_before = self._stamp, self._cpu
                 await asyncio.sleep(self.tick)
                 now = time.monotonic()
-                self._stamp = now
+                self._stamp, self._cpu = now, time.process_time()
                 lag = max(0.0, now - before - self.tick)
+                if lag >= self.threshold and self._live != before and self._cpu - cpu_before < STOPPED_CPU * lag:
+                    self._stopped(lag)
+                    continue
                 self.max_lag = max(self.max_lag, lag)
                 if self._on_lag is not None:
                     self._on_lag(lag)
@@ -159,6 +177,14 @@ class LoopWatchdog:
                     self._stalled(lag, before)
         finally:
             self._stop.set()
+
+    def _stopped(self, seconds: float) -> None:
+        self.stops += 1
+        self.stopped_seconds += seconds
+        self._logger.warning(
+            "%s: the whole process was stopped for %.1f s (SIGSTOP, a debugger or a suspended machine: no thread "
+            "ran, no CPU was used); no code of its own held the loop", self.what, seconds,
+        )
 
     def _stalled(self, seconds: float, stamp: float) -> None:
         sample = self._sample
@@ -178,9 +204,15 @@ class LoopWatchdog:
     def _watch(self, loop: asyncio.AbstractEventLoop, ident: int) -> None:
         """The thread: sample the loop thread once per stall, while it stalls."""
         poll = min(0.25, self.threshold / 4)
+        last = time.monotonic()
         while not self._stop.wait(poll):
+            now = time.monotonic()
+            late, last = now - last > poll + max(poll, 0.5), now  # this thread was stopped too
             stamp = self._stamp  # the last tick: a stall is known by it
-            if time.monotonic() - stamp < self.threshold or (self._sample is not None and self._sample[0] == stamp):
+            if late or now - stamp < 2 * poll:
+                continue
+            self._live = stamp
+            if now - stamp < self.threshold or (self._sample is not None and self._sample[0] == stamp):
                 continue
             frame = sys._current_frames().get(ident)
             where = _where(traceback.extract_stack(frame)) if frame is not None else ""

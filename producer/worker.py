@@ -374,10 +374,11 @@ class Producer:
         try:
             with self._claiming():
                 admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
-                if self.config.max_staleness is not None:
-                    self.engine.set_trainer_version(admission.weight_version, self.config.max_staleness)
+                version = admission.weight_version
+                if self.config.max_staleness is not None and version is not None:  # a refusal has none
+                    self.engine.set_trainer_version(version, self.config.max_staleness)
                 for item in admission.entries:
-                    self._start_work(item, admission.weight_version)
+                    self._start_work(item, version or 0)
                     held -= 1
         finally:
             if held:
@@ -722,11 +723,11 @@ class Producer:
             return
         entries = await self.registry.entries()
         for url, entry in entries.items():
-            if not entry.usable and url not in self._registry_skipped:
+            problem = entry.problem
+            if problem and url not in self._registry_skipped:
                 self._registry_skipped.add(url)
-                self.log.warning("engine registry entry %r skipped: %s", url,
-                                 entry.damage or "not an http(s) URL without credentials")
-        self.engine.apply_registry({url: e.state for url, e in entries.items() if e.usable})
+                self.log.warning("engine registry entry %r skipped: %s", url, problem)
+        self.engine.apply_registry({url: e.state for url, e in entries.items() if not e.problem})
 
     async def _control_loop(self) -> None:
         """Wake admission at once on pause/resume/version/taken messages (the check itself is in ADMIT)."""

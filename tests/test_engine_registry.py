@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
 
 import httpx
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.common.urls import check_url
 from rollstream.consumer import GroupConsumer
+from rollstream.producer.engine.settings import EngineSettings
 from rollstream.testing.sim import SimConfig, SimEngine
 
 
@@ -29,10 +32,68 @@ async def cli(*args: str) -> tuple[int, str]:
     return proc.returncode, out.decode()
 
 
-@pytest.mark.parametrize("url", ["ftp://x", "http://", "http://user:secret@h:1", "http://a b", "sglang-0:30000"])
+@pytest.mark.parametrize("url", [
+    "ftp://x", "http://", "http://user:secret@h:1", "http://a b", "sglang-0:30000", "http://127.0.0.1:99999",
+    "http://127.0.0.1:abc", "http://127.0.0.1:0", "http://h:", "http://[::1", "http://::1:8000",
+])
 def test_urls_that_cannot_be_registered_are_refused(url: str) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=re.escape(repr(url)) + "|credentials"):
         check_engine_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "ftp://h:1", "http://h:abc"])
+def test_one_check_for_every_url_that_reaches_the_fleet(url: str) -> None:
+    """``--engine`` (the engine settings) refuses what ``engines add`` refuses, naming the URL."""
+    with pytest.raises(ConfigError, match=re.escape(repr(url))):
+        EngineSettings(urls=(url,))
+    with pytest.raises(ConfigError, match=re.escape(repr(url))):
+        check_engine_url(url)
+
+
+def test_the_scheme_is_case_insensitive_everywhere_and_ipv6_hosts_keep_their_brackets() -> None:
+    assert check_engine_url("HTTP://127.0.0.1:5/") == "http://127.0.0.1:5"
+    assert EngineSettings(urls=("HTTPS://e:1",)).urls == ("https://e:1",)
+    assert check_url("http://[::1]:8000") == "http://[::1]:8000"
+    assert EngineSettings(urls=("http://u:pw@[::1]:8000",)).urls == ("http://u:pw@[::1]:8000",)  # --engine may
+
+
+async def test_bad_registry_entries_are_skipped_with_a_warning_and_never_kill_a_producer(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Entries written past ``engines add`` (redis-cli) with a port out of range, no port digits or
+    an unclosed IPv6 bracket: at start and while running, the producer skips each with a warning
+    naming it and trains every prompt (was: every registry producer dead within 150 ms)."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    active = json.dumps({"state": "active"})
+    await redis.hset(keys.engines, mapping={sim.url.replace("http://", "HTTP://"): active,
+                                            "http://127.0.0.1:99999": active, "http://[::1": active})
+    producer = _produce_from_registry(procs, redis_url, ns)
+    await add_prompts(redis, ns, 8)
+    taken = await take_all(redis_url, ns, 8, 2, timeout=60)
+    await redis.hset(keys.engines, "http://127.0.0.1:abc", active)  # read by the running producer
+
+    def warned() -> bool:
+        return "'http://127.0.0.1:abc' skipped" in procs.log_of(producer)
+
+    await wait_until(warned, timeout=30, message="the entry added while running skipped with a warning")
+    await add_prompts(redis, ns, 8, start=8)
+    taken += await take_all(redis_url, ns, 8, 2, timeout=60)
+    assert Counter(taken) == Counter(range(16))
+    assert producer.poll() is None, procs.log_of(producer)
+    log = procs.log_of(producer)
+    assert "'http://127.0.0.1:99999' skipped" in log and "'http://[::1' skipped" in log, log
+
+
+async def test_engines_add_refuses_a_bad_port_and_names_the_url(redis: Redis, redis_url: str, ns: str) -> None:
+    await make_namespace(redis, ns)
+    for url in ("http://127.0.0.1:99999", "http://[::1"):
+        code, out = await cli("engines", "add", "--redis", redis_url, "--ns", ns, url)
+        assert code == 2 and url in out and "Traceback" not in out, out
+    assert await redis.hlen(Keys(ns).engines) == 0
+    code, out = await cli("produce", "--redis", redis_url, "--ns", ns, "--concurrency", "4", "--reward", "math",
+                          "--engine", "http://127.0.0.1:99999")
+    assert code == 2 and "http://127.0.0.1:99999" in out and "Traceback" not in out, out
 
 
 async def test_the_cli_adds_drains_lists_and_removes(redis: Redis, redis_url: str, ns: str) -> None:
@@ -157,3 +218,9 @@ async def test_produce_without_engines_says_what_to_give(redis: Redis, redis_url
     assert code == 2 and "--engine URL" in out and "--engines-from-registry" in out, out
     code, out = await cli(*base, "--engines-from-registry", "--no-engine-timeout", "0.5")
     assert code == 2 and "lists no active engine" in out and "rollstream engines add" in out, out
+
+
+async def test_produce_on_a_namespace_never_initialised_says_to_run_init(redis_url: str, ns: str) -> None:
+    """Was: ``--concurrency``/``--reward`` asked for, as if giving them would help."""
+    code, out = await cli("produce", "--redis", redis_url, "--ns", ns, "--engine", "http://127.0.0.1:30000")
+    assert code == 2 and "rollstream init" in out and ns in out and "--concurrency" not in out, out

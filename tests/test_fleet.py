@@ -192,3 +192,98 @@ async def test_catch_up_engines_loads_the_recorded_weights_into_an_engine_found_
         assert (await http.get(f"{old.url}/sim/stats")).json()["requests"] > stats["requests"]  # routed to again
     log = procs.log_of(producer)
     assert "loading /checkpoints/step-5 (version 5)" in log and "behind" in log, log
+
+
+async def _beat(redis: Redis, keys: Keys, name: str) -> dict[str, object]:
+    return json.loads((await redis.hget(keys.producers, name)) or "{}")  # type: ignore[no-any-return]
+
+
+def _engine_state(beat: dict[str, object], url: str) -> tuple[str, int | None] | None:
+    fleet = beat.get("engine_fleet")
+    states = {e["url"]: (e["state"], e["version"]) for e in fleet} if isinstance(fleet, list) else {}
+    return states.get(url)
+
+
+async def test_a_refused_admission_never_tells_the_fleet_the_trainer_is_at_version_0(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """The trainer at 5, one engine restarted on version 0 (no catch-up): found behind while
+    prompts are admitted, it stays behind through the refusals that follow (feed ended: ``empty``;
+    paused). Was: every refusal carried version 0, the engine was logged ``caught up: at version
+    0`` and routed to again."""
+    import httpx
+    from rollstream.consumer import GroupConsumer
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_staleness=1)
+    async with SimEngine(SimConfig(seed=9, mean_tokens=16, weight_version=5)) as old, httpx.AsyncClient() as http:
+        await http.post(f"{sim.url}/sim/restart", json={"version": 5})
+        await http.post(f"{old.url}/sim/restart", json={"version": 0})
+        async with GroupConsumer.connect(redis_url, ns, "trainer-refusals") as consumer:
+            await consumer.set_weight_version(5)
+            producer = procs.producer(redis_url, ns, sim.url, "--engine", old.url, "--health-interval", "0.3",
+                                      name="refused", concurrency=4)
+            await add_prompts(redis, ns, 8)
+
+            async def behind() -> bool:
+                return _engine_state(await _beat(redis, keys, "refused"), old.url) == ("behind", 0)
+
+            await wait_until(behind, timeout=60, message="the old engine found behind")
+            taken = await take_all(redis_url, ns, 8, 2, timeout=60)  # the feed ends: 'empty' refusals
+            await consumer.pause()
+
+            async def paused_beats() -> int | None:
+                beat = await _beat(redis, keys, "refused")
+                return int(beat["last_seen_ms"]) if beat.get("admission") == "paused" else None  # type: ignore[call-overload]
+
+            first = await wait_until(paused_beats, timeout=30, message="the producer refused as paused")
+
+            async def later_beats() -> bool:
+                seen = await paused_beats()
+                return seen is not None and seen >= first + 1500  # three heartbeats (and monitor ticks) later
+
+            await wait_until(later_beats, timeout=30, message="heartbeats after the refusals")
+            assert _engine_state(await _beat(redis, keys, "refused"), old.url) == ("behind", 0)
+    assert Counter(taken) == Counter(range(8))
+    assert "caught up" not in procs.log_of(producer), procs.log_of(producer)
+
+
+async def test_a_catch_up_that_does_not_take_backs_off_and_names_the_engine(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """The reload answers success and the engine stays at version 0: one reload, then a pause,
+    and the engine's reason says ``behind: reload did not take``. Was: a reload every monitor tick,
+    indefinitely (back-to-back weight loads on a real engine)."""
+    import httpx
+    from rollstream.consumer import GroupConsumer
+    from rollstream.testing.sim.sglang_api import NOT_TAKEN
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_staleness=1)
+    async with SimEngine(SimConfig(seed=10, mean_tokens=16)) as old, httpx.AsyncClient() as http:
+        await http.post(f"{sim.url}/sim/restart", json={"version": 5})
+        async with GroupConsumer.connect(redis_url, ns, "trainer-not-taken") as consumer:
+            await consumer.set_weight_version(5)
+            await consumer.record_weights(f"/checkpoints/{NOT_TAKEN}-5", 5)
+        producer = procs.producer(redis_url, ns, sim.url, "--engine", old.url, "--catch-up-engines",
+                                  "--health-interval", "0.3", name="not-taken", concurrency=4)
+        await add_prompts(redis, ns, 8)
+
+        async def named() -> str | None:
+            for entry in (await _beat(redis, keys, "not-taken")).get("engine_fleet", []):  # type: ignore[union-attr]
+                if entry["url"] == old.url and "behind: reload did not take" in entry.get("reason", ""):
+                    return str(entry["reason"])
+            return None
+
+        await wait_until(named, timeout=60, message="the engine named: behind, reload did not take")
+        first = int((await _beat(redis, keys, "not-taken"))["last_seen_ms"])  # type: ignore[call-overload]
+
+        async def later() -> bool:
+            return int((await _beat(redis, keys, "not-taken"))["last_seen_ms"]) >= first + 3000  # type: ignore[call-overload]
+
+        await wait_until(later, timeout=30, message="ten monitor ticks later")
+        assert old.state.reloads == [f"/checkpoints/{NOT_TAKEN}-5"]
+        taken = await take_all(redis_url, ns, 8, 2, timeout=60)
+    assert Counter(taken) == Counter(range(8))
+    log = procs.log_of(producer)
+    assert f"engine {old.url}: behind: reload did not take" in log, log

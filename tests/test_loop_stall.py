@@ -145,3 +145,48 @@ async def test_the_feeder_watches_its_loop_too(
         await asyncio.wait_for(task, 30)
     (line,) = [r.getMessage() for r in caplog.records if "event loop stalled" in r.getMessage()]
     assert line.startswith(f"feeder (ns {ns})") and "test_the_feeder_watches_its_loop_too" in line, line
+
+
+_WATCHED_CHILD = """
+import asyncio, logging, sys
+from rollstream.common.watchdog import LoopWatchdog
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+
+async def main():
+    watchdog = LoopWatchdog("child", 0.4, logging.getLogger("child"))
+    task = asyncio.create_task(watchdog.run())
+    print("ready", flush=True)
+    while not getattr(watchdog, "stops", 0) and not watchdog.stalls:  # stops: counted apart since issue 43
+        await asyncio.sleep(0.05)
+    print(f"stops={getattr(watchdog, 'stops', 0)} stalls={watchdog.stalls}", flush=True)
+    task.cancel()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_stopped_process_is_reported_as_stopped_not_as_code_holding_the_loop() -> None:
+    """A real process under SIGSTOP for 1.5 s (threshold 0.4 s): nothing in it ran, so no code
+    is named; the line says the process was stopped. Was: "event loop stalled ... held at" the
+    selector's wait, with the hint to move blocking calls off the loop."""
+    import signal
+    import subprocess
+    import sys
+
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", _WATCHED_CHILD, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT)
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            assert (await child.stdout.readline()).strip() == b"ready"
+            await asyncio.sleep(0.5)  # a few ordinary ticks first
+            child.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(1.5)  # the stop under test
+            child.send_signal(signal.SIGCONT)
+            out = (await child.stdout.read()).decode()
+            assert await child.wait() == 0, out
+    finally:
+        if child.returncode is None:
+            child.kill()
+    assert "stops=1 stalls=0" in out, out
+    assert "whole process was stopped for 1." in out and "held at" not in out, out

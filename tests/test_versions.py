@@ -10,13 +10,16 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
 from redis.asyncio import Redis
+from rollstream.common.errors import EngineReplyInvalid
+from rollstream.common.events import recent_events
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group, Status
 from rollstream.common.protocol import Heartbeat
 from rollstream.consumer import GroupConsumer
 from rollstream.producer.engine import EngineClient, EngineSettings, parse_version
+from rollstream.producer.engine.parse import reply_version
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize
 from test_staleness import stop_producers
@@ -24,10 +27,43 @@ from test_staleness import stop_producers
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(3, 3), ("4", 4), (" 5 ", 5), ("abc", None), (None, None), (True, None), (2.0, None), ([1], None), ("", None)],
+    [(3, 3), ("4", 4), (" 5 ", 5), ("abc", None), (None, None), (True, None), (2.0, None), ([1], None), ("", None),
+     (2**63 - 1, 2**63 - 1), (str(2**63 - 1), 2**63 - 1), (2**63, None), (str(2**64), None), ("9" * 5000, None)],
 )
 def test_parse_version(value: Any, expected: int | None) -> None:
     assert parse_version(value) == expected
+
+
+@pytest.mark.parametrize("value", [2**63, str(2**64), "9" * 5000, 10**400])
+def test_a_version_out_of_range_in_a_reply_is_the_engines_fault(value: Any) -> None:
+    with pytest.raises(EngineReplyInvalid, match=r"not within 0\.\.2") as caught:
+        reply_version(value, "http://e/generate")
+    assert caught.value.reason == "version" and len(str(caught.value)) < 300
+
+
+@pytest.mark.parametrize("version", [2**64, int("9" * 30)])
+async def test_an_engine_reporting_a_version_out_of_range_is_taken_out_and_nothing_is_lost(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, version: int
+) -> None:
+    """One of two engines reports a version above 2^63-1 in every reply: its replies are unusable
+    (the engine's fault: it is ejected, the requests go to the other), every prompt is trained
+    once and no user code is blamed. Was: samples failed as the generate function's errors and a
+    fatal ``GenerateBroken``, or the producer died at publish on a msgpack overflow."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    async with SimEngine(SimConfig(seed=11, mean_tokens=16)) as bad:
+        bad.state.set_version(version)
+        producer = procs.producer(redis_url, ns, sim.url, "--engine", bad.url, name="huge-version", concurrency=4)
+        await add_prompts(redis, ns, 16)
+        taken = await take_all(redis_url, ns, 16, 2, timeout=120)
+        assert sorted(taken) == list(range(16))
+        assert bad.state.requests > 0  # it was asked, and found out
+
+    assert producer.poll() is None, procs.log_of(producer)
+    assert not [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
+    log = procs.log_of(producer)
+    assert f"engine {bad.url}: suspect -> ejected" in log and "is not within 0..2^63-1" in log, log
+    assert "GenerateBroken" not in log, log
 
 
 @pytest.mark.parametrize("mode", ["garbage", "error", "missing", "non_integer", "hang"])

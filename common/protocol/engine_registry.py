@@ -17,26 +17,24 @@ from redis.asyncio import Redis
 from ..errors import ConfigError
 from ..keys import Keys
 from ..redis_values import text
+from ..urls import check_url
 from .guard import Translated
 
 STATES = ("active", "draining")
-MAX_URL = 2048
 
 
 def check_engine_url(url: str) -> str:
-    """``url`` when it can be registered: http(s) with a host, no credentials (every operator
-    can read the registry: keep secrets in ``--engine`` URLs or the environment), no whitespace."""
-    if not isinstance(url, str) or len(url) > MAX_URL or any(c.isspace() for c in url):
-        raise ConfigError(f"engine URL {url!r}: at most {MAX_URL} characters, no whitespace")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"engine URL {url!r} must be http:// or https:// with a host")
+    """``url`` normalised when it can be registered: it passes :func:`~rollstream.common.urls.check_url`
+    (the producers' own check) and holds no credentials (every operator can read the registry:
+    keep secrets in ``--engine`` URLs or the environment)."""
+    checked = check_url(url)
+    parts = urlsplit(checked)
     if parts.username is not None or parts.password is not None:
         raise ConfigError(
             f"engine URL {parts.hostname}: credentials in a registry URL would be readable by every operator; "
             "give that engine to the producers with --engine instead"
         )
-    return url.rstrip("/")
+    return checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +61,18 @@ class RegistryEntry:
     @property
     def usable(self) -> bool:
         """Readable, with a URL a producer may send requests to."""
+        return not self.problem
+
+    @property
+    def problem(self) -> str:
+        """Why a producer cannot use it (``""``: it can): its damage, else what the URL check says."""
         if self.damage:
-            return False
+            return self.damage
         try:
             check_engine_url(self.url)
-        except ConfigError:
-            return False
-        return True
+        except ConfigError as exc:
+            return str(exc)
+        return ""
 
 
 def _who() -> str:

@@ -34,7 +34,9 @@ class Admission:
     status: str
     """``ok``, ``empty``, ``paused``, ``backlog``, ``backlog_bytes`` or ``staleness``."""
     entries: list[Admitted] = field(default_factory=list)
-    weight_version: int = 0
+    weight_version: int | None = None
+    """The trainer's version, read with ``ok`` only: a refusal carries none (never a 0 that would
+    tell the engine fleet the trainer restarted)."""
     terms: list[int] = field(default_factory=list)
     """A refusal's numbers: ``backlog``: [ready]; ``backlog_bytes``: [projected bytes, budget];
     ``staleness``: [outstanding, capacity, c, G]."""

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rollstream.common.errors import EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
+from rollstream.common.errors import ConfigError, EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
+from rollstream.common.urls import check_url
 
 from .dialects import DIALECTS
 from .discovery import (
@@ -59,6 +60,9 @@ CATCH_UP_TIMEOUT = 600.0
 """Seconds one step of a catch-up (a weight reload) may take."""
 CATCH_UP_RETRY = 60.0
 """Seconds before a failed catch-up of an engine is tried again."""
+CATCH_UP_RETRY_MAX = 900.0
+"""Most seconds between the catch-ups of an engine whose reloads answer success and do not take
+(the pause doubles from :data:`CATCH_UP_RETRY`)."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -188,6 +192,8 @@ class EngineClient:
         """Where the trainer's weights are (``--catch-up-engines``): path, version."""
         self._catch_ups: dict[str, asyncio.Task[None]] = {}
         self._catch_up_after: dict[str, float] = {}
+        self._catch_up_failures: dict[str, int] = {}
+        """Engine URL -> catch-ups in a row that answered success and left its version behind."""
         self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
@@ -475,7 +481,7 @@ class EngineClient:
             self._count_error("bad_reply")
             bad = self.fleet.engines.get(exc.engine) if exc.engine else None
             if bad is not None and exc.reason != "deadline":  # the deadline was counted where it struck
-                self.fleet.failed(bad, f"unusable reply: {exc.reason}")
+                self.fleet.failed(bad, f"unusable reply: {exc.reason}: {exc.detail[:200]}")
             raise
         asked: int | None = None
         missing = False
@@ -652,13 +658,19 @@ class EngineClient:
 
     def apply_registry(self, entries: Mapping[str, str]) -> None:
         """The engine registry's entries (URL -> ``active`` | ``draining``): see
-        :meth:`Fleet.apply_registry`; an entry that is not an http(s) URL is skipped with a warning."""
+        :meth:`Fleet.apply_registry`; an entry whose URL fails :func:`check_url` or whose state is
+        neither is skipped with a warning naming it (a typo in the registry never kills a producer)."""
         valid: dict[str, str] = {}
         for url, state in entries.items():
-            if not url.startswith(("http://", "https://")) or state not in ("active", "draining"):
-                logger.warning("engine registry entry %r (%r) skipped: not an http(s) URL and a state", url, state)
+            try:
+                checked = check_url(url)
+            except ConfigError as exc:
+                logger.warning("engine registry entry %r skipped: %s", url, exc)
                 continue
-            valid[url] = state
+            if state not in ("active", "draining"):
+                logger.warning("engine registry entry %r skipped: state %r is not active or draining", url, state)
+                continue
+            valid[checked] = state
         self.fleet.apply_registry(valid, self.settings.drain_timeout)
         self._ensure_monitor()
 
@@ -702,6 +714,16 @@ class EngineClient:
                 return
         engine.version_checked = -float("inf")
         await self.weight_version(engine)
+        if engine.version is None or engine.version < version:
+            # Answered success, version unmoved: without a pause every monitor tick would reload.
+            failures = self._catch_up_failures[engine.url] = self._catch_up_failures.get(engine.url, 0) + 1
+            delay = min(CATCH_UP_RETRY_MAX, CATCH_UP_RETRY * 2 ** (failures - 1))
+            self._catch_up_after[engine.url] = time.monotonic() + delay
+            engine.reason = (f"behind: reload did not take (loaded {path}, version {version}; still at version "
+                             f"{engine.version}); tried again in {delay:.0f} s")
+            logger.warning("engine %s: %s", engine.url, engine.reason)
+            return
+        self._catch_up_failures.pop(engine.url, None)
         logger.warning("engine %s: loaded version %d in %.1f s, now at version %s", engine.url, version,
                        time.monotonic() - started, engine.version)
 

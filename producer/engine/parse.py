@@ -18,6 +18,7 @@ from typing import Annotated, Any, cast
 
 import msgspec
 from rollstream.common.errors import EngineReplyInvalid
+from rollstream.common.versions import out_of_range, parse_version
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 """A token id that fits ``array('i')``; negative ids are refused."""
@@ -92,3 +93,13 @@ def json_object(raw: bytes) -> dict[str, Any] | None:
     except msgspec.DecodeError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def reply_version(value: Any, where: str) -> int | None:
+    """The weight version in an engine's reply (:func:`parse_version`); one above 2^63-1 makes the
+    reply unusable (the engine's fault, never the user's code nor the codec's at publish)."""
+    if out_of_range(value):
+        text = str(value) if isinstance(value, str) or value.bit_length() < 256 else ""
+        shown = text if 0 < len(text) <= 40 else f"{text[:24]}... ({len(text)} digits)" if text else "of 78+ digits"
+        raise EngineReplyInvalid("version", f"weight version {shown} is not within 0..2^63-1", where)
+    return parse_version(value)

@@ -10,6 +10,7 @@ from typing import Any
 from rollstream.common.backoff import Backoff
 from rollstream.common.errors import ConfigError
 from rollstream.common.settings_fields import option, set_by
+from rollstream.common.urls import check_url
 
 from .dialects import DIALECTS
 
@@ -123,9 +124,9 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not self.urls and not self.registry_urls:
             raise ConfigError("at least one engine URL is needed (--engine URL, or --engines-from-registry)")
-        for url in (*self.urls, *self.registry_urls):
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
+        # One check for every URL that reaches the fleet (common/urls.py), normalised here.
+        object.__setattr__(self, "urls", tuple(check_url(u) for u in self.urls))
+        object.__setattr__(self, "registry_urls", tuple(check_url(u) for u in self.registry_urls))
         if self.api not in ENGINE_APIS:
             raise ConfigError(f"engine api must be one of {', '.join(ENGINE_APIS)}, got {self.api!r}")
         dialect = DIALECTS[self.api]

@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
 from rollstream.common.models import Packed
-from rollstream.common.versions import parse_version
 from rollstream.common.weight_apis import SGLANG_WEIGHTS
 
-from .parse import TokenId, check_logprobs, decode, floats, ids
+from .parse import TokenId, check_logprobs, decode, floats, ids, reply_version
 from .types import Encoded, Generation, Request
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def _sample(
             )
     return Generation(
         text=reply.text, output_ids=token_ids, log_probs=log_probs, finish_reason=finish,
-        weight_version=parse_version(meta.weight_version), routed_experts=experts,
+        weight_version=reply_version(meta.weight_version, where), routed_experts=experts,
         routed_experts_start=meta.routed_experts_start_len, counters=_counters(meta) if counters else None,
         prefix_cache=(meta.prompt_tokens, meta.cached_tokens)
         if meta.prompt_tokens is not None and meta.cached_tokens is not None else None,

@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import msgspec
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
-from rollstream.common.versions import parse_version
 from rollstream.common.weight_apis import VLLM_WEIGHTS
 
-from .parse import TokenId, check_logprobs, choices, decode, floats, ids
+from .parse import TokenId, check_logprobs, choices, decode, floats, ids, reply_version
 from .types import Encoded, Generation, Request
 from .vllm_replay import routed_experts_of
 
@@ -83,7 +82,7 @@ def _spans(spans: list[_Span] | None, length: int, where: str) -> list[tuple[int
         raise EngineReplyInvalid("spans", f"weight version spans cover {position} of {length} output tokens", where)
     out = []
     for span in spans:
-        version = parse_version(span.version)
+        version = reply_version(span.version, where)
         if version is None:
             return None
         out.append((version, span.start, span.end))

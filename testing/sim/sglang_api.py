@@ -35,7 +35,11 @@ from rollstream.testing.sim.shared import (
 )
 from rollstream.testing.sim.state import STATE_KEY
 
+NOT_TAKEN = "NOT-TAKEN"
+"""A ``/update_weights_from_disk`` model path holding this answers success and loads nothing."""
+
 logger = logging.getLogger(__name__)
+
 
 async def _generate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
@@ -136,7 +140,11 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await _json_body(request)
     version = body.get("weight_version")
-    if version is None:
+    path = str(body.get("model_path"))
+    state.reloads.append(path)
+    if NOT_TAKEN in path:  # a reload that answers success and loads nothing (a broken checkpoint)
+        logger.info("weights 'updated' from %r: not taken, still version %d", path, state.weight_version)
+    elif version is None:
         state.set_version(state.weight_version + 1)
     else:
         try:

@@ -94,7 +94,7 @@ class SimState:
     version_log: list[tuple[float, int]] = field(default_factory=list)
     """(monotonic time, version) of every weight version change: the vLLM API's spans."""
     reloads: list[str] = field(default_factory=list)
-    """Weight paths of vLLM ``reload_weights`` calls, in order."""
+    """Weight paths of reloads (vLLM ``reload_weights``, SGLang ``/update_weights_from_disk``), in order."""
     pauses: list[tuple[str, str | None]] = field(default_factory=list)
     """``(mode, clear_cache)`` of every vLLM ``/pause``, as sent (``clear_cache`` None when absent)."""
     faults_injected: int = 0
