@@ -2,9 +2,9 @@
 
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
-restart, reply_bound, one_flag, diagnose, redis_memory, fleet, loop_stall, learning_sim, bias, staleness_rule; and,
-run only by name: scale (it needs root for its network namespaces: bench/scale.py, docs/scale.md) and learning (real
-vLLM runs, ~30 min: bench/learning.py).
+restart, reply_bound, one_flag, diagnose, redis_memory, fleet, loop_stall, learning_sim, bias, staleness_rule,
+durable (also ``episodes --kill``); and, run only by name: scale (it needs root for its network namespaces:
+bench/scale.py, docs/scale.md) and learning (real vLLM runs, ~30 min: bench/learning.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from bench.common import OUT, Table, machine
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
     "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "loop_stall", "learning_sim", "bias",
-    "staleness_rule", "scale", "learning",
+    "staleness_rule", "durable", "scale", "learning",
 )
 DEFAULT = tuple(name for name in BENCHMARKS if name not in ("scale", "learning"))
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own; learning
@@ -44,8 +44,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: {', '.join(DEFAULT)}); also: scale, learning")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--kill", action="store_true",
+                        help="with episodes: a producer killed midway through durable episodes (bench/durable.py)")
     args = parser.parse_args()
     names = args.names or list(DEFAULT)
+    if args.kill:
+        names = ["durable" if name == "episodes" else name for name in names]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")

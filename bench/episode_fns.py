@@ -37,3 +37,28 @@ async def blocking(episode: Episode) -> Sample:
         time.sleep(BLOCK_SECONDS)  # noqa: ASYNC251 -- the mistake this function reproduces
     await episode.generate()
     return episode.sample
+
+
+KILL_TURNS = 6
+KILL_TOOL_SLEEP = float(os.environ.get("BENCH_TOOL_SLEEP", "0.05"))
+
+
+async def six_turns(episode: Episode) -> Sample:
+    """``bench.durable``'s episode: six engine calls, a tool between two (it sleeps
+    ``BENCH_TOOL_SLEEP`` s, appends a line to ``$BENCH_TOOL_LOG`` and returns 16 tokens that
+    depend on the turn and the member), the sandbox behind ``episode.once``."""
+    log = os.environ.get("BENCH_TOOL_LOG", "")
+
+    def note(what: str) -> None:
+        if log:
+            with open(log, "a") as out:
+                out.write(f"{what}\n")
+
+    await episode.once("sandbox", lambda: note("once"))
+    for turn in range(KILL_TURNS):
+        await episode.generate()
+        if turn < KILL_TURNS - 1:
+            await asyncio.sleep(KILL_TOOL_SLEEP)
+            note("tool")
+            await episode.observe([1000 + 100 * episode.member + turn * 16 + k for k in range(16)])
+    return episode.sample

@@ -29,8 +29,8 @@ ACL_TEMPLATE = "deploy/redis/users.acl.template"
 ROLE_COMMANDS: dict[str, frozenset[str]] = {
     "producer": frozenset(
         "hello auth ping client|setname evalsha script|load xreadgroup xread xack xadd xdel xclaim xautoclaim "
-        "xpending xrange xlen xgroup|create xinfo|groups hget hmget hgetall hset hsetnx hincrby subscribe unsubscribe"
-        .split()
+        "xpending xrange xlen xgroup|create xinfo|groups hget hmget hgetall hset hsetnx hincrby subscribe unsubscribe "
+        "hstrlen hdel del".split()
     ),
     "trainer": frozenset(
         "hello auth ping client|setname evalsha script|load multi exec discard publish xreadgroup xread xrevrange "

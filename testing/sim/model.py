@@ -58,6 +58,10 @@ class SimConfig:
     """Capacity of the prefix cache in tokens (whole :data:`CACHE_BLOCK` blocks, LRU); 0: none."""
     prefill_per_token: float = 0.0
     """Seconds per prompt token not found in the prefix cache, before the first output token."""
+    deterministic: bool = False
+    """Each reply is a function of ``seed`` and the request's input alone (not of the requests
+    before it): two runs that send the same requests get the same tokens (``bench durable``'s
+    token-for-token comparison of a killed and an uninterrupted run)."""
     kv_capacity_tokens: int = 0
     """KV memory in tokens (prompt + output of every running request); 0: unlimited. With a
     capacity, requests are scheduled in steps as vLLM's scheduler does: admitted while their

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import random
 from collections.abc import Awaitable, Callable
@@ -99,12 +100,21 @@ async def errors_middleware(
         return _error(503, "the engine is shutting down")
 
 
+def _rng(state: SimState, text: str, choice: int) -> random.Random:
+    """The random source of one reply: the engine's own stream, or with ``deterministic`` one
+    seeded by the seed, the input and the choice's number only."""
+    if not state.config.deterministic:
+        return random.Random(state.rng.getrandbits(64))
+    digest = hashlib.blake2b(f"{state.config.seed}:{choice}:{text}".encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
+
+
 async def _generate_all(state: SimState, text: str, rids: list[str], max_tokens: int,
                         prompt_tokens: int = 0, prefill_tokens: int | None = None) -> list[_Outcome]:
     """Plan one response per request id, wait out a pause, generate them concurrently; raises
     :class:`_ShuttingDown` when the engine shuts down while paused. The prompt's tokens (and the
     uncached ones) count with a KV capacity."""
-    plans = [_plan_response(state.config, text, random.Random(state.rng.getrandbits(64))) for _ in rids]
+    plans = [_plan_response(state.config, text, _rng(state, text, i)) for i in range(len(rids))]
     if not await state.wait_resumed():
         raise _ShuttingDown
     runs = (state.generate(rid, plan, max_tokens, prompt_tokens, prefill_tokens)
