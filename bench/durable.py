@@ -43,7 +43,7 @@ from rollstream.common.connection import connect
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Prompt
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import tokenize
 
