@@ -28,6 +28,10 @@ stale sample differs by what one optimizer step moved (here ~1e-2 .. 1e-1, large
 learning rate); a token misaligned between prompt and response (or a wrong version label) is
 off by whole nats (> 1). The importance ratio (its mean, p1 and p99 per staleness level are in
 ``steps.json``) corrects the stale ones and must be 1 at staleness 0; the last kind is a bug.
+Staleness here is per token: ``Batch.token_lags_numpy()`` gives each response token's version
+lag beside its behaviour log-prob (a sample continued across weight updates spans several), the
+ratio is reported per lag, and ``--max-token-lag K`` masks the tokens older than K versions out
+of the loss (``tokens_masked_by_lag`` per step).
 """
 
 from __future__ import annotations
