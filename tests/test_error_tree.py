@@ -13,10 +13,11 @@ from rollstream.common.errors import ConfigError, RollstreamError
 from test_layers import ROOT, library_files
 
 ERRORS = ROOT / "common" / "errors.py"
-PRIVATE_OK = {"_Answer", "_BadRequest", "_ShuttingDown", "_Broken", "_Stale"}
+PRIVATE_OK = {"_Answer", "_BadRequest", "_ShuttingDown", "_Broken", "_Stale", "_Done"}
 """Control flow inside one module, never seen by a user: an HTTP answer raised in a handler (the
 simulator's and the endpoints'), a malformed HTTP answer or a stale keep-alive connection inside
-the engine transport (``http11``: both reach the client as ``ConnectionError``)."""
+the engine transport (``http11``: both reach the client as ``ConnectionError``), and the signal
+that stops llhttp once an answer is settled (``http11._Done``, never leaves the module)."""
 
 
 def _exception_classes() -> list[tuple[str, int, str]]:

@@ -329,15 +329,15 @@ async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "in the middle of its answer"),
         (b"", "before answering"),
-        (b"SMTP ready\r\n\r\n", "status line"),
-        (b"HTTP/1.1 2000 OK\r\n\r\n", "status line"),
+        (b"SMTP ready\r\n\r\n", "Expected HTTP/"),
+        (b"HTTP/1.1 2000 OK\r\n\r\n", "response status"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5x\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nok", "Content-Encoding"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "Transfer-Encoding"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "no CRLF after a chunk"),
-        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "header line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "after chunk data"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "header token"),
         (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "101"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"h" * MAX_HEAD_BYTES, "head over"),
     ],
@@ -404,3 +404,20 @@ async def test_a_cancelled_exchange_drops_its_connection() -> None:
             await call
         assert await server.get() == (200, b"ok")
     assert server.connections == 2
+
+
+async def test_an_answer_arriving_a_byte_at_a_time_is_read_whole_and_the_connection_kept() -> None:
+    """Every boundary falls inside a token (a header name, a chunk size, the CRLFs): the parser
+    keeps what it has not seen the end of, and the connection serves the next request."""
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+              b"a\r\n{\"ids\": [1\r\n3\r\n, 2\r\n1\r\n]\r\n0\r\n\r\n")
+
+    async def script(_: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        for byte in answer:
+            writer.write(bytes([byte]))
+            await writer.drain()
+
+    async with RawServer(script) as server:
+        assert await server.get() == (200, b'{"ids": [1, 2]')
+        assert await server.get() == (200, b'{"ids": [1, 2]')
+    assert server.connections == 1
