@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -51,6 +52,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         help="keep every group's fate for `rollstream archive` in a stream of at most this size "
         "(e.g. 2GiB; past it the oldest unarchived records are dropped and counted; 0 = no archive)",
     )
+    p.add_argument("--mix", default="", metavar="NAME=WEIGHT,...",
+                   help="named sources' weights: every batch take() returns holds each one's share exactly; "
+                        "feed them with rollstream feed NAME=PATH ...")
     p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
     p.add_argument("--max-attempts", type=int, default=5)
     p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
@@ -74,7 +78,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("feed", parents=with_redis, help="stream a dataset (JSONL, Parquet, shards) into the prompts")
-    p.add_argument("dataset", help="a JSONL or Parquet file, a folder or glob of them; path@[start:stop]: those rows")
+    p.add_argument("dataset", nargs="+",
+                   help="a JSONL or Parquet file, a folder or glob of them (path@[start:stop]: those rows); "
+                        "NAME=PATH ... for the named sources of the namespace's mix (rollstream init --mix)")
     epochs = p.add_mutually_exclusive_group()
     epochs.add_argument("--epochs", type=int, default=1)
     epochs.add_argument("--forever", action="store_true")
@@ -218,11 +224,29 @@ def cmd_init(args: argparse.Namespace) -> int:
         max_backlog_bytes=args.max_backlog_bytes,
         max_group_bytes=args.max_group_bytes,
         archive_bytes=args.archive_bytes,
+        mix=args.mix,
     )
     keys = Keys(args.ns)
     written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))
     logger.info("namespace %s %s: %s", args.ns, "initialised" if written else "unchanged", config)
     return 0
+
+
+def named_sources(specs: list[str]) -> dict[str, str]:
+    """``NAME=PATH`` arguments as ``{name: path}``; empty for one plain path."""
+    from rollstream.common.mix import check_source_name
+
+    if len(specs) == 1 and ("=" not in specs[0] or os.path.exists(specs[0])):
+        return {}
+    named: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"{spec!r}: several datasets are fed as named sources, NAME=PATH")
+        if name in named:
+            raise ConfigError(f"source {name!r} is named twice")
+        named[check_source_name(name)] = path
+    return named
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
@@ -238,12 +262,14 @@ def cmd_feed(args: argparse.Namespace) -> int:
         shuffle_scheme=args.shuffle_scheme,
         shuffle_buffer=args.shuffle_buffer,
     )
-    dataset = open_dataset(
-        args.dataset,
-        RowFormat(args.prompt_key, args.label_key or None, args.metadata_key, args.tool_key, args.as_chat),
+    row_format = RowFormat(args.prompt_key, args.label_key or None, args.metadata_key, args.tool_key, args.as_chat)
+    named = named_sources(args.dataset)
+    datasets: Any = (
+        {name: open_dataset(path, row_format) for name, path in named.items()} if named
+        else open_dataset(args.dataset[0], row_format)
     )
     redis = connect(args.redis, name="rollstream-feeder")
-    feeder = Feeder(redis, dataset, settings)
+    feeder = Feeder(redis, datasets, settings)
 
     async def main() -> None:
         try:

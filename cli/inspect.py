@@ -202,6 +202,21 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     )
     parts.append(trainer)
 
+    if snap.get("sources"):
+        sources = _table(
+            "sources (the mix)", plain, "source", "weight", "target share", "committed share", "fed", "published",
+            "committed", "recycled", "lost", "epoch", "position", "done",
+        )
+        for row in snap["sources"]:
+            share = "-" if row["committed_share"] is None else f"{row['committed_share']:.3f}"
+            target = "-" if row["target_share"] is None else f"{row['target_share']:.3f}"
+            sources.add_row(
+                row["name"], f"{row['weight']:g}", target, share, str(row["fed"]), str(row["published"]),
+                str(row["committed"]), str(row["recycled"]), str(row["lost"]), str(row["epoch"]),
+                str(row["position"]), "yes" if row["done"] else "no",
+            )
+        parts.append(sources)
+
     counters = _table("counters", plain, "counter", "value", "counter", "value", "counter", "value")
     items = list(snap["counters"].items())
     for i in range(0, len(items), 3):

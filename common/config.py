@@ -57,6 +57,9 @@ class PipelineConfig:
     max_group_bytes: int = 512 * 1024 * 1024
     """A group whose encoded data is larger is dead-lettered (``group_too_large``), not published
     (512 MiB: Redis' ``proto-max-bulk-len`` default)."""
+    mix: str = ""
+    """The sources' weights, ``NAME=WEIGHT,...`` (``rollstream init --mix``): every batch
+    ``take()`` returns holds each source's share exactly; "" = one unnamed source, no mix."""
 
     archive_bytes: int = 0
     """Byte budget of the archive stream (every group's fate, read by ``rollstream archive``);
@@ -95,6 +98,16 @@ class PipelineConfig:
             )
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
+        from .mix import parse_mix
+
+        parse_mix(self.mix)  # ConfigError when malformed
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The mix as ``{source: weight}`` (empty: no mix)."""
+        from .mix import parse_mix
+
+        return parse_mix(self.mix)
 
     @property
     def admission_enabled(self) -> bool:

@@ -92,6 +92,15 @@ class Keys:
         return f"{self.base}:archive"
 
     @property
+    def sources(self) -> str:
+        """Hash: the named sources (``rollstream feed NAME=PATH``), fields ``SourceField.of(name,
+        kind)`` = ``<name>:<kind>``: the feeder's cursor (``epoch``, ``position``, ``dataset``,
+        ``done``) and counters kept by the scripts (``fed``, ``published``, ``committed``,
+        ``recycled``, ``lost``: dead-lettered or filtered, ``requeued``), plus the mix's carry
+        baseline (``base:<name>``, ``base_set``) written by the trainer."""
+        return f"{self.base}:sources"
+
+    @property
     def producers(self) -> str:
         """Hash: producer id -> JSON heartbeat."""
         return f"{self.base}:producers"
@@ -184,6 +193,7 @@ class Keys:
             self.rollout_flags,
             self.group_bytes,
             self.archive,
+            self.sources,
         ]
 
 
@@ -199,6 +209,23 @@ def namespace_of(key: str) -> str | None:
     """The namespace of a rollstream key, or None for a foreign key."""
     match = re.match(rf"^{PREFIX}:\{{([^}}]+)\}}:", key)
     return match.group(1) if match else None
+
+
+class SourceField:
+    """Field names of the ``sources`` hash."""
+
+    KINDS = ("epoch", "position", "dataset", "done", "fed", "published", "committed", "recycled", "lost",
+             "requeued")
+    COUNTS = ("fed", "published", "committed", "recycled", "lost", "requeued")
+    BASE_SET = "base_set"
+
+    @staticmethod
+    def of(name: str, kind: str) -> str:
+        return f"{name}:{kind}"
+
+    @staticmethod
+    def base(name: str) -> str:
+        return f"base:{name}"
 
 
 class StateField:

@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 
 from .admission import MEASURED_CADENCE_CAP
 from .config import PipelineConfig
-from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, SourceField, StateField
 from .redis_errors import translated
 
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
@@ -183,8 +183,9 @@ class Script:
 # journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too.
 PUBLISH = Script(
     "PUBLISH",
-    keys=("source", "groups", "state", "group_bytes", "journal"),
-    argv=("group", "prompt_id", "now_ms", "data_bytes", "drop", "*fields"),
+    keys=("source", "groups", "state", "group_bytes", "journal", "sources"),
+    argv=("group", "prompt_id", "now_ms", "data_bytes", "drop", "tally", "*fields"),
+    defaults={"tally": ""},
     source=_template("""
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
@@ -193,8 +194,9 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 if ARGV[5] == '1' then drop_journal(KEYS[5], KEYS[3]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 7))
 incr(KEYS[3], '$PUBLISHED', 1)
+if ARGV[6] ~= '' then incr(KEYS[6], ARGV[6], 1) end
 local b = tonumber(ARGV[4]) or 0
 if b > 0 then
   redis.call('HSET', KEYS[4], id, b)
@@ -216,8 +218,10 @@ return id
 # keeps it for the producer that takes it over.
 MOVE = Script(
     "MOVE",
-    keys=("source", "target", "state", "group_bytes", "config", "archive", "journal"),
-    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "drop", "*fields"),
+    keys=("source", "target", "state", "group_bytes", "config", "archive", "journal", "sources"),
+    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "drop", "tally",
+          "*fields"),
+    defaults={"tally": ""},
     source=_template(_ARCHIVE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   group_exists(KEYS[1], ARGV[1])
@@ -231,12 +235,13 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 if ARGV[10] == '1' then drop_journal(KEYS[7], KEYS[3]) end
 local b = 0
 if ARGV[4] ~= '' then b = forget(KEYS[4], KEYS[3], ARGV[2]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 11))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 12))
 if ARGV[4] == 'st' and b > 0 then
   redis.call('HSET', KEYS[4], id, b)
   incr(KEYS[3], '$GROUP_BYTES', b)
 end
 incr(KEYS[3], ARGV[3], 1)
+if ARGV[11] ~= '' then incr(KEYS[8], ARGV[11], 1) end
 return id
 """),
 )
@@ -248,18 +253,23 @@ return id
 # one more trained step (``trained_steps``: the records' ``step``, ``position`` = order in it).
 ACK_DELETE = Script(
     "ACK_DELETE",
-    keys=("stream", "state", "sizes", "config", "archive"),
-    argv=("group", "counter", "second_counter", "time_field", "now_ms", "fate", "reason", "actor", "*ids"),
+    keys=("stream", "state", "sizes", "config", "archive", "sources"),
+    argv=("group", "counter", "second_counter", "time_field", "now_ms", "fate", "reason", "actor", "tally", "*ids"),
+    defaults={"tally": ""},
     source=_template(_ARCHIVE + """
 local acked = 0
 local step = ''
+local tally = {}
+if ARGV[9] ~= '' then tally = cjson.decode(ARGV[9]) end
 if ARGV[6] == 'trained' then step = tostring(num(redis.call('HGET', KEYS[2], '$TRAINED_STEPS')) + 1) end
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
     acked = acked + 1
+    local field = tally[i - 9]
+    if field and field ~= '' then incr(KEYS[6], field, 1) end
     if ARGV[6] ~= '' then
       local position = ''
-      if step ~= '' then position = tostring(i - 9) end
+      if step ~= '' then position = tostring(i - 10) end
       archive(KEYS[4], KEYS[5], KEYS[2], KEYS[1], ARGV[i],
         {ARGV[6], ARGV[7], ARGV[8], step, position, 'groups', ARGV[5]})
     end
@@ -461,12 +471,14 @@ return {won, num(st[2])}
 )
 
 # ``width``: fields per entry (names and values), ``entries``: all entries' fields, ``rejected``: a
-# JSON list of dead letters (flat field lists) for rows that cannot be fed. The feeder's
+# JSON list of dead letters (flat field lists) for rows that cannot be fed, ``updates``: a JSON
+# list of (op, field, value) for the ``sources`` hash (op 's': HSET, 'i': add), the named sources'
+# cursors and fed counts. The feeder's
 # XADD and its cursor move together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
 FEED = Script(
     "FEED",
-    keys=("prompts", "state", "dead"),
-    argv=("expected_next", "next_after", "epoch", "position", "dataset", "rejected", "width", "*entries"),
+    keys=("prompts", "state", "dead", "sources"),
+    argv=("expected_next", "next_after", "epoch", "position", "dataset", "rejected", "updates", "width", "*entries"),
     source=_template("""
 local cur = redis.call('HGET', KEYS[2], '$FEED_NEXT_INDEX') or '0'
 if cur ~= ARGV[1] then return false end
@@ -475,9 +487,14 @@ for _, fields in ipairs(dead) do
   redis.call('XADD', KEYS[3], '*', unpack(fields))
 end
 incr(KEYS[2], '$DEAD', #dead)
-local width = tonumber(ARGV[7])
+local updates = cjson.decode(ARGV[7])
+for i = 1, #updates, 3 do
+  if updates[i] == 'i' then incr(KEYS[4], updates[i + 1], tonumber(updates[i + 2]))
+  else redis.call('HSET', KEYS[4], updates[i + 1], updates[i + 2]) end
+end
+local width = tonumber(ARGV[8])
 local added = 0
-for i = 8, #ARGV, width do
+for i = 9, #ARGV, width do
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, i, i + width - 1))
   added = added + 1
 end
@@ -548,14 +565,16 @@ return status
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
 REQUEUE = Script(
     "REQUEUE",
-    keys=("dead", "retry", "state"),
-    argv=("dead_id", "counter", "*fields"),
+    keys=("dead", "retry", "state", "sources"),
+    argv=("dead_id", "counter", "tally", "*fields"),
+    defaults={"tally": ""},
     source=_template("""
 if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
   return false
 end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 incr(KEYS[3], ARGV[2], 1)
+if ARGV[3] ~= '' then incr(KEYS[4], ARGV[3], 1) end
 return id
 """),
 )
@@ -606,6 +625,13 @@ class AdmitReply:
 
 _DEAD_LETTER_FIELDS = frozenset({"source", "reason", "entry_id", "ts_ms"})
 """Fields a dead-letter entry sets itself; an original field of the same name is dropped."""
+
+
+def _tally(fields: Mapping[Any, Any], kind: str) -> str:
+    """The ``sources`` counter an entry of a named source moves (its plain ``source`` field), or ''."""
+    source = fields.get("source", fields.get(b"source", ""))
+    name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
+    return SourceField.of(name, kind) if name else ""
 
 
 def _field_name(name: str | bytes) -> str:
@@ -666,6 +692,7 @@ class Scripts:
             PUBLISH, source=source, group=PRODUCERS_GROUP, prompt_id=prompt_id, now_ms=now_ms,
             data_bytes=len(group_fields.get("data", b"")), fields=_flatten(group_fields),
             journal=journal or self.keys.state, drop="1" if journal else "",
+            tally=_tally(group_fields, "published"),
         )
         return result or None
 
@@ -683,11 +710,12 @@ class Scripts:
         actor: str = "",
         now_ms: int = 0,
         journal: str | None = None,
+        tally: str = "",
     ) -> bool:
         """Ack + delete ``entry_id`` in ``source`` and add ``fields`` to ``target``, atomically
         (the byte ledger follows a group entry out of, or within, the group stream; a ``fate``
         is archived, decided by ``actor``, in the same step; the prompt's episode ``journal``, if
-        given, is deleted in it too)."""
+        given, is deleted in it too; ``tally``, a field of the ``sources`` hash, counts one more)."""
         k = self.keys
         groups = k.groups
         ledger = ("s" if source == groups else "") + ("t" if source == target == groups else "")
@@ -695,7 +723,7 @@ class Scripts:
         moved = await self._run(
             MOVE, source=source, target=target, group=group, entry_id=entry_id, counter=counter,
             ledger=ledger, fate=fate, reason=reason, actor=actor, kind=kind, now_ms=now_ms,
-            fields=_flatten(fields), journal=journal or k.state, drop="1" if journal else "",
+            fields=_flatten(fields), journal=journal or k.state, drop="1" if journal else "", tally=tally,
         )
         return bool(moved)
 
@@ -708,7 +736,7 @@ class Scripts:
         return await self.move(
             source=k.groups, group=TRAINER_GROUP, entry_id=group_id, target=k.retry,
             counter=counter, fields=prompt_fields, fate="recycled", reason=reason or counter,
-            actor=actor, now_ms=now_ms,
+            actor=actor, now_ms=now_ms, tally=_tally(prompt_fields, "recycled"),
         )
 
     async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
@@ -742,7 +770,7 @@ class Scripts:
         return await self.move(
             source=source, group=group, entry_id=entry_id, target=self.keys.dead,
             counter=StateField.DEAD, fields=dead_fields, fate="dead_lettered", reason=reason, actor=actor,
-            now_ms=now_ms, journal=journal,
+            now_ms=now_ms, journal=journal, tally=_tally(fields, "lost"),
         )
 
     async def ack_delete(
@@ -758,9 +786,11 @@ class Scripts:
         fate: str = "",
         reason: str = "",
         actor: str = "",
+        tally: Sequence[str] = (),
     ) -> int:
         """Acknowledge and delete ``ids``; the number acknowledged now. A ``fate`` (``trained``,
-        ``filtered``) is archived for each, in the order given (a batch's order)."""
+        ``filtered``) is archived for each, in the order given (a batch's order); ``tally`` (one
+        ``sources`` field per id, or none) counts each acknowledged one."""
         if not ids:
             return 0
         # the ledger holds group ids only: for another stream, pass the stream itself (= none)
@@ -768,7 +798,7 @@ class Scripts:
         acked = await self._run(
             ACK_DELETE, stream=stream, sizes=sizes, group=group, counter=counter,
             second_counter=second_counter, time_field=time_field, now_ms=now_ms, fate=fate, reason=reason,
-            actor=actor, ids=ids,
+            actor=actor, tally=json.dumps(list(tally)) if any(tally) else "", ids=ids,
         )
         return int(acked)
 
@@ -806,7 +836,10 @@ class Scripts:
 
     async def requeue(self, dead_id: str | bytes, prompt_fields: Mapping[str, Any]) -> bytes | None:
         """Move a dead-letter entry back to the retry stream; None when it was already gone."""
-        result = await self._run(REQUEUE, dead_id=dead_id, counter=StateField.REQUEUED, fields=_flatten(prompt_fields))
+        result = await self._run(
+            REQUEUE, dead_id=dead_id, counter=StateField.REQUEUED, tally=_tally(prompt_fields, "requeued"),
+            fields=_flatten(prompt_fields),
+        )
         return result or None
 
     async def renew(self, stream: str, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
@@ -838,6 +871,7 @@ class Scripts:
         dataset: str,
         entries: Sequence[Mapping[str, Any]],
         dead: Sequence[Mapping[str, Any]] = (),
+        sources: Sequence[tuple[str, str, Any]] = (),
     ) -> int | None:
         """Add prompt entries (and dead letters for rows that cannot be fed) and move the cursor;
         None when the cursor moved meanwhile."""
@@ -849,8 +883,8 @@ class Scripts:
             flat.extend(_flatten(fields))
         result = await self._run(
             FEED, expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
-            dataset=dataset, rejected=json.dumps([[str(v) for v in _flatten(d)] for d in dead]), width=width or 2,
-            entries=flat,
+            dataset=dataset, rejected=json.dumps([[str(v) for v in _flatten(d)] for d in dead]),
+            updates=json.dumps([str(v) for update in sources for v in update]), width=width or 2, entries=flat,
         )
         return None if result is None else int(result)
 

@@ -278,6 +278,8 @@ class Prompt:
     multimodal_inputs: dict[str, Any] | None = None
     """Raw media of the prompt (e.g. ``{"images": [...]}``: URLs or base64 data), passed to the
     engines and carried to the trainer."""
+    source: str = ""
+    """The named dataset source it was fed from (``rollstream feed NAME=PATH``); "" unnamed."""
 
     def __post_init__(self) -> None:
         if self.input_ids is not None:  # an array of its own: the producer extends it
@@ -301,6 +303,8 @@ class Group:
     """Why earlier attempts of this prompt were recycled (carried over from the Prompt)."""
     multimodal_inputs: dict[str, Any] | None = None
     """The prompt's raw media (carried over from the Prompt)."""
+    source: str = ""
+    """The dataset source of its prompt (carried over from the Prompt): the namespace's mix."""
 
     @property
     def status(self) -> Status:
@@ -393,6 +397,7 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_
         partial=group.samples if keep_partial else None,
         history=[*group.history, reason][-MAX_HISTORY:],
         multimodal_inputs=group.multimodal_inputs,
+        source=group.source,
     )
 
 

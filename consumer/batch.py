@@ -148,6 +148,8 @@ class Tally:
     filtered: Counter[str] = field(default_factory=Counter)
     staleness_max_seen: int = 0
     """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
+    recycled_by_source: Counter[str] = field(default_factory=Counter)
+    """Recycled groups of this take by their source (named sources only)."""
 
     def saw(self, verdict: Verdict) -> None:
         """Count a verdict as judged (the hand-back itself is counted once Redis confirms it)."""
@@ -160,6 +162,8 @@ class Tally:
         """Count a recycle or dead letter that Redis carried out."""
         if verdict.route == Route.RECYCLE:
             self.recycled[verdict.cause] += 1
+            if verdict.group is not None and verdict.group.source:
+                self.recycled_by_source[verdict.group.source] += 1
         elif verdict.route == Route.DEAD_LETTER:
             self.dead_lettered += 1
 
@@ -205,4 +209,25 @@ def batch_metrics(
     }
     for reason, count in tally.filtered.items():
         metrics[f"filtered/{reason}"] = float(count)
+    metrics.update(source_metrics(groups, tally))
+    return metrics
+
+
+def source_metrics(groups: list[Group], tally: Tally, sources: list[str] | None = None) -> dict[str, float]:
+    """``source/<name>/groups``, ``reward_mean``, ``response_length`` (mean over samples) and
+    ``recycled`` (this take) for every named source of the batch (and of ``sources``)."""
+    by_source: dict[str, list[Group]] = {name: [] for name in sources or ()}
+    for group in groups:
+        if group.source:
+            by_source.setdefault(group.source, []).append(group)
+    for name in tally.recycled_by_source:
+        by_source.setdefault(name, [])
+    metrics: dict[str, float] = {}
+    for name, mine in by_source.items():
+        rewards = [r for g in mine if not math.isnan(r := g.reward_mean)]
+        lengths = [s.response_length for g in mine for s in g.samples]
+        metrics[f"source/{name}/groups"] = float(len(mine))
+        metrics[f"source/{name}/reward_mean"] = sum(rewards) / len(rewards) if rewards else math.nan
+        metrics[f"source/{name}/response_length"] = sum(lengths) / len(lengths) if lengths else math.nan
+        metrics[f"source/{name}/recycled"] = float(tally.recycled_by_source[name])
     return metrics

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from .batch import Batch, Tally, batch_id, batch_metrics
 from .connecting import Connecting
 from .filters import KeepFilter
 from .lease import NameHold
+from .mixing import Mixer
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
 from .verdict import (
     ALL_STALE_MARK,
@@ -84,6 +85,33 @@ UNSET: Any = object()
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
 _HEALTH_CHECK_INTERVAL = 1.0
+_QUOTA_CHECK_INTERVAL = 1.0
+
+
+def _over_quota(quotas: dict[str, int] | None, taken: list[tuple[bytes, Group]], group: Group) -> bool:
+    """Whether ``group``'s source already has its share of this batch (a source outside the mix has none)."""
+    if quotas is None or group.source not in quotas:
+        return False
+    return sum(1 for _, g in taken if g.source == group.source) >= quotas[group.source]
+
+
+def _rebalance(
+    quotas: dict[str, int], taken: list[tuple[bytes, Group]], held: list[tuple[bytes, Group]], target: int
+) -> None:
+    """After the quotas changed (a source ran dry): groups held for a source with room now are
+    taken, oldest first; a source over its new quota keeps its newest ones held."""
+    for source, quota in quotas.items():
+        mine = [item for item in taken if item[1].source == source]
+        for item in sorted(mine, key=lambda i: i[0])[quota:]:
+            taken.remove(item)
+            held.append(item)
+    held.sort(key=lambda item: item[0])
+    for item in list(held):
+        if len(taken) >= target:
+            break
+        if not _over_quota(quotas, taken, item[1]):
+            held.remove(item)
+            taken.append(item)
 
 
 class GroupConsumer:
@@ -128,6 +156,10 @@ class GroupConsumer:
         # finding them deleted is expected, not a loss.
         self._handed_back_maybe: set[bytes] = set()
         self._stale = StaleWatch(config.batch_size)
+        # With a mix: each source's quota per batch; groups over their source's quota stay
+        # pending under this name and are examined first by the next call.
+        self._mixer = Mixer(redis, self.keys, config.weights, self._outage, self.log) if config.weights else None
+        self._held: deque[tuple[bytes, dict[bytes, bytes]]] = deque()
 
     @property
     def keep(self) -> KeepFilter | None:
@@ -245,8 +277,10 @@ class GroupConsumer:
         started = time.monotonic()
         tally = Tally()
         taken: list[tuple[bytes, Group]] = []
+        held: list[tuple[bytes, Group]] = []
         entries: deque[Entry] = deque()
         redelivered = False
+        quotas: dict[str, int] | None = None
         try:
             if time.monotonic() - self._stall.checked >= _HEALTH_CHECK_INTERVAL and (
                 diagnosis := await self._stall_due()
@@ -262,15 +296,20 @@ class GroupConsumer:
                         "%d groups taken but not committed earlier are delivered first",
                         len(self._redeliver),
                     )
-            last_warning = started
+            if self._mixer is not None:
+                quotas = await self._mixer.quotas(target)
+            quotas_checked = last_warning = started
             while len(taken) < target:
                 raise_if_cancelled()
                 if self._read_unsure and not self._redeliver:
-                    await self._adopt_orphans(taken)
+                    await self._adopt_orphans([*taken, *held])
                 if self._redeliver:
                     for _ in range(min(target - len(taken), len(self._redeliver))):
                         entries.append(self._redeliver.popleft())
                     redelivered = True
+                elif self._held:
+                    entries.extend(self._held)
+                    self._held.clear()
                 else:
                     entries.extend(await self._read(target - len(taken)))
                 got = bool(entries)
@@ -282,15 +321,21 @@ class GroupConsumer:
                     fields.clear()
                     entries.popleft()
                     if group is not None:
-                        taken.append((entry_id, group))
+                        (held if _over_quota(quotas, taken, group) else taken).append((entry_id, group))
                 if self._stale.streak is not None:
                     await self._stale_check(target, started, len(taken))
+                if self._mixer is not None and len(taken) < target and (
+                    not got or (held and time.monotonic() - quotas_checked >= _QUOTA_CHECK_INTERVAL)
+                ):  # a source may have run dry meanwhile
+                    quotas_checked = time.monotonic()
+                    quotas = await self._mixer.quotas(target, Counter(g.source for _, g in (*taken, *held)))
+                    _rebalance(quotas, taken, held, target)
                 if got or len(taken) >= target:
                     continue
                 now = time.monotonic()
                 if now - self._orphans_checked >= _ORPHAN_CHECK_INTERVAL:
                     # redis-py may re-send a read after a dropped connection without telling us.
-                    await self._adopt_orphans(taken)
+                    await self._adopt_orphans([*taken, *held])
                 health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.options.warn_interval:
                     last_warning = now
@@ -299,7 +344,9 @@ class GroupConsumer:
                         "take(%d) waiting for %.0f s with %d groups; %s",
                         target, now - started, len(taken), health,
                     )
-            return await self._finish(taken, version, started, tally, redelivered)
+            batch = await self._finish(taken, version, started, tally, redelivered)
+            self._held.extend((eid, {}) for eid, _ in held)
+            return batch
         except BaseException:
             # Cancelled (asyncio.timeout), or failed, at any await: everything this call holds
             # stays pending under this consumer, so it is handed out first by the next call (the
@@ -307,16 +354,17 @@ class GroupConsumer:
             # whose reply was lost is found by the orphan check the next call starts with.
             if self._redeliver is None:
                 self._redeliver = deque()
-            held = [eid for eid, _ in (*taken, *entries)]
-            self._redeliver.extendleft(reversed([(eid, {}) for eid in held]))
-            self._handed_back_maybe.update(held)
+            back = [eid for eid, _ in (*taken, *held, *entries)]
+            self._redeliver.extendleft(reversed([(eid, {}) for eid in back]))
+            self._handed_back_maybe.update(back)
             self._read_unsure = True
             raise
 
     async def commit(self, batch: Batch) -> int:
         """Acknowledge and delete the batch's groups; the number acknowledged now."""
         self._check_name()
-        acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids))
+        sources = [g.source for g in batch.groups] if any(g.source for g in batch.groups) else []
+        acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids, sources))
         self._handed_out.difference_update(batch.entry_ids)
         if acked != len(batch.entry_ids):
             self.log.warning(
@@ -349,7 +397,7 @@ class GroupConsumer:
         pending = await self._outage.run(self.queue.pending_ids)
         self._read_unsure = False
         self._orphans_checked = time.monotonic()
-        known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in self._redeliver}
+        known = self._handed_out | {eid for eid, _ in taken} | {eid for eid, _ in (*self._redeliver, *self._held)}
         orphans = [eid for eid in pending if eid not in known]
         if orphans:
             self.log.warning(
@@ -403,7 +451,8 @@ class GroupConsumer:
         """Carry out a verdict other than keep (one Lua script)."""
         group, reason = verdict.group, verdict.reason
         if verdict.route == Route.DROP:
-            await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason))
+            source = group.source if group is not None else ""
+            await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason, source))
             return
         fields = verdict.fields or {}
         if verdict.route == Route.RECYCLE:

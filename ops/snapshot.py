@@ -16,7 +16,7 @@ from rollstream.common.admission import DEFAULT_STALL_AFTER
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
-from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, SourceField, StateField
 from rollstream.common.protocol import EpisodeJournals, Fleet, Heartbeat, StreamView, fold, state_mismatch
 from rollstream.common.redis_values import damaged_fields
 
@@ -180,6 +180,31 @@ def _event_row(event: Any, now: int) -> dict[str, Any]:
     }
 
 
+def _sources_section(config: PipelineConfig | None, state: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per named source: its weight and share of what was committed, its counters and cursor."""
+    weights = config.weights if config is not None else {}
+    names = list(weights) + sorted(
+        {k.split(":", 1)[0] for k in state if ":" in k and not k.startswith("base:")} - weights.keys()
+    )
+    total_weight = sum(weights.values())
+    committed = {name: _int(state.get(SourceField.of(name, "committed"))) for name in names}
+    all_committed = sum(committed.values())
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {
+            "name": name,
+            "weight": weights.get(name, 0.0),
+            "target_share": round(weights.get(name, 0.0) / total_weight, 4) if total_weight else None,
+            "committed_share": round(committed[name] / all_committed, 4) if all_committed else None,
+            "done": state.get(SourceField.of(name, "done")) == "1",
+            "dataset": state.get(SourceField.of(name, "dataset")),
+        }
+        for kind in (*SourceField.COUNTS, "epoch", "position"):
+            row[kind] = _int(state.get(SourceField.of(name, kind)))
+        rows.append(row)
+    return rows
+
+
 async def snapshot(
     redis: Redis,
     keys: Keys,
@@ -279,6 +304,7 @@ async def snapshot(
             "epoch": _int(state.get(StateField.FEED_EPOCH)),
             "dataset": state.get(StateField.FEED_DATASET) or None,
         },
+        "sources": _sources_section(config, {_text(k): _text(v) for k, v in (await view.sources_hash()).items()}),
         "events": errors,
         "damaged": damaged,
         "lost_state": lost_state,

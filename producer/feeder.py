@@ -16,7 +16,8 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,13 @@ from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
-from rollstream.common.keys import Keys
+from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
+from rollstream.common.mix import check_source_name
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed
+from rollstream.common.redis_values import int_or, text
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
 from .datasets import (
@@ -135,18 +138,81 @@ def _order(settings: FeedSettings) -> Order:
     return Order(settings.shuffle, settings.seed, settings.shuffle_scheme, settings.shuffle_buffer)
 
 
-class Feeder:
-    """Feeds a dataset into a namespace; ``await feeder.run()`` returns when the epochs are done."""
+Item = tuple[int, int, int, Any]
+"""(epoch, position after, row id, raw row)."""
 
-    def __init__(self, redis: Redis, dataset: Dataset | list[Record], settings: FeedSettings) -> None:
+
+class _Source:
+    """One source being fed: its dataset, id, and where its walk stands."""
+
+    def __init__(self, name: str, dataset: Dataset, order: Order, epochs: int | None) -> None:
+        self.name = name
+        self.dataset = dataset
+        self.order = order
+        self.epochs = epochs
+        self.id = f"{dataset.fingerprint()}:{order.tag(dataset.rows)}"
+        self.epoch = 0
+        self.position = 0
+        self.done = False
+        self.walk: Iterator[Item] = iter(())
+        self.buffered: list[Item] = []
+
+    def start(self, epoch: int, position: int) -> None:
+        if position >= self.dataset.rows:
+            epoch, position = epoch + 1, 0
+        self.epoch, self.position = epoch, position
+        self.done = self.epochs is not None and epoch >= self.epochs
+        self.walk = self._walk(epoch, position)
+        self.buffered = []
+
+    def _walk(self, epoch: int, position: int) -> Iterator[Item]:
+        while self.epochs is None or epoch < self.epochs:
+            for after, rid, raw in EpochWalk(self.dataset, self.order, epoch, position):
+                yield epoch, after, rid, raw
+            epoch, position = epoch + 1, 0
+
+    def peek(self) -> Item | None:
+        if not self.buffered:
+            item = next(self.walk, None)
+            if item is None:
+                return None
+            self.buffered.append(item)
+        return self.buffered[0]
+
+
+class Feeder:
+    """Feeds a dataset, or several named ones (``{name: dataset}``, mixed as the namespace's
+    ``mix`` says), into a namespace; ``await feeder.run()`` returns when the epochs are done.
+
+    With named sources each keeps its own epochs and cursor (the ``sources`` hash), and every
+    prompt goes to the source furthest behind its share of the prompts that are still alive or
+    trained (fed + requeued - dead-lettered - filtered), so what producers generate follows the
+    mix whatever each source's generation speed; a source that runs dry leaves the mix."""
+
+    def __init__(
+        self, redis: Redis, dataset: Dataset | list[Record] | Mapping[str, Dataset | list[Record]],
+        settings: FeedSettings,
+    ) -> None:
         self.redis = redis
-        self.source = dataset if isinstance(dataset, Dataset) else MemoryDataset(dataset)
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.log = Prefixed(logger, "feeder", namespace=settings.namespace)
         self.feed = Feed(redis, self.keys)
         self.order = _order(settings)
-        self.dataset = f"{self.source.fingerprint()}:{self.order.tag(self.source.rows)}"
+        named = dataset if isinstance(dataset, Mapping) else {"": dataset}
+        if not named:
+            raise ConfigError("no source to feed")
+        self.sources = [
+            _Source(check_source_name(name) if name else name, _as_dataset(d), self.order, settings.epochs)
+            for name, d in named.items()
+        ]
+        self.named = not (len(self.sources) == 1 and self.sources[0].name == "")
+        self.source = self.sources[0].dataset
+        self.dataset = (
+            "sources:" + ",".join(sorted(s.name for s in self.sources)) if self.named else self.sources[0].id
+        )
+        self.weights: dict[str, float] = {}
+        self._dry: list[str] = []
         self.fed = 0
         self.rejected = 0
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
@@ -155,29 +221,68 @@ class Feeder:
     def stop(self) -> None:
         self._stop.set()
 
-    def _walk(self, epoch: int, position: int) -> Iterator[tuple[int, int, int, Any]]:
-        """(epoch, position after, row id, raw row) from a cursor onwards."""
-        while self.settings.epochs is None or epoch < self.settings.epochs:
-            for after, rid, raw in EpochWalk(self.source, self.order, epoch, position):
-                yield epoch, after, rid, raw
-            epoch, position = epoch + 1, 0
-
-    async def _cursor(self) -> tuple[int, int, int]:
+    async def _cursor(self) -> int:
+        """Read the cursors (the next index, each source's epoch and position); the next index."""
         cursor = await self._outage.run(self.feed.cursor)
-        next_index, epoch, position, fed_dataset = cursor.next_index, cursor.epoch, cursor.position, cursor.dataset
+        fed_dataset = cursor.dataset
         if fed_dataset is not None and fed_dataset != self.dataset:
             raise ConfigError(
                 f"namespace {self.keys.namespace!r} was fed from another dataset or order ({fed_dataset}, "
                 f"this one is {self.dataset}); use a new namespace to feed a different dataset"
             )
-        if fed_dataset is not None and position >= self.source.rows:
-            epoch, position = epoch + 1, 0
-        return next_index, epoch, position
+        if not self.named:
+            source = self.sources[0]
+            source.start(cursor.epoch, cursor.position)
+            return cursor.next_index
+        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
+        state = {text(k): text(v) for k, v in raw.items()}
+        for source in self.sources:
+            fed_id = state.get(SourceField.of(source.name, "dataset"))
+            if fed_id is not None and fed_id != source.id:
+                raise ConfigError(
+                    f"source {source.name!r} of namespace {self.keys.namespace!r} was fed from another dataset "
+                    f"or order ({fed_id}, this one is {source.id}); use a new namespace to feed a different one"
+                )
+            source.start(
+                int_or(state.get(SourceField.of(source.name, "epoch")), 0),
+                int_or(state.get(SourceField.of(source.name, "position")), 0),
+            )
+        return cursor.next_index
+
+    async def _alive(self) -> dict[str, int]:
+        """Per source: prompts fed that are still alive or trained (fed + requeued - lost)."""
+        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
+        state = {text(k): int_or(v, 0) for k, v in raw.items()}
+        return {
+            s.name: state.get(SourceField.of(s.name, "fed"), 0) + state.get(SourceField.of(s.name, "requeued"), 0)
+            - state.get(SourceField.of(s.name, "lost"), 0)
+            for s in self.sources
+        }
 
     async def run(self) -> int:
         """Feed until the epochs are done (or :meth:`stop`); returns the prompts fed by this call.
         A loop-lag watchdog runs meanwhile (a stall is logged with the code that held the loop)."""
         config = await load_config(self.redis, self.keys)
+        names = {s.name for s in self.sources}
+        if self.named:
+            self.weights = config.weights
+            if not self.weights:
+                raise ConfigError(
+                    f"named sources ({', '.join(sorted(names))}) need the namespace's mix: "
+                    f"rollstream init --mix {','.join(f'{n}=1' for n in sorted(names))} ..."
+                )
+            if outside := names - self.weights.keys():
+                raise ConfigError(f"source(s) {', '.join(sorted(outside))} not in the namespace's mix {config.mix!r}")
+            if unknown := self.weights.keys() - names:
+                raise ConfigError(
+                    f"the namespace's mix {config.mix!r} names source(s) {', '.join(sorted(unknown))} "
+                    "that this feed does not feed"
+                )
+        elif config.weights:
+            raise ConfigError(
+                f"the namespace mixes sources ({config.mix}): feed them by name, "
+                f"rollstream feed {' '.join(f'{n}=PATH' for n in config.weights)}"
+            )
         watchdog = LoopWatchdog(
             f"feeder (ns {self.keys.namespace})", default_stall_after(config.lease_seconds), logger
         )
@@ -188,65 +293,111 @@ class Feeder:
             watching.cancel()
             await asyncio.wait([watching], timeout=5)
 
+    def _pick(self, alive: dict[str, int]) -> _Source | None:
+        """The live source furthest behind its share (the only one when unnamed)."""
+        live = [s for s in self.sources if not s.done and s.peek() is not None]
+        for s in self.sources:
+            if not s.done and s not in live:
+                s.done = True
+                self._dry.append(s.name)
+                if self.named:
+                    self.log.warning(
+                        "source %r ran dry (%s epoch(s) fed): it leaves the mix, the others take its share",
+                        s.name, s.epochs,
+                    )
+        if not live:
+            return None
+        if not self.named:
+            return live[0]
+        total_weight = sum(self.weights[s.name] for s in live)
+        have = sum(alive[s.name] for s in live) + 1
+        return max(live, key=lambda s: self.weights[s.name] / total_weight * have - alive[s.name])
+
     async def _feed(self) -> int:
-        next_index, epoch, position = await self._cursor()
-        self.log.info(
-            "starting at index %d, epoch %d, position %d of %d rows (window %d)",
-            next_index, epoch, position, self.source.rows, self.settings.window,
-        )
-        self.source.check()
-        walk = self._walk(epoch, position)
-        pending: list[tuple[int, int, int, Any]] = []
+        next_index = await self._cursor()
+        for source in self.sources:
+            self.log.info(
+                "source %r starts at epoch %d, position %d of %d rows (next index %d, window %d)",
+                source.name, source.epoch, source.position, source.dataset.rows, next_index, self.settings.window,
+            )
+            source.dataset.check()
         while not self._stop.is_set():
             queued = await self._outage.run(self.feed.queued)
             room = min(self.settings.window - queued, self.settings.chunk)
             if room <= 0:
                 await self._sleep()
                 continue
-            while len(pending) < room:
-                item = next(walk, None)
-                if item is None:
+            alive = await self._alive() if self.named else {}
+            chunk: list[tuple[_Source, Item]] = []
+            while len(chunk) < room:
+                picked = self._pick(alive)
+                if picked is None:
                     break
-                pending.append(item)
-            if not pending:
+                chunk.append((picked, picked.buffered.pop(0)))
+                alive[picked.name] = alive.get(picked.name, 0) + 1
+            if not chunk:
+                await self._mark_done()
                 break
-            chunk = pending[:room]
             entries, dead = self._entries(chunk, next_index)
-            last_epoch, last_position, _, _ = chunk[-1]
+            updates = self._updates(chunk, entries)
+            last = chunk[-1][1]
+            epoch, position = (last[0], last[1]) if not self.named else (0, 0)
             added = await self._outage.run(
-                lambda e=entries, d=dead, le=last_epoch, lp=last_position, ni=next_index: self.feed.add(
-                    expected_next=ni, next_after=ni + len(e), epoch=le, position=lp,
-                    dataset=self.dataset, entries=e, dead=d,
+                lambda e=entries, d=dead, u=updates, ep=epoch, pos=position, ni=next_index: self.feed.add(
+                    expected_next=ni, next_after=ni + len(e), epoch=ep, position=pos,
+                    dataset=self.dataset, entries=e, dead=d, sources=u,
                 )
             )
             if added is None:
                 # The cursor moved under us: a re-sent call that had gone through, or another feeder.
                 self.log.warning("cursor moved concurrently; re-reading it")
-                next_index, epoch, position = await self._cursor()
-                walk = self._walk(epoch, position)
-                pending = []
+                next_index = await self._cursor()
                 continue
             next_index += added
             self.fed += added
             self.rejected += len(dead)
-            pending = pending[room:]
         self.log.info("fed %d prompts; next index %d", self.fed, next_index)
         return self.fed
 
+    def _updates(self, chunk: list[tuple[_Source, Item]], entries: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+        """The named sources' cursor moves and fed counts of a chunk."""
+        if not self.named:
+            return []
+        last: dict[str, Item] = {}
+        for source, item in chunk:
+            last[source.name] = item
+        fed = Counter(str(e.get("source", "")) for e in entries)
+        updates: list[tuple[str, str, Any]] = []
+        for name, (epoch, position, _, _) in last.items():
+            source = next(s for s in self.sources if s.name == name)
+            updates += [
+                ("s", SourceField.of(name, "epoch"), epoch), ("s", SourceField.of(name, "position"), position),
+                ("s", SourceField.of(name, "dataset"), source.id), ("i", SourceField.of(name, "fed"), fed[name]),
+            ]
+        updates += [("s", SourceField.of(name, "done"), 1) for name in self._dry]
+        self._dry = []
+        return updates
+
+    async def _mark_done(self) -> None:
+        if self.named:
+            mapping = {SourceField.of(s.name, "done"): 1 for s in self.sources}
+            await self._outage.run(lambda: self.redis.hset(self.keys.sources, mapping=mapping))
+
     def _entries(
-        self, chunk: list[tuple[int, int, int, Any]], next_index: int
+        self, chunk: list[tuple[_Source, Item]], next_index: int
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The chunk's prompt entries, and dead letters for its rows that cannot be fed."""
         entries: list[dict[str, Any]] = []
         dead: list[dict[str, Any]] = []
-        for ep, _, rid, raw in chunk:
+        for source, (ep, _, rid, raw) in chunk:
             try:
-                record = self.source.record(rid, raw)
+                record = source.dataset.record(rid, raw)
             except RowError as exc:
                 self.log.warning("row dead-lettered: %s", exc)
                 dead.append({
                     "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
                     "epoch": ep, "dataset_index": rid, "row": _row_text(raw),
+                    **({"dataset_source": source.name} if source.name else {}),
                 })
                 continue
             if record is None:
@@ -255,6 +406,7 @@ class Feeder:
                 index=next_index + len(entries), prompt=record.prompt, label=record.label, epoch=ep,
                 metadata={**record.metadata, "dataset_index": rid},
                 multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
+                source=source.name,
             )
             entries.append(prompt_fields(prompt))
         return entries, dead
@@ -265,6 +417,10 @@ class Feeder:
                 await self._stop.wait()
         except TimeoutError:
             pass
+
+
+def _as_dataset(dataset: Dataset | list[Record]) -> Dataset:
+    return dataset if isinstance(dataset, Dataset) else MemoryDataset(dataset)
 
 
 def _row_text(raw: Any, limit: int = 4096) -> str:

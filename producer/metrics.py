@@ -96,6 +96,14 @@ class ProducerMetrics(Metrics):
             "Stalls of the event loop over the threshold (user code blocking it), by length",
             names, buckets=(0.5, 1, 2, 5, 10, 30, 60, 300), registry=self.registry,
         ).labels(**labels)
+        self._source_groups = Counter(
+            "rollstream_source_groups_published", "Groups published, by named source (the namespace's mix)",
+            [*names, "source"], registry=self.registry,
+        )
+        self._source_tokens = Counter(
+            "rollstream_source_tokens_generated", "Response tokens of published groups, by named source",
+            [*names, "source"], registry=self.registry,
+        )
         self._max_lag = 0.0
         self._engine: EngineClient | None = None
         self._seen_retries = 0
@@ -116,6 +124,11 @@ class ProducerMetrics(Metrics):
 
     def group_published(self, group: Group) -> None:
         self.groups.inc()
+        if group.source:
+            self._source_groups.labels(**self._labels, source=group.source).inc()
+            self._source_tokens.labels(**self._labels, source=group.source).inc(
+                sum(s.response_length for s in group.samples)
+            )
 
     def admission_blocked(self, reason: str) -> None:
         self._blocked.labels(**self._labels, reason=reason).inc()

@@ -180,6 +180,7 @@ class Rollout:
             producer=self.producer,
             history=prompt.history,
             multimodal_inputs=prompt.multimodal_inputs,
+            source=prompt.source,
         )
 
     async def aclose(self) -> None:

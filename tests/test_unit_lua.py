@@ -379,7 +379,7 @@ def test_the_declaration_check_finds_a_wrong_declaration() -> None:
     """The check above can fail: a key left out, an ARGV too many, a rest at the wrong index."""
     assert _declaration_problems(dataclasses.replace(lua.PUBLISH, keys=lua.PUBLISH.keys[:3]))
     assert _declaration_problems(dataclasses.replace(lua.FORGET, argv=(*lua.FORGET.argv, "extra")))
-    assert _declaration_problems(dataclasses.replace(lua.REQUEUE, argv=("dead_id", "*fields")))
+    assert _declaration_problems(dataclasses.replace(lua.REQUEUE, argv=("dead_id", "tally", "*fields")))
     assert _declaration_problems(dataclasses.replace(lua.LEASE, argv=("token", "ttl_ms", "*more")))
 
 

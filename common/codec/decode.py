@@ -417,6 +417,7 @@ def _shared(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
         "metadata": _get(obj, "metadata", dict, kind),
         "history": _history(obj, kind),
         "multimodal_inputs": _multimodal(obj, kind),
+        "source": _get(obj, "src", str, kind) if "src" in obj else "",
     }
 
 

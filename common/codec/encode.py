@@ -127,6 +127,8 @@ def encode_group(group: Group) -> bytes:
         }
     if group.multimodal_inputs is not None:
         obj["mmi"] = group.multimodal_inputs
+    if group.source:
+        obj["src"] = group.source
     return _packb(obj)
 
 
@@ -147,4 +149,6 @@ def encode_prompt(prompt: Prompt) -> bytes:
         }
     if prompt.multimodal_inputs is not None:
         obj["mmi"] = prompt.multimodal_inputs
+    if prompt.source:
+        obj["src"] = prompt.source
     return _packb(obj)

@@ -18,13 +18,13 @@ Fields = dict[str, str | bytes | int | float]
 
 
 def prompt_fields(prompt: Prompt) -> Fields:
-    """Fields of a prompt-stream entry: plain ``index``/``epoch``/``attempt`` plus ``data``."""
-    return {
-        "index": prompt.index,
-        "epoch": prompt.epoch,
-        "attempt": prompt.attempt,
-        "data": encode_prompt(prompt),
-    }
+    """Fields of a prompt-stream entry: plain ``index``/``epoch``/``attempt`` (and ``source``
+    for a named source) plus ``data``."""
+    fields: Fields = {"index": prompt.index, "epoch": prompt.epoch, "attempt": prompt.attempt}
+    if prompt.source:
+        fields["source"] = prompt.source
+    fields["data"] = encode_prompt(prompt)
+    return fields
 
 
 def group_fields(group: Group) -> Fields:
@@ -43,6 +43,7 @@ def group_fields(group: Group) -> Fields:
         "reward_mean": "nan" if math.isnan(reward) else f"{reward:.4f}",
         "n": len(group.samples),
         "bytes": len(data),
+        **({"source": group.source} if group.source else {}),
         "data": data,
     }
 

@@ -31,7 +31,9 @@ _SampleView = msgspec.defstruct(
 leave the group to the copying decoder."""
 
 
-_GROUP_KEYS = ("v", "kind", "index", "epoch", "attempt", "prompt", "label", "metadata", "producer", "history", "mmi")
+_GROUP_KEYS = (
+    "v", "kind", "index", "epoch", "attempt", "prompt", "label", "metadata", "producer", "history", "mmi", "src",
+)
 _GroupView = msgspec.defstruct(
     "_GroupView",
     [("samples", list[_SampleView] | UnsetType, UNSET)]  # type: ignore[valid-type]

@@ -83,11 +83,13 @@ class Feed(Guarded):
     async def add(
         self, *, expected_next: int, next_after: int, epoch: int, position: int, dataset: str,
         entries: Sequence[Mapping[str, Any]], dead: Sequence[Mapping[str, Any]] = (),
+        sources: Sequence[tuple[str, str, Any]] = (),
     ) -> int | None:
         """Add prompt entries, and dead letters for rows that cannot be fed, and move the cursor
         atomically, only from ``expected_next``; None when the cursor moved meanwhile (a re-sent
-        call that went through, another feeder)."""
+        call that went through, another feeder). ``sources``: (op, field, value) updates of the
+        named sources' hash in the same step (``s``: set, ``i``: add)."""
         return await self.scripts.feed(
             expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
-            dataset=dataset, entries=entries, dead=dead,
+            dataset=dataset, entries=entries, dead=dead, sources=sources,
         )

@@ -9,7 +9,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from ..events import now_ms
-from ..keys import TRAINER_GROUP, Keys, StateField
+from ..keys import TRAINER_GROUP, Keys, SourceField, StateField
 from ..lua import Scripts
 from .guard import Entry, Guarded, flat_entries
 
@@ -90,11 +90,12 @@ class GroupQueue(Guarded):
             reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer,
         )
 
-    async def drop_filtered(self, entry_id: bytes, reason: str) -> int:
+    async def drop_filtered(self, entry_id: bytes, reason: str, source: str = "") -> int:
         return await self.scripts.ack_delete(
             stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
             counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
             fate="filtered", reason=reason, actor=self.consumer, now_ms=now_ms(),
+            tally=[SourceField.of(source, "lost") if source else ""],
         )
 
     async def release(self) -> int:
@@ -121,10 +122,12 @@ class GroupQueue(Guarded):
         await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
         return moved
 
-    async def commit(self, ids: Sequence[bytes]) -> int:
-        """Acknowledge and delete ``ids``; the number acknowledged now."""
+    async def commit(self, ids: Sequence[bytes], sources: Sequence[str] = ()) -> int:
+        """Acknowledge and delete ``ids`` (of groups from ``sources``, one per id, when named);
+        the number acknowledged now."""
         return await self.scripts.ack_delete(
             stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
             counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
             fate="trained", actor=self.consumer,
+            tally=[SourceField.of(s, "committed") if s else "" for s in sources],
         )

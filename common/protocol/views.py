@@ -94,6 +94,10 @@ class StreamView(Guarded):
     async def config_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.config))
 
+    async def sources_hash(self) -> dict[bytes, bytes]:
+        """The named sources' cursors and counters (``Keys.sources``)."""
+        return dict(await self.redis.hgetall(self.keys.sources))
+
     async def state_hash(self) -> dict[bytes, bytes]:
         return dict(await self.redis.hgetall(self.keys.state))
 
