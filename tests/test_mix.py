@@ -19,7 +19,7 @@ from rollstream.common.mix import apportion, carries, parse_mix
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
-from rollstream.testing.server import free_port
+from rollstream.runtime.redis_server import free_port
 from rollstream.testing.sim import SimConfig, SimEngine
 from test_metrics import scrape
 
