@@ -22,58 +22,45 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.common.settings_fields import documented
 from rollstream.producer.engine.settings import parse_moe_shape
 
 logger = logging.getLogger("rollstream.cli")
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("server", parents=base, help="run a private redis-server in the foreground")
-    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--port", type=int, default=6379, help="TCP port to listen on (default: %(default)s)")
     p.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
     p.add_argument("--appendonly", action="store_true", help="AOF persistence with appendfsync always")
-    p.add_argument("--appendfsync", default="always", choices=["always", "everysec", "no"])
+    p.add_argument("--appendfsync", default="always", choices=["always", "everysec", "no"],
+                   help="when --appendonly writes reach the disk (default: %(default)s: no acknowledged write lost)")
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("init", parents=with_redis, help="write a namespace's pipeline config")
-    p.add_argument("--n-samples", type=int, required=True, help="samples per prompt (group size)")
-    p.add_argument("--batch-size", type=int, required=True, help="groups per training step")
-    p.add_argument("--max-staleness", type=int, default=None)
-    p.add_argument("--max-backlog", type=int, default=256)
-    p.add_argument(
-        "--max-backlog-bytes", type=parse_bytes, default=0, metavar="SIZE",
-        help="byte budget of the groups held in Redis (e.g. 8GiB; 0 = none); checked against maxmemory",
-    )
-    p.add_argument(
-        "--max-group-bytes", type=parse_bytes, default=512 * 1024 * 1024, metavar="SIZE",
-        help="a larger group is dead-lettered (group_too_large), default 512MiB",
-    )
-    p.add_argument(
-        "--archive-bytes", type=parse_bytes, default=0, metavar="SIZE",
-        help="keep every group's fate for `rollstream archive` in a stream of at most this size "
-        "(e.g. 2GiB; past it the oldest unarchived records are dropped and counted; 0 = no archive)",
-    )
+    p.add_argument("--n-samples", type=int, required=True, help=documented(PipelineConfig, "n_samples_per_prompt"))
+    p.add_argument("--batch-size", type=int, required=True, help=documented(PipelineConfig, "batch_size"))
+    p.add_argument("--max-staleness", type=int, default=None, help=documented(PipelineConfig, "max_staleness"))
+    p.add_argument("--max-backlog", type=int, default=256, help=documented(PipelineConfig, "max_backlog"))
+    for flag, name in (("--max-backlog-bytes", "max_backlog_bytes"), ("--max-group-bytes", "max_group_bytes"),
+                       ("--archive-bytes", "archive_bytes")):
+        default = next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
+        p.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE",
+                       help=documented(PipelineConfig, name, note="SIZE: bytes, or with a unit (512MiB, 8GiB)."))
     p.add_argument("--mix", default="", metavar="NAME=WEIGHT,...",
                    help="named sources' weights: every batch take() returns holds each one's share exactly; "
-                        "feed them with rollstream feed NAME=PATH ...")
-    p.add_argument("--lease", type=float, default=120.0, help="prompt lease in seconds")
-    p.add_argument("--max-attempts", type=int, default=5)
-    p.add_argument("--partial-rollout", action="store_true", help="continue aborted samples")
-    p.add_argument(
-        "--durable-episodes", action="store_true",
-        help="journal every step of user-written episodes in Redis: a producer that takes a prompt over resumes "
-             "its episodes at their last finished step (docs/rollouts.md)",
-    )
-    p.add_argument(
-        "--staleness-rule", choices=STALENESS_RULES, default="newest_token",
-        help="a sample's staleness counts from its newest token (default) or its oldest (strict); docs/staleness.md",
-    )
-    p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
-    p.add_argument("--recycle-filtered", action="store_true", help="recycle groups the keep filter rejects")
-    p.add_argument("--heartbeat-timeout", type=float, default=15.0)
-    p.add_argument(
-        "--steps-per-version", type=int, default=1,
-        help="training steps per weight version (staleness-aware admission; docs/staleness.md)",
-    )
+                        "feed them with rollstream feed NAME=PATH ... (default: none, one unnamed source)")
+    p.add_argument("--lease", type=float, default=120.0, help=documented(PipelineConfig, "lease_seconds"))
+    p.add_argument("--max-attempts", type=int, default=5, help=documented(PipelineConfig, "max_attempts"))
+    p.add_argument("--partial-rollout", action="store_true", help=documented(PipelineConfig, "partial_rollout"))
+    p.add_argument("--durable-episodes", action="store_true", help=documented(PipelineConfig, "durable_episodes"))
+    p.add_argument("--staleness-rule", choices=STALENESS_RULES, default="newest_token",
+                   help=documented(PipelineConfig, "staleness_rule"))
+    p.add_argument("--no-admission-control", action="store_true",
+                   help="turn off staleness-aware admission (on when --max-staleness is set)")
+    p.add_argument("--recycle-filtered", action="store_true", help=documented(PipelineConfig, "recycle_filtered"))
+    p.add_argument("--heartbeat-timeout", type=float, default=15.0,
+                   help=documented(PipelineConfig, "heartbeat_timeout"))
+    p.add_argument("--steps-per-version", type=int, default=1, help=documented(PipelineConfig, "steps_per_version"))
     p.add_argument("--force", action="store_true", help="overwrite a different existing config")
     p.set_defaults(func=cmd_init)
 
@@ -82,16 +69,17 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="a JSONL or Parquet file, a folder or glob of them (path@[start:stop]: those rows); "
                         "NAME=PATH ... for the named sources of the namespace's mix (rollstream init --mix)")
     epochs = p.add_mutually_exclusive_group()
-    epochs.add_argument("--epochs", type=int, default=1)
-    epochs.add_argument("--forever", action="store_true")
-    p.add_argument("--shuffle", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    epochs.add_argument("--epochs", type=int, default=1, help="passes over the dataset (default: %(default)s)")
+    epochs.add_argument("--forever", action="store_true", help="pass over the dataset again and again until stopped")
+    p.add_argument("--shuffle", action="store_true", help="shuffle each epoch (a buffered, seeded shuffle)")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default: %(default)s)")
     p.add_argument("--shuffle-scheme", default="rollstream", choices=["rollstream", "slime"],
-                   help="slime: the order slime's and miles' --rollout-shuffle --rollout-seed give")
+                   help="rollstream's shuffle, or slime: the order slime's and miles' --rollout-shuffle "
+                        "--rollout-seed give (default: %(default)s)")
     p.add_argument("--shuffle-buffer", type=int, default=65536,
                    help="rows held to shuffle a dataset larger than this (units in a seeded order, rows "
-                        "through a seeded buffer); a dataset that fits is fully permuted (docs/running.md)")
-    p.add_argument("--prompt-key", default="prompt")
+                        "through a seeded buffer); a dataset that fits is fully permuted (docs/running.md) (default: %(default)s)")
+    p.add_argument("--prompt-key", default="prompt", help="the row field holding the prompt (default: %(default)s)")
     p.add_argument("--label-key", default="label", help="'' for no label (slime's default)")
     p.add_argument("--metadata-key", default=None,
                    help="metadata is this field's object (plus --tool-key's tools), as in slime; "
@@ -100,20 +88,19 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--as-chat", action="store_true",
                    help="a text prompt becomes one user message (slime's --apply-chat-template; the producer's "
                         "--tokenizer renders the template)")
-    p.add_argument("--window", type=int, default=256, help="at most this many prompts queued")
+    p.add_argument("--window", type=int, default=256, help="at most this many prompts queued (default: %(default)s)")
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--accuracy", type=float, default=0.7)
-    p.add_argument("--mean-tokens", type=int, default=64)
-    p.add_argument("--length-sigma", type=float, default=0.5)
-    p.add_argument("--latency-per-token", type=float, default=0.0)
-    p.add_argument("--base-latency", type=float, default=0.0)
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=30000, help="TCP port to listen on (default: %(default)s)")
+    from rollstream.testing.sim.model import SimConfig  # its fields' docstrings are the flags' help
+
+    for name in ("seed", "accuracy", "mean_tokens", "length_sigma", "latency_per_token", "base_latency",
+                 "max_running", "weight_version"):
+        default = getattr(SimConfig(), name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                       help=documented(SimConfig, name))
     p.add_argument("--no-weight-version", action="store_true", help="omit meta_info.weight_version")
     p.add_argument("--moe", type=parse_moe_shape, default=None, metavar="LAYERSxTOPKxEXPERTS",
                    help="answer return_routed_experts with a routing replay of this shape")
@@ -136,7 +123,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         "release-trainer", parents=with_redis,
         help="move a gone trainer consumer's uncommitted groups back to the stream and delete it",
     )
-    p.add_argument("--consumer", required=True)
+    p.add_argument("--consumer", required=True, metavar="NAME",
+                   help="the trainer's consumer name (GroupConsumer.connect)")
     p.set_defaults(func=cmd_release_trainer)
 
     p = sub.add_parser("engines", help="the engine registry: producers with --engines-from-registry follow it")

@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import read_state, state_int
+from rollstream.common.settings_fields import documented
 from rollstream.runtime.children import start_cli, stop_processes, wait_for_http
 from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
@@ -63,32 +65,35 @@ COLUMNS = (
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
+    from rollstream.testing.sim.model import SimConfig  # its fields' docstrings are the flags' help
+
     p = sub.add_parser("demo", parents=base, help="run the whole pipeline on this machine")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--producers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=32, help="samples in flight per producer")
-    p.add_argument("--train-time", type=float, default=0.5, help="seconds one 'training step' takes")
-    p.add_argument("--max-staleness", type=int, default=1)
-    p.add_argument("--no-admission-control", action="store_true")
-    p.add_argument("--partial-rollout", action="store_true")
+    p.add_argument("--steps", type=int, default=10, help="training steps to run (default: %(default)s)")
+    p.add_argument("--producers", type=int, default=2, help="producer processes (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help=documented(PipelineConfig, "batch_size", 8))
+    p.add_argument("--n-samples", type=int, default=4, help=documented(PipelineConfig, "n_samples_per_prompt", 4))
+    p.add_argument("--concurrency", type=int, default=32, help="samples in flight per producer (default: %(default)s)")
+    p.add_argument("--train-time", type=float, default=0.5, help="seconds one 'training step' takes (default: %(default)s)")
+    p.add_argument("--max-staleness", type=int, default=1, help=documented(PipelineConfig, "max_staleness", 1))
+    p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
+    p.add_argument("--partial-rollout", action="store_true", help=documented(PipelineConfig, "partial_rollout"))
     p.add_argument("--no-pause", action="store_true", help="do not pause producers around weight updates")
-    p.add_argument("--mean-tokens", type=int, default=96)
-    p.add_argument("--latency-per-token", type=float, default=0.002)
-    p.add_argument("--accuracy", type=float, default=0.6)
+    p.add_argument("--mean-tokens", type=int, default=96, help=documented(SimConfig, "mean_tokens", 96))
+    p.add_argument("--latency-per-token", type=float, default=0.002,
+                   help=documented(SimConfig, "latency_per_token", 0.002))
+    p.add_argument("--accuracy", type=float, default=0.6, help=documented(SimConfig, "accuracy", 0.6))
     p.add_argument(
         "--redis", default=os.environ.get(REDIS_URL_ENV) or None, metavar="URL",
         help=f"use this Redis instead of an embedded one (default ${REDIS_URL_ENV} if set, else embedded)",
     )
-    p.add_argument("--ns", default="demo")
+    p.add_argument("--ns", default="demo", metavar="NAME", help="pipeline namespace (default: %(default)s)")
     p.add_argument("--out", default=None, help="directory for the plot (default ./runs/demo-TIMESTAMP)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="skip the plot of the run (no matplotlib needed)")
     p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
                    help="run producers with this rollout plug-in, e.g. examples/calculator.py:generate "
                         "(the prompts then ask the simulator for --tool-turns tool calls)")
-    p.add_argument("--tool", default="calc", help="tool name the simulated model calls (calc, search)")
-    p.add_argument("--tool-turns", type=int, default=2, help="tool calls per episode with --generate")
+    p.add_argument("--tool", default="calc", help="tool name the simulated model calls: calc, search (default: %(default)s)")
+    p.add_argument("--tool-turns", type=int, default=2, help="tool calls per episode with --generate (default: %(default)s)")
     p.add_argument("--engine-concurrency", type=int, default=None, help="engine requests in flight per producer")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=K", help="a named limit (repeatable)")
     p.add_argument("--episode-timeout", type=float, default=None, help="seconds one episode may take")

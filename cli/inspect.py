@@ -49,12 +49,12 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     )
     p.add_argument(
         "--stuck-after", type=float, default=DEFAULT_STUCK_AFTER, metavar="SECONDS",
-        help=f"groups waiting with no take/commit for this long is unhealthy (default {DEFAULT_STUCK_AFTER:.0f})",
+        help="seconds groups may wait with no take or commit before the pipeline is unhealthy (default: %(default)g)",
     )
     p.add_argument(
         "--stall-after", type=float, default=DEFAULT_STALL_AFTER, metavar="SECONDS",
-        help="prompts queued, nothing ready and nothing admitted for this long is an admission stall "
-        f"(default {DEFAULT_STALL_AFTER:.0f})",
+        help="seconds with prompts queued, nothing ready and nothing admitted before it is an admission stall "
+        "(default: %(default)g)",
     )
     p.add_argument("--events", type=int, default=5, help="error events to show (default 5)")
     p.set_defaults(func=cmd_inspect)

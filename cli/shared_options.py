@@ -40,7 +40,8 @@ def apply_redis_secrets(args: argparse.Namespace) -> None:
 
 def common_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="the least severe log records written, to stderr (default: %(default)s)")
     parent.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     return parent
 

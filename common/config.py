@@ -25,13 +25,16 @@ class PipelineConfig:
     batch_size: int
     """Groups per training step (``rollout_batch_size``); used by staleness-aware admission."""
     max_staleness: int | None = None
-    """Groups older than this many versions are recycled; None disables the filter."""
+    """Groups older than this many weight versions are recycled (and admission keeps producers from
+    generating them); unset disables the filter."""
     max_backlog: int = 256
-    """Producers stop admitting while ``XLEN groups`` is at or above this."""
+    """Producers stop admitting while this many groups wait for the trainer (``XLEN groups``)."""
     lease_seconds: float = 120.0
-    """A prompt idle in a producer's pending list for this long is taken over by another."""
+    """Seconds a prompt may sit in a producer's pending list unrenewed before another producer takes
+    it over (a producer renews its own leases while it works)."""
     max_attempts: int = 5
-    """A prompt recycled more often than this goes to the dead-letter stream."""
+    """Times a prompt may be recycled (aborted, failed; not for staleness) before it goes to the
+    dead-letter stream."""
     partial_rollout: bool = False
     """Aborted samples keep their partial tokens and the next attempt continues them."""
     staleness_rule: str = "newest_token"
@@ -43,7 +46,7 @@ class PipelineConfig:
     recycle_filtered: bool = False
     """Groups rejected by the dynamic-sampling filter are recycled instead of dropped."""
     heartbeat_timeout: float = 15.0
-    """A producer whose last heartbeat is older than this counts as dead."""
+    """Seconds after its last heartbeat a producer counts as dead (its prompts are taken over)."""
     steps_per_version: int = 1
     """Training steps per weight version the trainer declares (staleness-aware admission)."""
     max_backlog_bytes: int = 0

@@ -18,6 +18,12 @@ Every parsed default is None ("not given"), so a flag left out never hides a sto
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import itertools
+import re
+import textwrap
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -241,3 +247,36 @@ def stored_taken(cls: type, args: argparse.Namespace, stored: Mapping[str, Any])
 
 __all__ = ["BRANCH", "OPTION", "Declared", "Option", "add_flags", "branch", "build", "default_of", "given",
            "option", "set_by", "stored_taken", "walk"]
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of the dataclass ``cls`` (its declaration), one paragraph
+    each, markup dropped: a plain dataclass's fields say what they are once, and its command's
+    help is read from there."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
+    docs: dict[str, str] = {}
+    for field_node, doc_node in itertools.pairwise(body):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant)
+                and isinstance(doc_node.value.value, str)):
+            paragraph = " ".join(doc_node.value.value.strip().split("\n\n")[0].split())
+            docs[field_node.target.id] = re.sub(r":\w+:`~?([^`]+)`", r"\1", paragraph).replace("``", "")
+    return docs
+
+
+def documented(cls: type, name: str, default: Any = MISSING, note: str = "") -> str:
+    """The help of a flag that sets field ``name`` of ``cls``: the field's docstring, ``note`` (how
+    the flag is written), and its default (or ``default``, what the command's flag defaults to),
+    ``%`` escaped for argparse."""
+    doc = field_docs(cls).get(name)
+    if not doc:
+        raise LookupError(f"{cls.__name__}.{name} has no docstring to derive its flag's help from")
+    if default is MISSING:
+        default = next(f for f in fields(cls) if f.name == name).default
+    if default is MISSING or isinstance(default, bool):
+        shown = ""
+    else:
+        shown = f" (default: {'unset' if default is None else default})"
+    return (doc + (" " + note if note else "") + shown).replace("%", "%%")

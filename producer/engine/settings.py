@@ -96,7 +96,7 @@ class EngineSettings:
     health_interval: float = option(
         2.0, help="seconds between the engine monitor's probes of engines in trouble (docs/engines.md)")
     health_timeout: float = option(
-        5.0, help="an engine whose /health gives no answer this long while its requests wait is wedged")
+        5.0, help="seconds: an engine whose /health gives no answer this long while its requests wait is wedged")
     eject_after: int = option(
         3, help="failed requests in a row (5xx, unusable replies) that take an engine out of routing")
     """A refused or reset connection takes it out at once. Never the last routed engine."""

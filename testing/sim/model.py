@@ -34,6 +34,7 @@ class SimConfig:
     """Behaviour of the simulated engine."""
 
     seed: int = 0
+    """Seed of the random lengths, answers and log-probs (one seed, one run)."""
     accuracy: float = 0.7
     """Probability that the boxed answer is correct (0..1)."""
     mean_tokens: int = 64
