@@ -29,8 +29,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="a folder per trainer version (default) or per UTC hour")
     p.add_argument("--keep-arrays", action="store_true",
                    help="keep the big per-token arrays (routing replay, teacher log-probs)")
-    p.add_argument("--batch", type=int, default=512, help="records per read and at most per file (default: %(default)s)")
-    p.add_argument("--flush-seconds", type=float, default=5.0, help="seconds within which records read are written (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=512,
+                   help="records per read and at most per file (default: %(default)s)")
+    p.add_argument("--flush-seconds", type=float, default=5.0,
+                   help="seconds within which records read are written (default: %(default)s)")
     p.set_defaults(func=cmd_archive)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     v = actions.add_parser("view", parents=base, help="write one static HTML page to look at an archive's groups")

@@ -78,7 +78,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                         "--rollout-seed give (default: %(default)s)")
     p.add_argument("--shuffle-buffer", type=int, default=65536,
                    help="rows held to shuffle a dataset larger than this (units in a seeded order, rows "
-                        "through a seeded buffer); a dataset that fits is fully permuted (docs/running.md) (default: %(default)s)")
+                        "through a seeded buffer); a dataset that fits is fully permuted (docs/running.md) "
+                        "(default: %(default)s)")
     p.add_argument("--prompt-key", default="prompt", help="the row field holding the prompt (default: %(default)s)")
     p.add_argument("--label-key", default="label", help="'' for no label (slime's default)")
     p.add_argument("--metadata-key", default=None,

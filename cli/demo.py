@@ -73,7 +73,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--batch-size", type=int, default=8, help=documented(PipelineConfig, "batch_size", 8))
     p.add_argument("--n-samples", type=int, default=4, help=documented(PipelineConfig, "n_samples_per_prompt", 4))
     p.add_argument("--concurrency", type=int, default=32, help="samples in flight per producer (default: %(default)s)")
-    p.add_argument("--train-time", type=float, default=0.5, help="seconds one 'training step' takes (default: %(default)s)")
+    p.add_argument("--train-time", type=float, default=0.5,
+                   help="seconds one 'training step' takes (default: %(default)s)")
     p.add_argument("--max-staleness", type=int, default=1, help=documented(PipelineConfig, "max_staleness", 1))
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
     p.add_argument("--partial-rollout", action="store_true", help=documented(PipelineConfig, "partial_rollout"))
@@ -92,8 +93,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--generate", default=None, metavar="MODULE:FUNCTION",
                    help="run producers with this rollout plug-in, e.g. examples/calculator.py:generate "
                         "(the prompts then ask the simulator for --tool-turns tool calls)")
-    p.add_argument("--tool", default="calc", help="tool name the simulated model calls: calc, search (default: %(default)s)")
-    p.add_argument("--tool-turns", type=int, default=2, help="tool calls per episode with --generate (default: %(default)s)")
+    p.add_argument("--tool", default="calc",
+                   help="tool name the simulated model calls: calc, search (default: %(default)s)")
+    p.add_argument("--tool-turns", type=int, default=2,
+                   help="tool calls per episode with --generate (default: %(default)s)")
     p.add_argument("--engine-concurrency", type=int, default=None, help="engine requests in flight per producer")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=K", help="a named limit (repeatable)")
     p.add_argument("--episode-timeout", type=float, default=None, help="seconds one episode may take")

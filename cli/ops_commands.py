@@ -56,8 +56,9 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p = sub.add_parser("ns", parents=[*base, redis_only], help="list, show or delete namespaces")
     p.add_argument("action", choices=["list", "show", "delete"])
     p.add_argument("--yes", action="store_true", help="delete without asking")
-    p.add_argument("--stuck-after", type=float, default=DEFAULT_STUCK_AFTER, help="seconds groups may wait with no take or commit before the pipeline is unhealthy, as for inspect "
-                        "(default: %(default)g)")
+    p.add_argument("--stuck-after", type=float, default=DEFAULT_STUCK_AFTER,
+                   help="seconds groups may wait with no take or commit before the pipeline is unhealthy, as for "
+                        "inspect (default: %(default)g)")
     p.set_defaults(func=cmd_ns)
 
 
