@@ -44,7 +44,10 @@ def test_every_option_with_a_default_says_it() -> None:
         if any(default is d or default == d for d in NO_DEFAULT_SHOWN) or action.nargs == 0:
             continue
         text = shown_help(action)
-        said = str(default) in text or default == "" and "default: none" in text or (isinstance(default, float) and f"{default:g}" in text) or "$" in text
+        said = (
+            (default != "" and str(default) in text) or (default == "" and "default: none" in text)
+            or (isinstance(default, float) and f"{default:g}" in text) or "$" in text
+        )
         if "default" not in text.lower() or not said:
             unsaid.append(f"{path} {action.option_strings[0]} (default {default!r}): {text!r}")
     assert not unsaid, "options whose help does not say their default:\n" + "\n".join(unsaid)
