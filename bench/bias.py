@@ -17,6 +17,7 @@ and how many steps after the short prompts fed beside them the long ones were tr
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import statistics
 import time
@@ -76,8 +77,22 @@ async def _dead_indices(redis: Any, keys: Keys) -> list[int]:
     return [int(fields[b"index"]) for _, fields in await redis.xrange(keys.dead) if b"index" in fields]
 
 
+class _Warnings(logging.Handler):
+    """Counts take()'s "does not see the dataset" warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "does not see the dataset" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: int, label: str) -> dict[str, Any]:
     """One epoch; what became of every prompt, per step."""
+    warned = _Warnings()
+    logging.getLogger("rollstream.consumer.group_consumer").addHandler(warned)
     ns = f"bias-{label}-{time.monotonic_ns()}"
     redis = connect(redis_url)
     keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_staleness=1, partial_rollout=partial)
@@ -131,6 +146,7 @@ async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: in
     async with httpx.AsyncClient(timeout=10) as http:
         generated = (await http.get(engine_url + "/sim/stats")).json()["generated_tokens"] - before
     await redis.aclose()
+    logging.getLogger("rollstream.consumer.group_consumer").removeHandler(warned)
     long_total = sum(1 for i in range(prompts) if is_long(i))
     trained = len(trained_at)
     long_trained = sum(1 for i in trained_at if is_long(i))
@@ -150,8 +166,18 @@ async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: in
         "long_lag_steps": statistics.fmean(lags) if lags else math.nan,
         "recycled_aborted": state_int(state, "recycled_aborted"), "recycled_stale": state_int(state, "recycled_stale"),
         "recycled_weight_update": state_int(state, "recycled_weight_update"),
-        "metrics": metrics,
+        "metrics": metrics, "warnings": warned.lines,
+        "ledger_long": _ledger_share(metrics),
     }
+
+
+def _ledger_share(metrics: list[dict[str, float]]) -> str:
+    """The pipeline's own view at the last batch: the long bucket's trained / fed share."""
+    last = metrics[-1] if metrics else {}
+    key = "bias/response/128-511"
+    if f"{key}/fed_share" not in last:
+        return "-"
+    return f"{last.get(f'{key}/trained_share', 0.0):.3f} / {last[f'{key}/fed_share']:.3f}"
 
 
 async def measure(quick: bool) -> list[dict[str, Any]]:
@@ -205,17 +231,23 @@ def run(quick: bool = False) -> list[Table]:
     rows = [[
         r["label"], r["steps"], f"{r['dead_long']} / {r['dead_short']}", f"{r['long_trained']} / {r['long_total']}",
         r["long_share"], r["fed_share"], r["tokens_per_trained"], r["long_lag_steps"],
-        r["recycled_aborted"], r["recycled_weight_update"], r["recycled_stale"], r["wall"],
+        r["recycled_aborted"], r["recycled_weight_update"], r["recycled_stale"], r["ledger_long"],
+        len(r["warnings"]), r["wall"],
     ] for r in results]
+    notes = [
+        f"n={N}, batch {BATCH}, max_staleness 1, {PER_TOKEN * 1000:g} ms/token, long {LONG_TOKENS} / short "
+        f"{SHORT_TOKENS} tokens, train {TRAIN} s, WeightSync(kind='sglang').update(mode='abort') after every commit.",
+        *[f"{r['label']}: first bias warning: {r['warnings'][0]}" for r in results if r["warnings"]],
+    ]
     return [Table(
         "bias",
         f"The trainer's view of the dataset: {results[0]['long_total'] if results else 0} long prompts of "
         f"{PROMPTS if not quick else 40}, a weight update (mode abort) every step",
         ["run", "steps", "dead-lettered long / short", "long trained", "long share trained", "long share fed",
          "tokens generated / trained", "long trained, steps after short", "recycled aborted",
-         "recycled weight update", "recycled stale", "wall s"],
+         "recycled weight update", "recycled stale", "ledger: response 128-511 trained / fed share",
+         "bias warnings", "wall s"],
         rows,
-        [f"n={N}, batch {BATCH}, max_staleness 1, {PER_TOKEN * 1000:g} ms/token, long {LONG_TOKENS} / short "
-         f"{SHORT_TOKENS} tokens, train {TRAIN} s, WeightSync(kind='sglang').update(mode='abort') after every commit."],
+        notes,
         command="python -m bench bias",
     )]

@@ -226,6 +226,24 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         counters.add_row(*cells)
     parts.append(counters)
 
+    epochs = (snap.get("bias") or {}).get("epochs") or {}
+    if epochs:
+        newest = max(epochs, key=int)
+        shares = _table(
+            f"trained vs fed (epoch {newest}; flagged below {snap['bias']['warn_ratio']:g}x the fed share)", plain,
+            "dimension", "bucket", "fed", "trained", "dead", "filtered", "late", "recycles", "fed share",
+            "trained share",
+        )
+        for name, buckets in epochs[newest].items():
+            for label, b in buckets.items():
+                style = "yellow" if b["short"] else ""
+                shares.add_row(
+                    name, label, str(b["fed"]), str(b["trained"]), str(b["dead"]), str(b["filtered"]),
+                    str(b["late"]), str(b["recycled"]), f"{b['fed_share']:.2f}",
+                    Text(f"{b['trained_share']:.2f}", style=style),
+                )
+        parts.append(shares)
+
     if snap["events"]:
         parts.append(Text("recent errors", style="bold"))
         for event in snap["events"]:

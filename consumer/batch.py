@@ -10,13 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollstream.common import bias
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.models import SAMPLE_FIELDS, FloatArray, Group, IntArray, Packed
 from rollstream.common.protocol import TakeStats
 from rollstream.common.sample_fields import Kind
 
-from .verdict import RECYCLE_COUNTERS, Route, Verdict
+from .verdict import RECYCLE_COUNTERS, Cause, Route, Verdict
 
 if TYPE_CHECKING:
     import numpy
@@ -34,6 +35,8 @@ class Batch:
     weight_version: int = 0
     redelivered: bool = False
     """True when (some of) these groups were taken before, by an earlier incarnation."""
+    bias: Counter[str] = field(default_factory=Counter, repr=False)
+    """What committing the batch adds to the bias ledger (:mod:`rollstream.common.bias`)."""
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -138,6 +141,10 @@ def batch_id(entry_ids: list[bytes]) -> str:
     return f"b-{digest[:16]}"
 
 
+_FATES = {Route.RECYCLE: "recycled", Route.DEAD_LETTER: "dead", Route.DROP: "filtered", Route.KEEP: "trained"}
+"""A verdict's route -> its kind in the bias ledger."""
+
+
 @dataclass(slots=True)
 class Tally:
     """What one ``take()`` handed back, for the batch's metrics."""
@@ -150,6 +157,8 @@ class Tally:
     """Over every decoded group of this take, recycled ones included (``staleness_max`` covers only the batch)."""
     recycled_by_source: Counter[str] = field(default_factory=Counter)
     """Recycled groups of this take by their source (named sources only)."""
+    bias: Counter[str] = field(default_factory=Counter)
+    """The bias ledger's increments of this take's hand-backs (recycled, dead-lettered, dropped)."""
 
     def saw(self, verdict: Verdict) -> None:
         """Count a verdict as judged (the hand-back itself is counted once Redis confirms it)."""
@@ -159,13 +168,15 @@ class Tally:
             self.filtered[verdict.rejection] += 1
 
     def handed_back(self, verdict: Verdict) -> None:
-        """Count a recycle or dead letter that Redis carried out."""
+        """Count a recycle, dead letter or drop that Redis carried out."""
         if verdict.route == Route.RECYCLE:
             self.recycled[verdict.cause] += 1
             if verdict.group is not None and verdict.group.source:
                 self.recycled_by_source[verdict.group.source] += 1
         elif verdict.route == Route.DEAD_LETTER:
             self.dead_lettered += 1
+        if verdict.group is not None and verdict.cause != Cause.WRONG_SIZE:
+            bias.deltas(verdict.group, _FATES[verdict.route], self.bias)
 
 
 def batch_metrics(

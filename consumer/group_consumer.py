@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
+from rollstream.common import bias
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
@@ -42,6 +43,7 @@ from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
 
 from .batch import Batch, Tally, batch_id, batch_metrics
+from .biaswatch import BiasWatch
 from .connecting import Connecting
 from .filters import KeepFilter
 from .lease import NameHold
@@ -160,6 +162,7 @@ class GroupConsumer:
         # pending under this name and are examined first by the next call.
         self._mixer = Mixer(redis, self.keys, config.weights, self._outage, self.log) if config.weights else None
         self._held: deque[tuple[bytes, dict[bytes, bytes]]] = deque()
+        self._bias = BiasWatch(self.name, self.keys.namespace, self.options.warn_interval)
 
     @property
     def keep(self) -> KeepFilter | None:
@@ -366,6 +369,11 @@ class GroupConsumer:
         sources = [g.source for g in batch.groups] if any(g.source for g in batch.groups) else []
         acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids, sources))
         self._handed_out.difference_update(batch.entry_ids)
+        if acked == len(batch.entry_ids) and batch.bias:  # committed now, all of it: trained once
+            forget = self._bias.forget
+            await self._outage.run(lambda: self.monitor.add_bias(batch.bias, forget))
+            batch.bias.clear()
+            self._bias.forget = []
         if acked != len(batch.entry_ids):
             self.log.warning(
                 "commit of batch %s acknowledged %d of %d groups (already committed?)",
@@ -452,7 +460,8 @@ class GroupConsumer:
         group, reason = verdict.group, verdict.reason
         if verdict.route == Route.DROP:
             source = group.source if group is not None else ""
-            await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason, source))
+            if await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason, source)):
+                tally.handed_back(verdict)
             return
         fields = verdict.fields or {}
         if verdict.route == Route.RECYCLE:
@@ -556,7 +565,9 @@ class GroupConsumer:
         taken.sort(key=lambda item: item[1].index)
         entry_ids = [eid for eid, _ in taken]
         groups = [g for _, g in taken]
-        stats = await self._outage.run(self.monitor.mark_take)  # Redis may be restarting: wait it out
+        # Redis may be restarting: wait it out. The hand-backs' ledger counts go in the same round trip.
+        stats = await self._outage.run(lambda: self.monitor.mark_take(tally.bias))
+        tally.bias.clear()  # statistics: a round trip retried after an outage may add them twice
         alive, in_flight = live_producers(stats.heartbeats, now_ms(), self.config.heartbeat_timeout)
         blocked_ms = stats.admission_blocked_ms
         blocked_delta = 0 if self._last_blocked_ms is None else max(0, blocked_ms - self._last_blocked_ms)
@@ -565,6 +576,10 @@ class GroupConsumer:
             groups, version, stats, tally, wait_s=wait, alive=alive, in_flight=in_flight,
             blocked_delta_ms=blocked_delta, staleness_rule=self.config.staleness_rule,
         )
+        trained: Counter[str] = Counter()
+        for group in groups:
+            bias.deltas(group, "trained", trained)
+        metrics.update(self._bias.observe(groups, stats.bias, trained))
         # the last step, after the last await: a call cancelled before here hands these out again
         self._handed_out.update(entry_ids)
         return Batch(
@@ -574,4 +589,5 @@ class GroupConsumer:
             metrics=metrics,
             weight_version=version,
             redelivered=redelivered,
+            bias=trained,
         )

@@ -69,6 +69,8 @@ def assess(
             f"archive_dropped {archive['dropped']}: fate records were dropped unarchived at the archive_bytes "
             "budget (no `rollstream archive` running, or it falls behind)"
         )
+    for line in (snap.get("bias") or {}).get("short", []):
+        warnings.append(f"the trainer does not see the dataset: {line}")
     ledger = snap.get("ledger")
     if ledger and ledger["vanished"]:
         problems.append(

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common import bias
 from rollstream.common.admission import DEFAULT_STALL_AFTER
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
@@ -166,6 +167,27 @@ def _ledger(raw_state: dict[bytes, bytes], held: int) -> dict[str, int]:
     return {"expected": expected, "held": held, "vanished": max(0, expected - held)}
 
 
+def _bias_section(state: dict[str, str]) -> dict[str, Any]:
+    """The bias ledger (:mod:`rollstream.common.bias`) of the epochs kept: per dimension and
+    bucket, the counts, the shares and whether it is under-trained; ``short``: those lines."""
+    found = bias.ledger({k: _int(v) for k, v in state.items() if k.startswith(bias.PREFIX)})
+    epochs: dict[str, Any] = {}
+    short: list[str] = []
+    for epoch in sorted(found):
+        dimensions = found[epoch]
+        total = bias.trained_total(dimensions)
+        epochs[str(epoch)] = {
+            name: {
+                label: {**dataclasses.asdict(b), "late": b.late, "fed_share": round(b.fed_share, 4),
+                        "trained_share": round(b.trained_share, 4), "short": b.short(total)}
+                for label, b in sorted(buckets.items())
+            }
+            for name, buckets in dimensions.items()
+        }
+        short += bias.short_buckets(epoch, dimensions)
+    return {"epochs": epochs, "short": short, "warn_ratio": bias.WARN_RATIO}
+
+
 def _event_row(event: Any, now: int) -> dict[str, Any]:
     lines = [line for line in event.traceback.splitlines() if line.strip()]
     return {
@@ -237,7 +259,7 @@ async def snapshot(
     fleet = fold(raw_beats, now, timeout_s)
     producers = _producer_rows(fleet, pending_by_producer, now)
     recent = await view.events(50)
-    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX,))
+    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX, bias.PREFIX))
     for name, value in raw_beats.items():
         if (what := Heartbeat.damage(value)) is not None:
             damaged.append(f"{keys.producers} field {_text(name)!r}: {what}")
@@ -299,6 +321,7 @@ async def snapshot(
         "trainer": trainer,
         "counters": counters,
         "stale_recycling": stale_recycling,
+        "bias": _bias_section(state),
         "feeder": {
             "next_index": _int(state.get(StateField.FEED_NEXT_INDEX)),
             "epoch": _int(state.get(StateField.FEED_EPOCH)),

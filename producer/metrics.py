@@ -6,8 +6,10 @@ Each producer has its own registry, so several producers in one process (tests) 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from aiohttp import web
+from rollstream.common.bias import KINDS, ledger
 from rollstream.common.errors import ExtraNotInstalled
 from rollstream.common.models import Group
 
@@ -104,6 +106,16 @@ class ProducerMetrics(Metrics):
             "rollstream_source_tokens_generated", "Response tokens of published groups, by named source",
             [*names, "source"], registry=self.registry,
         )
+        self._bias_counts = Gauge(
+            "rollstream_bias_prompts", "The namespace's bias ledger for its newest epoch: prompts per dimension, "
+            "bucket and kind (fed, trained, dead, filtered, recycled; every producer exports the same)",
+            [*names, "epoch", "dimension", "bucket", "kind"], registry=self.registry,
+        )
+        self._bias_shares = Gauge(
+            "rollstream_bias_share", "Share of a bucket among the prompts fed or trained in the newest epoch "
+            "(side: fed or trained); trained below 0.8x fed is flagged by take() and inspect",
+            [*names, "epoch", "dimension", "bucket", "side"], registry=self.registry,
+        )
         self._max_lag = 0.0
         self._engine: EngineClient | None = None
         self._seen_retries = 0
@@ -144,6 +156,23 @@ class ProducerMetrics(Metrics):
 
     def loop_stalled(self, seconds: float) -> None:
         self._stalls.observe(seconds)
+
+    wants_bias = True
+
+    def bias(self, fields: Mapping[str, int]) -> None:
+        found = ledger(fields)
+        self._bias_counts.clear()
+        self._bias_shares.clear()
+        if not found:
+            return
+        epoch = max(found)
+        for name, buckets in found[epoch].items():
+            for label, b in buckets.items():
+                where = {**self._labels, "epoch": str(epoch), "dimension": name, "bucket": label}
+                for kind in KINDS:
+                    self._bias_counts.labels(**where, kind=kind).set(getattr(b, kind))
+                self._bias_shares.labels(**where, side="fed").set(b.fed_share)
+                self._bias_shares.labels(**where, side="trained").set(b.trained_share)
 
     def _sync_engine(self) -> None:
         """Fold the engine client's counters in (it counts; this module exports)."""

@@ -6,6 +6,8 @@ same calls to Prometheus. The producer and the rollout always hold one (never ``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from rollstream.common.models import Group
 
 
@@ -38,3 +40,10 @@ class Metrics:
 
     def loop_stalled(self, seconds: float) -> None:
         """The event loop stood still ``seconds``, over the stall threshold (a stall ended)."""
+
+    wants_bias = False
+    """Whether :meth:`bias` is wanted: the producer then reads the namespace's bias ledger every
+    heartbeat (one HGETALL of the state hash), else never."""
+
+    def bias(self, fields: Mapping[str, int]) -> None:
+        """The namespace's bias ledger (:mod:`rollstream.common.bias`: the state hash's fields)."""

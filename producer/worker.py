@@ -59,6 +59,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
+from rollstream.common import bias
 from rollstream.common.attempts import exhausted, mark_weight_update
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large, prompt_fields
@@ -86,6 +87,7 @@ from rollstream.common.protocol import (
     Heartbeat,
     Heartbeats,
     PromptQueue,
+    TrainerMonitor,
 )
 from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
@@ -138,6 +140,8 @@ class Producer:
         self.prompts = PromptQueue(redis, self.keys, settings.name)
         self.journals = EpisodeJournals(redis, self.keys, settings.name)
         self.control = Control(redis, self.keys)
+        self.monitor = TrainerMonitor(redis, self.keys)
+        """The bias ledger's counts of the prompts this producer dead-letters (issue 38)."""
         self.heartbeats = Heartbeats(redis, self.keys)
         self.registry = EngineRegistry(redis, self.keys)
         self._registry_skipped: set[str] = set()
@@ -474,7 +478,8 @@ class Producer:
                     "prompt %d dead-lettered after %d attempts: %s",
                     last.index, last.attempt, "; ".join(last.history),
                 )
-                await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False)
+                if await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False):
+                    await self._outage.run(lambda: self.monitor.add_bias(bias.deltas(group, "dead")))
                 finished = True
                 return
             fields = group_fields(group)
@@ -509,14 +514,17 @@ class Producer:
 
     async def _dead_letter_prompt(
         self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True
-    ) -> None:
-        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``."""
+    ) -> bool:
+        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``;
+        False when it was no longer ours (taken over)."""
         if log:
             self.log.warning("prompt entry %s dead-lettered: %s", work.prompt_id, reason)
         work.finishing = True
         written = work.fields if fields is None else fields
         journal = self._journal_key(work)
-        await self._outage.run(lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason, journal))
+        return await self._outage.run(
+            lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason, journal)
+        )
 
     def _journal_key(self, work: Work) -> str | None:
         """The prompt's episode journal, deleted with its publish or dead letter (durable episodes)."""
@@ -709,6 +717,8 @@ class Producer:
         await self._follow_registry()
         await self._follow_weights()
         await self._heartbeat_once()
+        if self.metrics.wants_bias:
+            self.metrics.bias(await self.monitor.bias())
         return True
 
     async def _follow_weights(self) -> None:

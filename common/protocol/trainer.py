@@ -3,13 +3,13 @@
 The consumer's other Redis reads (its groups, its name lease) are :class:`~.groups.GroupQueue` and
 :class:`~.groups.NameLease`; this class holds the rest, each one round trip: the statistics of a
 take (:meth:`TrainerMonitor.mark_take`), the diagnosis of a wait (:meth:`TrainerMonitor.diagnose`),
-the admission terms ``inspect`` shows, the stale-streak record.
+the admission terms ``inspect`` shows, the stale-streak record, the bias ledger's counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from ..admission import AdmissionTerms, admission_capacity
+from ..bias import PREFIX as _BIAS
 from ..config import PipelineConfig
 from ..events import FATAL, Event, events_to_read, now_ms, parse_events
 from ..keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
@@ -24,6 +25,8 @@ from ..redis_errors import is_oom
 from ..redis_values import int_or, text
 from .control import TAKEN_MESSAGE
 from .guard import Guarded, Server, is_nogroup, memory_figures
+
+BIAS_PREFIX = _BIAS.encode()
 
 # -- views -----------------------------------------------------------------------------------
 
@@ -38,6 +41,8 @@ class TakeStats:
     """In flight: pending in the prompt and retry streams."""
     admission_blocked_ms: int
     heartbeats: dict[bytes, bytes]
+    bias: dict[str, int] = field(default_factory=dict)
+    """The bias ledger's fields of the state hash (:mod:`~..bias`), the take's hand-backs added."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,34 +124,67 @@ class TrainerMonitor(Guarded):
         self.redis = redis
         self.keys = keys
 
-    async def mark_take(self) -> TakeStats:
-        """Record the time of a ``take()`` (not when Redis is out of memory) and read its statistics
-        (one round trip), then announce it: producers refused for a full backlog retry at once instead
+    async def mark_take(self, bias: Mapping[str, int] | None = None) -> TakeStats:
+        """Record the time of a ``take()`` (not when Redis is out of memory), add ``bias`` (the
+        take's hand-backs to the bias ledger, :mod:`~..bias`) and read its statistics (one round
+        trip), then announce it: producers refused for a full backlog retry at once instead
         of polling ADMIT every 0.2 s (docs/scale.md). The PUBLISH is a command of its own: a Redis
         Cluster pipeline cannot route it."""
         keys = self.keys
+        added = {k: v for k, v in (bias or {}).items() if v}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.state, StateField.LAST_TAKE_MS, now_ms())
+            for name, count in added.items():
+                pipe.hincrby(keys.state, name, count)
             pipe.xlen(keys.groups)
             pipe.xpending(keys.groups, TRAINER_GROUP)
             pipe.xpending(keys.prompts, PRODUCERS_GROUP)
             pipe.xpending(keys.retry, PRODUCERS_GROUP)
-            pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
+            pipe.hgetall(keys.state)
             pipe.hgetall(keys.producers)
             replies = await pipe.execute(raise_on_error=False)
-        # The time of the take is a statistic: Redis refuses it at maxmemory, and take() goes on.
-        if isinstance(replies[0], Exception) and not is_oom(replies[0]):
-            raise replies[0]
-        _raise_errors(replies[1:])
-        _, groups_len, groups_pending, prompts_pending, retry_pending, blocked_raw, beats = replies
+        # The time of the take and the ledger are statistics: Redis refuses them at maxmemory, and
+        # take() goes on.
+        for reply in replies[: 1 + len(added)]:
+            if isinstance(reply, Exception) and not is_oom(reply):
+                raise reply
+        replies = replies[1 + len(added):]
+        _raise_errors(replies)
+        groups_len, groups_pending, prompts_pending, retry_pending, state, beats = replies
         await self.redis.publish(keys.control, TAKEN_MESSAGE)
+        ledger = {}
+        for name, value in state.items():
+            if name.startswith(BIAS_PREFIX):
+                ledger[name.decode(errors="replace")] = int_or(value)
         return TakeStats(
             groups_length=int(groups_len),
             groups_pending=int(groups_pending["pending"]),
             prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
-            admission_blocked_ms=int_or(blocked_raw),
+            admission_blocked_ms=int_or(state.get(StateField.ADMISSION_BLOCKED_MS.encode())),
             heartbeats=dict(beats),
+            bias=ledger,
         )
+
+    async def bias(self) -> dict[str, int]:
+        """The bias ledger's fields of the state hash (:mod:`~..bias`)."""
+        state = await self.redis.hgetall(self.keys.state)
+        return {k.decode(errors="replace"): int_or(v) for k, v in state.items() if k.startswith(BIAS_PREFIX)}
+
+    async def add_bias(self, bias: Mapping[str, int], forget: Sequence[str] = ()) -> None:
+        """Add to the bias ledger (a committed batch, a producer's dead letter) and drop the
+        fields of ``forget`` (epochs no longer kept); a statistic: refused at maxmemory, it is lost."""
+        added = {k: v for k, v in bias.items() if v}
+        if not added and not forget:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name, count in added.items():
+                pipe.hincrby(self.keys.state, name, count)
+            if forget:
+                pipe.hdel(self.keys.state, *forget)
+            replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not is_oom(reply):
+                raise reply
 
     async def diagnose(self, config: PipelineConfig) -> Diagnosis:
         """Why a take waits, in one pipelined round trip: heartbeats, state, stream lengths, the

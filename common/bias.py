@@ -1,0 +1,226 @@
+"""What the trainer saw against what was fed (issue 38, DESIGN §4.17): the bias ledger.
+
+Every prompt of an epoch falls in one bucket per *dimension*: its prompt length, its response
+length and how many times it went back (``attempts``: the lines of its history, whatever the
+cause). For each bucket the ledger counts, per epoch, in the ``state`` hash
+(``bias:<epoch>:<dimension>:<bucket>:<kind>``):
+
+* ``fed``: the prompt entered the ledger, once, as soon as its value in that dimension is known
+  for good: its prompt length with the first group ``take()`` judged of it, its response length
+  with its first *complete* group (or its dead letter, a lower bound), its attempts at its end;
+* ``trained``: committed in a batch;
+* ``dead``: dead-lettered (by ``take()`` or by the producer that ran its last attempt);
+* ``filtered``: dropped by the trainer's keep filter (dynamic sampling: a bias it chose);
+* ``recycled``: a group of it went back (aborted, stale, failed, filtered), each time.
+
+``fed - trained - dead - filtered`` is what is late: fed, not trained yet. The trained share of a bucket
+falling below :data:`WARN_RATIO` of its fed share is logged by ``take()`` with the likeliest
+cause (dead letters, recycles, lateness) and shown by ``inspect`` and Prometheus.
+
+A dimension is one entry of :data:`DIMENSIONS` (a name and a function of the group); a source
+dimension, once prompts carry a source, is one more entry. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from .models import Group, Status
+
+PREFIX = "bias:"
+"""State hash fields of the ledger: ``bias:<epoch>:<dimension>:<bucket>:<kind>``."""
+KINDS = ("fed", "trained", "dead", "filtered", "recycled")
+WARN_RATIO = 0.8
+"""A bucket whose trained share is below this fraction of its fed share is reported."""
+WARN_MIN_TRAINED = 32
+"""Groups trained in the epoch before a bucket is judged (the first steps are always the fast half)."""
+WARN_MIN_FED = 4
+"""Prompts fed in a bucket before it is judged."""
+KEEP_EPOCHS = 2
+"""Epochs kept in the state hash: the current one and the one before."""
+
+PROMPT_EDGES = (64, 256, 1024, 4096)
+RESPONSE_EDGES = (128, 512, 2048, 8192)
+ATTEMPT_EDGES = (1, 2, 3)
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> str:
+    """The label of ``value``'s bucket: ``<e0``, ``e0-e1``, ..., ``>=eN`` (edges ascending)."""
+    if value < edges[0]:
+        return f"<{edges[0]}"
+    for low, high in itertools.pairwise(edges):
+        if value < high:
+            return f"{low}-{high - 1}"
+    return f">={edges[-1]}"
+
+
+def _attempts(value: int) -> str:
+    return str(value) if value < ATTEMPT_EDGES[-1] else f"{ATTEMPT_EDGES[-1]}+"
+
+
+def prompt_tokens(group: Group) -> int:
+    """Prompt length in tokens (the first sample's prompt ids; else the text's characters / 4)."""
+    length = group.samples[0].prompt_length if group.samples else 0
+    if length > 0:
+        return length
+    return len(group.prompt) // 4 if isinstance(group.prompt, str) else 0
+
+
+def response_tokens(group: Group) -> int:
+    """The group's longest response, in tokens."""
+    return max((s.response_length for s in group.samples), default=0)
+
+
+DIMENSIONS: tuple[tuple[str, Callable[[Group], str]], ...] = (
+    ("prompt", lambda g: bucket(prompt_tokens(g), PROMPT_EDGES)),
+    ("response", lambda g: bucket(response_tokens(g), RESPONSE_EDGES)),
+    ("attempts", lambda g: _attempts(len(g.history))),
+)
+"""Name -> the bucket of a group. A new dimension (a source) is one more entry."""
+
+
+def complete(group: Group) -> bool:
+    return group.status in (Status.COMPLETED, Status.TRUNCATED)
+
+
+def _seen_complete(group: Group) -> bool:
+    """An earlier attempt of the prompt ended complete (it was recycled as stale or filtered)."""
+    return any(line.startswith(("stale", "filtered")) for line in group.history)
+
+
+def _fed_now(dimension: str, group: Group, ended: bool) -> bool:
+    """Whether this group is the one that enters the prompt in ``dimension``'s ``fed`` count."""
+    if dimension == "prompt":
+        return not group.history
+    if dimension == "response":
+        if _seen_complete(group):
+            return False
+        return complete(group) or ended
+    return ended
+
+
+@functools.lru_cache(maxsize=4096)
+def field(epoch: int, dimension: str, label: str, kind: str) -> str:
+    """The state hash field of one count (cached: ``take()`` names a few dozen, again and again)."""
+    return f"{PREFIX}{epoch}:{dimension}:{label}:{kind}"
+
+
+def deltas(group: Group, fate: str, into: Counter[str] | None = None) -> Counter[str]:
+    """The ledger's increments for one ``fate`` of ``group`` (``trained``, ``dead``, ``filtered``
+    or ``recycled``), added to ``into`` (a new counter when None) and returned."""
+    out: Counter[str] = Counter() if into is None else into
+    ended = fate != "recycled"
+    epoch = group.epoch
+    for name, of in DIMENSIONS:
+        label = of(group)
+        key = field(epoch, name, label, fate)
+        out[key] = out.get(key, 0) + 1
+        if _fed_now(name, group, ended):
+            key = field(epoch, name, label, "fed")
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One bucket of one dimension in one epoch."""
+
+    fed: int = 0
+    trained: int = 0
+    dead: int = 0
+    filtered: int = 0
+    recycled: int = 0
+    fed_share: float = 0.0
+    trained_share: float = 0.0
+
+    @property
+    def late(self) -> int:
+        return max(0, self.fed - self.trained - self.dead - self.filtered)
+
+    def cause(self) -> str:
+        """The likeliest reason the bucket is under-trained."""
+        counts = {"dead letters": self.dead, "lateness": self.late, "the keep filter": self.filtered}
+        name = max(counts, key=lambda k: counts[k])
+        return (
+            f"{name} ({self.dead} dead-lettered, {self.late} fed and not trained yet, {self.filtered} filtered; "
+            f"{self.recycled} recycles)"
+        )
+
+    def short(self, trained_total: int) -> bool:
+        """Trained share below :data:`WARN_RATIO` of the fed share, with enough to judge."""
+        return (
+            trained_total >= WARN_MIN_TRAINED
+            and self.fed >= WARN_MIN_FED
+            and self.trained_share < WARN_RATIO * self.fed_share
+        )
+
+
+Ledger = dict[int, dict[str, dict[str, Bucket]]]
+"""epoch -> dimension -> bucket label -> counts."""
+
+
+def ledger(fields: Mapping[str, int]) -> Ledger:
+    """The ledger from the state hash's ``bias:`` fields (others are ignored), shares computed."""
+    out: Ledger = {}
+    for key, value in fields.items():
+        if not key.startswith(PREFIX):
+            continue
+        parts = key[len(PREFIX):].split(":")
+        if len(parts) != 4 or not parts[0].isdigit() or parts[3] not in KINDS:
+            continue
+        epoch, dimension, label, kind = int(parts[0]), parts[1], parts[2], parts[3]
+        entry = out.setdefault(epoch, {}).setdefault(dimension, {}).setdefault(label, Bucket())
+        setattr(entry, kind, getattr(entry, kind) + int(value))
+    for dimensions in out.values():
+        for buckets in dimensions.values():
+            fed = sum(b.fed for b in buckets.values())
+            trained = sum(b.trained for b in buckets.values())
+            for b in buckets.values():
+                b.fed_share = b.fed / fed if fed else 0.0
+                b.trained_share = b.trained / trained if trained else 0.0
+    return out
+
+
+def trained_total(dimensions: Mapping[str, Mapping[str, Bucket]]) -> int:
+    first = next(iter(dimensions.values()), {})
+    return sum(b.trained for b in first.values())
+
+
+def short_buckets(epoch: int, dimensions: Mapping[str, Mapping[str, Bucket]]) -> list[str]:
+    """One line per under-trained bucket of ``epoch``: which, by how much, the likeliest cause."""
+    total = trained_total(dimensions)
+    return [
+        f"epoch {epoch}: {name} {label}: trained share {b.trained_share:.2f} < {WARN_RATIO:g} x fed share "
+        f"{b.fed_share:.2f} ({b.trained} of {b.fed} trained); cause: {b.cause()}"
+        for name, buckets in dimensions.items()
+        for label, b in sorted(buckets.items())
+        if b.short(total)
+    ]
+
+
+def metrics(epoch: int, dimensions: Mapping[str, Mapping[str, Bucket]]) -> dict[str, float]:
+    """``Batch.metrics`` entries of one epoch's ledger (``bias/<dimension>/<bucket>/<what>``)."""
+    out: dict[str, float] = {"bias/epoch": float(epoch)}
+    for name, buckets in dimensions.items():
+        for label, b in buckets.items():
+            stem = f"bias/{name}/{label}"
+            out[f"{stem}/fed"] = float(b.fed)
+            out[f"{stem}/trained"] = float(b.trained)
+            out[f"{stem}/fed_share"] = b.fed_share
+            out[f"{stem}/trained_share"] = b.trained_share
+    return out
+
+
+def old_fields(fields: Iterable[str], newest: int) -> list[str]:
+    """Ledger fields of epochs older than the :data:`KEEP_EPOCHS` up to ``newest``."""
+    out = []
+    for key in fields:
+        if key.startswith(PREFIX):
+            epoch = key[len(PREFIX):].split(":", 1)[0]
+            if epoch.isdigit() and int(epoch) <= newest - KEEP_EPOCHS:
+                out.append(key)
+    return out
