@@ -1,8 +1,9 @@
 """What the trainer saw against what was fed (issue 38, DESIGN §4.17): the bias ledger.
 
 Every prompt of an epoch falls in one bucket per *dimension*: its prompt length, its response
-length and how many times it went back (``attempts``: the lines of its history, whatever the
-cause). For each bucket the ledger counts, per epoch, in the ``state`` hash
+length, how many times it went back (``attempts``: the lines of its history, whatever the
+cause) and its named source (``rollstream feed NAME=PATH``; unnamed sources are not counted).
+For each bucket the ledger counts, per epoch, in the ``state`` hash
 (``bias:<epoch>:<dimension>:<bucket>:<kind>``):
 
 * ``fed``: the prompt entered the ledger, once, as soon as its value in that dimension is known
@@ -17,8 +18,8 @@ cause). For each bucket the ledger counts, per epoch, in the ``state`` hash
 falling below :data:`WARN_RATIO` of its fed share is logged by ``take()`` with the likeliest
 cause (dead letters, recycles, lateness) and shown by ``inspect`` and Prometheus.
 
-A dimension is one entry of :data:`DIMENSIONS` (a name and a function of the group); a source
-dimension, once prompts carry a source, is one more entry. Pure functions, no I/O.
+A dimension is one entry of :data:`DIMENSIONS` (a name and a function of the group). Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
@@ -75,12 +76,15 @@ def response_tokens(group: Group) -> int:
     return max((s.response_length for s in group.samples), default=0)
 
 
-DIMENSIONS: tuple[tuple[str, Callable[[Group], str]], ...] = (
+DIMENSIONS: tuple[tuple[str, Callable[[Group], str | None]], ...] = (
     ("prompt", lambda g: bucket(prompt_tokens(g), PROMPT_EDGES)),
     ("response", lambda g: bucket(response_tokens(g), RESPONSE_EDGES)),
     ("attempts", lambda g: _attempts(len(g.history))),
+    ("source", lambda g: g.source or None),
 )
-"""Name -> the bucket of a group. A new dimension (a source) is one more entry."""
+"""Name -> the bucket of a group (None: not counted in that dimension, e.g. an unnamed source).
+A new dimension is one more entry; one whose value is known at first sight is fed like
+``prompt`` and ``source`` (:func:`_fed_now`)."""
 
 
 def complete(group: Group) -> bool:
@@ -94,7 +98,7 @@ def _seen_complete(group: Group) -> bool:
 
 def _fed_now(dimension: str, group: Group, ended: bool) -> bool:
     """Whether this group is the one that enters the prompt in ``dimension``'s ``fed`` count."""
-    if dimension == "prompt":
+    if dimension in ("prompt", "source"):
         return not group.history
     if dimension == "response":
         if _seen_complete(group):
@@ -117,6 +121,8 @@ def deltas(group: Group, fate: str, into: Counter[str] | None = None) -> Counter
     epoch = group.epoch
     for name, of in DIMENSIONS:
         label = of(group)
+        if label is None:
+            continue
         key = field(epoch, name, label, fate)
         out[key] = out.get(key, 0) + 1
         if _fed_now(name, group, ended):

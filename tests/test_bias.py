@@ -57,6 +57,13 @@ def test_a_prompt_is_fed_once_per_dimension_whatever_becomes_of_its_attempts() -
     assert total["bias:3:response:128-511:trained"] == 1 and total["bias:3:attempts:2:trained"] == 1
 
 
+def test_a_named_source_is_a_dimension_and_an_unnamed_one_is_not_counted() -> None:
+    named = _group(response=40)
+    named.source = "math"
+    assert bias.deltas(named, "trained")["bias:3:source:math:fed"] == 1
+    assert not [k for k in bias.deltas(_group(response=40), "trained") if ":source:" in k]
+
+
 def test_a_dead_letter_that_never_completed_is_fed_at_its_end() -> None:
     deltas = bias.deltas(_group(response=0, status=Status.FAILED, history=["failed: x"]), "dead")
     assert deltas["bias:3:response:<128:fed"] == 1 and deltas["bias:3:response:<128:dead"] == 1
@@ -154,6 +161,6 @@ def _gauge(body: str, name: str, *labels: str) -> float:
 
 
 def _free_port() -> int:
-    from rollstream.testing.server import free_port
+    from rollstream.runtime.redis_server import free_port
 
     return free_port()
