@@ -5,6 +5,36 @@ their options (``ConsumerOptions``) and the pure rule that routes each group (``
 Every error a trainer can meet is exported here; all derive from :class:`RollstreamError`
 (``ConfigError`` and ``DecodeError`` are also ``ValueError``). Redis connection problems
 surface as redis-py's ``redis.exceptions.ConnectionError``.
+
+Modules, one concern each:
+
+* ``group_consumer``: ``GroupConsumer``: connect (``open``), the take loop (redelivery, orphans, reads),
+  carrying out each verdict (one Lua script per hand-back), commit, the stall and health checks over one
+  ``TrainerMonitor.diagnose()``
+* ``options``: ``ConsumerOptions``: the trainer's options, listed once (``n_samples``, ``batch_size``,
+  ``keep``, ``on_producer_failure``, ``stall_timeout``, ``warn_interval``, ``limits``, ``name_wait``),
+  checked when built (``ConfigError``); ``ConsumerOptionArgs`` types them as ``connect(**options)`` /
+  ``SyncGroupConsumer(**options)`` keyword arguments (a test keeps the two equal)
+* ``verdict``: ``judge(fields, config, version=, staleness_limit=, keep=, limits=, stale=) -> Verdict``: the
+  one pure rule for a group entry (``Cause``: undecodable, wrong size, failed, aborted, stale, filtered,
+  usable; ``Route``: keep, recycle, drop, dead-letter, with the reason and the fields to write);
+  ``RECYCLE_COUNTERS``, the stale-recycle constants
+* ``batch``: ``Batch`` (``numpy_views(field)`` for every field declared with a numpy view, and the shortcuts
+  ``tokens_numpy()``, ``log_probs_numpy()``, ``loss_masks_numpy()`` & co.: zero-copy numpy views, extra
+  ``numpy``), ``batch_id``, ``Tally`` and ``batch_metrics`` (``Batch.metrics``)
+* ``waiting``: why a take waits, no I/O: ``StallClock`` (seconds without a live producer, across takes),
+  ``StaleStreak`` / ``StaleWatch`` (the stale streak that feeds ``judge``), ``wait_summary`` (the one-line
+  cause), ``unrecovered_failure``
+* ``lease``: ``NameHold``: the consumer name taken on connect (waiting up to ``name_wait``), renewed by a
+  task, given up on close
+* ``sync``: ``SyncGroupConsumer``: the same API on a ``LoopThread``
+* ``archive_replay``: ``ArchiveReplay``: the trained batches of an archive in step order with ``take`` /
+  ``commit`` (and ``take_next``, sync): the same ``Batch`` (id, groups in order, weight version, numpy views
+  on the recorded bytes); ``ConfigError`` for another batch size, ``ReplayExhausted`` after the last; the
+  integrations' ``ROLLSTREAM_REPLAY_ARCHIVE``
+* ``connecting``: ``Connecting``: what ``connect()`` returns (await it, or ``async with``)
+* ``filters``: the keep-filter verdict rule (``rejection_reason``: a reason string or falsy rejects, truthy
+  keeps) and ``reward_variance``
 """
 
 from rollstream.common.errors import (

@@ -12,10 +12,10 @@ under the same name gets its uncommitted batch back first, with the same :attr:`
 While it waits, ``take()`` raises :class:`ProducerFailed` (a producer recorded a fatal error
 and no group arrived since) or :class:`PipelineStalled` (no live producer for too long) instead
 of hanging, and logs a warning every 30 s; the diagnosis is one pipelined read
-(:meth:`TrainerMonitor.diagnose`) judged by :mod:`.health`.
+(:meth:`TrainerMonitor.diagnose`) judged by :mod:`.waiting`.
 
 The rooms of ``consumer/``: :mod:`.options` (the options, checked once), :mod:`.batch` (the batch
-and its numpy views), :mod:`.verdict` (the pure routing rule), :mod:`.health` (the pure
+and its numpy views), :mod:`.verdict` (the pure routing rule), :mod:`.waiting` (the pure
 diagnosis), :mod:`.lease` (the consumer name), :mod:`.sync` (the sync facade), this module (the
 take loop and the hand-backs: about 500 lines, kept together because redelivery, orphans and
 cancellation share the loop's state).
@@ -510,7 +510,7 @@ class GroupConsumer:
     async def _fetch(self, entry_id: bytes) -> dict[bytes, bytes]:
         return await self._outage.run(lambda: self.queue.fetch(entry_id))
 
-    # -- diagnosis (one round trip: TrainerMonitor.diagnose; judged in .health) ---------------
+    # -- diagnosis (one round trip: TrainerMonitor.diagnose; judged in .waiting) ---------------
 
     async def _diagnose(self) -> Diagnosis:
         return await self._outage.run(lambda: self.monitor.diagnose(self.config))

@@ -6,8 +6,9 @@ consumer and its batch, the rollout plug-in contract, the trainer's weight updat
 errors a user handles. Each is imported on first use, so ``import rollstream`` (which every
 subpackage does first) stays light. The packages themselves: ``rollstream.consumer`` (the
 trainer), ``rollstream.producer`` (producers), both on ``rollstream.common``;
-``rollstream.ops`` holds the operator functions, ``rollstream.testing`` the simulator and
-embedded Redis, ``rollstream.cli`` the ``rollstream`` command.
+``rollstream.ops`` holds the operator functions, ``rollstream.runtime`` the embedded Redis and
+the supervisor of a one-machine run, ``rollstream.testing`` the simulator and test doubles,
+``rollstream.cli`` the ``rollstream`` command. Each package's docstring lists its modules.
 """
 
 from importlib import import_module

@@ -2,6 +2,103 @@
 
 Run it with ``rollstream produce``; use :class:`Producer` to embed it in another process, or
 :class:`Rollout` alone to turn prompts into scored groups without Redis.
+
+Modules, one concern each:
+
+* ``worker``: ``Producer``, the runtime: admission, work items (entry + admitted version), leases (renewed
+  by ``producer.renewal``), reclaim, the loop watchdog, heartbeat, control, drain (then the generate
+  function's ``aclose()``); a group past ``max_attempts`` dead-lettered where it failed
+* ``renewal``: ``Renewer``: the leases of the prompts a producer holds, renewed every third of the lease
+  from a thread with its own event loop and Redis connection, so a rollout that blocks the producer's loop
+  cannot let them lapse; ``hold`` / ``release`` under a lock, ``claiming()`` around ADMIT / XAUTOCLAIM /
+  adoption (then every entry pending under the name is renewed); lost leases reported back on the producer's
+  loop
+* ``gcpolicy``: the producer process's cyclic-GC policy: ``tune(young)`` after start-up (one collection,
+  ``gc.freeze()``, a young threshold of 50,000 instead of 700), called by ``rollstream produce``
+  (``--gc-threshold``, 0: Python's own); an episode's objects form no reference cycle (a trajectory holds
+  its session by ``weakref.proxy``), so they are freed when it ends, not by a collection
+* ``settings``: the producer's settings tree: ``ProducerSettings`` (per process) holds ``EpisodeSettings``
+  (what the rollout needs: the plug-in, ``EpisodeLimits``, the failure limits), each field declared once
+  with its flag, help and default (``rollstream.common.settings_fields``: ``option``, ``set_by``,
+  ``branch``; validated with ``ConfigError`` in the classes' own checks); ``default_producer_name``
+* ``capacity``: ``Capacity`` (samples in flight: taken ``n`` at a time, given back per episode) and ``Work``
+  (one prompt held: entry, admitted version, units)
+* ``episode``: the rollout plug-in contract (docs/rollouts.md): ``Episode``, ``Trajectory``,
+  ``EpisodeInfo``, ``SamplingParams``, ``Turn``, ``GenerateFunction``, ``EpisodeAborted``,
+  ``GenerateBroken``
+* ``session``: the engine session behind it: ``EpisodeRuntime`` (engine slots held per request, named
+  limits, counters, request ages, the resume wait), ``EpisodeSession`` / trajectories (tokens, mask,
+  log-probs, versions and spans appended together; abort continuation), ``EpisodeLimits``. Per-request work
+  is kept out of it: the producer's ``SamplingParams`` and its engine mapping are built once, a group's
+  episode facts (metadata view, prompt ids, prompt source) once per group, a call that was one unaborted
+  request takes the reply's arrays as its ``Turn``'s (no copy), and a trajectory JSON-encodes each of its
+  token ids once (``engine.client.IdsJson``), not again with every turn
+* ``checks``: the one validation before publish: ``as_samples`` (the shape of a generate function's result)
+  and ``check_sample`` (free-form fields encodable, tokens = prompt + response, mask and log-probs one per
+  response token, finite where trained, spans inside the response); a problem is one FAILED sample with the
+  reason
+* ``rollout``: ``Rollout``: one prompt → one scored group (prompt ids, ``n`` episodes of the generate
+  function under their deadline, validation, reward; ``single_turn`` the default plug-in); which failures
+  are a sample's and which are fatal (``RewardBroken``, ``GenerateBroken``, ``EngineBroken``: distinct
+  prompts in a row); ``aclose()`` closes the generate function; no Redis
+* ``plugin``: the rollout plug-in: ``single_turn`` (the default, ``SingleTurn``) and the one ``--generate``
+  loader, ``load_generate(spec, GenerateContext)``, choosing by the spec's scheme in a registry
+  (``register_generate_scheme``; ``integrations.generate`` registers ``slime:`` / ``miles:`` / ``openai:``
+  on import), else ``module:function`` / ``file.py:function`` through ``common.imports``
+* ``outcomes``: the samples an episode ends as outside the rollout's control flow (``to_sample`` of the one
+  request of ``n``, ``failed``, ``rejected``) and ``FailureLog`` (each failure reason logged once a minute,
+  with a count)
+* ``telemetry``: ``Metrics``: the producer's instrumentation interface, a no-op by default
+* ``engine``: the engine client, transport below and one dialect module per engine API above (its docstring
+  draws it). ``EngineClient`` (``client.py``): routing through the fleet, retries on ``common/backoff.py``
+  (connection errors, 5xx, 429; a request whose engine is taken out is sent again elsewhere), the fleet
+  monitor (probes of engines in trouble); ``fleet.py``: ``Fleet`` / ``Engine`` / ``EngineState`` (healthy,
+  suspect, ejected, wedged, behind, draining: docs/engines.md, the fleet), the consistent-hash ring with
+  bounded loads keyed by ``route_key(index, epoch)``, ``apply_registry``, the client-side wait for room
+  (``wait_room``); ``load.py``: each engine's load (vLLM ``/metrics``, SGLang ``/v1/loads`` / ``/get_load``)
+  and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency);
+  ``generate``/``generate_n``/``tokenize``/``abort_all``/``weight_version``; ``prepare()`` loads the
+  tokenizer before the producer says ``running``; ``check_versions()`` asks every engine for its weight
+  version once at start (OpenAI API; on the native APIs at the first reply without one) and warns, once per
+  engine, naming the engines that report none and which API would (``discovery.VERSION_HINTS``);
+  ``versions_from`` (the heartbeat's ``weight_versions_from``: ``engine replies``, ``GET /weight_info``,
+  ``GET /model_info``, ``trainer at admission``). ``transport.py``: the contract (bounded reads,
+  ``too_large``, the total deadline, URL credentials as a header; any ``httpx`` transport for tests);
+  ``http11.py``: the default, keep-alive HTTP/1.1 on ``asyncio.Protocol``, answers parsed by llhttp
+  (``httptools``) (one pool per origin, at most ``max_connections`` exchanges,
+  ``Content-Length``/``chunked``/until-close, TLS, a stale kept-alive connection retried once, anything
+  malformed a ``ConnectionError``). ``discovery.py``: the one model-info probe (``probe_version_at``: weight
+  version and the endpoint that gave it; also slime's router query) and gateway workers. Dialects:
+  ``sglang.py`` (``/generate``, R3 ``decode_routed_experts``, ``parse_teacher``), ``openai.py``
+  (``/v1/completions``, ``/v1/chat/completions``; versions from vLLM's ``/weight_info``, else SGLang's
+  ``/model_info``), ``vllm.py`` (``/inference/v1/generate``: token ids in, weight version spans out,
+  ``/weight_info`` fallback, no per-request seed unless ``request_seed``; the routing replay
+  ``choices[].routed_experts``, base64 ``.npy``, read by ``vllm_replay.py``: header as a literal, dtype /
+  order / shape / size / ids checked, no numpy or pickle), named in ``dialects.py``; each parses with
+  msgspec typed decoders (``gc=False`` structs, shared checks in ``parse.py``) from reply bytes straight
+  into packed arrays in ``Generation``, the one reply type (``types.py``); ``EngineReplyInvalid`` for an
+  unusable reply. ``settings.py``: ``EngineSettings``, ``reply_byte_bound``
+* ``replay``: ``with_routed_experts``: a sample's routing replay aligned with its tokens (spliced across a
+  continuation), and the engine's cache / speculative counters
+* ``teacher``: ``TeacherScorer``: every response scored on a teacher model (``--teacher-engine``) before the
+  reward
+* ``rewards``: a package, one module per kind: ``base`` (``RewardFunction``: deadline, every exception →
+  ``RewardError``, result validation), ``answers`` (``math``), ``remote`` (``remote:URL``), ``python``
+  (``module:function`` / ``file.py:function``, sync calls in bounded threads); ``loader``: the one
+  ``load_reward(spec)``, choosing by the spec's scheme in a registry (``register_scheme``);
+  ``integrations.framework_rewards`` registers ``slime:`` / ``slime-group:`` / ``miles:`` / ``miles-group:``
+  when imported (the CLI imports it), so the producer never imports the integrations
+* ``feeder``: ``Feeder``: a dataset → prompts, window, epochs, cursor; a row that cannot be fed is a dead
+  letter (``source=feed``, reason naming file and row) written by the ``FEED`` script with the cursor;
+  slime's shuffle (``shuffle_scheme="slime"``: ``random.seed(seed + epoch)``)
+* ``datasets``: datasets streamed from disk (JSONL, Parquet via the ``parquet`` extra, a folder or glob of
+  shards, ``path@[a:b]``), cut into units (≈1 MiB of lines, a row group) without reading rows; ``RowFormat``
+  is slime's record shape (``--metadata-key``, ``--tool-key``, ``--as-chat``); ``EpochWalk``: an epoch's
+  order from row ids alone (units permuted, rows through a seeded shuffle buffer; a dataset within the
+  buffer fully permuted), so a resume at any position replays ids and reads only the units still holding
+  buffered rows. Memory: the buffer, not the dataset
+* ``metrics``: ``ProducerMetrics(Metrics)``: Prometheus, served from the producer's own loop (extra
+  ``metrics``)
 """
 
 from .engine import EngineClient, EngineSettings

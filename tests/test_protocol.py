@@ -138,18 +138,21 @@ def test_every_protocol_operation_is_a_method_of_a_bound_class() -> None:
 # -- docs/architecture.md's "where a change goes" ------------------------------------------
 
 CHANGES = (
-    "a new Redis script", "a new heartbeat field", "a new engine API", "a new reward scheme", "a new producer option",
-    "a new rollout plug-in", "a new sample field",
+    "a new metric", "a new heartbeat field", "a new engine API", "a new Redis script", "a new reward scheme",
+    "a new producer option", "a new rollout plug-in", "a new sample field",
 )
 _PATH = re.compile(r"`([A-Za-z0-9_./<>-]+(?:\.py|\.md|\.template|/))`")
 
 
 def _change_table() -> dict[str, str]:
-    """Change -> its row's text, from the table under "### Where a change goes"."""
+    """Change -> its text (the list under its ``#### <change>`` heading of "## Where a change goes")."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    section = text.split("### Where a change goes", 1)[1].split("\n#", 1)[0]
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
-    return {cells[0].strip(): "|".join(cells[1:]) for cells in rows[1:]}
+    section = text.split("## Where a change goes", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for part in section.split("\n#### ")[1:]:
+        change, _, body = part.partition("\n")
+        out[change.strip()] = "\n".join(line for line in body.splitlines() if line.startswith(("- ", "  ")))
+    return out
 
 
 def _named_paths(row: str) -> list[str]:

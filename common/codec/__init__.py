@@ -8,7 +8,7 @@ every malformed input into :class:`~rollstream.common.errors.DecodeError`, never
 Stream entries carry a few plain fields beside ``data`` so that ``redis-cli XRANGE`` is readable
 without msgpack.
 
-Version 3 adds what slime and miles train on (see ``docs/architecture.md`` for the table): the
+Version 3 adds what slime and miles train on (see ``docs/wire.md`` for the table): the
 routing, indexer and top-p replays as ``[typecode, shape, bin]`` triples in their smallest exact
 dtype (``B`` uint8, ``H`` uint16, ``i`` int32), teacher log-probs and the OPD reverse KL as
 float32 ``bin``, and small plain fields; each key is written only when its field is set.
@@ -23,7 +23,7 @@ decoded again by the copying decoder, so malformed input gets exactly the same
 :class:`DecodeError`. Views keep the payload bytes alive; big-endian hosts always co
 
 One module per seam: :mod:`.wire` (versions, limits, bounded reading), :mod:`.encode`,
-:mod:`.decode` (the copying decoder and every field check), :mod:`.views` (the zero-copy path),
+:mod:`.decode` (the copying decoder and every field check), :mod:`.zero_copy` (the zero-copy path),
 :mod:`.entries` (stream entries); every name is importable from here.
 """
 

@@ -2,9 +2,9 @@
 
 This module assembles the app and runs it; the parts live beside it, one module per seam:
 :mod:`.model` (tokenizer, answers, routing replay, teacher), :mod:`.state` (the shared
-scheduler and state), :mod:`.base` (parsing, fault injection, ``/sim/*``) and one module per
-API simulated: :mod:`.sglang`, :mod:`.openai_api` (vLLM's OpenAI API), :mod:`.vllm_api` (vLLM's RL and
-token endpoints). Every public name is still importable from here.
+scheduler and state), :mod:`.shared` (parsing, fault injection, ``/sim/*``) and one module per
+API simulated: :mod:`.sglang_api`, :mod:`.openai_api` (vLLM's OpenAI API), :mod:`.vllm_api` (vLLM's RL
+and token endpoints). Every public name is still importable from here.
 
 It is an aiohttp server speaking the subset of SGLang's native HTTP API and vLLM's
 OpenAI-compatible API that rollstream uses, so the pipeline can be tested and benchmarked
