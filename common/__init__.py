@@ -74,6 +74,9 @@ Modules, one concern each:
   ``written_cursor``, ``read_table`` (every readable version, upgraded); pyarrow from the ``parquet`` extra,
   imported on first use
 * ``config``: ``PipelineConfig``, validated with ``ConfigError`` (a ``ValueError``), stored as a plain hash
+* ``mix``: the mix (``init --mix NAME=WEIGHT,...``): ``parse_mix``, ``apportion`` (largest remainder) and
+  ``carries`` (what each source is owed from the groups committed so far), so every batch holds each
+  source's share and the long-run ratio is exact to the group
 * ``lua``: the scripts, each one ``Script`` declaration (source, KEYS and ARGV names, constant ARGV):
   PUBLISH, MOVE, ACK_DELETE, ADMIT, SET_VERSION, RENEW, RECLAIM_TURN, FEED, FORGET, REQUEUE, LEASE, RELEASE,
   ARCHIVED (MOVE and ACK_DELETE archive the fate they decide: ``_ARCHIVE``); ``Scripts`` binds every

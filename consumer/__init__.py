@@ -19,6 +19,10 @@ Modules, one concern each:
   one pure rule for a group entry (``Cause``: undecodable, wrong size, failed, aborted, stale, filtered,
   usable; ``Route``: keep, recycle, drop, dead-letter, with the reason and the fields to write);
   ``RECYCLE_COUNTERS``, the stale-recycle constants
+* ``mixing``: ``Mixer``: a take's quota per source (apportioned with the carry since the set of live sources
+  last changed: ``base:<name>``, ``base_set`` in ``sources``); a source fed to the end with nothing alive
+  leaves the mix (WARNING). ``take()`` holds groups over their source's quota (pending under its name,
+  examined first by the next call) and re-checks quotas while it waits
 * ``batch``: ``Batch`` (``numpy_views(field)`` for every field declared with a numpy view, and the shortcuts
   ``tokens_numpy()``, ``log_probs_numpy()``, ``loss_masks_numpy()`` & co.: zero-copy numpy views, extra
   ``numpy``), ``batch_id``, ``Tally`` and ``batch_metrics`` (``Batch.metrics``)

@@ -20,7 +20,11 @@ Modules, one concern each:
 * ``settings``: the producer's settings tree: ``ProducerSettings`` (per process) holds ``EpisodeSettings``
   (what the rollout needs: the plug-in, ``EpisodeLimits``, the failure limits), each field declared once
   with its flag, help and default (``rollstream.common.settings_fields``: ``option``, ``set_by``,
-  ``branch``; validated with ``ConfigError`` in the classes' own checks); ``default_producer_name``
+  ``branch``; validated with ``ConfigError`` in the classes' own checks); ``default_producer_name``. Plain
+  dataclasses (``PipelineConfig``, ``SimConfig``) give ``init``'s, ``demo``'s and ``sim-engine``'s flags
+  their help from each field's docstring (``settings_fields.documented``: what, unit, default);
+  ``tests/test_cli_help.py`` fails on any option of any command without help, a default it does not say, or
+  a duration without its unit
 * ``capacity``: ``Capacity`` (samples in flight: taken ``n`` at a time, given back per episode) and ``Work``
   (one prompt held: entry, admitted version, units)
 * ``episode``: the rollout plug-in contract (docs/rollouts.md): ``Episode``, ``Trajectory``,
@@ -88,7 +92,11 @@ Modules, one concern each:
   ``load_reward(spec)``, choosing by the spec's scheme in a registry (``register_scheme``);
   ``integrations.framework_rewards`` registers ``slime:`` / ``slime-group:`` / ``miles:`` / ``miles-group:``
   when imported (the CLI imports it), so the producer never imports the integrations
-* ``feeder``: ``Feeder``: a dataset → prompts, window, epochs, cursor; a row that cannot be fed is a dead
+* ``feeder``: ``Feeder``: a dataset, or named sources ``{name: dataset}`` each with its own epochs and
+  cursor (``sources`` hash), → prompts; with a mix every prompt goes to the source furthest behind its share
+  of what is alive or trained (fed + requeued - lost: in flight and backlog counted), so generation follows
+  the mix whatever each source's speed, and the fast source's surplus held by ``take()`` stays bounded; a
+  source fed to the end leaves the mix (WARNING). Window, epochs, cursor; a row that cannot be fed is a dead
   letter (``source=feed``, reason naming file and row) written by the ``FEED`` script with the cursor;
   slime's shuffle (``shuffle_scheme="slime"``: ``random.seed(seed + epoch)``)
 * ``datasets``: datasets streamed from disk (JSONL, Parquet via the ``parquet`` extra, a folder or glob of
