@@ -32,6 +32,12 @@ Modules, one concern each:
   would accept); applied by the producer before it publishes and by ``judge()`` as the second line. An abort
   by a weight update (``by_weight_update``: the producer marks the samples when
   ``Control.updated_since(admitted version)``) keeps the attempt and is never dead-lettered
+* ``bias``: the bias ledger, no I/O: each prompt's bucket per dimension (``prompt``, ``response`` length,
+  ``attempts``, named ``source``; one entry of ``DIMENSIONS`` each), ``deltas(group, fate)`` (fed once per
+  dimension, when its value is known for good; trained, dead, filtered, recycled), ``ledger(fields)`` with
+  shares, ``short_buckets`` (below 0.8x the fed share, with the cause); written by ``take()`` (hand-backs in
+  ``mark_take``'s round trip, trained at ``commit``) and by the producer for its dead letters
+  (``TrainerMonitor.add_bias``)
 * ``protocol``: the Redis protocol layer, a package of bound classes (below, and ``ArchiveStream``: the
   archive stream, ``archive_stream.py``): ``PromptQueue``, ``GroupQueue``, ``NameLease``, ``Control``,
   ``Feed``, ``Heartbeats``, ``EngineRegistry`` (the engine registry, ``engine_registry.py``), ``Keyspace``,

@@ -26,6 +26,8 @@ Modules, one concern each:
 * ``batch``: ``Batch`` (``numpy_views(field)`` for every field declared with a numpy view, and the shortcuts
   ``tokens_numpy()``, ``log_probs_numpy()``, ``loss_masks_numpy()`` & co.: zero-copy numpy views, extra
   ``numpy``), ``batch_id``, ``Tally`` and ``batch_metrics`` (``Batch.metrics``)
+* ``biaswatch``: ``BiasWatch``: the batch's ``bias/...`` metrics from the ledger ``take()`` read, and the
+  WARNING naming an under-trained bucket and its cause (issue 38)
 * ``waiting``: why a take waits, no I/O: ``StallClock`` (seconds without a live producer, across takes),
   ``StaleStreak`` / ``StaleWatch`` (the stale streak that feeds ``judge``), ``wait_summary`` (the one-line
   cause), ``unrecovered_failure``

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from rollstream.common import bias
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 
 logger = logging.getLogger("rollstream.consumer.group_consumer")
@@ -22,6 +23,7 @@ class BiasWatch:
     def __init__(self, name: str, namespace: str, interval: float) -> None:
         self.name = name
         self.namespace = namespace
+        self.log = Prefixed(logger, "consumer", name, namespace)
         self.interval = interval
         self.forget: list[str] = []
         """Ledger fields of old epochs, deleted with the next commit's counts."""
@@ -42,7 +44,7 @@ class BiasWatch:
             key = line.split(": trained share", 1)[0]
             if now - self._warned.get(key, -self.interval) >= self.interval:
                 self._warned[key] = now
-                logger.warning(
-                    "consumer %s (ns %s): the trainer does not see the dataset: %s", self.name, self.namespace, line
+                self.log.warning(
+                    "the trainer does not see the dataset: %s", line
                 )
         return bias.metrics(epoch, dimensions)
