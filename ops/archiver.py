@@ -99,6 +99,7 @@ class Archiver:
             logger.info("archiver (ns %s): removed %d unfinished file(s) of a killed run", self.keys.namespace, partial)
         cursor = written_cursor(out)
         await self._confirm_written(cursor)
+        await self._outage.run(lambda: self.stream.confirm([], "", now_ms()))  # seen: inspect shows it running
         logger.info("archiver (ns %s): writing to %s after record %s", self.keys.namespace, out, cursor)
         buffer: list[ArchiveRecord] = []
         oldest = 0.0

@@ -157,3 +157,14 @@ def test_staleness_rule_quick_compares_partial_rollout_and_the_two_rules() -> No
         assert row[1] > 0 and row[2] >= 1  # s/step; every trained token was generated
         assert row[9] <= 1  # the rule's staleness within max_staleness
     assert table.rows[1][3] == table.rows[2][3] == 0  # partial rollout: nothing recycled for an abort
+
+
+@pytest.mark.timeout(180)
+def test_archive_quick_produces_rows() -> None:
+    pytest.importorskip("pyarrow")
+    take, archiver, memory = bench_main.run(["archive"], quick=True)
+    assert [row[0] for row in take.rows] == ["off", "on, no archiver", "on, archiver running"]
+    assert all(row[1] > 0 for row in take.rows)
+    assert archiver.rows[0][0] > 0
+    held, bounded = memory.rows
+    assert held[5] == 0 and bounded[5] > 0  # the small budget dropped records, counted

@@ -1,0 +1,187 @@
+"""The archive's cost (issue 41 item 5): ``python -m bench archive``.
+
+1. **take + commit with and without the archive.** Groups of 8 x 1k tokens (log-probs, no R3)
+   are published straight into the stream and a trainer takes and commits them in batches of 16:
+   on a namespace without an archive, with an archive budget and no archiver (the commit script
+   copies each group into the archive stream), and with an archiver running beside it. Rounds
+   alternate; medians.
+2. **One archiver's rate.** The records the second case left are written to Parquet by one
+   ``rollstream archive`` process: records/s and its CPU, against the trainer's rate above (the
+   most the pipeline can hand it on this machine).
+3. **Redis memory with the archiver stopped for a minute.** A trainer commits at a steady pace
+   for ``STOPPED_S`` seconds with no archiver: Redis ``used_memory`` growth against the archive's
+   own byte count, once under a budget that holds the minute and once under a small one (the
+   oldest records are dropped and counted; memory stays at the budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from rollstream.common.codec import group_fields
+from rollstream.common.connection import connect
+from rollstream.common.keys import Keys, StateField
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.server import EmbeddedRedis
+
+from bench.common import OUT, Table, cpu_seconds, init_ns, make_group, spawn, stop_all
+
+BATCH = 16
+STOPPED_S = 60.0
+PACE_GROUPS_S = 16.0
+"""The steady trainer of part 3: one batch of 16 groups a second."""
+
+
+async def _publish(redis: Redis, keys: Keys, fields: dict[str, Any], count: int) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        for _ in range(count):
+            pipe.xadd(keys.groups, fields)  # type: ignore[arg-type]
+        await pipe.execute()
+
+
+async def _state(redis: Redis, keys: Keys, name: str) -> int:
+    return int(await redis.hget(keys.state, name) or 0)
+
+
+async def _take_commit(url: str, ns: str, groups: int) -> float:
+    """Groups/s of take + commit of ``groups`` groups already in the stream."""
+    async with await GroupConsumer.connect(url, ns, "bench-trainer") as consumer:
+        started = time.perf_counter()
+        for _ in range(groups // BATCH):
+            batch = await consumer.take(BATCH)
+            await consumer.commit(batch)
+        return groups / (time.perf_counter() - started)
+
+
+async def _archive_until_empty(url: str, redis: Redis, keys: Keys, out: Path, log: Path) -> tuple[float, float, int]:
+    """(records/s, archiver CPU seconds, records) of one archiver emptying the archive stream,
+    timed from the moment it said it was running (``archive_seen_ms``) to its last confirmation."""
+    recorded = await _state(redis, keys, StateField.ARCHIVE_RECORDED)
+    await redis.hdel(keys.state, StateField.ARCHIVE_SEEN_MS)
+    child = spawn(["-m", "rollstream.cli", "archive", "--redis", url, "--ns", keys.namespace, "--out", str(out),
+                   "--flush-seconds", "0.5", "--log-level", "WARNING"], log=log)
+    try:
+        began: float | None = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if began is None and await _state(redis, keys, StateField.ARCHIVE_SEEN_MS):
+                began = time.perf_counter()
+            if began is not None and await _state(redis, keys, StateField.ARCHIVED) >= recorded:
+                break
+            if child.poll() is not None:
+                raise RuntimeError(f"the archiver exited {child.returncode}; see {log}")
+            await asyncio.sleep(0.005)
+        else:
+            raise RuntimeError(f"the archiver did not finish; see {log}")
+        elapsed = time.perf_counter() - (began or 0.0)
+        return recorded / elapsed, cpu_seconds([child.pid]), recorded
+    finally:
+        stop_all([child])
+
+
+async def _paced_minute(
+    redis: Redis, url: str, ns: str, n: int, fields: dict[str, Any], seconds: float, budget: int
+) -> dict[str, float]:
+    """A trainer committing PACE_GROUPS_S groups/s for ``seconds`` with no archiver running."""
+    keys = await init_ns(redis, ns, n_samples_per_prompt=n, batch_size=BATCH, max_backlog=10_000, archive_bytes=budget)
+    await redis.execute_command("MEMORY", "PURGE")
+    before = int((await redis.info("memory"))["used_memory"])
+    async with await GroupConsumer.connect(url, ns, "bench-trainer") as consumer:
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < seconds:
+            await _publish(redis, keys, fields, BATCH)
+            await consumer.commit(await consumer.take(BATCH))
+            step += 1
+            await asyncio.sleep(max(0.0, started + step * BATCH / PACE_GROUPS_S - time.monotonic()))
+    after = int((await redis.info("memory"))["used_memory"])
+    return {
+        "groups": step * BATCH, "used_mb": (after - before) / 2**20,
+        "archive_mb": await _state(redis, keys, StateField.ARCHIVE_BYTES) / 2**20,
+        "records": await redis.xlen(keys.archive), "dropped": await _state(redis, keys, StateField.ARCHIVE_DROPPED),
+    }
+
+
+async def _run(quick: bool) -> list[Table]:
+    n, tokens = (2, 64) if quick else (8, 1024)
+    groups = BATCH * (2 if quick else 128)
+    rounds = 1 if quick else 3
+    stopped = 3.0 if quick else STOPPED_S
+    group = make_group(n, tokens, seed=1)
+    fields: dict[str, Any] = dict(group_fields(group))
+    group_bytes = len(fields["data"])
+    work = Path(tempfile.mkdtemp(prefix="rs-bench-archive-"))
+    with EmbeddedRedis(dir=work / "redis") as server:
+        url = server.url
+        redis = connect(url)
+        try:
+            rates: dict[str, list[float]] = {"off": [], "on, no archiver": [], "on, archiver running": []}
+            archiver_rates: list[tuple[float, float, int]] = []
+            for r in range(rounds):
+                for case in rates:
+                    ns = f"arch-{r}-{case.replace(' ', '').replace(',', '')}"
+                    keys = await init_ns(redis, ns, n_samples_per_prompt=n, batch_size=BATCH, max_backlog=10_000,
+                                         archive_bytes=0 if case == "off" else 8 * 2**30)
+                    await _publish(redis, keys, fields, groups)
+                    child = None
+                    if case == "on, archiver running":
+                        child = spawn(["-m", "rollstream.cli", "archive", "--redis", url, "--ns", ns, "--out",
+                                       str(work / ns), "--log-level", "WARNING"], log=OUT / "archive-archiver.log")
+                    try:
+                        rates[case].append(await _take_commit(url, ns, groups))
+                    finally:
+                        if child is not None:
+                            stop_all([child])
+                    if case == "on, no archiver":
+                        archiver_rates.append(
+                            await _archive_until_empty(url, redis, keys, work / ns, OUT / "archive-archiver.log")
+                        )
+                    await redis.delete(*keys.all_keys())
+            minute = await _paced_minute(redis, url, "arch-minute", n, fields, stopped, 2**30)
+            small_budget = max(group_bytes * 8, int(minute["archive_mb"] * 2**20 / 4))
+            bounded = await _paced_minute(redis, url, "arch-bounded", n, fields, stopped, small_budget)
+        finally:
+            await redis.aclose()
+
+    off = statistics.median(rates["off"])
+    take = Table(
+        "archive-take", f"take + commit with and without the archive ({n} x {tokens}-token groups, "
+        f"{group_bytes / 1024:.0f} KiB each, batches of {BATCH}, {groups} groups, median of {rounds} rounds)",
+        ["case", "groups/s", "vs off", "rounds"],
+        [[case, round(statistics.median(v), 1), round(statistics.median(v) / off, 3), ", ".join(f"{x:.0f}" for x in v)]
+         for case, v in rates.items()],
+        ["the archive's copy is made inside the commit script (XRANGE + XADD of the entry); the archiver reads "
+         "and deletes on its own connection"],
+    )
+    per_s = statistics.median(a[0] for a in archiver_rates)
+    cpu_per_record_ms = statistics.median(a[1] / a[2] * 1000 for a in archiver_rates if a[2])
+    archiver = Table(
+        "archive-archiver", "one `rollstream archive` process writing zstd Parquet (no --keep-arrays)",
+        ["records/s", "CPU ms / record", "cores at the trainer's rate", "trainer's take+commit groups/s",
+         "archiver / trainer rate"],
+        [[round(per_s, 1), round(cpu_per_record_ms, 2), round(cpu_per_record_ms / 1000 * off, 2), round(off, 1),
+          round(per_s / off, 2)]],
+        [f"records/s from the moment it was running to its last confirmation; CPU is the process's whole life "
+         f"(Python start-up included) over {sum(a[2] for a in archiver_rates)} records"],
+    )
+    memory = Table(
+        "archive-memory", f"Redis memory with the archiver stopped for {stopped:.0f} s, the trainer committing "
+        f"{PACE_GROUPS_S:.0f} groups/s ({group_bytes / 1024:.0f} KiB each)",
+        ["budget MiB", "groups committed", "records held", "archive MiB (ledger)", "used_memory growth MiB",
+         "archive_dropped"],
+        [[round(b / 2**20, 1), int(m["groups"]), int(m["records"]), round(m["archive_mb"], 1), round(m["used_mb"], 1),
+          int(m["dropped"])] for b, m in ((2**30, minute), (small_budget, bounded))],
+        ["used_memory growth is Redis' whole growth over the minute (the archive stream and its entries' overhead); "
+         "under the small budget the oldest records are dropped and counted, and memory stays near the budget"],
+    )
+    return [take, archiver, memory]
+
+
+def run(quick: bool = False) -> list[Table]:
+    return asyncio.run(_run(quick))
