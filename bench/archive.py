@@ -28,7 +28,7 @@ from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys, StateField
 from rollstream.consumer import GroupConsumer
-from rollstream.testing.server import EmbeddedRedis
+from rollstream.runtime.redis_server import EmbeddedRedis
 
 from bench.common import OUT, Table, cpu_seconds, init_ns, make_group, spawn, stop_all
 

@@ -182,7 +182,7 @@ def record_row(record: ArchiveRecord, *, keep_arrays: bool = False) -> dict[str,
         return row
     row["prompt"], row["prompt_is_chat"] = _prompt_text(item.prompt)
     row.update(index=item.index, epoch=item.epoch, attempt=item.attempt, label=_json(item.label),
-               history=list(item.history), metadata=_json(item.metadata), source=_source(item.metadata))
+               history=list(item.history), metadata=_json(item.metadata), source=_source(item))
     if isinstance(item, Group):
         if not keep_arrays and any(getattr(s, name) is not None for s in item.samples for name in BIG_ARRAYS):
             item = _strip(item)
@@ -192,8 +192,11 @@ def record_row(record: ArchiveRecord, *, keep_arrays: bool = False) -> dict[str,
     return row
 
 
-def _source(metadata: Mapping[str, Any]) -> str | None:
-    source = metadata.get("source") if isinstance(metadata, Mapping) else None
+def _source(item: Group | Prompt) -> str | None:
+    """The named dataset source (``Group.source``), else a ``source`` in the metadata, else None."""
+    if item.source:
+        return item.source
+    source = item.metadata.get("source") if isinstance(item.metadata, Mapping) else None
     return None if source is None else str(source)
 
 

@@ -30,7 +30,7 @@ pytest.importorskip("pyarrow")
 
 def _group(index: int, source: str, *, tool_turn: bool) -> Any:
     group = full_group(n=2, index=index, seed=index)
-    group = replace(group, metadata={"source": source}, history=["aborted"] if index % 3 == 0 else [])
+    group = replace(group, source=source, history=["aborted"] if index % 3 == 0 else [])
     samples = []
     for s in group.samples:
         n = s.response_length
