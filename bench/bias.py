@@ -167,6 +167,8 @@ async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: in
         "recycled_aborted": state_int(state, "recycled_aborted"), "recycled_stale": state_int(state, "recycled_stale"),
         "recycled_weight_update": state_int(state, "recycled_weight_update"),
         "metrics": metrics, "warnings": warned.lines,
+        "late": sum(int(m.get("lateness/groups", 0)) for m in metrics),
+        "late_max": max((int(m.get("lateness/steps_max", 0)) for m in metrics), default=0),
         "ledger_long": _ledger_share(metrics),
     }
 
@@ -232,7 +234,7 @@ def run(quick: bool = False) -> list[Table]:
         r["label"], r["steps"], f"{r['dead_long']} / {r['dead_short']}", f"{r['long_trained']} / {r['long_total']}",
         r["long_share"], r["fed_share"], r["tokens_per_trained"], r["long_lag_steps"],
         r["recycled_aborted"], r["recycled_weight_update"], r["recycled_stale"], r["ledger_long"],
-        len(r["warnings"]), r["wall"],
+        len(r["warnings"]), f"{r['late']} (max {r['late_max']})", r["wall"],
     ] for r in results]
     notes = [
         f"n={N}, batch {BATCH}, max_staleness 1, {PER_TOKEN * 1000:g} ms/token, long {LONG_TOKENS} / short "
@@ -246,7 +248,7 @@ def run(quick: bool = False) -> list[Table]:
         ["run", "steps", "dead-lettered long / short", "long trained", "long share trained", "long share fed",
          "tokens generated / trained", "long trained, steps after short", "recycled aborted",
          "recycled weight update", "recycled stale", "ledger: response 128-511 trained / fed share",
-         "bias warnings", "wall s"],
+         "bias warnings", "late groups (most steps)", "wall s"],
         rows,
         notes,
         command="python -m bench bias",

@@ -226,6 +226,13 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
         counters.add_row(*cells)
     parts.append(counters)
 
+    late = snap.get("lateness") or {}
+    if late.get("late_groups"):
+        causes = ", ".join(f"{k} {v}" for k, v in late["by_cause"].items())
+        parts.append(Text(
+            f"late: {late['late_groups']} groups trained after admitted step + generation steps + 1 ({causes})",
+            style="yellow",
+        ))
     epochs = (snap.get("bias") or {}).get("epochs") or {}
     if epochs:
         newest = max(epochs, key=int)

@@ -30,9 +30,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from .keys import StateField
 from .models import Group, Status
 
-PREFIX = "bias:"
+PREFIX = StateField.BIAS_PREFIX
 """State hash fields of the ledger: ``bias:<epoch>:<dimension>:<bucket>:<kind>``."""
 KINDS = ("fed", "trained", "dead", "filtered", "recycled")
 WARN_RATIO = 0.8

@@ -325,6 +325,12 @@ class StateField:
         return f"{StateField.FILTERED_PREFIX}{reason}"
 
     FILTERED_PREFIX = "filtered:"
+    LATE_GROUPS = "late_groups"
+    """Groups trained later than admitted step + generation steps + 1 (``take()``, issue 38)."""
+    LATE_PREFIX = "late:"
+    """``late:<cause>``: the same by cause (weight_update, stale, aborted, failed, filtered, queued)."""
+    BIAS_PREFIX = "bias:"
+    """``bias:<epoch>:<dimension>:<bucket>:<kind>``: the bias ledger (``common/bias.py``)."""
 
     COUNTERS = (
         FED,
@@ -338,6 +344,7 @@ class StateField:
         RECYCLED_FILTERED,
         FILTERED,
         DEAD,
+        LATE_GROUPS,
         DUPLICATES,
         RETURNED,
         RECLAIMED,

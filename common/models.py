@@ -280,6 +280,9 @@ class Prompt:
     engines and carried to the trainer."""
     source: str = ""
     """The named dataset source it was fed from (``rollstream feed NAME=PATH``); "" unnamed."""
+    admitted_ms: int = 0
+    """When a producer first admitted it (Unix ms; 0: not yet): kept across its attempts, so the
+    trainer can tell how late it is trained (issue 38)."""
 
     def __post_init__(self) -> None:
         if self.input_ids is not None:  # an array of its own: the producer extends it
@@ -305,6 +308,10 @@ class Group:
     """The prompt's raw media (carried over from the Prompt)."""
     source: str = ""
     """The dataset source of its prompt (carried over from the Prompt): the namespace's mix."""
+    admitted_ms: int = 0
+    """When its prompt was first admitted (Unix ms; 0: unknown), carried over from the Prompt."""
+    generated_ms: int = 0
+    """How long the attempt that made it took, admission to group (ms; 0: unknown)."""
 
     @property
     def status(self) -> Status:
@@ -398,6 +405,7 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_
         history=[*group.history, reason][-MAX_HISTORY:],
         multimodal_inputs=group.multimodal_inputs,
         source=group.source,
+        admitted_ms=group.admitted_ms,
     )
 
 

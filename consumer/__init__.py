@@ -28,6 +28,10 @@ Modules, one concern each:
   ``numpy``), ``batch_id``, ``Tally`` and ``batch_metrics`` (``Batch.metrics``)
 * ``biaswatch``: ``BiasWatch``: the batch's ``bias/...`` metrics from the ledger ``take()`` read, and the
   WARNING naming an under-trained bucket and its cause (issue 38)
+* ``lateness``: ``StepClock``: steps are takes; a kept group admitted at step s (``Group.admitted_ms``,
+  stamped at the first admission and kept across attempts) with a generation of g steps
+  (``Group.generated_ms`` over the median step) is late past s + g + 1: ``lateness/...`` metrics, a WARNING
+  with the cause read from its history, ``late_groups`` and ``late:<cause>`` in the state hash (issue 38)
 * ``waiting``: why a take waits, no I/O: ``StallClock`` (seconds without a live producer, across takes),
   ``StaleStreak`` / ``StaleWatch`` (the stale streak that feeds ``judge``), ``wait_summary`` (the one-line
   cause), ``unrecovered_failure``

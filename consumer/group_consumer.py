@@ -46,6 +46,7 @@ from .batch import Batch, Tally, batch_id, batch_metrics
 from .biaswatch import BiasWatch
 from .connecting import Connecting
 from .filters import KeepFilter
+from .lateness import StepClock
 from .lease import NameHold
 from .mixing import Mixer
 from .options import NAME_LEASE_SECONDS, NAME_WAIT_SECONDS, ConsumerOptions
@@ -163,6 +164,7 @@ class GroupConsumer:
         self._mixer = Mixer(redis, self.keys, config.weights, self._outage, self.log) if config.weights else None
         self._held: deque[tuple[bytes, dict[bytes, bytes]]] = deque()
         self._bias = BiasWatch(self.name, self.keys.namespace, self.options.warn_interval)
+        self._steps = StepClock(self.name, self.keys.namespace, self.options.warn_interval)
 
     @property
     def keep(self) -> KeepFilter | None:
@@ -580,6 +582,10 @@ class GroupConsumer:
         for group in groups:
             bias.deltas(group, "trained", trained)
         metrics.update(self._bias.observe(groups, stats.bias, trained))
+        late_metrics, late_counts = self._steps.report(self._steps.late(groups))
+        metrics.update(late_metrics)
+        trained.update(late_counts)  # committed with the batch's ledger counts
+        self._steps.took(now_ms())
         # the last step, after the last await: a call cancelled before here hands these out again
         self._handed_out.update(entry_ids)
         return Batch(

@@ -259,7 +259,8 @@ async def snapshot(
     fleet = fold(raw_beats, now, timeout_s)
     producers = _producer_rows(fleet, pending_by_producer, now)
     recent = await view.events(50)
-    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, (StateField.FILTERED_PREFIX, bias.PREFIX))
+    integer_prefixes = (StateField.FILTERED_PREFIX, bias.PREFIX, StateField.LATE_PREFIX)
+    damaged = damaged_fields(keys.state, raw_state, StateField.INTEGERS, integer_prefixes)
     for name, value in raw_beats.items():
         if (what := Heartbeat.damage(value)) is not None:
             damaged.append(f"{keys.producers} field {_text(name)!r}: {what}")
@@ -322,6 +323,11 @@ async def snapshot(
         "counters": counters,
         "stale_recycling": stale_recycling,
         "bias": _bias_section(state),
+        "lateness": {
+            "late_groups": _int(state.get(StateField.LATE_GROUPS)),
+            "by_cause": {k[len(StateField.LATE_PREFIX):]: _int(v) for k, v in sorted(state.items())
+                         if k.startswith(StateField.LATE_PREFIX)},
+        },
         "feeder": {
             "next_index": _int(state.get(StateField.FEED_NEXT_INDEX)),
             "epoch": _int(state.get(StateField.FEED_EPOCH)),

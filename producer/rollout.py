@@ -181,6 +181,7 @@ class Rollout:
             history=prompt.history,
             multimodal_inputs=prompt.multimodal_inputs,
             source=prompt.source,
+            admitted_ms=prompt.admitted_ms,
         )
 
     async def aclose(self) -> None:

@@ -460,12 +460,16 @@ class Producer:
                 finished = True
                 return
             work.prompt = prompt
+            started_ms = now_ms()
+            if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)
+                prompt.admitted_ms = started_ms
             journal = await self._journal(work, prompt) if self.durable else None
             try:
                 group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k), journal)
             except EpisodeDrained:
                 self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
                 return
+            group.generated_ms = max(1, now_ms() - started_ms)
             if group.status == Status.ABORTED and await self._outage.run(
                 lambda: self.control.updated_since(work.version)
             ):

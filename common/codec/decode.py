@@ -418,6 +418,7 @@ def _shared(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
         "history": _history(obj, kind),
         "multimodal_inputs": _multimodal(obj, kind),
         "source": _get(obj, "src", str, kind) if "src" in obj else "",
+        "admitted_ms": _get(obj, "adm", int, kind) if "adm" in obj else 0,
     }
 
 
@@ -425,6 +426,7 @@ def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
     return Group(
         **_shared(obj, "group"),
         producer=_get(obj, "producer", str, "group"),
+        generated_ms=_get(obj, "gen", int, "group") if "gen" in obj else 0,
         samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"]),
     )
 

@@ -129,6 +129,10 @@ def encode_group(group: Group) -> bytes:
         obj["mmi"] = group.multimodal_inputs
     if group.source:
         obj["src"] = group.source
+    if group.admitted_ms:
+        obj["adm"] = group.admitted_ms
+    if group.generated_ms:
+        obj["gen"] = group.generated_ms
     return _packb(obj)
 
 
@@ -151,4 +155,6 @@ def encode_prompt(prompt: Prompt) -> bytes:
         obj["mmi"] = prompt.multimodal_inputs
     if prompt.source:
         obj["src"] = prompt.source
+    if prompt.admitted_ms:
+        obj["adm"] = prompt.admitted_ms
     return _packb(obj)

@@ -33,6 +33,7 @@ leave the group to the copying decoder."""
 
 _GROUP_KEYS = (
     "v", "kind", "index", "epoch", "attempt", "prompt", "label", "metadata", "producer", "history", "mmi", "src",
+    "adm", "gen",
 )
 _GroupView = msgspec.defstruct(
     "_GroupView",
