@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollstream.common.keys import StateField
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 
 logger = logging.getLogger("rollstream.consumer.group_consumer")
@@ -85,6 +86,7 @@ class StepClock:
         self.name = name
         self.namespace = namespace
         self.interval = interval
+        self.log = Prefixed(logger, "consumer", name, namespace)
         self._started_ms = int(time.time() * 1000)
         self._times: list[int] = []
         self._dropped = 0
@@ -151,10 +153,10 @@ class StepClock:
                 continue
             self._warned[item.cause] = now
             quiet = self._quiet.pop(item.cause, 0)
-            logger.warning(
-                "consumer %s (ns %s): prompt %d (epoch %d) trained %d steps late: admitted at step %d, generation "
+            self.log.warning(
+                "prompt %d (epoch %d) trained %d steps late: admitted at step %d, generation "
                 "~%d steps, trained at step %d; cause: %s%s",
-                self.name, self.namespace, item.index, item.epoch, item.steps, item.admitted_step,
+                item.index, item.epoch, item.steps, item.admitted_step,
                 item.generation_steps, item.trained_step, item.why,
                 f" ({quiet} more late for this cause not logged)" if quiet else "",
             )
