@@ -234,11 +234,15 @@ async def test_pipeline_archive_exactly_once_across_sigkill(
     killed = False
     async with await GroupConsumer.connect(redis_url, ns, "trainer-x", keep=lambda g: g.index % 5 != 0) as consumer:
         async with asyncio.timeout(120):
-            while sum(map(len, batches)) < 32:
+            fed = 48
+            while sum(map(len, batches)) < 32 or not killed:
                 batch = await consumer.take(4)
                 batches.append([g.index for g in batch.groups])
                 await consumer.commit(batch)
                 await consumer.set_weight_version(len(batches) // 3)
+                if not killed:  # the archiver may start slowly: the run goes on until it was killed
+                    await add_prompts(redis, ns, 5, start=fed)
+                    fed += 5
                 if not killed and len(archive_files(out)) >= 3:
                     os.kill(archiver.pid, signal.SIGKILL)
                     archiver.wait()
