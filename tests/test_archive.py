@@ -8,6 +8,8 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,7 @@ async def test_no_budget_no_records(redis: Redis, ns: str, keys: Keys) -> None:
     assert await redis.xlen(keys.archive) == 0 and await redis.hget(keys.state, StateField.ARCHIVE_RECORDED) is None
 
 
-async def test_budget_drops_oldest_counted_and_shown(redis: Redis, ns: str, keys: Keys) -> None:
+async def test_budget_drops_oldest_counted_and_shown(redis: Redis, redis_url: str, ns: str, keys: Keys) -> None:
     one = len(group_fields(full_group(n=2, index=0))["data"])  # type: ignore[arg-type]
     budget = int(one * 3.5)
     await make_namespace(redis, ns, archive_bytes=budget)
@@ -107,6 +109,11 @@ async def test_budget_drops_oldest_counted_and_shown(redis: Redis, ns: str, keys
     snap = await snapshot(redis, keys)
     assert snap["archive"]["dropped"] == dropped and snap["archive"]["length"] == len(records)
     assert any("archive_dropped" in w for w in snap["health"]["warnings"])
+    shown = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "rollstream.cli", "inspect", "--redis", redis_url, "--ns", ns],
+        capture_output=True, text=True, check=False, timeout=60, env={**os.environ, "COLUMNS": "400"},
+    )
+    assert f"archive_dropped {dropped}" in " ".join(shown.stdout.split()), shown.stdout + shown.stderr
 
     # a record larger than the whole budget is dropped itself, counted
     await make_namespace(redis, ns, archive_bytes=100)
@@ -270,3 +277,28 @@ async def _settled(redis: Redis, keys: Keys) -> bool:
     recorded = int(await redis.hget(keys.state, StateField.ARCHIVE_RECORDED) or 0)
     archived = int(await redis.hget(keys.state, StateField.ARCHIVED) or 0)
     return recorded > 0 and archived == recorded and await redis.xlen(keys.archive) == 0
+
+
+def test_a_file_of_an_older_schema_stays_readable(tmp_path: Path) -> None:
+    """A later schema version only adds columns: a file without one (as an older rollstream wrote
+    it) reads with nulls there; a file of an unknown newer version is refused by name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from rollstream.common.archive_schema import arrow_schema, part_name, record_row
+
+    group = full_group(n=2, index=3)
+    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in group_fields(group).items()}
+    row = record_row(ArchiveRecord.parse(b"5-0", {b"fate": b"trained", b"kind": b"groups", b"step": b"1", **fields}))
+    full = pa.Table.from_pylist([row], schema=arrow_schema())
+    older = full.drop_columns(["decode_error", "arrays_kept"])  # as if added by a later version
+    folder = tmp_path / "version=0"
+    folder.mkdir()
+    pq.write_table(older.replace_schema_metadata(full.schema.metadata), folder / part_name("5-0", "5-0"))
+    [read] = read_table(tmp_path).to_pylist()
+    assert read["decode_error"] is None and read["arrays_kept"] is None
+    assert read["index"] == 3 and decode_group(read["data"]).index == 3
+
+    newer = full.replace_schema_metadata({b"rollstream.archive": b'{"schema_version": 99}'})
+    pq.write_table(newer, folder / part_name("6-0", "6-0"))
+    with pytest.raises(ConfigError, match="newer"):
+        read_table(tmp_path)
