@@ -47,6 +47,8 @@ TRAIN = 0.3
 CONCURRENCY = 64
 MAX_STEPS = 80
 """A run stops here even if prompts are still out (a pipeline that never trains them)."""
+LONG_BUCKET = "bias/response/128-511"
+"""The long prompts' bucket in the pipeline's own ledger (``Batch.metrics``)."""
 IDLE_END = 20.0
 """Seconds without a group before a run gives up on the prompts still out."""
 
@@ -139,7 +141,9 @@ async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: in
                 await sync.update(consumer, f"/weights/{version}", version, mode="abort")
                 long_trained = sum(1 for i in trained_at if is_long(i))
                 steps.append({"step": step, "trained": len(trained_at), "long_trained": long_trained,
-                              "batch_long": sum(1 for g in batch.groups if is_long(g.index)) / len(batch.groups)})
+                              "batch_long": sum(1 for g in batch.groups if is_long(g.index)) / len(batch.groups),
+                              "fed_long": sum(1 for i in range(max(trained_at) + 1) if is_long(i)),
+                              "fed": max(trained_at) + 1})
         wall = time.perf_counter() - started
         state = await read_state(redis, keys)
         dead = await _dead_indices(redis, keys)
@@ -176,7 +180,7 @@ async def one_run(redis_url: str, engine_url: str, *, partial: bool, prompts: in
 def _ledger_share(metrics: list[dict[str, float]]) -> str:
     """The pipeline's own view at the last batch: the long bucket's trained / fed share."""
     last = metrics[-1] if metrics else {}
-    key = "bias/response/128-511"
+    key = LONG_BUCKET
     if f"{key}/fed_share" not in last:
         return "-"
     return f"{last.get(f'{key}/trained_share', 0.0):.3f} / {last[f'{key}/fed_share']:.3f}"
@@ -201,23 +205,27 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
 
 
 def plot(results: list[dict[str, Any]], path: Any) -> None:
-    """Cumulative share of long prompts among the trained groups per step, against the dataset's."""
+    """Per step: the long prompts' share of the groups trained so far and of the prompts fed so far
+    (fed FIFO: every index up to the newest trained), against the dataset's 0.20."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for r, color in zip(results, ("tab:blue", "tab:orange"), strict=False):
         rows = r["step_rows"]
-        ax.plot([x["step"] for x in rows], [x["long_trained"] / x["trained"] for x in rows],
-                label=f"trained, {'partial rollout' if r['partial'] else 'defaults'}")
+        name = "partial rollout" if r["partial"] else "defaults"
+        steps = [x["step"] for x in rows]
+        ax.plot(steps, [x["long_trained"] / x["trained"] for x in rows], color=color, label=f"trained, {name}")
+        ax.plot(steps, [x["fed_long"] / x["fed"] for x in rows], color=color, linestyle="--", label=f"fed, {name}")
     if results:
-        ax.axhline(results[0]["fed_share"], color="black", linestyle="--", label="fed (dataset)")
+        ax.axhline(results[0]["fed_share"], color="black", linestyle=":", label="dataset")
     ax.set_xlabel("training step")
     ax.set_ylabel("share of long prompts")
     ax.set_ylim(0, 0.4)
-    ax.legend()
+    ax.set_title("Long prompts: trained vs fed, a weight update (abort) every step")
+    ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -168,3 +168,13 @@ def test_archive_quick_produces_rows() -> None:
     assert archiver.rows[0][0] > 0
     held, bounded = memory.rows
     assert held[5] == 0 and bounded[5] > 0  # the small budget dropped records, counted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bias_quick_produces_rows() -> None:
+    """Issue 38's scenario, 40 prompts: both runs train every prompt (the weight updates' aborts
+    keep the attempt: nothing is dead-lettered)."""
+    (table,) = bench_main.run(["bias"], quick=True)
+    assert [row[0] for row in table.rows] == ["defaults", "partial"]
+    assert all(row[2] == "0 / 0" and row[3] == "8 / 8" for row in table.rows), table.rows
