@@ -201,8 +201,9 @@ def run(quick: bool = False) -> list[Table]:
     return [
         Table("fleet_sick", "A sick fleet against its healthy engines alone (4 samples per prompt, 32 in flight)",
               ["fleet", "prompts", "groups completed", "wall s", "sick engines end", "x healthy alone"], sick,
-              ["--health-interval 1 --health-timeout 2; the refusing engine is ejected at its first request, "
-               "the wedged one after a probe with requests waiting on it, their requests sent elsewhere"],
+              ["--health-interval 1 --health-timeout 2; neither sick engine ever answers a probe, so neither joins "
+               "routing (issue 43; before: the refusing one was ejected at its first request, the wedged one "
+               "after a probe with requests waiting on it, their requests sent elsewhere)"],
               command),
         Table("fleet_behind", "An engine restarted on version 0, the trainer at 5 (max_staleness 1)",
               ["routing", "groups", "groups with a stale sample", "requests to the old engine"], behind,

@@ -169,7 +169,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             continue
         for e in row.get("engine_fleet") or ():
             state = str(e.get("state", "?"))
-            style = "green" if state == "healthy" else "yellow" if state in ("suspect", "draining") else "red"
+            waiting = ("suspect", "draining", "joining")
+            style = "green" if state == "healthy" else "yellow" if state in waiting else "red"
             rate = e.get("prefix_hit_rate")
             engines.add_row(
                 row["name"], str(e.get("url", "?")), Text(state, style=style), str(e.get("in_flight", 0)),

@@ -95,7 +95,7 @@ class Heartbeat:
     spans), an endpoint it asks (``GET /weight_info``, ``GET /model_info``), or ``trainer at
     admission`` when its engines report none (``producer/engine/discovery.py``)."""
     engine_fleet: list[dict] = field(default_factory=list)
-    """Each engine's ``url``, ``state`` (healthy, suspect, ejected, wedged, behind, draining),
+    """Each engine's ``url``, ``state`` (joining, healthy, suspect, ejected, wedged, behind, draining),
     ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,
     where the engine reports it, ``prefix_hit_rate`` (``producer/engine/fleet.py``)."""
 

@@ -167,7 +167,7 @@ def assess(
             )
         for engine in p.get("engine_fleet") or ():
             state = engine.get("state")
-            if state in ("ejected", "wedged", "behind", "draining"):
+            if state in ("joining", "ejected", "wedged", "behind", "draining"):
                 warnings.append(f"{p['name']}: engine {engine.get('url')} {state}: {engine.get('reason', '')}")
     if snap["dead"]["length"]:
         warnings.append(f"{snap['dead']['length']} dead-letter entries (see `rollstream dead list`)")

@@ -67,7 +67,7 @@ class ProducerMetrics(Metrics):
         ).labels(**labels)
         engine_names = [*names, "engine"]
         self._engine_state = Gauge(
-            "rollstream_engine_state", "1 for each engine's current state (healthy, suspect, ejected, wedged, "
+            "rollstream_engine_state", "1 for each engine's current state (joining, healthy, suspect, ejected, wedged, "
             "behind, draining)", [*engine_names, "state"], registry=self.registry,
         )
         self._engine_in_flight = Gauge(

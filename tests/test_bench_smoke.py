@@ -122,6 +122,14 @@ def test_fleet_quick_measures_the_sick_fleet_the_old_engine_the_cache_and_adapti
     assert all(row[1] > 0 for row in adaptive.rows) and adaptive.rows[-1][0].startswith("adaptive")
 
 
+def test_joining_quick_keeps_the_sick_engines_out_and_completes_every_group() -> None:
+    from bench import joining
+
+    (table,) = joining.run(quick=True)
+    assert [row[2] for row in table.rows] == [row[1] for row in table.rows]  # every group completed
+    assert table.rows[1][4] == "joining, joining" and table.rows[2][4] != "joining, joining"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_loop_stall_quick_produces_rows() -> None:

@@ -15,6 +15,7 @@ from rollstream.common.keys import Keys
 from rollstream.producer.engine import EngineState
 from rollstream.producer.engine.fleet import AFFINITY_SLACK, Fleet
 from rollstream.testing.sim import SimConfig, SimEngine
+from test_inspect import run_inspect
 
 REFUSING = "http://127.0.0.1:9"
 """Nothing listens there: a dead host (connection refused)."""
@@ -66,10 +67,24 @@ def test_an_engine_behind_the_trainer_gets_no_work_and_rejoins_when_it_caught_up
     assert b.state is EngineState.HEALTHY
 
 
+def test_engines_of_a_fleet_join_only_after_their_first_answer() -> None:
+    fleet = Fleet(["http://a", "http://b"], joining=True)
+    a, b = fleet.engines["http://a"], fleet.engines["http://b"]
+    assert a.state is b.state is EngineState.JOINING and fleet.pick("1:0") is None
+    assert fleet.failed(a, "refused", at_once=True) and a.state is EngineState.JOINING  # still waits to join
+    fleet.joined(b, "probe answered")
+    assert {fleet.pick(f"{k}:0").url for k in range(20)} == {"http://b"}  # type: ignore[union-attr]
+    assert [e["state"] for e in fleet.status()] == ["joining", "healthy"]
+
+
 def test_registry_engines_join_drain_and_leave() -> None:
     fleet = Fleet(["http://static"])
     fleet.apply_registry({"http://new": "active"}, drain_timeout=60)
-    assert fleet.engines["http://new"].routed
+    new = fleet.engines["http://new"]
+    assert new.state is EngineState.JOINING and not new.routed  # no request before its first answer
+    assert {fleet.pick(f"{k}:0").url for k in range(20)} == {"http://static"}  # type: ignore[union-attr]
+    fleet.joined(new, "probe answered")
+    assert new.state is EngineState.HEALTHY and new.routed
     fleet.apply_registry({"http://new": "draining"}, drain_timeout=60)
     assert fleet.engines["http://new"].state is EngineState.DRAINING
     fleet.apply_registry({}, drain_timeout=60)
@@ -113,7 +128,8 @@ async def test_a_sick_fleet_costs_only_its_sick_engines_requests(
     """Four engines: two healthy, one refusing connections (a dead host), one wedged (accepts,
     never answers, /health hangs too). Every prompt is trained once, the producer never exits,
     and its heartbeat names the sick engines with their state (was: a fatal EngineError within
-    seconds, every retry back on the dead engine, the run stalled)."""
+    seconds, every retry back on the dead engine, the run stalled). Neither ever answered a
+    probe, so neither ever joined: both are ``joining`` and got no request (issue 43)."""
     keys = Keys(ns)
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
     await add_prompts(redis, ns, 16)
@@ -129,13 +145,15 @@ async def test_a_sick_fleet_costs_only_its_sick_engines_requests(
         async def sick_states() -> dict[str, str] | None:
             beat = json.loads((await redis.hget(keys.producers, "sick-fleet")) or "{}")
             states = {e["url"]: e["state"] for e in beat.get("engine_fleet", [])}
-            # The wedged engine, once asked (tokenize or generate), is found out 2 s later: the 16
-            # groups may all be trained before that, so wait for it rather than read it at once.
-            found_out = not wedged.connections or states.get(wedged.url) in ("wedged", "ejected")
-            return states if states.get(REFUSING) == "ejected" and found_out else None
+            healthy = {states.get(sim.url), states.get(second.url)} <= {"healthy", "suspect"}
+            return states if healthy and states.get(REFUSING) == states.get(wedged.url) == "joining" else None
 
-        states = await wait_until(sick_states, timeout=30, message="the sick engines named in the heartbeat")
-        assert states[sim.url] in ("healthy", "suspect") and states[second.url] in ("healthy", "suspect")
+        await wait_until(sick_states, timeout=30, message="the sick engines named in the heartbeat, the others healthy")
+        assert wedged.connections >= 1  # probed (its /health hangs), never sent a request
+        _, out = await run_inspect(redis_url, ns)
+        assert f"engine {wedged.url} joining" in " ".join(out.split()), out
+        log = procs.log_of(producer)
+        assert "sent again elsewhere" not in log and f"engine {wedged.url}: joining ->" not in log, log
     assert not [e for e in await recent_events(redis, keys) if e.kind == "fatal"]
 
 

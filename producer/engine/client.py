@@ -35,7 +35,7 @@ from .discovery import (
     gateway_workers,
     probe_version_at,
 )
-from .fleet import OUT, Engine, EngineState, Fleet, gather_probes
+from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
 from .load import LOAD_BYTES, parse_load
@@ -185,12 +185,15 @@ class EngineClient:
                 transport.add_credentials(bare, auth)
         self.fleet = Fleet(bare_urls, eject_after=settings.eject_after, balance=settings.balance,
                            concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None,
-                           registered=settings.registry_urls)
+                           registered=settings.registry_urls,
+                           joining=len(bare_urls) + len(settings.registry_urls) > 1)
         self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
         self._weights: tuple[str, int] | None = None
         """Where the trainer's weights are (``--catch-up-engines``): path, version."""
         self._catch_ups: dict[str, asyncio.Task[None]] = {}
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        """Engine URL -> its probe running now (each runs apart, so a hanging one delays no other)."""
         self._catch_up_after: dict[str, float] = {}
         self._catch_up_failures: dict[str, int] = {}
         """Engine URL -> catch-ups in a row that answered success and left its version behind."""
@@ -218,8 +221,9 @@ class EngineClient:
 
     async def aclose(self) -> None:
         monitor, self._monitor = self._monitor, None
-        tasks = [*self._catch_ups.values(), *([monitor] if monitor is not None else [])]
+        tasks = [*self._catch_ups.values(), *self._probes.values(), *([monitor] if monitor is not None else [])]
         self._catch_ups.clear()
+        self._probes.clear()
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -250,6 +254,8 @@ class EngineClient:
         """Load what a first prompt needs (the tokenizer) before the producer says ``running``."""
         if self.tokenizer is not None:
             await asyncio.to_thread(self.tokenizer.load)
+        if any(e.state is EngineState.JOINING for e in self.fleet.engines.values()):
+            self._ensure_monitor()  # the first probes go out now, not with the first request
 
     def _pick(self, key: str | None = None, weight: int = 1) -> Engine:
         """The engine for a request now (any engine when none is routed: tokenize, probes)."""
@@ -747,6 +753,7 @@ class EngineClient:
         for health (with backoff), the busy ones without a reply for ``health_interval`` for a
         wedge, the behind ones for their version; drains past their timeout."""
         settings = self.settings
+        probed = OUT | {EngineState.JOINING}
         adaptive = settings.adaptive_concurrency
         tick = min(settings.health_interval, settings.load_interval) if adaptive else settings.health_interval
         while True:
@@ -755,7 +762,7 @@ class EngineClient:
             fleet.drop_drained(now)
             due = [
                 e for e in fleet.engines.values()
-                if (e.state in OUT and now >= e.next_probe)
+                if (e.state in probed and now >= e.next_probe)
                 or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
                 or e.state is EngineState.BEHIND or self._version_due(e)
             ]
@@ -763,11 +770,29 @@ class EngineClient:
             if adaptive and now >= self._next_load:
                 self._next_load = now + settings.load_interval
                 loads = [e for e in fleet.engines.values() if e.routed and e.load_path != ""]
-            await asyncio.gather(gather_probes(self._probe, due), gather_probes(self._read_load, loads))
+            for engine in due:  # each probe on its own: one that hangs (a wedge) holds up no other
+                if engine.url not in self._probes:
+                    task = asyncio.create_task(self._probe_logged(engine), name=f"probe {engine.url}")
+                    self._probes[engine.url] = task
+                    task.add_done_callback(self._probe_ended)
+            await gather_probes(self._read_load, loads)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(tick):
                     await self._monitor_wake.wait()
             self._monitor_wake.clear()
+
+    def _probe_ended(self, task: asyncio.Task[None]) -> None:
+        for url, running in list(self._probes.items()):
+            if running is task:
+                del self._probes[url]
+
+    async def _probe_logged(self, engine: Engine) -> None:
+        try:
+            await self._probe(engine)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a probe never ends the monitor; the next tick probes again
+            logger.warning("probe of %s failed: %r", engine.url, exc)
 
     async def _read_load(self, engine: Engine) -> None:
         """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
@@ -830,6 +855,9 @@ class EngineClient:
             await self.weight_version(engine)
             self._maybe_catch_up(engine)
             return
+        if engine.state is EngineState.JOINING:
+            await self._probe_joining(engine)
+            return
         try:
             status, _ = await self.transport.request(
                 "GET", engine.url + "/health", limit=INFO_BYTES, seconds=settings.health_timeout
@@ -857,6 +885,26 @@ class EngineClient:
             fleet.rejoin(engine, f"/health answered after {time.monotonic() - engine.since:.1f} s out")
         else:
             self._probe_later(engine)
+
+    async def _probe_joining(self, engine: Engine) -> None:
+        """A joining engine's ``/health``: any answer but a 5xx (a server without the endpoint
+        answers 404) lets it join; none, a refusal or a 5xx: probed again later."""
+        try:
+            status, _ = await self.transport.request(
+                "GET", engine.url + "/health", limit=INFO_BYTES, seconds=self.settings.health_timeout
+            )
+        except PROBE_ERRORS as exc:
+            engine.reason = f"{JOINING_REASON}: {type(exc).__name__}: {exc}"[:300]
+            self._probe_later(engine)
+            return
+        if status >= 500:
+            engine.reason = f"{JOINING_REASON}: /health answered HTTP {status}"
+            self._probe_later(engine)
+            return
+        engine.version_checked = -float("inf")
+        await self.weight_version(engine)
+        self.fleet.joined(engine, f"/health answered (HTTP {status}) {time.monotonic() - engine.since:.1f} s after "
+                                  "it was added")
 
     async def _workers(self, engine: Engine) -> list[str] | None:
         """Worker URLs if ``engine`` is an SGLang gateway, else None; cached for :data:`WORKERS_TTL`."""

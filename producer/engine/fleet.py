@@ -2,6 +2,9 @@
 
 Engines are peers that fail one at a time (docs/engines.md, "The fleet"). Each has a state:
 
+* ``joining``: in a fleet of several, an engine (at start, or added through the registry) gets no
+  requests until it has answered a ``/health`` probe (any HTTP answer but a 5xx): one that accepts
+  connections and never answers, or refuses them, costs no request its timeout.
 * ``healthy``: gets requests; ``suspect``: a failure since its last good reply, still routed.
 * ``ejected``: refused or reset a connection, or failed ``eject_after`` requests in a row (5xx,
   unusable replies); no new requests, its requests in flight are retried elsewhere, probed
@@ -65,6 +68,7 @@ together, and under load the slack is small beside ``balance`` x the mean."""
 
 
 class EngineState(enum.StrEnum):
+    JOINING = "joining"
     HEALTHY = "healthy"
     SUSPECT = "suspect"
     EJECTED = "ejected"
@@ -76,7 +80,8 @@ class EngineState(enum.StrEnum):
 ROUTED = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
 """The states that get new requests."""
 OUT = frozenset({EngineState.EJECTED, EngineState.WEDGED})
-"""The states probed for health until the engine answers."""
+"""The states probed for health until the engine answers (``joining`` is too, until its first answer)."""
+JOINING_REASON = "no answered health probe yet"
 
 
 class Engine:
@@ -178,8 +183,10 @@ class Fleet:
 
     def __init__(self, urls: Iterable[str], *, eject_after: int = 3, balance: float = 0.25,
                  probe_backoff: Backoff | None = None, concurrency_floor: int | None = None,
-                 registered: Iterable[str] = ()) -> None:
+                 registered: Iterable[str] = (), joining: bool = False) -> None:
         self.concurrency_floor = concurrency_floor
+        self.joining = joining
+        """Engines join routing only after their first answered probe (a fleet of several)."""
         """Adaptive concurrency's floor; None: off (no engine is ever limited)."""
         self.engines: dict[str, Engine] = {}
         for url in urls:
@@ -188,6 +195,9 @@ class Fleet:
         for url in registered:
             engine = Engine(url, registered=True, concurrency_floor=concurrency_floor)
             self.engines.setdefault(engine.url, engine)
+        if joining:
+            for engine in self.engines.values():
+                engine.state, engine.reason = EngineState.JOINING, JOINING_REASON
         self.eject_after = eject_after
         self.balance = balance
         self._probe_backoff = probe_backoff or Backoff(1.0, 30.0)
@@ -309,7 +319,7 @@ class Fleet:
         engine.errors += 1
         engine.failures += 1
         engine.last_reply = time.monotonic()
-        if engine.state in OUT or engine.state is EngineState.DRAINING:
+        if engine.state in OUT or engine.state in (EngineState.DRAINING, EngineState.JOINING):
             return True
         if at_once or engine.failures >= self.eject_after:
             detail = why if at_once else f"{engine.failures} failed requests in a row, last: {why}"
@@ -337,6 +347,15 @@ class Fleet:
             if task not in engine.lost:
                 engine.lost.add(task)
                 task.cancel()
+
+    def joined(self, engine: Engine, why: str) -> None:
+        """A joining engine answered its first probe: routed (``healthy``), unless it is behind."""
+        engine.failures = 0
+        engine.last_reply = time.monotonic()
+        if self._behind(engine):
+            self._move(engine, EngineState.BEHIND, self._behind_reason(engine))
+        else:
+            self._move(engine, EngineState.HEALTHY, why)
 
     def rejoin(self, engine: Engine, why: str) -> None:
         """A probe answered: back in routing (``suspect`` until a reply), unless it is behind."""
@@ -392,6 +411,7 @@ class Fleet:
                 if state != "active":
                     continue
                 engine = self.engines[url] = Engine(url, registered=True, concurrency_floor=self.concurrency_floor)
+                engine.state, engine.reason = EngineState.JOINING, JOINING_REASON  # routed once it answers
                 changed = True
                 logger.warning("engine %s joined (registry)", url)
                 self._wake()
