@@ -9,12 +9,13 @@ function of its input only), so two runs that send the same requests get the sam
 
 Scenarios, each on a fresh namespace (lease 3 s):
 
-* ``no kill``: one producer runs every episode (with the journal, and without it for the
-  cost rows);
-* ``kill, durable``: producer A is SIGKILLed once half of the run's engine calls were made;
-  producer B starts at once, takes A's prompts over after the lease and resumes each episode
-  from its journal;
-* ``kill, start over``: the same kill without the journal: B starts A's episodes from scratch.
+* the kill runs, one wave of 8 prompts x n=2 (every episode in flight at once) on a slow engine
+  (8 ms a token): ``no kill``, one producer runs them all; ``kill, durable``: producer A is
+  SIGKILLed once half of the run's engine calls were made, producer B starts at once, takes A's
+  prompts over after the lease and resumes each episode from its journal; ``kill, start over``:
+  the same kill without the journal, B starts A's episodes from scratch;
+* the cost runs, 32 prompts on a fast engine (2 ms a token), with and without the journal;
+* the limit run: 4 producers whose episodes hold a unit of a namespace limit of 3.
 
 Counted: engine calls (the simulator's requests) and tool calls (lines the tool wrote) against
 the uninterrupted run; wall time from A's start to the last group taken; the engine calls in
@@ -27,6 +28,7 @@ without the journal), and Redis memory per step held (``MEMORY USAGE`` of the jo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import statistics
@@ -42,6 +44,7 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Prompt
+from rollstream.common.protocol import NamespaceLimits
 from rollstream.consumer import GroupConsumer
 from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -93,7 +96,7 @@ async def _journal_memory(redis: Redis, keys: Keys) -> tuple[int, int]:
     """(bytes Redis reports for every journal of the namespace, steps they hold)."""
     used = steps = 0
     async for key in redis.scan_iter(match=keys.episode_pattern):
-        used += int(await redis.memory_usage(key) or 0)
+        used += int(await redis.memory_usage(key, samples=0) or 0)
         steps += sum(1 for f in await redis.hkeys(key) if b":" in f and not f.startswith(b"n:"))  # type: ignore[misc]
     return used, steps
 
@@ -161,25 +164,64 @@ async def scenario(
     return out
 
 
+async def limit_scenario(server: EmbeddedRedis, sim: SimEngine, prompts: int, producers: int, size: int) -> dict[str, Any]:
+    """``producers`` producers whose episodes each hold a unit of the namespace limit ``sandbox``
+    (``size`` units) for a 50 ms tool: the most holders seen at once, the waits."""
+    ns = f"lim-{time.monotonic_ns()}"
+    redis = connect(server.url)
+    keys = await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, max_backlog=4 * prompts)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({"sandbox": size}, {})
+    for prompt in _prompts(prompts):
+        await redis.xadd(keys.prompts, prompt_fields(prompt))
+    with children() as procs:
+        for i in range(producers):
+            procs.append(spawn(["-m", "bench.worker", "produce", "--redis", server.url, "--ns", ns, "--engine",
+                                sim.url, "--concurrency", str(CONCURRENCY), "--max-new-tokens", "64", "--name",
+                                f"p{i}", "--generate", "bench.episode_fns:limited"], OUT / f"worker-{ns}-{i}.log"))
+        started = time.perf_counter()
+        async with await GroupConsumer.connect(server.url, ns, "trainer", stall_timeout=120) as consumer:
+            taken = 0
+            while taken < prompts:
+                batch = await consumer.take(min(BATCH, prompts - taken))
+                taken += len(batch)
+                await consumer.commit(batch)
+        seconds = time.perf_counter() - started
+    (view,) = [v.as_dict() for v in await limits.views()]
+    await redis.aclose()
+    return {"peak": view["peak"], "granted": view["acquired"], "mean_wait_s": view["mean_wait_s"],
+            "seconds": seconds}
+
+
 def run(quick: bool = False) -> list[Table]:
     prompts = 8 if quick else 32
+    """Prompts of the cost and limit runs (several waves of episodes, fast engine)."""
+    wave = 4 if quick else CONCURRENCY // N
+    """Prompts of the kill runs: one wave, every episode in flight when A is killed."""
+    slow_token = 0.002 if quick else 0.008
     rounds = 1 if quick else 2
 
     async def measure() -> dict[str, list[dict[str, Any]]]:
-        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("base", "base_off", "kill", "kill_off")}
-        config = SimConfig(seed=5, mean_tokens=96, length_sigma=0.3, latency_per_token=0.002, deterministic=True,
-                           max_running=256)
+        runs: dict[str, list[dict[str, Any]]] = {
+            k: [] for k in ("ref", "kill", "kill_off", "base", "base_off", "limit")
+        }
+        fast = SimConfig(seed=5, mean_tokens=96, length_sigma=0.3, latency_per_token=0.002, deterministic=True,
+                         max_running=256)
+        slow = dataclasses.replace(fast, latency_per_token=slow_token)
         with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as tmp:
-            async with SimEngine(config) as sim:
+            async with SimEngine(fast) as fast_sim, SimEngine(slow) as slow_sim:
                 for _ in range(rounds):
-                    for name, kill, durable in (("base", False, True), ("base_off", False, False),
-                                                ("kill", True, True), ("kill_off", True, False)):
-                        runs[name].append(await scenario(server, sim, prompts, kill=kill, durable=durable,
+                    for name, kill, durable in (("ref", False, True), ("kill", True, True), ("kill_off", True, False)):
+                        runs[name].append(await scenario(server, slow_sim, wave, kill=kill, durable=durable,
                                                          workdir=Path(tmp)))
+                    for name, durable in (("base", True), ("base_off", False)):
+                        runs[name].append(await scenario(server, fast_sim, prompts, kill=False, durable=durable,
+                                                         workdir=Path(tmp)))
+                    runs["limit"].append(await limit_scenario(server, fast_sim, prompts, 4, 3))
         return runs
 
     runs = asyncio.run(measure())
-    reference = runs["base"][0]["samples"]
+    reference = runs["ref"][0]["samples"]
 
     def equal(result: dict[str, Any]) -> str:
         got = result["samples"]
@@ -189,10 +231,10 @@ def run(quick: bool = False) -> list[Table]:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
 
-    calls, tools = med("base", "engine_calls"), med("base", "tool_calls")
+    calls, tools = med("ref", "engine_calls"), med("ref", "tool_calls")
     rows = []
-    for name, label in (("base", "no kill (journal on)"), ("base_off", "no kill (journal off)"),
-                        ("kill", "kill A at half, durable (resume)"), ("kill_off", "kill A at half, start over")):
+    for name, label in (("ref", "no kill"), ("kill", "kill A at half, durable (resume)"),
+                        ("kill_off", "kill A at half, start over")):
         rs = runs[name]
         rows.append([
             label, med(name, "wall_s"), med(name, "engine_calls"), med(name, "engine_calls") - calls,
@@ -210,9 +252,13 @@ def run(quick: bool = False) -> list[Table]:
         ["Redis memory per step held (MEMORY USAGE of A's journals)", med("kill", "memory_per_step"), "bytes"],
         ["of which step data (journal_bytes / steps held)", med("kill", "journal_bytes_per_step"), "bytes"],
     ]
-    note_engine = (f"{prompts} prompts x n={N} episodes of {TURNS} engine calls (mean 96 tokens, deterministic "
-                   f"simulator), a 100 ms tool between two calls, {CONCURRENCY} episodes in flight per producer, "
-                   f"lease {LEASE:g} s; {rounds} rounds: medians (equality: every round).")
+    note_engine = (f"{prompts} prompts x n={N} episodes of {TURNS} engine calls (mean 96 tokens, 2 ms a token, "
+                   f"deterministic simulator), a 100 ms tool between two calls, {CONCURRENCY} episodes in flight, "
+                   f"lease {LEASE:g} s; {rounds} rounds: medians.")
+    note_kill = (f"one wave: {wave} prompts x n={N} episodes (all in flight at once) of {TURNS} engine calls "
+                 f"(mean 96 tokens, {slow_token * 1000:g} ms a token, deterministic simulator), a 100 ms tool "
+                 f"between two calls, lease {LEASE:g} s; {rounds} rounds: medians, equality: every round, against "
+                 "the first uninterrupted run.")
     return [Table(
         name="durable-kill",
         title="Durable episodes: a producer killed midway through 6-turn episodes",
@@ -221,14 +267,23 @@ def run(quick: bool = False) -> list[Table]:
                  "samples equal to the uninterrupted run (tokens, mask, log-probs)", "journals left"],
         rows=rows,
         notes=[
-            note_engine,
+            note_kill,
             "made again = this run's engine calls minus the uninterrupted run's; target with the journal: no "
             "finished call made again, only the calls in flight at the kill. Tool calls are made again by "
             "design (the user's code between steps runs again to rebuild the tool's state); `once` results "
             "are replayed.",
-            "the 4-producer namespace-limit row of issue 42 is not measured: namespace-wide limits are not "
-            "built yet.",
         ],
+        command="python -m bench episodes --kill",
+    ), Table(
+        name="durable-limit",
+        title="A namespace-wide limit of 3 held by 4 producers",
+        headers=["producers", "limit", "episodes (units granted)", "most holders seen at once", "mean wait s",
+                 "wall s"],
+        rows=[[4, 3, int(med("limit", "granted")), max(r["peak"] for r in runs["limit"]),
+               med("limit", "mean_wait_s"), med("limit", "seconds")]],
+        notes=[f"{prompts} prompts x n={N}, each episode holds a unit of `sandbox` for a 50 ms tool, then makes one "
+               f"engine call outside it; {CONCURRENCY} episodes in flight per producer (64 wanting a unit at once); "
+               "most holders: the `peak` LIMIT_ACQUIRE records (the maximum over the rounds; target 3)."],
         command="python -m bench episodes --kill",
     ), Table(
         name="durable-cost",

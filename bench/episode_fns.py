@@ -62,3 +62,12 @@ async def six_turns(episode: Episode) -> Sample:
             note("tool")
             await episode.observe([1000 + 100 * episode.member + turn * 16 + k for k in range(16)])
     return episode.sample
+
+
+async def limited(episode: Episode) -> Sample:
+    """``bench.durable``'s limit run: a 50 ms tool inside the namespace limit ``sandbox``, then one
+    engine call outside it."""
+    async with episode.limit("sandbox"):
+        await asyncio.sleep(0.05)
+    await episode.generate()
+    return episode.sample

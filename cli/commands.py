@@ -21,7 +21,14 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
-from rollstream.common.protocol import EngineRegistry, check_engine_url
+from rollstream.common.protocol import (
+    EngineRegistry,
+    NamespaceLimits,
+    check_engine_url,
+    format_rate,
+    parse_limit,
+    parse_rate,
+)
 from rollstream.common.settings_fields import documented
 from rollstream.producer.engine.settings import parse_moe_shape
 
@@ -61,8 +68,27 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
     p.add_argument("--heartbeat-timeout", type=float, default=15.0,
                    help=documented(PipelineConfig, "heartbeat_timeout"))
     p.add_argument("--steps-per-version", type=int, default=1, help=documented(PipelineConfig, "steps_per_version"))
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=K",
+                   help="a namespace-wide limit: `async with episode.limit(NAME)` holds one of K units across "
+                        "every producer (repeatable; change at runtime with `rollstream limits set`)")
+    p.add_argument("--rate", action="append", default=[], metavar="NAME=R/s",
+                   help="a namespace-wide rate (R/s or R/min): `await episode.rate(NAME)` takes a token (repeatable)")
     p.add_argument("--force", action="store_true", help="overwrite a different existing config")
     p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("limits", help="namespace-wide limits and rates: set, list (holders, waiters, waits), remove")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, what, specs in (("set", "set limits (NAME=K) and rates (--rate NAME=R/s)", "NAME=K"),
+                                ("list", "every limit and rate: size, holders, waiters, mean wait, peak", ""),
+                                ("remove", "delete limits and rates by name", "NAME")):
+        a = actions.add_parser(action, parents=with_redis, help=what)
+        if specs:
+            a.add_argument("specs", nargs="*", metavar=specs)
+        if action == "set":
+            a.add_argument("--rate", action="append", default=[], metavar="NAME=R/s", help="a rate (R/s or R/min)")
+        if action == "list":
+            a.add_argument("--json", action="store_true", help="as JSON")
+        a.set_defaults(func=cmd_limits)
 
     p = sub.add_parser("feed", parents=with_redis, help="stream a dataset (JSONL, Parquet, shards) into the prompts")
     p.add_argument("dataset", nargs="+",
@@ -216,7 +242,15 @@ def cmd_init(args: argparse.Namespace) -> int:
         mix=args.mix,
     )
     keys = Keys(args.ns)
-    written = asyncio.run(_with_redis(args.redis, lambda r: init_namespace(r, keys, config, force=args.force)))
+    limits = dict(parse_limit(spec) for spec in args.limit)
+    rates = dict(parse_rate(spec) for spec in args.rate)
+
+    async def work(redis: Any) -> bool:
+        written = await init_namespace(redis, keys, config, force=args.force)
+        await NamespaceLimits(redis, keys).set(limits, rates)
+        return written
+
+    written = asyncio.run(_with_redis(args.redis, work))
     logger.info("namespace %s %s: %s", args.ns, "initialised" if written else "unchanged", config)
     return 0
 
@@ -236,6 +270,36 @@ def named_sources(specs: list[str]) -> dict[str, str]:
             raise ConfigError(f"source {name!r} is named twice")
         named[check_source_name(name)] = path
     return named
+
+
+def cmd_limits(args: argparse.Namespace) -> int:
+    keys = Keys(args.ns)
+    if args.action == "set":
+        limits = dict(parse_limit(spec) for spec in args.specs)
+        rates = dict(parse_rate(spec) for spec in args.rate)
+        if not limits and not rates:
+            raise ConfigError("limits set: give NAME=K and/or --rate NAME=R/s")
+        asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).set(limits, rates)))
+        logger.info("namespace %s: limits %s, rates %s", args.ns, limits,
+                    {n: format_rate(r) for n, r in rates.items()})
+        return 0
+    if args.action == "remove":
+        if not args.specs:
+            raise ConfigError("limits remove: give the names to remove")
+        removed = asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).remove(args.specs)))
+        logger.info("namespace %s: %d limit/rate field(s) removed", args.ns, removed)
+        return 0
+    views = asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).views()))
+    rows = [v.as_dict() for v in views]
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    sys.stdout.write(f"{'name':<16} {'kind':<6} {'size':>10} {'holders':>8} {'waiters':>8} {'granted':>8} "
+                     f"{'mean wait s':>11} {'peak':>5}\n")
+    for row in rows:
+        sys.stdout.write(f"{row['name']:<16} {row['kind']:<6} {row['size']!s:>10} {row['holders']:>8} "
+                         f"{row['waiters']:>8} {row['acquired']:>8} {row['mean_wait_s']:>11} {row['peak']:>5}\n")
+    return 0
 
 
 def cmd_feed(args: argparse.Namespace) -> int:

@@ -132,6 +132,13 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             f"{_age(a['archiver_seen_age_s'])}",
         )
     parts.append(streams)
+    if snap.get("limits"):
+        limits = _table("namespace limits and rates", plain, "name", "kind", "size", "holders", "waiters",
+                        "granted", "mean wait", "peak holders")
+        for row in snap["limits"]:
+            limits.add_row(row["name"], row["kind"], str(row["size"]), str(row["holders"]), str(row["waiters"]),
+                           str(row["acquired"]), _secs(row["mean_wait_s"]), str(row["peak"]))
+        parts.append(limits)
     ep = snap.get("episodes") or {}
     if ep.get("durable") or ep.get("journals"):
         parts.append(Text(

@@ -152,6 +152,30 @@ class Keys:
         return f"{self.base}:episode:*"
 
     @property
+    def limits(self) -> str:
+        """Hash: the namespace-wide limits and rates (``init --limit/--rate``, ``rollstream limits
+        set``): ``limit:NAME`` -> units, ``rate:NAME`` -> tokens per second."""
+        return f"{self.base}:limits"
+
+    @property
+    def limit_stats(self) -> str:
+        """Hash: per limit ``acquired:NAME``, ``wait_ms:NAME``, ``peak:NAME`` (most holders at once);
+        per rate ``taken:NAME``, ``rate_wait_ms:NAME`` (for inspect)."""
+        return f"{self.base}:limit_stats"
+
+    def limit_holders(self, name: str) -> str:
+        """Sorted set: the holders of a namespace limit's units, scored by lease expiry (ms)."""
+        return f"{self.base}:limit:{name}:holders"
+
+    def limit_waiters(self, name: str) -> str:
+        """Sorted set: the episodes waiting for a unit, scored by when their wait lapses (ms)."""
+        return f"{self.base}:limit:{name}:waiters"
+
+    def rate_bucket(self, name: str) -> str:
+        """Hash: a namespace rate's token bucket, ``tokens`` and ``ts_ms`` (Redis' own clock)."""
+        return f"{self.base}:rate:{name}"
+
+    @property
     def work_streams(self) -> tuple[str, ...]:
         """The streams holding prompts and groups that are not finished yet (what ``inspect``'s
         ledger counts: fed + requeued - committed - filtered - dead-lettered entries must be there)."""
@@ -169,8 +193,9 @@ class Keys:
     @property
     def per_consumer_patterns(self) -> tuple[str, ...]:
         """SCAN MATCH patterns of the keys not fixed by name: per trainer consumer (journals, name
-        leases) and per prompt (episode journals)."""
-        return (self.journal_pattern, self.lease_pattern, self.episode_pattern)
+        leases), per prompt (episode journals) and per limit or rate (holders, waiters, buckets)."""
+        return (self.journal_pattern, self.lease_pattern, self.episode_pattern, f"{self.base}:limit:*",
+                f"{self.base}:rate:*")
 
     @property
     def lease_pattern(self) -> str:
@@ -194,6 +219,8 @@ class Keys:
             self.group_bytes,
             self.archive,
             self.sources,
+            self.limits,
+            self.limit_stats,
         ]
 
 

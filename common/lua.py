@@ -561,6 +561,96 @@ return status
 """),
 )
 
+# Namespace-wide limits and rates use Redis' own clock (TIME), so producers on hosts whose clocks
+# differ share one. Redis 6.2 needs effects replication for a write after TIME (7+ always does it).
+_NOW = """
+pcall(function() redis.replicate_commands() end)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# One unit of the namespace limit ``name`` for ``token`` (a producer's episode), leased until
+# now + ``lease_ms``: expired holders (a killed producer's) are dropped first, so their units come
+# back within the lease. The limit's size is the ``limits`` hash's, else ``size_hint`` (the size
+# the producer last read: a Redis that restarted without the hash does not block anyone); 0 =
+# unknown. Granted: the wait (``waited_ms``) and the most holders at once go to ``limit_stats``.
+# Refused: the token is listed as a waiter (leased as well). Returns {'ok'|'wait'|'unknown', size}.
+LIMIT_ACQUIRE = Script(
+    "LIMIT_ACQUIRE",
+    keys=("limits", "holders", "waiters", "limit_stats"),
+    argv=("name", "token", "lease_ms", "size_hint", "waited_ms"),
+    source=_template(_NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local size = tonumber(redis.call('HGET', KEYS[1], 'limit:' .. ARGV[1]) or '') or tonumber(ARGV[4]) or 0
+if size <= 0 then return {'unknown', 0} end
+local expiry = now + tonumber(ARGV[3])
+if redis.call('ZSCORE', KEYS[2], ARGV[2]) then
+  redis.call('ZADD', KEYS[2], expiry, ARGV[2])
+  return {'ok', size}
+end
+local held = redis.call('ZCARD', KEYS[2])
+if held >= size then
+  redis.call('ZADD', KEYS[3], expiry, ARGV[2])
+  return {'wait', size}
+end
+redis.call('ZADD', KEYS[2], expiry, ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+incr(KEYS[4], 'acquired:' .. ARGV[1], 1)
+incr(KEYS[4], 'wait_ms:' .. ARGV[1], tonumber(ARGV[5]) or 0)
+if held + 1 > num(redis.call('HGET', KEYS[4], 'peak:' .. ARGV[1])) then
+  redis.call('HSET', KEYS[4], 'peak:' .. ARGV[1], held + 1)
+end
+return {'ok', size}
+"""),
+)
+
+# Extends the leases of ``tokens`` still holding a unit of one limit; returns the ones that lost
+# theirs (expired: the producer's loop or network stalled past the lease).
+LIMIT_RENEW = Script(
+    "LIMIT_RENEW",
+    keys=("holders",),
+    argv=("lease_ms", "*tokens"),
+    source=_template(_NOW + """
+local lost = {}
+for i = 2, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""),
+)
+
+# One token of the namespace rate ``name`` (tokens per second from the ``limits`` hash, else
+# ``rate_hint``; a burst of one second's worth, at least 1). Returns {'ok', 0}, {'wait', ms until a
+# token is due} or {'unknown', 0}; a token taken counts in ``limit_stats`` with the wait before it.
+RATE_TAKE = Script(
+    "RATE_TAKE",
+    keys=("limits", "bucket", "limit_stats"),
+    argv=("name", "rate_hint", "waited_ms"),
+    source=_template(_NOW + """
+local rate = tonumber(redis.call('HGET', KEYS[1], 'rate:' .. ARGV[1]) or '') or tonumber(ARGV[2]) or 0
+if rate <= 0 then return {'unknown', 0} end
+local burst = math.max(1, rate)
+local b = redis.call('HMGET', KEYS[2], 'tokens', 'ts_ms')
+local tokens, ts = tonumber(b[1]), tonumber(b[2])
+if tokens == nil or ts == nil then tokens, ts = burst, now end
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate / 1000)
+if tokens >= 1 then
+  redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'ts_ms', now)
+  incr(KEYS[3], 'taken:' .. ARGV[1], 1)
+  incr(KEYS[3], 'rate_wait_ms:' .. ARGV[1], tonumber(ARGV[3]) or 0)
+  return {'ok', 0}
+end
+redis.call('HSET', KEYS[2], 'tokens', tostring(tokens), 'ts_ms', now)
+return {'wait', math.ceil((1 - tokens) * 1000 / rate)}
+"""),
+)
+
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
 REQUEUE = Script(
@@ -898,6 +988,32 @@ class Scripts:
             member=member, seq=seq, budget=budget, step=step,
         )
         return result.decode() if isinstance(result, bytes) else str(result)
+
+    async def limit_acquire(
+        self, *, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int
+    ) -> tuple[str, int]:
+        """One unit of a namespace limit: ('ok' | 'wait' | 'unknown', the limit's size)."""
+        k = self.keys
+        status, size = await self._run(
+            LIMIT_ACQUIRE, holders=k.limit_holders(name), waiters=k.limit_waiters(name), name=name, token=token,
+            lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms,
+        )
+        return (status.decode() if isinstance(status, bytes) else str(status)), int(size)
+
+    async def limit_renew(self, name: str, tokens: Sequence[str], lease_ms: int) -> list[str]:
+        """Extend the leases of ``tokens``' units; the tokens that lost theirs."""
+        if not tokens:
+            return []
+        lost = await self._run(LIMIT_RENEW, holders=self.keys.limit_holders(name), lease_ms=lease_ms, tokens=tokens)
+        return [t.decode() if isinstance(t, bytes) else str(t) for t in lost]
+
+    async def rate_take(self, *, name: str, rate_hint: float, waited_ms: int) -> tuple[str, int]:
+        """One token of a namespace rate: ('ok', 0), ('wait', ms until one is due) or ('unknown', 0)."""
+        status, wait_ms = await self._run(
+            RATE_TAKE, bucket=self.keys.rate_bucket(name), name=name, rate_hint=repr(float(rate_hint)),
+            waited_ms=waited_ms,
+        )
+        return (status.decode() if isinstance(status, bytes) else str(status)), int(wait_ms)
 
     async def lease(self, key: str, token: str, ttl_ms: int) -> bool:
         """Take the lease ``key`` if free, or renew it if ``token`` holds it; False when another does."""

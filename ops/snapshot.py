@@ -18,7 +18,15 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, SourceField, StateField
-from rollstream.common.protocol import EpisodeJournals, Fleet, Heartbeat, StreamView, fold, state_mismatch
+from rollstream.common.protocol import (
+    EpisodeJournals,
+    Fleet,
+    Heartbeat,
+    NamespaceLimits,
+    StreamView,
+    fold,
+    state_mismatch,
+)
 from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
@@ -357,6 +365,7 @@ async def snapshot(
         "journal_steps": _int(state.get(StateField.JOURNAL_STEPS)),
         "resume_diverged": _int(state.get(StateField.RESUME_DIVERGED)),
     }
+    snap["limits"] = [v.as_dict() for v in await NamespaceLimits(redis, keys).views()]
     terms = await view.admission_terms(config) if config is not None else None
     snap["admission"] = {
         "enabled": bool(config and config.admission_enabled),

@@ -240,8 +240,16 @@ class Episode(Trajectory):
 
     @abc.abstractmethod
     def limit(self, name: str) -> AbstractAsyncContextManager[None]:
-        """Hold one unit of the producer-wide named limit ``name`` (``--limit name=K``) while
-        inside; an unknown name raises ``KeyError`` (the sample fails)."""
+        """Hold one unit of the named limit ``name`` while inside: the producer-wide one
+        (``--limit name=K``) and the namespace-wide one (``rollstream init --limit name=K``,
+        ``rollstream limits set``, leased across every producer), both when both are set.
+        Waiting holds no engine slot and counts against the episode deadline; an unknown name
+        raises ``KeyError`` (the sample fails)."""
+
+    async def rate(self, name: str) -> None:
+        """Take one token of the namespace rate ``name`` (``rollstream init --rate name=R/s``),
+        waiting for it; a bucket shared by every producer. ``KeyError`` for an unknown name."""
+        raise KeyError(f"no namespace rate named {name!r} here")
 
     async def once(self, key: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` (sync or async) once per episode: with durable episodes its result is

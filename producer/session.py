@@ -19,7 +19,7 @@ import logging
 import time
 import weakref
 from array import array
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from .durable import (
 from .engine import EngineClient, Generation, route_key
 from .engine.client import IdsJson
 from .episode import Episode, EpisodeInfo, SamplingParams, Trajectory, Turn
+from .shared_limits import SharedLimits
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -231,6 +232,8 @@ class EpisodeRuntime:
         self.stopping = False
         """A drain with durable episodes: episodes stop at their next step boundary."""
         self.sessions: set[EpisodeSession] = set()
+        self.shared: SharedLimits | None = None
+        """The namespace's limits and rates (set by the producer runtime; None in-process)."""
         """Durable episodes running now (so a drain can stop the ones between steps at once)."""
 
     def stop_episodes(self) -> None:
@@ -291,11 +294,32 @@ class EpisodeRuntime:
         return old, now - oldest
 
     def limit(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The producer-wide limit ``name`` (``--limit``) and the namespace's (``rollstream limits``):
+        both when both are set, the namespace unit first (waiting for it holds no local slot)."""
         slots = self.named.get(name)
+        shared = self.shared if self.shared is not None and self.shared.has_limit(name) else None
+        if slots is None and shared is None:
+            known = ", ".join(sorted({*self.named, *(self.shared.sizes if self.shared else ())})) or "none"
+            raise KeyError(f"no limit named {name!r} (--limit {name}=K or rollstream limits set; configured: {known})")
+        if shared is None:
+            return slots.hold()  # type: ignore[union-attr]
         if slots is None:
-            known = ", ".join(sorted(self.named)) or "none"
-            raise KeyError(f"no limit named {name!r} (--limit {name}=K; configured: {known})")
-        return slots.hold()
+            return shared.hold(name)
+        return _both(shared.hold(name), slots.hold())
+
+    async def rate(self, name: str) -> None:
+        """A token of the namespace rate ``name`` (``rollstream limits set --rate``)."""
+        if self.shared is None or not self.shared.has_rate(name):
+            raise KeyError(f"no namespace rate named {name!r} (rollstream init/limits set --rate {name}=R/s)")
+        await self.shared.take(name)
+
+
+@contextlib.asynccontextmanager
+async def _both(
+    first: contextlib.AbstractAsyncContextManager[None], second: contextlib.AbstractAsyncContextManager[None]
+) -> AsyncIterator[None]:
+    async with first, second:
+        yield
 
 
 def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
@@ -614,6 +638,9 @@ class EpisodeSession(Episode):
 
     def limit(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
         return self.runtime.limit(name)
+
+    async def rate(self, name: str) -> None:
+        await self.runtime.rate(name)
 
     async def segment(self, prompt: str | Sequence[int]) -> Trajectory:
         self.multi_turn = True

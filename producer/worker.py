@@ -86,6 +86,7 @@ from rollstream.common.protocol import (
     EpisodeJournals,
     Heartbeat,
     Heartbeats,
+    NamespaceLimits,
     PromptQueue,
     TrainerMonitor,
 )
@@ -99,6 +100,7 @@ from .rewards import RewardFunction
 from .rollout import Rollout
 from .session import RESUME_POLL
 from .settings import ProducerSettings
+from .shared_limits import SharedLimits
 from .teacher import TeacherScorer
 from .telemetry import Metrics
 
@@ -193,6 +195,9 @@ class Producer:
             on_lag=self.metrics.loop_lag,
         )
         self._renewer: Renewer | None = None
+        self.limits = SharedLimits(NamespaceLimits(redis, self.keys), self.name, config.lease_seconds)
+        """The namespace's limits and rates, held by the episodes (``episode.limit`` / ``rate``)."""
+        self.rollout.runtime.shared = self.limits
         self.durable = config.durable_episodes and self.rollout.journals
         """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
@@ -263,12 +268,14 @@ class Producer:
             await self._outage.run(self._follow_registry)
             await self._outage.run(self._follow_weights)
             await self._outage.run(self._heartbeat_once)
+            await self._outage.run(self.limits.refresh)
             await self._adopt_own_pending()
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             loops += [
                 asyncio.create_task(self._admission_loop(), name="admission"),
                 asyncio.create_task(self._reclaim_loop(), name="reclaim"),
                 asyncio.create_task(self._control_loop(), name="control"),
+                asyncio.create_task(self._limits_loop(), name="limits"),
             ]
             done, _ = await asyncio.wait([stopper, heartbeat, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -652,7 +659,17 @@ class Producer:
             self._wake.set()
         return False  # the outage ended above
 
-    # -- heartbeat, control -------------------------------------------------------------
+    # -- heartbeat, control, limits ----------------------------------------------------
+
+    async def _limits_loop(self) -> None:
+        """Renew the namespace limit units held (a third of the lease) and re-read the sizes."""
+        await self._outage.forever(self._limits_turn)
+
+    async def _limits_turn(self) -> bool:
+        await asyncio.sleep(self.config.lease_seconds / 3)
+        await self.limits.renew()
+        await self.limits.refresh()
+        return True
 
     def _groups_last_minute(self) -> int:
         cutoff = time.monotonic() - 60

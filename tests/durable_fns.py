@@ -46,3 +46,21 @@ async def fails_after_steps(episode: Episode) -> Sample:
     await episode.generate(max_new_tokens=8)
     await episode.observe("<result>1</result>")
     raise RuntimeError("the tool broke after two steps")
+
+
+async def limited(episode: Episode) -> Sample:
+    """One engine call inside the namespace limit ``sandbox``; with ``BLOCK_AT`` set, the episode
+    holding the unit never lets it go (the producer is killed there)."""
+    async with episode.limit("sandbox"):
+        _note(f"sandbox {episode.member}")
+        if os.environ.get("BLOCK_AT"):
+            await asyncio.Event().wait()
+        await episode.generate(max_new_tokens=8)
+    return episode.sample
+
+
+async def rated(episode: Episode) -> Sample:
+    """One token of the namespace rate ``judge`` before its engine call."""
+    await episode.rate("judge")
+    await episode.generate(max_new_tokens=8)
+    return episode.sample

@@ -62,7 +62,8 @@ def test_episodes_quick_produces_rows() -> None:
 
 @pytest.mark.timeout(120)
 def test_durable_quick_resumes_with_only_the_calls_in_flight_made_again() -> None:
-    kill, cost = bench_main.run(["durable"], quick=True)
+    kill, limit, cost = bench_main.run(["durable"], quick=True)
+    assert limit.rows[0][3] <= 3 and limit.rows[0][2] == 16  # 4 producers, a limit of 3: never more than 3 holders
     rows = {row[0]: row for row in kill.rows}
     resumed, start_over = rows["kill A at half, durable (resume)"], rows["kill A at half, start over"]
     # engine calls made again: the calls in flight at the kill (a reply received but not yet

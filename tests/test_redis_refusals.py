@@ -20,7 +20,15 @@ from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError, NamespaceGone, RedisPermissionDenied
 from rollstream.common.events import FATAL, recent_events
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
-from rollstream.common.lua import JOURNAL_APPEND, LEASE, PUBLISH, script_commands
+from rollstream.common.lua import (
+    JOURNAL_APPEND,
+    LEASE,
+    LIMIT_ACQUIRE,
+    LIMIT_RENEW,
+    PUBLISH,
+    RATE_TAKE,
+    script_commands,
+)
 from rollstream.common.protocol import (
     Control,
     DeadLetters,
@@ -168,7 +176,7 @@ def test_the_role_table_is_the_acl_template() -> None:
     assert f"user {OPERATOR_ROLE} " in TEMPLATE.read_text()
     # every command the scripts call is granted to the role whose process calls them
     assert set(script_commands(LEASE)) <= {c.upper() for c in ROLE_COMMANDS["trainer"]}
-    for script in (PUBLISH, JOURNAL_APPEND):  # durable episodes: the producer journals and drops journals
+    for script in (PUBLISH, JOURNAL_APPEND, LIMIT_ACQUIRE, LIMIT_RENEW, RATE_TAKE):  # durable episodes: the producer journals and drops journals
         assert set(script_commands(script)) <= {c.upper() for c in ROLE_COMMANDS["producer"]}, script.name
 
 

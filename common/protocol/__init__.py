@@ -41,6 +41,7 @@ from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
 from .heartbeats import Heartbeats
 from .keyspace import Keyspace
+from .limits import LimitView, NamespaceLimits, format_rate, parse_limit, parse_rate
 from .prompts import Admission, Admitted, PromptQueue
 from .stores import DeadLetters, JournalHash, RolloutFlagsHash
 from .trainer import Diagnosis, TakeStats, TrainerMonitor
@@ -66,8 +67,10 @@ __all__ = [
     "Heartbeats",
     "JournalHash",
     "Keyspace",
+    "LimitView",
     "Member",
     "NameLease",
+    "NamespaceLimits",
     "PromptQueue",
     "RegistryEntry",
     "RolloutFlagsHash",
@@ -80,9 +83,12 @@ __all__ = [
     "check_engine_url",
     "flat_entries",
     "fold",
+    "format_rate",
     "is_nogroup",
     "live_producers",
     "nogroup_error",
+    "parse_limit",
+    "parse_rate",
     "raise_if_refused",
     "state_mismatch",
 ]

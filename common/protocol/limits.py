@@ -1,0 +1,160 @@
+"""Namespace-wide limits and rates (``rollstream limits``, ``episode.limit`` / ``episode.rate``):
+their sizes in the ``limits`` hash, leased units in a sorted set per limit, a token bucket per rate."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from ..errors import ConfigError
+from ..keys import Keys
+from ..lua import Scripts
+from ..redis_values import text
+from .guard import Translated
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
+_PERIOD = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0, "h": 3600.0, "hour": 3600.0}
+
+
+def _check_name(name: str) -> str:
+    if not name or not name.isidentifier():
+        raise ConfigError(f"limit name {name!r} must be an identifier (NAME=K, NAME=R/s)")
+    return name
+
+
+def parse_limit(spec: str) -> tuple[str, int]:
+    """``NAME=K`` -> (name, K), K a positive integer."""
+    name, sep, value = spec.partition("=")
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if not sep or size < 1:
+        raise ConfigError(f"limit {spec!r}: expected NAME=K with K a positive integer (e.g. sandbox=64)")
+    return _check_name(name.strip()), size
+
+
+def parse_rate(spec: str) -> tuple[str, float]:
+    """``NAME=R/s`` or ``NAME=R/min`` (``/h`` too) -> (name, tokens per second)."""
+    name, sep, value = spec.partition("=")
+    match = _RATE.match(value) if sep else None
+    if match is None or float(match.group(1)) <= 0:
+        raise ConfigError(f"rate {spec!r}: expected NAME=R/s or NAME=R/min with R > 0 (e.g. judge=600/min)")
+    return _check_name(name.strip()), float(match.group(1)) / _PERIOD[match.group(2)]
+
+
+def format_rate(per_second: float) -> str:
+    return f"{per_second:g}/s" if per_second >= 1 else f"{per_second * 60:g}/min"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitView:
+    """One limit or rate as ``inspect`` and ``limits list`` show it."""
+
+    name: str
+    kind: str
+    """``limit`` or ``rate``."""
+    size: float
+    """Units (a limit) or tokens per second (a rate)."""
+    holders: int = 0
+    waiters: int = 0
+    acquired: int = 0
+    """Units granted (a limit) or tokens taken (a rate), ever."""
+    wait_s: float = 0.0
+    """Seconds waited before those, in all."""
+    peak: int = 0
+    """The most holders seen at once (a limit)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind,
+            "size": format_rate(self.size) if self.kind == "rate" else int(self.size),
+            "holders": self.holders, "waiters": self.waiters, "acquired": self.acquired,
+            "mean_wait_s": round(self.wait_s / self.acquired, 3) if self.acquired else 0.0, "peak": self.peak,
+        }
+
+
+class NamespaceLimits(Translated):
+    """The limits and rates of one namespace: read and set by operators, held by producers."""
+
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+
+    async def sizes(self) -> tuple[dict[str, int], dict[str, float]]:
+        """(limit -> units, rate -> tokens per second) as set; unreadable fields are skipped."""
+        raw = await self.redis.hgetall(self.keys.limits)
+        limits: dict[str, int] = {}
+        rates: dict[str, float] = {}
+        for field, value in raw.items():
+            kind, _, name = text(field).partition(":")
+            try:
+                if kind == "limit":
+                    limits[name] = int(text(value))
+                elif kind == "rate":
+                    rates[name] = float(text(value))
+            except ValueError:
+                continue
+        return limits, rates
+
+    async def set(self, limits: Mapping[str, int], rates: Mapping[str, float]) -> None:
+        fields = {f"limit:{_check_name(n)}": str(k) for n, k in limits.items()}
+        fields.update({f"rate:{_check_name(n)}": repr(float(r)) for n, r in rates.items()})
+        if fields:
+            await self.redis.hset(self.keys.limits, mapping=fields)
+
+    async def remove(self, names: Sequence[str]) -> int:
+        if not names:
+            return 0
+        fields = [f"{kind}:{name}" for name in names for kind in ("limit", "rate")]
+        return int(await self.redis.hdel(self.keys.limits, *fields))
+
+    async def acquire(self, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int) -> tuple[str, int]:
+        return await self.scripts.limit_acquire(
+            name=name, token=token, lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms
+        )
+
+    async def renew(self, name: str, tokens: Sequence[str], lease_ms: int) -> list[str]:
+        return await self.scripts.limit_renew(name, tokens, lease_ms)
+
+    async def release(self, name: str, token: str) -> None:
+        """Give a unit back (or stop waiting for one)."""
+        await self.redis.zrem(self.keys.limit_holders(name), token)
+        await self.redis.zrem(self.keys.limit_waiters(name), token)
+
+    async def take(self, name: str, rate_hint: float, waited_ms: int) -> tuple[str, int]:
+        return await self.scripts.rate_take(name=name, rate_hint=rate_hint, waited_ms=waited_ms)
+
+    async def views(self) -> list[LimitView]:
+        """Every limit and rate with its holders and waiters now (leases not expired), the
+        units granted and the time waited for them."""
+        limits, rates = await self.sizes()
+        if not limits and not rates:
+            return []
+        stats = {text(k): text(v) for k, v in (await self.redis.hgetall(self.keys.limit_stats)).items()}
+
+        def stat(field: str) -> int:
+            try:
+                return int(float(stats.get(field, "0")))
+            except ValueError:
+                return 0
+
+        seconds, micros = await self.redis.time()  # the clock the scores were written with
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        out = []
+        for name, size in sorted(limits.items()):
+            out.append(LimitView(
+                name, "limit", size,
+                holders=int(await self.redis.zcount(self.keys.limit_holders(name), now_ms, "+inf")),
+                waiters=int(await self.redis.zcount(self.keys.limit_waiters(name), now_ms, "+inf")),
+                acquired=stat(f"acquired:{name}"), wait_s=stat(f"wait_ms:{name}") / 1000, peak=stat(f"peak:{name}"),
+            ))
+        for name, rate in sorted(rates.items()):
+            out.append(LimitView(name, "rate", rate, acquired=stat(f"taken:{name}"),
+                                 wait_s=stat(f"rate_wait_ms:{name}") / 1000))
+        return out

@@ -1,0 +1,132 @@
+"""Namespace-wide limits and rates as a producer's episodes hold them (``async with
+episode.limit(NAME)``, ``await episode.rate(NAME)``).
+
+A unit of a limit is leased in Redis (LIMIT_ACQUIRE) and renewed with the producer's other
+leases, so a killed producer's units come back within the namespace's lease. Waiting polls
+(every :data:`POLL_MIN` to :data:`POLL_MAX` seconds, so a unit given back or a size raised at
+runtime is seen within half a second) and holds no engine slot; it runs inside the episode, so
+it counts against its deadline. The sizes the producer last read stand in for a ``limits`` hash
+that is gone (a Redis restarted without persistence): nothing deadlocks and nothing crashes, and
+the holders' set, gone too, starts empty. A Redis that cannot be reached while an episode waits
+is retried at the same pace (the episode deadline bounds the wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollstream.common.connection import TRANSIENT_ERRORS
+from rollstream.common.protocol import NamespaceLimits
+
+logger = logging.getLogger(__name__)
+
+POLL_MIN = 0.02
+POLL_MAX = 0.5
+"""Seconds between two tries for a unit (doubling from ``POLL_MIN``) or a rate token (at most)."""
+
+
+class SharedLimits:
+    """One producer's view of its namespace's limits and rates."""
+
+    def __init__(self, limits: NamespaceLimits, producer: str, lease_s: float) -> None:
+        self.store = limits
+        self.producer = producer
+        self.lease_ms = int(lease_s * 1000)
+        self.sizes: dict[str, int] = {}
+        self.rates: dict[str, float] = {}
+        self.held: dict[str, set[str]] = {}
+        """Limit name -> this producer's tokens holding a unit (renewed by :meth:`renew`)."""
+        self.waiting = 0
+        self.lost = 0
+        """Units whose lease lapsed while held (the loop or the network stalled past the lease)."""
+
+    async def refresh(self) -> None:
+        """Read the sizes (at start and every heartbeat: ``rollstream limits set`` at runtime);
+        a hash that is gone keeps the sizes last read."""
+        sizes, rates = await self.store.sizes()
+        if not sizes and not rates and (self.sizes or self.rates):
+            logger.warning("producer %s: the namespace limits hash is gone (Redis restarted?); keeping the "
+                           "last sizes read: %s", self.producer, {**self.sizes, **self.rates})
+            return
+        self.sizes, self.rates = sizes, rates
+
+    def has_limit(self, name: str) -> bool:
+        return name in self.sizes
+
+    def has_rate(self, name: str) -> bool:
+        return name in self.rates
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        """One unit of limit ``name`` across every producer of the namespace while inside."""
+        token = f"{self.producer}:{uuid.uuid4().hex[:12]}"
+        started = time.monotonic()
+        pause = POLL_MIN
+        self.waiting += 1
+        try:
+            while True:
+                waited_ms = int((time.monotonic() - started) * 1000)
+                try:
+                    status, _ = await self.store.acquire(name, token, self.lease_ms, self.sizes.get(name, 0), waited_ms)
+                except TRANSIENT_ERRORS as exc:
+                    logger.debug("limit %s: Redis unreachable while waiting (%s); retrying", name, exc)
+                    status = "wait"
+                if status == "ok":
+                    break
+                if status == "unknown":
+                    raise KeyError(f"no namespace limit named {name!r} (rollstream limits set --ns NS {name}=K)")
+                await asyncio.sleep(pause)
+                pause = min(POLL_MAX, pause * 2)
+        except BaseException:
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await asyncio.shield(self.store.release(name, token))  # no longer waiting
+            raise
+        finally:
+            self.waiting -= 1
+        self.held.setdefault(name, set()).add(token)
+        try:
+            yield
+        finally:
+            self.held[name].discard(token)
+            with contextlib.suppress(*TRANSIENT_ERRORS):  # else its lease lapses: it comes back all the same
+                await asyncio.shield(self.store.release(name, token))
+
+    async def take(self, name: str) -> None:
+        """One token of rate ``name``, shared by every producer of the namespace."""
+        started = time.monotonic()
+        while True:
+            waited_ms = int((time.monotonic() - started) * 1000)
+            try:
+                status, wait_ms = await self.store.take(name, self.rates.get(name, 0.0), waited_ms)
+            except TRANSIENT_ERRORS as exc:
+                logger.debug("rate %s: Redis unreachable while waiting (%s); retrying", name, exc)
+                status, wait_ms = "wait", int(POLL_MAX * 1000)
+            if status == "ok":
+                return
+            if status == "unknown":
+                raise KeyError(f"no namespace rate named {name!r} (rollstream limits set --ns NS --rate {name}=R/s)")
+            self.waiting += 1
+            try:
+                await asyncio.sleep(min(POLL_MAX, max(POLL_MIN, wait_ms / 1000)))
+            finally:
+                self.waiting -= 1
+
+    async def renew(self) -> None:
+        """Extend the leases of the units held (with the producer's prompt leases)."""
+        for name, tokens in list(self.held.items()):
+            if not tokens:
+                continue
+            lost = await self.store.renew(name, sorted(tokens), self.lease_ms)
+            if lost:
+                self.lost += len(lost)
+                logger.warning("producer %s: %d unit(s) of limit %s lapsed past the %.0f s lease while held",
+                               self.producer, len(lost), name, self.lease_ms / 1000)
+
+    def stats(self) -> dict[str, Any]:
+        return {"held": sum(len(t) for t in self.held.values()), "waiting": self.waiting, "lost": self.lost}

@@ -1,0 +1,194 @@
+"""Namespace-wide limits and rates: the scripts on Redis directly (leased units, waiters, a limits
+hash that is gone, the token bucket), then real ``rollstream produce`` processes: a killed
+producer's units come back within the lease, and a rate holds across producers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rollstream.common.errors import ConfigError
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.protocol import NamespaceLimits, parse_limit, parse_rate
+from rollstream.consumer import GroupConsumer
+from rollstream.ops.snapshot import snapshot
+from rollstream.producer.session import EpisodeLimits, EpisodeRuntime
+from rollstream.producer.shared_limits import SharedLimits
+from rollstream.testing.sim import SimEngine
+from test_episodes_pipeline import heartbeat
+from test_faults import wait_exit
+
+FNS = Path(__file__).with_name("durable_fns.py")
+
+
+def fn(name: str) -> str:
+    return f"{FNS}:{name}"
+
+
+def test_specs_parse_and_bad_ones_are_config_errors() -> None:
+    assert parse_limit("sandbox=64") == ("sandbox", 64)
+    assert parse_rate("judge=600/min") == ("judge", 10.0)
+    assert parse_rate("judge=2/s") == ("judge", 2.0)
+    for bad in ("sandbox", "sandbox=0", "sand box=3", "x=-1"):
+        with pytest.raises(ConfigError):
+            parse_limit(bad)
+    for bad in ("judge=5", "judge=0/s", "judge=5/week"):
+        with pytest.raises(ConfigError):
+            parse_rate(bad)
+
+
+async def _view(limits: NamespaceLimits, name: str) -> dict[str, object]:
+    return next(v.as_dict() for v in await limits.views() if v.name == name)
+
+
+async def test_units_are_leased_waiters_listed_and_an_expired_holders_unit_comes_back(redis: Redis, ns: str) -> None:
+    limits = NamespaceLimits(redis, Keys(ns))
+    await limits.set({"sandbox": 2}, {})
+    assert await limits.acquire("sandbox", "a:1", 60_000, 0, 0) == ("ok", 2)
+    assert await limits.acquire("sandbox", "b:1", 200, 0, 0) == ("ok", 2)  # a short lease: "b" dies
+    assert await limits.acquire("sandbox", "a:2", 60_000, 0, 0) == ("wait", 2)
+    assert (await _view(limits, "sandbox"))["waiters"] == 1
+    # b never renews: its unit comes back once its lease is over, and the waiter gets it
+    await wait_until(lambda: _granted(limits, "a:2"), message="the expired unit back")
+    view = await _view(limits, "sandbox")
+    assert (view["holders"], view["waiters"], view["acquired"], view["peak"]) == (2, 0, 3, 2)
+    assert await limits.renew("sandbox", ["a:1", "b:1"], 60_000) == ["b:1"]
+    await limits.release("sandbox", "a:1")
+    assert (await _view(limits, "sandbox"))["holders"] == 1
+
+
+async def _granted(limits: NamespaceLimits, token: str) -> bool:
+    return (await limits.acquire("sandbox", token, 60_000, 0, 0))[0] == "ok"
+
+
+async def test_a_limits_hash_that_is_gone_falls_back_to_the_size_last_read(redis: Redis, ns: str) -> None:
+    keys = Keys(ns)
+    limits = NamespaceLimits(redis, keys)
+    assert await limits.acquire("sandbox", "a:1", 60_000, 0, 0) == ("unknown", 0)
+    await redis.delete(keys.limits)  # a Redis restarted without it: the producer's hint holds
+    assert await limits.acquire("sandbox", "a:1", 60_000, 1, 0) == ("ok", 1)
+    assert await limits.acquire("sandbox", "a:2", 60_000, 1, 0) == ("wait", 1)
+    await limits.set({"sandbox": 2}, {})  # the hash, where there is one, wins: raised at runtime
+    assert await limits.acquire("sandbox", "a:2", 60_000, 1, 0) == ("ok", 2)
+
+
+async def test_a_rate_gives_a_burst_then_says_when_the_next_token_is_due(redis: Redis, ns: str) -> None:
+    limits = NamespaceLimits(redis, Keys(ns))
+    assert await limits.take("judge", 0.0, 0) == ("unknown", 0)
+    await limits.set({}, {"judge": 2.0})
+    assert [(await limits.take("judge", 0.0, 0))[0] for _ in range(2)] == ["ok", "ok"]
+    status, wait_ms = await limits.take("judge", 0.0, 0)
+    assert status == "wait" and 0 < wait_ms <= 500
+    assert (await _view(limits, "judge"))["acquired"] == 2
+
+
+async def test_a_killed_producers_units_come_back_within_its_lease(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, lease_seconds=3.0)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({"sandbox": 1}, {})
+    await add_prompts(redis, ns, 1, text="Compute 3 + 4.")
+    monkeypatch.setenv("TOOL_LOG", str(tmp_path / "tools.log"))
+    monkeypatch.setenv("BLOCK_AT", "1")
+    first = procs.producer(redis_url, ns, sim.url, "--generate", fn("limited"), name="a")
+
+    async def one_holds_one_waits() -> bool:
+        view = await _view(limits, "sandbox")
+        return (view["holders"], view["waiters"]) == (1, 1)
+
+    await wait_until(one_holds_one_waits, message="a holds the unit, its other episode waits")
+    first.send_signal(signal.SIGKILL)
+    await wait_exit(first)
+    monkeypatch.delenv("BLOCK_AT")
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("limited"), name="b")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(90):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    assert batch.groups[0].producer == "b"
+    view = await _view(limits, "sandbox")
+    assert (view["holders"], view["waiters"], view["peak"]) == (0, 0, 1)  # never two at once
+
+
+async def test_a_rate_holds_across_producers_and_changes_at_runtime(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool,
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({}, {"judge": 1 / 60})  # one token a minute, a burst of one
+    for name in ("a", "b"):  # one prompt each: concurrency 1
+        procs.producer(redis_url, ns, sim.url, "--generate", fn("rated"), name=name, concurrency=1)
+
+    async def both_running() -> bool:
+        beats = [await heartbeat(redis, ns, name) for name in ("a", "b")]
+        return all(beat.state == "running" for beat in beats)
+
+    await wait_until(both_running, message="both producers running")
+    await add_prompts(redis, ns, 2, text="Compute 3 + 4.")
+
+    async def both_admitted_one_published() -> bool:
+        state = await redis.hgetall(keys.state)  # type: ignore[misc]
+        return int(state.get(StateField.ADMITTED.encode(), 0)) == 2 and int(
+            state.get(StateField.PUBLISHED.encode(), 0)) == 1
+
+    await wait_until(both_admitted_one_published, message="two episodes on two producers, one token taken")
+    assert (await _view(limits, "judge"))["acquired"] == 1  # the other producer's episode waits for it
+    await limits.set({}, {"judge": 10.0})  # `rollstream limits set --rate judge=10/s` while it waits
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(2)
+        await consumer.commit(batch)
+    assert sorted(g.producer for g in batch.groups) == ["a", "b"]
+    assert (await _view(limits, "judge"))["acquired"] == 2
+
+
+async def test_a_producer_wide_limit_and_a_namespace_limit_of_one_name_both_apply(redis: Redis, ns: str) -> None:
+    keys = Keys(ns)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({"sandbox": 2}, {})
+    runtime = EpisodeRuntime(None, EpisodeLimits(named={"sandbox": 1}))  # type: ignore[arg-type]  # no engine call
+    runtime.shared = SharedLimits(limits, "p", 30.0)
+    await runtime.shared.refresh()
+    async with runtime.limit("sandbox"):
+        assert runtime.named["sandbox"].busy == 1  # the producer's own slot
+        assert (await _view(limits, "sandbox"))["holders"] == 1  # and a namespace unit
+        snap = await snapshot(redis, keys)  # inspect shows the holder
+        assert [(row["name"], row["holders"]) for row in snap["limits"]] == [("sandbox", 1)]
+    assert runtime.named["sandbox"].busy == 0 and (await _view(limits, "sandbox"))["holders"] == 0
+    with pytest.raises(KeyError):
+        runtime.limit("judge")
+    with pytest.raises(KeyError):
+        await runtime.rate("judge")
+
+
+def _cli(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "rollstream.cli", *args], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_init_writes_limits_and_rates_and_limits_set_list_remove_change_them(redis_url: str, ns: str) -> None:
+    _cli("init", "--redis", redis_url, "--ns", ns, "--n-samples", "2", "--batch-size", "1",
+         "--limit", "sandbox=3", "--rate", "judge=120/min")
+    rows = {row["name"]: row for row in json.loads(_cli("limits", "list", "--redis", redis_url, "--ns", ns, "--json"))}
+    assert (rows["sandbox"]["kind"], rows["sandbox"]["size"]) == ("limit", 3)
+    assert (rows["judge"]["kind"], rows["judge"]["size"]) == ("rate", "2/s")
+    _cli("limits", "set", "--redis", redis_url, "--ns", ns, "sandbox=5", "--rate", "judge=30/min")
+    _cli("limits", "remove", "--redis", redis_url, "--ns", ns, "judge")
+    text = _cli("limits", "list", "--redis", redis_url, "--ns", ns)
+    assert "sandbox" in text and " 5 " in text and "judge" not in text
+    bad = subprocess.run([sys.executable, "-m", "rollstream.cli", "limits", "set", "--redis", redis_url, "--ns", ns,
+                          "sandbox=lots"], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "NAME=K" in bad.stderr  # a ConfigError: one line, exit 2
