@@ -60,7 +60,13 @@ async def limited(episode: Episode) -> Sample:
 
 
 async def rated(episode: Episode) -> Sample:
-    """One token of the namespace rate ``judge`` before its engine call."""
+    """One token of the namespace rate ``judge``, then (holding its producer's only slot) a wait
+    for the file ``$RELEASE`` (at most 60 s), then its engine call."""
     await episode.rate("judge")
+    release = Path(os.environ.get("RELEASE", "/nonexistent"))
+    for _ in range(1200):
+        if await asyncio.to_thread(release.exists):
+            break
+        await asyncio.sleep(0.05)
     await episode.generate(max_new_tokens=8)
     return episode.sample
