@@ -68,9 +68,9 @@ def test_durable_quick_resumes_with_only_the_calls_in_flight_made_again() -> Non
     resumed, start_over = rows["kill A at half, durable (resume)"], rows["kill A at half, start over"]
     # engine calls made again: the calls in flight at the kill (a reply received but not yet
     # journaled when the SIGKILL lands counts as made again: a window of one round trip)
-    assert resumed[3] <= resumed[4] + 2 and resumed[3] < start_over[3]
-    assert all(row[7].split("/")[0] == row[7].split("/")[1] for row in kill.rows)  # token for token equal
-    assert all(row[8] == 0 for row in kill.rows)  # every journal removed
+    assert resumed[4] <= resumed[5] + 2 and resumed[4] < start_over[4]
+    assert all(row[8].split("/")[0] == row[8].split("/")[1] for row in kill.rows)  # token for token equal
+    assert all(row[9] == 0 for row in kill.rows)  # every journal removed
     assert len(cost.rows) == 5
 
 
