@@ -233,6 +233,7 @@ class Feeder:
         if not self.named:
             source = self.sources[0]
             source.start(cursor.epoch, cursor.position)
+            await asyncio.to_thread(source.peek)  # a resume replays the epoch's order: off the loop
             return cursor.next_index
         raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
         state = {text(k): text(v) for k, v in raw.items()}
@@ -247,6 +248,7 @@ class Feeder:
                 int_or(state.get(SourceField.of(source.name, "epoch")), 0),
                 int_or(state.get(SourceField.of(source.name, "position")), 0),
             )
+            await asyncio.to_thread(source.peek)
         return cursor.next_index
 
     async def _alive(self) -> dict[str, int]:
