@@ -28,6 +28,18 @@ from .guard import Guarded, Server, is_nogroup, memory_figures
 
 BIAS_PREFIX = _BIAS.encode()
 
+def _ledger_fields(state: Mapping[bytes, bytes]) -> dict[str, int]:
+    """The ``bias:`` fields of a state hash as read (a damaged value counts 0: ``inspect`` names it)."""
+    out: dict[str, int] = {}
+    for name, value in state.items():
+        if name.startswith(BIAS_PREFIX):
+            try:
+                out[name.decode()] = int(value)
+            except (ValueError, UnicodeDecodeError):
+                out[name.decode(errors="replace")] = 0
+    return out
+
+
 # -- views -----------------------------------------------------------------------------------
 
 
@@ -152,23 +164,18 @@ class TrainerMonitor(Guarded):
         _raise_errors(replies)
         groups_len, groups_pending, prompts_pending, retry_pending, state, beats = replies
         await self.redis.publish(keys.control, TAKEN_MESSAGE)
-        ledger = {}
-        for name, value in state.items():
-            if name.startswith(BIAS_PREFIX):
-                ledger[name.decode(errors="replace")] = int_or(value)
         return TakeStats(
             groups_length=int(groups_len),
             groups_pending=int(groups_pending["pending"]),
             prompts_pending=int(prompts_pending["pending"]) + int(retry_pending["pending"]),
             admission_blocked_ms=int_or(state.get(StateField.ADMISSION_BLOCKED_MS.encode())),
             heartbeats=dict(beats),
-            bias=ledger,
+            bias=_ledger_fields(state),
         )
 
     async def bias(self) -> dict[str, int]:
         """The bias ledger's fields of the state hash (:mod:`~..bias`)."""
-        state = await self.redis.hgetall(self.keys.state)
-        return {k.decode(errors="replace"): int_or(v) for k, v in state.items() if k.startswith(BIAS_PREFIX)}
+        return _ledger_fields(await self.redis.hgetall(self.keys.state))
 
     async def add_bias(self, bias: Mapping[str, int], forget: Sequence[str] = ()) -> None:
         """Add to the bias ledger (a committed batch, a producer's dead letter) and drop the
