@@ -12,6 +12,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   └── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
+    ├── RowError (also ValueError)            a dataset row that cannot be fed (file and row named): dead-lettered
     ├── EngineError                           the engines failed after the retries (or none is usable): fatal
     │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
     ├── EngineRejected                        one request cannot be served, not retried: the sample fails
@@ -119,6 +120,11 @@ class ExtraNotInstalled(ConfigError):
         super().__init__(f"{purpose} needs {module!r}: pip install 'rollstream[{extra}]'")
         self.module = module
         self.extra = extra
+
+
+class RowError(RollstreamError, ValueError):
+    """A dataset row that cannot become a prompt; the message names the file and row. The feeder
+    dead-letters it with that reason (a whole-file load raises ``ConfigError`` instead)."""
 
 
 class DecodeError(RollstreamError, ValueError):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, RowError
 from rollstream.common.models import as_prompt_content
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -45,10 +45,6 @@ class Record:
     prompt: Any
     label: Any
     metadata: dict[str, Any]
-
-
-class RowError(ValueError):
-    """One row cannot be fed; the message names the file and row."""
 
 
 @dataclass(frozen=True, slots=True)

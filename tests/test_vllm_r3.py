@@ -144,9 +144,9 @@ async def test_vllm_r3_stays_aligned_across_a_partial_rollout_and_every_prompt_i
         async with asyncio.timeout(60):
             batch = await consumer.take(1)
         (group,) = batch.groups
-        # the vLLM path recycles the aborted group with its partial samples; the next attempt
-        # continues each from its tokens (the continuation's prompt is the whole prefix)
-        assert (group.index, group.attempt) == (0, 1) and group.status in (Status.COMPLETED, Status.TRUNCATED)
+        # partial rollout continues each aborted call in place on the vLLM path too: the same
+        # attempt, each sample resumed from its tokens (the continuation's prompt is the prefix)
+        assert (group.index, group.attempt) == (0, 0) and group.status in (Status.COMPLETED, Status.TRUNCATED)
         for sample in group.samples:
             assert 0 < sample.metadata["continued_from"] < sample.response_length, sample.metadata
             _check_rows(sample)  # every row, the continued ones included, routes its own token
