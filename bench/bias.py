@@ -21,19 +21,23 @@ import logging
 import math
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
 from rollstream import WeightSync
+from rollstream.common import bias
 from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import connect
-from rollstream.common.keys import Keys
+from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import read_state, state_int
+from rollstream.common.protocol import TrainerMonitor
 from rollstream.consumer import GroupConsumer
+from rollstream.consumer.biaswatch import BiasWatch
 from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
-from bench.common import IMG, OUT, Table, children, init_ns, spawn
+from bench.common import IMG, OUT, Table, children, init_ns, make_group, spawn
 
 N = 4
 BATCH = 8
@@ -231,7 +235,63 @@ def plot(results: list[dict[str, Any]], path: Any) -> None:
     plt.close(fig)
 
 
+async def _mark_take_before(redis: Any, keys: Keys) -> None:
+    """``TrainerMonitor.mark_take`` before the ledger (db2d175): one field of the state hash."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.state, StateField.LAST_TAKE_MS, 1)
+        pipe.xlen(keys.groups)
+        pipe.xpending(keys.groups, TRAINER_GROUP)
+        pipe.xpending(keys.prompts, PRODUCERS_GROUP)
+        pipe.xpending(keys.retry, PRODUCERS_GROUP)
+        pipe.hget(keys.state, StateField.ADMISSION_BLOCKED_MS)
+        pipe.hgetall(keys.producers)
+        await pipe.execute(raise_on_error=False)
+    await redis.publish(keys.control, "taken")
+
+
+async def ledger_cost(quick: bool) -> list[list[Any]]:
+    """What the ledger adds to a take: per group, per take's round trip, per take's metrics."""
+    rounds = 50 if quick else 400
+    groups = [make_group(8, 256, index=i) for i in range(64)]
+    started = time.perf_counter()
+    for _ in range(rounds // 10):
+        counts: Counter[str] = Counter()
+        for group in groups:
+            bias.deltas(group, "trained", counts)
+    per_group = (time.perf_counter() - started) / (rounds // 10) / len(groups)
+    fields = {bias.field(e, d, b, k): 5 for e in (0, 1) for d in ("prompt", "response", "attempts", "source")
+              for b in "abcde" for k in bias.KINDS}
+    watch = BiasWatch("bench", "bench", 30.0)
+    started = time.perf_counter()
+    for _ in range(rounds):
+        watch.observe(groups, fields, counts)
+    observe = (time.perf_counter() - started) / rounds
+    with EmbeddedRedis() as server:
+        redis = connect(server.url)
+        keys = await init_ns(redis, "ledger", n_samples_per_prompt=8, batch_size=64)
+        await redis.hset(keys.state, mapping=fields)  # type: ignore[arg-type]
+        monitor = TrainerMonitor(redis, keys)
+        increments = dict.fromkeys(list(fields)[:10], 1)
+        calls = {
+            "before (one state field)": lambda: _mark_take_before(redis, keys),
+            "now, 200 ledger fields read": monitor.mark_take,
+            "now, 200 read + 10 incremented": lambda: monitor.mark_take(increments),
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(rounds):  # interleaved: the server's drift falls on every variant alike
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                await call()
+                seconds[name].append(time.perf_counter() - t0)
+        await redis.aclose()
+    rows: list[list[Any]] = [["bias.deltas, per group (8 samples)", per_group * 1e6]]
+    rows += [[f"mark_take: {name}", statistics.median(xs) * 1e6] for name, xs in seconds.items()]
+    rows.append(["BiasWatch.observe, per take (200 ledger fields, 64 groups)", observe * 1e6])
+    return rows
+
+
 def run(quick: bool = False) -> list[Table]:
+    cost = asyncio.run(ledger_cost(quick))
     results = asyncio.run(measure(quick))
     if not quick:
         try:
@@ -249,7 +309,13 @@ def run(quick: bool = False) -> list[Table]:
         f"{SHORT_TOKENS} tokens, train {TRAIN} s, WeightSync(kind='sglang').update(mode='abort') after every commit.",
         *[f"{r['label']}: first bias warning: {r['warnings'][0]}" for r in results if r["warnings"]],
     ]
-    return [Table(
+    cost_table = Table(
+        "bias-cost", "The bias ledger's cost on the take path", ["what", "us (median)"], cost,
+        ["mark_take is take()'s one statistics round trip (embedded Redis, interleaved calls); the ledger's "
+         "increments of a take's hand-backs ride in it, a batch's trained counts go with commit."],
+        command="python -m bench bias",
+    )
+    return [cost_table, Table(
         "bias",
         f"The trainer's view of the dataset: {results[0]['long_total'] if results else 0} long prompts of "
         f"{PROMPTS if not quick else 40}, a weight update (mode abort) every step",

@@ -180,7 +180,10 @@ def ledger(fields: Mapping[str, int]) -> Ledger:
         if len(parts) != 4 or not parts[0].isdigit() or parts[3] not in KINDS:
             continue
         epoch, dimension, label, kind = int(parts[0]), parts[1], parts[2], parts[3]
-        entry = out.setdefault(epoch, {}).setdefault(dimension, {}).setdefault(label, Bucket())
+        buckets = out.setdefault(epoch, {}).setdefault(dimension, {})
+        entry = buckets.get(label)
+        if entry is None:
+            entry = buckets[label] = Bucket()
         setattr(entry, kind, getattr(entry, kind) + int(value))
     for dimensions in out.values():
         for buckets in dimensions.values():

@@ -28,6 +28,7 @@ class BiasWatch:
         self.forget: list[str] = []
         """Ledger fields of old epochs, deleted with the next commit's counts."""
         self._warned: dict[str, float] = {}
+        self._epoch: int | None = None
 
     def observe(self, groups: list[Group], fields: Mapping[str, int], trained: Counter[str]) -> dict[str, float]:
         """The batch's ``bias/...`` metrics: the ledger of the newest epoch in the batch, this
@@ -35,10 +36,13 @@ class BiasWatch:
         if not groups:
             return {}
         epoch = max(g.epoch for g in groups)
-        merged = Counter(fields)
-        merged.update(trained)
+        mine = f"{bias.PREFIX}{epoch}:"
+        merged = Counter({k: v for k, v in fields.items() if k.startswith(mine)})
+        merged.update({k: v for k, v in trained.items() if k.startswith(mine)})
         dimensions = bias.ledger(merged).get(epoch, {})
-        self.forget = bias.old_fields(fields, epoch)
+        if epoch != self._epoch:  # a new epoch: the fields of the ones no longer kept go with the next commit
+            self._epoch = epoch
+            self.forget = bias.old_fields(fields, epoch)
         now = time.monotonic()
         for line in bias.short_buckets(epoch, dimensions):
             key = line.split(": trained share", 1)[0]
