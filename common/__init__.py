@@ -39,7 +39,7 @@ Modules, one concern each:
   ``mark_take``'s round trip, trained at ``commit``) and by the producer for its dead letters
   (``TrainerMonitor.add_bias``)
 * ``protocol``: the Redis protocol layer, a package of bound classes (below, and ``ArchiveStream``: the
-  archive stream, ``archive_stream.py``): ``PromptQueue``, ``GroupQueue``, ``NameLease``, ``Control``,
+  archive stream, ``archive_stream.py``; ``EvalLane``, the eval lane, ``evals.py``): ``PromptQueue``, ``GroupQueue``, ``NameLease``, ``Control``,
   ``Feed``, ``Heartbeats``, ``EngineRegistry`` (the engine registry, ``engine_registry.py``), ``Keyspace``,
   ``DeadLetters``, ``JournalHash``, ``RolloutFlagsHash``, ``StreamView`` (every read of ``inspect``),
   ``Server`` (INFO, SCAN); NOGROUP / NOPERM / OOM translation
@@ -79,13 +79,17 @@ Modules, one concern each:
   + the entry's wire ``data``; big per-token arrays stripped unless kept), file naming and
   ``written_cursor``, ``read_table`` (every readable version, upgraded); pyarrow from the ``parquet`` extra,
   imported on first use
+* ``eval_lane``: the eval lane's data: ``EvalSettings`` (name, ``n_samples``, ``max_new_tokens``, carried in
+  an eval prompt's ``metadata["rollstream_eval"]``, read by the rollout: ``eval_settings``), ``eval_prompts``,
+  ``EvalResult`` and ``summarize`` (metrics, versions with counts, lag in steps)
 * ``config``: ``PipelineConfig``, validated with ``ConfigError`` (a ``ValueError``), stored as a plain hash
 * ``mix``: the mix (``init --mix NAME=WEIGHT,...``): ``parse_mix``, ``apportion`` (largest remainder) and
   ``carries`` (what each source is owed from the groups committed so far), so every batch holds each
   source's share and the long-run ratio is exact to the group
 * ``lua``: the scripts, each one ``Script`` declaration (source, KEYS and ARGV names, constant ARGV):
   PUBLISH, MOVE, ACK_DELETE, ADMIT, SET_VERSION, RENEW, RECLAIM_TURN, FEED, FORGET, REQUEUE, LEASE, RELEASE,
-  ARCHIVED (MOVE and ACK_DELETE archive the fate they decide: ``_ARCHIVE``); ``Scripts`` binds every
+  ARCHIVED, EVAL_COLLECT (MOVE and ACK_DELETE archive the fate they decide: ``_ARCHIVE``; ADMIT reads the
+  eval lane first); ``Scripts`` binds every
   declaration (``SCRIPTS``, found, never listed) and has one method per script; state field names templated
   from ``keys.StateField`` at import; the byte ledger (below)
 * ``connection``: clients for every URL form (``redis://``, ``rediss://``, ``unix://``,

@@ -41,7 +41,7 @@ SCHEMA_VERSION = 1
 """The Parquet schema written now; every version up to it is readable."""
 READABLE_SCHEMAS = (1,)
 METADATA_KEY = b"rollstream.archive"
-FATES = ("trained", "filtered", "recycled", "dead_lettered")
+FATES = ("trained", "filtered", "recycled", "dead_lettered", "evaluated")
 BIG_ARRAYS = (
     "routed_experts", "indexer_topk", "top_p_token_ids", "top_p_token_offsets", "teacher_log_probs", "opd_reverse_kl",
 )
@@ -168,7 +168,7 @@ def record_row(record: ArchiveRecord, *, keep_arrays: bool = False) -> dict[str,
         "schema_version": SCHEMA_VERSION, "archive_id": record.archive_id, "fate": record.fate,
         "reason": record.reason, "actor": record.actor, "step": record.step, "position": record.position,
         "trainer_version": record.trainer_version, "ts_ms": record.ts_ms, "stream": record.stream,
-        "entry_id": record.entry_id, "payload": "group" if record.stream == "groups" else "prompt",
+        "entry_id": record.entry_id, "payload": "group" if record.stream in ("groups", "eval_groups") else "prompt",
         "index": _int(record.fields.get(b"index")), "epoch": _int(record.fields.get(b"epoch")),
         "attempt": _int(record.fields.get(b"attempt")), "producer": None, "source": None, "status": None,
         "reward_mean": None, "min_version": None, "max_version": None, "prompt": None, "prompt_is_chat": None,

@@ -101,6 +101,23 @@ class Keys:
         return f"{self.base}:sources"
 
     @property
+    def eval_prompts(self) -> str:
+        """Stream, group ``producers``: the eval lane's prompts (``GroupConsumer.evaluate``), admitted
+        before every training prompt; their groups go to :attr:`eval_groups`, never to ``groups``."""
+        return f"{self.base}:eval_prompts"
+
+    @property
+    def eval_groups(self) -> str:
+        """Stream: finished eval groups (plain ``eval`` and ``step`` fields beside the group's), read
+        and deleted by ``GroupConsumer.eval_results``."""
+        return f"{self.base}:eval_groups"
+
+    @property
+    def evals(self) -> str:
+        """Hash: eval name -> JSON (submitted, prompts, samples, max_new_tokens, step; the result once finished)."""
+        return f"{self.base}:evals"
+
+    @property
     def producers(self) -> str:
         """Hash: producer id -> JSON heartbeat."""
         return f"{self.base}:producers"
@@ -221,6 +238,9 @@ class Keys:
             self.sources,
             self.limits,
             self.limit_stats,
+            self.eval_prompts,
+            self.eval_groups,
+            self.evals,
         ]
 
 

@@ -288,6 +288,22 @@ return acked
 """),
 )
 
+# A finished eval's groups (entries of ``eval_groups``) archived as ``evaluated`` (reason: the
+# eval's name) and deleted, and its result stored, in one step: a re-sent call finds them gone.
+EVAL_COLLECT = Script(
+    "EVAL_COLLECT",
+    keys=("eval_groups", "evals", "state", "config", "archive"),
+    argv=("name", "result", "actor", "now_ms", "*ids"),
+    source=_template(_ARCHIVE + """
+for i = 5, #ARGV do
+  archive(KEYS[4], KEYS[5], KEYS[3], KEYS[1], ARGV[i], {'evaluated', ARGV[1], ARGV[3], '', '', 'eval_groups', ARGV[4]})
+  redis.call('XDEL', KEYS[1], ARGV[i])
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return #ARGV - 4
+"""),
+)
+
 # The archiver's confirmation: ``pairs`` are (archive id, record size) of records written to
 # Parquet; each one still in the stream is deleted and leaves the ledger (one the budget dropped
 # meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``.
@@ -351,7 +367,7 @@ end
 # {'staleness', outstanding, capacity, c, G}, {'empty'}.
 ADMIT = Script(
     "ADMIT",
-    keys=("retry", "prompts", "groups", "state"),
+    keys=("retry", "prompts", "groups", "state", "eval_prompts"),
     argv=(
         "group", "consumer", "max_backlog", "admission", "max_staleness", "batch_size", "steps_per_version",
         "count", "trainer_group", "cadence_cap", "now_ms", "max_backlog_bytes",
@@ -361,6 +377,19 @@ ADMIT = Script(
 local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
   '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED', '$GROUP_BYTES', '$PUBLISHED_BYTES', '$PUBLISHED')
 if st[1] == '1' then return {'paused'} end
+-- The eval lane first (stream index 3): its groups never enter the group stream, so neither the
+-- backlog, the byte budget nor the staleness rule holds it back; a round that admits eval
+-- prompts admits nothing else. pcall: a namespace of an older version has no eval stream yet.
+local ev = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[8]), 'STREAMS', KEYS[5], '>')
+if type(ev) == 'table' and ev[1] and ev[1][2] and #ev[1][2] > 0 then
+  local out = {'ok', tostring(math.max(0, num(st[2])))}
+  for _, entry in ipairs(ev[1][2]) do
+    table.insert(out, 3)
+    table.insert(out, entry[1])
+    table.insert(out, entry[2])
+  end
+  return out
+end
 local taken = pending(KEYS[3], ARGV[9])
 local ready = math.max(0, redis.call('XLEN', KEYS[3]) - taken)
 if ready >= tonumber(ARGV[3]) then return {'backlog', ready} end
@@ -777,12 +806,15 @@ class Scripts:
     ) -> bytes | None:
         """Publish a group and ack its prompt (an entry of ``source``: prompts or retry); None when
         the prompt was already acknowledged. The size of its ``data`` enters the byte ledger; the
-        prompt's episode ``journal`` (if any) is deleted with it."""
+        prompt's episode ``journal`` (if any) is deleted with it. A prompt of the eval lane
+        publishes to ``eval_groups``, outside the ledger and the sources' counters."""
+        lane = source == self.keys.eval_prompts
         result = await self._run(
             PUBLISH, source=source, group=PRODUCERS_GROUP, prompt_id=prompt_id, now_ms=now_ms,
-            data_bytes=len(group_fields.get("data", b"")), fields=_flatten(group_fields),
+            groups=self.keys.eval_groups if lane else self.keys.groups,
+            data_bytes=0 if lane else len(group_fields.get("data", b"")), fields=_flatten(group_fields),
             journal=journal or self.keys.state, drop="1" if journal else "",
-            tally=_tally(group_fields, "published"),
+            tally="" if lane else _tally(group_fields, "published"),
         )
         return result or None
 
@@ -830,10 +862,12 @@ class Scripts:
         )
 
     async def return_prompt(self, source: str, prompt_id: str | bytes, prompt_fields: Mapping[Any, Any]) -> bool:
-        """A draining producer's unfinished prompt (an entry of ``source``) to the retry stream."""
+        """A draining producer's unfinished prompt (an entry of ``source``) to the retry stream (an
+        eval prompt back to the eval lane)."""
         k = self.keys
         return await self.move(
-            source=source, group=PRODUCERS_GROUP, entry_id=prompt_id, target=k.retry,
+            source=source, group=PRODUCERS_GROUP, entry_id=prompt_id,
+            target=k.eval_prompts if source == k.eval_prompts else k.retry,
             counter=StateField.RETURNED, fields=prompt_fields,
         )
 
@@ -892,6 +926,10 @@ class Scripts:
         )
         return int(acked)
 
+    async def eval_collect(self, name: str, result: str, actor: str, ids: Sequence[bytes | str], now_ms: int) -> int:
+        """Archive and delete a finished eval's groups and store its result; the groups removed."""
+        return int(await self._run(EVAL_COLLECT, name=name, result=result, actor=actor, now_ms=now_ms, ids=ids))
+
     async def archived(self, pairs: Sequence[tuple[bytes | str, int]], cursor: str, now_ms: int) -> int:
         """Confirm archive records written to files: deleted from the stream and the ledger; the
         number still there."""
@@ -912,7 +950,7 @@ class Scripts:
         status = result[0].decode() if isinstance(result[0], bytes) else str(result[0])
         if status != "ok":
             return AdmitReply(status, None, [], [int(x) for x in result[1:]])
-        streams = (self.keys.retry, self.keys.prompts)
+        streams = (self.keys.retry, self.keys.prompts, self.keys.eval_prompts)
         entries = []
         for i in range(2, len(result), 3):
             flat = result[i + 2] or []

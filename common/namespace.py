@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .events import now_ms
-from .keys import Keys, StateField
+from .keys import PRODUCERS_GROUP, Keys, StateField
 from .protocol import Heartbeats, Keyspace
 from .redis_errors import translate_errors
 from .redis_values import int_or, text
@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 @translate_errors
 async def ensure_groups(redis: Redis, keys: Keys) -> None:
-    """Create the work streams and their consumer groups (idempotent)."""
-    for stream, group in keys.consumer_groups:
+    """Create the work streams and their consumer groups, the eval lane's included (idempotent)."""
+    for stream, group in (*keys.consumer_groups, (keys.eval_prompts, PRODUCERS_GROUP)):
         try:
             await redis.xgroup_create(stream, group, id="0", mkstream=True)
         except ResponseError as exc:

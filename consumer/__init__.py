@@ -42,6 +42,9 @@ Modules, one concern each:
   ``commit`` (and ``take_next``, sync): the same ``Batch`` (id, groups in order, weight version, numpy views
   on the recorded bytes); ``ConfigError`` for another batch size, ``ReplayExhausted`` after the last; the
   integrations' ``ROLLSTREAM_REPLAY_ARCHIVE``
+* ``evaluation``: ``GroupConsumer.evaluate`` (``submit_eval``: an eval set into the eval lane, returning at
+  once) and ``eval_results`` (``finished_evals``: an eval whose prompts all came back is summarized, its
+  groups archived as ``evaluated`` and deleted by Lua EVAL_COLLECT)
 * ``connecting``: ``Connecting``: what ``connect()`` returns (await it, or ``async with``)
 * ``filters``: the keep-filter verdict rule (``rejection_reason``: a reason string or falsy rejects, truthy
   keeps) and ``reward_variance``
@@ -61,6 +64,7 @@ from rollstream.common.errors import (
     ReplayExhausted,
     RollstreamError,
 )
+from rollstream.common.eval_lane import EvalResult
 from rollstream.common.models import Group, Sample, Status
 
 from .archive_replay import ArchiveReplay
@@ -81,6 +85,7 @@ __all__ = [
     "ConsumerNameInUse",
     "ConsumerOptions",
     "DecodeError",
+    "EvalResult",
     "Group",
     "GroupConsumer",
     "KeepFilter",

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -35,16 +37,26 @@ from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import AllGroupsStale, PipelineStalled, ProducerFailed
+from rollstream.common.eval_lane import EvalResult
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Control, Diagnosis, Entry, GroupQueue, TrainerMonitor, live_producers
+from rollstream.common.protocol import (
+    Control,
+    Diagnosis,
+    Entry,
+    EvalLane,
+    GroupQueue,
+    TrainerMonitor,
+    live_producers,
+)
 
 from .batch import Batch, Tally, batch_id, batch_metrics
 from .biaswatch import BiasWatch
 from .connecting import Connecting
+from .evaluation import finished_evals, submit_eval
 from .filters import KeepFilter
 from .lateness import StepClock
 from .lease import NameHold
@@ -259,6 +271,28 @@ class GroupConsumer:
     async def resume(self, version: int | None = None) -> None:
         """Let producers admit again, optionally recording a new weight version first."""
         await self._outage.run(lambda: self.control.resume(version))
+
+    # -- the eval lane (consumer/evaluation.py) -------------------------------------------
+
+    async def evaluate(
+        self, name: str, source: str | Path | Iterable[Any], *, n_samples: int = 1, max_new_tokens: int | None = None
+    ) -> str:
+        """Submit an eval set and return at once (its name). Its prompts go to the producers
+        before any training prompt, ``n_samples`` each with at most ``max_new_tokens`` (None: the
+        producer's), and their groups go to the eval lane, never to ``take()``; training goes on.
+        ``source``: a JSONL file (``prompt``, optional ``label``) or an iterable of prompts (text,
+        chat messages, or mappings with ``prompt`` / ``label`` / ``metadata``). A name is used once
+        per namespace (``ConfigError`` otherwise). Results: :meth:`eval_results`."""
+        return await submit_eval(
+            EvalLane(self.redis, self.keys), self._outage, self.name, name, source, n_samples, max_new_tokens
+        )
+
+    async def eval_results(self) -> list[EvalResult]:
+        """Every finished eval of the namespace, oldest first: its metrics (mean reward, pass rate,
+        response length), the weight versions its samples were generated at with how many at each,
+        and its lag in steps (training steps committed while it ran). An eval finishes when every
+        one of its prompts came back; its groups are then archived (fate ``evaluated``) and deleted."""
+        return await finished_evals(EvalLane(self.redis, self.keys), self._outage, self.name)
 
     # -- take / commit ------------------------------------------------------------------
 
@@ -597,3 +631,4 @@ class GroupConsumer:
             redelivered=redelivered,
             bias=trained,
         )
+

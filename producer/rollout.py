@@ -56,12 +56,13 @@ from rollstream.common.errors import (
     RewardBroken,
     RewardError,
 )
+from rollstream.common.eval_lane import eval_settings
 from rollstream.common.models import Group, Prompt, Sample, Status
 
 from .checks import as_samples, check_sample
 from .durable import EpisodeLog, PromptJournal
 from .engine import EngineClient, route_key
-from .episode import EpisodeInfo, GenerateFunction
+from .episode import EpisodeInfo, GenerateFunction, SamplingParams
 from .outcomes import FailureLog, failed, rejected, to_sample
 from .plugin import single_turn
 from .replay import with_routed_experts
@@ -157,7 +158,8 @@ class Rollout:
         raises may have called it for fewer. ``journal`` (durable episodes): the prompt's episode
         journal, replayed by each member and appended to; a drain then raises
         :class:`EpisodeDrained` out of here (the prompt goes back with its journal)."""
-        n = self.n_samples
+        lane = eval_settings(prompt)
+        n = lane.n_samples if lane is not None else self.n_samples
         done = sample_done if sample_done is not None else _ignore
         prompt_ids = await self._prompt_ids(prompt)
         partial = prompt.partial if self.partial_rollout else None
@@ -183,6 +185,14 @@ class Rollout:
             source=prompt.source,
             admitted_ms=prompt.admitted_ms,
         )
+
+    def _sampling(self, prompt: Prompt) -> SamplingParams:
+        """The producer's sampling parameters, with an eval prompt's ``max_new_tokens``."""
+        sampling = self.runtime.sampling()
+        lane = eval_settings(prompt)
+        if lane is None or lane.max_new_tokens is None:
+            return sampling
+        return replace(sampling, max_new_tokens=lane.max_new_tokens)
 
     async def aclose(self) -> None:
         """Release what the generate function holds (``aclose()``, when it has one): called by
@@ -363,7 +373,7 @@ class Rollout:
             index=prompt.index, epoch=prompt.epoch, attempt=prompt.attempt, member=member,
             n=self.n_samples, prompt=prompt.prompt, label=prompt.label,
             metadata=shared.metadata, prompt_ids=shared.prompt_ids,
-            admitted_version=admitted_version, deadline=deadline, sampling=self.runtime.sampling(),
+            admitted_version=admitted_version, deadline=deadline, sampling=self._sampling(prompt),
             partial=partial,
         )
         source = shared.source
@@ -461,7 +471,7 @@ class Rollout:
         try:
             async with self.runtime.request(n):
                 generations = await self.engine.generate_n(
-                    n, max_new_tokens=self.engine.settings.max_new_tokens, key=route_key(prompt.index, prompt.epoch),
+                    n, max_new_tokens=self._sampling(prompt).max_new_tokens, key=route_key(prompt.index, prompt.epoch),
                     **self._prompt_source(prompt, prompt_ids),
                 )
         except EngineRejected as exc:

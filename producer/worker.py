@@ -74,6 +74,7 @@ from rollstream.common.errors import (
     DecodeError,
     EpisodeDrained,
 )
+from rollstream.common.eval_lane import eval_settings
 from rollstream.common.events import DRAIN, FATAL, START, STOP, now_ms, record_event
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
@@ -494,6 +495,10 @@ class Producer:
                 finished = True
                 return
             fields = group_fields(group)
+            if work.stream == self.keys.eval_prompts:  # the eval lane: its name and the trainer's step beside
+                lane = eval_settings(prompt)
+                step = await self._outage.run(self.prompts.trained_steps)
+                fields = {**fields, "eval": lane.name if lane is not None else "", "step": step}
             if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
                 await self._dead_letter_prompt(work, too_large)
                 finished = True

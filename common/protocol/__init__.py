@@ -16,6 +16,7 @@ classes call through :class:`~..lua.Scripts`.
   (:class:`Heartbeat`, :func:`fold`, :class:`Fleet`) live in :mod:`..heartbeat`.
 * :mod:`.keyspace` :class:`Keyspace`: a namespace's keys as a whole (list, delete, trainer names).
 * :mod:`.stores` :class:`DeadLetters`, :class:`JournalHash`, :class:`RolloutFlagsHash`.
+* :mod:`.evals` :class:`EvalLane`: eval sets submitted, their finished groups, their results.
 * :mod:`.archive_stream` :class:`ArchiveStream`: the archive of fates, read and confirmed by the archiver.
 * :mod:`.views` :class:`StreamView`: every read-only look ``inspect`` takes.
 * :mod:`.trainer` :class:`TrainerMonitor`: what a ``take()`` reads and records, and the diagnosis
@@ -36,6 +37,7 @@ from .archive_stream import ArchiveStream
 from .control import TAKEN_MESSAGE, Control
 from .engine_registry import EngineRegistry, RegistryEntry, check_engine_url
 from .episodes import EpisodeJournals
+from .evals import EvalLane
 from .feed import Feed, FeedCursor, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
@@ -58,6 +60,7 @@ __all__ = [
     "EngineRegistry",
     "Entry",
     "EpisodeJournals",
+    "EvalLane",
     "Feed",
     "FeedCursor",
     "Fleet",

@@ -51,12 +51,12 @@ class PromptQueue(Guarded):
         self.keys = keys
         self.consumer = consumer
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
-        self._reclaim_cursors = {keys.retry: "0-0", keys.prompts: "0-0"}
+        self._reclaim_cursors = {keys.eval_prompts: "0-0", keys.retry: "0-0", keys.prompts: "0-0"}
 
     @property
-    def streams(self) -> tuple[str, str]:
-        """The prompt streams in admission order: retry first."""
-        return (self.keys.retry, self.keys.prompts)
+    def streams(self) -> tuple[str, str, str]:
+        """The prompt streams in admission order: the eval lane, then retry, then prompts."""
+        return (self.keys.eval_prompts, self.keys.retry, self.keys.prompts)
 
     async def admit(self, config: PipelineConfig, count: int = 1) -> Admission:
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
@@ -163,6 +163,11 @@ class PromptQueue(Guarded):
         ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
         producer)."""
         return await self.scripts.publish(stream, entry_id, group_fields, now_ms(), journal)
+
+    async def trained_steps(self) -> int:
+        """The trainer's committed steps (``state.trained_steps``): an eval group's ``step``."""
+        raw = await self.redis.hget(self.keys.state, StateField.TRAINED_STEPS)
+        return int(raw) if raw is not None and raw.isdigit() else 0
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged."""

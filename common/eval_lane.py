@@ -1,0 +1,137 @@
+"""The eval lane's data: what an eval prompt carries, and what a finished eval reports.
+
+``GroupConsumer.evaluate`` writes an eval set's prompts to the ``eval_prompts`` stream; each
+carries its eval's name and sampling under ``metadata[EVAL_KEY]`` (read by the producer's rollout:
+:func:`eval_settings`). ADMIT hands them out before any training prompt, and PUBLISH sends their
+groups to ``eval_groups``, never to the training stream. ``GroupConsumer.eval_results`` folds
+those groups into an :class:`EvalResult` once every prompt of the set has come back
+(:func:`summarize`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+from .models import Group, Prompt
+
+EVAL_KEY = "rollstream_eval"
+"""The prompt metadata key of an eval prompt: ``{"name", "n_samples", "max_new_tokens"}``."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSettings:
+    """One eval set's name and sampling (checked on construction: ``ConfigError``)."""
+
+    name: str
+    n_samples: int = 1
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 200 or ":" in self.name:
+            raise ConfigError(f"an eval's name must be a non-empty string of at most 200 characters, no ':', "
+                              f"got {self.name!r}")
+        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
+            raise ConfigError(f"n_samples must be a positive integer, got {self.n_samples!r}")
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ConfigError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}")
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "n_samples": self.n_samples, "max_new_tokens": self.max_new_tokens}
+
+
+def eval_settings(prompt: Prompt) -> EvalSettings | None:
+    """The eval settings an eval prompt carries, else None (a training prompt, or a damaged mark)."""
+    raw = prompt.metadata.get(EVAL_KEY) if isinstance(prompt.metadata, Mapping) else None
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        return EvalSettings(str(raw.get("name", "")), raw.get("n_samples", 1), raw.get("max_new_tokens"))
+    except ConfigError:
+        return None
+
+
+def eval_prompts(settings: EvalSettings, source: Iterable[Any]) -> list[Prompt]:
+    """The eval set ``source`` as prompts: each item a prompt (text or chat messages) or a mapping
+    with ``prompt`` and optionally ``label`` and ``metadata``."""
+    out = []
+    for index, item in enumerate(source):
+        if isinstance(item, Mapping):
+            if "prompt" not in item:
+                raise ConfigError(f"eval {settings.name!r} item {index} has no 'prompt'")
+            prompt, label, metadata = item["prompt"], item.get("label"), dict(item.get("metadata") or {})
+        else:
+            prompt, label, metadata = item, None, {}
+        if not isinstance(prompt, str | list) or not prompt:
+            raise ConfigError(f"eval {settings.name!r} item {index}: a prompt is text or chat messages, got {prompt!r}")
+        metadata[EVAL_KEY] = settings.as_metadata()
+        out.append(Prompt(index=index, prompt=prompt, label=label, metadata=metadata))
+    if not out:
+        raise ConfigError(f"eval {settings.name!r} has no prompts")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """A finished eval: its metrics, the weight versions its samples were generated at (with how
+    many samples at each), and how many training steps were committed while it ran."""
+
+    name: str
+    prompts: int
+    samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    lag_steps: int = 0
+    submitted_step: int = 0
+    finished_step: int = 0
+    submitted_ms: int = 0
+    finished_ms: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "prompts": self.prompts, "samples": self.samples, "metrics": self.metrics,
+            "versions": {str(k): v for k, v in self.versions.items()}, "lag_steps": self.lag_steps,
+            "submitted_step": self.submitted_step, "finished_step": self.finished_step,
+            "submitted_ms": self.submitted_ms, "finished_ms": self.finished_ms,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> EvalResult:
+        return cls(
+            name=str(raw["name"]), prompts=int(raw["prompts"]), samples=int(raw["samples"]),
+            metrics={str(k): float(v) for k, v in raw.get("metrics", {}).items()},
+            versions={int(k): int(v) for k, v in raw.get("versions", {}).items()},
+            lag_steps=int(raw.get("lag_steps", 0)), submitted_step=int(raw.get("submitted_step", 0)),
+            finished_step=int(raw.get("finished_step", 0)), submitted_ms=int(raw.get("submitted_ms", 0)),
+            finished_ms=int(raw.get("finished_ms", 0)),
+        )
+
+
+def summarize(
+    name: str, groups: list[tuple[Group, int]], *, submitted_step: int, submitted_ms: int, finished_ms: int
+) -> EvalResult:
+    """The result of an eval from its groups, each with the trainer step when it was published."""
+    rewards = [s.scalar_reward for g, _ in groups for s in g.samples]
+    scored = [r for r in rewards if not math.isnan(r)]
+    samples = [s for g, _ in groups for s in g.samples]
+    versions: Counter[int] = Counter(min(s.weight_versions) for s in samples if s.weight_versions)
+    lengths = [s.response_length for s in samples]
+    finished_step = max((step for _, step in groups), default=submitted_step)
+    metrics = {
+        "reward_mean": sum(scored) / len(scored) if scored else math.nan,
+        "pass_rate": sum(1 for r in scored if r > 0) / len(scored) if scored else math.nan,
+        "response_length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "samples_unscored": float(len(rewards) - len(scored)),
+    }
+    return EvalResult(
+        name=name, prompts=len(groups), samples=len(samples), metrics=metrics, versions=dict(sorted(versions.items())),
+        lag_steps=max(0, finished_step - submitted_step), submitted_step=submitted_step, finished_step=finished_step,
+        submitted_ms=submitted_ms, finished_ms=finished_ms,
+    )
