@@ -39,7 +39,8 @@ Modules, one concern each:
   ``mark_take``'s round trip, trained at ``commit``) and by the producer for its dead letters
   (``TrainerMonitor.add_bias``)
 * ``protocol``: the Redis protocol layer, a package of bound classes (below, and ``ArchiveStream``: the
-  archive stream, ``archive_stream.py``; ``EvalLane``, the eval lane, ``evals.py``): ``PromptQueue``, ``GroupQueue``, ``NameLease``, ``Control``,
+  archive stream, ``archive_stream.py``; ``EvalLane``, the eval lane, ``evals.py``): ``PromptQueue``,
+  ``GroupQueue``, ``NameLease``, ``Control``,
   ``Feed``, ``Heartbeats``, ``EngineRegistry`` (the engine registry, ``engine_registry.py``), ``Keyspace``,
   ``DeadLetters``, ``JournalHash``, ``RolloutFlagsHash``, ``StreamView`` (every read of ``inspect``),
   ``Server`` (INFO, SCAN); NOGROUP / NOPERM / OOM translation
