@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from typing import Any
 
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
@@ -305,3 +306,64 @@ async def test_a_catch_up_that_does_not_take_backs_off_and_names_the_engine(
     assert Counter(taken) == Counter(range(8))
     log = procs.log_of(producer)
     assert f"engine {old.url}: behind: reload did not take" in log, log
+
+
+class _Stuck:
+    """Answers ``/health`` and ``/model_info``, never finishes a generation: a scheduler hang that
+    the health endpoint does not see."""
+
+    def __init__(self) -> None:
+        self.generations = 0
+        self._closing = asyncio.Event()
+        self._runner: Any = None
+        self.url = ""
+
+    async def __aenter__(self) -> _Stuck:
+        from aiohttp import web
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        async def model_info(request: web.Request) -> web.Response:
+            return web.json_response({"weight_version": "0"})
+
+        async def generate(request: web.Request) -> web.Response:
+            self.generations += 1
+            await self._closing.wait()  # never answers while the test runs
+            return web.json_response({"error": "shutting down"}, status=503)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/generate", generate)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closing.set()
+        await self._runner.cleanup()
+
+
+async def test_an_engine_that_answers_health_and_never_a_generation_is_suspect_and_its_requests_go_elsewhere(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Its /health answers, so it is never wedged; it holds requests and answers none. Past a
+    bound derived from the fleet's reply times (well under --request-timeout, 3,600 s) it is
+    ``suspect``, gets no new work, and its requests are sent to the healthy engine: every prompt
+    is trained. Was: no group committed in 60 s, every slot on it, ``inspect`` saying healthy."""
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    async with _Stuck() as stuck:
+        producer = procs.producer(redis_url, ns, sim.url, "--engine", stuck.url, "--health-interval", "0.5",
+                                  "--no-adaptive-concurrency", name="stuck-fleet", concurrency=8)
+        await add_prompts(redis, ns, 16)
+        taken = await take_all(redis_url, ns, 16, 2, timeout=120)
+        assert Counter(taken) == Counter(range(16))
+        assert stuck.generations > 0  # it was sent requests, and they went elsewhere
+        log = procs.log_of(producer)
+        assert f"engine {stuck.url}: healthy -> suspect:" in log and "no answer for" in log, log
+    assert producer.poll() is None, procs.log_of(producer)

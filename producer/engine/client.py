@@ -63,6 +63,15 @@ CATCH_UP_RETRY = 60.0
 CATCH_UP_RETRY_MAX = 900.0
 """Most seconds between the catch-ups of an engine whose reloads answer success and do not take
 (the pause doubles from :data:`CATCH_UP_RETRY`)."""
+STALL_FACTOR = 8.0
+"""An engine holding requests that answers none for this many times its mean request time (the
+fleet's when it has none) is stalled: ``suspect``, out of routing, its requests sent elsewhere."""
+STALL_FLOOR = 5.0
+"""The stall bound's least seconds (a fleet of very short requests does not flap)."""
+STALL_CAP_FRACTION = 0.25
+"""The stall bound's most, as a fraction of ``request_timeout`` (well under it)."""
+STALL_PAUSE = 15.0
+"""Seconds a stalled engine stays out of routing, doubling with each stall (at most 300)."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
 
@@ -766,6 +775,7 @@ class EngineClient:
                 or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
                 or e.state is EngineState.BEHIND or self._version_due(e)
             ]
+            self._check_stalls(now)
             loads: list[Engine] = []
             if adaptive and now >= self._next_load:
                 self._next_load = now + settings.load_interval
@@ -780,6 +790,43 @@ class EngineClient:
                 async with asyncio.timeout(tick):
                     await self._monitor_wake.wait()
             self._monitor_wake.clear()
+
+    def stall_bound(self, engine: Engine) -> float | None:
+        """Seconds ``engine`` may hold requests without answering one before it is stalled:
+        :data:`STALL_FACTOR` x its mean request time (the fleet's mean when it has answered none),
+        at least :data:`STALL_FLOOR`, at most a quarter of ``request_timeout``; None while no
+        engine has answered (nothing to derive it from)."""
+        base = engine.round_trip
+        if base is None:
+            times = [e.round_trip for e in self.fleet.engines.values() if e.round_trip is not None]
+            if not times:
+                return None
+            base = sum(times) / len(times)
+        return min(max(STALL_FLOOR, STALL_FACTOR * base), self.settings.request_timeout * STALL_CAP_FRACTION)
+
+    def _check_stalls(self, now: float) -> None:
+        """Stall the routed engines silent past their bound; route again those whose pause is over."""
+        fleet = self.fleet
+        if len(fleet.engines) < 2:
+            return
+        for engine in list(fleet.engines.values()):
+            if engine.stalled:
+                if now >= engine.stalled_until:
+                    fleet.unstall(engine)
+                continue
+            silent = engine.silent_for(now)
+            if not silent or not engine.routed:
+                continue
+            bound = self.stall_bound(engine)
+            if bound is None or silent < bound:
+                continue
+            pause = min(300.0, STALL_PAUSE * 2**engine.stalls)
+            whose = "its" if engine.round_trip is not None else "the fleet's"
+            why = (f"{len(engine.attempts)} requests and no answer for {silent:.0f} s (its bound {bound:.0f} s: "
+                   f"{STALL_FACTOR:g} x {whose} mean request time); no new requests for {pause:.0f} s, its "
+                   "requests sent elsewhere")
+            if fleet.stall(engine, why, pause):
+                self._count_error("engine_stalled")
 
     def _probe_ended(self, task: asyncio.Task[None]) -> None:
         for url, running in list(self._probes.items()):

@@ -5,7 +5,10 @@ Engines are peers that fail one at a time (docs/engines.md, "The fleet"). Each h
 * ``joining``: in a fleet of several, an engine (at start, or added through the registry) gets no
   requests until it has answered a ``/health`` probe (any HTTP answer but a 5xx): one that accepts
   connections and never answers, or refuses them, costs no request its timeout.
-* ``healthy``: gets requests; ``suspect``: a failure since its last good reply, still routed.
+* ``healthy``: gets requests; ``suspect``: a failure since its last good reply, still routed;
+  or ``stalled``: it holds requests and has answered none for longer than a bound derived from
+  its own reply times (the fleet's when it has none): no new requests, and its requests are sent
+  again elsewhere; routed again after a pause (doubling), or at its next answer.
 * ``ejected``: refused or reset a connection, or failed ``eject_after`` requests in a row (5xx,
   unusable replies); no new requests, its requests in flight are retried elsewhere, probed
   (``GET /health``) with backoff, back as ``suspect`` when it answers.
@@ -89,9 +92,10 @@ class Engine:
 
     __slots__ = (
         "adaptive", "attempts", "cached_tokens", "drain_deadline", "errors", "failures", "has_model_info", "held",
-        "in_flight", "last_reply", "load", "load_path", "lost", "next_probe", "out_count", "prompt_tokens", "reason",
-        "registered", "removed", "replies", "round_trip", "since", "state", "tokens", "url", "version",
-        "version_checked", "workers", "workers_checked",
+        "in_flight", "last_answer", "last_reply", "load", "load_path", "lost", "next_probe", "out_count",
+        "prompt_tokens", "reason", "registered", "removed", "replies", "round_trip", "since", "stalled",
+        "stalled_until", "stalls", "state", "tokens", "url", "version", "version_checked", "workers",
+        "workers_checked",
     )
 
     def __init__(self, url: str, *, registered: bool = False, concurrency_floor: int | None = None) -> None:
@@ -118,8 +122,14 @@ class Engine:
         self.next_probe = 0.0
         self.out_count = 0
         """Times it was taken out of routing (the probe backoff grows with it)."""
-        self.attempts: set[asyncio.Task[Any]] = set()
-        """The tasks whose request to it is in flight (cancelled when it is lost)."""
+        self.attempts: dict[asyncio.Task[Any], float] = {}
+        """The tasks whose request to it is in flight (cancelled when it is lost), and when each was sent."""
+        self.last_answer = time.monotonic()
+        """When a request on it last ended with a usable reply (probes do not move it)."""
+        self.stalled = False
+        """Holding requests with no answer past its bound: ``suspect`` and out of routing (:meth:`Fleet.stall`)."""
+        self.stalled_until = 0.0
+        self.stalls = 0
         self.lost: set[asyncio.Task[Any]] = set()
         """Of those, the ones cancelled because the engine was taken out (retried elsewhere)."""
         self.registered = registered
@@ -150,7 +160,13 @@ class Engine:
 
     @property
     def routed(self) -> bool:
-        return self.state in ROUTED
+        return self.state in ROUTED and not self.stalled
+
+    def silent_for(self, now: float) -> float:
+        """Seconds it has held requests without answering one (0 when it holds none)."""
+        if not self.attempts:
+            return 0.0
+        return now - max(self.last_answer, min(self.attempts.values()))
 
     def status(self) -> dict[str, Any]:
         """What the heartbeat, ``inspect`` and the metrics show of it."""
@@ -161,6 +177,8 @@ class Engine:
         }
         if self.reason:
             out["reason"] = self.reason
+        if self.stalled:
+            out["stalled"] = True
         if self.prompt_tokens:
             out["prefix_hit_rate"] = round(self.cached_tokens / self.prompt_tokens, 3)
         if self.limit is not None:
@@ -307,7 +325,10 @@ class Fleet:
         """A usable reply: its run of failures ends; a version from the reply is fresh news."""
         engine.failures = 0
         engine.replies += 1
-        engine.last_reply = time.monotonic()
+        engine.last_reply = engine.last_answer = time.monotonic()
+        if engine.stalled:
+            engine.stalled = False
+            self._wake()
         if engine.state is EngineState.SUSPECT:
             self._move(engine, EngineState.HEALTHY, "answered")
         if version is not None:
@@ -340,6 +361,31 @@ class Fleet:
         self._move(engine, state, why)
         self.lose_requests(engine)
         return True
+
+    def stall(self, engine: Engine, why: str, pause: float) -> bool:
+        """``engine`` holds requests with no answer past its bound: out of routing (``suspect``,
+        ``stalled``) for ``pause`` seconds, its requests sent again elsewhere; only while another
+        routed engine has room (True when it was)."""
+        if not engine.routed or not any(e.routed and e.has_room(1) for e in self.engines.values() if e is not engine):
+            return False
+        if engine.state is EngineState.SUSPECT:
+            engine.reason = why
+            logger.warning("engine %s: suspect: %s", engine.url, why)
+        else:
+            self._move(engine, EngineState.SUSPECT, why)
+        engine.stalled, engine.stalled_until = True, time.monotonic() + pause
+        engine.stalls += 1
+        self._wake()
+        self.lose_requests(engine)
+        return True
+
+    def unstall(self, engine: Engine) -> None:
+        """A stalled engine's pause is over: routed again (``suspect`` until it answers)."""
+        engine.stalled = False
+        engine.reason = f"{engine.reason} (routed again after {time.monotonic() - engine.since:.0f} s)"
+        logger.info("engine %s: stalled %.0f s, routed again (suspect until it answers)", engine.url,
+                    time.monotonic() - engine.since)
+        self._wake()
 
     def lose_requests(self, engine: Engine) -> None:
         """Cancel the requests in flight on ``engine``: the client retries each elsewhere."""
@@ -455,6 +501,7 @@ class Fleet:
     def _move(self, engine: Engine, state: EngineState, why: str) -> None:
         if engine.state is state:
             return
+        engine.stalled = False  # a new state is judged afresh (stall() sets it after its move)
         before = engine.state
         engine.state, engine.since = state, time.monotonic()
         engine.reason = why if state is not EngineState.HEALTHY else ""
@@ -496,9 +543,9 @@ async def gather_probes(probe: Probe, engines: Iterable[Engine]) -> None:
 def attempt(engine: Engine, task: asyncio.Task[Any] | None) -> Any:
     """Register the current task's request on ``engine`` (so losing the engine cancels it)."""
     if task is not None:
-        engine.attempts.add(task)
+        engine.attempts[task] = time.monotonic()
     try:
         yield
     finally:
         if task is not None:
-            engine.attempts.discard(task)
+            engine.attempts.pop(task, None)
