@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from rollstream.common.models import Prompt
 
+from .warm import Prepared
+
 
 class Capacity:
     """Engine capacity in samples: taken ``n`` at a time for a prompt, given back per sample.
@@ -62,3 +64,7 @@ class Work:
     whether the lease held, so a renewal that finds the entry gone is no loss."""
     held: int = 0
     """Capacity units (samples) this prompt still holds."""
+    prepared: Prepared | None = None
+    """Warm pools: its episodes' prepared resources (released if unused when it is dropped)."""
+    warming: bool = False
+    """Admitted beyond the concurrency (``--warm``): its prepare runs while it waits for room."""

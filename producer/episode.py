@@ -246,6 +246,12 @@ class Episode(Trajectory):
         Waiting holds no engine slot and counts against the episode deadline; an unknown name
         raises ``KeyError`` (the sample fails)."""
 
+    async def prepared(self) -> Any:
+        """The result of the generate function's ``prepare(info)`` hook for this episode (warm
+        pools, :mod:`.warm`), awaited if it still runs; None without a hook. Taking it keeps it
+        from being released."""
+        return None
+
     async def rate(self, name: str) -> None:
         """Take one token of the namespace rate ``name`` (``rollstream init --rate name=R/s``),
         waiting for it; a bucket shared by every producer. ``KeyError`` for an unknown name."""

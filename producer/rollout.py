@@ -71,6 +71,7 @@ from .session import EpisodeRuntime, EpisodeSession
 from .settings import EpisodeSettings
 from .teacher import TeacherScorer
 from .telemetry import Metrics
+from .warm import Prepared, warm_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Rollout:
         self.producer = producer
         self.metrics = metrics if metrics is not None else Metrics()
         self.generate: GenerateFunction = self.settings.generate if self.settings.generate is not None else single_turn
+        self.warm = warm_hooks(self.generate)
+        """The generate function's ``prepare`` / ``release`` hooks (warm pools), or None."""
         self.runtime = EpisodeRuntime(
             engine,
             self.settings.limits,
@@ -145,9 +148,25 @@ class Rollout:
         single-turn rollout already continues its one call with partial rollout)."""
         return self.generate is not single_turn
 
+    def prepare(self, prompt: Prompt, admitted_version: int) -> Prepared | None:
+        """Start the generate function's ``prepare(info)`` for each episode of ``prompt`` (warm
+        pools); None without the hook. The caller releases what no episode took."""
+        if self.warm is None:
+            return None
+        ids = None if prompt.input_ids is None else tuple(prompt.input_ids)
+        sampling = self.runtime.sampling()
+        infos = [
+            EpisodeInfo(index=prompt.index, epoch=prompt.epoch, attempt=prompt.attempt, member=member,
+                        n=self.n_samples, prompt=prompt.prompt, label=prompt.label,
+                        metadata=MappingProxyType(dict(prompt.metadata)), prompt_ids=ids,
+                        admitted_version=admitted_version, deadline=None, sampling=sampling)
+            for member in range(self.n_samples)
+        ]
+        return Prepared(self.warm, infos)
+
     async def run(
         self, prompt: Prompt, admitted_version: int, sample_done: SampleDone | None = None,
-        journal: PromptJournal | None = None,
+        journal: PromptJournal | None = None, prepared: Prepared | None = None,
     ) -> Group:
         """The group of ``prompt``; ``admitted_version`` (the trainer's weight version when the
         prompt was admitted) stands in for engines that do not report their own.
@@ -166,7 +185,7 @@ class Rollout:
         if self.generate is single_turn and partial is None and self.engine.batches_samples:  # one request with n
             samples = await self._generate_together(prompt, prompt_ids, n, admitted_version, done)
         else:
-            samples = await self._episodes(prompt, prompt_ids, n, admitted_version, partial, done, journal)
+            samples = await self._episodes(prompt, prompt_ids, n, admitted_version, partial, done, journal, prepared)
         if self.teacher is not None and all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
             await self.teacher.score(samples)
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples):
@@ -283,6 +302,7 @@ class Rollout:
         partial: list[Sample] | None,
         done: SampleDone,
         journal: PromptJournal | None = None,
+        prepared: Prepared | None = None,
     ) -> list[Sample]:
         """The ``n`` episodes, concurrently; a fatal error (not the group wrapper) propagates,
         and so does a drain's :class:`EpisodeDrained`."""
@@ -295,7 +315,7 @@ class Rollout:
                         self._member(
                             prompt, prompt_ids, i, admitted_version,
                             partial[i] if partial is not None and i < len(partial) else None, done, shared,
-                            journal,
+                            journal, prepared,
                         )
                     )
                     for i in range(n)
@@ -330,10 +350,13 @@ class Rollout:
         done: SampleDone,
         shared: _Shared | None = None,
         journal: PromptJournal | None = None,
+        prepared: Prepared | None = None,
     ) -> list[Sample]:
         # A member that raised is not reported: the caller releases what a failed run still holds.
         log = journal.member(member) if journal is not None else None
-        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial, shared, log)
+        samples = await self._episode(prompt, prompt_ids, member, admitted_version, partial, shared, log, prepared)
+        if prepared is not None:  # its episode did not take it
+            await prepared.release_unused([member])
         done(1)
         return samples
 
@@ -357,6 +380,7 @@ class Rollout:
         partial: Sample | None,
         shared: _Shared | None = None,
         log: EpisodeLog | None = None,
+        prepared: Prepared | None = None,
     ) -> list[Sample]:
         """One member's episode: run the function under its deadline, validate what it returned;
         every failure becomes a FAILED (or ABORTED) sample with the reason. A durable episode
@@ -383,6 +407,8 @@ class Rollout:
             except PromptNotSupported as exc:
                 source = exc
         session = EpisodeSession(self.runtime, info, source, shared.media, prompt_ids=prompt_ids, log=log)
+        if prepared is not None:
+            session.warm = (prepared, member)
         prefix: Sample | None = None
         if resumable and partial is not None and partial.status == Status.ABORTED and partial.response_length > 0:
             if prompt_ids is not None and partial.prompt_length == len(prompt_ids):

@@ -50,6 +50,7 @@ from .engine.client import IdsJson
 from .episode import Episode, EpisodeInfo, SamplingParams, Trajectory, Turn
 from .shared_limits import SharedLimits
 from .telemetry import Metrics
+from .warm import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -520,6 +521,8 @@ class EpisodeSession(Episode):
         self.task: asyncio.Task[Any] | None = None
         """The task running the generate function (a drain cancels it between steps)."""
         self._steps_running = 0
+        self.warm: tuple[Prepared, int] | None = None
+        """Warm pools: the prompt's prepared resources and this episode's member number."""
         self.media = dict(media) if media else {}
         """The prompt's images (SGLang ``image_data``), sent with every request of the episode."""
         self._info = info
@@ -641,6 +644,12 @@ class EpisodeSession(Episode):
 
     async def rate(self, name: str) -> None:
         await self.runtime.rate(name)
+
+    async def prepared(self) -> Any:
+        if self.warm is None:
+            return None
+        prepared, member = self.warm
+        return await prepared.get(member)
 
     async def segment(self, prompt: str | Sequence[int]) -> Trajectory:
         self.multi_turn = True

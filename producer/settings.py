@@ -82,9 +82,15 @@ class ProducerSettings:
                                 "(default: a quarter of the lease, at most 5 s)")
     long_request_after: float = option(
         LONG_REQUEST_AFTER, help="seconds after which an engine request in flight is reported as long (inspect warns)")
+    warm: int = option(
+        0, parse=int, metavar="K",
+        help="prompts admitted beyond --concurrency so the generate function's prepare(info) hook (a sandbox) "
+             "runs while they wait for room (warm pools, docs/rollouts.md); 0: prepare runs at admission")
     episodes: EpisodeSettings = branch(EpisodeSettings)
 
     def __post_init__(self) -> None:
+        if isinstance(self.warm, bool) or not isinstance(self.warm, int) or self.warm < 0:
+            raise ConfigError(f"warm must be a non-negative integer, got {self.warm!r}")
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):

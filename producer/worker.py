@@ -200,6 +200,10 @@ class Producer:
         """The namespace's limits and rates, held by the episodes (``episode.limit`` / ``rate``)."""
         self.rollout.runtime.shared = self.limits
         self.durable = config.durable_episodes and self.rollout.journals
+        self._warm_size = settings.warm if self.rollout.warm is not None else 0
+        """Warm pools: prompts admitted beyond the concurrency (the generate function has a prepare hook)."""
+        self._warming: set[bytes] = set()
+        self._warm_changed = asyncio.Event()
         """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
     @classmethod
@@ -378,6 +382,8 @@ class Producer:
         if self._reclaim_due:  # prompts of a dead producer come first
             await self._nap(0.2)
             return False
+        if self._warm_size and not self._stopping.is_set() and (self._warming or self._capacity.free < n):
+            return await self._warm_turn()
         if self._stopping.is_set() or not await self._capacity.take(n, self._stopping):
             await asyncio.Future()  # draining: nothing more is admitted; the drain cancels this loop
         extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
@@ -395,7 +401,25 @@ class Producer:
         finally:
             if held:
                 self._capacity.give(held * n)
-        status = admission.status
+        return await self._admitted(admission.status)
+
+    async def _warm_turn(self) -> bool:
+        """Warm pools (``--warm K``): no room, so admit one prompt beyond the concurrency while
+        fewer than K wait for room (its prepare hook runs meanwhile); else wait for one to start."""
+        if len(self._warming) >= self._warm_size:
+            self._warm_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._warm_changed.wait()
+            return False
+        with self._claiming():
+            admission = await self._outage.run(lambda: self.prompts.admit(self.config, 1))
+            for item in admission.entries:
+                self._start_work(item, admission.weight_version or 0, warming=True)
+        return await self._admitted(admission.status)
+
+    async def _admitted(self, status: str) -> bool:
+        """After an ADMIT: wait as its answer says (new prompts, a full backlog, staleness)."""
         if status == "ok":
             self._blocked(False)
         elif status == "empty":
@@ -423,12 +447,15 @@ class Producer:
         if isinstance(results[0], TRANSIENT_ERRORS):
             await self._outage.failed(results[0])
 
-    def _start_work(self, item: Admitted, version: int) -> None:
-        """Run a prompt whose ``n`` units of capacity were just taken."""
+    def _start_work(self, item: Admitted, version: int, *, warming: bool = False) -> None:
+        """Run a prompt whose ``n`` units of capacity were just taken (``warming``: none yet, its
+        task takes them once its prepare hook started)."""
         work = Work(
             stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
-            held=self.config.n_samples_per_prompt,
+            held=0 if warming else self.config.n_samples_per_prompt, warming=warming,
         )
+        if warming:
+            self._warming.add(work.prompt_id)
         self._hold(work)
         work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
 
@@ -446,8 +473,14 @@ class Producer:
         """A prompt's last script returned: no longer held, no longer renewed. (Renewing goes on
         until then: the loop may stall between the call and the script, see :mod:`.renewal`.)"""
         self._work.pop(work.prompt_id, None)
+        self._done_warming(work)
         if self._renewer is not None:
             self._renewer.release(work.prompt_id)
+
+    def _done_warming(self, work: Work) -> None:
+        if work.prompt_id in self._warming:
+            self._warming.discard(work.prompt_id)
+            self._warm_changed.set()
 
     # -- one prompt ---------------------------------------------------------------------
 
@@ -471,9 +504,17 @@ class Producer:
             started_ms = now_ms()
             if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)
                 prompt.admitted_ms = started_ms
+            work.prepared = self.rollout.prepare(prompt, work.version)  # warm pools: ahead of the episodes
+            if work.warming:  # admitted beyond the concurrency: wait for room
+                if not await self._capacity.take(self.config.n_samples_per_prompt, self._stopping):
+                    return  # draining: the shutdown returns it and releases what it prepared
+                work.held, work.warming = self.config.n_samples_per_prompt, False
+                self._done_warming(work)
             journal = await self._journal(work, prompt) if self.durable else None
             try:
-                group = await self.rollout.run(prompt, work.version, lambda k: self._sample_done(work, k), journal)
+                group = await self.rollout.run(
+                    prompt, work.version, lambda k: self._sample_done(work, k), journal, work.prepared
+                )
             except EpisodeDrained:
                 self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
                 return
@@ -523,6 +564,7 @@ class Producer:
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
                 self._drop(work)
+                await self._release_prepared(work)
             else:
                 work.finishing = False
             self._capacity.give(work.held)
@@ -826,6 +868,14 @@ class Producer:
             self._state, self.published, self.returned, self.duplicates,
         )
 
+    async def _release_prepared(self, work: Work) -> None:
+        """Release the prepared resources no episode of ``work`` took (warm pools)."""
+        if work.prepared is not None:
+            released = await work.prepared.release_unused()
+            if released:
+                logger.debug("producer %s: released %d unused prepared resource(s) of prompt entry %s",
+                             self.name, released, work.prompt_id.decode())
+
     async def _give_back(self, work: Work) -> bool:
         work.finishing = True
         return await self.prompts.give_back(work.stream, work.prompt_id, work.fields)
@@ -846,4 +896,5 @@ class Producer:
             if returned:
                 self.returned += 1
             self._drop(work)
+            await self._release_prepared(work)
 
