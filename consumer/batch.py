@@ -158,7 +158,8 @@ class Tally:
     recycled_by_source: Counter[str] = field(default_factory=Counter)
     """Recycled groups of this take by their source (named sources only)."""
     bias: Counter[str] = field(default_factory=Counter)
-    """The bias ledger's increments of this take's hand-backs (recycled, dead-lettered, dropped)."""
+    """The bias ledger's increments of the hand-backs (recycled, dead-lettered, dropped): the
+    consumer's own counter, kept across a cancelled take until a take's round trip adds them."""
 
     def saw(self, verdict: Verdict) -> None:
         """Count a verdict as judged (the hand-back itself is counted once Redis confirms it)."""

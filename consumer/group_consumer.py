@@ -175,6 +175,8 @@ class GroupConsumer:
         # pending under this name and are examined first by the next call.
         self._mixer = Mixer(redis, self.keys, config.weights, self._outage, self.log) if config.weights else None
         self._held: deque[tuple[bytes, dict[bytes, bytes]]] = deque()
+        self._bias_pending: Counter[str] = Counter()
+        """Ledger counts of hand-backs not yet added (by the next take's statistics round trip)."""
         self._bias = BiasWatch(self.name, self.keys.namespace, self.options.warn_interval)
         self._steps = StepClock(self.name, self.keys.namespace, self.options.warn_interval)
 
@@ -314,7 +316,7 @@ class GroupConsumer:
         staleness_limit = self.config.max_staleness if max_staleness is UNSET else max_staleness
         keep_filter = self.keep if keep is UNSET else keep
         started = time.monotonic()
-        tally = Tally()
+        tally = Tally(bias=self._bias_pending)  # a cancelled take's hand-backs go with the next one
         taken: list[tuple[bytes, Group]] = []
         held: list[tuple[bytes, Group]] = []
         entries: deque[Entry] = deque()

@@ -164,3 +164,32 @@ def _free_port() -> int:
     from rollstream.runtime.redis_server import free_port
 
     return free_port()
+
+
+async def test_a_cancelled_takes_hand_backs_reach_the_ledger_with_the_next_take(
+    redis: Redis, redis_url: str, ns: str
+) -> None:
+    """A take cancelled after it recycled a failed group (asyncio.timeout around take()) loses
+    no ledger count: the next take's round trip adds it."""
+    from rollstream.common.codec import group_fields
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1)
+    failed = _group(response=0, status=Status.FAILED)
+    failed.epoch = 0
+    await redis.xadd(keys.groups, group_fields(failed))  # type: ignore[arg-type]
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        take = asyncio.create_task(consumer.take(1))
+        await wait_until(lambda: redis.xlen(keys.retry), message="the failed group recycled")
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+        assert await redis.hget(keys.state, "bias:0:prompt:<64:recycled") is None  # not added yet
+        good = _group(response=40)
+        good.epoch, good.index = 0, 8
+        await redis.xadd(keys.groups, group_fields(good))  # type: ignore[arg-type]
+        async with asyncio.timeout(30):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    state = {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.state)).items()}
+    assert state["bias:0:prompt:<64:recycled"] == "1"
+    assert state["bias:0:prompt:<64:fed"] == "2" and state["bias:0:prompt:<64:trained"] == "1"
