@@ -89,3 +89,20 @@ async def test_a_long_prompt_aborted_by_every_weight_update_is_reported_late_wit
     assert lines and "cause: aborted by weight updates" in lines[0], lines
     state = await redis.hgetall(keys.state)
     assert int(state[b"late:weight_update"]) >= 1 and int(state[b"late_groups"]) >= 1
+
+
+def test_the_admission_and_generation_times_travel_on_both_decoding_paths() -> None:
+    from array import array
+
+    from rollstream.common.codec import decode_group_entry, decode_prompt, encode_prompt, group_fields
+    from rollstream.common.models import Sample, retry_prompt
+
+    sample = Sample(index=0, tokens=array("i", [1, 2]), prompt_length=1, response_length=1,
+                    loss_mask=array("B", b"\x01"))
+    group = Group(index=3, prompt="p", samples=[sample], admitted_ms=1_700_000_000_123, generated_ms=4567)
+    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in group_fields(group).items()}
+    for views in (True, False):
+        back = decode_group_entry(fields, views=views)
+        assert (back.admitted_ms, back.generated_ms) == (1_700_000_000_123, 4567)
+    prompt = retry_prompt(group, "weight_update: x")
+    assert decode_prompt(encode_prompt(prompt)).admitted_ms == 1_700_000_000_123
