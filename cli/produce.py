@@ -231,7 +231,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             if teacher_settings is not None:
                 teacher = await stack.enter_async_context(TeacherScorer(EngineClient(teacher_settings)))
             try:
-                if metrics is not None:
+                if metrics is not None and options.metrics_port is not None:
                     metrics.attach(engine)
                     runner = await metrics.serve(options.metrics_host, options.metrics_port)
                 producer = await Producer.connect(args.redis, settings, engine, reward, metrics=metrics,

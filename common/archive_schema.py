@@ -118,7 +118,7 @@ def partition_of(record: ArchiveRecord, by: str) -> str:
     return "hour=" + time.strftime("%Y%m%d%H", time.gmtime(record.ts_ms / 1000))
 
 
-def _json(value: Any) -> str | None:
+def _json(value: object) -> str | None:
     if value is None:
         return None
     return json.dumps(value, default=repr, ensure_ascii=False)

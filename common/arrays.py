@@ -78,7 +78,8 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return len(self.data) * self.data.itemsize
+        size: int = len(self.data) * self.data.itemsize
+        return size
 
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 0
@@ -138,7 +139,7 @@ class Packed:
         return np.frombuffer(self.data, dtype=_NUMPY_NAMES[self.typecode]).reshape(self.shape)
 
     def tolist(self) -> list[Any]:
-        flat = self.data.tolist()
+        flat: list[Any] = self.data.tolist()
         for d in reversed(self.shape[1:]):
             flat = [flat[i : i + d] for i in range(0, len(flat), d)]
         return flat
@@ -169,7 +170,7 @@ class Packed:
         return f"Packed({self.typecode}, shape={self.shape})"
 
 
-def _code_of(values: Any) -> str:
+def _code_of(values: object) -> str:
     if isinstance(values, array):
         return values.typecode
     if isinstance(values, memoryview):
@@ -177,7 +178,7 @@ def _code_of(values: Any) -> str:
     return ""
 
 
-def _packed(values: Any, typecode: str) -> bool:
+def _packed(values: object, typecode: str) -> bool:
     if isinstance(values, array):
         return values.typecode == typecode
     return isinstance(values, memoryview) and values.format == typecode and values.ndim == 1

@@ -32,7 +32,7 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt + 1``."""
-        raw = min(self.cap, self.base * 2 ** min(max(attempt, 0), 32))
+        raw = min(self.cap, self.base * 2.0 ** min(max(attempt, 0), 32))
         return raw * (1 - self.jitter * random.random())
 
     async def sleep(self, attempt: int) -> None:

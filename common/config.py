@@ -9,11 +9,11 @@ unknown fields, such as the ``keep`` of older versions, are ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .redis_values import RawHash
 
 STALENESS_RULES = ("newest_token", "oldest_token")
 
@@ -131,7 +131,7 @@ class PipelineConfig:
         return out
 
     @classmethod
-    def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> PipelineConfig:
+    def from_redis(cls, raw: RawHash) -> PipelineConfig:
         text = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()

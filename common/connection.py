@@ -291,7 +291,7 @@ def _sentinel(parts: SplitResult, query: dict[str, str], tls: bool, options: dic
     return client
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 

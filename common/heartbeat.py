@@ -17,7 +17,7 @@ from typing import Any
 from .keys import ALIVE_STATES
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -94,7 +94,7 @@ class Heartbeat:
     """Where its samples' weight versions come from: ``engine replies`` (SGLang ``meta_info``, vLLM
     spans), an endpoint it asks (``GET /weight_info``, ``GET /model_info``), or ``trainer at
     admission`` when its engines report none (``producer/engine/discovery.py``)."""
-    engine_fleet: list[dict] = field(default_factory=list)
+    engine_fleet: list[dict[str, Any]] = field(default_factory=list)
     """Each engine's ``url``, ``state`` (joining, healthy, suspect, ejected, wedged, behind, draining),
     ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,
     where the engine reports it, ``prefix_hit_rate`` (``producer/engine/fleet.py``)."""
@@ -143,9 +143,9 @@ class Heartbeat:
         return self.fresh(now, timeout_s) and self.state in ALIVE_STATES
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list, "list[dict]": dict}
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "list[str]": list, "list[dict[str, Any]]": dict}
 """A field's annotation -> the JSON type it is read from (a ``list[str]``'s items are read as
-``str``; a ``list[dict]`` keeps its JSON objects, anything else in it dropped)."""
+``str``; a ``list[dict[str, Any]]`` keeps its JSON objects, anything else in it dropped)."""
 _CLASS_KINDS: dict[type, dict[str, type]] = {}
 
 
@@ -166,7 +166,7 @@ def _field_kinds(cls: type[Heartbeat]) -> dict[str, type]:
 _field_kinds(Heartbeat)
 
 
-def _fits(kind: type, value: Any) -> bool:
+def _fits(kind: type, value: object) -> bool:
     if kind is dict:
         return isinstance(value, list)
     return _is_number(value) if kind in (int, float) else isinstance(value, kind)

@@ -22,7 +22,7 @@ class Prefixed(logging.LoggerAdapter[logging.Logger]):
         self.prefix = f"{who} (ns {namespace}): " if namespace else f"{who}: "
         self._escaped = self.prefix.replace("%", "%%")  # a name with a % in it must not be read as a format
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         if self.isEnabledFor(level):
             kwargs.setdefault("stacklevel", 2)  # the caller's line, as with a plain logger
             self.logger.log(level, f"{self._escaped if args else self.prefix}{msg}", *args, **kwargs)

@@ -156,7 +156,7 @@ def translate_errors(
     """Decorate a coroutine function whose first argument is the client: :func:`translated`."""
 
     @functools.wraps(fn)
-    async def wrapper(redis: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def wrapper(redis: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with translated(redis):
             return await fn(redis, *args, **kwargs)
 

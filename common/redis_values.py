@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
+
+RawFields: TypeAlias = "Mapping[bytes, object] | Mapping[str, object] | Mapping[bytes | str, object]"
+"""A hash or stream entry as read (bytes from a plain client, str from a decoding one, or mixed)."""
+RawHash: TypeAlias = "Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]"
+"""A hash of text values as read (bytes or str)."""
 
 _INT_RE = re.compile(r"-?\d{1,19}")
 
 
-def text(raw: Any) -> str:
+def text(raw: object) -> str:
     """A raw Redis value (bytes, str, number, None) as text; invalid UTF-8 is replaced, never raised."""
     if raw is None:
         return ""
@@ -33,7 +38,7 @@ def utf8(raw: bytes | str) -> str | None:
         return None
 
 
-def parse_int(raw: Any) -> int | None:
+def parse_int(raw: object) -> int | None:
     """The integer a raw Redis value holds; None when it is missing, empty or not an integer."""
     if isinstance(raw, bool):
         return None
@@ -43,7 +48,7 @@ def parse_int(raw: Any) -> int | None:
     return int(value) if _INT_RE.fullmatch(value) else None
 
 
-def int_or(raw: Any, default: int = 0) -> int:
+def int_or(raw: object, default: int = 0) -> int:
     """The integer a raw Redis value holds, else ``default`` (missing or damaged)."""
     value = parse_int(raw)
     return default if value is None else value

@@ -104,7 +104,7 @@ class SampleField:
         """The value of this field when it is not set (a version-3 field then costs no byte)."""
         return False if self.kind is Kind.FLAG else 0.0 if self.kind is Kind.SECONDS else None
 
-    def is_set(self, value: Any) -> bool:
+    def is_set(self, value: object) -> bool:
         """Whether ``value`` differs from this field's unset value (see :data:`SET_WHEN_TRUE`)."""
         return bool(value) if self.kind in SET_WHEN_TRUE else value is not None
 

@@ -7,13 +7,11 @@ integer in 0..2^63-1; anything else (a bool, a float, a negative number, words) 
 
 from __future__ import annotations
 
-from typing import Any
-
 MAX_VERSION = 2**63 - 1
 """The largest weight version: what a signed 64-bit field (msgpack, Redis, a trainer's int64) holds."""
 
 
-def out_of_range(value: Any) -> bool:
+def out_of_range(value: object) -> bool:
     """Whether ``value`` is an integer (or an integer string) above :data:`MAX_VERSION`: an
     engine reply holding one is unusable, never a version. Long strings are never converted
     (a 5,000-digit one would trip Python's int-conversion limit)."""
@@ -27,7 +25,7 @@ def out_of_range(value: Any) -> bool:
     return False
 
 
-def parse_version(value: Any) -> int | None:
+def parse_version(value: object) -> int | None:
     """An integer weight version (0..:data:`MAX_VERSION`) from an int or an integer string; None otherwise."""
     if isinstance(value, bool) or out_of_range(value):
         return None
@@ -39,7 +37,7 @@ def parse_version(value: Any) -> int | None:
     return None
 
 
-def version_of(payload: Any) -> int | None:
+def version_of(payload: object) -> int | None:
     """The ``weight_version`` of an engine's JSON reply (``/model_info``, ``/weight_info``, ...);
     None when the reply is not an object or holds no integer version."""
     return parse_version(payload.get("weight_version")) if isinstance(payload, dict) else None

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollstream.common import bias
+from rollstream.common.arrays import FloatArray, IntArray, Packed
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
-from rollstream.common.models import SAMPLE_FIELDS, FloatArray, Group, IntArray, Packed
+from rollstream.common.models import SAMPLE_FIELDS, Group
 from rollstream.common.protocol import TakeStats
 from rollstream.common.sample_fields import Kind
 
@@ -121,11 +122,13 @@ def _numpy_view(values: IntArray | FloatArray) -> numpy.ndarray:
     """A numpy array sharing ``values``' memory (the codec's arrays are native-endian)."""
     np = require_extra("numpy", "numpy", "numpy views of a batch")
     code = values.typecode if isinstance(values, array) else values.format
-    return np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+    view: numpy.ndarray = np.frombuffer(values, dtype=_NUMPY_DTYPES[code])
+    return view
 
 
 def _packed_view(packed: Packed) -> numpy.ndarray:
-    return packed.numpy()
+    view: numpy.ndarray = packed.numpy()
+    return view
 
 
 _VIEW_RULES: dict[Kind, Callable[[Any], numpy.ndarray]] = {

@@ -23,13 +23,15 @@ cancellation share the loop's state).
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Final
 
 from redis.asyncio import Redis
 from rollstream.common import bias
@@ -95,7 +97,13 @@ __all__ = [  # the names this module has always offered, wherever they live now
 logger = logging.getLogger(__name__)
 
 
-UNSET: Any = object()
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`: a one-member enum, so that ``x is UNSET`` narrows ``x``'s type."""
+
+    UNSET = "UNSET"
+
+
+UNSET: Final = Unset.UNSET
 """``take()``'s default for ``max_staleness`` and ``keep``: the namespace's / the consumer's."""
 _READ_BLOCK_MS = 1000
 _ORPHAN_CHECK_INTERVAL = 5.0
@@ -302,8 +310,8 @@ class GroupConsumer:
         self,
         target: int,
         *,
-        max_staleness: int | None = UNSET,
-        keep: KeepFilter | None = UNSET,
+        max_staleness: int | Unset | None = UNSET,
+        keep: KeepFilter | Unset | None = UNSET,
     ) -> Batch:
         """Exactly ``target`` usable groups, sorted by index (FIFO by arrival until then).
 
@@ -425,7 +433,7 @@ class GroupConsumer:
         out: list[tuple[bytes, dict[bytes, bytes]]] = []
         cursor = "0"
         while True:
-            entries = await self._outage.run(lambda c=cursor: self.queue.own_pending_page(c))
+            entries = await self._outage.run(functools.partial(self.queue.own_pending_page, cursor))
             if not entries:
                 return out
             out.extend(entries)

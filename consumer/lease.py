@@ -18,6 +18,8 @@ from rollstream.common.protocol import NameLease
 
 from .options import NAME_LEASE_SECONDS
 
+_RELEASE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *TRANSIENT_ERRORS)
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ class NameHold:
         try:
             async with asyncio.timeout(2):
                 await self.lease.release()
-        except (TimeoutError, *TRANSIENT_ERRORS) as exc:
+        except _RELEASE_ERRORS as exc:
             self.log.debug("releasing the name lease failed (%s); it expires by itself", exc)
 
     async def _renew(self) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rollstream.common.config import PipelineConfig
 from rollstream.common.loop_thread import LoopThread
 
 from .batch import Batch
 from .filters import KeepFilter
-from .group_consumer import UNSET, GroupConsumer
+from .group_consumer import UNSET, GroupConsumer, Unset
 from .options import ConsumerOptions
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ class SyncGroupConsumer:
     def config(self) -> PipelineConfig:
         return self._consumer.config
 
-    def take(self, target: int, *, max_staleness: int | None = UNSET, keep: KeepFilter | None = UNSET) -> Batch:
+    def take(
+        self, target: int, *, max_staleness: int | Unset | None = UNSET, keep: KeepFilter | Unset | None = UNSET
+    ) -> Batch:
         return self._runner.run(self._consumer.take(target, max_staleness=max_staleness, keep=keep))
 
     def commit(self, batch: Batch) -> int:
@@ -64,5 +66,5 @@ class SyncGroupConsumer:
     def __enter__(self) -> SyncGroupConsumer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

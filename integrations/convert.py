@@ -44,9 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollstream.common.arrays import Packed, float_array, int_array, mask_array
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
-from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Packed, Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Sample, Status
 from rollstream.common.sample_fields import Kind, SampleField
 
 INFO_KEY = "rollstream"
@@ -399,15 +400,15 @@ def from_framework(samples: Sequence[Any]) -> Group:
         converted.append(
             Sample(
                 index=int(info.get("position", position)),
-                tokens=list(fw.tokens),
+                tokens=int_array(list(fw.tokens)),
                 response=fw.response,
                 response_length=fw.response_length,
                 reward=fw.reward,
                 status=_status(fw.status),
                 finish_reason=info.get("finish_reason"),
                 weight_versions=[int(v) for v in fw.weight_versions],
-                rollout_log_probs=None if fw.rollout_log_probs is None else list(fw.rollout_log_probs),
-                loss_mask=None if filled or fw.loss_mask is None else list(fw.loss_mask),
+                rollout_log_probs=None if fw.rollout_log_probs is None else float_array(list(fw.rollout_log_probs)),
+                loss_mask=None if filled or fw.loss_mask is None else mask_array(list(fw.loss_mask)),
                 metadata=metadata,
                 **framework_fields(fw, base, info),
             )

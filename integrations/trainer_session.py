@@ -31,7 +31,7 @@ from rollstream.common.loop_thread import LoopThread
 from rollstream.common.models import Group
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 from rollstream.consumer import ArchiveReplay, GroupConsumer
-from rollstream.consumer.options import NAME_LEASE_SECONDS
+from rollstream.consumer.options import NAME_LEASE_SECONDS, OnProducerFailure
 
 from .convert import Framework
 from .environment import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
@@ -55,7 +55,8 @@ class TrainBatch:
 
 
 async def open_consumer(
-    stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None, on_producer_failure: str = "raise"
+    stack: AsyncExitStack, url: str, namespace: str, name: str, keep: Any = None,
+    on_producer_failure: OnProducerFailure = "raise",
 ) -> Any:
     """``GroupConsumer.connect`` used as an async context manager when it is one, else awaited."""
     opened: Any = GroupConsumer.connect(
@@ -80,7 +81,7 @@ class RolloutSession:
         *,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
         health: Callable[[], BaseException | None] | None = None,
-        on_producer_failure: str = "raise",
+        on_producer_failure: OnProducerFailure = "raise",
     ) -> None:
         self.settings = settings
         self.framework = framework

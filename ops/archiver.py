@@ -12,6 +12,7 @@ scripts that decide a fate drop the oldest records past the namespace's ``archiv
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ class Archiver:
             read_from = buffer[-1].archive_id if buffer else cursor
             want = self.settings.batch - len(buffer)
             entries = await self._outage.run(
-                lambda f=read_from, w=want: self.stream.after(f, w, self.blocking, _BLOCK_MS)
+                functools.partial(self.stream.after, read_from, want, self.blocking, _BLOCK_MS)
             )
             if entries and not buffer:
                 oldest = time.monotonic()
@@ -128,15 +129,16 @@ class Archiver:
         if cursor == "0-0":
             return
         while rows := await self._outage.run(lambda: self.stream.up_to(cursor, 1000)):
-            pairs = [(eid, ArchiveRecord.parse(eid, fields).record_bytes) for eid, fields in rows]
-            await self._outage.run(lambda p=pairs: self.stream.confirm(p, cursor, now_ms()))
+            await self._confirm([(eid, ArchiveRecord.parse(eid, fields).record_bytes) for eid, fields in rows], cursor)
+
+    async def _confirm(self, pairs: list[tuple[bytes, int]], cursor: str) -> None:
+        await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms()))
 
     async def _flush(self, records: list[ArchiveRecord]) -> str:
         """Write the records (one file per run of one partition, in id order), then confirm them."""
         await asyncio.to_thread(self._write, records)
         cursor = records[-1].archive_id
-        pairs = [(r.archive_id.encode(), r.record_bytes) for r in records]
-        await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms()))
+        await self._confirm([(r.archive_id.encode(), r.record_bytes) for r in records], cursor)
         return cursor
 
     def _write(self, records: list[ArchiveRecord]) -> None:

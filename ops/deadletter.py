@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from redis.asyncio import Redis
 from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, prompt_fields
@@ -13,6 +11,7 @@ from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, retry_prompt
 from rollstream.common.protocol import DeadLetters
+from rollstream.common.redis_values import RawFields
 
 from ._fields import as_int, text
 
@@ -32,7 +31,7 @@ class DeadEntry:
     error: str = ""
 
 
-def dead_entry(entry_id: bytes | str, fields: Mapping[bytes | str, Any]) -> DeadEntry:
+def dead_entry(entry_id: bytes | str, fields: RawFields) -> DeadEntry:
     """Decode one dead-letter entry: a prompt payload (this build writes only those) or, from
     entries written by older builds, a group payload turned into its prompt."""
     named = {text(k): v for k, v in fields.items()}

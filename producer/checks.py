@@ -8,9 +8,10 @@ import sys
 from typing import Any
 
 import msgpack
+from rollstream.common.arrays import Packed
 from rollstream.common.codec import check_lengths
 from rollstream.common.errors import DecodeError, InvalidResult
-from rollstream.common.models import SAMPLE_FIELDS, Packed, Sample, Status
+from rollstream.common.models import SAMPLE_FIELDS, Sample, Status
 from rollstream.common.sample_fields import Kind
 
 

@@ -13,6 +13,7 @@ its file and row, written by the same script; the epoch goes on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -345,9 +346,9 @@ class Feeder:
             last = chunk[-1][1]
             epoch, position = (last[0], last[1]) if not self.named else (0, 0)
             added = await self._outage.run(
-                lambda e=entries, d=dead, u=updates, ep=epoch, pos=position, ni=next_index: self.feed.add(
-                    expected_next=ni, next_after=ni + len(e), epoch=ep, position=pos,
-                    dataset=self.dataset, entries=e, dead=d, sources=u,
+                functools.partial(
+                    self.feed.add, expected_next=next_index, next_after=next_index + len(entries), epoch=epoch,
+                    position=position, dataset=self.dataset, entries=entries, dead=dead, sources=updates,
                 )
             )
             if added is None:

@@ -524,7 +524,7 @@ class Rollout:
         own episode once the pipeline resumes (prompt + its tokens as token input), as the
         episodes of the SGLang API continue theirs; a sample whose prompt ids nobody knows
         (no tokenizer, no echo) or that carries images stays ABORTED and the group is recycled."""
-        ids = aborted[0].tokens[: aborted[0].prompt_length] if aborted[0].prompt_length else None
+        ids = array("i", aborted[0].tokens[: aborted[0].prompt_length]) if aborted[0].prompt_length else None
         if ids is None or _media(prompt):
             done(len(aborted))
             return

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -623,7 +624,7 @@ class Producer:
         version = await self._trainer_version()
         for item in claimed:
             if not item.fields:
-                await self._outage.run(lambda i=item: self.prompts.ack_deleted(i.stream, i.entry_id))
+                await self._outage.run(functools.partial(self.prompts.ack_deleted, item.stream, item.entry_id))
                 continue
             if item.entry_id in self._work:
                 continue
@@ -885,7 +886,7 @@ class Producer:
         for work in list(self._work.values()):
             try:
                 returned = await self._outage.run(
-                    lambda w=work: self._give_back(w), give_up_after=30
+                    functools.partial(self._give_back, work), give_up_after=30
                 )
             except TRANSIENT_ERRORS:
                 self.log.error(

@@ -10,7 +10,8 @@ import random
 from array import array
 from typing import Any
 
-from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Packed, Sample, Status
+from rollstream.common.arrays import Packed, float_array, int_array, mask_array
+from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Sample, Status
 from rollstream.common.sample_fields import Kind, SampleField
 
 
@@ -48,22 +49,22 @@ def full_sample(
         offsets.append(offsets[-1] + c)
     sample = Sample(
         index=index,
-        tokens=tokens,
+        tokens=int_array(tokens),
         response="r" * response_len,
         response_length=response_len,
         reward={"score": float(index), "format": 0.5},
         status=Status.TRUNCATED if index % 2 else Status.COMPLETED,
         finish_reason="length" if index % 2 else "stop",
         weight_versions=[3, 4],
-        rollout_log_probs=[-0.25 * (k + 1) for k in range(response_len)],
-        loss_mask=[1, 0] * (response_len // 2) + [1] * (response_len % 2),
+        rollout_log_probs=float_array(-0.25 * (k + 1) for k in range(response_len)),
+        loss_mask=mask_array([1, 0] * (response_len // 2) + [1] * (response_len % 2)),
         metadata={"engine": "e0", "raw_reward": float(index), "round_number": 2},
         routed_experts=routed_experts(n_tokens, layers, topk, experts, seed + index),
         indexer_topk=Packed(array("H", (rng.randrange(4096) for _ in range((n_tokens - 1) * 8))), (n_tokens - 1, 2, 4)),
         top_p_token_ids=Packed(array("i", (rng.randrange(150_000) for _ in range(offsets[-1]))), (offsets[-1],)),
         top_p_token_offsets=Packed.of(offsets),
-        teacher_log_probs=[-0.5 * (k + 1) for k in range(response_len)],
-        opd_reverse_kl=[0.125 * k for k in range(response_len)],
+        teacher_log_probs=float_array(-0.5 * (k + 1) for k in range(response_len)),
+        opd_reverse_kl=float_array(0.125 * k for k in range(response_len)),
         remove_sample=index == 1,
         train_metadata={"loss": "opd", "weight": 0.5},
         rollout_id=index // 2,

@@ -307,3 +307,20 @@ def test_every_package_directory_is_listed_for_the_wheel() -> None:
             found.add(".".join((name, *parts)))
     missing = sorted(found - listed)
     assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
+
+
+def test_mypy_reads_every_mapped_package_under_its_installed_name() -> None:
+    """mypy checks ``scripts/typecheck/rollstream`` (symlinks laid out as installed): a package-dir
+    folder missing there would go unchecked, and its ``rollstream.x`` imports would read as Any."""
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]
+    tree = root / "scripts" / "typecheck"
+    assert config["mypy"]["files"] == ["scripts/typecheck/rollstream"]
+    wrong = []
+    for name, folder in config["setuptools"]["package-dir"].items():
+        link = tree.joinpath(*name.split("."))
+        target = link / "__init__.py" if name == "rollstream" else link
+        real = root / folder / "__init__.py" if name == "rollstream" else root / folder
+        if not (target.is_symlink() and target.resolve() == real.resolve()):
+            wrong.append(f"{link.relative_to(root)} -> {folder}")
+    assert not wrong, f"scripts/typecheck lacks (or misroutes) {wrong}"

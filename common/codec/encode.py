@@ -10,7 +10,8 @@ from typing import Any
 
 import msgpack
 
-from ..models import SAMPLE_FIELDS, Adapter, Group, Packed, Prompt, Sample
+from ..arrays import Packed
+from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
 from ..sample_fields import SET_WHEN_TRUE, Kind
 from .wire import LITTLE, V3_SAMPLE_KEYS
 
@@ -105,9 +106,10 @@ def _version_of(samples: list[dict[str, Any]], multimodal: Any) -> int:
 
 def _packb(obj: Any) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"cannot encode as msgpack (labels and metadata must be plain data): {exc}") from exc
+    return packed
 
 
 def encode_group(group: Group) -> bytes:

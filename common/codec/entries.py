@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import DecodeError
 from ..models import Group, Prompt
-from ..redis_values import utf8
+from ..redis_values import RawFields, utf8
 from .decode import decode_group, decode_prompt
 from .encode import encode_group, encode_prompt
 from .wire import DEFAULT_LIMITS, CodecLimits
@@ -56,13 +56,15 @@ def group_too_large(fields: Mapping[str, Any], limit: int) -> str | None:
     return f"group_too_large: {size} bytes of group data exceeds max_group_bytes {limit} (rollstream init)"
 
 
-def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
+def entry_data(fields: RawFields) -> bytes:
     """The ``data`` field of a raw stream entry, or DecodeError when it is missing (or a field name
     is not UTF-8: such an entry was not written by rollstream)."""
-    for name in fields:
+    data: object = None
+    for name, value in fields.items():
         if isinstance(name, bytes) and utf8(name) is None:
             raise DecodeError("bad_field", f"field name {name[:40]!r} is not UTF-8")
-    data = fields.get(b"data", fields.get("data"))
+        if name == b"data" or (name == "data" and data is None):
+            data = value
     if data is None:
         raise DecodeError("missing_field", "entry has no data field")
     if isinstance(data, str):
@@ -73,10 +75,10 @@ def entry_data(fields: Mapping[bytes | str, Any]) -> bytes:
 
 
 def decode_group_entry(
-    fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False
+    fields: RawFields, limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False
 ) -> Group:
     return decode_group(entry_data(fields), limits, views=views)
 
 
-def decode_prompt_entry(fields: Mapping[bytes | str, Any], limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
+def decode_prompt_entry(fields: RawFields, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
     return decode_prompt(entry_data(fields), limits)

@@ -40,7 +40,7 @@ class Control(Guarded):
         return max(0, int_or(await self.redis.hget(self.keys.state, StateField.WEIGHT_VERSION)))
 
     async def paused(self) -> bool:
-        return await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1"
+        return bool(await self.redis.hget(self.keys.state, StateField.PAUSED) == b"1")
 
     async def updated_since(self, version: int) -> bool:
         """Whether the pipeline is paused or its weight version is no longer ``version``: a

@@ -251,7 +251,7 @@ class TrainerMonitor(Guarded):
             )
             replies = await pipe.execute(raise_on_error=False)
 
-        def pending(reply: Any) -> int:
+        def pending(reply: object) -> int:
             return int(reply["pending"]) if isinstance(reply, dict) else 0
 
         fields = (StateField.COMMITTED, StateField.VERSION_START_CONSUMED, StateField.PREV_VERSION_CONSUMED)

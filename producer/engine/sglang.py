@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+from rollstream.common.arrays import Packed
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
-from rollstream.common.models import Packed
 from rollstream.common.weight_apis import SGLANG_WEIGHTS
 
 from .parse import TokenId, check_logprobs, decode, floats, ids, reply_version

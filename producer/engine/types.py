@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollstream.common.models import Packed
+from rollstream.common.arrays import Packed
 
 if TYPE_CHECKING:
     from rollstream.common.weight_apis import WeightAPI

@@ -23,8 +23,8 @@ import binascii
 import sys
 from array import array
 
+from rollstream.common.arrays import Packed
 from rollstream.common.errors import EngineReplyInvalid
-from rollstream.common.models import Packed
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 4096
