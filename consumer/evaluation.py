@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -38,6 +39,12 @@ async def submit_eval(
     return name
 
 
+async def _collect(
+    lane: EvalLane, outage: Outage, name: str, stored: dict[str, Any], consumer: str, ids: list[bytes]
+) -> None:
+    await outage.run(lambda: lane.collect(name, stored, consumer, ids, now_ms()))
+
+
 async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[EvalResult]:
     """Every finished eval, oldest first; an eval whose prompts all came back is summarized now,
     its groups archived and deleted (one script)."""
@@ -45,7 +52,7 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
     waiting = {name for name, meta in submitted.items() if "result" not in meta}
     found: dict[str, list[tuple[bytes, Group, int]]] = {}
     after = "-"
-    while waiting and (rows := await outage.run(lambda a=after: lane.groups(a))):
+    while waiting and (rows := await outage.run(functools.partial(lane.groups, after))):
         for entry_id, fields in rows:
             eval_name = fields.get(b"eval", b"").decode("utf-8", "replace")
             if eval_name in waiting:
@@ -64,7 +71,7 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
         )
         stored = {**meta, "result": result.as_json()}
         ids = [eid for eid, _, _ in got]
-        await outage.run(lambda n=eval_name, r=stored, i=ids: lane.collect(n, r, consumer, i, now_ms()))
+        await _collect(lane, outage, eval_name, stored, consumer, ids)
         submitted[eval_name] = stored
         logger.info("consumer %s: eval %s finished: %s", consumer, eval_name, json.dumps(result.as_json()))
     finished = [EvalResult.from_json(meta["result"]) for meta in submitted.values() if "result" in meta]

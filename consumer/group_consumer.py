@@ -31,7 +31,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio import Redis
 from rollstream.common import bias
