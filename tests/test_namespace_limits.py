@@ -22,6 +22,7 @@ from rollstream.ops.snapshot import snapshot
 from rollstream.producer.session import EpisodeLimits, EpisodeRuntime
 from rollstream.producer.shared_limits import SharedLimits
 from rollstream.testing.sim import SimEngine
+from test_episodes_pipeline import heartbeat
 from test_faults import wait_exit
 
 FNS = Path(__file__).with_name("durable_fns.py")
@@ -106,6 +107,12 @@ async def test_a_killed_producers_units_come_back_within_its_lease(
         return (view["holders"], view["waiters"]) == (1, 1)
 
     await wait_until(one_holds_one_waits, message="a holds the unit, its other episode waits")
+
+    async def waiting_holds_no_engine_slot() -> bool:
+        beat = await heartbeat(redis, ns, "a")
+        return beat.episodes == 2 and beat.engine_requests == 0
+
+    await wait_until(waiting_holds_no_engine_slot, message="two episodes in flight, no engine request")
     first.send_signal(signal.SIGKILL)
     await wait_exit(first)
     monkeypatch.delenv("BLOCK_AT")
