@@ -226,9 +226,89 @@ async def mix_rows(quick: bool) -> list[list[Any]]:
     return out
 
 
+# -- the curriculum ------------------------------------------------------------------------------
+
+CURRICULUM_ROWS = 200
+CURRICULUM_EPOCHS = 8
+
+
+def easy_or_coin(sample: Any, prompt: Any, label: Any) -> float:
+    """The curriculum run's reward: rows labelled ``easy`` are always solved, the others a coin."""
+    return 1.0 if label == "easy" else float(random.random() < 0.5)
+
+
+async def _curriculum_run(server: EmbeddedRedis, engine: str, dataset: Path, curriculum: list[str], k: int,
+                          epochs: int) -> dict[str, Any]:
+    from rollstream.consumer.filters import reward_variance
+
+    ns = f"curr-{time.monotonic_ns()}"
+    redis = connect(server.url)
+    await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=4, max_backlog=64, row_stats=k)
+    judged: Counter[int] = Counter()
+    kept: Counter[int] = Counter()
+
+    def keep(group: Any) -> Any:
+        verdict = reward_variance(group)
+        judged[group.epoch] += 1
+        if verdict is True:
+            kept[group.epoch] += 1
+        return verdict
+
+    with children() as procs:
+        feeder = spawn(["-m", "rollstream.cli", "feed", str(dataset), "--redis", server.url, "--ns", ns,
+                        "--epochs", str(epochs), "--shuffle", "--window", "32", "--log-level", "INFO", *curriculum],
+                       OUT / "data-curriculum-feed.log")
+        procs.append(feeder)
+        procs.append(spawn(["-m", "rollstream.cli", "produce", "--redis", server.url, "--ns", ns, "--engine", engine,
+                            "--concurrency", "64", "--reward", "bench.data:easy_or_coin", "--max-new-tokens", "32",
+                            "--log-level", "WARNING"], OUT / "data-curriculum-produce.log"))
+        async with await GroupConsumer.connect(server.url, ns, "trainer", keep=keep, stall_timeout=120) as consumer:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(consumer.take(4), 5)
+                except TimeoutError:
+                    if feeder.poll() is not None:  # fed to the end and nothing more arrives
+                        break
+                    continue
+                await consumer.commit(batch)
+    await redis.aclose()
+    later = range(1, epochs)
+    generated, trained = sum(judged[e] for e in later), sum(kept[e] for e in later)
+    return {"generated": generated, "trained": trained, "ratio": generated / max(1, trained),
+            "first": judged[0]}
+
+
+async def curriculum_rows(quick: bool) -> list[list[Any]]:
+    epochs = 3 if quick else CURRICULUM_EPOCHS
+    dataset = OUT / "data-curriculum.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"q{i}", "label": "easy" if i % 2 else "hard"}) + "\n"
+                               for i in range(CURRICULUM_ROWS)))
+    runs = [
+        ("zero-variance filter alone", [], 1),
+        ("+ curriculum k=1, offer 0.1, max gap 4 (the defaults)", ["--curriculum", "zero-variance"], 1),
+        ("+ curriculum k=1, offer 0.2, max gap 4",
+         ["--curriculum", "zero-variance", "--curriculum-offer", "0.2"], 1),
+        ("+ curriculum k=2, offer 0.1, max gap 4",
+         ["--curriculum", "zero-variance", "--curriculum-k", "2"], 2),
+        ("+ curriculum k=1, offer 0.1, max gap 8",
+         ["--curriculum", "zero-variance", "--curriculum-max-gap", "8"], 1),
+    ]
+    config = SimConfig(seed=1, mean_tokens=16, latency_per_token=0.001, max_running=256)
+    results = []
+    with EmbeddedRedis() as server:
+        async with SimEngine(config) as sim:
+            for name, flags, k in runs:
+                results.append((name, await _curriculum_run(server, sim.url, dataset, flags, k, epochs)))
+    base = results[0][1]["ratio"]
+    trained = results[0][1]["trained"]
+    return [[name, r["generated"], r["trained"], r["trained"] / trained, r["ratio"], base / r["ratio"]]
+            for name, r in results]
+
+
 def run(quick: bool = False) -> list[Table]:
     feeder = asyncio.run(feeder_rows(quick))
     mix = asyncio.run(mix_rows(quick))
+    curriculum = asyncio.run(curriculum_rows(quick))
     return [
         Table(
             "data-feeder",
@@ -267,6 +347,24 @@ def run(quick: bool = False) -> list[Table]:
                 "prompts to the source behind, counting what is in flight and in the backlog).",
                 "Max fast groups held: fast groups published but not committed (the backlog plus the surplus "
                 "take() holds), the largest seen after a commit.",
+            ],
+            "python -m bench data",
+        ),
+        Table(
+            "data-curriculum",
+            "Generated groups per trained group from epoch 2 on: the zero-variance filter alone vs a curriculum",
+            ["run", "groups generated (epochs 2+)", "groups trained (epochs 2+)", "trained vs the filter alone",
+             "generated / trained", "fewer than the filter alone"],
+            curriculum,
+            [
+                f"{CURRICULUM_ROWS} rows, half always solved (reward 1 for every sample: zero variance), half a "
+                "coin per sample (zero variance 1 time in 8 with n=4); "
+                f"{CURRICULUM_EPOCHS} shuffled epochs, n=4, the trainer taking batches of 4 with "
+                "keep=reward_variance (the dynamic-sampling filter), init --row-stats k.",
+                "Generated: groups judged by the filter (every finished group); trained: the ones it kept "
+                "(all from the coin rows). Epoch 1 is the same in every run (no row has a history yet). "
+                "With k=1 a coin row whose one group had zero variance is deferred too, so fewer groups are "
+                "trained in the same epochs; k=2 keeps them but defers the solved rows an epoch later.",
             ],
             "python -m bench data",
         ),

@@ -53,6 +53,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         default = next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
         p.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE",
                        help=documented(PipelineConfig, name, note="SIZE: bytes, or with a unit (512MiB, 8GiB)."))
+    p.add_argument("--row-stats", type=int, default=0, metavar="K",
+                   help="keep each row's statistics over its last K groups, for feed --curriculum (0: none)")
     p.add_argument("--mix", default="", metavar="NAME=WEIGHT,...",
                    help="named sources' weights: every batch take() returns holds each one's share exactly; "
                         "feed them with rollstream feed NAME=PATH ... (default: none, one unnamed source)")
@@ -116,6 +118,15 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="a text prompt becomes one user message (slime's --apply-chat-template; the producer's "
                         "--tokenizer renders the template)")
     p.add_argument("--window", type=int, default=256, help="at most this many prompts queued (default: %(default)s)")
+    p.add_argument("--curriculum", default=None, metavar="zero-variance|MODULE:FUNCTION",
+                   help="ask a sampler of each row's statistics before feeding it (init --row-stats K); "
+                        "zero-variance defers rows whose last groups had zero reward variance (docs/running.md)")
+    p.add_argument("--curriculum-k", type=int, default=1, help="zero-variance: groups looked at (default: %(default)s)")
+    p.add_argument("--curriculum-offer", type=float, default=0.1,
+                   help="zero-variance: probability a deferred row is fed anyway each epoch (default: %(default)s)")
+    p.add_argument("--curriculum-max-gap", type=int, default=4,
+                   help="zero-variance: a row is fed whatever its history once its last group is this many epochs "
+                        "old (default: %(default)s)")
     p.set_defaults(func=cmd_feed)
 
     p = sub.add_parser("sim-engine", parents=base, help="run the engine simulator (an SGLang test double)")
@@ -240,6 +251,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         max_group_bytes=args.max_group_bytes,
         archive_bytes=args.archive_bytes,
         mix=args.mix,
+        row_stats=args.row_stats,
     )
     keys = Keys(args.ns)
     limits = dict(parse_limit(spec) for spec in args.limit)
@@ -302,6 +314,18 @@ def cmd_limits(args: argparse.Namespace) -> int:
     return 0
 
 
+def curriculum_of(args: argparse.Namespace) -> Any:
+    """The feed command's curriculum sampler, or None."""
+    if args.curriculum is None:
+        return None
+    from rollstream.producer.curriculum import load_sampler
+
+    options = {}
+    if args.curriculum == "zero-variance":
+        options = {"k": args.curriculum_k, "offer": args.curriculum_offer, "max_gap": args.curriculum_max_gap}
+    return load_sampler(args.curriculum, **options)
+
+
 def cmd_feed(args: argparse.Namespace) -> int:
     from rollstream.producer.datasets import RowFormat, open_dataset
     from rollstream.producer.feeder import Feeder, FeedSettings
@@ -314,6 +338,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
         window=args.window,
         shuffle_scheme=args.shuffle_scheme,
         shuffle_buffer=args.shuffle_buffer,
+        curriculum=curriculum_of(args),
     )
     row_format = RowFormat(args.prompt_key, args.label_key or None, args.metadata_key, args.tool_key, args.as_chat)
     named = named_sources(args.dataset)

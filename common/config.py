@@ -60,6 +60,9 @@ class PipelineConfig:
     max_group_bytes: int = 512 * 1024 * 1024
     """A group whose encoded data is larger is dead-lettered (``group_too_large``), not published
     (512 MiB: Redis' ``proto-max-bulk-len`` default)."""
+    row_stats: int = 0
+    """Per-row statistics kept (``Keys.rows``) over this many last groups of each row, for a
+    feeder curriculum (``feed --curriculum``); 0 = none."""
     mix: str = ""
     """The sources' weights, ``NAME=WEIGHT,...`` (``rollstream init --mix``): every batch
     ``take()`` returns holds each source's share exactly; "" = one unnamed source, no mix."""
@@ -101,6 +104,8 @@ class PipelineConfig:
             )
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
+        if isinstance(self.row_stats, bool) or not isinstance(self.row_stats, int) or not 0 <= self.row_stats <= 64:
+            raise ConfigError(f"row_stats must be an integer 0..64, got {self.row_stats!r}")
         from .mix import parse_mix
 
         parse_mix(self.mix)  # ConfigError when malformed

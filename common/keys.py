@@ -92,6 +92,14 @@ class Keys:
         return f"{self.base}:archive"
 
     @property
+    def rows(self) -> str:
+        """Hash: per-row statistics for a curriculum (``init --row-stats K``), field
+        ``<source>:<row>`` ("" source for an unnamed dataset) -> JSON ``{"t": groups finished,
+        "r": mean rewards and "v": reward variances of the last K, "w": last version, "e": last
+        epoch}``, kept by ROW_STATS when a group of the row is committed or filtered."""
+        return f"{self.base}:rows"
+
+    @property
     def sources(self) -> str:
         """Hash: the named sources (``rollstream feed NAME=PATH``), fields ``SourceField.of(name,
         kind)`` = ``<name>:<kind>``: the feeder's cursor (``epoch``, ``position``, ``dataset``,
@@ -236,6 +244,7 @@ class Keys:
             self.group_bytes,
             self.archive,
             self.sources,
+            self.rows,
             self.limits,
             self.limit_stats,
             self.eval_prompts,

@@ -680,6 +680,36 @@ return {'wait', math.ceil((1 - tokens) * 1000 / rate)}
 """),
 )
 
+# Per-row statistics for a curriculum: ``items`` are (field, mean reward, reward variance, version,
+# epoch) of finished groups; each row's JSON keeps its count and the last ``k`` means and variances.
+ROW_STATS = Script(
+    "ROW_STATS",
+    keys=("rows",),
+    argv=("k", "*items"),
+    source=_template("""
+local k = tonumber(ARGV[1])
+for i = 2, #ARGV - 4, 5 do
+  local s = nil
+  local raw = redis.call('HGET', KEYS[1], ARGV[i])
+  if raw then
+    local ok, decoded = pcall(cjson.decode, raw)
+    if ok and type(decoded) == 'table' then s = decoded end
+  end
+  if not s then s = {} end
+  local r, v = s.r, s.v
+  if type(r) ~= 'table' then r = {} end
+  if type(v) ~= 'table' then v = {} end
+  table.insert(r, tonumber(ARGV[i + 1]) or 0)
+  table.insert(v, tonumber(ARGV[i + 2]) or 0)
+  while #r > k do table.remove(r, 1) end
+  while #v > k do table.remove(v, 1) end
+  redis.call('HSET', KEYS[1], ARGV[i], cjson.encode({t = (tonumber(s.t) or 0) + 1, r = r, v = v,
+    w = tonumber(ARGV[i + 3]) or 0, e = tonumber(ARGV[i + 4]) or 0}))
+end
+return math.floor((#ARGV - 1) / 5)
+"""),
+)
+
 # The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
 # that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
 REQUEUE = Script(
@@ -969,6 +999,13 @@ class Scripts:
             fields=_flatten(prompt_fields),
         )
         return result or None
+
+    async def row_stats(self, k: int, items: Sequence[tuple[str, float, float, int, int]]) -> int:
+        """Record finished groups in their rows' statistics: (field, mean reward, reward variance,
+        version, epoch) each, the last ``k`` kept."""
+        if not items:
+            return 0
+        return int(await self._run(ROW_STATS, k=k, items=[v for item in items for v in item]))
 
     async def renew(self, stream: str, consumer: str, ids: Iterable[str | bytes]) -> list[bytes]:
         ids = list(ids)

@@ -228,6 +228,21 @@ def batch_metrics(
     return metrics
 
 
+def row_stat_items(groups: list[Group], version: int) -> list[tuple[str, float, float, int, int]]:
+    """(``<source>:<row>``, mean reward, reward variance, version, epoch) of each fed group with
+    finite rewards: what ROW_STATS records for a curriculum."""
+    items = []
+    for group in groups:
+        row = group.metadata.get("dataset_index")
+        rewards = [r for s in group.samples if not math.isnan(r := s.scalar_reward)]
+        if not isinstance(row, int) or isinstance(row, bool) or not rewards:
+            continue
+        mean = sum(rewards) / len(rewards)
+        variance = sum((r - mean) ** 2 for r in rewards) / len(rewards)
+        items.append((f"{group.source}:{row}", mean, variance, version, group.epoch))
+    return items
+
+
 def source_metrics(groups: list[Group], tally: Tally, sources: list[str] | None = None) -> dict[str, float]:
     """``source/<name>/groups``, ``reward_mean``, ``response_length`` (mean over samples) and
     ``recycled`` (this take) for every named source of the batch (and of ``sources``)."""

@@ -55,7 +55,7 @@ from rollstream.common.protocol import (
     live_producers,
 )
 
-from .batch import Batch, Tally, batch_id, batch_metrics
+from .batch import Batch, Tally, batch_id, batch_metrics, row_stat_items
 from .biaswatch import BiasWatch
 from .connecting import Connecting
 from .evaluation import finished_evals, submit_eval
@@ -185,6 +185,7 @@ class GroupConsumer:
         self._held: deque[tuple[bytes, dict[bytes, bytes]]] = deque()
         self._bias_pending: Counter[str] = Counter()
         """Ledger counts of hand-backs not yet added (by the next take's statistics round trip)."""
+        self._version = 0
         self._bias = BiasWatch(self.name, self.keys.namespace, self.options.warn_interval)
         self._steps = StepClock(self.name, self.keys.namespace, self.options.warn_interval)
 
@@ -337,7 +338,7 @@ class GroupConsumer:
                 # checked here too, not only after an empty read: calls shorter than one blocking
                 # read (asyncio.timeout) must still end in PipelineStalled
                 await self._check_health(target, started, len(taken), diagnosis)
-            version = await self.weight_version()
+            version = self._version = await self.weight_version()
             if self._redeliver is None:
                 self._redeliver = deque(await self._own_pending())
                 if self._redeliver:
@@ -414,6 +415,9 @@ class GroupConsumer:
         self._check_name()
         sources = [g.source for g in batch.groups] if any(g.source for g in batch.groups) else []
         acked = await self._outage.run(lambda: self.queue.commit(batch.entry_ids, sources))
+        if self.config.row_stats and acked:
+            items = row_stat_items(batch.groups, batch.weight_version)
+            await self._outage.run(lambda: self.queue.record_rows(self.config.row_stats, items))
         self._handed_out.difference_update(batch.entry_ids)
         if acked == len(batch.entry_ids) and batch.bias:  # committed now, all of it: trained once
             forget = self._bias.forget
@@ -508,6 +512,9 @@ class GroupConsumer:
             source = group.source if group is not None else ""
             if await self._outage.run(lambda: self.queue.drop_filtered(entry_id, reason, source)):
                 tally.handed_back(verdict)
+                if self.config.row_stats and group is not None:
+                    items = row_stat_items([group], self._version)
+                    await self._outage.run(lambda: self.queue.record_rows(self.config.row_stats, items))
             return
         fields = verdict.fields or {}
         if verdict.route == Route.RECYCLE:

@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from rollstream.common.connection import Outage
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.mix import apportion, carries
-from rollstream.common.redis_values import int_or, text
+from rollstream.common.protocol import Sources
+from rollstream.common.redis_values import int_or
 
 
 class Mixer:
@@ -27,15 +28,14 @@ class Mixer:
         log: logging.LoggerAdapter[logging.Logger],
     ) -> None:
         self.log = log
-        self.redis = redis
+        self.sources = Sources(redis, keys)
         self.keys = keys
         self.weights = dict(weights)
         self._outage = outage
         self._left: set[str] = set()
 
     async def _state(self) -> dict[str, str]:
-        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
-        return {text(k): text(v) for k, v in raw.items()}
+        return await self._outage.run(self.sources.state)
 
     @staticmethod
     def _count(state: Mapping[str, str], name: str, kind: str) -> int:
@@ -68,7 +68,7 @@ class Mixer:
             mapping: dict[str, str | int] = {SourceField.BASE_SET: live_set}
             for name in self.weights:
                 mapping[SourceField.base(name)] = self._count(state, name, "committed")
-            await self._outage.run(lambda: self.redis.hset(self.keys.sources, mapping=mapping))
+            await self._outage.run(lambda: self.sources.set(mapping))
             for name in self.weights:
                 state[SourceField.base(name)] = str(mapping[SourceField.base(name)])
         since = {

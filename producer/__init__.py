@@ -99,6 +99,12 @@ Modules, one concern each:
   source fed to the end leaves the mix (WARNING). Window, epochs, cursor; a row that cannot be fed is a dead
   letter (``source=feed``, reason naming file and row) written by the ``FEED`` script with the cursor;
   slime's shuffle (``shuffle_scheme="slime"``: ``random.seed(seed + epoch)``)
+* ``curriculum``: a curriculum from each row's history: ``RowStats`` (what ROW_STATS keeps in ``rows`` when
+  the trainer commits or filters a group of the row, with ``init --row-stats K``), ``Sampler``
+  (``sampler(stats, epoch, draw) -> feed now?``, the one function a user writes; ``draw`` is seeded by row
+  and epoch so a restarted feeder decides the same), ``ZeroVarianceDeferral`` (``feed --curriculum
+  zero-variance``): a row whose last k groups had zero reward variance is fed with probability ``offer``,
+  and surely once its last group is ``max_gap`` epochs old; a deferred row is skipped for that epoch only
 * ``datasets``: datasets streamed from disk (JSONL, Parquet via the ``parquet`` extra, a folder or glob of
   shards, ``path@[a:b]``), cut into units (≈1 MiB of lines, a row group) without reading rows; ``RowFormat``
   is slime's record shape (``--metadata-key``, ``--tool-key``, ``--as-chat``); ``EpochWalk``: an epoch's

@@ -32,10 +32,11 @@ from rollstream.common.logs import Prefixed
 from rollstream.common.mix import check_source_name
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import Feed
-from rollstream.common.redis_values import int_or, text
+from rollstream.common.protocol import Feed, Sources
+from rollstream.common.redis_values import int_or
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
+from .curriculum import RowStats, Sampler, draw, row_field
 from .datasets import (
     MAX_LINE_BYTES,
     Dataset,
@@ -119,6 +120,9 @@ class FeedSettings:
     """``rollstream`` shuffle of a dataset with more rows than this: units (JSONL megabytes,
     Parquet row groups) in a seeded order, rows through a seeded shuffle buffer of this many rows
     (held in memory). A dataset that fits gets a full permutation."""
+    curriculum: Sampler | None = None
+    """Asked for every row before it is fed (:mod:`~rollstream.producer.curriculum`): a row it
+    defers is skipped for this epoch. Needs the namespace's ``row_stats``."""
 
     def __post_init__(self) -> None:
         if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
@@ -199,6 +203,7 @@ class Feeder:
         self.keys = Keys(settings.namespace)
         self.log = Prefixed(logger, "feeder", namespace=settings.namespace)
         self.feed = Feed(redis, self.keys)
+        self.source_hash = Sources(redis, self.keys)
         self.order = _order(settings)
         named = dataset if isinstance(dataset, Mapping) else {"": dataset}
         if not named:
@@ -216,6 +221,7 @@ class Feeder:
         self._dry: list[str] = []
         self.fed = 0
         self.rejected = 0
+        self.deferred = 0
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
         self._stop = asyncio.Event()
 
@@ -236,8 +242,7 @@ class Feeder:
             source.start(cursor.epoch, cursor.position)
             await asyncio.to_thread(source.peek)  # a resume replays the epoch's order: off the loop
             return cursor.next_index
-        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
-        state = {text(k): text(v) for k, v in raw.items()}
+        state = await self._outage.run(self.source_hash.state)
         for source in self.sources:
             fed_id = state.get(SourceField.of(source.name, "dataset"))
             if fed_id is not None and fed_id != source.id:
@@ -254,8 +259,7 @@ class Feeder:
 
     async def _alive(self) -> dict[str, int]:
         """Per source: prompts fed that are still alive or trained (fed + requeued - lost)."""
-        raw = await self._outage.run(lambda: self.redis.hgetall(self.keys.sources))
-        state = {text(k): int_or(v, 0) for k, v in raw.items()}
+        state = {k: int_or(v, 0) for k, v in (await self._outage.run(self.source_hash.state)).items()}
         return {
             s.name: state.get(SourceField.of(s.name, "fed"), 0) + state.get(SourceField.of(s.name, "requeued"), 0)
             - state.get(SourceField.of(s.name, "lost"), 0)
@@ -286,6 +290,15 @@ class Feeder:
                 f"the namespace mixes sources ({config.mix}): feed them by name, "
                 f"rollstream feed {' '.join(f'{n}=PATH' for n in config.weights)}"
             )
+        if self.settings.curriculum is not None:
+            if not config.row_stats:
+                raise ConfigError(
+                    "a curriculum reads each row's statistics: the namespace keeps none; rollstream init --row-stats K"
+                )
+            k = getattr(self.settings.curriculum, "k", 0)
+            if k > config.row_stats:
+                raise ConfigError(f"the curriculum looks at the last {k} groups of a row; the namespace keeps "
+                                  f"{config.row_stats} (rollstream init --row-stats {k})")
         watchdog = LoopWatchdog(
             f"feeder (ns {self.keys.namespace})", default_stall_after(config.lease_seconds), logger
         )
@@ -341,7 +354,8 @@ class Feeder:
             if not chunk:
                 await self._mark_done()
                 break
-            entries, dead = self._entries(chunk, next_index)
+            deferred = await self._deferred(chunk)
+            entries, dead = self._entries(chunk, next_index, deferred)
             updates = self._updates(chunk, entries)
             last = chunk[-1][1]
             epoch, position = (last[0], last[1]) if not self.named else (0, 0)
@@ -359,7 +373,10 @@ class Feeder:
             next_index += added
             self.fed += added
             self.rejected += len(dead)
-        self.log.info("fed %d prompts; next index %d", self.fed, next_index)
+        self.log.info(
+            "fed %d prompts; next index %d%s", self.fed, next_index,
+            f"; {self.deferred} rows deferred by the curriculum" if self.settings.curriculum else "",
+        )
         return self.fed
 
     def _updates(self, chunk: list[tuple[_Source, Item]], entries: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
@@ -384,15 +401,32 @@ class Feeder:
     async def _mark_done(self) -> None:
         if self.named:
             mapping = {SourceField.of(s.name, "done"): 1 for s in self.sources}
-            await self._outage.run(lambda: self.redis.hset(self.keys.sources, mapping=mapping))
+            await self._outage.run(lambda: self.source_hash.set(mapping))
+
+    async def _deferred(self, chunk: list[tuple[_Source, Item]]) -> set[int]:
+        """The chunk's items (their indexes) the curriculum defers to a later epoch."""
+        sampler = self.settings.curriculum
+        if sampler is None:
+            return set()
+        fields = [row_field(source.name, rid) for source, (_, _, rid, _) in chunk]
+        raw = await self._outage.run(lambda: self.source_hash.rows(fields))
+        deferred = set()
+        for i, ((source, (epoch, _, rid, _)), stats) in enumerate(zip(chunk, raw, strict=True)):
+            if not sampler(RowStats.parse(stats), epoch, draw(self.settings.seed, epoch, source.name, rid)):
+                deferred.add(i)
+        self.deferred += len(deferred)
+        return deferred
 
     def _entries(
-        self, chunk: list[tuple[_Source, Item]], next_index: int
+        self, chunk: list[tuple[_Source, Item]], next_index: int, deferred: set[int],
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The chunk's prompt entries, and dead letters for its rows that cannot be fed."""
+        """The chunk's prompt entries (the ``deferred`` ones left out), and dead letters for its
+        rows that cannot be fed."""
         entries: list[dict[str, Any]] = []
         dead: list[dict[str, Any]] = []
-        for source, (ep, _, rid, raw) in chunk:
+        for i, (source, (ep, _, rid, raw)) in enumerate(chunk):
+            if i in deferred:
+                continue
             try:
                 record = source.dataset.record(rid, raw)
             except RowError as exc:

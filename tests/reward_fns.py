@@ -146,3 +146,8 @@ class Scorer:
     @staticmethod
     def score(sample: Sample, prompt: Any, label: Any) -> float:
         return 0.5
+
+
+def easy_or_alternating(sample: Sample, prompt: Any, label: Any) -> float:
+    """Label ``easy``: always solved (1.0, a zero-variance group); else 0/1 by sample index."""
+    return 1.0 if label == "easy" else float(sample.index % 2)

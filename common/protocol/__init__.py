@@ -11,7 +11,8 @@ classes call through :class:`~..lua.Scripts`.
 * :mod:`.groups` :class:`GroupQueue`: the trainer's side of the group stream; :class:`NameLease`:
   a trainer consumer name held by one live process.
 * :mod:`.control` :class:`Control`: weight version and pause/resume, announced on ``control``.
-* :mod:`.feed` :class:`Feed`: the feeder's cursor and the prompt stream it fills.
+* :mod:`.feed` :class:`Feed`: the feeder's cursor and the prompt stream it fills; :class:`Sources`:
+  the named sources' hash and the rows' statistics.
 * :mod:`.heartbeats` :class:`Heartbeats`: the ``producers`` hash; the pure model and the one fold
   (:class:`Heartbeat`, :func:`fold`, :class:`Fleet`) live in :mod:`..heartbeat`.
 * :mod:`.keyspace` :class:`Keyspace`: a namespace's keys as a whole (list, delete, trainer names).
@@ -38,7 +39,7 @@ from .control import TAKEN_MESSAGE, Control
 from .engine_registry import EngineRegistry, RegistryEntry, check_engine_url
 from .episodes import EpisodeJournals
 from .evals import EvalLane
-from .feed import Feed, FeedCursor, state_mismatch
+from .feed import Feed, FeedCursor, Sources, state_mismatch
 from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
 from .heartbeats import Heartbeats
@@ -78,6 +79,7 @@ __all__ = [
     "RegistryEntry",
     "RolloutFlagsHash",
     "Server",
+    "Sources",
     "StreamView",
     "TakeStats",
     "TrainerMonitor",

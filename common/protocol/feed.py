@@ -93,3 +93,25 @@ class Feed(Guarded):
             expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
             dataset=dataset, entries=entries, dead=dead, sources=sources,
         )
+
+
+class Sources(Guarded):
+    """The named sources' hash (``Keys.sources``: cursors, counters, the mix's carry baseline) and
+    the per-row statistics a curriculum reads (``Keys.rows``)."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def state(self) -> dict[str, str]:
+        raw = await self.redis.hgetall(self.keys.sources)
+        return {text(k): text(v) for k, v in raw.items()}
+
+    async def set(self, mapping: Mapping[str, str | int]) -> None:
+        await self.redis.hset(self.keys.sources, mapping=dict(mapping))
+
+    async def rows(self, fields: Sequence[str]) -> list[bytes | None]:
+        """The statistics of the rows ``fields`` (``<source>:<row>``), None where a row has none."""
+        if not fields:
+            return []
+        return list(await self.redis.hmget(self.keys.rows, list(fields)))

@@ -98,6 +98,10 @@ class GroupQueue(Guarded):
             tally=[SourceField.of(source, "lost") if source else ""],
         )
 
+    async def record_rows(self, k: int, items: Sequence[tuple[str, float, float, int, int]]) -> int:
+        """Finished groups into their rows' statistics (``Keys.rows``, the last ``k`` kept)."""
+        return await self.scripts.row_stats(k, items)
+
     async def release(self) -> int:
         """Give this (gone) consumer's pending groups back to the stream as new entries, then
         delete the consumer; the number moved back. Each move is atomic (ack + delete + re-add),
