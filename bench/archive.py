@@ -12,11 +12,18 @@
    for ``STOPPED_S`` seconds with no archiver: Redis ``used_memory`` growth against the archive's
    own byte count, once under a budget that holds the minute and once under a small one (the
    oldest records are dropped and counted; memory stays at the budget).
+4. **Step time with and without an eval running.** A producer process and the simulator feed a
+   trainer that takes 8 groups of 4, trains (a sleep) and commits; then an eval set of 64 prompts
+   x 4 samples is submitted with ``GroupConsumer.evaluate`` and the trainer goes on until
+   ``eval_results()`` returns it. Mean step time before and during the eval (target: at most
+   1.2x), and the same eval run with the trainer waiting for it on a fixed version (what a
+   blocking eval costs, and its mean reward to compare).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -29,8 +36,9 @@ from rollstream.common.connection import connect
 from rollstream.common.keys import Keys, StateField
 from rollstream.consumer import GroupConsumer
 from rollstream.runtime.redis_server import EmbeddedRedis
+from rollstream.testing.sim import SimConfig, SimEngine
 
-from bench.common import OUT, Table, cpu_seconds, init_ns, make_group, spawn, stop_all
+from bench.common import OUT, Table, add_prompts, cpu_seconds, init_ns, make_group, spawn, stop_all
 
 BATCH = 16
 STOPPED_S = 60.0
@@ -108,6 +116,65 @@ async def _paced_minute(
     }
 
 
+TRAIN_S = 0.3
+"""The trainer's step in part 4 (a sleep)."""
+EVAL_PROMPTS = 64
+
+
+async def _eval_beside_training(url: str, redis: Redis, quick: bool) -> dict[str, Any]:
+    """Part 4: step times before and during an eval, and the same eval with training stopped."""
+    steps = 3 if quick else 15
+    eval_set = [{"prompt": f"What is {i} + {i % 7}?", "label": str(i + i % 7)} for i in range(8 if quick else EVAL_PROMPTS)]
+    ns = "arch-eval"
+    keys = await init_ns(redis, ns, n_samples_per_prompt=4, batch_size=8, max_backlog=32)
+    await add_prompts(redis, keys, 0, 4000)
+    config = SimConfig(seed=5, accuracy=0.6, mean_tokens=48, latency_per_token=0.002, max_running=64)
+    out: dict[str, Any] = {}
+    async with SimEngine(config) as engine:
+        child = spawn(["-m", "rollstream.cli", "produce", "--redis", url, "--ns", ns, "--engine", engine.url,
+                       "--concurrency", "48", "--reward", "math", "--max-new-tokens", "256", "--log-level", "WARNING"],
+                      log=OUT / "archive-eval-producer.log")
+        try:
+            async with await GroupConsumer.connect(url, ns, "bench-trainer") as consumer:
+                version = 0
+
+                async def step() -> float:
+                    nonlocal version
+                    started = time.perf_counter()
+                    batch = await consumer.take(8)
+                    await asyncio.sleep(TRAIN_S)
+                    await consumer.commit(batch)
+                    version += 1
+                    engine.state.set_version(version)  # the simulator takes the new weights at once
+                    await consumer.set_weight_version(version)
+                    return time.perf_counter() - started
+
+                async with asyncio.timeout(900):
+                    for _ in range(2):  # warm-up: the producer's start and the first groups
+                        await step()
+                    before = [await step() for _ in range(steps)]
+                    submitted = time.perf_counter()
+                    await consumer.evaluate("beside", eval_set, n_samples=4, max_new_tokens=128)
+                    during: list[float] = []
+                    results: list[Any] = []
+                    while not results:
+                        during.append(await step())
+                        results = [r for r in await consumer.eval_results() if r.name == "beside"]
+                    out["eval_s"] = time.perf_counter() - submitted
+                    # the same eval with the trainer waiting for it (a blocking eval on a fixed version)
+                    blocked = time.perf_counter()
+                    await consumer.evaluate("blocking", eval_set, n_samples=4, max_new_tokens=128)
+                    fixed: list[Any] = []
+                    while not fixed:
+                        await asyncio.sleep(0.05)
+                        fixed = [r for r in await consumer.eval_results() if r.name == "blocking"]
+                    out["blocking_s"] = time.perf_counter() - blocked
+        finally:
+            stop_all([child])
+    out.update(before=before, during=during, beside=results[0], fixed=fixed[0])
+    return out
+
+
 async def _run(quick: bool) -> list[Table]:
     n, tokens = (2, 64) if quick else (8, 1024)
     groups = BATCH * (2 if quick else 128)
@@ -146,6 +213,7 @@ async def _run(quick: bool) -> list[Table]:
             minute = await _paced_minute(redis, url, "arch-minute", n, fields, stopped, 2**30)
             small_budget = max(group_bytes * 8, int(minute["archive_mb"] * 2**20 / 4))
             bounded = await _paced_minute(redis, url, "arch-bounded", n, fields, stopped, small_budget)
+            evals = await _eval_beside_training(url, redis, quick)
         finally:
             await redis.aclose()
 
@@ -180,7 +248,27 @@ async def _run(quick: bool) -> list[Table]:
         ["used_memory growth is Redis' whole growth over the minute (the archive stream and its entries' overhead); "
          "under the small budget the oldest records are dropped and counted, and memory stays near the budget"],
     )
-    return [take, archiver, memory]
+    before, during = statistics.mean(evals["before"]), statistics.mean(evals["during"])
+    beside, fixed = evals["beside"], evals["fixed"]
+    evaluation = Table(
+        "archive-eval", f"step time with and without an eval running (a trainer step of 8 groups x 4, {TRAIN_S} s "
+        f"of training; an eval of {beside.prompts} prompts x 4 samples, max 128 new tokens; one producer, "
+        "the simulator)",
+        ["case", "steps", "mean step s", "vs no eval", "eval wall s", "eval reward_mean", "versions (samples)",
+         "lag steps"],
+        [
+            ["no eval", len(evals["before"]), round(before, 3), 1.0, "", "", "", ""],
+            ["eval running (evaluate, training goes on)", len(evals["during"]), round(during, 3),
+             round(during / before, 3), round(evals["eval_s"], 1), round(beside.metrics["reward_mean"], 3),
+             json.dumps(beside.versions), beside.lag_steps],
+            ["blocking eval (trainer waits, version fixed)", 0, "", "", round(evals["blocking_s"], 1),
+             round(fixed.metrics["reward_mean"], 3), json.dumps(fixed.versions), fixed.lag_steps],
+        ],
+        ["'vs no eval': mean step time while the eval ran over the mean before it (target at most 1.2x); the "
+         "blocking row is the time a trainer that waits for the same eval would lose, and its mean reward on "
+         "one fixed version"],
+    )
+    return [take, archiver, memory, evaluation]
 
 
 def run(quick: bool = False) -> list[Table]:

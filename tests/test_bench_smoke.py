@@ -171,12 +171,14 @@ def test_staleness_rule_quick_compares_partial_rollout_and_the_two_rules() -> No
 @pytest.mark.timeout(180)
 def test_archive_quick_produces_rows() -> None:
     pytest.importorskip("pyarrow")
-    take, archiver, memory = bench_main.run(["archive"], quick=True)
+    take, archiver, memory, evaluation = bench_main.run(["archive"], quick=True)
     assert [row[0] for row in take.rows] == ["off", "on, no archiver", "on, archiver running"]
     assert all(row[1] > 0 for row in take.rows)
     assert archiver.rows[0][0] > 0
     held, bounded = memory.rows
     assert held[5] == 0 and bounded[5] > 0  # the small budget dropped records, counted
+    assert [row[0][:5] for row in evaluation.rows] == ["no ev", "eval ", "block"]
+    assert evaluation.rows[1][1] >= 1 and evaluation.rows[1][3] > 0
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ from ..lua import Scripts
 from ..models import Prompt
 from .guard import Entry, Guarded, flat_entries
 
+EVAL_MESSAGE = "eval"
+"""The control message of a submitted eval: producers refused for a full backlog run ADMIT at once
+(the eval lane is read before the backlog is checked)."""
+
 
 class EvalLane(Guarded):
     """Submit an eval set, read its finished groups, store its result."""
@@ -36,6 +40,7 @@ class EvalLane(Guarded):
             for prompt in prompts:
                 pipe.xadd(self.keys.eval_prompts, prompt_fields(prompt))
             await pipe.execute()
+        await self.redis.publish(self.keys.control, EVAL_MESSAGE)  # producers napping on a full backlog wake
         return True
 
     async def submitted(self) -> dict[str, dict[str, Any]]:
