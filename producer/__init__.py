@@ -6,8 +6,17 @@ Run it with ``rollstream produce``; use :class:`Producer` to embed it in another
 Modules, one concern each:
 
 * ``worker``: ``Producer``, the runtime: admission, work items (entry + admitted version), leases (renewed
-  by ``producer.renewal``), reclaim, the loop watchdog, heartbeat, control, drain (then the generate
-  function's ``aclose()``); a group past ``max_attempts`` dead-lettered where it failed
+  by ``producer.renewal``), the loop watchdog, control, limits; a group past ``max_attempts`` dead-lettered
+  where it failed. Three of its concerns have a module each, run on its state:
+* ``reclaim``: ``Reclaimer``: prompts idle past the lease taken over (one producer per interval looks for
+  the fleet and announces a find), the prompts pending under its own name adopted at start, leases lost
+  to another producer's reclaim; admission holds off while a reclaim is due
+* ``pulse``: ``Pulse``: the heartbeat (``Pulse.assemble``, the one place a ``Heartbeat`` is built), admission's
+  time blocked and the last refusal, groups in the last minute; its turn also follows the engine registry
+  and the trainer's weights, and refreshes the bias gauges
+* ``drain``: the end of a run: ``shutdown`` (the drain up to ``drain_timeout``, or a fatal error's record),
+  ``return_unfinished`` (held prompts back to the retry stream, attempt unchanged), ``cancel_and_wait``
+  (cancelled tasks get ``TASK_EXIT_TIMEOUT`` seconds, then are left behind, logged)
 * ``renewal``: ``Renewer``: the leases of the prompts a producer holds, renewed every third of the lease
   from a thread with its own event loop and Redis connection, so a rollout that blocks the producer's loop
   cannot let them lapse; ``hold`` / ``release`` under a lock, ``claiming()`` around ADMIT / XAUTOCLAIM /

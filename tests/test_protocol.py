@@ -269,7 +269,7 @@ def test_where_a_change_goes() -> None:
     ]
     assert not outside, f"scripts run outside the protocol package: {outside}"
     # A new heartbeat field: the producer reports every field (a field nobody writes is dead).
-    calls = [node for node in ast.walk(modules["producer/worker.py"])
+    calls = [node for node in ast.walk(modules["producer/pulse.py"])
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Heartbeat"]
     assert len(calls) == 1, "the producer builds its heartbeat in one place"
     given = {kw.arg for kw in calls[0].keywords}

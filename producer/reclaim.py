@@ -1,0 +1,129 @@
+"""Reclaim: prompts idle past the lease (their producer died) taken over, and the prompts pending
+under this producer's own name adopted when it starts (a restart with the same ``--name``).
+
+Looking for idle prompts walks the whole pending list, so one producer per interval does it for
+the fleet (``reclaim_turn``) and, when it finds some, records when (``announce_reclaim``): every
+producer sees it at its next turn and reclaims what it has room for. With P producers the looks
+cost P times less than one per producer (docs/scale.md). While some are due, the worker's
+admission holds off (:attr:`Reclaimer.due`), so the next free capacity goes to them: a dead
+producer's prompts do not wait behind new ones. On Redis 6.2 deleted entries come back without
+fields; they are acknowledged and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import TYPE_CHECKING
+
+from rollstream.common.events import now_ms
+from rollstream.common.protocol import Admitted
+
+from .capacity import Work
+
+if TYPE_CHECKING:
+    from .worker import Producer
+
+
+class Reclaimer:
+    """The reclaim pass of one :class:`~.worker.Producer`: its loop, and the take-over it shares
+    with the adoption at start. It runs on the producer's state (capacity, prompts held, outage)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.due = False
+        """Idle prompts were found (here or by another producer) and not all taken over yet."""
+        self.seen_ms = 0
+        """The newest ``reclaim_due_ms`` this producer acted on (0 at start: its first turn acts on
+        an earlier find once, harmlessly: XAUTOCLAIM finds nothing left)."""
+
+    def leases_lost(self, lost: list[bytes]) -> None:
+        """The renewal thread found prompts no longer ours (taken over after the lease: another
+        producer's reclaim); called on the producer's loop."""
+        p = self.producer
+        for pid in lost:
+            work = p._work.get(pid)
+            if work is not None and not work.lease_lost and not work.finishing:
+                work.lease_lost = True
+                p.log.warning(
+                    "lost the lease of prompt entry %s (taken over after %.0f s idle)",
+                    pid.decode(), p.config.lease_seconds,
+                )
+
+    async def loop(self) -> None:
+        """Take over prompts idle past the lease, one :meth:`turn` after another."""
+
+        def give_up() -> None:
+            self.due = False
+
+        await self.producer._outage.forever(self.turn, on_error=give_up)
+
+    async def turn(self) -> bool:
+        p = self.producer
+        n = p.config.n_samples_per_prompt
+        interval = p.settings.reclaim_interval or min(5.0, p.config.lease_seconds / 4)
+        lease_ms = int(p.config.lease_seconds * 1000)
+        if not self.due:
+            await asyncio.sleep(interval)
+        if p._stopping.is_set():
+            self.due = False
+            return False
+        if not self.due:
+            my_turn, found_ms = await p.prompts.reclaim_turn(int(interval * 900))
+            if found_ms > self.seen_ms:  # another producer found idle prompts
+                self.seen_ms = found_ms
+                self.due = True
+            elif not my_turn:
+                return False
+        if await p.control.paused():
+            self.due = False
+            return False
+        if not self.due:
+            if not await p.prompts.any_idle(lease_ms):
+                return False
+            self.due = True
+            await p.prompts.announce_reclaim()
+            self.seen_ms = now_ms()  # its own find: already acting on it
+        await p._capacity.room(n, p._stopping)
+        with p._claiming():
+            claimed = await p.prompts.reclaim(lease_ms, count=p._capacity.free // n, held=p._work)
+            p._outage.recovered()  # before the take-over, whose own calls ride out an outage
+            if claimed:
+                p.log.info(
+                    "reclaimed %d prompts idle past the %.0f s lease",
+                    len(claimed), p.config.lease_seconds,
+                )
+                await self.take_over(claimed)
+        if not claimed and p.prompts.reclaim_scanned:
+            self.due = False  # scanned to the end: nothing left to take over
+        if not self.due:
+            p._wake.set()
+        return False  # the outage ended above
+
+    async def adopt_own_pending(self) -> None:
+        """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
+        p = self.producer
+        with p._claiming():
+            claimed = await p._outage.run(p.prompts.own_pending)
+            if claimed:
+                p.log.info("adopting %d prompts pending under its name", len(claimed))
+                await self.take_over(claimed)
+
+    async def take_over(self, claimed: list[Admitted]) -> None:
+        p = self.producer
+        n = p.config.n_samples_per_prompt
+        version = await p._outage.run(p.control.weight_version)
+        for item in claimed:
+            if not item.fields:
+                await p._outage.run(functools.partial(p.prompts.ack_deleted, item.stream, item.entry_id))
+                continue
+            if item.entry_id in p._work:
+                continue
+            if not await p._capacity.take(n, p._stopping):
+                # Stopping: no room will come. Listed without a task, the shutdown hands it back.
+                p._hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))
+                continue
+            p.reclaimed += 1
+            p._start_work(item, version)
+            # Only a counter, but a Redis outage here must not become a fatal error.
+            await p._outage.run(p.prompts.count_reclaimed)
