@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import json
 import logging
 import re
 import time
@@ -232,7 +234,7 @@ class Feeder:
         """Read the cursors (the next index, each source's epoch and position); the next index."""
         cursor = await self._outage.run(self.feed.cursor)
         fed_dataset = cursor.dataset
-        if fed_dataset is not None and fed_dataset != self.dataset:
+        if fed_dataset is not None and fed_dataset != self.dataset and not await self._legacy(fed_dataset):
             raise ConfigError(
                 f"namespace {self.keys.namespace!r} was fed from another dataset or order ({fed_dataset}, "
                 f"this one is {self.dataset}); use a new namespace to feed a different dataset"
@@ -256,6 +258,28 @@ class Feeder:
             )
             await asyncio.to_thread(source.peek)
         return cursor.next_index
+
+    async def _legacy(self, fed_dataset: str) -> bool:
+        """Whether ``fed_dataset`` is this dataset's id as builds before streaming wrote it (a digest
+        of every record): such a namespace resumes, its id rewritten by the next FEED. Reads the
+        whole dataset once (off the loop), only for an id of that form."""
+        if self.named or not _LEGACY_ID.match(fed_dataset):
+            return False
+        source = self.sources[0]
+        settings = self.settings
+        order = "o" if not settings.shuffle else ("s" if settings.shuffle_scheme == "rollstream" else "slime")
+        order += str(settings.seed) if settings.shuffle else ""
+        if not fed_dataset.endswith(f":{order}"):
+            return False
+        if await asyncio.to_thread(_legacy_id, source.dataset) != fed_dataset.removesuffix(f":{order}"):
+            return False
+        if self.order.tag(source.dataset.rows) != order:  # the earlier build's permutation of every row
+            raise ConfigError(
+                f"namespace {self.keys.namespace!r} was fed by an earlier rollstream, shuffled over the whole "
+                f"dataset; resume it in the same order with --shuffle-buffer {source.dataset.rows}"
+            )
+        self.log.warning("resuming a namespace fed by an earlier rollstream (dataset id %s)", fed_dataset)
+        return True
 
     async def _alive(self) -> dict[str, int]:
         """Per source: prompts fed that are still alive or trained (fed + requeued - lost)."""
@@ -454,6 +478,25 @@ class Feeder:
                 await self._stop.wait()
         except TimeoutError:
             pass
+
+
+_LEGACY_ID = re.compile(r"^[0-9a-f]{12}:\d+:(o|s\d+|slime\d+)$")
+
+
+def _legacy_id(dataset: Dataset) -> str:
+    """``digest:records`` as builds before streaming computed it (every record's prompt and label)."""
+    digest = hashlib.sha1(usedforsecurity=False)
+    records = 0
+    for index in range(len(dataset.units)):
+        for rid, raw in dataset.read(index):
+            try:
+                record = dataset.record(rid, raw)
+            except RowError:
+                return ""
+            if record is not None:
+                digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
+                records += 1
+    return f"{digest.hexdigest()[:12]}:{records}"
 
 
 def _as_dataset(dataset: Dataset | list[Record]) -> Dataset:

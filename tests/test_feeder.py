@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
+from rollstream.producer.datasets import open_dataset
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
 
 
@@ -85,3 +86,30 @@ def test_bad_dataset_lines_name_the_line(tmp_path: Path) -> None:
 
 async def _xlen_at_least(redis: Redis, key: str, count: int) -> bool:
     return await redis.xlen(key) >= count
+
+
+async def test_a_namespace_fed_before_streaming_resumes_in_its_order(redis: Redis, ns: str, tmp_path: Path) -> None:
+    """Builds before streaming wrote a digest of every record as the dataset id: such a namespace
+    resumes where it stood, in the same order; another dataset is still refused."""
+    import hashlib
+    import random
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns)
+    path = write_dataset(tmp_path / "d.jsonl", 6)
+    digest = hashlib.sha1(usedforsecurity=False)
+    for i in range(6):
+        digest.update(json.dumps([f"q{i}", str(i)], sort_keys=True).encode())
+    await redis.hset(keys.state, mapping={
+        "feed_dataset": f"{digest.hexdigest()[:12]}:6:s3", "feed_next_index": 2, "feed_epoch": 0, "feed_position": 2,
+    })
+    settings = FeedSettings(namespace=ns, epochs=1, shuffle=True, seed=3, window=100)
+    with pytest.raises(ConfigError, match="another dataset"):
+        await Feeder(redis, open_dataset(write_dataset(tmp_path / "e.jsonl", 7)), settings).run()
+    feeder = Feeder(redis, open_dataset(path), settings)  # streamed: its own id is no digest of records
+    assert feeder.dataset != f"{digest.hexdigest()[:12]}:6:s3"
+    assert await feeder.run() == 4
+    order = list(range(6))
+    random.Random("3:0").shuffle(order)  # the earlier build's permutation
+    assert [s[2] for s in await drain(redis, keys)] == [f"q{i}" for i in order[2:]]
+    assert (await redis.hget(keys.state, "feed_dataset")).decode() == feeder.dataset  # rewritten
