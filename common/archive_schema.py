@@ -157,7 +157,7 @@ def _sample_rows(group: Group) -> list[dict[str, Any]]:
     return rows
 
 
-def _prompt_text(prompt: Any) -> tuple[str, bool]:
+def _prompt_text(prompt: object) -> tuple[str, bool]:
     return (prompt, False) if isinstance(prompt, str) else (json.dumps(prompt, ensure_ascii=False, default=repr), True)
 
 

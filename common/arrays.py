@@ -32,7 +32,7 @@ def smallest_int_code(lo: int, hi: int) -> str:
     raise ValueError(f"integer values {lo}..{hi} do not fit in int32")
 
 
-def _shape_of(values: Any) -> tuple[int, ...]:
+def _shape_of(values: object) -> tuple[int, ...]:
     shape = []
     while isinstance(values, list | tuple):
         shape.append(len(values))

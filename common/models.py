@@ -213,7 +213,7 @@ def _status(value: Any) -> Status:
     return value if type(value) is Status else Status(value)
 
 
-def _packed_of(value: Any) -> Packed:
+def _packed_of(value: object) -> Packed:
     return value if isinstance(value, Packed) else Packed.of(value)
 
 
@@ -433,7 +433,7 @@ def prompt_images(prompt: PromptContent) -> list[str]:
     return images
 
 
-def multimodal_of(prompt: PromptContent, images: Any = None) -> dict[str, Any] | None:
+def multimodal_of(prompt: PromptContent, images: object = None) -> dict[str, Any] | None:
     """The ``multimodal_inputs`` of a dataset record: the chat prompt's images, else the record's
     own ``images`` list (slime's ``--multimodal-keys`` convention); None without images."""
     found = prompt_images(prompt)
@@ -442,7 +442,7 @@ def multimodal_of(prompt: PromptContent, images: Any = None) -> dict[str, Any] |
     return {"images": found} if found else None
 
 
-def as_prompt_content(value: Any) -> PromptContent:
+def as_prompt_content(value: object) -> PromptContent:
     """Validate a dataset's prompt field: a string or a list of chat messages."""
     if isinstance(value, str):
         return value

@@ -43,7 +43,7 @@ class Call:
         return self.path, None if self.body is None else _fill(self.body, path, version)
 
 
-def _fill(value: Any, path: str, version: int) -> Any:
+def _fill(value: object, path: str, version: int) -> Any:
     if isinstance(value, Slot):
         return path if value.name == "path" else str(version)
     if isinstance(value, Mapping):

@@ -25,7 +25,7 @@ from .wire import (
 from .zero_copy import unpack_group_views
 
 
-def _unpack_array(typecode: str, raw: Any, what: str, limit: int) -> Any:
+def _unpack_array(typecode: str, raw: object, what: str, limit: int) -> Any:
     """The packed array in ``raw``: a copy (``array``) from ``bytes``, a cast view from the
     ``memoryview`` of the zero-copy path."""
     if not isinstance(raw, bytes | memoryview):
@@ -56,7 +56,7 @@ def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
     return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
-def _prompt_content(value: Any, what: str) -> Any:
+def _prompt_content(value: object, what: str) -> Any:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
@@ -64,7 +64,7 @@ def _prompt_content(value: Any, what: str) -> Any:
     raise DecodeError("bad_field", f"{what}.prompt must be a string or a list of messages")
 
 
-def _reward(value: Any, what: str) -> Any:
+def _reward(value: object, what: str) -> Any:
     if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
         return value
     if isinstance(value, dict) and all(
@@ -74,13 +74,13 @@ def _reward(value: Any, what: str) -> Any:
     raise DecodeError("bad_field", f"{what}.rew must be a number, a map of numbers or nil")
 
 
-def _int(value: Any, what: str, f: SampleField, limits: CodecLimits) -> int:
+def _int(value: object, what: str, f: SampleField, limits: CodecLimits) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise DecodeError("bad_field", f"{what}.{f.key} must be an int")
     return value
 
 
-def _text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str:
+def _text(value: object, what: str, f: SampleField, limits: CodecLimits) -> str:
     if not isinstance(value, str):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a string")
     return value
@@ -89,50 +89,50 @@ def _text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str:
 _STATUSES = {status.value: status for status in Status}
 
 
-def _status(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Status:
+def _status(value: object, what: str, f: SampleField, limits: CodecLimits) -> Status:
     status = _STATUSES.get(_text(value, what, f, limits))
     if status is None:
         raise DecodeError("bad_field", f"{what}.{f.key} is not a status")
     return status
 
 
-def _versions(value: Any, what: str, f: SampleField, limits: CodecLimits) -> list[int]:
+def _versions(value: object, what: str, f: SampleField, limits: CodecLimits) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a list of ints")
     return value
 
 
-def _bin(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Any:
+def _bin(value: object, what: str, f: SampleField, limits: CodecLimits) -> Any:
     return _unpack_array(BIN_CODES[f.kind], value, f"{what}.{f.key}", limits.max_tokens)
 
 
-def _packed(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Packed:
+def _packed(value: object, what: str, f: SampleField, limits: CodecLimits) -> Packed:
     return _packed_from_wire(value, f"{what}.{f.key}", limits, f.ndim)
 
 
-def _map(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+def _map(value: object, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a map")
     return value
 
 
-def _counters(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+def _counters(value: object, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
     return _plain_map(value, f"{what}.{f.key}", int)
 
 
-def _flag(value: Any, what: str, f: SampleField, limits: CodecLimits) -> bool:
+def _flag(value: object, what: str, f: SampleField, limits: CodecLimits) -> bool:
     if not isinstance(value, bool):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a bool")
     return value
 
 
-def _seconds(value: Any, what: str, f: SampleField, limits: CodecLimits) -> float:
+def _seconds(value: object, what: str, f: SampleField, limits: CodecLimits) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a finite number")
     return float(value)
 
 
-def _adapter(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Adapter:
+def _adapter(value: object, what: str, f: SampleField, limits: CodecLimits) -> Adapter:
     if (
         not isinstance(value, list | tuple) or len(value) != 2 or not isinstance(value[0], str)
         or not isinstance(value[1], int) or isinstance(value[1], bool)
@@ -141,7 +141,7 @@ def _adapter(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Adap
     return Adapter(value[0], value[1])
 
 
-def _media(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
+def _media(value: object, what: str, f: SampleField, limits: CodecLimits) -> dict[str, Any]:
     name = f"{what}.{f.key}"
     if not isinstance(value, list | tuple) or len(value) != 2 or not isinstance(value[1], dict):
         raise DecodeError("bad_field", f"{name} must be [plain map, packed map]")
@@ -153,18 +153,18 @@ def _media(value: Any, what: str, f: SampleField, limits: CodecLimits) -> dict[s
     return inputs
 
 
-def _spans(value: Any, what: str, f: SampleField, limits: CodecLimits) -> list[tuple[int, int, int]]:
+def _spans(value: object, what: str, f: SampleField, limits: CodecLimits) -> list[tuple[int, int, int]]:
     """Flat ``start, end, version`` triples (their order and range are checked with the sample's)."""
     if not isinstance(value, list) or len(value) % 3 or not all(type(x) is int for x in value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a flat list of int triples")
     return [(value[i], value[i + 1], value[i + 2]) for i in range(0, len(value), 3)]
 
 
-def _reward_of(value: Any, what: str, f: SampleField, limits: CodecLimits) -> Any:
+def _reward_of(value: object, what: str, f: SampleField, limits: CodecLimits) -> Any:
     return _reward(value, what)
 
 
-def _optional_text(value: Any, what: str, f: SampleField, limits: CodecLimits) -> str | None:
+def _optional_text(value: object, what: str, f: SampleField, limits: CodecLimits) -> str | None:
     if value is not None and not isinstance(value, str):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a string or nil")
     return value
@@ -249,7 +249,7 @@ _RELATED = frozenset(
 )
 
 
-def _sample_from_wire(obj: Any, what: str, limits: CodecLimits, version: int) -> Sample:
+def _sample_from_wire(obj: object, what: str, limits: CodecLimits, version: int) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
     values = _READERS[version](obj, what, limits)
@@ -337,7 +337,7 @@ def _check_relations(values: dict[str, Any], what: str, relations: tuple[tuple[A
             previous = end
 
 
-def _packed_from_wire(raw: Any, what: str, limits: CodecLimits, ndim: int) -> Packed:
+def _packed_from_wire(raw: object, what: str, limits: CodecLimits, ndim: int) -> Packed:
     if not isinstance(raw, list | tuple) or len(raw) != 3:
         raise DecodeError("bad_field", f"{what} must be [typecode, shape, bin]")
     code, shape, data = raw
@@ -355,7 +355,7 @@ def _packed_from_wire(raw: Any, what: str, limits: CodecLimits, ndim: int) -> Pa
     return Packed(values, tuple(shape))
 
 
-def _plain_map(value: Any, what: str, kinds: type | tuple[type, ...] = object) -> dict[str, Any]:
+def _plain_map(value: object, what: str, kinds: type | tuple[type, ...] = object) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(
         isinstance(v, kinds) and not isinstance(v, bool) for v in value.values()
     ):
@@ -370,7 +370,7 @@ def _multimodal(obj: Mapping[str, Any], what: str) -> dict[str, Any] | None:
     return value
 
 
-def _samples(raw: Any, what: str, limits: CodecLimits, version: int) -> list[Sample]:
+def _samples(raw: object, what: str, limits: CodecLimits, version: int) -> list[Sample]:
     if not isinstance(raw, list):
         raise DecodeError("bad_field", f"{what} must be a list")
     if len(raw) > limits.max_samples:
@@ -390,7 +390,7 @@ def _check_kind(obj: Mapping[str, Any], kind: str) -> None:
         raise DecodeError("wrong_kind", f"expected a {kind} payload, got {obj.get('kind')!r}")
 
 
-def decode_group(payload: Any, limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False) -> Group:
+def decode_group(payload: object, limits: CodecLimits = DEFAULT_LIMITS, *, views: bool = False) -> Group:
     """The group in ``payload``; with ``views``, its samples' arrays are memoryviews on
     ``payload`` (zero-copy, see :mod:`rollstream.common.codec`), else arrays of their own."""
     if views and LITTLE and isinstance(payload, bytes):
@@ -431,7 +431,7 @@ def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
     )
 
 
-def decode_prompt(payload: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
+def decode_prompt(payload: object, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:
     obj = unpack(payload, limits)
     shared = _shared(obj, "prompt")
     ids_raw = obj.get("input_ids")

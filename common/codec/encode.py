@@ -45,7 +45,7 @@ def _adapter_to_wire(adapter: Adapter) -> list[Any]:
     return [adapter.name, adapter.slot]
 
 
-def _same(value: Any) -> Any:
+def _same(value: object) -> object:
     return value
 
 

@@ -52,14 +52,14 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
-def check_payload(payload: Any, limits: CodecLimits) -> None:
+def check_payload(payload: object, limits: CodecLimits) -> None:
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise DecodeError("bad_field", f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > limits.max_payload_bytes:
         raise DecodeError("too_large", f"payload of {len(payload)} bytes exceeds {limits.max_payload_bytes}")
 
 
-def unpackb(payload: Any, limits: CodecLimits) -> Any:
+def unpackb(payload: object, limits: CodecLimits) -> Any:
     return msgpack.unpackb(
         payload,
         raw=False,
@@ -72,7 +72,7 @@ def unpackb(payload: Any, limits: CodecLimits) -> Any:
     )
 
 
-def unpack(payload: Any, limits: CodecLimits) -> dict[str, Any]:
+def unpack(payload: object, limits: CodecLimits) -> dict[str, Any]:
     check_payload(payload, limits)
     try:
         obj = unpackb(payload, limits)
