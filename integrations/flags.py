@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,12 @@ class RunPlan:
     data_dir: Path | None
     """``{--save}/rollstream``: the embedded Redis' data (None: no --save, nothing kept)."""
 
+    @property
+    def feed_datasets(self) -> list[str]:
+        """``rollstream feed``'s dataset arguments: ``--prompt-data`` itself, or with a mix
+        (``ROLLSTREAM_MIX``) its ``NAME=PATH,...`` sources, one argument each."""
+        return named_prompt_data(self.dataset, self.config) or [self.dataset]
+
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
     value = getattr(args, name, default)
@@ -203,8 +210,29 @@ def rollout_flags(args: Any, framework: str, engine: str | None) -> RolloutFlags
     )
 
 
+MIX_ENV = "ROLLSTREAM_MIX"
+"""``NAME=WEIGHT,...``: the run's namespace mixes named sources (slime and miles have no flag for it);
+``--prompt-data`` then names them, ``NAME=PATH,NAME=PATH``."""
+
+
+def named_prompt_data(prompt_data: str, config: PipelineConfig) -> list[str]:
+    """With a mix, ``--prompt-data``'s ``NAME=PATH`` sources (each a ``rollstream feed`` argument);
+    ConfigError when they are not the mix's sources. Empty without a mix."""
+    weights = config.weights
+    if not weights:
+        return []
+    sources = [part.strip() for part in prompt_data.split(",") if part.strip()]
+    names = [part.partition("=")[0] for part in sources]
+    if any("=" not in part for part in sources) or sorted(names) != sorted(weights):
+        raise ConfigError(
+            f"{MIX_ENV}={config.mix!r} mixes named sources: --prompt-data must name each once, "
+            f"{','.join(f'{name}=PATH' for name in weights)} (got {prompt_data!r})"
+        )
+    return sources
+
+
 def pipeline_config(args: Any) -> PipelineConfig:
-    """The namespace config the run's sizes imply."""
+    """The namespace config the run's sizes imply (and ``ROLLSTREAM_MIX``, the sources' mix)."""
     batch = int(args.rollout_batch_size)
     return PipelineConfig(
         n_samples_per_prompt=int(_get(args, "n_samples_per_prompt", 1)),
@@ -213,6 +241,7 @@ def pipeline_config(args: Any) -> PipelineConfig:
         max_backlog=2 * batch,
         partial_rollout=bool(getattr(args, "partial_rollout", False)),
         steps_per_version=max(1, int(_get(args, "update_weights_interval", 1))),
+        mix=os.environ.get(MIX_ENV, ""),
     )
 
 
@@ -288,6 +317,7 @@ def plan_run(args: Any, framework: str, *, engine: str | None = None) -> RunPlan
     config = pipeline_config(args)
     flags = rollout_flags(args, framework, engine)
     dataset, feed = feed_args(args, config, flags.concurrency or 1)
+    named_prompt_data(dataset, config)  # a mix's sources checked now, not by the feeder process
     save = getattr(args, "save", None)
     load = getattr(args, "load", None)
     data_dir = Path(save) / "rollstream" if save else None

@@ -138,7 +138,8 @@ class LocalPipeline:
             where = ["--redis", url, "--ns", self.namespace]
             if "feeder" in self.components:
                 self._supervisor().start(
-                    ChildSpec("feeder", [*base, "feed", self.plan.dataset, *where, *self.plan.feed_args], env=env)
+                    ChildSpec("feeder", [*base, "feed", *self.plan.feed_datasets, *where, *self.plan.feed_args],
+                              env=env)
                 )
             if "producers" in self.components and self.plan.flags.engine is not None:
                 self.start_producers(None)

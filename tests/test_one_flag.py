@@ -497,6 +497,51 @@ async def test_a_parquet_prompt_data_is_streamed_by_the_runs_feeder(
         await procs.astop_all()
 
 
+async def test_a_run_mixes_named_sources_from_rollstream_mix(
+    redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """slime has no flag for a mix: ROLLSTREAM_MIX is the namespace's, --prompt-data names the
+    sources (NAME=PATH,...); every rollout's batch holds each source's share."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input": [f"what is {i}?" for i in range(30)], "label": [str(i) for i in range(30)],
+                             "metadata": [{"row": i} for i in range(30)]}), tmp_path / "a.parquet")
+    jsonl = _dataset(tmp_path / "b.jsonl", 30)
+    host, port = sim.url.removeprefix("http://").rsplit(":", 1)
+    for name, value in (("ROLLSTREAM_REDIS_URL", redis_url), ("ROLLSTREAM_NAMESPACE", ns),
+                        ("ROLLSTREAM_CONSUMER_NAME", "t0"), ("ROLLSTREAM_START", "feeder"),
+                        ("ROLLSTREAM_MIX", "a=1,b=3")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDINS), os.environ.get("PYTHONPATH")])))
+    argv = [
+        *ROLLSTREAM_FLAGS, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--label-key", "label",
+        "--custom-rm-path", "user_rm.rm", "--rollout-max-response-len", "64",
+        "--sglang-router-ip", host, "--sglang-router-port", port, "--sglang-server-concurrency", "6",
+        "--save", str(tmp_path / "ckpt"),
+    ]
+    with pytest.raises(ConfigError, match="--prompt-data must name each once"):
+        plan_run(slime_parse([*argv, "--prompt-data", str(jsonl)]), "slime")
+    args = slime_parse([*argv, "--prompt-data", f"a={tmp_path / 'a.parquet'},b={jsonl}"])
+    rollout = importlib.import_module("slime.ray.rollout")
+    manager = await asyncio.to_thread(rollout.RolloutManager, args)
+    try:
+        assert (await redis.hget(Keys(ns).config, "mix")) == b"a=1,b=3"
+        procs.start("produce", "--redis", redis_url, "--ns", ns, "--engine", sim.url, "--name", "node-b",
+                    "--heartbeat-interval", "0.5", log_name="node-b")
+        await asyncio.to_thread(manager.load, -1)
+        for rollout_id in range(2):
+            data, _ = await asyncio.wait_for(asyncio.to_thread(manager.generate, rollout_id), 60)
+            assert len(set(data["group_indices"])) == 4, procs.logs()
+        state = {k.decode(): v.decode() for k, v in (await redis.hgetall(Keys(ns).sources)).items()}
+        assert int(state["a:fed"]) > 0 and int(state["b:fed"]) > 0
+        assert (int(state.get("a:committed", 0)), int(state.get("b:committed", 0))) in ((1, 3), (2, 6)), state
+    finally:
+        await asyncio.to_thread(manager.data_source.close)
+        await procs.astop_all()
+
+
 async def test_a_child_stopped_by_a_config_error_fails_the_rollout_instead_of_restarting(
     sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
