@@ -13,6 +13,11 @@ seed (time to target, and s/step), the bound (sync's G + T over max(G, T)) and t
 it reached. Then async with the off-policy correction off (none), truncated (tis) and masked
 (mis). A run that does not reach the target says so, with the best eval it got. Plot:
 docs/img/learning_speed.png (eval reward vs training wall time).
+
+``python -m bench.learning --rules`` runs instead async (TIS) under the staleness rule
+``newest_token`` (the default) and ``oldest_token`` (the strict one) with partial rollout, and
+``newest_token`` without it (issue 38): time to target, tokens generated per token trained,
+token lags and recycles.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Run:
     eval: list[dict[str, float]] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
+    rule: str = "newest_token"
+    partial: bool = True
 
 
 def run_one(python: str, mode: str, seed: int, correction: str, steps: int, target: float, out: Path,
@@ -190,6 +197,85 @@ def tables(runs: list[Run], target: float, steps: int, load: str) -> list[Table]
     return result
 
 
+RULES = (("newest_token", True), ("oldest_token", True), ("newest_token", False))
+"""The staleness-rule runs (issue 38): async, TIS, the chosen rule and the strict one with partial
+rollout, and the chosen rule without it."""
+
+
+def _rule_dir(rule: str, partial: bool, seed: int) -> Path:
+    return OUT / "learning" / f"rule-{rule}-{'partial' if partial else 'no-partial'}-s{seed}"
+
+
+def _mean_of(run: Run, key: str) -> float:
+    values = [float(r[key]) for r in run.rows if key in r]
+    return statistics.fmean(values) if values else math.nan
+
+
+def rule_table(runs: list[Run], target: float, steps: int, load: str) -> Table:
+    rows = []
+    for rule, partial in RULES:
+        mine = [r for r in runs if not r.error and r.rule == rule and r.partial == partial]
+        if not mine:
+            continue
+        reached = [r for r in mine if r.summary["reached"]]
+        rows.append([
+            f"{rule}, partial rollout {'on' if partial else 'off'}", f"{len(reached)}/{len(mine)}",
+            _cell([r.summary["time_to_target_s"] for r in reached]),
+            _cell([float(r.summary["steps_to_target"]) for r in reached], "{:.0f}"),
+            _cell([r.summary["s_per_step"] for r in mine], "{:.3f}"),
+            _cell([r.summary["best_eval"] for r in mine], "{:.3f}"),
+            _cell([r.eval[-1]["reward"] for r in mine if r.eval], "{:.3f}"),
+            _cell([r.summary.get("generated_per_trained") or math.nan for r in mine], "{:.3f}"),
+            _cell([_mean_of(r, "token_lag_mean") for r in mine], "{:.2f}"),
+            _cell([_mean_of(r, "recycled_stale") for r in mine], "{:.2f}"),
+            _cell([_mean_of(r, "recycled_aborted") + _mean_of(r, "recycled_weight_update") for r in mine], "{:.2f}"),
+        ])
+    seeds = sorted({r.seed for r in runs})
+    return Table(
+        "learning_rule", "The staleness rule on the learning run: newest token (chosen) vs oldest token (strict)",
+        ["config", "reached", "time to target s", "steps to target", "s/step", "best eval", "last eval",
+         "tokens generated per token trained", "token lag (mean)", "groups recycled stale / step",
+         "groups recycled aborted / step"], rows,
+        [f"async (max_staleness 2), TIS, {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), up to {steps} steps; "
+         f"target eval reward >= {target}; median (min-max) over the seeds; {load}.",
+         "tokens generated per token trained: vLLM's vllm:generation_tokens_total at the end over the response "
+         "tokens of the trained batches (what was in flight at the end counts as generated)."],
+        "python -m bench.learning --rules")
+
+
+def measure_rules(seeds: list[int], steps: int, target: float, extra: list[str]) -> list[Table]:
+    python = vllm_python()
+    if python is None:
+        raise SystemExit("bench learning needs the vLLM venv: run scripts/vllm-env first")
+    load = f"load average (1/5/15 min) at the start {_load()}"
+    runs = []
+    for seed in seeds:
+        for rule, partial in RULES:
+            flags = [*extra, "--staleness-rule", rule, "--partial-rollout" if partial else "--no-partial-rollout"]
+            run = run_one(python, "async", seed, "tis", steps, target, _rule_dir(rule, partial, seed), flags)
+            run.rule, run.partial = rule, partial
+            print(f"  {rule} partial {partial} seed {seed}: "
+                  + (run.error or f"{run.summary['steps']} steps, reached {run.summary['reached']}"), flush=True)
+            runs.append(run)
+    return [rule_table(runs, target, steps, load + f", at the end {_load()}")]
+
+
+def report_rules(seeds: list[int], target: float) -> list[Table]:
+    runs = []
+    for seed in seeds:
+        for rule, partial in RULES:
+            path = _rule_dir(rule, partial, seed) / "steps.json"
+            run = Run("async", seed, "tis", rule=rule, partial=partial)
+            if path.exists():
+                data = json.loads(path.read_text())
+                run.summary, run.eval, run.rows = data["summary"], data["eval"], data["rows"]
+            else:
+                run.error = f"no {path}"
+            runs.append(run)
+    steps = max((r.summary.get("steps", 0) for r in runs), default=0)
+    return [rule_table(runs, target, steps, "load not recorded")]
+
+
 def plot(runs: list[Run], target: float) -> Path:
     import matplotlib
 
@@ -284,10 +370,15 @@ def main() -> None:
     p.add_argument("--target", type=float, default=TARGET)
     p.add_argument("--no-corrections", action="store_true", help="skip the async correction none / mis runs")
     p.add_argument("--report", action="store_true", help="only rebuild the tables and the plot from bench/out/learning")
+    p.add_argument("--rules", action="store_true",
+                   help="instead: async with the staleness rule newest_token vs oldest_token (and without partial rollout)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for every examples/tiny_grpo.py run")
     args = p.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    if args.report:
+    if args.rules:
+        produced = (report_rules(args.seeds, args.target) if args.report
+                    else measure_rules(args.seeds, args.steps, args.target, extra))
+    elif args.report:
         produced = report(args.seeds, args.target, not args.no_corrections)
     else:
         produced = measure(args.seeds, args.steps, args.target, not args.no_corrections, extra)

@@ -60,7 +60,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                         "feed them with rollstream feed NAME=PATH ... (default: none, one unnamed source)")
     p.add_argument("--lease", type=float, default=120.0, help=documented(PipelineConfig, "lease_seconds"))
     p.add_argument("--max-attempts", type=int, default=5, help=documented(PipelineConfig, "max_attempts"))
-    p.add_argument("--partial-rollout", action="store_true", help=documented(PipelineConfig, "partial_rollout"))
+    p.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=True,
+                   help=documented(PipelineConfig, "partial_rollout"))
     p.add_argument("--durable-episodes", action="store_true", help=documented(PipelineConfig, "durable_episodes"))
     p.add_argument("--staleness-rule", choices=STALENESS_RULES, default="newest_token",
                    help=documented(PipelineConfig, "staleness_rule"))

@@ -77,7 +77,8 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="seconds one 'training step' takes (default: %(default)s)")
     p.add_argument("--max-staleness", type=int, default=1, help=documented(PipelineConfig, "max_staleness", 1))
     p.add_argument("--no-admission-control", action="store_true", help="disable staleness-aware admission")
-    p.add_argument("--partial-rollout", action="store_true", help=documented(PipelineConfig, "partial_rollout"))
+    p.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=True,
+                   help=documented(PipelineConfig, "partial_rollout"))
     p.add_argument("--no-pause", action="store_true", help="do not pause producers around weight updates")
     p.add_argument("--mean-tokens", type=int, default=96, help=documented(SimConfig, "mean_tokens", 96))
     p.add_argument("--latency-per-token", type=float, default=0.002,
@@ -322,8 +323,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ]
         if args.no_admission_control:
             init.append("--no-admission-control")
-        if args.partial_rollout:
-            init.append("--partial-rollout")
+        if not args.partial_rollout:
+            init.append("--no-partial-rollout")
         subprocess.run([sys.executable, "-m", "rollstream.cli", *init, "--log-level", "WARNING"], check=True)
         wait_for_http(engine_url)
         dataset = dataset_path()

@@ -35,12 +35,14 @@ class PipelineConfig:
     max_attempts: int = 5
     """Times a prompt may be recycled (aborted, failed; not for staleness) before it goes to the
     dead-letter stream."""
-    partial_rollout: bool = False
-    """Aborted samples keep their partial tokens and the next attempt continues them."""
+    partial_rollout: bool = True
+    """An engine call aborted by a weight update continues from its tokens on the new weights (an
+    aborted sample that reached the trainer is continued by the next attempt) instead of being
+    generated again; on by default since issue 38 (docs/staleness.md)."""
     staleness_rule: str = "newest_token"
-    """How a group's staleness is counted (docs/staleness.md): ``newest_token`` (each sample from
-    its last engine call: a continued generation is not penalised for its length) or
-    ``oldest_token`` (from the oldest token of any sample: strict)."""
+    """How a group's staleness is counted (docs/staleness.md): ``newest_token`` (from the newest
+    version of any of its tokens, the one it was finished under: a long or continued generation
+    is not penalised for its length) or ``oldest_token`` (from its oldest token: strict)."""
     admission_control: bool | None = None
     """Staleness-aware admission; None means on when ``max_staleness`` is set."""
     recycle_filtered: bool = False

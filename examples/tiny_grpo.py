@@ -355,6 +355,20 @@ def grpo_step(model: Any, optimizer: Any, batch: Any, pad_id: int, args: argpars
 # -- the run --------------------------------------------------------------------------------
 
 
+def engine_generated_tokens(engine: str) -> float | None:
+    """vLLM's ``vllm:generation_tokens_total`` (every token it generated, aborted ones included):
+    over the response tokens trained, what the cadence threw away; None when unreadable."""
+    import httpx
+
+    try:
+        text = httpx.get(engine + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return None
+    total = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("vllm:generation_tokens_total")]
+    return sum(total) if total else None
+
+
 def _cli(args: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "rollstream.cli", *args, "--log-level", "WARNING"], check=True)
 
@@ -600,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows, snapshots, stopped = asyncio.run(run())
+            generated = engine_generated_tokens(engine)
         except BaseException:
             for log in sorted(work.glob("*.log")):
                 tail = log.read_text(errors="replace").splitlines()[-15:]
@@ -610,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     points = evaluate(model, tokenizer, snapshots, eval_pairs)
     summary = summarize(args, rows, points, stopped)
     summary["total_s"] = time.monotonic() - started  # set-up, training and the eval
+    trained = sum(r["response_tokens"] for r in rows)
+    summary["engine_generated_tokens"] = generated
+    summary["generated_per_trained"] = generated / trained if generated is not None and trained else None
     out.mkdir(parents=True, exist_ok=True)
     saved = {k: v for k, v in vars(args).items() if k != "cpus"}
     saved["cpus"] = None if args.cpus is None else [sorted(c) for c in args.cpus]

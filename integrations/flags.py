@@ -231,6 +231,18 @@ def named_prompt_data(prompt_data: str, config: PipelineConfig) -> list[str]:
     return sources
 
 
+PARTIAL_ROLLOUT = "ROLLSTREAM_PARTIAL_ROLLOUT"
+
+
+def partial_rollout(args: Any, environ: Mapping[str, str] | None = None) -> bool:
+    """rollstream's partial rollout for the run: on (its default) unless ``ROLLSTREAM_PARTIAL_ROLLOUT=0``;
+    the framework's ``--partial-rollout`` asks for it too (its parser's default, False, cannot say off)."""
+    value = (os.environ if environ is None else environ).get(PARTIAL_ROLLOUT, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "off", "on"):
+        raise ConfigError(f"environment variable {PARTIAL_ROLLOUT}={value!r}: expected 1 or 0")
+    return bool(getattr(args, "partial_rollout", False)) or value not in ("0", "false", "off")
+
+
 def pipeline_config(args: Any) -> PipelineConfig:
     """The namespace config the run's sizes imply (and ``ROLLSTREAM_MIX``, the sources' mix)."""
     batch = int(args.rollout_batch_size)
@@ -239,7 +251,7 @@ def pipeline_config(args: Any) -> PipelineConfig:
         batch_size=batch,
         max_staleness=getattr(args, "max_weight_staleness", None),
         max_backlog=2 * batch,
-        partial_rollout=bool(getattr(args, "partial_rollout", False)),
+        partial_rollout=partial_rollout(args),
         steps_per_version=max(1, int(_get(args, "update_weights_interval", 1))),
         mix=os.environ.get(MIX_ENV, ""),
     )

@@ -44,7 +44,8 @@ async def test_weight_updates_with_abort_never_use_up_a_long_prompts_attempts(
     keys = Keys(ns)
     async with SimEngine(SimConfig(seed=1, latency_per_token=0.01, length_sigma=0)) as sim:
         # max_attempts 1: before issue 38 the second abort dead-lettered the prompt
-        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, max_attempts=1)
+        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, max_attempts=1,
+                             partial_rollout=False)
         await redis.xadd(keys.prompts, prompt_fields(Prompt(index=0, prompt=LONG, label="5")))  # type: ignore[arg-type]
         procs.producer(redis_url, ns, sim.url, name="p0", concurrency=2)
         async with (
@@ -76,7 +77,8 @@ async def test_an_abort_the_engine_makes_on_its_own_still_uses_an_attempt(
     dead-lettered past max_attempts (the rule above does not simply forgive every abort)."""
     keys = Keys(ns)
     async with SimEngine(SimConfig(seed=1, latency_per_token=0.01, length_sigma=0)) as sim:
-        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, max_attempts=1)
+        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, max_attempts=1,
+                             partial_rollout=False)
         await redis.xadd(keys.prompts, prompt_fields(Prompt(index=0, prompt=LONG, label="5")))  # type: ignore[arg-type]
         procs.producer(redis_url, ns, sim.url, name="p0", concurrency=2)
         async with (

@@ -250,3 +250,22 @@ def test_slime_counted_weight_version(monkeypatch: pytest.MonkeyPatch) -> None:
     assert counted_version(args, source, 10) == 1 and counted_version(args, source, 13) == 2
     assert trainer_version(args, source, 13) == (2, False)  # nobody listens on port 9
     source.close()
+
+
+def test_one_flag_runs_have_partial_rollout_on_unless_the_environment_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollstream.integrations.flags import PARTIAL_ROLLOUT, partial_rollout, pipeline_config
+
+    args = slime_args()
+    assert args.partial_rollout is False  # slime's own default, which cannot say "off"
+    assert partial_rollout(args, {})
+    monkeypatch.delenv(PARTIAL_ROLLOUT, raising=False)
+    assert pipeline_config(args).partial_rollout
+    monkeypatch.setenv(PARTIAL_ROLLOUT, "0")
+    assert not pipeline_config(args).partial_rollout
+    assert partial_rollout(args, {PARTIAL_ROLLOUT: "1"})
+    assert not partial_rollout(args, {PARTIAL_ROLLOUT: "0"})
+    assert partial_rollout(slime_args(partial_rollout=True), {PARTIAL_ROLLOUT: "0"})  # asked for by the run's flag
+    with pytest.raises(ConfigError, match=PARTIAL_ROLLOUT):
+        partial_rollout(args, {PARTIAL_ROLLOUT: "maybe"})

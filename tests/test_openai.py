@@ -131,7 +131,7 @@ async def test_abort_all_recycles_the_group_on_both_apis(
 ) -> None:
     slow = SimConfig(seed=2, mean_tokens=40, length_sigma=0, latency_per_token=0.05)  # 2 s per sample
     async with SimEngine(slow) as sim:
-        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, partial_rollout=False)
         await add_prompts(redis, ns, 2)
         procs.producer(redis_url, ns, sim.url, *APIS[api], name=f"abort-{api}", concurrency=4)
         await wait_until(lambda: sim.state.running >= 2, timeout=15, message="generation running on the sim")

@@ -138,7 +138,7 @@ async def test_take_overrides_max_staleness(redis: Redis, redis_url: str, ns: st
 async def test_aborted_group_is_recycled_reset_and_comes_back(
     redis: Redis, redis_url: str, ns: str, sim: Any, procs: ProcessPool
 ) -> None:
-    await make_namespace(redis, ns, max_staleness=3)
+    await make_namespace(redis, ns, max_staleness=3, partial_rollout=False)
     await _publish(redis, ns, _group(7, [0], status=Status.ABORTED))
     await _publish(redis, ns, _group(8, [0]))
     async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:

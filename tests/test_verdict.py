@@ -129,8 +129,8 @@ def test_judge(
 
 def test_judge_keeps_partial_samples_of_an_aborted_group_only_with_partial_rollout() -> None:
     fields = _fields(_group((5,), status=Status.ABORTED))
-    plain = judge(fields, CONFIG, version=5, staleness_limit=2)
-    partial = judge(fields, dataclasses.replace(CONFIG, partial_rollout=True), version=5, staleness_limit=2)
+    plain = judge(fields, dataclasses.replace(CONFIG, partial_rollout=False), version=5, staleness_limit=2)
+    partial = judge(fields, CONFIG, version=5, staleness_limit=2)  # partial rollout: the default
     assert plain.prompt is not None and plain.prompt.partial is None
     assert partial.prompt is not None and partial.prompt.partial is not None and len(partial.prompt.partial) == 2
 

@@ -159,12 +159,14 @@ async def test_weight_sync_moves_engines_and_rollstream_to_the_new_version(
         assert report.version == 3 and "reload" in report.seconds
 
 
-async def test_weight_sync_aborts_in_flight_work_which_is_recycled(
-    redis_url: str, redis: Redis, ns: str
+@pytest.mark.parametrize("partial", [False, True])
+async def test_weight_sync_aborts_in_flight_work_which_is_recycled_or_continued(
+    redis_url: str, redis: Redis, ns: str, partial: bool
 ) -> None:
-    """mode=abort on the vLLM API: a group in flight comes back ABORTED and is recycled; every
+    """mode=abort on the vLLM API: a group in flight comes back ABORTED and is recycled (partial
+    rollout off) or continued from its tokens under the new weights (on, the default); every
     prompt is trained exactly once, the later ones on the new version."""
-    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, partial_rollout=partial)
     await add_prompts(redis, ns, 4)
     async with SimEngine(SLOW) as sim, _client(sim.url) as client:
         settings = ProducerSettings(namespace=ns, concurrency=2, name="p", heartbeat_interval=0.5)
@@ -186,9 +188,13 @@ async def test_weight_sync_aborts_in_flight_work_which_is_recycled(
             await producer.aclose()
     assert sorted(seen) == [0, 1, 2, 3]
     assert sim.state.aborted >= 2
-    # the pipeline's cadence (issue 38): counted apart, the attempt kept
-    assert int(await redis.hget(Keys(ns).state, "recycled_weight_update") or 0) >= 1
-    assert int(await redis.hget(Keys(ns).state, "recycled_aborted") or 0) == 0
+    state = await redis.hgetall(Keys(ns).state)
+    assert int(state.get(b"recycled_aborted") or 0) == 0
+    if partial:  # continued inside the episode: nothing recycled, the samples span both versions
+        assert int(state.get(b"recycled_weight_update") or 0) == 0
+        assert producer.rollout.runtime.aborts_continued >= 2
+    else:  # the pipeline's cadence (issue 38): counted apart, the attempt kept
+        assert int(state.get(b"recycled_weight_update") or 0) >= 1
 
 
 async def test_a_failing_engine_is_named_and_producers_stay_paused(
