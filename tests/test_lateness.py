@@ -58,7 +58,7 @@ async def test_a_long_prompt_aborted_by_every_weight_update_is_reported_late_wit
     keys = Keys(ns)
     shorts = 24
     async with SimEngine(SimConfig(seed=1, latency_per_token=0.01, length_sigma=0)) as sim:
-        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1)
+        await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=1, partial_rollout=False)
         await redis.xadd(keys.prompts, prompt_fields(Prompt(index=0, prompt=LONG, label="5")))  # type: ignore[arg-type]
         for i in range(1, shorts + 1):
             short = Prompt(index=i, prompt=f"What is {i} + 1? [reply=20]", label=str(i + 1))
