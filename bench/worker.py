@@ -43,7 +43,7 @@ end
 """
 """ADMIT's pending-count helper before docs/scale.md's fix (XPENDING's summary: O(consumers))."""
 
-ADMIT_BEFORE = dataclasses.replace(lua.ADMIT, source=lua.ADMIT.source.replace(lua._PENDING, PENDING_BEFORE))
+ADMIT_BEFORE = dataclasses.replace(lua.ADMIT, source=lua.ADMIT.source.replace(lua.PRELUDES["pending"], PENDING_BEFORE))
 
 
 def _before() -> None:

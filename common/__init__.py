@@ -87,12 +87,12 @@ Modules, one concern each:
 * ``mix``: the mix (``init --mix NAME=WEIGHT,...``): ``parse_mix``, ``apportion`` (largest remainder) and
   ``carries`` (what each source is owed from the groups committed so far), so every batch holds each
   source's share and the long-run ratio is exact to the group
-* ``lua``: the scripts, each one ``Script`` declaration (source, KEYS and ARGV names, constant ARGV):
-  PUBLISH, MOVE, ACK_DELETE, ADMIT, SET_VERSION, RENEW, RECLAIM_TURN, FEED, FORGET, REQUEUE, LEASE, RELEASE,
-  ARCHIVED, EVAL_COLLECT (MOVE and ACK_DELETE archive the fate they decide: ``_ARCHIVE``; ADMIT reads the
-  eval lane first); ``Scripts`` binds every
-  declaration (``SCRIPTS``, found, never listed) and has one method per script; state field names templated
-  from ``keys.StateField`` at import; the byte ledger (below)
+* ``scripts/``: the Lua scripts, one ``.lua`` file each (PUBLISH, MOVE, ACK_DELETE, ADMIT, FEED,
+  JOURNAL_APPEND, LIMIT_ACQUIRE, ROW_STATS, EVAL_COLLECT...), its header naming its KEYS and ARGV; the
+  shared preludes start with ``_`` (``_archive.lua``: the fate MOVE and ACK_DELETE decide is archived)
+* ``lua``: ``load`` reads a script file into a ``Script`` (KEYS and ARGV bound as named Lua locals, state
+  field names filled in from ``keys.StateField``, constant ARGV); ``Scripts`` binds every one (``SCRIPTS``,
+  found, never listed) and has one method per script; the byte ledger (below)
 * ``connection``: clients for every URL form (``redis://``, ``rediss://``, ``unix://``,
   ``redis+sentinel://``, ``redis+cluster://``; password from the environment or a file; ``redact_url()``;
   optional ``WAIT`` after each script: docs/deploy.md; blocking readers get their own, with a socket timeout

@@ -6,20 +6,16 @@ returned 1 may do that. Each script therefore starts with the XACK (or a cursor 
 does nothing else when it finds the work already done, which also makes every script safe to
 re-send after a dropped connection.
 
-All keys of a script share the namespace hash tag, so the scripts run on Redis Cluster. The
-fields of the ``state`` hash are written ``$NAME`` and filled in from :class:`~.keys.StateField`.
+All keys of a script share the namespace hash tag, so the scripts run on Redis Cluster.
 
-Each script is one :class:`Script` declaration: its source with the names of its KEYS and ARGV
-(and the constant ARGV values), so a call names its arguments instead of ordering them, a KEYS
-name that is a :class:`~.keys.Keys` property (``state``, ``groups``...) is filled in from the
-namespace, and :class:`Scripts` binds every declaration of this module by itself
-(``tests/test_unit_lua.py`` checks the names against the ``KEYS[i]``/``ARGV[i]`` the body uses).
-A new script: its declaration here, a :class:`Scripts` method that runs it (``self._run``) and
-shapes its reply, and the protocol method that calls that.
-
-Longer than 500 lines on purpose: most of it is the Lua source of the scripts with the
-reasoning each needs, and a script's declaration and its :class:`Scripts` method stay in one file
-so that a script is read, and changed, in one place.
+Each script is one file of ``common/scripts/`` (read once, at import): a header of comments that
+says why, then ``-- KEYS:`` and ``-- ARGV:`` naming its keys and arguments in order (``*name``: the
+variadic rest), and ``-- uses:`` the shared preludes (``_archive.lua``, ``_pending.lua``,
+``_now.lua``) it needs after ``_helpers.lua``. :func:`load` turns the header into named local
+bindings in front of the body (the rest is ``name_at``, its first ARGV index), so a body never
+indexes ``KEYS[n]``/``ARGV[n]``, and fills in the ``state`` hash's fields, written ``'$NAME'``, from
+:class:`~.keys.StateField` (an unknown name fails the import). A call names its arguments
+(:meth:`Script.lists`); a KEYS name that is a :class:`~.keys.Keys` property fills itself in.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from string import Template
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -38,106 +34,78 @@ from .config import PipelineConfig
 from .keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, SourceField, StateField
 from .redis_errors import translated
 
+SCRIPTS_DIR = Path(__file__).with_name("scripts")
+"""The ``.lua`` files; a name starting with ``_`` is a prelude, the others are scripts."""
+
 _STATE_FIELDS = {name: value for name, value in vars(StateField).items() if name.isupper() and isinstance(value, str)}
+_FILES = {path.stem: path.read_text(encoding="utf-8") for path in sorted(SCRIPTS_DIR.glob("*.lua"))}
+_HEADER = re.compile(r"^-- (KEYS|ARGV|uses):(.*)$", re.M)
 
 
-# Every script starts with these helpers: a value read back from Redis is parsed defensively
-# (``num``: not a number -> 0), and a counter holding garbage (``HSET state committed abc``) is
-# reset before HINCRBY, which would otherwise fail the whole hand-over.
-_HELPERS = """
-local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
-local function num(v) if isint(v) then return tonumber(v) end return 0 end
-local function group_exists(stream, group)  -- XACK answers 0 for a missing group: raise NOGROUP instead
-  redis.call('XPENDING', stream, group)
-end
-local function incr(key, field, n)
-  local v = redis.call('HGET', key, field)
-  if v and not isint(v) then redis.call('HSET', key, field, 0) end
-  return redis.call('HINCRBY', key, field, n)
-end
--- The byte budget's ledger: the size of every group entry's data (hash ``sizes``) and their sum
--- in the state hash; ``forget`` removes one entry from both (never below zero).
-local function forget(sizes, state, id)
-  local b = num(redis.call('HGET', sizes, id))
-  if b > 0 then
-    redis.call('HDEL', sizes, id)
-    if incr(state, 'GROUP_BYTES', -b) < 0 then redis.call('HSET', state, 'GROUP_BYTES', 0) end
-  end
-  return b
-end
--- An episode journal (durable episodes) leaves with its prompt: its bytes leave the state hash's
--- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop.
-local function drop_journal(journal, state)
-  if journal == '' then return end
-  local b = num(redis.call('HGET', journal, 'bytes'))
-  redis.call('DEL', journal)
-  if b > 0 and incr(state, 'JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, 'JOURNAL_BYTES', 0) end
-end
-"""
+def _fill(text: str) -> str:
+    """``'$NAME'`` replaced by the quoted ``StateField`` value (ValueError for an unknown name)."""
+
+    def field_name(match: re.Match[str]) -> str:
+        if match.group(1) not in _STATE_FIELDS:
+            raise ValueError(f"unknown state field {match.group(0)} in a Lua script")
+        return f"'{_STATE_FIELDS[match.group(1)]}'"
+
+    return re.sub(r"'\$([A-Z_]+)'", field_name, text)
 
 
-# The archive of fates (DESIGN §4.19), used by the scripts that decide a fate: while the
-# namespace's config has an ``archive_bytes`` budget, a copy of entry ``id`` of ``src`` goes to the
-# archive stream with ``meta`` = {fate, reason, actor, step, position, kind, ts_ms} in front of
-# its own fields, in the same step as the hand-over. The archive never refuses a hand-over: the
-# oldest records are deleted (``archive_dropped``) until the new one fits; one larger than the
-# whole budget is dropped itself. ``record_bytes`` is the record's size in the ledger.
-_ARCHIVE = """
-local function archive(cfg, akey, state, src, id, meta)
-  local budget = num(redis.call('HGET', cfg, 'archive_bytes'))
-  if budget <= 0 then return end
-  local rows = redis.call('XRANGE', src, id, id)
-  if #rows == 0 then return end
-  local f = rows[1][2]
-  local size = 64
-  for i = 1, #f do size = size + #f[i] end
-  for i = 1, #meta do size = size + #meta[i] end
-  local held = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
-  local dropped = 0
-  while held > 0 and held + size > budget do
-    local first = redis.call('XRANGE', akey, '-', '+', 'COUNT', 1)
-    if #first == 0 then held = 0 break end
-    local ff, fb = first[1][2], 0
-    for i = 1, #ff - 1, 2 do if ff[i] == 'record_bytes' then fb = num(ff[i + 1]) break end end
-    redis.call('XDEL', akey, first[1][1])
-    held = math.max(0, held - fb)
-    dropped = dropped + 1
-  end
-  if size > budget then
-    dropped = dropped + 1
-  else
-    local version = redis.call('HGET', state, '$WEIGHT_VERSION') or '0'
-    redis.call('XADD', akey, '*', 'fate', meta[1], 'reason', meta[2], 'actor', meta[3], 'step', meta[4],
-      'position', meta[5], 'kind', meta[6], 'ts_ms', meta[7], 'trainer_version', version, 'entry_id', id,
-      'record_bytes', size, unpack(f))
-    held = held + size
-    incr(state, '$ARCHIVE_RECORDED', 1)
-  end
-  redis.call('HSET', state, '$ARCHIVE_BYTES', held)
-  if dropped > 0 then incr(state, '$ARCHIVE_DROPPED', dropped) end
-end
-"""
+PRELUDES = {name[1:]: _fill(text) for name, text in _FILES.items() if name.startswith("_")}
+"""The shared Lua helpers by name (``helpers`` starts every script)."""
 
 
-def _template(source: str) -> str:
-    """A script with its ``$NAME`` placeholders replaced by the ``StateField`` names, once at import
-    (an unknown name fails the import), after the helpers."""
-    helpers = _HELPERS.replace("'GROUP_BYTES'", f"'{StateField.GROUP_BYTES}'").replace(
-        "'JOURNAL_BYTES'", f"'{StateField.JOURNAL_BYTES}'")
-    return helpers + Template(source).substitute(_STATE_FIELDS)
+def _header(text: str) -> dict[str, list[str]]:
+    """The ``-- KEYS:``, ``-- ARGV:`` and ``-- uses:`` lines of a script's leading comment block."""
+    lead = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            break
+        lead.append(line)
+    return {name: value.split() for name, value in _HEADER.findall("\n".join(lead))}
+
+
+def _bindings(keys: Sequence[str], argv: Sequence[str]) -> str:
+    """Lua locals naming KEYS and ARGV in declaration order; the variadic rest is ``name_at``."""
+    lines = []
+    if keys:
+        lines.append(f"local {', '.join(keys)} = {', '.join(f'KEYS[{i}]' for i in range(1, len(keys) + 1))}")
+    fixed = [name for name in argv if not name.startswith("*")]
+    if fixed:
+        lines.append(f"local {', '.join(fixed)} = {', '.join(f'ARGV[{i}]' for i in range(1, len(fixed) + 1))}")
+    lines += [f"local {name[1:]}_at = {len(fixed) + 1}" for name in argv if name.startswith("*")]
+    return "".join(line + "\n" for line in lines)
+
+
+def load(name: str, **defaults: Any) -> Script:
+    """The script of ``scripts/<name>.lua`` with its preludes and named bindings; ``defaults`` are
+    constant ARGV values (a call may still name them)."""
+    if name.startswith("_") or name not in _FILES:
+        raise ValueError(f"no Lua script {name!r} in {SCRIPTS_DIR}")
+    text = _FILES[name]
+    header = _header(text)
+    keys, argv = tuple(header.get("KEYS", ())), tuple(header.get("ARGV", ()))
+    preludes = ["helpers", *header.get("uses", ())]
+    if unknown := [p for p in preludes if p not in PRELUDES]:
+        raise ValueError(f"script {name}: unknown prelude(s) {unknown}")
+    source = "".join(PRELUDES[p] for p in preludes) + _bindings(keys, argv) + _fill(text)
+    return Script(name.upper(), keys, argv, source, defaults, body=text)
 
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """One Lua script: the names of its KEYS and ARGV in the order the body indexes them, the
-    constant ARGV values (``defaults``) and its source. An ARGV name starting with ``*`` is the
-    variadic rest (a sequence, spread)."""
+    """One Lua script: the names of its KEYS and ARGV in order, the constant ARGV values
+    (``defaults``), the source sent to Redis and the file's own text (``body``). An ARGV name
+    starting with ``*`` is the variadic rest (a sequence, spread)."""
 
     name: str
     keys: tuple[str, ...]
     argv: tuple[str, ...]
     source: str
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    body: str = ""
 
     def __post_init__(self) -> None:
         names = [*self.keys, *(a.lstrip("*") for a in self.argv)]
@@ -178,583 +146,25 @@ class Script:
         return keys, args
 
 
-# A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
-# group's size goes into the byte ledger in the same step as the group, and the prompt's episode
-# journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too.
-PUBLISH = Script(
-    "PUBLISH",
-    keys=("source", "groups", "state", "group_bytes", "journal", "sources"),
-    argv=("group", "prompt_id", "now_ms", "data_bytes", "drop", "tally", "*fields"),
-    defaults={"tally": ""},
-    source=_template("""
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  group_exists(KEYS[1], ARGV[1])
-  incr(KEYS[3], '$DUPLICATES', 1)
-  return false
-end
-redis.call('XDEL', KEYS[1], ARGV[2])
-if ARGV[5] == '1' then drop_journal(KEYS[5], KEYS[3]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 7))
-incr(KEYS[3], '$PUBLISHED', 1)
-if ARGV[6] ~= '' then incr(KEYS[6], ARGV[6], 1) end
-local b = tonumber(ARGV[4]) or 0
-if b > 0 then
-  redis.call('HSET', KEYS[4], id, b)
-  incr(KEYS[3], '$GROUP_BYTES', b)
-  incr(KEYS[3], '$PUBLISHED_BYTES', b)
-end
-redis.call('HSET', KEYS[3], '$LAST_PUBLISH_MS', ARGV[3])
-return id
-"""),
-)
-
-# ``ledger``: '' = neither stream is the group stream, 's' = the source is, 'st' = both are.
-# Acknowledges and deletes an entry of the source stream and adds a new entry to the target
-# stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
-# (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
-# byte ledger with it. ``fate`` ('recycled', 'dead_lettered' or '' = none) is archived first
-# (``_ARCHIVE``), by ``actor`` from the ``kind`` of stream it left. ``drop`` '1': the prompt's
-# episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
-# keeps it for the producer that takes it over.
-MOVE = Script(
-    "MOVE",
-    keys=("source", "target", "state", "group_bytes", "config", "archive", "journal", "sources"),
-    argv=("group", "entry_id", "counter", "ledger", "fate", "reason", "actor", "kind", "now_ms", "drop", "tally",
-          "*fields"),
-    defaults={"tally": ""},
-    source=_template(_ARCHIVE + """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  group_exists(KEYS[1], ARGV[1])
-  return false
-end
-if ARGV[5] ~= '' then
-  archive(KEYS[5], KEYS[6], KEYS[3], KEYS[1], ARGV[2],
-    {ARGV[5], ARGV[6], ARGV[7], '', '', ARGV[8], ARGV[9]})
-end
-redis.call('XDEL', KEYS[1], ARGV[2])
-if ARGV[10] == '1' then drop_journal(KEYS[7], KEYS[3]) end
-local b = 0
-if ARGV[4] ~= '' then b = forget(KEYS[4], KEYS[3], ARGV[2]) end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 12))
-if ARGV[4] == 'st' and b > 0 then
-  redis.call('HSET', KEYS[4], id, b)
-  incr(KEYS[3], '$GROUP_BYTES', b)
-end
-incr(KEYS[3], ARGV[3], 1)
-if ARGV[11] ~= '' then incr(KEYS[8], ARGV[11], 1) end
-return id
-"""),
-)
-
-# ``second_counter`` and ``time_field`` may be ''. Acknowledges and deletes entries (commit, filtered drop);
-# counts the acknowledged ones only, and takes those out of the byte ledger (an id the ledger
-# does not hold, e.g. a prompt's, changes nothing). ``fate`` ('trained', 'filtered' or '' = none)
-# is archived for each acknowledged group first (``_ARCHIVE``); a commit that acknowledged any is
-# one more trained step (``trained_steps``: the records' ``step``, ``position`` = order in it).
-ACK_DELETE = Script(
-    "ACK_DELETE",
-    keys=("stream", "state", "sizes", "config", "archive", "sources"),
-    argv=("group", "counter", "second_counter", "time_field", "now_ms", "fate", "reason", "actor", "tally", "*ids"),
-    defaults={"tally": ""},
-    source=_template(_ARCHIVE + """
-local acked = 0
-local step = ''
-local tally = {}
-if ARGV[9] ~= '' then tally = cjson.decode(ARGV[9]) end
-if ARGV[6] == 'trained' then step = tostring(num(redis.call('HGET', KEYS[2], '$TRAINED_STEPS')) + 1) end
-for i = 10, #ARGV do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    acked = acked + 1
-    local field = tally[i - 9]
-    if field and field ~= '' then incr(KEYS[6], field, 1) end
-    if ARGV[6] ~= '' then
-      local position = ''
-      if step ~= '' then position = tostring(i - 10) end
-      archive(KEYS[4], KEYS[5], KEYS[2], KEYS[1], ARGV[i],
-        {ARGV[6], ARGV[7], ARGV[8], step, position, 'groups', ARGV[5]})
-    end
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    if KEYS[3] ~= KEYS[1] then forget(KEYS[3], KEYS[2], ARGV[i]) end
-  end
-end
-if acked == 0 then group_exists(KEYS[1], ARGV[1]) end
-if acked > 0 then
-  incr(KEYS[2], ARGV[2], acked)
-  if ARGV[3] ~= '' then incr(KEYS[2], ARGV[3], acked) end
-  if step ~= '' then redis.call('HSET', KEYS[2], '$TRAINED_STEPS', step) end
-end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[4], ARGV[5]) end
-return acked
-"""),
-)
-
-# A finished eval's groups (entries of ``eval_groups``) archived as ``evaluated`` (reason: the
-# eval's name) and deleted, and its result stored, in one step: a re-sent call finds them gone.
-EVAL_COLLECT = Script(
-    "EVAL_COLLECT",
-    keys=("eval_groups", "evals", "state", "config", "archive"),
-    argv=("name", "result", "actor", "now_ms", "*ids"),
-    source=_template(_ARCHIVE + """
-for i = 5, #ARGV do
-  archive(KEYS[4], KEYS[5], KEYS[3], KEYS[1], ARGV[i], {'evaluated', ARGV[1], ARGV[3], '', '', 'eval_groups', ARGV[4]})
-  redis.call('XDEL', KEYS[1], ARGV[i])
-end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return #ARGV - 4
-"""),
-)
-
-# The archiver's confirmation: ``pairs`` are (archive id, record size) of records written to
-# Parquet; each one still in the stream is deleted and leaves the ledger (one the budget dropped
-# meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``.
-ARCHIVED = Script(
-    "ARCHIVED",
-    keys=("archive", "state"),
-    argv=("cursor", "now_ms", "*pairs"),
-    source=_template("""
-local gone, freed = 0, 0
-for i = 3, #ARGV - 1, 2 do
-  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then
-    gone = gone + 1
-    freed = freed + num(ARGV[i + 1])
-  end
-end
-if freed > 0 and incr(KEYS[2], '$ARCHIVE_BYTES', -freed) < 0 then redis.call('HSET', KEYS[2], '$ARCHIVE_BYTES', 0) end
-if gone > 0 then incr(KEYS[2], '$ARCHIVED', gone) end
-if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], '$ARCHIVE_CURSOR', ARGV[1]) end
-redis.call('HSET', KEYS[2], '$ARCHIVE_SEEN_MS', ARGV[2])
-return gone
-"""),
-)
-
-# Shared by ADMIT and SET_VERSION: a consumer group's pending count (0 when the stream or group
-# does not exist). XINFO GROUPS, not XPENDING: XPENDING's summary walks every consumer of the
-# group and lists each one's count (two per producer in ADMIT, which every producer runs for
-# every group it starts), XINFO GROUPS reads each group's pending-list size once (O(groups):
-# one group per stream). docs/scale.md has the before/after.
-_PENDING = """
-local function pending(key, group)
-  local groups = redis.pcall('XINFO', 'GROUPS', key)
-  if type(groups) ~= 'table' or groups.err then return 0 end
-  for _, g in ipairs(groups) do
-    for i = 1, #g - 1, 2 do
-      if g[i] == 'name' and g[i + 1] ~= group then break end
-      if g[i] == 'pending' then return tonumber(g[i + 1]) or 0 end
-    end
-  end
-  return 0
-end
-"""
-
-# ``admission``: 1/0; S = ``max_staleness``, B = ``batch_size``, K = ``steps_per_version``,
-# cap = ``cadence_cap``. Returns {reason, ...} or {'ok', weight version, (stream index, id, fields)...}: reads up to
-# ``count`` prompts, retry stream first (stream index 1) then prompts (2), and counts them as
-# admitted, only when the pipeline is not paused, the READY backlog (XLEN groups - pending in
-# groups) is under its cap and (with admission control) outstanding < capacity, where
-#   outstanding = pending(retry) + pending(prompts) + ready
-#   c = max(0, committed + pending(groups) - version_start_consumed)
-#   G = max(K * B, min(prev_version_consumed, cap * K * B))
-#   capacity = max(1, (S + 1) * G - min(c, G))
-# (the same arithmetic as common/admission.py); then reads at most capacity - outstanding, and
-# at most max_backlog - ready (a burst never overshoots the backlog cap by more than one read).
-# With a byte budget (``max_backlog_bytes`` > 0) and groups ready, the bytes held in the group stream plus the
-# prompts in flight at the mean group size must stay under it:
-#   projected = group_bytes + (pending(retry) + pending(prompts)) * mean, mean = published_bytes / published
-# and one more group of the mean size must fit (projected + mean <= budget); at most
-# (budget - projected) / mean are read. With no group ready the budget does not
-# refuse: a trainer waiting inside take() for a batch larger than the budget must get it.
-# Refusals: {'paused'}, {'backlog', ready}, {'backlog_bytes', projected, budget},
-# {'staleness', outstanding, capacity, c, G}, {'empty'}.
-ADMIT = Script(
-    "ADMIT",
-    keys=("retry", "prompts", "groups", "state", "eval_prompts"),
-    argv=(
-        "group", "consumer", "max_backlog", "admission", "max_staleness", "batch_size", "steps_per_version",
-        "count", "trainer_group", "cadence_cap", "now_ms", "max_backlog_bytes",
-    ),
-    defaults={"group": PRODUCERS_GROUP, "trainer_group": TRAINER_GROUP, "cadence_cap": MEASURED_CADENCE_CAP},
-    source=_template(_PENDING + """
-local st = redis.call('HMGET', KEYS[4], '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
-  '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED', '$GROUP_BYTES', '$PUBLISHED_BYTES', '$PUBLISHED')
-if st[1] == '1' then return {'paused'} end
--- The eval lane first (stream index 3): its groups never enter the group stream, so neither the
--- backlog, the byte budget nor the staleness rule holds it back; a round that admits eval
--- prompts admits nothing else. pcall: a namespace of an older version has no eval stream yet.
-local ev = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[8]), 'STREAMS', KEYS[5], '>')
-if type(ev) == 'table' and ev[1] and ev[1][2] and #ev[1][2] > 0 then
-  local out = {'ok', tostring(math.max(0, num(st[2])))}
-  for _, entry in ipairs(ev[1][2]) do
-    table.insert(out, 3)
-    table.insert(out, entry[1])
-    table.insert(out, entry[2])
-  end
-  return out
-end
-local taken = pending(KEYS[3], ARGV[9])
-local ready = math.max(0, redis.call('XLEN', KEYS[3]) - taken)
-if ready >= tonumber(ARGV[3]) then return {'backlog', ready} end
-local room = math.min(tonumber(ARGV[8]), tonumber(ARGV[3]) - ready)
-local in_flight = pending(KEYS[1], ARGV[1]) + pending(KEYS[2], ARGV[1])
-local budget = tonumber(ARGV[12]) or 0
-if budget > 0 and ready > 0 then
-  local mean = 0
-  if num(st[8]) > 0 then mean = math.ceil(num(st[7]) / num(st[8])) end
-  local projected = num(st[6]) + in_flight * mean
-  if projected + math.max(mean, 1) > budget then return {'backlog_bytes', projected, budget} end
-  if mean > 0 then room = math.min(room, math.floor((budget - projected) / mean)) end
-end
-if ARGV[4] == '1' then
-  local outstanding = in_flight + ready
-  local c = math.max(0, num(st[3]) + taken - num(st[4]))
-  local declared = tonumber(ARGV[7]) * tonumber(ARGV[6])
-  local g = math.max(declared, math.min(num(st[5]), tonumber(ARGV[10]) * declared))
-  local capacity = math.max(1, (tonumber(ARGV[5]) + 1) * g - math.min(c, g))
-  if outstanding >= capacity then return {'staleness', outstanding, capacity, c, g} end
-  room = math.min(room, capacity - outstanding)
-end
-local out = {'ok', tostring(math.max(0, num(st[2])))}
-local got = 0
-for i = 1, 2 do
-  if got >= room then break end
-  local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', room - got, 'STREAMS', KEYS[i], '>')
-  if res then
-    for _, entry in ipairs(res[1][2]) do
-      table.insert(out, i)
-      table.insert(out, entry[1])
-      table.insert(out, entry[2])
-      got = got + 1
-    end
-  end
-end
-if got == 0 then return {'empty'} end
-incr(KEYS[4], '$ADMITTED', got)
-redis.call('HSET', KEYS[4], '$LAST_ADMIT_MS', ARGV[11])
-return out
-"""),
-)
-
-# ``version`` '' = unchanged, ``paused`` '1', '0' or '' = unchanged. A version change records
-# where the new version began (version_start_consumed = committed + taken) and what the previous one consumed
-# (prev_version_consumed), in the same step as the version itself: the terms of ADMIT's rule.
-SET_VERSION = Script(
-    "SET_VERSION",
-    keys=("state", "groups"),
-    argv=("version", "paused", "channel", "message", "trainer_group"),
-    defaults={"trainer_group": TRAINER_GROUP},
-    source=_template(_PENDING + """
-if ARGV[1] ~= '' then
-  local st = redis.call('HMGET', KEYS[1], '$WEIGHT_VERSION', '$COMMITTED', '$VERSION_START_CONSUMED')
-  if st[1] == false or num(st[1]) ~= tonumber(ARGV[1]) then
-    local consumed = num(st[2]) + pending(KEYS[2], ARGV[5])
-    redis.call('HSET', KEYS[1], '$VERSION_START_CONSUMED', consumed,
-      '$PREV_VERSION_CONSUMED', math.max(0, consumed - num(st[3])))
-  end
-  redis.call('HSET', KEYS[1], '$WEIGHT_VERSION', ARGV[1])
-end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], '$PAUSED', ARGV[2]) end
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return true
-"""),
-)
-
-# ``stream``: prompts or retry. Renews the lease of each id still
-# owned by this consumer (XCLAIM JUSTID resets its idle time) and returns the ids it no longer
-# owns: never steals back an entry another producer has taken over.
-RENEW = Script(
-    "RENEW",
-    keys=("stream",),
-    argv=("group", "consumer", "*ids"),
-    defaults={"group": PRODUCERS_GROUP},
-    source=_template("""
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""),
-)
-
-# The fleet's reclaim turn: the first producer to call it
-# an interval after the last turn takes it (returns 1) and looks for idle prompts; every call
-# also returns when idle prompts were last found (reclaim_due_ms), so the others take them over.
-# A turn stamped far in the future (a producer's clock ahead) is taken over too.
-RECLAIM_TURN = Script(
-    "RECLAIM_TURN",
-    keys=("state",),
-    argv=("now_ms", "interval_ms"),
-    source=_template("""
-local st = redis.call('HMGET', KEYS[1], '$RECLAIM_TURN_MS', '$RECLAIM_DUE_MS')
-local now, interval, last = tonumber(ARGV[1]), tonumber(ARGV[2]), num(st[1])
-local won = 0
-if now - last >= interval or last - now > interval then
-  redis.call('HSET', KEYS[1], '$RECLAIM_TURN_MS', ARGV[1])
-  won = 1
-end
-return {won, num(st[2])}
-"""),
-)
-
-# ``width``: fields per entry (names and values), ``entries``: all entries' fields, ``rejected``: a
-# JSON list of dead letters (flat field lists) for rows that cannot be fed, ``updates``: a JSON
-# list of (op, field, value) for the ``sources`` hash (op 's': HSET, 'i': add), the named sources'
-# cursors and fed counts. The feeder's
-# XADD and its cursor move together, and only from the cursor it read: a re-sent or concurrent call adds nothing.
-FEED = Script(
-    "FEED",
-    keys=("prompts", "state", "dead", "sources"),
-    argv=("expected_next", "next_after", "epoch", "position", "dataset", "rejected", "updates", "width", "*entries"),
-    source=_template("""
-local cur = redis.call('HGET', KEYS[2], '$FEED_NEXT_INDEX') or '0'
-if cur ~= ARGV[1] then return false end
-local dead = cjson.decode(ARGV[6])
-for _, fields in ipairs(dead) do
-  redis.call('XADD', KEYS[3], '*', unpack(fields))
-end
-incr(KEYS[2], '$DEAD', #dead)
-local updates = cjson.decode(ARGV[7])
-for i = 1, #updates, 3 do
-  if updates[i] == 'i' then incr(KEYS[4], updates[i + 1], tonumber(updates[i + 2]))
-  else redis.call('HSET', KEYS[4], updates[i + 1], updates[i + 2]) end
-end
-local width = tonumber(ARGV[8])
-local added = 0
-for i = 9, #ARGV, width do
-  redis.call('XADD', KEYS[1], '*', unpack(ARGV, i, i + width - 1))
-  added = added + 1
-end
-redis.call('HSET', KEYS[2], '$FEED_NEXT_INDEX', ARGV[2], '$FEED_EPOCH', ARGV[3],
-  '$FEED_POSITION', ARGV[4], '$FEED_DATASET', ARGV[5])
-incr(KEYS[2], '$FED', added)
-return added
-"""),
-)
-
-
-# A delivered group found gone
-# from the stream (XTRIM, XDEL): acknowledged, and out of the byte ledger.
-FORGET = Script(
-    "FORGET",
-    keys=("groups", "state", "group_bytes"),
-    argv=("group", "entry_id"),
-    defaults={"group": TRAINER_GROUP},
-    source=_template("""
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then group_exists(KEYS[1], ARGV[1]) end
-return forget(KEYS[3], KEYS[2], ARGV[2])
-"""),
-)
-
-# One finished step of an episode (durable episodes), appended to its prompt's journal only while
-# ``consumer`` holds the prompt attempt's lease (the entry ``entry_id`` of ``source`` is pending
-# under its name): a producer whose prompt was taken over writes nothing. Step ``seq`` of
-# ``member`` replaces that member's steps from ``seq`` on (a replay that diverged drops the rest;
-# a re-sent append rewrites the same step). ``budget`` > 0: the bytes of the groups held plus the
-# journals may not pass it, else nothing is written ('full'). Returns 'ok', 'lost' or 'full'.
-JOURNAL_APPEND = Script(
-    "JOURNAL_APPEND",
-    keys=("source", "journal", "state"),
-    argv=("group", "consumer", "entry_id", "member", "seq", "budget", "step"),
-    defaults={"group": PRODUCERS_GROUP},
-    source=_template("""
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if not p[1] or p[1][2] ~= ARGV[2] then return 'lost' end
-local m, seq = ARGV[4], tonumber(ARGV[5])
-local count = num(redis.call('HGET', KEYS[2], 'n:' .. m))
-local freed = 0
-for s = seq, count - 1 do
-  local f = m .. ':' .. s
-  freed = freed + redis.call('HSTRLEN', KEYS[2], f)
-  redis.call('HDEL', KEYS[2], f)
-end
-local size = string.len(ARGV[7])
-local budget = tonumber(ARGV[6]) or 0
-local st = redis.call('HMGET', KEYS[3], '$GROUP_BYTES', '$JOURNAL_BYTES')
-local status = 'ok'
-if budget > 0 and num(st[1]) + num(st[2]) - freed + size > budget then
-  size = 0
-  status = 'full'
-  if seq < count then redis.call('HSET', KEYS[2], 'n:' .. m, seq) end
-else
-  redis.call('HSET', KEYS[2], m .. ':' .. seq, ARGV[7], 'n:' .. m, seq + 1)
-  incr(KEYS[3], '$JOURNAL_STEPS', 1)
-end
-if size - freed ~= 0 then
-  redis.call('HINCRBY', KEYS[2], 'bytes', size - freed)
-  if incr(KEYS[3], '$JOURNAL_BYTES', size - freed) < 0 then redis.call('HSET', KEYS[3], '$JOURNAL_BYTES', 0) end
-end
-return status
-"""),
-)
-
-# Namespace-wide limits and rates use Redis' own clock (TIME), so producers on hosts whose clocks
-# differ share one. Redis 6.2 needs effects replication for a write after TIME (7+ always does it).
-_NOW = """
-pcall(function() redis.replicate_commands() end)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# One unit of the namespace limit ``name`` for ``token`` (a producer's episode), leased until
-# now + ``lease_ms``: expired holders (a killed producer's) are dropped first, so their units come
-# back within the lease. The limit's size is the ``limits`` hash's, else ``size_hint`` (the size
-# the producer last read: a Redis that restarted without the hash does not block anyone); 0 =
-# unknown. Granted: the wait (``waited_ms``) and the most holders at once go to ``limit_stats``.
-# Refused: the token is listed as a waiter (leased as well). Returns {'ok'|'wait'|'unknown', size}.
-LIMIT_ACQUIRE = Script(
-    "LIMIT_ACQUIRE",
-    keys=("limits", "holders", "waiters", "limit_stats"),
-    argv=("name", "token", "lease_ms", "size_hint", "waited_ms"),
-    source=_template(_NOW + """
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-local size = tonumber(redis.call('HGET', KEYS[1], 'limit:' .. ARGV[1]) or '') or tonumber(ARGV[4]) or 0
-if size <= 0 then return {'unknown', 0} end
-local expiry = now + tonumber(ARGV[3])
-if redis.call('ZSCORE', KEYS[2], ARGV[2]) then
-  redis.call('ZADD', KEYS[2], expiry, ARGV[2])
-  return {'ok', size}
-end
-local held = redis.call('ZCARD', KEYS[2])
-if held >= size then
-  redis.call('ZADD', KEYS[3], expiry, ARGV[2])
-  return {'wait', size}
-end
-redis.call('ZADD', KEYS[2], expiry, ARGV[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
-incr(KEYS[4], 'acquired:' .. ARGV[1], 1)
-incr(KEYS[4], 'wait_ms:' .. ARGV[1], tonumber(ARGV[5]) or 0)
-if held + 1 > num(redis.call('HGET', KEYS[4], 'peak:' .. ARGV[1])) then
-  redis.call('HSET', KEYS[4], 'peak:' .. ARGV[1], held + 1)
-end
-return {'ok', size}
-"""),
-)
-
-# Extends the leases of ``tokens`` still holding a unit of one limit; returns the ones that lost
-# theirs (expired: the producer's loop or network stalled past the lease).
-LIMIT_RENEW = Script(
-    "LIMIT_RENEW",
-    keys=("holders",),
-    argv=("lease_ms", "*tokens"),
-    source=_template(_NOW + """
-local lost = {}
-for i = 2, #ARGV do
-  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  if score and tonumber(score) > now then
-    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""),
-)
-
-# One token of the namespace rate ``name`` (tokens per second from the ``limits`` hash, else
-# ``rate_hint``; a burst of one second's worth, at least 1). Returns {'ok', 0}, {'wait', ms until a
-# token is due} or {'unknown', 0}; a token taken counts in ``limit_stats`` with the wait before it.
-RATE_TAKE = Script(
-    "RATE_TAKE",
-    keys=("limits", "bucket", "limit_stats"),
-    argv=("name", "rate_hint", "waited_ms"),
-    source=_template(_NOW + """
-local rate = tonumber(redis.call('HGET', KEYS[1], 'rate:' .. ARGV[1]) or '') or tonumber(ARGV[2]) or 0
-if rate <= 0 then return {'unknown', 0} end
-local burst = math.max(1, rate)
-local b = redis.call('HMGET', KEYS[2], 'tokens', 'ts_ms')
-local tokens, ts = tonumber(b[1]), tonumber(b[2])
-if tokens == nil or ts == nil then tokens, ts = burst, now end
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate / 1000)
-if tokens >= 1 then
-  redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'ts_ms', now)
-  incr(KEYS[3], 'taken:' .. ARGV[1], 1)
-  incr(KEYS[3], 'rate_wait_ms:' .. ARGV[1], tonumber(ARGV[3]) or 0)
-  return {'ok', 0}
-end
-redis.call('HSET', KEYS[2], 'tokens', tostring(tokens), 'ts_ms', now)
-return {'wait', math.ceil((1 - tokens) * 1000 / rate)}
-"""),
-)
-
-# Per-row statistics for a curriculum: ``items`` are (field, mean reward, reward variance, version,
-# epoch) of finished groups; each row's JSON keeps its count and the last ``k`` means and variances.
-ROW_STATS = Script(
-    "ROW_STATS",
-    keys=("rows",),
-    argv=("k", "*items"),
-    source=_template("""
-local k = tonumber(ARGV[1])
-for i = 2, #ARGV - 4, 5 do
-  local s = nil
-  local raw = redis.call('HGET', KEYS[1], ARGV[i])
-  if raw then
-    local ok, decoded = pcall(cjson.decode, raw)
-    if ok and type(decoded) == 'table' then s = decoded end
-  end
-  if not s then s = {} end
-  local r, v = s.r, s.v
-  if type(r) ~= 'table' then r = {} end
-  if type(v) ~= 'table' then v = {} end
-  table.insert(r, tonumber(ARGV[i + 1]) or 0)
-  table.insert(v, tonumber(ARGV[i + 2]) or 0)
-  while #r > k do table.remove(r, 1) end
-  while #v > k do table.remove(v, 1) end
-  redis.call('HSET', KEYS[1], ARGV[i], cjson.encode({t = (tonumber(s.t) or 0) + 1, r = r, v = v,
-    w = tonumber(ARGV[i + 3]) or 0, e = tonumber(ARGV[i + 4]) or 0}))
-end
-return math.floor((#ARGV - 1) / 5)
-"""),
-)
-
-# The dead stream has no consumer group, so XDEL's reply is the ownership check: only the call
-# that deleted the entry re-adds it, and a re-sent or concurrent requeue adds nothing.
-REQUEUE = Script(
-    "REQUEUE",
-    keys=("dead", "retry", "state", "sources"),
-    argv=("dead_id", "counter", "tally", "*fields"),
-    defaults={"tally": ""},
-    source=_template("""
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
-  return false
-end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-incr(KEYS[3], ARGV[2], 1)
-if ARGV[3] ~= '' then incr(KEYS[4], ARGV[3], 1) end
-return id
-"""),
-)
-
-
-# Takes a free lease or renews our own; 0 when another holds it.
-# A renewal is a PEXPIRE, which Redis allows at maxmemory (SET is refused there), so a trainer
-# keeps its name while Redis is out of memory.
-LEASE = Script(
-    "LEASE",
-    keys=("lease",),
-    argv=("token", "ttl_ms"),
-    source="""
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-if holder then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-""",
-)
-
-# Deletes the lease only if we still hold it.
-RELEASE = Script(
-    "RELEASE",
-    keys=("lease",),
-    argv=("token",),
-    source="""
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-""",
-)
+PUBLISH = load("publish", tally="")
+MOVE = load("move", tally="")
+ACK_DELETE = load("ack_delete", tally="")
+EVAL_COLLECT = load("eval_collect")
+ARCHIVED = load("archived")
+ADMIT = load("admit", group=PRODUCERS_GROUP, trainer_group=TRAINER_GROUP, cadence_cap=MEASURED_CADENCE_CAP)
+SET_VERSION = load("set_version", trainer_group=TRAINER_GROUP)
+RENEW = load("renew", group=PRODUCERS_GROUP)
+RECLAIM_TURN = load("reclaim_turn")
+FEED = load("feed")
+FORGET = load("forget", group=TRAINER_GROUP)
+JOURNAL_APPEND = load("journal_append", group=PRODUCERS_GROUP)
+LIMIT_ACQUIRE = load("limit_acquire")
+LIMIT_RENEW = load("limit_renew")
+RATE_TAKE = load("rate_take")
+ROW_STATS = load("row_stats")
+REQUEUE = load("requeue", tally="")
+LEASE = load("lease")
+RELEASE = load("release")
 
 SCRIPTS: tuple[Script, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Script))
 """Every script declared in this module, bound by :class:`Scripts` (found, never listed by hand)."""

@@ -1,4 +1,4 @@
-"""Every branch of every Lua script in ``common/lua.py``.
+"""Every branch of every Lua script in ``common/scripts/`` (loaded by ``common/lua.py``).
 
 Run against fakeredis (with lupa) where fakeredis runs the script like Redis does. fakeredis
 answers XREADGROUP inside Lua with a differently shaped reply (``{}`` instead of nil when
@@ -338,25 +338,47 @@ async def test_feed_rejects_entries_of_different_shapes(fake: Redis, ns: str) ->
 # -- the declarations ------------------------------------------------------------------------
 
 
+_LUA_NAMES = frozenset(
+    "and break do else elseif end false for function if in local nil not or repeat return then true until while "
+    "redis cjson tonumber tostring type string math table unpack pcall ipairs pairs".split()
+)
+
+
+def _code(text: str) -> str:
+    """Lua code without comments and string literals."""
+    return re.sub(r"'[^'\n]*'", "''", re.sub(r"--[^\n]*", "", text))
+
+
+def _bound(code: str) -> set[str]:
+    """Names a chunk binds: locals, functions and their parameters, loop variables."""
+    names: set[str] = set()
+    for group in re.findall(r"local\s+function\s+(\w+)\(([^)]*)\)|local\s+([\w\s,]+?)\s*=|for\s+([\w\s,]+?)\s*(?:=|in)",
+                            code):
+        for part in group:
+            names.update(n.strip() for n in part.replace("(", ",").split(",") if n.strip())
+    return names
+
+
 def _declaration_problems(script: lua.Script) -> list[str]:
-    """Where a declaration's KEYS/ARGV names disagree with what its body indexes: every KEYS[i]
-    and ARGV[i] of the body is a declared name and every declared name is used; the variadic rest
-    starts right after the fixed names (``unpack(ARGV, n)``, ``for i = n, #ARGV``)."""
-    body = script.source
+    """Where a script's ``-- KEYS:``/``-- ARGV:`` names and its body disagree: the body indexes a
+    bare ``KEYS[n]``/``ARGV[n]``, leaves a declared name unused, reads a name that is neither
+    declared, a local nor a Lua builtin, or reads the variadic rest (``name_at``, ``#ARGV``)
+    without declaring it."""
+    body = _code(script.body)
     problems = []
-    used_keys = {int(i) for i in re.findall(r"KEYS\[(\d+)\]", body)}
-    if used_keys != set(range(1, len(script.keys) + 1)):
-        problems.append(f"{script.name}: body uses KEYS {sorted(used_keys)}, declared {script.keys}")
-    fixed = [name for name in script.argv if not name.startswith("*")]
-    used_argv = {int(i) for i in re.findall(r"ARGV\[(\d+)\]", body)}
-    if used_argv != set(range(1, len(fixed) + 1)):
-        problems.append(f"{script.name}: body uses ARGV {sorted(used_argv)}, declared {script.argv}")
-    rest = {int(n) for n in re.findall(r"unpack\(ARGV, (\d+)\)|for i = (\d+), #ARGV", body) for n in n if n}
-    if len(fixed) < len(script.argv):
-        if rest != {len(fixed) + 1}:
-            problems.append(f"{script.name}: the rest {script.argv[-1]} is ARGV[{len(fixed) + 1}...], body reads {rest}")
-    elif rest or "#ARGV" in body:
-        problems.append(f"{script.name}: body reads a variadic ARGV rest, none declared")
+    if bare := re.findall(r"KEYS\[|ARGV\[\d", body):
+        problems.append(f"{script.name}: the body indexes {bare} instead of a declared name")
+    declared = {*script.keys, *(a for a in script.argv if not a.startswith("*"))}
+    rest = {f"{a[1:]}_at" for a in script.argv if a.startswith("*")}
+    used = set(re.findall(r"(?<![.:\w])([A-Za-z_]\w*)", re.sub(r"[{,]\s*\w+\s*=(?!=)", ",", body)))
+    if unused := (declared | rest) - used:
+        problems.append(f"{script.name}: declared and unused: {sorted(unused)}")
+    preludes = "".join(_code(text) for text in lua.PRELUDES.values())
+    shared = {n.strip() for names in re.findall(r"^local (?:function )?([\w, ]+)", preludes, re.M) for n in names.split(",")}
+    if unknown := used - declared - rest - _bound(body) - shared - _LUA_NAMES - {"ARGV"}:
+        problems.append(f"{script.name}: the body reads undeclared {sorted(unknown)}")
+    if "#ARGV" in body and not rest:
+        problems.append(f"{script.name}: the body reads a variadic ARGV rest, none declared")
     return problems
 
 
@@ -376,11 +398,20 @@ def test_every_declaration_matches_the_keys_and_argv_its_body_uses() -> None:
 
 
 def test_the_declaration_check_finds_a_wrong_declaration() -> None:
-    """The check above can fail: a key left out, an ARGV too many, a rest at the wrong index."""
+    """The check above can fail: a key left out, an ARGV too many, a rest renamed, a bare index."""
     assert _declaration_problems(dataclasses.replace(lua.PUBLISH, keys=lua.PUBLISH.keys[:3]))
     assert _declaration_problems(dataclasses.replace(lua.FORGET, argv=(*lua.FORGET.argv, "extra")))
     assert _declaration_problems(dataclasses.replace(lua.REQUEUE, argv=("dead_id", "tally", "*fields")))
     assert _declaration_problems(dataclasses.replace(lua.LEASE, argv=("token", "ttl_ms", "*more")))
+    assert _declaration_problems(dataclasses.replace(lua.RELEASE, body=lua.RELEASE.body.replace("token", "ARGV[1]")))
+
+
+def test_every_lua_file_is_a_declared_script() -> None:
+    """A script file nobody loads, or a prelude nobody uses, is found."""
+    files = {path.stem for path in lua.SCRIPTS_DIR.glob("*.lua")}
+    assert {name for name in files if not name.startswith("_")} == {s.name.lower() for s in lua.SCRIPTS}
+    used = {"helpers"} | {p for s in lua.SCRIPTS for p in re.findall(r"^-- uses:(.*)$", s.body, re.M) for p in p.split()}
+    assert {name[1:] for name in files if name.startswith("_")} == used == set(lua.PRELUDES)
 
 
 def test_every_script_is_declared_once_and_run_by_a_scripts_method() -> None:

@@ -1,5 +1,5 @@
 """The archive stream of one namespace: every group's fate, added by the scripts that decide it
-(:mod:`..lua`, ``_ARCHIVE``), read and confirmed by ``rollstream archive``. It has no consumer
+(``common/scripts/_archive.lua``), read and confirmed by ``rollstream archive``. It has no consumer
 group: the archiver's files hold its cursor, and a confirmed record is deleted."""
 
 from __future__ import annotations

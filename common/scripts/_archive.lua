@@ -1,0 +1,39 @@
+-- The archive of fates (DESIGN §4.19), used by the scripts that decide a fate: while the
+-- namespace's config has an ``archive_bytes`` budget, a copy of entry ``id`` of ``src`` goes to the
+-- archive stream with ``meta`` = {fate, reason, actor, step, position, kind, ts_ms} in front of
+-- its own fields, in the same step as the hand-over. The archive never refuses a hand-over: the
+-- oldest records are deleted (``archive_dropped``) until the new one fits; one larger than the
+-- whole budget is dropped itself. ``record_bytes`` is the record's size in the ledger.
+local function archive_fate(cfg, akey, state, src, id, meta)
+  local budget = num(redis.call('HGET', cfg, 'archive_bytes'))
+  if budget <= 0 then return end
+  local rows = redis.call('XRANGE', src, id, id)
+  if #rows == 0 then return end
+  local f = rows[1][2]
+  local size = 64
+  for i = 1, #f do size = size + #f[i] end
+  for i = 1, #meta do size = size + #meta[i] end
+  local held = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
+  local dropped = 0
+  while held > 0 and held + size > budget do
+    local first = redis.call('XRANGE', akey, '-', '+', 'COUNT', 1)
+    if #first == 0 then held = 0 break end
+    local ff, fb = first[1][2], 0
+    for i = 1, #ff - 1, 2 do if ff[i] == 'record_bytes' then fb = num(ff[i + 1]) break end end
+    redis.call('XDEL', akey, first[1][1])
+    held = math.max(0, held - fb)
+    dropped = dropped + 1
+  end
+  if size > budget then
+    dropped = dropped + 1
+  else
+    local version = redis.call('HGET', state, '$WEIGHT_VERSION') or '0'
+    redis.call('XADD', akey, '*', 'fate', meta[1], 'reason', meta[2], 'actor', meta[3], 'step', meta[4],
+      'position', meta[5], 'kind', meta[6], 'ts_ms', meta[7], 'trainer_version', version, 'entry_id', id,
+      'record_bytes', size, unpack(f))
+    held = held + size
+    incr(state, '$ARCHIVE_RECORDED', 1)
+  end
+  redis.call('HSET', state, '$ARCHIVE_BYTES', held)
+  if dropped > 0 then incr(state, '$ARCHIVE_DROPPED', dropped) end
+end

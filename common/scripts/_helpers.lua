@@ -1,0 +1,31 @@
+-- Every script starts with these helpers: a value read back from Redis is parsed defensively
+-- (``num``: not a number -> 0), and a counter holding garbage (``HSET state committed abc``) is
+-- reset before HINCRBY, which would otherwise fail the whole hand-over.
+local function isint(v) return type(v) == 'string' and string.match(v, '^%-?%d+$') ~= nil end
+local function num(v) if isint(v) then return tonumber(v) end return 0 end
+local function group_exists(stream, group)  -- XACK answers 0 for a missing group: raise NOGROUP instead
+  redis.call('XPENDING', stream, group)
+end
+local function incr(key, field, n)
+  local v = redis.call('HGET', key, field)
+  if v and not isint(v) then redis.call('HSET', key, field, 0) end
+  return redis.call('HINCRBY', key, field, n)
+end
+-- The byte budget's ledger: the size of every group entry's data (hash ``sizes``) and their sum
+-- in the state hash; ``forget`` removes one entry from both (never below zero).
+local function forget(sizes, state, id)
+  local b = num(redis.call('HGET', sizes, id))
+  if b > 0 then
+    redis.call('HDEL', sizes, id)
+    if incr(state, '$GROUP_BYTES', -b) < 0 then redis.call('HSET', state, '$GROUP_BYTES', 0) end
+  end
+  return b
+end
+-- An episode journal (durable episodes) leaves with its prompt: its bytes leave the state hash's
+-- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop.
+local function drop_journal(journal, state)
+  if journal == '' then return end
+  local b = num(redis.call('HGET', journal, 'bytes'))
+  redis.call('DEL', journal)
+  if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
+end

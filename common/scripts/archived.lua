@@ -1,0 +1,17 @@
+-- The archiver's confirmation: ``pairs`` are (archive id, record size) of records written to
+-- Parquet; each one still in the stream is deleted and leaves the ledger (one the budget dropped
+-- meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``.
+-- KEYS: archive state
+-- ARGV: cursor now_ms *pairs
+local gone, freed = 0, 0
+for i = pairs_at, #ARGV - 1, 2 do
+  if redis.call('XDEL', archive, ARGV[i]) == 1 then
+    gone = gone + 1
+    freed = freed + num(ARGV[i + 1])
+  end
+end
+if freed > 0 and incr(state, '$ARCHIVE_BYTES', -freed) < 0 then redis.call('HSET', state, '$ARCHIVE_BYTES', 0) end
+if gone > 0 then incr(state, '$ARCHIVED', gone) end
+if cursor ~= '' then redis.call('HSET', state, '$ARCHIVE_CURSOR', cursor) end
+redis.call('HSET', state, '$ARCHIVE_SEEN_MS', now_ms)
+return gone

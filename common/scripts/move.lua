@@ -1,0 +1,31 @@
+-- ``ledger``: '' = neither stream is the group stream, 's' = the source is, 'st' = both are.
+-- Acknowledges and deletes an entry of the source stream and adds a new entry to the target
+-- stream: a prompt recycled (groups -> retry), returned (prompts/retry -> retry), dead-lettered
+-- (any -> dead) or a group released (groups -> groups); a group leaving the stream leaves the
+-- byte ledger with it. ``fate`` ('recycled', 'dead_lettered' or '' = none) is archived first
+-- (``_archive.lua``), by ``actor`` from the ``kind`` of stream it left. ``drop`` '1': the prompt's
+-- episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
+-- keeps it for the producer that takes it over.
+-- KEYS: source target state group_bytes config archive journal sources
+-- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
+-- uses: archive
+if redis.call('XACK', source, group, entry_id) == 0 then
+  group_exists(source, group)
+  return false
+end
+if fate ~= '' then
+  archive_fate(config, archive, state, source, entry_id,
+    {fate, reason, actor, '', '', kind, now_ms})
+end
+redis.call('XDEL', source, entry_id)
+if drop == '1' then drop_journal(journal, state) end
+local b = 0
+if ledger ~= '' then b = forget(group_bytes, state, entry_id) end
+local id = redis.call('XADD', target, '*', unpack(ARGV, fields_at))
+if ledger == 'st' and b > 0 then
+  redis.call('HSET', group_bytes, id, b)
+  incr(state, '$GROUP_BYTES', b)
+end
+incr(state, counter, 1)
+if tally ~= '' then incr(sources, tally, 1) end
+return id

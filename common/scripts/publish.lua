@@ -1,0 +1,23 @@
+-- A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
+-- group's size goes into the byte ledger in the same step as the group, and the prompt's episode
+-- journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too.
+-- KEYS: source groups state group_bytes journal sources
+-- ARGV: group prompt_id now_ms data_bytes drop tally *fields
+if redis.call('XACK', source, group, prompt_id) == 0 then
+  group_exists(source, group)
+  incr(state, '$DUPLICATES', 1)
+  return false
+end
+redis.call('XDEL', source, prompt_id)
+if drop == '1' then drop_journal(journal, state) end
+local id = redis.call('XADD', groups, '*', unpack(ARGV, fields_at))
+incr(state, '$PUBLISHED', 1)
+if tally ~= '' then incr(sources, tally, 1) end
+local b = tonumber(data_bytes) or 0
+if b > 0 then
+  redis.call('HSET', group_bytes, id, b)
+  incr(state, '$GROUP_BYTES', b)
+  incr(state, '$PUBLISHED_BYTES', b)
+end
+redis.call('HSET', state, '$LAST_PUBLISH_MS', now_ms)
+return id
