@@ -16,6 +16,7 @@ from rollstream.common.connection import Outage
 from rollstream.common.errors import ConfigError
 from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompts, summarize
 from rollstream.common.events import now_ms
+from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 from rollstream.common.protocol import EvalLane
 
@@ -34,8 +35,9 @@ async def submit_eval(
     meta = {**settings.as_metadata(), "prompts": len(prompts), "submitted_step": step, "submitted_ms": now_ms()}
     if not await outage.run(lambda: lane.submit(name, meta, prompts)):
         raise ConfigError(f"an eval named {name!r} was already submitted to namespace {lane.keys.namespace!r}")
-    logger.info("consumer %s: eval %s submitted (%d prompts x %d samples) at step %d",
-                consumer, name, len(prompts), n_samples, step)
+    Prefixed(logger, "consumer", consumer).info(
+        "eval %s submitted (%d prompts x %d samples) at step %d", name, len(prompts), n_samples, step
+    )
     return name
 
 
@@ -73,7 +75,7 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
         ids = [eid for eid, _, _ in got]
         await _collect(lane, outage, eval_name, stored, consumer, ids)
         submitted[eval_name] = stored
-        logger.info("consumer %s: eval %s finished: %s", consumer, eval_name, json.dumps(result.as_json()))
+        Prefixed(logger, "consumer", consumer).info("eval %s finished: %s", eval_name, json.dumps(result.as_json()))
     finished = [EvalResult.from_json(meta["result"]) for meta in submitted.values() if "result" in meta]
     return sorted(finished, key=lambda r: r.submitted_ms)
 

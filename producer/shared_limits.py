@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollstream.common.connection import TRANSIENT_ERRORS
+from rollstream.common.logs import Prefixed
 from rollstream.common.protocol import NamespaceLimits
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class SharedLimits:
     def __init__(self, limits: NamespaceLimits, producer: str, lease_s: float) -> None:
         self.store = limits
         self.producer = producer
+        self.log = Prefixed(logger, "producer", producer)
         self.lease_ms = int(lease_s * 1000)
         self.sizes: dict[str, int] = {}
         self.rates: dict[str, float] = {}
@@ -51,8 +53,8 @@ class SharedLimits:
         a hash that is gone keeps the sizes last read."""
         sizes, rates = await self.store.sizes()
         if not sizes and not rates and (self.sizes or self.rates):
-            logger.warning("producer %s: the namespace limits hash is gone (Redis restarted?); keeping the "
-                           "last sizes read: %s", self.producer, {**self.sizes, **self.rates})
+            self.log.warning("the namespace limits hash is gone (Redis restarted?); keeping the last sizes read: %s",
+                             {**self.sizes, **self.rates})
             return
         self.sizes, self.rates = sizes, rates
 
@@ -125,8 +127,8 @@ class SharedLimits:
             lost = await self.store.renew(name, sorted(tokens), self.lease_ms)
             if lost:
                 self.lost += len(lost)
-                logger.warning("producer %s: %d unit(s) of limit %s lapsed past the %.0f s lease while held",
-                               self.producer, len(lost), name, self.lease_ms / 1000)
+                self.log.warning("%d unit(s) of limit %s lapsed past the %.0f s lease while held",
+                                 len(lost), name, self.lease_ms / 1000)
 
     def stats(self) -> dict[str, Any]:
         return {"held": sum(len(t) for t in self.held.values()), "waiting": self.waiting, "lost": self.lost}

@@ -593,5 +593,5 @@ class Producer:
         if work.prepared is not None:
             released = await work.prepared.release_unused()
             if released:
-                logger.debug("producer %s: released %d unused prepared resource(s) of prompt entry %s",
-                             self.name, released, work.prompt_id.decode())
+                self.log.debug("released %d unused prepared resource(s) of prompt entry %s",
+                               released, work.prompt_id.decode())
