@@ -33,6 +33,11 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
                    help="records per read and at most per file (default: %(default)s)")
     p.add_argument("--flush-seconds", type=float, default=5.0,
                    help="seconds within which records read are written (default: %(default)s)")
+    p.add_argument("--lease-seconds", type=float, default=15.0,
+                   help="one archiver per namespace: seconds its lease lasts, after which a killed "
+                        "archiver's lapses (default: %(default)s)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds to wait for another archiver's lease to go, then refuse (default: 0, refuse at once)")
     p.set_defaults(func=cmd_archive)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     v = actions.add_parser("view", parents=base, help="write one static HTML page to look at an archive's groups")
@@ -49,7 +54,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
         raise ConfigError("rollstream archive needs --ns NAME and --out DIR (or the action `view DIR`)")
     settings = ArchiveSettings(
         namespace=args.ns, out=Path(args.out), partition=args.partition, keep_arrays=args.keep_arrays,
-        batch=args.batch, flush_seconds=args.flush_seconds,
+        batch=args.batch, flush_seconds=args.flush_seconds, lease_seconds=args.lease_seconds,
+        wait_seconds=args.wait,
     )
     redis = connect(args.redis, name="rollstream-archiver")
     blocking = connect(args.redis, block_ms=1000, name="rollstream-archiver-read")

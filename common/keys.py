@@ -216,6 +216,11 @@ class Keys:
         return f"{self.base}:lease:{consumer}"
 
     @property
+    def archiver_lease(self) -> str:
+        """String with a TTL: the token of the one live ``rollstream archive`` of the namespace."""
+        return f"{self.base}:archiver"
+
+    @property
     def per_consumer_patterns(self) -> tuple[str, ...]:
         """SCAN MATCH patterns of the keys not fixed by name: per trainer consumer (journals, name
         leases), per prompt (episode journals) and per limit or rate (holders, waiters, buckets)."""
@@ -250,6 +255,7 @@ class Keys:
             self.eval_prompts,
             self.eval_groups,
             self.evals,
+            self.archiver_lease,
         ]
 
 

@@ -7,6 +7,10 @@ a killed archiver resumes after what it wrote and deletes, on start, the records
 not confirmed: nothing is written twice and nothing written is lost. It never slows training: the
 scripts that decide a fate drop the oldest records past the namespace's ``archive_bytes`` budget
 (``archive_dropped``), and this process warns when that count grows.
+
+One archiver per namespace: it holds a leased name in Redis (``Keys.archiver_lease``, renewed
+while it runs, deleted when it stops); a second one is refused, or waits with ``wait_seconds``
+for a killed holder's lease to lapse.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +35,19 @@ from rollstream.common.archive_schema import (
     write_part,
     written_cursor,
 )
-from rollstream.common.connection import Outage
+from rollstream.common.connection import TRANSIENT_ERRORS, Outage
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
-from rollstream.common.protocol import ArchiveStream
+from rollstream.common.protocol import ArchiveStream, NameLease
 
 logger = logging.getLogger(__name__)
 
 PARTITIONS = ("version", "hour")
 _BLOCK_MS = 1000
 _DROP_CHECK_S = 5.0
+_RELEASE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *TRANSIENT_ERRORS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +64,10 @@ class ArchiveSettings:
     """Records read per call, and the most written per file."""
     flush_seconds: float = 5.0
     """Records read are written within this long, however few."""
+    lease_seconds: float = 15.0
+    """The archiver's name lease: a killed archiver's lapses after this long."""
+    wait_seconds: float = 0.0
+    """How long to wait for another archiver's lease to go before refusing to start."""
 
     def __post_init__(self) -> None:
         if self.partition not in PARTITIONS:
@@ -64,6 +76,10 @@ class ArchiveSettings:
             raise ConfigError(f"batch must be a positive integer, got {self.batch!r}")
         if not self.flush_seconds > 0:
             raise ConfigError(f"flush_seconds must be positive, got {self.flush_seconds!r}")
+        if not self.lease_seconds >= 1:
+            raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds!r}")
+        if not self.wait_seconds >= 0:
+            raise ConfigError(f"wait_seconds must be >= 0, got {self.wait_seconds!r}")
 
 
 class Archiver:
@@ -81,13 +97,54 @@ class Archiver:
         self._stop = asyncio.Event()
         self._dropped: int | None = None
         self._dropped_checked = 0.0
+        token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+        self.lease = NameLease(redis, self.keys, "archiver", token, key=self.keys.archiver_lease)
+        self._renewed = 0.0
 
     def stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> int:
-        """Archive until stopped; the records written by this call."""
+        """Archive until stopped; the records written by this call. ``ConfigError`` when another
+        archiver holds the namespace (after ``wait_seconds``)."""
         pyarrow()  # the extra's absence is a ConfigError now, not after the first read
+        await self._take_lease()
+        try:
+            return await self._run()
+        finally:
+            try:
+                await asyncio.wait_for(self.lease.release(), 5)
+            except _RELEASE_ERRORS:  # the lease lapses by itself: say so and go
+                logger.warning("archiver (ns %s): could not release its lease; it lapses in %.0f s",
+                               self.keys.namespace, self.settings.lease_seconds, exc_info=True)
+
+    async def _take_lease(self) -> None:
+        deadline = time.monotonic() + self.settings.wait_seconds
+        while not await self._outage.run(functools.partial(self.lease.hold, self._ttl_ms)):
+            if time.monotonic() >= deadline:
+                holder = await self._outage.run(self.lease.holder)
+                raise ConfigError(
+                    f"another archiver holds namespace {self.keys.namespace!r} ({holder}): one archiver per "
+                    f"namespace (a killed one's lease lapses within {self.settings.lease_seconds:g} s; --wait)"
+                )
+            await asyncio.sleep(min(0.5, self.settings.lease_seconds / 4))
+        self._renewed = time.monotonic()
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.settings.lease_seconds * 1000)
+
+    async def _renew(self) -> None:
+        if time.monotonic() - self._renewed < self.settings.lease_seconds / 3:
+            return
+        if not await self._outage.run(functools.partial(self.lease.hold, self._ttl_ms)):
+            raise ConfigError(
+                f"archiver (ns {self.keys.namespace}): its lease lapsed and another archiver took the namespace "
+                "(this one stalled past --lease-seconds); stopping"
+            )
+        self._renewed = time.monotonic()
+
+    async def _run(self) -> int:
         config = await self._outage.run(lambda: load_config(self.redis, self.keys))
         if config.archive_bytes <= 0:
             raise ConfigError(
@@ -120,6 +177,7 @@ class Archiver:
             elif not buffer:
                 await self._outage.run(lambda: self.stream.confirm([], "", now_ms()))
             await self._check_drops()
+            await self._renew()
         if buffer:
             await self._flush(buffer)
         return self.written

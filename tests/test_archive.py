@@ -207,6 +207,10 @@ def test_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         ArchiveSettings(namespace="x", out=tmp_path, batch=0)
     with pytest.raises(ConfigError):
+        ArchiveSettings(namespace="x", out=tmp_path, lease_seconds=0.5)
+    with pytest.raises(ConfigError):
+        ArchiveSettings(namespace="x", out=tmp_path, wait_seconds=-1)
+    with pytest.raises(ConfigError):
         PipelineConfig(n_samples_per_prompt=1, batch_size=1, archive_bytes=-1)
 
 
@@ -235,7 +239,7 @@ async def test_pipeline_archive_exactly_once_across_sigkill(
     procs.producer(redis_url, ns, sim.url)
     out = tmp_path / "archive"
     archiver_args = ["archive", "--redis", redis_url, "--ns", ns, "--out", str(out), "--batch", "3",
-                     "--flush-seconds", "0.05", "--partition", "version"]
+                     "--flush-seconds", "0.05", "--partition", "version", "--lease-seconds", "2", "--wait", "30"]
     archiver = procs.start(*archiver_args, log_name="archiver")
     batches: list[list[int]] = []
     killed = False
@@ -302,3 +306,56 @@ def test_a_file_of_an_older_schema_stays_readable(tmp_path: Path) -> None:
     pq.write_table(newer, folder / part_name("6-0", "6-0"))
     with pytest.raises(ConfigError, match="newer"):
         read_table(tmp_path)
+
+
+async def _holder(redis: Redis, keys: Keys) -> str:
+    raw = await redis.get(keys.archiver_lease)
+    return "" if raw is None else raw.decode()
+
+
+async def test_one_archiver_per_namespace(redis: Redis, redis_url: str, ns: str, keys: Keys, tmp_path: Path) -> None:
+    """A second archiver on a namespace is refused while the first runs, and starts once it stopped."""
+    await make_namespace(redis, ns, archive_bytes=1_000_000)
+    blocking = connect(redis_url, block_ms=1000)
+    first = Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path / "a", lease_seconds=2))
+    task = asyncio.create_task(first.run())
+    try:
+        await wait_until(lambda: _holder_is(redis, keys, first.lease.token), message="the first archiver's lease")
+        second = Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path / "b", lease_seconds=2))
+        with pytest.raises(ConfigError, match="another archiver holds"):
+            await second.run()
+        assert await _holder(redis, keys) == first.lease.token
+    finally:
+        first.stop()
+        await task
+        await blocking.aclose()
+    assert await redis.get(keys.archiver_lease) is None  # released on stop, not left to lapse
+
+
+async def _holder_is(redis: Redis, keys: Keys, token: str) -> bool:
+    return await _holder(redis, keys) == token
+
+
+async def test_a_killed_archivers_lease_lapses(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, procs: ProcessPool, tmp_path: Path
+) -> None:
+    """Real processes: a second `rollstream archive` exits refused; after a SIGKILL of the first,
+    its lease lapses and a new one (with --wait) takes the namespace."""
+    await make_namespace(redis, ns, archive_bytes=1_000_000)
+    args = ["archive", "--redis", redis_url, "--ns", ns, "--out", str(tmp_path / "out"), "--lease-seconds", "2"]
+    first = procs.start(*args, log_name="archiver")
+    await wait_until(lambda: _held_by(redis, keys, first.pid), message="the first archiver's lease", timeout=60)
+    refused = procs.start(*args, log_name="refused")
+    code = await asyncio.wait_for(asyncio.to_thread(refused.wait), 60)
+    assert code != 0 and "another archiver holds" in procs.log_of(refused), procs.logs()
+    assert await _held_by(redis, keys, first.pid)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert await _held_by(redis, keys, first.pid)  # a killed holder's lease stays until it lapses
+    later = procs.start(*args, "--wait", "30", log_name="later")
+    await wait_until(lambda: _held_by(redis, keys, later.pid), message="the lapsed lease taken over", timeout=60)
+    assert later.poll() is None, procs.logs()
+
+
+async def _held_by(redis: Redis, keys: Keys, pid: int) -> bool:
+    return f" pid {pid} " in await _holder(redis, keys)

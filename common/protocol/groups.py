@@ -18,12 +18,16 @@ from .guard import Entry, Guarded, flat_entries
 
 class NameLease(Guarded):
     """A trainer consumer name held by one live process: its token in a key with a TTL, renewed
-    while it is connected and deleted on close (a crashed holder's lease just expires)."""
+    while it is connected and deleted on close (a crashed holder's lease just expires). ``key``
+    leases another name the same way (the namespace's one archiver)."""
 
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None,
+        key: str | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
-        self.key = keys.consumer_lease(consumer)
+        self.key = key if key is not None else keys.consumer_lease(consumer)
         self.token = token
         self.scripts = scripts if scripts is not None else Scripts(redis, keys)
 
