@@ -279,6 +279,46 @@ async def test_an_abort_mid_turn_is_continued_with_partial_rollout(sim: SimEngin
     assert rollout.runtime.aborts_continued == 1 and engine.state.stats()["aborted"] == 1
 
 
+async def test_an_abort_on_the_openai_api_continues_from_the_prompt_ids_the_engine_echoed() -> None:
+    """OpenAI API, a text prompt whose ids the producer does not know (no tokenizer, no
+    /tokenize): the aborted reply echoes the prompt ids (``return_token_ids``), so the session
+    continues the call as token input (prompt ids + its tokens) instead of aborting the episode;
+    the first tokens are the aborted call's own and the new version is read after the abort."""
+    slow = SimConfig(seed=4, mean_tokens=120, length_sigma=0.0, latency_per_token=0.01, accuracy=1.0)
+    async with SimEngine(slow) as engine, httpx.AsyncClient(base_url=engine.url) as http:
+        client = EngineClient(EngineSettings(urls=(engine.url,), api="openai", model="rollstream-sim",
+                                             max_new_tokens=200, max_retries=0, model_info_ttl=3600.0))
+
+        async def one_turn(episode: Episode) -> Sample:
+            await episode.generate()
+            return episode.sample
+
+        reward = PythonReward(lambda sample, prompt, label: 1.0, name="one")
+        settings = EpisodeSettings(generate=one_turn, tokenize_prompts=False)
+        try:
+            await client.check_versions()  # version 0, believed until an abort
+            rollout = Rollout(client, reward, 1, settings, partial_rollout=True, producer="p")
+            task = asyncio.create_task(rollout.run(Prompt(index=0, prompt="Compute 4 * 5."), admitted_version=0))
+            await wait_until(lambda: engine.state.running == 1, message="the call generating")
+            await asyncio.sleep(0.2)
+            await http.post("/pause_generation", json={"mode": "abort"})
+            await http.post("/update_weights_from_disk", json={"weight_version": "1"})
+            await http.post("/continue_generation", json={})
+            group = await asyncio.wait_for(task, 30)
+        finally:
+            await client.aclose()
+            await reward.aclose()
+    (sample,) = group.samples
+    assert sample.status == Status.COMPLETED and check_sample(sample) is None
+    assert list(sample.tokens[: sample.prompt_length]) == tokenize("Compute 4 * 5.")
+    (first,) = engine.state.aborted_outputs
+    spans = sample.weight_version_spans
+    assert spans is not None and [v for _, _, v in spans] == [0, 1] and spans[0][1] == len(first) > 0
+    assert sample.response_tokens.tolist()[: len(first)] == first
+    assert sample.response.count("The answer is") == 1  # continued, not restarted
+    assert rollout.runtime.aborts_continued == 1
+
+
 async def test_an_abort_without_partial_rollout_aborts_the_episode_whole(sim: SimEngine) -> None:
     slow = SimConfig(seed=4, mean_tokens=120, length_sigma=0.0, latency_per_token=0.01)
     caught: list[BaseException] = []
