@@ -203,7 +203,7 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
         ))
         await _wait_engine(engine_url)
         for partial in (False, True):
-            label = "partial" if partial else "defaults"
+            label = "partial-on (default)" if partial else "partial-off"
             results.append(await one_run(server.url, engine_url, partial=partial, prompts=prompts, label=label))
     return results
 
@@ -219,7 +219,7 @@ def plot(results: list[dict[str, Any]], path: Any) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     for r, color in zip(results, ("tab:blue", "tab:orange"), strict=False):
         rows = r["step_rows"]
-        name = "partial rollout" if r["partial"] else "defaults"
+        name = "partial rollout on (default)" if r["partial"] else "partial rollout off"
         steps = [x["step"] for x in rows]
         ax.plot(steps, [x["long_trained"] / x["trained"] for x in rows], color=color, label=f"trained, {name}")
         ax.plot(steps, [x["fed_long"] / x["fed"] for x in rows], color=color, linestyle="--", label=f"fed, {name}")
