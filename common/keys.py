@@ -100,6 +100,12 @@ class Keys:
         return f"{self.base}:rows"
 
     @property
+    def rows_restoring(self) -> str:
+        """Hash: a checkpoint's row statistics being written back (the integrations' load), renamed
+        onto :attr:`rows` once complete so a half-restored hash is never read."""
+        return f"{self.base}:rows_restoring"
+
+    @property
     def sources(self) -> str:
         """Hash: the named sources (``rollstream feed NAME=PATH``), fields ``SourceField.of(name,
         kind)`` = ``<name>:<kind>``: the feeder's cursor (``epoch``, ``position``, ``dataset``,

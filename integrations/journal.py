@@ -57,6 +57,7 @@ class Journal:
     consumer's own calls do: each is idempotent (reads, HSET of the same values, HDEL)."""
 
     def __init__(self, redis: Redis, namespace: str, consumer: str) -> None:
+        self.redis = redis
         self.hash = JournalHash(redis, Keys(namespace), consumer)
         self.key = self.hash.key
         self._outage = Outage(logger, f"journal {self.key}")

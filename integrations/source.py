@@ -111,11 +111,11 @@ class RollstreamDataSourceBase:
 
     def save(self, rollout_id: int) -> None:
         self.ensure_pipeline()
-        self.session.save(rollout_id)
+        self.session.save(rollout_id, getattr(self.args, "save", None))
 
     def load(self, rollout_id: int | None = None) -> None:
         self.ensure_pipeline()
-        self.session.load(rollout_id)
+        self.session.load(rollout_id, getattr(self.args, "load", None))
 
     def get_buffer_length(self) -> int:
         return 0

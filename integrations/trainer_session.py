@@ -36,6 +36,7 @@ from rollstream.consumer.options import NAME_LEASE_SECONDS, OnProducerFailure
 from .convert import Framework
 from .environment import ALLOW_JOURNAL_GAP, KEEP_CHECKPOINTS, KEEP_FILTER, Settings
 from .journal import Journal, JournalRecord, journal_key
+from .stats_checkpoint import load_stats, save_stats
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +130,15 @@ class RolloutSession:
         """
         return self.run(self._train_batch(rollout_id, n_samples, batch_size, weight_version, max_staleness))
 
-    def save(self, rollout_id: int) -> None:
-        self.run(self._save(rollout_id))
+    def save(self, rollout_id: int, checkpoint_dir: str | None = None) -> None:
+        """Checkpoint ``rollout_id`` written: trim the journal, and (with ``checkpoint_dir``, the
+        framework's ``--save``) write the row statistics and the mix's carry beside it."""
+        self.run(self._save(rollout_id, checkpoint_dir))
 
-    def load(self, rollout_id: int | None) -> None:
-        self.run(self._load(rollout_id))
+    def load(self, rollout_id: int | None, checkpoint_dir: str | None = None) -> None:
+        """Resuming from ``rollout_id``: check the journal, and (with ``checkpoint_dir``, the
+        framework's ``--load``) restore the statistics saved with that checkpoint."""
+        self.run(self._load(rollout_id, checkpoint_dir))
 
     def config(self) -> Any:
         """The namespace's PipelineConfig (connects on first use)."""
@@ -333,10 +338,12 @@ class RolloutSession:
         )
         return TrainBatch(groups=record.groups, metrics={**record.metrics, "replayed": 1.0}, replayed=True)
 
-    async def _save(self, rollout_id: int) -> None:
+    async def _save(self, rollout_id: int, checkpoint_dir: str | None = None) -> None:
         if self.settings.replay_archive:
             return  # nothing was taken from Redis
         _, journal = await self._ensure()
+        if checkpoint_dir:
+            await save_stats(journal.redis, self.settings.namespace, rollout_id, checkpoint_dir)
         meta = await journal.meta()
         meta.checkpoints = sorted({*meta.checkpoints, rollout_id})[-self.settings.keep_checkpoints :]
         oldest = meta.checkpoints[0]
@@ -348,7 +355,7 @@ class RolloutSession:
             rollout_id, oldest, dropped, meta.checkpoints,
         )
 
-    async def _load(self, rollout_id: int | None) -> None:
+    async def _load(self, rollout_id: int | None, checkpoint_dir: str | None = None) -> None:
         if self.settings.replay_archive:
             # rollouts count from 0, recorded steps from 1: resume after the checkpoint's rollout
             self.loaded_from = None if rollout_id is None or rollout_id < 0 else rollout_id
@@ -367,6 +374,8 @@ class RolloutSession:
                 )
             return
         self.loaded_from = rollout_id
+        if checkpoint_dir:
+            await load_stats(journal.redis, self.settings.namespace, rollout_id, checkpoint_dir)
         trimmed = meta.trimmed_through
         if trimmed is not None and trimmed > rollout_id:
             message = (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,3 +115,38 @@ class Sources(Guarded):
         if not fields:
             return []
         return list(await self.redis.hmget(self.keys.rows, list(fields)))
+
+    async def scan_rows(self, count: int = 1000) -> AsyncIterator[list[tuple[str, str]]]:
+        """Every row's statistics, in HSCAN chunks of about ``count`` (never the whole hash at once)."""
+        cursor = 0
+        while True:
+            cursor, chunk = await self.redis.hscan(self.keys.rows, cursor, count=count)
+            if chunk:
+                yield [(text(k), text(v)) for k, v in chunk.items()]
+            if int(cursor) == 0:
+                return
+
+    async def restore_rows(self, chunks: AsyncIterator[list[tuple[str, str]]] | Iterable[list[tuple[str, str]]]) -> int:
+        """Replace the rows' statistics by ``chunks`` (written aside, then RENAMEd over, so readers
+        see the old hash or the whole new one); returns how many rows were written."""
+        staging = self.keys.rows_restoring
+        await self.redis.delete(staging)
+        written = 0
+
+        async def put(chunk: list[tuple[str, str]]) -> None:
+            nonlocal written
+            if chunk:
+                await self.redis.hset(staging, mapping=dict(chunk))
+                written += len(chunk)
+
+        if isinstance(chunks, AsyncIterator):
+            async for chunk in chunks:
+                await put(chunk)
+        else:
+            for chunk in chunks:
+                await put(chunk)
+        if written:
+            await self.redis.rename(staging, self.keys.rows)
+        else:
+            await self.redis.delete(self.keys.rows)
+        return written
