@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .models import Group, Prompt
+from .models import Group, Prompt, Status
 
 EVAL_KEY = "rollstream_eval"
 """The prompt metadata key of an eval prompt: ``{"name", "n_samples", "max_new_tokens"}``."""
@@ -93,6 +93,11 @@ class EvalResult:
     finished_step: int = 0
     submitted_ms: int = 0
     finished_ms: int = 0
+    rewards: list[float] = field(default_factory=list)
+    """Every sample's reward (NaN: unscored), by prompt index then sample: what slime's and miles'
+    eval loggers read (``eval/NAME``, pass rates by group)."""
+    truncated: list[bool] = field(default_factory=list)
+    """Whether each sample hit its token limit, in the order of :attr:`rewards`."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +105,7 @@ class EvalResult:
             "versions": {str(k): v for k, v in self.versions.items()}, "lag_steps": self.lag_steps,
             "submitted_step": self.submitted_step, "finished_step": self.finished_step,
             "submitted_ms": self.submitted_ms, "finished_ms": self.finished_ms,
+            "rewards": self.rewards, "truncated": self.truncated,
         }
 
     @classmethod
@@ -111,6 +117,7 @@ class EvalResult:
             lag_steps=int(raw.get("lag_steps", 0)), submitted_step=int(raw.get("submitted_step", 0)),
             finished_step=int(raw.get("finished_step", 0)), submitted_ms=int(raw.get("submitted_ms", 0)),
             finished_ms=int(raw.get("finished_ms", 0)),
+            rewards=[float(r) for r in raw.get("rewards", [])], truncated=[bool(t) for t in raw.get("truncated", [])],
         )
 
 
@@ -124,6 +131,7 @@ def summarize(
     versions: Counter[int] = Counter(min(s.weight_versions) for s in samples if s.weight_versions)
     lengths = [s.response_length for s in samples]
     finished_step = max((step for _, step in groups), default=submitted_step)
+    ordered = [s for g, _ in sorted(groups, key=lambda item: item[0].index) for s in g.samples]
     metrics = {
         "reward_mean": sum(scored) / len(scored) if scored else math.nan,
         "pass_rate": sum(1 for r in scored if r > 0) / len(scored) if scored else math.nan,
@@ -133,5 +141,6 @@ def summarize(
     return EvalResult(
         name=name, prompts=len(groups), samples=len(samples), metrics=metrics, versions=dict(sorted(versions.items())),
         lag_steps=max(0, finished_step - submitted_step), submitted_step=submitted_step, finished_step=finished_step,
-        submitted_ms=submitted_ms, finished_ms=finished_ms,
+        submitted_ms=submitted_ms, finished_ms=finished_ms, rewards=[s.scalar_reward for s in ordered],
+        truncated=[s.status is Status.TRUNCATED for s in ordered],
     )

@@ -6,9 +6,11 @@ miles builds the class once with ``RolloutFnConstructorInput(args, data_source)`
 with ``RolloutFnTrainInput(rollout_id, weight_version)`` or ``RolloutFnEvalInput(...)``. Training
 calls record miles' own weight version as the trainer's (so rollstream's staleness filter and
 admission control see what miles sees) and return exactly ``args.rollout_batch_size`` groups;
-``--max-weight-staleness`` must equal the namespace's ``max_staleness``. Eval calls go to
-``ROLLSTREAM_EVAL_FUNCTION`` (default miles' stock ``InferenceRolloutFn``), built with the same
-constructor input; its result, coroutine or not, is returned as it is.
+``--max-weight-staleness`` must equal the namespace's ``max_staleness``. Eval calls with eval
+datasets (``--eval-prompt-data`` / ``--eval-config``) go through rollstream's eval lane and return
+at once (:mod:`rollstream.integrations.eval_lane`); with ``ROLLSTREAM_EVAL_FUNCTION`` set, or no
+eval dataset, they go to that function (default miles' stock ``InferenceRolloutFn``), built with
+the same constructor input; its result, coroutine or not, is returned as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_object
 
 from .convert import MILES, Framework, to_framework
+from .eval_lane import lane_eval
 from .source import RollstreamDataSourceBase, prefixed
 
 DEFAULT_EVAL_FUNCTION = "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"
@@ -69,6 +72,9 @@ class RollstreamRolloutFn:
         return MILES.train_output(samples, prefixed(batch.metrics))
 
     def _evaluate(self, input: Any) -> Any:
+        if (lane := lane_eval(self.source, self.args, input.rollout_id, missing_reward=None)) is not None:
+            data, metrics = lane
+            return MILES.eval_output_class()(data=data, metrics=metrics)
         if self._eval_fn is None:
             path = self.source.settings.eval_function or DEFAULT_EVAL_FUNCTION
             target: Any = import_object(path, "ROLLSTREAM_EVAL_FUNCTION", dotted=True)

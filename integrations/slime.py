@@ -3,9 +3,11 @@
 
 ``generate_rollout(args, rollout_id, data_source, evaluation=False)`` returns exactly
 ``args.rollout_batch_size`` groups of slime ``Sample`` objects taken from rollstream, with
-rollstream's batch metrics under ``rollout/rollstream/...``; with ``evaluation=True`` it calls
-the eval function named by ``ROLLSTREAM_EVAL_FUNCTION`` (default slime's stock
-``slime.rollout.sglang_rollout.generate_rollout``), so ``--eval-interval`` keeps working.
+rollstream's batch metrics under ``rollout/rollstream/...``. With ``evaluation=True`` and eval
+datasets (``--eval-prompt-data`` / ``--eval-config``) it goes through rollstream's eval lane and
+returns at once (:mod:`rollstream.integrations.eval_lane`: metrics arrive at a later call); with
+``ROLLSTREAM_EVAL_FUNCTION`` set, or no eval dataset, it calls that function (default slime's stock
+``slime.rollout.sglang_rollout.generate_rollout``), which blocks while it generates.
 
 The weight version: slime never tells the rollout function its version. Before each take this
 module asks the engines (``ROLLSTREAM_ENGINE_URL``, default slime's router at
@@ -21,6 +23,7 @@ When no engine answers, it falls back to counting updates:
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, ClassVar
 
 from rollstream.common.errors import ConfigError
@@ -29,6 +32,7 @@ from rollstream.common.versions import version_of
 from rollstream.producer.engine.discovery import engine_version
 
 from .convert import SLIME, Framework, to_framework
+from .eval_lane import lane_eval
 from .source import RollstreamDataSourceBase, prefixed
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,11 @@ def trainer_version(args: Any, source: RollstreamDataSourceBase, rollout_id: int
 
 
 def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
+    if isinstance(data_source, RollstreamDataSourceBase) and (
+        lane := lane_eval(data_source, args, rollout_id, missing_reward=math.nan)
+    ) is not None:
+        data, metrics = lane
+        return SLIME.eval_output_class()(data=data, metrics=metrics)
     path = DEFAULT_EVAL_FUNCTION
     if isinstance(data_source, RollstreamDataSourceBase) and data_source.settings.eval_function:
         path = data_source.settings.eval_function

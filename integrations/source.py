@@ -43,6 +43,8 @@ class RollstreamDataSourceBase:
             self.settings, self.framework, extra_metrics=extra, health=health,
             on_producer_failure="warn" if supervised else "raise",
         )
+        self.lane_evals: Any = None
+        """The run's eval calls through the eval lane (:mod:`rollstream.integrations.eval_lane`), once asked."""
         self.first_rollout_id: int | None = None
         """The first rollout id this process generated (slime's fallback weight version)."""
 

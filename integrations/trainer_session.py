@@ -130,6 +130,16 @@ class RolloutSession:
         """
         return self.run(self._train_batch(rollout_id, n_samples, batch_size, weight_version, max_staleness))
 
+    def eval_step(self, lane: Any, rollout_id: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        """The framework's eval call through the eval lane (:class:`~.eval_lane.LaneEvals`): submits
+        and returns at once, with the evals finished since the last call."""
+        return self.run(self._eval_step(lane, rollout_id))
+
+    async def _eval_step(self, lane: Any, rollout_id: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        consumer, _ = await self._ensure()
+        result: tuple[dict[str, dict[str, Any]], dict[str, float]] = await lane.step(consumer, rollout_id)
+        return result
+
     def save(self, rollout_id: int, checkpoint_dir: str | None = None) -> None:
         """Checkpoint ``rollout_id`` written: trim the journal, and (with ``checkpoint_dir``, the
         framework's ``--save``) write the row statistics and the mix's carry beside it."""

@@ -49,6 +49,11 @@ def add_miles_rollout_arguments(parser):
     # eval
     parser.add_argument("--eval-function-path", type=str, default=None)
     parser.add_argument("--eval-interval", type=int, default=None)
+    parser.add_argument("--eval-prompt-data", type=str, default=None, nargs="+")
+    parser.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    parser.add_argument("--eval-temperature", type=float, default=None)
+    parser.add_argument("--eval-top-p", type=float, default=None)
+    parser.add_argument("--eval-max-response-len", type=int, default=None)
     # reward model
     parser.add_argument("--rm-type", type=str, default=None)
     parser.add_argument("--reward-key", type=str, default=None)

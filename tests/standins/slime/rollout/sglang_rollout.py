@@ -1,10 +1,15 @@
 """Stand-in for slime.rollout.sglang_rollout: ``GenerateState`` (the singleton a custom generate
 function reads the tokenizer from), the stock single-turn ``generate`` (text-only path: no
-multimodal inputs, routing replay or tracing), and the stock eval path, which records its calls."""
+multimodal inputs, routing replay or tracing), and the stock eval path, which records its calls:
+with ``--eval-prompt-data`` it generates and scores every eval prompt while the caller waits (as
+``eval_rollout`` does, one dataset after another, text-only), else it returns fixed data."""
 
 import asyncio
+import json
 from argparse import Namespace
 from typing import Any
+
+import httpx
 
 from slime.rollout.base_types import RolloutFnEvalOutput
 from slime.utils.http_utils import get_rollout_num_engines, post
@@ -88,10 +93,45 @@ async def generate(args: Namespace, sample: Sample, sampling_params: dict[str, A
     return sample
 
 
+async def eval_rollout_single_dataset(args, rollout_id, name, rows):
+    """slime's stock eval of one dataset, text-only: every prompt ``n_samples_per_eval_prompt`` times
+    on the router with the eval sampling, scored by ``rm_hub.async_rm``, the trainer waiting."""
+    from slime.rollout.rm_hub import async_rm
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    params = dict(
+        temperature=args.eval_temperature if args.eval_temperature is not None else args.rollout_temperature,
+        top_p=args.eval_top_p if args.eval_top_p is not None else args.rollout_top_p,
+        max_new_tokens=args.eval_max_response_len or args.rollout_max_response_len,
+    )
+    data = []
+    for i, row in enumerate(rows):
+        for j in range(args.n_samples_per_eval_prompt):
+            sample = Sample(index=i * args.n_samples_per_eval_prompt + j, prompt=row[args.input_key],
+                            label=row.get(args.label_key) if args.label_key else None)
+            async with httpx.AsyncClient(timeout=60) as client:
+                reply = (await client.post(url, json={"text": sample.prompt, "sampling_params": dict(params)})).json()
+            sample.response = reply["text"]
+            finish = reply["meta_info"]["finish_reason"]["type"]
+            sample.status = Sample.Status.TRUNCATED if finish == "length" else Sample.Status.COMPLETED
+            sample.reward = await async_rm(args, sample)
+            data.append(sample)
+    return {name: {"rewards": [s.reward for s in data], "truncated": [s.status == Sample.Status.TRUNCATED
+                                                                        for s in data], "samples": data}}
+
+
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     assert args.rollout_global_dataset
     if not evaluation:
         raise NotImplementedError("the stand-in serves evaluation only")
     EVAL_CALLS.append((rollout_id, evaluation))
+    if getattr(args, "eval_prompt_data", None):
+        values = list(args.eval_prompt_data)
+        data = {}
+        for i in range(0, len(values), 2):
+            with open(values[i + 1], encoding="utf-8") as handle:
+                rows = [json.loads(line) for line in handle if line.strip()]
+            data |= asyncio.run(eval_rollout_single_dataset(args, rollout_id, values[i], rows))
+        return RolloutFnEvalOutput(data=data)
     data = {"standin_eval": {"rewards": [1.0, 0.0], "truncated": [False, True], "samples": []}}
     return RolloutFnEvalOutput(data=data, metrics={"eval/standin": float(rollout_id)})
