@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -149,3 +150,17 @@ def test_eval_datasets_from_flags(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="without"):
         eval_datasets(slime_args(eval_prompt_data=["a@b", str(path)]))
     assert split_name("arith@12") == ("arith", 12) and split_name("arith") is None
+
+
+def test_eval_datasets_from_resolved_configs(tmp_path: Path) -> None:
+    """slime and miles resolve ``--eval-prompt-data`` / ``--eval-config`` into ``args.eval_datasets``
+    (``EvalDatasetConfig``: per-dataset keys and sampling, None where the run's flag applies)."""
+    path = tmp_path / "e.jsonl"
+    path.write_text(json.dumps({"q": "Compute 3 + 3.", "a": "6", "meta": {"k": 1}}) + "\n")
+    cfg = SimpleNamespace(name="aime", path=str(path), n_samples_per_eval_prompt=4, max_response_len=None,
+                          input_key="q", label_key="a", metadata_key="meta", tool_key=None, apply_chat_template=True)
+    args = slime_args(eval_datasets=[cfg], eval_max_response_len=48, eval_prompt_data=["ignored", "x"])
+    [dataset] = eval_datasets(args)
+    assert (dataset.name, dataset.n_samples, dataset.max_new_tokens) == ("aime", 4, 48)
+    [item] = read_items(dataset)
+    assert item == {"prompt": [{"role": "user", "content": "Compute 3 + 3."}], "label": "6", "metadata": {"k": 1}}
