@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
+from rollstream.common.heartbeat import COUNTER, TEXT, TIME, Stat, stats
 from rollstream.common.imports import require_extra
 from rollstream.common.keys import Keys
 from rollstream.ops import DEFAULT_STALL_AFTER, DEFAULT_STUCK_AFTER, snapshot
@@ -72,6 +73,32 @@ def _age(seconds: float | None) -> str:
 
 def _secs(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _stat_cell(s: Stat, value: Any, now_ms: int) -> str:
+    if s.kind == TIME:
+        return _age((now_ms - value) / 1000 if value else None)
+    if isinstance(value, list):
+        return ", ".join(str(v.get("url", v)) if isinstance(v, dict) else str(v) for v in value)[:60]
+    if s.kind == TEXT:
+        return str(value).splitlines()[0][:60] if value else ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _stats_table(snap: dict[str, Any], plain: bool) -> Table | None:
+    """Every declared producer stat (:func:`rollstream.common.heartbeat.stats`) that a live
+    producer reports as other than zero or empty: each producer's value, and a counter's total."""
+    live = [row for row in snap["producers"] if row["alive"]]
+    table = _table("producer stats (live producers, non-zero)", plain, "stat", "total", "by producer", "meaning")
+    for s in stats():
+        values = [(row["name"], row.get(s.name)) for row in live]
+        if not any(v for _, v in values):
+            continue
+        total = _stat_cell(s, sum(v for _, v in values), 0) if s.kind == COUNTER else "-"
+        by = " ".join(f"{name}={_stat_cell(s, v, snap['generated_ms'])}" for name, v in values)
+        unit = f" ({s.unit})" if s.unit and s.kind != TIME else ""
+        table.add_row(s.name + unit, total, by, s.meaning[:80])
+    return table if table.row_count else None
 
 
 def _table(title: str, plain: bool, *columns: str) -> Table:
@@ -165,6 +192,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             str(row.get("weight_versions_from") or "-"), _age(row.get("heartbeat_age_s")),
         )
     parts.append(producers)
+    if (stat_rows := _stats_table(snap, plain)) is not None:
+        parts.append(stat_rows)
 
     engines = _table(
         "engines (per producer)", plain, "producer", "engine", "state", "in flight", "limit", "kv", "version",

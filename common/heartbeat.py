@@ -2,8 +2,10 @@
 the one liveness rule and the one fold of a fleet's heartbeats (:func:`fold`). Pure: no Redis
 here (:mod:`.protocol.heartbeats` writes and reads it).
 
-A new field is one edit: a typed field of :class:`Heartbeat` (``int``, ``float``, ``str`` or
-``list[str]``); parsing, the damage check and JSON follow from the dataclass.
+A new field is one declaration: a typed field of :class:`Heartbeat` (``int``, ``float``, ``str`` or
+``list[str]``) made with :func:`stat` (its meaning, unit and kind). Parsing, the damage check and
+JSON follow from the dataclass; the Prometheus series (``producer/metrics.py``), ``inspect``'s rows
+and ``--json`` (``ops/snapshot.py``, ``cli/inspect.py``) from :func:`stats`.
 """
 
 from __future__ import annotations
@@ -31,73 +33,108 @@ def _heartbeat_object(raw: bytes | str) -> dict[str, Any]:
     return obj
 
 
+COUNTER = "counter"
+"""Grows over the producer's life (Prometheus counter)."""
+GAUGE = "gauge"
+"""A value now (Prometheus gauge)."""
+SETTING = "setting"
+"""The producer's configuration (a Prometheus gauge)."""
+TIME = "time"
+"""A moment, epoch milliseconds (a Prometheus gauge; ``inspect`` shows its age)."""
+TEXT = "text"
+"""A word or a line (a label of the ``rollstream_producer_info`` series)."""
+DETAIL = "detail"
+"""A list (``inspect`` shows it; Prometheus has the per-engine series instead)."""
+NUMERIC = (COUNTER, GAUGE, SETTING, TIME)
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """One producer statistic: what it means, its unit and its kind (:data:`COUNTER`, :data:`GAUGE`,
+    ...). The heartbeat, the Prometheus series, ``inspect``'s rows and its ``--json`` follow from it."""
+
+    name: str
+    meaning: str
+    unit: str
+    kind: str
+
+    @property
+    def metric(self) -> str:
+        """Its Prometheus series (``_total`` added to a counter by the client)."""
+        return f"rollstream_producer_{self.name}"
+
+
+def stat(default: Any, meaning: str, *, kind: str = GAUGE, unit: str = "") -> Any:
+    """A :class:`Heartbeat` field with its declaration (a mutable default is given as its factory)."""
+    metadata = {"stat": (meaning, unit, kind)}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(slots=True)
 class Heartbeat:
-    """What a producer reports every ``heartbeat_interval`` in the ``producers`` hash (JSON)."""
+    """One producer's stats: what it reports every ``heartbeat_interval`` in the ``producers`` hash
+    (JSON), its Prometheus series and its ``inspect`` row. Each field is declared once
+    (:func:`stat`); :func:`stats` lists them."""
 
-    host: str = ""
-    pid: int = 0
-    state: str = "unknown"
-    in_flight_samples: int = 0
-    in_flight_prompts: int = 0
-    concurrency: int = 0
-    published: int = 0
-    groups_last_minute: int = 0
-    duplicates: int = 0
-    reclaimed: int = 0
-    engine_retries: int = 0
-    engines: list[str] = field(default_factory=list)
-    started_ms: int = 0
-    last_seen_ms: int = 0
-    admission: str = ""
-    """The last ADMIT refusal (``paused``, ``backlog``, ``staleness``) while it lasts, else ``""``
-    (admitting, or waiting for prompts: ``empty``)."""
-    admission_since_ms: int = 0
-    """When the refusal in ``admission`` began."""
-    long_requests: int = 0
-    """Samples whose engine request has been in flight longer than ``long_request_s``."""
-    oldest_request_s: float = 0.0
-    """Age of the oldest engine request in flight (0 when none)."""
-    long_request_s: float = 0.0
-    """The producer's threshold for ``long_requests`` (``--long-request-after``)."""
-    episodes: int = 0
-    """Episodes running now (inside the generate function), engine call or tool time."""
-    episodes_peak: int = 0
-    engine_requests: int = 0
-    """Engine requests in flight now: tool time holds none (``--engine-concurrency`` caps it)."""
-    engine_requests_peak: int = 0
-    episodes_failed: int = 0
-    """Episodes whose generate function raised, timed out or returned an invalid result."""
-    aborts_continued: int = 0
-    """Aborted engine calls continued inside their episode (partial rollout on)."""
-    journal_steps: int = 0
-    """Durable episodes: steps this producer journaled."""
-    replayed_steps: int = 0
-    """Steps answered from a journal (no engine call or ``once`` function made again)."""
-    episodes_resumed: int = 0
-    """Episodes started with a journal (taken over from a killed or drained producer)."""
-    resume_diverged: int = 0
-    """Of those, the ones whose replay met a different step and went on live."""
-    loop_stalls: int = 0
-    """Stalls of the producer's event loop over ``loop_stall_after_s`` (user code that blocked it:
-    a synchronous tool, a heavy reward), since it started (:mod:`.watchdog`)."""
-    loop_stall_s: float = 0.0
-    """Seconds the loop stood still in those stalls, in all."""
-    loop_stall_longest_s: float = 0.0
-    loop_stall_where: str = ""
-    """The longest stall: its length, the task that ran and the code that held the loop."""
-    loop_lag_max_s: float = 0.0
-    """The loop's largest lag since the previous heartbeat."""
-    loop_stall_after_s: float = 0.0
-    """The producer's stall threshold (``--loop-stall-after``; default a fifth of the lease, at most 5 s)."""
-    weight_versions_from: str = ""
-    """Where its samples' weight versions come from: ``engine replies`` (SGLang ``meta_info``, vLLM
-    spans), an endpoint it asks (``GET /weight_info``, ``GET /model_info``), or ``trainer at
-    admission`` when its engines report none (``producer/engine/discovery.py``)."""
-    engine_fleet: list[dict[str, Any]] = field(default_factory=list)
-    """Each engine's ``url``, ``state`` (joining, healthy, suspect, ejected, wedged, behind, draining),
-    ``reason``, ``in_flight``, ``version``, ``errors``, ``replies``, ``tokens``, ``since_s`` and,
-    where the engine reports it, ``prefix_hit_rate`` (``producer/engine/fleet.py``)."""
+    host: str = stat("", "the producer's host name", kind=TEXT)
+    pid: int = stat(0, "the producer's process id", kind=TEXT)
+    state: str = stat("unknown", "starting, running, draining, stopped or failed", kind=TEXT)
+    in_flight_samples: int = stat(0, "samples admitted and not yet published", unit="samples")
+    in_flight_prompts: int = stat(0, "prompts admitted and not yet published", unit="prompts")
+    concurrency: int = stat(0, "the producer's prompt concurrency (--concurrency)", kind=SETTING, unit="prompts")
+    published: int = stat(0, "groups this producer published", kind=COUNTER, unit="groups")
+    groups_last_minute: int = stat(0, "groups published in the last minute", unit="groups")
+    duplicates: int = stat(0, "groups not published because another producer had published the prompt",
+                           kind=COUNTER, unit="groups")
+    reclaimed: int = stat(0, "prompts taken over from a dead producer's leases", kind=COUNTER, unit="prompts")
+    engine_retries: int = stat(0, "engine requests retried", kind=COUNTER, unit="requests")
+    engines: list[str] = stat(list, "the engine URLs, without credentials", kind=DETAIL)  # noqa: RUF009 (a field)
+    started_ms: int = stat(0, "when the producer started", kind=TIME, unit="ms")
+    last_seen_ms: int = stat(0, "when this heartbeat was written", kind=TIME, unit="ms")
+    admission: str = stat("", "the last ADMIT refusal (paused, backlog, staleness) while it lasts, else empty "
+                              "(admitting, or waiting for prompts)", kind=TEXT)
+    admission_since_ms: int = stat(0, "when the refusal in admission began", kind=TIME, unit="ms")
+    long_requests: int = stat(0, "samples whose engine request has been in flight longer than long_request_s",
+                              unit="samples")
+    oldest_request_s: float = stat(0.0, "age of the oldest engine request in flight (0 when none)", unit="s")
+    long_request_s: float = stat(0.0, "the threshold of long_requests (--long-request-after)", kind=SETTING,
+                                 unit="s")
+    episodes: int = stat(0, "episodes running now (inside the generate function), engine call or tool time",
+                         unit="episodes")
+    episodes_peak: int = stat(0, "the most episodes running at once", unit="episodes")
+    engine_requests: int = stat(0, "engine requests in flight now; tool time holds none "
+                                   "(--engine-concurrency caps it)", unit="requests")
+    engine_requests_peak: int = stat(0, "the most engine requests in flight at once", unit="requests")
+    episodes_failed: int = stat(0, "episodes whose generate function raised, timed out or returned an invalid "
+                                   "result", kind=COUNTER, unit="episodes")
+    aborts_continued: int = stat(0, "aborted engine calls continued inside their episode (partial rollout on)",
+                                 kind=COUNTER, unit="calls")
+    journal_steps: int = stat(0, "durable episodes: steps this producer journaled", kind=COUNTER, unit="steps")
+    replayed_steps: int = stat(0, "steps answered from a journal (no engine call or once function made again)",
+                               kind=COUNTER, unit="steps")
+    episodes_resumed: int = stat(0, "episodes started with a journal (taken over from a killed or drained "
+                                    "producer)", kind=COUNTER, unit="episodes")
+    resume_diverged: int = stat(0, "of those, the ones whose replay met a different step and went on live",
+                                kind=COUNTER, unit="episodes")
+    loop_stalls: int = stat(0, "stalls of the event loop over loop_stall_after_s (user code that blocked it: a "
+                               "synchronous tool, a heavy reward)", kind=COUNTER, unit="stalls")
+    loop_stall_s: float = stat(0.0, "seconds the loop stood still in those stalls, in all", kind=COUNTER,
+                               unit="s")
+    loop_stall_longest_s: float = stat(0.0, "the longest stall", unit="s")
+    loop_stall_where: str = stat("", "the longest stall: its length, the task that ran and the code that held "
+                                     "the loop", kind=TEXT)
+    loop_lag_max_s: float = stat(0.0, "the loop's largest lag since the previous heartbeat", unit="s")
+    loop_stall_after_s: float = stat(0.0, "the stall threshold (--loop-stall-after; default a fifth of the "
+                                          "lease, at most 5 s)", kind=SETTING, unit="s")
+    weight_versions_from: str = stat("", "where its samples' weight versions come from: engine replies, an "
+                                         "endpoint it asks (GET /weight_info, GET /model_info), or trainer at "
+                                         "admission (producer/engine/discovery.py)", kind=TEXT)
+    engine_fleet: list[dict[str, Any]] = stat(  # noqa: RUF009 (a field with a factory)
+        list, "each engine's url, state (joining, healthy, suspect, ejected, wedged, behind, draining), reason, "
+              "in_flight, version, errors, replies, tokens, since_s and, where the engine reports it, "
+              "prefix_hit_rate (producer/engine/fleet.py)", kind=DETAIL)
 
     def troubled_engines(self) -> list[dict[str, Any]]:
         """The engines not healthy (for ``inspect`` and ``take()``'s waiting warning)."""
@@ -164,6 +201,17 @@ def _field_kinds(cls: type[Heartbeat]) -> dict[str, type]:
 
 
 _field_kinds(Heartbeat)
+
+
+def stats(cls: type[Heartbeat] = Heartbeat) -> tuple[Stat, ...]:
+    """The declared stats, in field order (a field declared without :func:`stat`, as in a test's
+    subclass, is a gauge or text with no meaning)."""
+    out = []
+    for f in fields(cls):
+        kind = {"str": TEXT, "int": GAUGE, "float": GAUGE}.get(str(f.type), DETAIL)
+        meaning, unit, kind = f.metadata.get("stat", ("", "", kind))
+        out.append(Stat(f.name, meaning, unit, kind))
+    return tuple(out)
 
 
 def _fits(kind: type, value: object) -> bool:

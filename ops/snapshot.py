@@ -124,42 +124,15 @@ def _producer_rows(fleet: Fleet, pending: dict[str, int], now: int) -> list[dict
                          "raw": _text(member.raw)[:200], "damage": member.error})
             continue
         status = beat.state if (member.fresh or beat.state not in ALIVE_STATES) else "dead"
-        rows.append(
-            {
-                "name": name,
-                "host": beat.host,
-                "pid": beat.pid,
-                "state": beat.state,
-                "status": status,
-                "alive": alive,
-                "in_flight_samples": beat.in_flight_samples,
-                "in_flight_prompts": beat.in_flight_prompts,
-                "concurrency": beat.concurrency,
-                "leases_held": pending.get(name, 0),
-                "published": beat.published,
-                "groups_last_minute": beat.groups_last_minute,
-                "engine_retries": beat.engine_retries,
-                "long_requests": beat.long_requests,
-                "oldest_request_s": beat.oldest_request_s,
-                "long_request_s": beat.long_request_s,
-                "episodes": beat.episodes,
-                "engine_requests": beat.engine_requests,
-                "episodes_peak": beat.episodes_peak,
-                "engine_requests_peak": beat.engine_requests_peak,
-                "episodes_failed": beat.episodes_failed,
-                "aborts_continued": beat.aborts_continued,
-                "engine_fleet": beat.engine_fleet,
-                "loop_stalls": beat.loop_stalls,
-                "loop_stall_s": beat.loop_stall_s,
-                "loop_stall_longest_s": beat.loop_stall_longest_s,
-                "loop_stall_where": beat.loop_stall_where,
-                "weight_versions_from": beat.weight_versions_from,
-                "last_seen_ms": beat.last_seen_ms,
-                "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
-                "admission": beat.admission,
-                "admission_refused_for_s": _age_s(now, beat.admission_since_ms) if beat.admission else None,
-            }
-        )
+        rows.append({
+            "name": name,
+            "status": status,
+            "alive": alive,
+            **dataclasses.asdict(beat),  # every declared stat (common/heartbeat.py), under its own name
+            "leases_held": pending.get(name, 0),
+            "heartbeat_age_s": _age_s(now, beat.last_seen_ms),
+            "admission_refused_for_s": _age_s(now, beat.admission_since_ms) if beat.admission else None,
+        })
     rows.sort(key=lambda r: (not r["alive"], r["name"]))
     return rows
 

@@ -6,16 +6,19 @@ Each producer has its own registry, so several producers in one process (tests) 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from aiohttp import web
 from rollstream.common.bias import KINDS, ledger
 from rollstream.common.errors import ExtraNotInstalled
+from rollstream.common.heartbeat import COUNTER, NUMERIC, TEXT, Heartbeat, Stat, stats
 from rollstream.common.models import Group
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+    from prometheus_client.registry import Collector
 except ImportError as exc:  # a light install: only producers serving metrics need it
     raise ExtraNotInstalled("prometheus_client", "metrics", "Prometheus metrics (--metrics-port)") from exc
 
@@ -23,6 +26,43 @@ from .engine import EngineClient
 from .telemetry import Metrics
 
 logger = logging.getLogger(__name__)
+
+
+def _help(s: Stat) -> str:
+    return f"{s.meaning} ({s.unit})" if s.unit else s.meaning
+
+
+class StatsCollector(Collector):
+    """The producer's declared stats (:func:`rollstream.common.heartbeat.stats`), one series each,
+    read from the producer at each scrape: ``rollstream_producer_<field>`` for a number (a counter
+    or a gauge as declared), the text ones as labels of ``rollstream_producer_info``."""
+
+    def __init__(self, read: Callable[[], Heartbeat] | None, labels: Mapping[str, str]) -> None:
+        self._read = read
+        self._labels = dict(labels)
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._read() if self._read is not None else None)
+
+    def _families(self, beat: Heartbeat | None) -> Iterator[Metric]:
+        names, values = list(self._labels), list(self._labels.values())
+        declared = stats(type(beat) if beat is not None else Heartbeat)
+        for s in declared:
+            if s.kind in NUMERIC:
+                family = (CounterMetricFamily if s.kind == COUNTER else GaugeMetricFamily)(
+                    s.metric, _help(s), labels=names)
+                if beat is not None:
+                    family.add_metric(values, float(getattr(beat, s.name)))
+                yield family
+        texts = [s for s in declared if s.kind == TEXT]
+        info = InfoMetricFamily("rollstream_producer", "The producer's text stats: "
+                                + "; ".join(f"{s.name}: {s.meaning}" for s in texts), labels=names)
+        if beat is not None:
+            info.add_metric(values, {s.name: str(getattr(beat, s.name)) for s in texts})
+        yield info
 
 
 class ProducerMetrics(Metrics):
@@ -120,6 +160,9 @@ class ProducerMetrics(Metrics):
         self._engine: EngineClient | None = None
         self._seen_retries = 0
         self._seen_errors: dict[str, int] = {}
+
+    def watch(self, stats: Callable[[], Heartbeat]) -> None:
+        self.registry.register(StatsCollector(stats, self._labels))
 
     def attach(self, engine: EngineClient) -> None:
         self._engine = engine

@@ -59,16 +59,23 @@ class Pulse:
         return len(self._publish_times)
 
     def assemble(self) -> tuple[Heartbeat, int]:
-        """The heartbeat as of now, and the milliseconds admission was blocked since the last one."""
-        p = self.producer
+        """The heartbeat as of now, and the milliseconds admission was blocked since the last one
+        (the loop's largest lag starts over)."""
         if self._blocked_since is not None:
             now = time.monotonic()
             self._blocked_total += now - self._blocked_since
             self._blocked_since = now
         blocked_ms = int((self._blocked_total - self._blocked_reported) * 1000)
+        return self.stats(take_lag=True), blocked_ms
+
+    def stats(self, *, take_lag: bool = False) -> Heartbeat:
+        """The producer's stats as of now (what the heartbeat carries, and what a scrape of its
+        Prometheus series reads); nothing starts over unless ``take_lag``."""
+        p = self.producer
         runtime, watchdog, engine = p.rollout.runtime, p.watchdog, p.engine
         long_requests, oldest_request = p.rollout.requests_older_than(p.settings.long_request_after)
-        beat = Heartbeat(
+        lag = watchdog.take_max_lag() if take_lag else watchdog.max_lag
+        return Heartbeat(
             host=socket.gethostname(),
             pid=os.getpid(),
             state=p._state,
@@ -103,11 +110,10 @@ class Pulse:
             loop_stall_s=round(watchdog.stall_seconds, 2),
             loop_stall_longest_s=watchdog.longest.seconds if watchdog.longest else 0.0,
             loop_stall_where=watchdog.longest.describe() if watchdog.longest else "",
-            loop_lag_max_s=round(watchdog.take_max_lag(), 3),
+            loop_lag_max_s=round(lag, 3),
             loop_stall_after_s=watchdog.threshold,
             weight_versions_from=engine.versions_from,
         )
-        return beat, blocked_ms
 
     async def write(self) -> None:
         """Write one heartbeat (the blocked time it carries counted as reported once written)."""

@@ -6,8 +6,9 @@ same calls to Prometheus. The producer and the rollout always hold one (never ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from rollstream.common.heartbeat import Heartbeat
 from rollstream.common.models import Group
 
 
@@ -40,6 +41,10 @@ class Metrics:
 
     def loop_stalled(self, seconds: float) -> None:
         """The event loop stood still ``seconds``, over the stall threshold (a stall ended)."""
+
+    def watch(self, stats: Callable[[], Heartbeat]) -> None:
+        """The producer's stats (each :class:`~rollstream.common.heartbeat.Heartbeat` field), read
+        when they are wanted: at each scrape."""
 
     wants_bias = False
     """Whether :meth:`bias` is wanted: the producer then reads the namespace's bias ledger every

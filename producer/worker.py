@@ -159,6 +159,7 @@ class Producer:
         self.returned = 0
         self.reclaimer = Reclaimer(self)
         self.pulse = Pulse(self)
+        self.metrics.watch(self.pulse.stats)
         self.watchdog = LoopWatchdog(
             f"producer {self.name}",
             settings.loop_stall_after or default_stall_after(config.lease_seconds),

@@ -16,6 +16,8 @@ UNLABELLED = (
     "rollstream_groups_published",
     "rollstream_engine_retries",
     "rollstream_admission_blocked_seconds",
+    "rollstream_producer_published",  # a declared stat (tests/test_stats.py: all of them)
+    "rollstream_producer_info",
 )
 """Served from the first scrape; the by-kind/by-reason counters appear with their first sample."""
 
@@ -62,6 +64,8 @@ async def test_metrics_endpoint_serves_the_listed_metrics_and_they_move(redis_ur
 
     after = await wait_until(lambda: published(4), timeout=20, message=f"4 groups in the metrics\n{procs.logs()}")
     assert after["rollstream_groups_published_total{}"] == 4
+    assert after["rollstream_producer_published_total{}"] == 4  # the producer's own stats, read at the scrape
+    assert after["rollstream_producer_concurrency{}"] > 0
     assert after["rollstream_generation_seconds_count{}"] >= 8  # 4 prompts x n=2 requests
     assert after["rollstream_tokens_generated_total{}"] > 0
     assert after["rollstream_generation_seconds_bucket{le=+Inf}"] == after["rollstream_generation_seconds_count{}"]
