@@ -8,7 +8,7 @@ calls record miles' own weight version as the trainer's (so rollstream's stalene
 admission control see what miles sees) and return exactly ``args.rollout_batch_size`` groups;
 ``--max-weight-staleness`` must equal the namespace's ``max_staleness``. Eval calls with eval
 datasets (``--eval-prompt-data`` / ``--eval-config``) go through rollstream's eval lane and return
-at once (:mod:`rollstream.integrations.eval_lane`); with ``ROLLSTREAM_EVAL_FUNCTION`` set, or no
+at once (:mod:`rollstream.integrations.eval_calls`); with ``ROLLSTREAM_EVAL_FUNCTION`` set, or no
 eval dataset, they go to that function (default miles' stock ``InferenceRolloutFn``), built with
 the same constructor input; its result, coroutine or not, is returned as it is.
 """
@@ -22,7 +22,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_object
 
 from .convert import MILES, Framework, to_framework
-from .eval_lane import lane_eval
+from .eval_calls import lane_eval
 from .source import RollstreamDataSourceBase, prefixed
 
 DEFAULT_EVAL_FUNCTION = "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"

@@ -5,7 +5,7 @@
 ``args.rollout_batch_size`` groups of slime ``Sample`` objects taken from rollstream, with
 rollstream's batch metrics under ``rollout/rollstream/...``. With ``evaluation=True`` and eval
 datasets (``--eval-prompt-data`` / ``--eval-config``) it goes through rollstream's eval lane and
-returns at once (:mod:`rollstream.integrations.eval_lane`: metrics arrive at a later call); with
+returns at once (:mod:`rollstream.integrations.eval_calls`: metrics arrive at a later call); with
 ``ROLLSTREAM_EVAL_FUNCTION`` set, or no eval dataset, it calls that function (default slime's stock
 ``slime.rollout.sglang_rollout.generate_rollout``), which blocks while it generates.
 
@@ -32,7 +32,7 @@ from rollstream.common.versions import version_of
 from rollstream.producer.engine.discovery import engine_version
 
 from .convert import SLIME, Framework, to_framework
-from .eval_lane import lane_eval
+from .eval_calls import lane_eval
 from .source import RollstreamDataSourceBase, prefixed
 
 logger = logging.getLogger(__name__)

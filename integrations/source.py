@@ -44,7 +44,7 @@ class RollstreamDataSourceBase:
             on_producer_failure="warn" if supervised else "raise",
         )
         self.lane_evals: Any = None
-        """The run's eval calls through the eval lane (:mod:`rollstream.integrations.eval_lane`), once asked."""
+        """The run's eval calls through the eval lane (:mod:`rollstream.integrations.eval_calls`), once asked."""
         self.first_rollout_id: int | None = None
         """The first rollout id this process generated (slime's fallback weight version)."""
 

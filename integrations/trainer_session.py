@@ -131,7 +131,7 @@ class RolloutSession:
         return self.run(self._train_batch(rollout_id, n_samples, batch_size, weight_version, max_staleness))
 
     def eval_step(self, lane: Any, rollout_id: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-        """The framework's eval call through the eval lane (:class:`~.eval_lane.LaneEvals`): submits
+        """The framework's eval call through the eval lane (:class:`~.eval_calls.LaneEvals`): submits
         and returns at once, with the evals finished since the last call."""
         return self.run(self._eval_step(lane, rollout_id))
 

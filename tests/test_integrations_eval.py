@@ -21,7 +21,7 @@ from integration_helpers import miles_args, set_env, slime_args
 from redis.asyncio import Redis
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
-from rollstream.integrations.eval_lane import eval_datasets, read_items, split_name
+from rollstream.integrations.eval_calls import eval_datasets, read_items, split_name
 from rollstream.testing.sim import SimConfig, SimEngine
 
 EVAL_PROMPTS = 5
