@@ -52,6 +52,9 @@ def to_sample(index: int, prompt_ids: array[int] | None, generation: Generation,
     elif spans:
         metadata["weight_version_source"] = "engine_spans"
         versions = list(dict.fromkeys(v for v, _, _ in spans))  # each version once, in order
+    elif generation.weight_version_before is not None:  # moved while it ran, nothing says where
+        versions = [generation.weight_version_before, generation.weight_version]
+        metadata["weight_version_split"] = "unknown"
     else:
         versions = [generation.weight_version]
     token_spans = None

@@ -699,7 +699,8 @@ class EpisodeSession(Episode):
         params = runtime.sampling_dict(sampling)
         generation = await self._request(source, max_new, params)
         self.last_generations = [generation]
-        if generation.finish_reason != "abort" and not generation.weight_version_spans:
+        if (generation.finish_reason != "abort" and not generation.weight_version_spans
+                and generation.weight_version_before is None):
             # One request, not aborted (the common case): its arrays become the turn's as they are.
             return self._one_request(generation), generation.prompt_ids
         ids = array("i")
@@ -722,6 +723,10 @@ class EpisodeSession(Episode):
             if engine_spans and generation.weight_version is not None:
                 spans.extend((len(ids) + start, len(ids) + end, v) for v, start, end in engine_spans)
                 versions.extend(dict.fromkeys(v for v, _, _ in engine_spans))
+            elif generation.weight_version_before is not None:  # moved while it ran, nothing says where
+                spans.append((len(ids), len(ids) + len(generation.output_ids), generation.weight_version_before))
+                versions.extend((generation.weight_version_before, version))
+                self.last_call_metadata["weight_version_split"] = "unknown"
             else:
                 spans.append((len(ids), len(ids) + len(generation.output_ids), version))
                 versions.append(version)

@@ -152,6 +152,8 @@ class Producer:
         self._fatal_tb = ""
         self._state = "starting"
         self._outage = Outage(logger, f"producer {self.name}")
+        self._admitted_version: int | None = None
+        """The trainer's version at the last admission (a change is a weight update's news)."""
         self._started = time.time()
         self.published = 0
         self.duplicates = 0
@@ -337,6 +339,10 @@ class Producer:
             with self._claiming():
                 admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
                 version = admission.weight_version
+                if version is not None and version != self._admitted_version:
+                    if self._admitted_version is not None:  # the trainer moved: engines are read again
+                        self.engine.versions_moved()
+                    self._admitted_version = version
                 if self.config.max_staleness is not None and version is not None:  # a refusal has none
                     self.engine.set_trainer_version(version, self.config.max_staleness)
                 for item in admission.entries:
@@ -580,6 +586,9 @@ class Producer:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is not None:
                     self.log.debug("control message %r", message.get("data"))
+                    data = message.get("data")
+                    if isinstance(data, bytes) and data.startswith((b"pause", b"resume", b"version")):
+                        self.engine.versions_moved()  # re-read before anything is sent (issue 43)
                     self._wake.set()
                     changed, self._control_changed = self._control_changed, asyncio.Event()
                     changed.set()

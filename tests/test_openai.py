@@ -276,3 +276,58 @@ async def test_an_engine_with_no_version_anywhere_is_named_once_at_start(
 async def _beat_with(redis: Redis, ns: str, name: str, field: str) -> dict[str, object] | None:
     beat = await _heartbeat(redis, ns, name)
     return beat if beat.get(field) else None
+
+
+async def test_a_resume_re_reads_the_version_before_anything_is_sent(
+    redis_url: str, redis: Redis, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """Issue 43: behind the OpenAI API the version comes from ``GET /weight_info``, cached; after a
+    live update the producer labelled new samples with the cached old version. The resume (the
+    control channel) now has every engine read again before a request is sent: with a cache
+    believed for 60 s, every sample of the prompts fed after the resume says version 1."""
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    await _faults(sim, model_info="vllm")
+    producer = procs.producer(redis_url, ns, sim.url, *OPENAI, "--model-info-ttl", "60", name="resumed")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer, httpx.AsyncClient() as http:
+        await consumer.set_weight_version(0)
+        await add_prompts(redis, ns, 4)
+        before = [await asyncio.wait_for(consumer.take(2), 120) for _ in range(2)]
+        for batch in before:
+            await consumer.commit(batch)
+        await consumer.pause()
+        (await http.post(f"{sim.url}/update_weight_version", json={"new_version": 1})).raise_for_status()
+        await consumer.resume(1)
+        await add_prompts(redis, ns, 4, start=4)
+        after = [await asyncio.wait_for(consumer.take(2), 120) for _ in range(2)]
+        for batch in after:
+            await consumer.commit(batch)
+    assert {v for b in before for g in b.groups for s in g.samples for v in s.weight_versions} == {0}
+    labels = [s.weight_versions for b in after for g in b.groups for s in g.samples]
+    assert labels == [[1]] * 8, (labels, procs.log_of(producer))
+
+
+async def test_a_version_that_moves_while_a_request_runs_is_recorded_both_ways() -> None:
+    """A reply sent before a version read that changed the version is checked against a read
+    after it: the versions differ and nothing says where the change fell, so the sample records
+    both, oldest first, and says the split is unknown."""
+    from rollstream.producer.engine import EngineClient, EngineSettings
+    from rollstream.producer.outcomes import to_sample
+
+    slow = SimConfig(seed=5, latency_per_token=0.01, mean_tokens=200, length_sigma=0.0)
+    async with SimEngine(slow) as sim, httpx.AsyncClient() as http:
+        await _faults(sim, model_info="vllm")
+        settings = EngineSettings(urls=(sim.url,), api="openai", model="rollstream-sim", max_new_tokens=400,
+                                  model_info_ttl=60.0)
+        async with EngineClient(settings) as client:
+            assert (await client.generate(text="Compute 1 + 2.")).weight_version == 0
+            running = asyncio.create_task(client.generate(text="Compute 2 + 2."))
+            await wait_until(lambda: sim.state.requests >= 2, message="the request running")
+            assert not running.done()
+            (await http.post(f"{sim.url}/update_weight_version", json={"new_version": 1})).raise_for_status()
+            client.versions_moved()  # the pipeline's news: every engine read again, after the send
+            generation = await asyncio.wait_for(running, 60)
+            assert (generation.weight_version_before, generation.weight_version) == (0, 1)
+            sample = to_sample(0, None, generation, admitted_version=0)
+            assert sample.weight_versions == [0, 1] and sample.metadata["weight_version_split"] == "unknown"
+            assert sample.oldest_version == 0  # staleness counts from the oldest, as before
+            assert (await client.generate(text="Compute 3 + 2.")).weight_version == 1

@@ -103,6 +103,10 @@ def _logprobs(model: Any, sample: Sample) -> list[float]:
 
 
 def _spans(sample: Sample) -> list[tuple[int, int, int]]:
+    """Each version's tokens; a sample whose split is unknown (the OpenAI API: the version moved
+    while it ran) has none to check."""
+    if sample.metadata.get("weight_version_split") == "unknown":
+        return []
     spans = sample.metadata.get("weight_version_spans")
     if spans:
         return [(int(v), int(s), int(e)) for v, s, e in spans]
@@ -113,7 +117,7 @@ def _spans(sample: Sample) -> list[tuple[int, int, int]]:
 def _check_sample(served: Served, sample: Sample, versions: tuple[int, ...]) -> None:
     """Each span's tokens match its version's weights within TOLERANCE, and no other version's."""
     assert sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length
-    assert sample.metadata.get("weight_version_source") == "engine_spans", sample.metadata
+    assert sample.metadata.get("weight_version_source", "engine_spans") == "engine_spans", sample.metadata
     rollout = list(sample.rollout_log_probs)
     recomputed = {v: _logprobs(served.models[v], sample) for v in versions}
     for version, start, end in _spans(sample):
@@ -144,25 +148,32 @@ async def _take_all(consumer: GroupConsumer, count: int, batch: int) -> list[Any
     return groups
 
 
-def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, count: int) -> list[Any]:
+def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, count: int, api: str = "vllm") -> list[Any]:
+    model = ("--model", str(served.weights[0])) if api == "openai" else ()
     return [
-        procs.producer(redis_url, ns, served.url, "--engine-api", "vllm", "--tokenizer", str(served.weights[0]),
+        procs.producer(redis_url, ns, served.url, "--engine-api", api, *model, "--tokenizer", str(served.weights[0]),
                        "--max-new-tokens", "400", "--log-level", "INFO", name=f"vllm-{i}", concurrency=16,
                        reward=REWARD)
         for i in range(count)
     ]
 
 
+@pytest.mark.parametrize("api", ["vllm", "openai"])
 async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_update(
-    served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool
+    served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool, api: str
 ) -> None:
+    """On the native API every reply carries its versions; on the OpenAI API none does, and the
+    label comes from ``GET /weight_info`` read again on the resume before anything is sent (issue
+    43: 24 of 64 samples after the update were labelled 0, cached for 5 s). Either way, no sample
+    generated on the new weights is labelled old: each single-version label is checked against
+    both weights' log-probs."""
     prompts = 64
     await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=4, max_backlog=64)
     records = addition_prompts(prompts, seed=3)
     await _add(redis, ns, records)
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await sync.set_version(0, rollstream=consumer)
-        _producers(procs, redis_url, ns, served, 2)
+        _producers(procs, redis_url, ns, served, 2, api)
         first = await asyncio.wait_for(consumer.take(4), 240)
         await consumer.commit(first)
         # the untrained model runs every sample to 400 tokens: with prompts still waiting, the
@@ -176,16 +187,23 @@ async def test_producers_on_real_vllm_logprobs_match_transformers_across_a_live_
 
     assert sorted(g.index for g in groups) == list(range(prompts)), "every prompt committed exactly once"
     assert state_int(state, "duplicates_discarded") == 0 and state_int(state, "dead_lettered") == 0
-    assert state_int(state, "recycled_aborted") >= 1, f"nothing was in flight at the update ({report}): {state}"
+    recycled = state_int(state, "recycled_aborted") + state_int(state, "recycled_weight_update")  # issue 38's count
+    assert recycled >= 1, f"nothing was in flight at the update ({report}): {state}"
     by_version: dict[int, int] = {0: 0, 1: 0}
+    unknown = 0
     for group in groups:
         prompt_ids = served.tokenizer.encode(group.prompt)
         for sample in group.samples:
             assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.error
             assert list(sample.tokens[: sample.prompt_length]) == prompt_ids
+            if sample.metadata.get("weight_version_split") == "unknown":  # OpenAI: read before and after differ
+                assert api == "openai" and sample.weight_versions == [0, 1], sample.metadata
+                unknown += 1
+                continue
             assert len(sample.weight_versions) == 1, "mode abort: no sample spans the update"
             by_version[sample.weight_versions[0]] += 1
-            _check_sample(served, sample, (0, 1))
+            _check_sample(served, sample, (0, 1))  # a sample on v1 labelled 0 fails here
+    assert unknown <= 2 * 16, unknown  # at most the requests in flight across the update
     assert by_version[0] > 0 and by_version[1] > 0, by_version
     assert all(s.weight_versions == [0] for s in first.groups[0].samples)
 

@@ -221,6 +221,12 @@ class EngineClient:
         next finished reply reads the version again, whatever was cached in between."""
         self._said_no_version: set[str] = set()
         """Engines named in the no-version warning (once each)."""
+        self._versions_read = asyncio.Event()
+        self._versions_read.set()
+        """Cleared from a weight update's news (:meth:`versions_moved`) until every engine's
+        version was read again: no request is sent meanwhile, so none is labelled from before it."""
+        self._versions_moved_again = False
+        self._versions_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -230,7 +236,8 @@ class EngineClient:
 
     async def aclose(self) -> None:
         monitor, self._monitor = self._monitor, None
-        tasks = [*self._catch_ups.values(), *self._probes.values(), *([monitor] if monitor is not None else [])]
+        tasks = [*self._catch_ups.values(), *self._probes.values(), *([monitor] if monitor is not None else []),
+                 *([self._versions_task] if self._versions_task is not None else [])]
         self._catch_ups.clear()
         self._probes.clear()
         for task in tasks:
@@ -344,6 +351,8 @@ class EngineClient:
         task = asyncio.current_task()
         if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
             self._ensure_monitor()
+        if not self._versions_read.is_set():
+            await self._versions_read.wait()  # bounded: each read by model_info_timeout
         attempt = 0
         while True:
             engine = await self._routed(key, weight)
@@ -488,6 +497,10 @@ class EngineClient:
         encoded = dialect.encode(request, settings)
         limit = self.reply_limit(request.max_new_tokens, encoded.weight, encoded.prompt_tokens, encoded.prompt_copies,
                                  replay_prompt_tokens=encoded.replay_prompt_tokens)
+        if not self._versions_read.is_set():
+            await self._versions_read.wait()
+        sent = time.monotonic()
+        before = {url: e.version for url, e in self.fleet.engines.items()}
         try:
             engine, raw = await self.request(encoded.path, encoded.body, encoded.weight, limit=limit, key=request.key)
             with self.blame(engine):
@@ -518,10 +531,11 @@ class EngineClient:
                     if not aborted and engine.url in self._reread_version:
                         engine.version_checked = -float("inf")
                         self._reread_version.discard(engine.url)
-                    asked, missing = await self.weight_version(engine), True
+                    earlier, asked = await self._version_for_reply(engine, sent, before.get(engine.url), aborted)
+                    missing = True
                     if asked is None:
                         self._say_no_version([engine.url])
-                generation.weight_version = asked
+                generation.weight_version_before, generation.weight_version = earlier, asked
         if missing and aborted:
             self._reread_version.add(engine.url)
         self._versions_from[engine.url] = (
@@ -618,6 +632,66 @@ class EngineClient:
         elif version is not None:
             self._version_paths[engine.url] = path
             self.fleet.version_seen(engine, version)
+
+    async def _version_for_reply(
+        self, engine: Engine, sent: float, before: int | None, aborted: bool = False
+    ) -> tuple[int | None, int | None]:
+        """``(earlier, version)`` of a reply that carried no version. ``before`` is the engine's
+        version as known when the request was sent (a weight update's news has every engine read
+        again before any request is sent). While no read started since it was sent (the cache is
+        fresh), that stands; when one did, the weights may have moved while it ran, and a read
+        after the reply decides: the same version, or both (``earlier`` the older: nothing says
+        where the change fell). An aborted reply's tokens came before the pause that aborted it:
+        the version before stands."""
+        replied = time.monotonic()
+        if aborted and before is not None:
+            return None, before
+        if before is None or not engine.has_model_info:
+            return None, await self.weight_version(engine)
+        if engine.version_checked < sent:
+            await self.weight_version(engine)  # read only when the cache is past model_info_ttl
+            if engine.version_checked < sent:
+                return None, before
+        after = await self._read_version_after(engine, replied)
+        if after is None or after == before:
+            return None, before
+        return min(before, after), max(before, after)
+
+    async def _read_version_after(self, engine: Engine, moment: float) -> int | None:
+        """The engine's version from a read started at or after ``moment`` (reads in flight are shared)."""
+        for _ in range(2):
+            reading = self._version_reads.get(engine.url)
+            if reading is not None:
+                await asyncio.shield(reading)
+            if engine.version_checked >= moment:
+                return engine.version
+            if reading is None:
+                engine.version_checked = -float("inf")
+                return await self.weight_version(engine)
+        return engine.version
+
+    def versions_moved(self) -> None:
+        """News of a weight update (a pause, a resume, a new trainer version): every engine's
+        version is read again before any request is sent."""
+        if not self._versions_read.is_set():
+            self._versions_moved_again = True
+            return
+        self._versions_read.clear()
+        self._versions_moved_again = False
+        self._versions_task = asyncio.create_task(self._read_all_versions(), name="versions-moved")
+
+    async def _read_all_versions(self) -> None:
+        try:
+            while True:
+                engines = [e for e in self.fleet.engines.values() if e.has_model_info]
+                for engine in engines:
+                    engine.version_checked = -float("inf")
+                await asyncio.gather(*(self.weight_version(e) for e in engines), return_exceptions=True)
+                if not self._versions_moved_again:
+                    break
+                self._versions_moved_again = False
+        finally:
+            self._versions_read.set()
 
     @property
     def versions_from(self) -> str:

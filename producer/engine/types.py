@@ -46,6 +46,10 @@ class Generation:
     weight_version_spans: list[tuple[int, int, int]] | None = None
     """``(version, start, end)`` over the output tokens, from the engine (vLLM API); None when it
     did not say or a version is not an integer. ``weight_version`` is then the last span's version."""
+    weight_version_before: int | None = None
+    """Set when the reply carried no version and the engine's version read before the request
+    differs from the one read after it: the weights changed while it ran and nothing says where
+    (``weight_version`` is the one after; the sample records both, oldest first)."""
     routed_experts: Packed | None = None
     """The routing replay of the request's whole sequence (input + output - 1 rows) after
     ``routed_experts_start`` rows, when asked for (``EngineSettings.routed_experts``)."""
