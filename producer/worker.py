@@ -588,7 +588,8 @@ class Producer:
                     self.log.debug("control message %r", message.get("data"))
                     data = message.get("data")
                     if isinstance(data, bytes) and data.startswith((b"pause", b"resume", b"version")):
-                        self.engine.versions_moved()  # re-read before anything is sent (issue 43)
+                        # no request goes out while paused; on the resume every engine is read first
+                        self.engine.versions_moved(paused=data.startswith(b"pause"))
                     self._wake.set()
                     changed, self._control_changed = self._control_changed, asyncio.Event()
                     changed.set()

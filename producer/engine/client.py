@@ -226,6 +226,9 @@ class EngineClient:
         """Cleared from a weight update's news (:meth:`versions_moved`) until every engine's
         version was read again: no request is sent meanwhile, so none is labelled from before it."""
         self._versions_moved_again = False
+        self._versions_paused = False
+        self._news_at = -float("inf")
+        """When the last news of a weight update came: a reply to a request sent before it is checked."""
         self._versions_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> EngineClient:
@@ -638,8 +641,8 @@ class EngineClient:
     ) -> tuple[int | None, int | None]:
         """``(earlier, version)`` of a reply that carried no version. ``before`` is the engine's
         version as known when the request was sent (a weight update's news has every engine read
-        again before any request is sent). While no read started since it was sent (the cache is
-        fresh), that stands; when one did, the weights may have moved while it ran, and a read
+        again before any request is sent). While no read started and no news came since it was
+        sent (the cache is fresh), that stands; else the weights may have moved while it ran, and a read
         after the reply decides: the same version, or both (``earlier`` the older: nothing says
         where the change fell). An aborted reply's tokens came before the pause that aborted it:
         the version before stands."""
@@ -648,7 +651,7 @@ class EngineClient:
             return None, before
         if before is None or not engine.has_model_info:
             return None, await self.weight_version(engine)
-        if engine.version_checked < sent:
+        if engine.version_checked < sent and self._news_at < sent:
             await self.weight_version(engine)  # read only when the cache is past model_info_ttl
             if engine.version_checked < sent:
                 return None, before
@@ -670,13 +673,18 @@ class EngineClient:
                 return await self.weight_version(engine)
         return engine.version
 
-    def versions_moved(self) -> None:
-        """News of a weight update (a pause, a resume, a new trainer version): every engine's
-        version is read again before any request is sent."""
-        if not self._versions_read.is_set():
+    def versions_moved(self, *, paused: bool = False) -> None:
+        """News of a weight update: a pause (``paused``: while it lasts the versions cannot be
+        known, so no request is sent), a resume or a new trainer version (every engine's version
+        is read again, then requests go out)."""
+        self._news_at = time.monotonic()
+        self._versions_read.clear()
+        self._versions_paused = paused
+        if paused:
+            return
+        if self._versions_task is not None and not self._versions_task.done():
             self._versions_moved_again = True
             return
-        self._versions_read.clear()
         self._versions_moved_again = False
         self._versions_task = asyncio.create_task(self._read_all_versions(), name="versions-moved")
 
@@ -691,7 +699,8 @@ class EngineClient:
                     break
                 self._versions_moved_again = False
         finally:
-            self._versions_read.set()
+            if not self._versions_paused:
+                self._versions_read.set()
 
     @property
     def versions_from(self) -> str:
