@@ -98,6 +98,9 @@ class EvalResult:
     eval loggers read (``eval/NAME``, pass rates by group)."""
     truncated: list[bool] = field(default_factory=list)
     """Whether each sample hit its token limit, in the order of :attr:`rewards`."""
+    groups: list[Group] = field(default_factory=list, compare=False, repr=False)
+    """The eval's groups by prompt index, only on the result returned by the call that finished
+    it (they are archived and deleted then; never stored with the result)."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -131,7 +134,7 @@ def summarize(
     versions: Counter[int] = Counter(min(s.weight_versions) for s in samples if s.weight_versions)
     lengths = [s.response_length for s in samples]
     finished_step = max((step for _, step in groups), default=submitted_step)
-    ordered = [s for g, _ in sorted(groups, key=lambda item: item[0].index) for s in g.samples]
+    ordered = [s for g in sorted((g for g, _ in groups), key=by_index) for s in g.samples]
     metrics = {
         "reward_mean": sum(scored) / len(scored) if scored else math.nan,
         "pass_rate": sum(1 for r in scored if r > 0) / len(scored) if scored else math.nan,
@@ -142,5 +145,9 @@ def summarize(
         name=name, prompts=len(groups), samples=len(samples), metrics=metrics, versions=dict(sorted(versions.items())),
         lag_steps=max(0, finished_step - submitted_step), submitted_step=submitted_step, finished_step=finished_step,
         submitted_ms=submitted_ms, finished_ms=finished_ms, rewards=[s.scalar_reward for s in ordered],
-        truncated=[s.status is Status.TRUNCATED for s in ordered],
+        truncated=[s.status is Status.TRUNCATED for s in ordered], groups=sorted((g for g, _ in groups), key=by_index),
     )
+
+
+def by_index(group: Group) -> int:
+    return group.index

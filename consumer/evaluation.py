@@ -63,6 +63,7 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
                     (entry_id, decode_group_entry(fields), int(step) if step.isdigit() else 0)
                 )
         after = rows[-1][0].decode()
+    just_finished: dict[str, EvalResult] = {}
     for eval_name, got in found.items():
         meta = submitted[eval_name]
         if len({g.index for _, g, _ in got}) < int(meta["prompts"]):
@@ -75,8 +76,12 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
         ids = [eid for eid, _, _ in got]
         await _collect(lane, outage, eval_name, stored, consumer, ids)
         submitted[eval_name] = stored
+        just_finished[eval_name] = result
         Prefixed(logger, "consumer", consumer).info("eval %s finished: %s", eval_name, json.dumps(result.as_json()))
-    finished = [EvalResult.from_json(meta["result"]) for meta in submitted.values() if "result" in meta]
+    finished = [
+        just_finished.get(name) or EvalResult.from_json(meta["result"])
+        for name, meta in submitted.items() if "result" in meta
+    ]
     return sorted(finished, key=lambda r: r.submitted_ms)
 
 

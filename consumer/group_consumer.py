@@ -302,7 +302,8 @@ class GroupConsumer:
         """Every finished eval of the namespace, oldest first: its metrics (mean reward, pass rate,
         response length), the weight versions its samples were generated at with how many at each,
         and its lag in steps (training steps committed while it ran). An eval finishes when every
-        one of its prompts came back; its groups are then archived (fate ``evaluated``) and deleted."""
+        one of its prompts came back; its groups are then archived (fate ``evaluated``) and deleted,
+        and the result returned by that call carries them (``EvalResult.groups``)."""
         return await finished_evals(EvalLane(self.redis, self.keys), self._outage, self.name)
 
     # -- take / commit ------------------------------------------------------------------

@@ -6,7 +6,8 @@ When the framework asks for an eval at rollout ``k`` (``evaluation=True``), each
 ``NAME@k`` with ``--n-samples-per-eval-prompt`` samples and ``--eval-max-response-len`` tokens, and
 the call returns at once. Producers generate it ahead of training prompts while training goes on.
 The framework gets the metrics of the evals finished since the last call, in the shape its stock
-eval function returns (``RolloutFnEvalOutput(data={NAME: {"rewards", "truncated"}}, metrics)``),
+eval function returns (``RolloutFnEvalOutput(data={NAME: {"rewards", "truncated", "samples"}},
+metrics)``, the samples as the framework's ``Sample``),
 and rollstream's labels under ``eval/NAME/rollstream/``: the rollout the eval was asked at, the
 weight versions its samples ran on (min, max) and its lag in steps. A dataset whose previous eval
 has not finished is not submitted again (the next call reports the one running). The eval lane
@@ -25,6 +26,8 @@ from rollstream.common.errors import ConfigError, RowError
 from rollstream.common.eval_lane import EvalResult
 from rollstream.common.protocol import EvalLane
 from rollstream.producer.datasets import RowFormat, open_dataset
+
+from .convert import to_framework
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +113,12 @@ def split_name(eval_name: str) -> tuple[str, int] | None:
 class LaneEvals:
     """The eval calls of one run: submits, and hands each finished eval to the framework once."""
 
-    def __init__(self, args: Any, datasets: list[EvalDataset], *, missing_reward: float | None) -> None:
+    def __init__(
+        self, args: Any, datasets: list[EvalDataset], *, missing_reward: float | None, sample_class: Any = None
+    ) -> None:
         self.args = args
+        self.sample_class = sample_class
+        """The framework's ``Sample``: a reported eval carries its samples (``data[NAME]["samples"]``)."""
         self.datasets = datasets
         self.missing_reward = missing_reward
         """What an unscored sample's reward becomes (slime sums floats: NaN; miles counts None)."""
@@ -153,7 +160,10 @@ class LaneEvals:
 
     def _data(self, result: EvalResult) -> dict[str, Any]:
         rewards = [self.missing_reward if math.isnan(r) else r for r in result.rewards]
-        return {"rewards": rewards, "truncated": list(result.truncated)}
+        out: dict[str, Any] = {"rewards": rewards, "truncated": list(result.truncated)}
+        if result.groups and self.sample_class is not None:
+            out["samples"] = [s for g in result.groups for s in to_framework(g, self.sample_class)]
+        return out
 
     def _warn_sampling(self) -> None:
         if self._warned:
@@ -181,7 +191,9 @@ def labels(dataset: str, rollout_id: int, result: EvalResult) -> dict[str, float
     return out
 
 
-def lane_eval(source: Any, args: Any, rollout_id: int, *, missing_reward: float | None) -> Any | None:
+def lane_eval(
+    source: Any, args: Any, rollout_id: int, *, missing_reward: float | None, sample_class: Any = None
+) -> Any | None:
     """(data, metrics) of the framework's eval call through the lane, or None when the run does
     not use it: ``ROLLSTREAM_EVAL_FUNCTION`` set (that function serves evals, blocking), a replay,
     or no eval dataset."""
@@ -191,6 +203,6 @@ def lane_eval(source: Any, args: Any, rollout_id: int, *, missing_reward: float 
         datasets = eval_datasets(args)
         if not datasets:
             return None
-        source.lane_evals = LaneEvals(args, datasets, missing_reward=missing_reward)
+        source.lane_evals = LaneEvals(args, datasets, missing_reward=missing_reward, sample_class=sample_class)
     source.ensure_pipeline()
     return source.session.eval_step(source.lane_evals, rollout_id)

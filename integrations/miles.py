@@ -72,7 +72,9 @@ class RollstreamRolloutFn:
         return MILES.train_output(samples, prefixed(batch.metrics))
 
     def _evaluate(self, input: Any) -> Any:
-        if (lane := lane_eval(self.source, self.args, input.rollout_id, missing_reward=None)) is not None:
+        if (lane := lane_eval(
+            self.source, self.args, input.rollout_id, missing_reward=None, sample_class=MILES.sample_class()
+        )) is not None:
             data, metrics = lane
             return MILES.eval_output_class()(data=data, metrics=metrics)
         if self._eval_fn is None:

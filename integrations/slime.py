@@ -89,7 +89,7 @@ def trainer_version(args: Any, source: RollstreamDataSourceBase, rollout_id: int
 
 def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     if isinstance(data_source, RollstreamDataSourceBase) and (
-        lane := lane_eval(data_source, args, rollout_id, missing_reward=math.nan)
+        lane := lane_eval(data_source, args, rollout_id, missing_reward=math.nan, sample_class=SLIME.sample_class())
     ) is not None:
         data, metrics = lane
         return SLIME.eval_output_class()(data=data, metrics=metrics)

@@ -99,6 +99,10 @@ async def test_slime_eval_goes_through_the_lane_without_blocking_training(
     assert sum(lane["rewards"]) / len(lane["rewards"]) == sum(stock_rewards) / len(stock_rewards)
     assert lane["rewards"] == stock_rewards and lane["truncated"] == blocking.data["arith"]["truncated"]
     assert 0 < sum(stock_rewards) < len(stock_rewards)  # a set neither all right nor all wrong
+    # the samples too, as slime's Sample (what --save-debug-rollout-data and the eval metrics read)
+    assert [s.response for s in lane["samples"]] == [s.response for s in blocking.data["arith"]["samples"]]
+    assert [s.reward for s in lane["samples"]] == lane["rewards"]
+    assert all(s.weight_versions for s in lane["samples"])
 
 
 async def test_miles_eval_goes_through_the_lane(
@@ -128,7 +132,8 @@ async def test_miles_eval_goes_through_the_lane(
     finally:
         await asyncio.to_thread(manager.data_source.close)
     assert len(stock.EVAL_CALLS) == stock_calls
-    assert len(reported.data["arith"]["rewards"]) == EVAL_PROMPTS * N_EVAL
+    assert len(reported.data["arith"]["rewards"]) == len(reported.data["arith"]["samples"]) == EVAL_PROMPTS * N_EVAL
+    assert type(reported.data["arith"]["samples"][0]).__module__ == "miles.utils.types"
     assert reported.metrics["eval/arith/rollstream/rollout_id"] == 3.0
     assert "eval/arith/rollstream/weight_version_min" in reported.metrics
 
