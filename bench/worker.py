@@ -51,11 +51,11 @@ def _before() -> None:
     helper, every producer looking for idle prompts every reclaim interval (no turn, no
     announcement), and a full backlog polled every 0.2 s."""
     assert ADMIT_BEFORE != lua.ADMIT
-    original = lua.Scripts.__init__
+    original = PromptQueue.__init__
 
-    def init(self: lua.Scripts, redis: Any, keys: Any) -> None:
-        original(self, redis, keys)
-        self._bound[ADMIT_BEFORE.name] = lua._Bound(redis, ADMIT_BEFORE)
+    def init(self: PromptQueue, redis: Any, keys: Any, consumer: str) -> None:
+        original(self, redis, keys, consumer)
+        self._admit = ADMIT_BEFORE.bind(redis, keys)
 
     async def every_producer_scans(self: PromptQueue, interval_ms: int) -> tuple[bool, int]:
         return True, 0
@@ -63,7 +63,7 @@ def _before() -> None:
     async def no_announcement(self: PromptQueue) -> None:
         return None
 
-    lua.Scripts.__init__ = init
+    PromptQueue.__init__ = init
     worker.BACKLOG_RETRY = 0.2
     PromptQueue.reclaim_turn = every_producer_scans
     PromptQueue.announce_reclaim = no_announcement

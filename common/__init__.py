@@ -91,8 +91,8 @@ Modules, one concern each:
   JOURNAL_APPEND, LIMIT_ACQUIRE, ROW_STATS, EVAL_COLLECT...), its header naming its KEYS and ARGV; the
   shared preludes start with ``_`` (``_archive.lua``: the fate MOVE and ACK_DELETE decide is archived)
 * ``lua``: ``load`` reads a script file into a ``Script`` (KEYS and ARGV bound as named Lua locals, state
-  field names filled in from ``keys.StateField``, constant ARGV); ``Scripts`` binds every one (``SCRIPTS``,
-  found, never listed) and has one method per script; the byte ledger (below)
+  field names filled in from ``keys.StateField``, constant ARGV); the protocol seam that runs a script
+  binds it (``Script.bind``) and shapes its reply; the byte ledger (below)
 * ``connection``: clients for every URL form (``redis://``, ``rediss://``, ``unix://``,
   ``redis+sentinel://``, ``redis+cluster://``; password from the environment or a file; ``redact_url()``;
   optional ``WAIT`` after each script: docs/deploy.md; blocking readers get their own, with a socket timeout

@@ -17,9 +17,8 @@ from rollstream.common.admission import (
 )
 from rollstream.common.config import PipelineConfig
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
 from rollstream.common.namespace import init_namespace
-from rollstream.common.protocol import Control
+from rollstream.common.protocol import Control, GroupQueue, PromptQueue
 
 WAITING = 12
 """Fresh prompts waiting in every case, more than any ``count`` asked for."""
@@ -73,7 +72,7 @@ async def test_lua_and_python_agree_on_random_inputs(redis: Redis, ns: str) -> N
         config = PipelineConfig(
             n_samples_per_prompt=1, batch_size=b, max_backlog=1000, max_staleness=s, steps_per_version=k
         )
-        reply = await Scripts(redis, keys).admit(consumer="p", config=config, count=count)
+        reply = await PromptQueue(redis, keys, "p").admit(config, count)
         where = f"case {case}: {terms}, count {count}: {reply.status} {reply.terms} {len(reply.entries)}"
         if terms.room == 0:
             assert reply.status == "staleness", where
@@ -82,7 +81,7 @@ async def test_lua_and_python_agree_on_random_inputs(redis: Redis, ns: str) -> N
             assert reply.status == "ok", where
             assert len(reply.entries) == min(count, terms.room), where
             # retry entries come first: all of them were in flight already, so only fresh ones here
-            assert all(stream == keys.prompts for stream, _, _ in reply.entries), where
+            assert all(item.stream == keys.prompts for item in reply.entries), where
         await redis.delete(*keys.all_keys())
 
 
@@ -122,21 +121,21 @@ def test_measured_cadence_raises_g_within_its_cap() -> None:
     assert groups_per_version(3, 4, 4) == 12  # never below the declared cadence
 
 
-async def _admit(scripts: Scripts, k: int, count: int = 100) -> tuple[str, int]:
+async def _admit(queue: PromptQueue, k: int, count: int = 100) -> tuple[str, int]:
     config = PipelineConfig(n_samples_per_prompt=1, batch_size=4, max_backlog=1000, max_staleness=1, steps_per_version=k)
-    reply = await scripts.admit(consumer="p", config=config, count=count)
+    reply = await queue.admit(config, count)
     return reply.status, len(reply.entries)
 
 
 async def _train_step(redis: Redis, keys: Keys, groups: int) -> None:
     """``groups`` in-flight prompts become groups that the trainer takes and commits."""
     pending = await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", groups)
-    scripts = Scripts(redis, keys)
+    queue = PromptQueue(redis, keys, "p")
     for p in pending:
-        await scripts.publish(keys.prompts, p["message_id"], {"index": 0}, now_ms=1)
+        await queue.publish(keys.prompts, p["message_id"], {"index": 0})
     reply = await redis.xreadgroup(TRAINER_GROUP, "trainer", {keys.groups: ">"}, count=groups)
     ids = [eid for eid, _ in reply[0][1]]
-    await scripts.ack_delete(stream=keys.groups, group=TRAINER_GROUP, ids=ids, counter=StateField.COMMITTED)
+    await GroupQueue(redis, keys, "trainer").commit(ids)
 
 
 async def _scenario(redis: Redis, ns: str, k: int, versions: list[int]) -> list[int]:
@@ -147,10 +146,10 @@ async def _scenario(redis: Redis, ns: str, k: int, versions: list[int]) -> list[
     for i in range(200):
         await redis.xadd(keys.prompts, {"index": i})
     control = Control(redis, keys)
-    scripts = Scripts(redis, keys)
+    queue = PromptQueue(redis, keys, "p")
     admitted = []
     for version in versions:
-        status, got = await _admit(scripts, k)
+        status, got = await _admit(queue, k)
         admitted.append(got)
         assert status in ("ok", "staleness")
         await _train_step(redis, keys, 4)

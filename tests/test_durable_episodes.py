@@ -17,9 +17,8 @@ from redis.asyncio import Redis
 from rich.console import Console
 from rollstream.cli.inspect import render
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
 from rollstream.common.models import Status
-from rollstream.common.protocol import EpisodeJournals, Heartbeat
+from rollstream.common.protocol import EpisodeJournals, Heartbeat, PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.testing.sim import SimEngine
@@ -112,15 +111,14 @@ async def test_a_journal_goes_with_its_prompts_publish_and_dead_letter_and_stays
     journals = EpisodeJournals(redis, keys, "a")
     assert await journals.append(stream=keys.prompts, entry_id=entry_id, index=0, epoch=0, member=0, seq=0,
                                  budget=0, step=b"s" * 7) == "ok"
-    scripts = Scripts(redis, keys)
+    queue = PromptQueue(redis, keys, "a")
     journal = keys.episode(0, 0)
     if ending == "publish":
-        assert await scripts.publish(keys.prompts, entry_id, {"data": b"g"}, 0, journal) is not None
+        assert await queue.publish(keys.prompts, entry_id, {"data": b"g"}, journal) is not None
     elif ending == "dead_letter":
-        assert await scripts.dead_letter(source=keys.prompts, group=PRODUCERS_GROUP, entry_id=entry_id,
-                                         reason="test", fields={"index": 0}, now_ms=0, journal=journal)
+        assert await queue.dead_letter(keys.prompts, entry_id, {"index": 0}, "test", journal)
     else:
-        assert await scripts.return_prompt(keys.prompts, entry_id, {"index": 0})
+        assert await queue.give_back(keys.prompts, entry_id, {"index": 0})
     if ending == "return":  # a drain: the producer that takes the prompt over resumes from it
         assert await journals.load(0, 0) == {0: [b"s" * 7]}
         assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 7

@@ -15,9 +15,9 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.errors import ConfigError
 from rollstream.common.eval_lane import EVAL_KEY, EvalSettings, eval_prompts
 from rollstream.common.keys import Keys, StateField
-from rollstream.common.lua import Scripts
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
+from rollstream.common.protocol import PromptQueue
 from rollstream.consumer import GroupConsumer
 
 
@@ -29,14 +29,14 @@ async def test_admit_hands_out_eval_prompts_first_and_returns_them_to_their_lane
     [first] = eval_prompts(EvalSettings("e1", 2, 16), ["What is 1 + 1?"])
     await redis.xadd(keys.eval_prompts, prompt_fields(first))  # type: ignore[arg-type]
     await redis.xadd(keys.groups, {"index": 0, "data": b"x"})  # the backlog is full: training prompts wait
-    scripts = Scripts(redis, keys)
-    reply = await scripts.admit(consumer="p1", config=config, count=4)
-    assert reply.status == "ok" and [stream for stream, _, _ in reply.entries] == [keys.eval_prompts]
-    again = await scripts.admit(consumer="p1", config=config, count=4)
+    queue = PromptQueue(redis, keys, "p1")
+    reply = await queue.admit(config, count=4)
+    assert reply.status == "ok" and [item.stream for item in reply.entries] == [keys.eval_prompts]
+    again = await queue.admit(config, count=4)
     assert again.status == "backlog"  # eval admitted in spite of the backlog; training prompts not
     # a draining producer's unfinished eval prompt goes back to the eval lane, not to training's retry
-    _, entry_id, fields = reply.entries[0]
-    assert await scripts.return_prompt(keys.eval_prompts, entry_id, fields)
+    item = reply.entries[0]
+    assert await queue.give_back(keys.eval_prompts, item.entry_id, item.fields)
     assert await redis.xlen(keys.eval_prompts) == 1 and await redis.xlen(keys.retry) == 0
 
 

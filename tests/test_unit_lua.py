@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import inspect
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fakeredis
@@ -22,8 +23,10 @@ from rollstream.common import lua
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
-from rollstream.common.lua import Scripts
 from rollstream.common.namespace import init_namespace
+from rollstream.common.protocol import Feed, GroupQueue, PromptQueue
+from rollstream.common.protocol import groups as groups_module
+from rollstream.common.protocol import prompts as prompts_module
 
 
 @pytest.fixture
@@ -41,11 +44,31 @@ async def r(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[Red
     await client.aclose()
 
 
-async def _setup(client: Redis, ns: str, **config: Any) -> tuple[Keys, Scripts]:
+@dataclass
+class Seams:
+    """The protocol classes that run the scripts: producer ``p1``, trainer ``t``, the feeder."""
+
+    prompts: PromptQueue
+    groups: GroupQueue
+    feed: Feed
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Sets the time (ms) the seams pass to the scripts."""
+
+    def set_to(ms: int) -> None:
+        for module in (prompts_module, groups_module):
+            monkeypatch.setattr(module, "now_ms", lambda: ms)
+
+    return set_to
+
+
+async def _setup(client: Redis, ns: str, **config: Any) -> tuple[Keys, Seams]:
     keys = Keys(ns)
     cfg = PipelineConfig(n_samples_per_prompt=2, batch_size=2, **config)
     await init_namespace(client, keys, cfg, force=True)
-    return keys, Scripts(client, keys)
+    return keys, Seams(PromptQueue(client, keys, "p1"), GroupQueue(client, keys, "t"), Feed(client, keys))
 
 
 async def _state(client: Redis, keys: Keys) -> dict[str, str]:
@@ -62,11 +85,12 @@ async def _read_prompt(client: Redis, keys: Keys, consumer: str = "p1") -> bytes
 # -- PUBLISH ------------------------------------------------------------------------------
 
 
-async def test_publish_adds_group_acks_prompt_and_counts(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+async def test_publish_adds_group_acks_prompt_and_counts(r: Redis, ns: str, clock: Callable[[int], None]) -> None:
+    keys, seams = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     pid = await _read_prompt(r, keys)
-    gid = await scripts.publish(keys.prompts, pid, {"index": 0, "data": b"x"}, now_ms=1234)
+    clock(1234)
+    gid = await seams.prompts.publish(keys.prompts, pid, {"index": 0, "data": b"x"})
     assert gid is not None
     assert await r.xlen(keys.prompts) == 0  # acknowledged and deleted
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
@@ -76,12 +100,16 @@ async def test_publish_adds_group_acks_prompt_and_counts(r: Redis, ns: str) -> N
     assert state["published"] == "1" and state["last_publish_ms"] == "1234"
 
 
-async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(
+    r: Redis, ns: str, clock: Callable[[int], None]
+) -> None:
+    keys, seams = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     pid = await _read_prompt(r, keys)
-    assert await scripts.publish(keys.prompts, pid, {"index": 0}, now_ms=1) is not None
-    assert await scripts.publish(keys.prompts, pid, {"index": 0}, now_ms=2) is None
+    clock(1)
+    assert await seams.prompts.publish(keys.prompts, pid, {"index": 0}) is not None
+    clock(2)
+    assert await seams.prompts.publish(keys.prompts, pid, {"index": 0}) is None
     assert await r.xlen(keys.groups) == 1
     state = await _state(r, keys)
     assert state["published"] == "1" and state["duplicates_discarded"] == "1"
@@ -92,121 +120,108 @@ async def test_publish_of_an_acknowledged_prompt_is_a_discarded_duplicate(r: Red
 
 
 async def test_recycle_moves_group_back_to_the_retry_stream_and_counts(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+    keys, seams = await _setup(r, ns)
     gid = await r.xadd(keys.groups, {"index": 3})
     await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
-    assert await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
+    assert await seams.groups.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
     assert await r.xlen(keys.groups) == 0
     rows = await r.xrange(keys.retry)
     assert len(rows) == 1 and rows[0][1] == {b"index": b"3", b"attempt": b"1"}
     assert await r.xlen(keys.prompts) == 0
     assert (await _state(r, keys))["recycled_stale"] == "1"
     # Re-sent (or a second holder): nothing happens.
-    assert not await scripts.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
+    assert not await seams.groups.recycle(gid, StateField.RECYCLED_STALE, {"index": 3, "attempt": 1})
     assert await r.xlen(keys.retry) == 1
     assert (await _state(r, keys))["recycled_stale"] == "1"
 
 
 async def test_return_prompt_goes_to_the_retry_stream_and_counts(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+    keys, seams = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     await r.xadd(keys.prompts, {"index": 1})
     pid = await _read_prompt(r, keys)
-    assert await scripts.return_prompt(keys.prompts, pid, {"index": 0})
+    assert await seams.prompts.give_back(keys.prompts, pid, {"index": 0})
     assert [row[1][b"index"] for row in await r.xrange(keys.prompts)] == [b"1"]
     assert [row[1][b"index"] for row in await r.xrange(keys.retry)] == [b"0"]
     assert (await _state(r, keys))["returned"] == "1"
-    assert not await scripts.return_prompt(keys.prompts, pid, {"index": 0})
+    assert not await seams.prompts.give_back(keys.prompts, pid, {"index": 0})
     assert await r.xlen(keys.retry) == 1
 
 
-async def test_dead_letter_keeps_fields_and_reason(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+async def test_dead_letter_keeps_fields_and_reason(r: Redis, ns: str, clock: Callable[[int], None]) -> None:
+    keys, seams = await _setup(r, ns)
     gid = await r.xadd(keys.groups, {"index": 7, "reason": "spoofed"})
     await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
-    assert await scripts.dead_letter(
-        source=keys.groups, group=TRAINER_GROUP, entry_id=gid, reason="max_attempts: x",
-        fields={b"index": b"7", b"reason": b"spoofed"}, now_ms=99,
-    )
+    clock(99)
+    assert await seams.groups.dead_letter(gid, {b"index": b"7", b"reason": b"spoofed"}, "max_attempts: x")
     rows = await r.xrange(keys.dead)
     assert len(rows) == 1
     fields = rows[0][1]
     assert fields[b"source"] == b"groups" and fields[b"reason"] == b"max_attempts: x"
     assert fields[b"entry_id"] == gid and fields[b"index"] == b"7" and fields[b"ts_ms"] == b"99"
     assert (await _state(r, keys))["dead_lettered"] == "1"
-    assert not await scripts.dead_letter(
-        source=keys.groups, group=TRAINER_GROUP, entry_id=gid, reason="again", fields={}, now_ms=100,
-    )
+    assert not await seams.groups.dead_letter(gid, {}, "again")
     assert await r.xlen(keys.dead) == 1
 
 
 # -- ACK_DELETE ----------------------------------------------------------------------------
 
 
-async def test_ack_delete_counts_only_acknowledged_entries(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+async def test_ack_delete_counts_only_acknowledged_entries(r: Redis, ns: str, clock: Callable[[int], None]) -> None:
+    keys, seams = await _setup(r, ns)
     ids = [await r.xadd(keys.groups, {"index": i}) for i in range(3)]
     await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
-    acked = await scripts.ack_delete(
-        stream=keys.groups, group=TRAINER_GROUP, ids=ids[:2], counter=StateField.COMMITTED,
-        time_field=StateField.LAST_COMMIT_MS, now_ms=42,
-    )
+    clock(42)
+    acked = await seams.groups.commit(ids[:2])
     assert acked == 2 and await r.xlen(keys.groups) == 1
     state = await _state(r, keys)
     assert state["committed"] == "2" and state["last_commit_ms"] == "42"
     # Already acknowledged: nothing counted; the time field is still written.
-    again = await scripts.ack_delete(
-        stream=keys.groups, group=TRAINER_GROUP, ids=ids[:2], counter=StateField.COMMITTED,
-        time_field=StateField.LAST_COMMIT_MS, now_ms=43,
-    )
+    clock(43)
+    again = await seams.groups.commit(ids[:2])
     assert again == 0
     state = await _state(r, keys)
     assert state["committed"] == "2" and state["last_commit_ms"] == "43"
 
 
 async def test_ack_delete_second_counter_without_time_field(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+    keys, seams = await _setup(r, ns)
     gid = await r.xadd(keys.groups, {"index": 0})
     await r.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
-    acked = await scripts.ack_delete(
-        stream=keys.groups, group=TRAINER_GROUP, ids=[gid], counter=StateField.FILTERED,
-        second_counter="filtered:zero_variance",
-    )
+    acked = await seams.groups.drop_filtered(gid, "zero_variance")
     assert acked == 1
     state = await _state(r, keys)
     assert state["filtered"] == "1" and state["filtered:zero_variance"] == "1"
     assert "last_commit_ms" not in state
-    assert await scripts.ack_delete(stream=keys.groups, group=TRAINER_GROUP, ids=[], counter="x") == 0
+    assert await seams.groups.commit([]) == 0
 
 
 # -- ADMIT ---------------------------------------------------------------------------------
 
 
-def _admit_args(
-    *, max_backlog: int = 10, admission: bool = True, count: int = 1, now_ms: int = 0
-) -> dict[str, Any]:
-    """ADMIT's arguments: consumer p1, batch size 2, max staleness 1, the rule on or off."""
+def _admit_args(*, max_backlog: int = 10, admission: bool = True, count: int = 1) -> dict[str, Any]:
+    """ADMIT's arguments: batch size 2, max staleness 1, the rule on or off."""
     config = PipelineConfig(
         n_samples_per_prompt=2, batch_size=2, max_staleness=1, max_backlog=max_backlog, admission_control=admission
     )
-    return {"consumer": "p1", "config": config, "count": count, "now_ms": now_ms}
+    return {"config": config, "count": count}
 
 
 async def test_admit_refuses_while_paused(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns, max_staleness=1)
+    keys, seams = await _setup(r, ns, max_staleness=1)
     await r.xadd(keys.prompts, {"index": 0})
     await r.hset(keys.state, StateField.PAUSED, 1)
-    assert (await scripts.admit(**_admit_args())).status == "paused"
+    assert (await seams.prompts.admit(**_admit_args())).status == "paused"
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
     assert "admitted" not in await _state(r, keys)
 
 
 async def test_admit_refuses_at_the_ready_backlog_cap(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns, max_staleness=1)
+    keys, seams = await _setup(r, ns, max_staleness=1)
     await r.xadd(keys.prompts, {"index": 0})
     for i in range(3):
         await r.xadd(keys.groups, {"index": i})
-    reply = await scripts.admit(**_admit_args(max_backlog=3, admission=False))
+    reply = await seams.prompts.admit(**_admit_args(max_backlog=3, admission=False))
     assert (reply.status, reply.terms) == ("backlog", [3])
     assert (await r.xpending(keys.prompts, PRODUCERS_GROUP))["pending"] == 0
 
@@ -214,41 +229,46 @@ async def test_admit_refuses_at_the_ready_backlog_cap(r: Redis, ns: str) -> None
 async def test_admit_backlog_cap_ignores_taken_groups(redis: Redis, ns: str) -> None:
     """Taken-but-uncommitted groups are not backlog: a trainer that commits only at checkpoints
     must not block admission."""
-    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    keys, seams = await _setup(redis, ns, max_staleness=1)
     await redis.xadd(keys.prompts, {"index": 0})
     for i in range(3):
         await redis.xadd(keys.groups, {"index": i})
     await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"}, count=1)
-    assert (await scripts.admit(**_admit_args(max_backlog=3, admission=False))).status == "ok"
+    assert (await seams.prompts.admit(**_admit_args(max_backlog=3, admission=False))).status == "ok"
 
 
 async def test_admit_reads_no_more_than_the_backlog_room(redis: Redis, ns: str) -> None:
-    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    keys, seams = await _setup(redis, ns, max_staleness=1)
     for i in range(10):
         await redis.xadd(keys.prompts, {"index": i})
     for i in range(3):
         await redis.xadd(keys.groups, {"index": i})
-    reply = await scripts.admit(**_admit_args(max_backlog=5, admission=False, count=8))
+    reply = await seams.prompts.admit(**_admit_args(max_backlog=5, admission=False, count=8))
     assert reply.status == "ok" and len(reply.entries) == 2
 
 
 async def test_admit_without_admission_control_ignores_staleness(redis: Redis, ns: str) -> None:
-    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    keys, seams = await _setup(redis, ns, max_staleness=1)
     for i in range(20):
         await redis.xadd(keys.prompts, {"index": i})
-    reply = await scripts.admit(**_admit_args(admission=False, count=20, max_backlog=100))
+    reply = await seams.prompts.admit(**_admit_args(admission=False, count=20, max_backlog=100))
     assert reply.status == "ok" and len(reply.entries) == 20
 
 
-async def test_admit_reads_one_prompt_counts_it_and_reports_version(redis: Redis, ns: str) -> None:
+async def test_admit_reads_one_prompt_counts_it_and_reports_version(
+    redis: Redis, ns: str, clock: Callable[[int], None]
+) -> None:
     """Real server only: fakeredis shapes XREADGROUP replies inside Lua differently."""
-    keys, scripts = await _setup(redis, ns, max_staleness=1)
+    keys, seams = await _setup(redis, ns, max_staleness=1)
     await redis.hset(keys.state, "weight_version", 7)
     first = await redis.xadd(keys.prompts, {"index": 0, "data": b"\x00\xff"})
     await redis.xadd(keys.prompts, {"index": 1})
-    reply = await scripts.admit(**_admit_args(now_ms=555))
+    clock(555)
+    reply = await seams.prompts.admit(**_admit_args())
     assert (reply.status, reply.weight_version) == ("ok", 7)
-    assert reply.entries == [(keys.prompts, first, {b"index": b"0", b"data": b"\x00\xff"})]
+    assert [(e.stream, e.entry_id, e.fields) for e in reply.entries] == [
+        (keys.prompts, first, {b"index": b"0", b"data": b"\x00\xff"})
+    ]
     pending = await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(first, b"p1")]
     state = await _state(redis, keys)
@@ -256,11 +276,11 @@ async def test_admit_reads_one_prompt_counts_it_and_reports_version(redis: Redis
 
 
 async def test_admit_reads_the_retry_stream_first_fifo_then_prompts(redis: Redis, ns: str) -> None:
-    keys, scripts = await _setup(redis, ns)
+    keys, seams = await _setup(redis, ns)
     fresh = [await redis.xadd(keys.prompts, {"index": i}) for i in range(3)]
     retry = [await redis.xadd(keys.retry, {"index": 10 + i}) for i in range(2)]
-    reply = await scripts.admit(**_admit_args(admission=False, count=4))
-    assert [(s, e) for s, e, _ in reply.entries] == [
+    reply = await seams.prompts.admit(**_admit_args(admission=False, count=4))
+    assert [(e.stream, e.entry_id) for e in reply.entries] == [
         (keys.retry, retry[0]), (keys.retry, retry[1]), (keys.prompts, fresh[0]), (keys.prompts, fresh[1]),
     ]
     assert (await _state(redis, keys))["admitted"] == "4"
@@ -268,8 +288,8 @@ async def test_admit_reads_the_retry_stream_first_fifo_then_prompts(redis: Redis
 
 
 async def test_admit_on_empty_streams(redis: Redis, ns: str) -> None:
-    keys, scripts = await _setup(redis, ns, max_staleness=1)
-    reply = await scripts.admit(**_admit_args())
+    keys, seams = await _setup(redis, ns, max_staleness=1)
+    reply = await seams.prompts.admit(**_admit_args())
     assert (reply.status, reply.entries) == ("empty", [])
     assert "admitted" not in await _state(redis, keys)
 
@@ -278,27 +298,27 @@ async def test_admit_on_empty_streams(redis: Redis, ns: str) -> None:
 
 
 async def test_renew_own_entries_and_report_lost_ones(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+    keys, seams = await _setup(r, ns)
     await r.xadd(keys.prompts, {"index": 0})
     await r.xadd(keys.prompts, {"index": 1})
     mine = await _read_prompt(r, keys, "p1")
     theirs = await _read_prompt(r, keys, "p2")
-    assert await scripts.renew(keys.prompts, "p1", [mine]) == []
+    assert await seams.prompts.renew(keys.prompts, [mine]) == []
     # Taken over by p2, acknowledged, or never existed: lost, and never stolen back.
-    assert sorted(await scripts.renew(keys.prompts, "p1", [mine, theirs, b"1-1"])) == sorted([theirs, b"1-1"])
+    assert sorted(await seams.prompts.renew(keys.prompts, [mine, theirs, b"1-1"])) == sorted([theirs, b"1-1"])
     pending = await r.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 10)
     assert {p["message_id"]: p["consumer"] for p in pending} == {mine: b"p1", theirs: b"p2"}
-    assert await scripts.renew(keys.prompts, "p1", []) == []
+    assert await seams.prompts.renew(keys.prompts, []) == []
 
 
 async def test_renew_resets_idle_time(redis: Redis, ns: str) -> None:
-    keys, scripts = await _setup(redis, ns)
+    keys, seams = await _setup(redis, ns)
     await redis.xadd(keys.prompts, {"index": 0})
     mine = await _read_prompt(redis, keys, "p1")
     await redis.xclaim(keys.prompts, PRODUCERS_GROUP, "p1", 0, [mine], idle=60_000, justid=True)
     before = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
     assert before["time_since_delivered"] >= 60_000
-    assert await scripts.renew(keys.prompts, "p1", [mine]) == []
+    assert await seams.prompts.renew(keys.prompts, [mine]) == []
     after = (await redis.xpending_range(keys.prompts, PRODUCERS_GROUP, "-", "+", 1))[0]
     assert after["time_since_delivered"] < 10_000
 
@@ -307,9 +327,9 @@ async def test_renew_resets_idle_time(redis: Redis, ns: str) -> None:
 
 
 async def test_feed_adds_and_moves_the_cursor_once(r: Redis, ns: str) -> None:
-    keys, scripts = await _setup(r, ns)
+    keys, seams = await _setup(r, ns)
     entries = [{"index": 0, "data": b"a"}, {"index": 1, "data": b"b"}]
-    added = await scripts.feed(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries)
+    added = await seams.feed.add(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries)
     assert added == 2
     rows = await r.xrange(keys.prompts)
     assert [row[1] for row in rows] == [{b"index": b"0", b"data": b"a"}, {b"index": b"1", b"data": b"b"}]
@@ -319,17 +339,17 @@ async def test_feed_adds_and_moves_the_cursor_once(r: Redis, ns: str) -> None:
     )
     assert state["fed"] == "2"
     # Re-sent with the old cursor: nothing added.
-    assert await scripts.feed(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries) is None
+    assert await seams.feed.add(expected_next=0, next_after=2, epoch=0, position=2, dataset="d", entries=entries) is None
     assert await r.xlen(keys.prompts) == 2
     # An empty feed from the right cursor only moves it.
-    assert await scripts.feed(expected_next=2, next_after=2, epoch=1, position=0, dataset="d", entries=[]) == 0
+    assert await seams.feed.add(expected_next=2, next_after=2, epoch=1, position=0, dataset="d", entries=[]) == 0
     assert (await _state(r, keys))["feed_epoch"] == "1"
 
 
 async def test_feed_rejects_entries_of_different_shapes(fake: Redis, ns: str) -> None:
-    _, scripts = await _setup(fake, ns)
+    _, seams = await _setup(fake, ns)
     with pytest.raises(ValueError, match="same fields"):
-        await scripts.feed(
+        await seams.feed.add(
             expected_next=0, next_after=2, epoch=0, position=2, dataset="d",
             entries=[{"index": 0}, {"index": 1, "data": b"x"}],
         )
@@ -382,14 +402,14 @@ def _declaration_problems(script: lua.Script) -> list[str]:
     return problems
 
 
-def _runs() -> dict[str, list[set[str]]]:
-    """Script name -> the argument names of each ``self._run(SCRIPT, ...)`` in ``Scripts``."""
-    tree = ast.parse(inspect.getsource(lua.Scripts))
-    out: dict[str, list[set[str]]] = {}
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_run"
-                and node.args and isinstance(node.args[0], ast.Name)):
-            out.setdefault(node.args[0].id, []).append({kw.arg for kw in node.keywords if kw.arg})
+def _bound_by_seams() -> dict[str, list[str]]:
+    """Script name -> the protocol modules that bind it (``lua.NAME.bind(...)``)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(Path(groups_module.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "bind" and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "lua"):
+                out.setdefault(node.value.attr, []).append(path.stem)
     return out
 
 
@@ -414,20 +434,11 @@ def test_every_lua_file_is_a_declared_script() -> None:
     assert {name[1:] for name in files if name.startswith("_")} == used == set(lua.PRELUDES)
 
 
-def test_every_script_is_declared_once_and_run_by_a_scripts_method() -> None:
-    """No script without its wrapper, none bound by hand, and each wrapper names every argument
-    its declaration needs (the constants and the namespace's own keys fill themselves in)."""
+def test_every_script_is_declared_once_and_bound_by_a_protocol_seam() -> None:
+    """No script without the seam that runs it, and no seam binding an undeclared one."""
     declared = {name: value for name, value in vars(lua).items() if isinstance(value, lua.Script)}
     assert {s.name for s in lua.SCRIPTS} == set(declared) == {s.name for s in declared.values()}
-    runs = _runs()
-    assert set(runs) == set(declared), "a declared script has no Scripts method (or a method runs an undeclared one)"
-    for name, calls in runs.items():
-        script = declared[name]
-        needed = {n for n in script.keys if not isinstance(getattr(Keys, n, None), property)}
-        needed |= {a for a in script.argv if not a.startswith("*")} - set(script.defaults)
-        for given in calls:
-            assert given <= script.names, f"{name}: unknown argument(s) {given - script.names}"
-            assert needed <= given, f"{name}: {sorted(needed - given)} not given"
+    assert set(_bound_by_seams()) == set(declared)
 
 
 def test_a_call_naming_a_wrong_argument_is_refused() -> None:

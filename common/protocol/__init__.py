@@ -2,8 +2,8 @@
 
 The producer, the consumer and the operator tools talk to Redis through these classes, each
 bound to one client and one namespace (``Cls(redis, keys, ...)``), so no caller hands a raw client
-to a function; the atomic hand-overs themselves are the Lua scripts of :mod:`..lua`, which the
-classes call through :class:`~..lua.Scripts`.
+to a function; the atomic hand-overs themselves are the Lua scripts of ``common/scripts/``, each
+bound by the class that runs it (:meth:`..lua.Script.bind`), which shapes its arguments and reply.
 
 * :mod:`.prompts` :class:`PromptQueue`: a producer's side of the prompt streams (retry first):
   admit (under the namespace's config), renew leases, take over idle prompts, publish a group,

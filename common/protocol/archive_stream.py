@@ -8,18 +8,18 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..keys import Keys, StateField
-from ..lua import Scripts
 from .guard import Entry, Guarded, flat_entries
 
 
 class ArchiveStream(Guarded):
     """Read fate records after a cursor, confirm the ones written to files."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._archived = lua.ARCHIVED.bind(redis, keys)
 
     async def after(self, cursor: str, count: int, blocking: Redis | None = None, block_ms: int = 0) -> list[Entry]:
         """Up to ``count`` records with ids above ``cursor`` (``0-0``: from the start), oldest first;
@@ -35,7 +35,10 @@ class ArchiveStream(Guarded):
 
     async def confirm(self, pairs: Sequence[tuple[bytes, int]], cursor: str, now: int) -> int:
         """Delete records written to files (id, record size) and leave them out of the ledger."""
-        return await self.scripts.archived(pairs, cursor, now)
+        flat: list[bytes | str | int] = []
+        for record_id, size in pairs:
+            flat.extend((record_id, size))
+        return int(await self._archived(cursor=cursor, now_ms=now, pairs=flat))
 
     async def dropped(self) -> int:
         raw = await self.redis.hget(self.keys.state, StateField.ARCHIVE_DROPPED)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
+from .. import lua
 from ..errors import ConfigError
 from ..events import now_ms
 from ..keys import Keys, StateField
-from ..lua import Scripts
 from ..redis_values import int_or, text
 from .guard import Guarded
 
@@ -30,10 +30,10 @@ class Control(Guarded):
     The write comes first and the message second, as two commands: PUBLISH cannot sit in a Redis
     Cluster transaction, and the message only wakes producers early (ADMIT reads the state)."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._set_version = lua.SET_VERSION.bind(redis, keys)
 
     async def weight_version(self) -> int:
         """The trainer's weight version; 0 when unset or damaged (``inspect`` reports the damage)."""
@@ -52,7 +52,7 @@ class Control(Guarded):
         """Record a new version; a change also records where it began in the consumption count
         (the terms of staleness-aware admission), in the same script."""
         _check_version(version)
-        await self.scripts.set_version(version=version, paused=None, message=f"version {version}")
+        await self._set_version(version=version, paused="", channel=self.keys.control, message=f"version {version}")
 
     async def record_weights(self, path: str, version: int) -> None:
         """Where the weights of ``version`` are (a path every engine can load from)."""
@@ -76,8 +76,9 @@ class Control(Guarded):
     async def resume(self, version: int | None = None) -> None:
         if version is not None:
             _check_version(version)
-        await self.scripts.set_version(
-            version=version, paused=False, message="resume" if version is None else f"resume {version}"
+        await self._set_version(
+            version="" if version is None else version, paused=0, channel=self.keys.control,
+            message="resume" if version is None else f"resume {version}",
         )
 
     async def subscribe(self, blocking: Redis) -> PubSub:

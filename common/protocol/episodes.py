@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..keys import Keys, StateField
-from ..lua import Scripts
 from .guard import Guarded, Server
 
 
 class EpisodeJournals(Guarded):
     """One producer's reads and appends of its prompts' episode journals."""
 
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._journal_append = lua.JOURNAL_APPEND.bind(redis, keys)
 
     async def load(self, index: int, epoch: int) -> dict[int, list[bytes]]:
         """Member -> its journaled steps in order (a gap ends a member's steps); {} when none."""
@@ -40,10 +40,11 @@ class EpisodeJournals(Guarded):
         step: bytes,
     ) -> str:
         """Journal step ``seq`` of ``member`` while this producer holds the entry: 'ok', 'lost', 'full'."""
-        return await self.scripts.journal_append(
+        appended = await self._journal_append(
             source=stream, consumer=self.consumer, entry_id=entry_id, journal=self.keys.episode(index, epoch),
             member=member, seq=seq, budget=budget, step=step,
         )
+        return lua.status(appended)
 
     async def count_diverged(self) -> None:
         await self.redis.hincrby(self.keys.state, StateField.RESUME_DIVERGED, 1)

@@ -9,9 +9,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..codec import prompt_fields
 from ..keys import Keys, StateField
-from ..lua import Scripts
 from ..models import Prompt
 from .guard import Entry, Guarded, flat_entries
 
@@ -23,10 +23,10 @@ EVAL_MESSAGE = "eval"
 class EvalLane(Guarded):
     """Submit an eval set, read its finished groups, store its result."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._eval_collect = lua.EVAL_COLLECT.bind(redis, keys)
 
     async def trained_steps(self) -> int:
         raw = await self.redis.hget(self.keys.state, StateField.TRAINED_STEPS)
@@ -62,4 +62,4 @@ class EvalLane(Guarded):
 
     async def collect(self, name: str, result: dict[str, Any], actor: str, ids: Sequence[bytes], now: int) -> int:
         """Archive and delete a finished eval's groups, and store its result, in one script."""
-        return await self.scripts.eval_collect(name, json.dumps(result), actor, ids, now)
+        return int(await self._eval_collect(name=name, result=json.dumps(result), actor=actor, now_ms=now, ids=ids))

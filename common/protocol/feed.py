@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..errors import ConfigError
 from ..keys import Keys, StateField
-from ..lua import Scripts
 from ..redis_values import int_or, text
 from .guard import Guarded
 
@@ -42,10 +43,10 @@ class FeedCursor:
 class Feed(Guarded):
     """The feeder's operations: its cursor in ``state`` and the prompt stream it fills."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._feed = lua.FEED.bind(redis, keys)
 
     async def cursor(self) -> FeedCursor:
         """Where the feeder stands; ConfigError when the state hash is not this namespace's any
@@ -89,10 +90,18 @@ class Feed(Guarded):
         atomically, only from ``expected_next``; None when the cursor moved meanwhile (a re-sent
         call that went through, another feeder). ``sources``: (op, field, value) updates of the
         named sources' hash in the same step (``s``: set, ``i``: add)."""
-        return await self.scripts.feed(
-            expected_next=expected_next, next_after=next_after, epoch=epoch, position=position,
-            dataset=dataset, entries=entries, dead=dead, sources=sources,
+        width = 2 * len(entries[0]) if entries else 0
+        flat: list[Any] = []
+        for fields in entries:
+            if 2 * len(fields) != width:
+                raise ValueError("every fed entry must have the same fields")
+            flat.extend(lua.flatten(fields))
+        added = await self._feed(
+            expected_next=expected_next, next_after=next_after, epoch=epoch, position=position, dataset=dataset,
+            rejected=json.dumps([[str(v) for v in lua.flatten(d)] for d in dead]),
+            updates=json.dumps([str(v) for update in sources for v in update]), width=width or 2, entries=flat,
         )
+        return None if added is None else int(added)
 
 
 class Sources(Guarded):

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..events import now_ms
 from ..keys import TRAINER_GROUP, Keys, SourceField, StateField
-from ..lua import Scripts
 from .guard import Entry, Guarded, flat_entries
 
 # -- trainer consumer name lease -------------------------------------------------------------
@@ -21,26 +22,25 @@ class NameLease(Guarded):
     while it is connected and deleted on close (a crashed holder's lease just expires). ``key``
     leases another name the same way (the namespace's one archiver)."""
 
-    def __init__(
-        self, redis: Redis, keys: Keys, consumer: str, token: str, scripts: Scripts | None = None,
-        key: str | None = None,
-    ) -> None:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, token: str, key: str | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.key = key if key is not None else keys.consumer_lease(consumer)
         self.token = token
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._lease = lua.LEASE.bind(redis, keys)
+        self._release = lua.RELEASE.bind(redis, keys)
 
     async def hold(self, ttl_ms: int) -> bool:
         """Take the name if free or renew it if ours; False while another process holds it."""
-        return await self.scripts.lease(self.key, self.token, ttl_ms)
+        return bool(await self._lease(lease=self.key, token=self.token, ttl_ms=ttl_ms))
 
     async def holder(self) -> str | None:
         raw = await self.redis.get(self.key)
         return None if raw is None else raw.decode("utf-8", "replace")
 
     async def release(self) -> bool:
-        return await self.scripts.release(self.key, self.token)
+        """Delete the lease if this process still holds it."""
+        return bool(await self._release(lease=self.key, token=self.token))
 
 
 # -- group queue (trainer) -------------------------------------------------------------------
@@ -49,11 +49,14 @@ class NameLease(Guarded):
 class GroupQueue(Guarded):
     """One trainer consumer's operations on the group stream (consumer group ``trainer``)."""
 
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._forget = lua.FORGET.bind(redis, keys)
+        self._move = lua.MOVE.bind(redis, keys)
+        self._ack_delete = lua.ACK_DELETE.bind(redis, keys)
+        self._row_stats = lua.ROW_STATS.bind(redis, keys)
 
     async def read(self, blocking: Redis, count: int, block_ms: int) -> list[Entry]:
         """New groups, up to ``count``, waiting up to ``block_ms`` (on a client made for blocking)."""
@@ -81,30 +84,39 @@ class GroupQueue(Guarded):
 
     async def ack_deleted(self, entry_id: bytes) -> None:
         """Acknowledge a delivered entry that is gone from the stream (and forget its bytes)."""
-        await self.scripts.forget_group(entry_id)
+        await self._forget(entry_id=entry_id)
 
     async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any], reason: str = "") -> bool:
-        return await self.scripts.recycle(
-            entry_id, counter, prompt_fields, reason=reason, actor=self.consumer, now_ms=now_ms()
-        )
+        """A group's prompt back to the retry stream (archived as ``recycled`` with ``reason``)."""
+        k = self.keys
+        return bool(await self._move(
+            **lua.move_terms(k, k.groups, k.retry), group=TRAINER_GROUP, entry_id=entry_id, counter=counter,
+            fields=lua.flatten(prompt_fields), fate="recycled", reason=reason or counter, actor=self.consumer,
+            now_ms=now_ms(), tally=lua.tally(prompt_fields, "recycled"), **lua.journal(k, None),
+        ))
 
     async def dead_letter(self, entry_id: bytes, fields: Mapping[Any, Any], reason: str) -> bool:
-        return await self.scripts.dead_letter(
-            source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer,
-        )
+        """Move a group to the dead-letter stream with ``reason`` (archived as ``dead_lettered``)."""
+        k, now = self.keys, now_ms()
+        return bool(await self._move(
+            **lua.move_terms(k, k.groups, k.dead), group=TRAINER_GROUP, entry_id=entry_id, counter=StateField.DEAD,
+            fields=lua.flatten(lua.dead_letter(k, k.groups, entry_id, reason, fields, now)), fate="dead_lettered",
+            reason=reason, actor=self.consumer, now_ms=now, tally=lua.tally(fields, "lost"), **lua.journal(k, None),
+        ))
 
     async def drop_filtered(self, entry_id: bytes, reason: str, source: str = "") -> int:
-        return await self.scripts.ack_delete(
-            stream=self.keys.groups, group=TRAINER_GROUP, ids=[entry_id],
-            counter=StateField.FILTERED, second_counter=StateField.filtered(reason),
-            fate="filtered", reason=reason, actor=self.consumer, now_ms=now_ms(),
-            tally=[SourceField.of(source, "lost") if source else ""],
+        """Acknowledge and delete a group the trainer filtered out (archived as ``filtered``)."""
+        return await self._ack(
+            [entry_id], [SourceField.of(source, "lost") if source else ""], counter=StateField.FILTERED,
+            second_counter=StateField.filtered(reason), fate="filtered", reason=reason,
         )
 
     async def record_rows(self, k: int, items: Sequence[tuple[str, float, float, int, int]]) -> int:
-        """Finished groups into their rows' statistics (``Keys.rows``, the last ``k`` kept)."""
-        return await self.scripts.row_stats(k, items)
+        """Finished groups into their rows' statistics (``Keys.rows``, the last ``k`` kept): (field,
+        mean reward, reward variance, version, epoch) each."""
+        if not items:
+            return 0
+        return int(await self._row_stats(k=k, items=[v for item in items for v in item]))
 
     async def release(self) -> int:
         """Give this (gone) consumer's pending groups back to the stream as new entries, then
@@ -121,10 +133,10 @@ class GroupQueue(Guarded):
                 if not fields:
                     await self.ack_deleted(entry_id)
                     continue
-                if await self.scripts.move(
-                    source=self.keys.groups, group=TRAINER_GROUP, entry_id=entry_id,
-                    target=self.keys.groups, counter=StateField.RELEASED,
-                    fields=fields,
+                if await self._move(
+                    **lua.move_terms(self.keys, self.keys.groups, self.keys.groups), group=TRAINER_GROUP,
+                    entry_id=entry_id, counter=StateField.RELEASED, fields=lua.flatten(fields),
+                    **lua.journal(self.keys, None),
                 ):
                     moved += 1
         await self.redis.xgroup_delconsumer(self.keys.groups, TRAINER_GROUP, self.consumer)
@@ -133,9 +145,19 @@ class GroupQueue(Guarded):
     async def commit(self, ids: Sequence[bytes], sources: Sequence[str] = ()) -> int:
         """Acknowledge and delete ``ids`` (of groups from ``sources``, one per id, when named);
         the number acknowledged now."""
-        return await self.scripts.ack_delete(
-            stream=self.keys.groups, group=TRAINER_GROUP, ids=ids,
-            counter=StateField.COMMITTED, time_field=StateField.LAST_COMMIT_MS, now_ms=now_ms(),
-            fate="trained", actor=self.consumer,
-            tally=[SourceField.of(s, "committed") if s else "" for s in sources],
+        return await self._ack(
+            ids, [SourceField.of(s, "committed") if s else "" for s in sources], counter=StateField.COMMITTED,
+            time_field=StateField.LAST_COMMIT_MS, fate="trained",
         )
+
+    async def _ack(self, ids: Sequence[bytes], tally: Sequence[str], **named: str) -> int:
+        """ACK_DELETE on the group stream (the byte ledger follows), each id's fate archived in the
+        order given (a batch's order); ``tally``: one ``sources`` field per id, or none."""
+        if not ids:
+            return 0
+        acked = await self._ack_delete(
+            stream=self.keys.groups, sizes=self.keys.group_bytes, group=TRAINER_GROUP, ids=ids, actor=self.consumer,
+            now_ms=now_ms(),
+            tally=json.dumps(list(tally)) if any(tally) else "", **named,
+        )
+        return int(acked)

@@ -10,9 +10,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..errors import ConfigError
 from ..keys import Keys
-from ..lua import Scripts
 from ..redis_values import text
 from .guard import Translated
 
@@ -81,10 +81,12 @@ class LimitView:
 class NamespaceLimits(Translated):
     """The limits and rates of one namespace: read and set by operators, held by producers."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._limit_acquire = lua.LIMIT_ACQUIRE.bind(redis, keys)
+        self._limit_renew = lua.LIMIT_RENEW.bind(redis, keys)
+        self._rate_take = lua.RATE_TAKE.bind(redis, keys)
 
     async def sizes(self) -> tuple[dict[str, int], dict[str, float]]:
         """(limit -> units, rate -> tokens per second) as set; unreadable fields are skipped."""
@@ -115,12 +117,20 @@ class NamespaceLimits(Translated):
         return int(await self.redis.hdel(self.keys.limits, *fields))
 
     async def acquire(self, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int) -> tuple[str, int]:
-        return await self.scripts.limit_acquire(
-            name=name, token=token, lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms
+        """One unit of the limit ``name``: ('ok' | 'wait' | 'unknown', the limit's size)."""
+        k = self.keys
+        state, size = await self._limit_acquire(
+            holders=k.limit_holders(name), waiters=k.limit_waiters(name), name=name, token=token,
+            lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms,
         )
+        return lua.status(state), int(size)
 
     async def renew(self, name: str, tokens: Sequence[str], lease_ms: int) -> list[str]:
-        return await self.scripts.limit_renew(name, tokens, lease_ms)
+        """Extend the leases of ``tokens``' units; the tokens that lost theirs."""
+        if not tokens:
+            return []
+        lost = await self._limit_renew(holders=self.keys.limit_holders(name), lease_ms=lease_ms, tokens=tokens)
+        return [lua.status(t) for t in lost]
 
     async def release(self, name: str, token: str) -> None:
         """Give a unit back (or stop waiting for one)."""
@@ -128,7 +138,11 @@ class NamespaceLimits(Translated):
         await self.redis.zrem(self.keys.limit_waiters(name), token)
 
     async def take(self, name: str, rate_hint: float, waited_ms: int) -> tuple[str, int]:
-        return await self.scripts.rate_take(name=name, rate_hint=rate_hint, waited_ms=waited_ms)
+        """One token of the rate ``name``: ('ok', 0), ('wait', ms until one is due) or ('unknown', 0)."""
+        state, wait_ms = await self._rate_take(
+            bucket=self.keys.rate_bucket(name), name=name, rate_hint=repr(float(rate_hint)), waited_ms=waited_ms,
+        )
+        return lua.status(state), int(wait_ms)
 
     async def views(self) -> list[LimitView]:
         """Every limit and rate with its holders and waiters now (leases not expired), the

@@ -8,10 +8,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .. import lua
 from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
-from ..lua import Scripts
 from .guard import Guarded, flat_entries
 
 # -- prompt queue (producers) ----------------------------------------------------------------
@@ -46,11 +46,15 @@ class PromptQueue(Guarded):
     """One producer's operations on the prompt streams (``retry`` and ``prompts``, consumer
     group ``producers``); every operation on an admitted entry names its stream."""
 
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._admit = lua.ADMIT.bind(redis, keys)
+        self._renew = lua.RENEW.bind(redis, keys)
+        self._reclaim_turn = lua.RECLAIM_TURN.bind(redis, keys)
+        self._publish = lua.PUBLISH.bind(redis, keys)
+        self._move = lua.MOVE.bind(redis, keys)
         self._reclaim_cursors = {keys.eval_prompts: "0-0", keys.retry: "0-0", keys.prompts: "0-0"}
 
     @property
@@ -62,9 +66,22 @@ class PromptQueue(Guarded):
         """Read up to ``count`` prompts (retry stream first) if the pipeline is not paused, the
         ready backlog has room and staleness-aware admission allows it under ``config`` (one
         atomic script)."""
-        reply = await self.scripts.admit(consumer=self.consumer, config=config, count=count, now_ms=now_ms())
-        entries = [Admitted(stream, entry_id, fields) for stream, entry_id, fields in reply.entries]
-        return Admission(reply.status, entries, reply.weight_version, reply.terms)
+        reply = await self._admit(
+            consumer=self.consumer, max_backlog=config.max_backlog,
+            admission=1 if config.admission_enabled else 0, max_staleness=config.max_staleness or 0,
+            batch_size=config.batch_size, steps_per_version=config.steps_per_version, count=max(1, count),
+            now_ms=now_ms(), max_backlog_bytes=config.max_backlog_bytes,
+        )
+        status = lua.status(reply[0])
+        if status != "ok":
+            return Admission(status, terms=[int(x) for x in reply[1:]])
+        streams = (self.keys.retry, self.keys.prompts, self.keys.eval_prompts)
+        entries = []
+        for i in range(2, len(reply), 3):
+            flat = reply[i + 2] or []
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            entries.append(Admitted(streams[int(reply[i]) - 1], reply[i + 1], fields))
+        return Admission(status, entries, int(reply[1]))
 
     async def wait_for_new(self, blocking: Redis, block_ms: int) -> None:
         """Block (on a client made for blocking) until a prompt is added, or ``block_ms`` pass."""
@@ -72,7 +89,9 @@ class PromptQueue(Guarded):
 
     async def renew(self, stream: str, ids: Sequence[bytes]) -> list[bytes]:
         """Renew the leases of ``ids`` (entries of ``stream``); the ids this producer no longer owns."""
-        return await self.scripts.renew(stream, self.consumer, list(ids))
+        if not ids:
+            return []
+        return list(await self._renew(stream=stream, consumer=self.consumer, ids=list(ids)))
 
     async def own_pending_ids(self, stream: str, count: int = 1000) -> list[bytes]:
         """The ids pending under this producer's name in ``stream`` (at most ``count``)."""
@@ -100,7 +119,8 @@ class PromptQueue(Guarded):
         last found): one look per interval for the fleet instead of one per producer, since it
         walks the whole pending list (docs/scale.md)."""
         async with self._guard():
-            return await self.scripts.reclaim_turn(now_ms(), max(1, interval_ms))
+            won, due = await self._reclaim_turn(now_ms=now_ms(), interval_ms=max(1, interval_ms))
+            return bool(won), int(due)
 
     async def announce_reclaim(self) -> None:
         """Record that prompts sit idle past the lease: every producer takes over what it has
@@ -161,8 +181,16 @@ class PromptQueue(Guarded):
     ) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically (deleting its episode
         ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
-        producer)."""
-        return await self.scripts.publish(stream, entry_id, group_fields, now_ms(), journal)
+        producer). The size of its ``data`` enters the byte ledger; a prompt of the eval lane
+        publishes to ``eval_groups``, outside the ledger and the sources' counters."""
+        lane = stream == self.keys.eval_prompts
+        published = await self._publish(
+            source=stream, group=PRODUCERS_GROUP, prompt_id=entry_id, now_ms=now_ms(),
+            groups=self.keys.eval_groups if lane else self.keys.groups,
+            data_bytes=0 if lane else len(group_fields.get("data", b"")), fields=lua.flatten(group_fields),
+            tally="" if lane else lua.tally(group_fields, "published"), **lua.journal(self.keys, journal),
+        )
+        return published or None
 
     async def trained_steps(self) -> int:
         """The trainer's committed steps (``state.trained_steps``): an eval group's ``step``."""
@@ -170,13 +198,23 @@ class PromptQueue(Guarded):
         return int(raw) if raw is not None and raw.isdigit() else 0
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
-        """Put an unfinished prompt into the retry stream, attempt unchanged."""
-        return await self.scripts.return_prompt(stream, entry_id, fields)
+        """Put an unfinished prompt into the retry stream, attempt unchanged (an eval prompt back
+        into the eval lane)."""
+        k = self.keys
+        target = k.eval_prompts if stream == k.eval_prompts else k.retry
+        return bool(await self._move(
+            **lua.move_terms(k, stream, target), group=PRODUCERS_GROUP, entry_id=entry_id,
+            counter=StateField.RETURNED, fields=lua.flatten(fields), **lua.journal(k, None),
+        ))
 
     async def dead_letter(
         self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str, journal: str | None = None
     ) -> bool:
-        return await self.scripts.dead_letter(
-            source=stream, group=PRODUCERS_GROUP, entry_id=entry_id,
-            reason=reason, fields=fields, now_ms=now_ms(), actor=self.consumer, journal=journal,
-        )
+        """Move a prompt to the dead-letter stream with ``reason`` (archived as ``dead_lettered``;
+        its episode ``journal`` deleted in the same step)."""
+        k, now = self.keys, now_ms()
+        return bool(await self._move(
+            **lua.move_terms(k, stream, k.dead), group=PRODUCERS_GROUP, entry_id=entry_id, counter=StateField.DEAD,
+            fields=lua.flatten(lua.dead_letter(k, stream, entry_id, reason, fields, now)), fate="dead_lettered",
+            reason=reason, actor=self.consumer, now_ms=now, tally=lua.tally(fields, "lost"), **lua.journal(k, journal),
+        ))

@@ -7,8 +7,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ..keys import Keys
-from ..lua import Scripts
+from .. import lua
+from ..keys import Keys, StateField
 from .guard import Entry, Guarded, flat_entries
 
 # -- dead letters, namespaces ----------------------------------------------------------------
@@ -17,10 +17,10 @@ from .guard import Entry, Guarded, flat_entries
 class DeadLetters(Guarded):
     """The dead-letter stream of a namespace (no consumer group: operators read and remove)."""
 
-    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = scripts if scripts is not None else Scripts(redis, keys)
+        self._requeue = lua.REQUEUE.bind(redis, keys)
 
     async def entries(self, *, ids: Sequence[str] | None = None, count: int | None = None) -> list[Entry]:
         """The given entries (missing ones skipped), else the first ``count``, oldest first."""
@@ -35,7 +35,11 @@ class DeadLetters(Guarded):
     async def requeue(self, entry_id: str, prompt_fields: Mapping[str, Any]) -> bytes | None:
         """Delete a dead entry and add its prompt to the retry stream, atomically; None when the
         entry was already gone."""
-        return await self.scripts.requeue(entry_id, prompt_fields)
+        requeued = await self._requeue(
+            dead_id=entry_id, counter=StateField.REQUEUED, tally=lua.tally(prompt_fields, "requeued"),
+            fields=lua.flatten(prompt_fields),
+        )
+        return requeued or None
 
     async def drop(self, ids: Sequence[str]) -> int:
         return int(await self.redis.xdel(self.keys.dead, *ids)) if ids else 0
