@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 import fakeredis
 import pytest
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from rollstream.common import lua
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import connect
@@ -448,3 +450,39 @@ def test_a_call_naming_a_wrong_argument_is_refused() -> None:
         lua.FORGET.lists(Keys("ns"), {})
     keys = Keys("ns")
     assert lua.FORGET.lists(keys, {"entry_id": "1-1"}) == ([keys.groups, keys.state, keys.group_bytes], [TRAINER_GROUP, "1-1"])
+
+
+def test_a_script_file_with_a_wrong_header_or_field_fails_to_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    files = {**lua._FILES, "bad_field": "-- KEYS: state\nredis.call('HSET', state, '$NO_SUCH_FIELD', 1)\n",
+             "bad_prelude": "-- KEYS: state\n-- uses: nothing\nreturn state\n",
+             "good": "-- KEYS: state\n-- ARGV: *ids\nreturn #ARGV - ids_at + 1 + num(redis.call('HGET', state, '$DEAD'))\n"}
+    monkeypatch.setattr(lua, "_FILES", files)
+    with pytest.raises(ValueError, match="unknown state field '\\$NO_SUCH_FIELD'"):
+        lua.load("bad_field")
+    with pytest.raises(ValueError, match="unknown prelude"):
+        lua.load("bad_prelude")
+    with pytest.raises(ValueError, match="no Lua script 'missing'"):
+        lua.load("missing")
+    with pytest.raises(ValueError, match="no Lua script '_helpers'"):
+        lua.load("_helpers")
+    good = lua.load("good")
+    assert (good.keys, good.argv) == (("state",), ("*ids",))
+    assert "local state = KEYS[1]\nlocal ids_at = 1\n" in good.source
+    assert f"'{StateField.DEAD}'" in good.source and "$DEAD" not in good.source
+
+
+async def test_a_seam_reaches_redis_py_through_one_frame(fake: Redis, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GroupQueue.recycle -> Bound.__call__ -> redis-py's Script (issue 39: it was five frames)."""
+    stacks: list[list[str]] = []
+    original = AsyncScript.__call__
+
+    async def spy(self: AsyncScript, *args: Any, **kwargs: Any) -> Any:
+        stacks.append([frame.function for frame in inspect.stack()[1:]])
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncScript, "__call__", spy)
+    keys, seams = await _setup(fake, ns)
+    gid = await fake.xadd(keys.groups, {"index": 3})
+    await fake.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await seams.groups.recycle(gid, StateField.RECYCLED_STALE, {"index": 3})
+    assert stacks[0][: stacks[0].index("recycle") + 1] == ["__call__", "recycle"]
