@@ -79,9 +79,11 @@ GROUP_CALLS: dict[str, Call] = {
 NO_GROUP_INVOLVED = {
     (PromptQueue, "wait_for_new"): "XREAD of new entries, no consumer group",
     (PromptQueue, "count_reclaimed"): "HINCRBY of the state hash",
+    (PromptQueue, "trained_steps"): "HGET of the state hash",
     (PromptQueue, "reclaim_turn"): "RECLAIM_TURN script on the state hash",
     (PromptQueue, "announce_reclaim"): "HSET of the state hash",
     (GroupQueue, "fetch"): "XRANGE needs no group (see the fetch test below)",
+    (GroupQueue, "record_rows"): "ROW_STATS script on the rows hash, no consumer group",
 }
 
 
