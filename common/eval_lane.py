@@ -20,7 +20,8 @@ from .errors import ConfigError
 from .models import Group, Prompt, Status
 
 EVAL_KEY = "rollstream_eval"
-"""The prompt metadata key of an eval prompt: ``{"name", "n_samples", "max_new_tokens"}``."""
+"""The prompt metadata key of an eval prompt: ``{"name", "n_samples", "max_new_tokens"}``, and
+``temperature`` / ``top_p`` when the eval sets them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class EvalSettings:
     name: str
     n_samples: int = 1
     max_new_tokens: int | None = None
+    temperature: float | None = None
+    """None: the producer's."""
+    top_p: float | None = None
+    """None: the producer's."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 200 or ":" in self.name:
@@ -42,9 +47,23 @@ class EvalSettings:
             or self.max_new_tokens < 1
         ):
             raise ConfigError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}")
+        if self.temperature is not None and (
+            isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float)
+            or not 0 <= self.temperature < math.inf
+        ):
+            raise ConfigError(f"temperature must be a non-negative number or None, got {self.temperature!r}")
+        if self.top_p is not None and (
+            isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1
+        ):
+            raise ConfigError(f"top_p must be within (0, 1] or None, got {self.top_p!r}")
 
     def as_metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "n_samples": self.n_samples, "max_new_tokens": self.max_new_tokens}
+        out: dict[str, Any] = {"name": self.name, "n_samples": self.n_samples, "max_new_tokens": self.max_new_tokens}
+        if self.temperature is not None:
+            out["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            out["top_p"] = float(self.top_p)
+        return out
 
 
 def eval_settings(prompt: Prompt) -> EvalSettings | None:
@@ -53,7 +72,10 @@ def eval_settings(prompt: Prompt) -> EvalSettings | None:
     if not isinstance(raw, Mapping):
         return None
     try:
-        return EvalSettings(str(raw.get("name", "")), raw.get("n_samples", 1), raw.get("max_new_tokens"))
+        return EvalSettings(
+            str(raw.get("name", "")), raw.get("n_samples", 1), raw.get("max_new_tokens"), raw.get("temperature"),
+            raw.get("top_p"),
+        )
     except ConfigError:
         return None
 

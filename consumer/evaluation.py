@@ -25,10 +25,10 @@ logger = logging.getLogger(__name__)
 
 async def submit_eval(
     lane: EvalLane, outage: Outage, consumer: str, name: str, source: str | Path | Iterable[Any],
-    n_samples: int, max_new_tokens: int | None,
+    n_samples: int, max_new_tokens: int | None, temperature: float | None = None, top_p: float | None = None,
 ) -> str:
     """Write the eval set's prompts to the eval lane and record it; its name."""
-    settings = EvalSettings(name, n_samples, max_new_tokens)
+    settings = EvalSettings(name, n_samples, max_new_tokens, temperature, top_p)
     items = await asyncio.to_thread(read_eval_source, source) if isinstance(source, str | Path) else source
     prompts = eval_prompts(settings, items)
     step = await outage.run(lane.trained_steps)

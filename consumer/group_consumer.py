@@ -286,16 +286,19 @@ class GroupConsumer:
     # -- the eval lane (consumer/evaluation.py) -------------------------------------------
 
     async def evaluate(
-        self, name: str, source: str | Path | Iterable[Any], *, n_samples: int = 1, max_new_tokens: int | None = None
+        self, name: str, source: str | Path | Iterable[Any], *, n_samples: int = 1, max_new_tokens: int | None = None,
+        temperature: float | None = None, top_p: float | None = None,
     ) -> str:
         """Submit an eval set and return at once (its name). Its prompts go to the producers
-        before any training prompt, ``n_samples`` each with at most ``max_new_tokens`` (None: the
-        producer's), and their groups go to the eval lane, never to ``take()``; training goes on.
+        before any training prompt, ``n_samples`` each with at most ``max_new_tokens``, sampled
+        at ``temperature`` and ``top_p`` (None: the producer's), and their groups go to the eval
+        lane, never to ``take()``; training goes on.
         ``source``: a JSONL file (``prompt``, optional ``label``) or an iterable of prompts (text,
         chat messages, or mappings with ``prompt`` / ``label`` / ``metadata``). A name is used once
         per namespace (``ConfigError`` otherwise). Results: :meth:`eval_results`."""
         return await submit_eval(
-            EvalLane(self.redis, self.keys), self._outage, self.name, name, source, n_samples, max_new_tokens
+            EvalLane(self.redis, self.keys), self._outage, self.name, name, source, n_samples, max_new_tokens,
+            temperature, top_p,
         )
 
     async def eval_results(self) -> list[EvalResult]:

@@ -3,16 +3,15 @@
 When the framework asks for an eval at rollout ``k`` (``evaluation=True``), each eval dataset
 (``--eval-prompt-data NAME PATH ...`` or ``--eval-config``, JSONL or Parquet, read with the run's
 ``--input-key`` / ``--label-key`` / ``--metadata-key``) is submitted to the eval lane as
-``NAME@k`` with ``--n-samples-per-eval-prompt`` samples and ``--eval-max-response-len`` tokens, and
-the call returns at once. Producers generate it ahead of training prompts while training goes on.
-The framework gets the metrics of the evals finished since the last call, in the shape its stock
-eval function returns (``RolloutFnEvalOutput(data={NAME: {"rewards", "truncated", "samples"}},
-metrics)``, the samples as the framework's ``Sample``),
-and rollstream's labels under ``eval/NAME/rollstream/``: the rollout the eval was asked at, the
+``NAME@k`` with ``--n-samples-per-eval-prompt`` samples, ``--eval-max-response-len`` tokens,
+``--eval-temperature`` and ``--eval-top-p`` (per dataset with ``--eval-config``; unset: the
+producers'), and the call returns at once. Producers generate it ahead of training prompts while
+training goes on. The framework gets the metrics of the evals finished since the last call, in
+the shape its stock eval function returns (``RolloutFnEvalOutput(data={NAME: {"rewards",
+"truncated", "samples"}}, metrics)``, the samples as the framework's ``Sample``), and rollstream's
+labels under ``eval/NAME/rollstream/``: the rollout the eval was asked at, the
 weight versions its samples ran on (min, max) and its lag in steps. A dataset whose previous eval
-has not finished is not submitted again (the next call reports the one running). The eval lane
-carries no temperature or top-p: evals use the producers' sampling (a differing
-``--eval-temperature`` / ``--eval-top-p`` is warned about once).
+has not finished is not submitted again (the next call reports the one running).
 """
 
 from __future__ import annotations
@@ -44,6 +43,9 @@ class EvalDataset:
     n_samples: int
     max_new_tokens: int | None
     row_format: RowFormat
+    temperature: float | None = None
+    """None: the producers'."""
+    top_p: float | None = None
 
 
 def _first(obj: Any, *names: str) -> Any:
@@ -86,7 +88,14 @@ def _dataset(args: Any, name: str, path: str, cfg: Any) -> EvalDataset:
         tool_key=_first(cfg, "tool_key") or getattr(args, "tool_key", None),
         as_chat=bool(getattr(args, "apply_chat_template", False) if as_chat is None else as_chat),
     )
-    return EvalDataset(name, path, int(n or 1), None if tokens is None else int(tokens), row_format)
+    temperature = _first(cfg, "temperature")
+    temperature = _first(args, "eval_temperature") if temperature is None else temperature
+    top_p = _first(cfg, "top_p")
+    top_p = _first(args, "eval_top_p") if top_p is None else top_p
+    return EvalDataset(
+        name, path, int(n or 1), None if tokens is None else int(tokens), row_format,
+        None if temperature is None else float(temperature), None if top_p is None else float(top_p),
+    )
 
 
 def read_items(dataset: EvalDataset) -> list[dict[str, Any]]:
@@ -124,11 +133,9 @@ class LaneEvals:
         """What an unscored sample's reward becomes (slime sums floats: NaN; miles counts None)."""
         self._items: dict[str, list[dict[str, Any]]] = {}
         self._reported: set[str] | None = None
-        self._warned = False
 
     async def step(self, consumer: Any, rollout_id: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
         """Submit this rollout's evals; (data, metrics) of the evals finished since the last call."""
-        self._warn_sampling()
         finished = [r for r in await consumer.eval_results() if split_name(r.name)]
         if self._reported is None:  # a restarted trainer: what finished before it was reported then
             self._reported = {r.name for r in finished}
@@ -145,7 +152,8 @@ class LaneEvals:
             if dataset.name not in self._items:
                 self._items[dataset.name] = read_items(dataset)
             await consumer.evaluate(
-                name, self._items[dataset.name], n_samples=dataset.n_samples, max_new_tokens=dataset.max_new_tokens
+                name, self._items[dataset.name], n_samples=dataset.n_samples, max_new_tokens=dataset.max_new_tokens,
+                temperature=dataset.temperature, top_p=dataset.top_p,
             )
         data: dict[str, dict[str, Any]] = {}
         metrics: dict[str, float] = {}
@@ -164,16 +172,6 @@ class LaneEvals:
         if result.groups and self.sample_class is not None:
             out["samples"] = [s for g in result.groups for s in to_framework(g, self.sample_class)]
         return out
-
-    def _warn_sampling(self) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        for flag, train in (("eval_temperature", "rollout_temperature"), ("eval_top_p", "rollout_top_p")):
-            value = getattr(self.args, flag, None)
-            if value is not None and value != getattr(self.args, train, value):
-                logger.warning("--%s %s: the eval lane samples as the producers do; it is not applied",
-                               flag.replace("_", "-"), value)
 
 
 def labels(dataset: str, rollout_id: int, result: EvalResult) -> dict[str, float]:

@@ -90,6 +90,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
+    def engine_params(self) -> dict[str, Any]:
+        """The engine's sampling parameters, without the length limit."""
+        return {"temperature": self.temperature, "top_p": self.top_p, **self.extra}
+
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes``; unknown names go into :attr:`extra` (``stop=["</tool>"]``)."""
         known = {f.name for f in dataclasses.fields(self)}

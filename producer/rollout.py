@@ -206,12 +206,15 @@ class Rollout:
         )
 
     def _sampling(self, prompt: Prompt) -> SamplingParams:
-        """The producer's sampling parameters, with an eval prompt's ``max_new_tokens``."""
+        """The producer's sampling parameters, with an eval prompt's ``max_new_tokens``,
+        ``temperature`` and ``top_p`` where it sets them."""
         sampling = self.runtime.sampling()
         lane = eval_settings(prompt)
-        if lane is None or lane.max_new_tokens is None:
+        if lane is None:
             return sampling
-        return replace(sampling, max_new_tokens=lane.max_new_tokens)
+        changes: dict[str, Any] = {"max_new_tokens": lane.max_new_tokens, "temperature": lane.temperature,
+                                   "top_p": lane.top_p}
+        return sampling.replace(**{k: v for k, v in changes.items() if v is not None})
 
     async def aclose(self) -> None:
         """Release what the generate function holds (``aclose()``, when it has one): called by
@@ -496,8 +499,10 @@ class Rollout:
         """All ``n`` samples in one request (OpenAI ``n``): the prompt is prefilled once."""
         try:
             async with self.runtime.request(n):
+                sampling = self._sampling(prompt)
                 generations = await self.engine.generate_n(
-                    n, max_new_tokens=self._sampling(prompt).max_new_tokens, key=route_key(prompt.index, prompt.epoch),
+                    n, max_new_tokens=sampling.max_new_tokens, key=route_key(prompt.index, prompt.epoch),
+                    sampling=sampling.engine_params() if eval_settings(prompt) is not None else None,
                     **self._prompt_source(prompt, prompt_ids),
                 )
         except EngineRejected as exc:

@@ -324,7 +324,7 @@ async def _both(
 
 
 def _sampling_dict(sampling: SamplingParams) -> dict[str, Any]:
-    return {"temperature": sampling.temperature, "top_p": sampling.top_p, **sampling.extra}
+    return sampling.engine_params()
 
 
 class _Trajectory(Trajectory):

@@ -13,7 +13,7 @@ from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.errors import ConfigError
-from rollstream.common.eval_lane import EVAL_KEY, EvalSettings, eval_prompts
+from rollstream.common.eval_lane import EVAL_KEY, EvalSettings, eval_prompts, eval_settings
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Prompt
 from rollstream.common.namespace import load_config
@@ -41,13 +41,16 @@ async def test_admit_hands_out_eval_prompts_first_and_returns_them_to_their_lane
 
 
 def test_eval_settings_are_checked() -> None:
-    for bad in ({"name": ""}, {"name": "a:b"}, {"name": "x", "n_samples": 0}, {"name": "x", "max_new_tokens": 0}):
+    for bad in ({"name": ""}, {"name": "a:b"}, {"name": "x", "n_samples": 0}, {"name": "x", "max_new_tokens": 0},
+                {"name": "x", "temperature": -0.1}, {"name": "x", "top_p": 0}, {"name": "x", "top_p": 1.5}):
         with pytest.raises(ConfigError):
             EvalSettings(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no prompts"):
         eval_prompts(EvalSettings("x"), [])
     [p] = eval_prompts(EvalSettings("x", 3, 7), [{"prompt": "q", "label": "4"}])
     assert p.label == "4" and p.metadata[EVAL_KEY] == {"name": "x", "n_samples": 3, "max_new_tokens": 7}
+    [p] = eval_prompts(EvalSettings("x", 1, None, 0.0, 0.5), ["q"])
+    assert eval_settings(p) == EvalSettings("x", 1, None, 0.0, 0.5)  # what the producer reads back
 
 
 async def test_an_old_namespace_gets_its_eval_lane(redis: Redis, ns: str, keys: Keys) -> None:

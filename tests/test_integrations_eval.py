@@ -46,7 +46,8 @@ def _eval_flags(sim: SimEngine, path: Path) -> dict[str, Any]:
     url = urlsplit(sim.url)
     return {
         "eval_prompt_data": ["arith", str(path)], "n_samples_per_eval_prompt": N_EVAL,
-        "eval_max_response_len": 64, "label_key": "label", "rm_type": "math", "eval_interval": 1,
+        "eval_max_response_len": 64, "eval_temperature": 0.5, "eval_top_p": 0.9, "label_key": "label",
+        "rm_type": "math", "eval_interval": 1,
         "sglang_router_ip": url.hostname, "sglang_router_port": url.port,
     }
 
@@ -145,9 +146,10 @@ def test_eval_datasets_from_flags(tmp_path: Path) -> None:
 
     pq.write_table(pa.table({"question": ["Compute 1 + 1.", "Compute 2 + 2."], "answer": ["2", "4"]}), path)
     args = slime_args(eval_prompt_data=["p", str(path)], input_key="question", label_key="answer",
-                      n_samples_per_eval_prompt=3, eval_max_response_len=32)
+                      n_samples_per_eval_prompt=3, eval_max_response_len=32, eval_top_p=0.5)
     [dataset] = eval_datasets(args)
     assert (dataset.name, dataset.n_samples, dataset.max_new_tokens) == ("p", 3, 32)
+    assert (dataset.temperature, dataset.top_p) == (None, 0.5)  # unset: the producers'
     assert [(i["prompt"], i["label"]) for i in read_items(dataset)] == [("Compute 1 + 1.", "2"), ("Compute 2 + 2.", "4")]
     assert eval_datasets(slime_args()) == []
     with pytest.raises(ConfigError, match="pairs"):
@@ -163,9 +165,11 @@ def test_eval_datasets_from_resolved_configs(tmp_path: Path) -> None:
     path = tmp_path / "e.jsonl"
     path.write_text(json.dumps({"q": "Compute 3 + 3.", "a": "6", "meta": {"k": 1}}) + "\n")
     cfg = SimpleNamespace(name="aime", path=str(path), n_samples_per_eval_prompt=4, max_response_len=None,
-                          input_key="q", label_key="a", metadata_key="meta", tool_key=None, apply_chat_template=True)
+                          input_key="q", label_key="a", metadata_key="meta", tool_key=None, apply_chat_template=True,
+                          temperature=0.0, top_p=None)
     args = slime_args(eval_datasets=[cfg], eval_max_response_len=48, eval_prompt_data=["ignored", "x"])
     [dataset] = eval_datasets(args)
     assert (dataset.name, dataset.n_samples, dataset.max_new_tokens) == ("aime", 4, 48)
+    assert (dataset.temperature, dataset.top_p) == (0.0, None)  # greedy is kept, not taken for unset
     [item] = read_items(dataset)
     assert item == {"prompt": [{"role": "user", "content": "Compute 3 + 3."}], "label": "6", "metadata": {"k": 1}}

@@ -280,3 +280,23 @@ async def test_a_broken_engine_among_good_ones_is_taken_out_and_all_broken_engin
         await roll.run(Prompt(index=2, prompt="x"), admitted_version=0)
     assert caught.value.engine == "all engines" and caught.value.reason in ("http_400", "reply:not_json")
     await client.aclose()
+
+
+async def test_an_eval_prompt_is_sampled_with_its_eval_settings() -> None:
+    """The eval lane's n, token limit, temperature and top-p reach the engine; a training prompt
+    keeps the producer's."""
+    from rollstream.common.eval_lane import EVAL_KEY, EvalSettings
+
+    engine = FakeEngine()
+    roll = rollout(engine, 2)
+    lane = EvalSettings("e", n_samples=3, max_new_tokens=5, temperature=0.25, top_p=0.5)
+    group = await roll.run(Prompt(index=0, prompt="1 + 1?", metadata={EVAL_KEY: lane.as_metadata()}), admitted_version=0)
+    assert len(group.samples) == 3
+    assert [b["sampling_params"] for b in engine.generate_bodies] == [
+        {"temperature": 0.25, "top_p": 0.5, "max_new_tokens": 5}
+    ] * 3
+    engine.generate_bodies.clear()
+    await roll.run(Prompt(index=1, prompt="2 + 2?"), admitted_version=0)
+    assert [b["sampling_params"] for b in engine.generate_bodies] == [
+        {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16}
+    ] * 2

@@ -451,17 +451,19 @@ class EngineClient:
         max_new_tokens: int | None = None,
         image_data: Sequence[str] | None = None,
         key: str | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> list[Generation]:
-        """``n`` samples of one prompt: one request with ``n`` (OpenAI, vLLM), else ``n`` requests."""
+        """``n`` samples of one prompt: one request with ``n`` (OpenAI, vLLM), else ``n`` requests
+        (``sampling`` as :meth:`generate` takes it)."""
         if n < 1:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
-            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, None, image_data, key)
+            return await self._generate(n, text, input_ids, messages, max_new_tokens, None, sampling, image_data, key)
         return list(
             await asyncio.gather(
                 *(
                     self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
-                                  image_data=image_data, key=key)
+                                  sampling=sampling, image_data=image_data, key=key)
                     for _ in range(n)
                 )
             )
