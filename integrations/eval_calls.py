@@ -137,8 +137,8 @@ class LaneEvals:
     async def step(self, consumer: Any, rollout_id: int) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
         """Submit this rollout's evals; (data, metrics) of the evals finished since the last call."""
         finished = [r for r in await consumer.eval_results() if split_name(r.name)]
-        if self._reported is None:  # a restarted trainer: what finished before it was reported then
-            self._reported = {r.name for r in finished}
+        if self._reported is None:  # a restarted trainer: what finished before this call was reported then
+            self._reported = {r.name for r in finished if not r.groups}
         lane = EvalLane(consumer.redis, consumer.keys)
         submitted = await lane.submitted()
         running = {split[0] for name, meta in submitted.items() if "result" not in meta and (split := split_name(name))}

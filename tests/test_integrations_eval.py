@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from integration_helpers import miles_args, set_env, slime_args
 from redis.asyncio import Redis
 from rollstream.common.errors import ConfigError
@@ -173,3 +173,36 @@ def test_eval_datasets_from_resolved_configs(tmp_path: Path) -> None:
     assert (dataset.temperature, dataset.top_p) == (0.0, None)  # greedy is kept, not taken for unset
     [item] = read_items(dataset)
     assert item == {"prompt": [{"role": "user", "content": "Compute 3 + 3."}], "label": "6", "metadata": {"k": 1}}
+
+
+async def test_a_restarted_trainer_gets_the_eval_its_predecessor_asked_for(
+    redis: Redis, redis_url: str, ns: str, fixed_sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer that asked for an eval dies before it finished: the next trainer process reports
+    it once (not resubmitted, not reported twice)."""
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4)
+    procs.producer(redis_url, ns, fixed_sim.url, concurrency=8)
+    set_env(monkeypatch, redis_url, ns, "slime-eval", ROLLSTREAM_ENGINE_URL=fixed_sim.url)
+    rollout = importlib.import_module("slime.ray.rollout")
+    args = slime_args(**_eval_flags(fixed_sim, _eval_set(tmp_path)))
+    first = await asyncio.to_thread(rollout.RolloutManager, args)
+    try:
+        assert (await asyncio.wait_for(asyncio.to_thread(first.eval, 0), 60)).data == {}
+    finally:
+        await asyncio.to_thread(first.data_source.close)
+    await wait_until(lambda: _eval_groups(redis, ns, EVAL_PROMPTS), message="every eval group published")
+    second = await asyncio.to_thread(rollout.RolloutManager, args)
+    try:
+        result = await asyncio.wait_for(asyncio.to_thread(second.eval, 0), 60)  # the same rollout asked again
+        assert result.metrics["eval/arith/rollstream/rollout_id"] == 0.0
+        assert len(result.data["arith"]["rewards"]) == EVAL_PROMPTS * N_EVAL
+        assert {k.decode() for k in await redis.hkeys(Keys(ns).evals)} == {"arith@0"}  # not resubmitted
+        again = await asyncio.wait_for(asyncio.to_thread(second.eval, 1), 60)
+        assert again.data == {}  # reported once; arith@1 only just submitted
+    finally:
+        await asyncio.to_thread(second.data_source.close)
+
+
+async def _eval_groups(redis: Redis, ns: str, count: int) -> bool:
+    return int(await redis.xlen(Keys(ns).eval_groups)) >= count
