@@ -95,7 +95,7 @@ DEFAULT_STALL_AFTER = 60.0
 """Seconds without an admission (prompts queued, nothing ready, producers refused) before
 ``rollstream inspect`` reports "admission stalled"."""
 
-REFUSALS = ("paused", "backlog", "backlog_bytes", "staleness")
+REFUSALS = ("paused", "backlog", "backlog_bytes", "staleness", "source_backlog")
 """ADMIT's refusals a producer reports in its heartbeat (``empty`` is not one: nothing to admit)."""
 
 
@@ -155,6 +155,8 @@ def wait_cause(
         return f"admission blocked by the backlog cap ({ready} groups ready, not taken)"
     if "backlog_bytes" in refusals:
         return f"admission blocked by the byte budget max_backlog_bytes ({ready} groups ready, not taken)"
+    if "source_backlog" in refusals:
+        return "admission holds back a source whose groups reach its share of max_backlog (another source is behind)"
     if last_error:
         return f"engines failing: {last_error}"
     if prompts_waiting == 0 and in_flight_prompts == 0:

@@ -110,8 +110,10 @@ class Keys:
         """Hash: the named sources (``rollstream feed NAME=PATH``), fields ``SourceField.of(name,
         kind)`` = ``<name>:<kind>``: the feeder's cursor (``epoch``, ``position``, ``dataset``,
         ``done``) and counters kept by the scripts (``fed``, ``published``, ``committed``,
-        ``recycled``, ``lost``: dead-lettered or filtered, ``requeued``), plus the mix's carry
-        baseline (``base:<name>``, ``base_set``) written by the trainer."""
+        ``recycled``, ``lost``: dead-lettered or filtered, ``requeued``, ``returned``; ``backlog``:
+        its groups in the group stream, ``flight``: its prompts admitted and not finished, both for
+        ADMIT's per-source cap), plus the mix's carry baseline (``base:<name>``, ``base_set``)
+        written by the trainer."""
         return f"{self.base}:sources"
 
     @property
@@ -320,6 +322,11 @@ class StateField:
     DEAD = "dead_lettered"
     DUPLICATES = "duplicates_discarded"
     RETURNED = "returned"
+    CAP_BYPASSED = "source_cap_bypassed"
+    """Prompts ADMIT read past a source's cap because nothing was in flight and nothing admissible."""
+    PARKED = "parked"
+    """Prompts ADMIT moved from the prompt stream to the end of the retry stream: a source at its
+    share of ``max_backlog`` stood before the prompts of a source that is behind."""
     RECLAIMED = "reclaimed"
     LAST_PUBLISH_MS = "last_publish_ms"
     LAST_TAKE_MS = "last_take_ms"

@@ -9,6 +9,7 @@ in Redis, it survives trainer restarts.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -79,3 +80,16 @@ def apportion(target: int, weights: Mapping[str, float], carry: Mapping[str, flo
     for name in by_remainder[:left]:
         out[name] += 1
     return out
+
+
+def source_caps(mix: str, max_backlog: int, batch_size: int) -> str:
+    """ADMIT's per-source caps on groups held, JSON ``{name: cap}``: each source's share of
+    ``max_backlog`` rounded up, and never under its quota of a batch plus one (the carry), so a
+    take can always fill its quota ('' without a mix of two sources or more)."""
+    shares = normalised(parse_mix(mix))
+    if len(shares) < 2:
+        return ""
+    return json.dumps({
+        name: max(math.ceil(max_backlog * share - 1e-9), math.ceil(batch_size * share - 1e-9) + 1)
+        for name, share in shares.items()
+    })

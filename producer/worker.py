@@ -378,7 +378,9 @@ class Producer:
         else:
             self.pulse.blocked(True, status)
             self.metrics.admission_blocked(status)
-            await self._nap(BACKLOG_RETRY if status == "backlog" else 0.2 if status == "backlog_bytes" else 1.0)
+            await self._nap(
+                BACKLOG_RETRY if status == "backlog" else 0.2 if status in ("backlog_bytes", "source_backlog") else 1.0
+            )
         return True
 
     async def _wait_for_prompts(self) -> None:

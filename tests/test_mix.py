@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
-from rollstream.common.codec import decode_prompt_entry
+from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.errors import ConfigError
-from rollstream.common.keys import Keys, SourceField
-from rollstream.common.mix import apportion, carries, parse_mix
+from rollstream.common.keys import Keys, SourceField, StateField
+from rollstream.common.mix import apportion, carries, parse_mix, source_caps
+from rollstream.common.models import Prompt
+from rollstream.common.protocol.prompts import PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
@@ -89,11 +91,81 @@ async def test_every_batch_holds_each_sources_share_though_one_is_slower(
         assert metrics["rollstream_source_groups_published_total{source=fast}"] >= 24
 
 
+async def test_the_fast_sources_backlog_stays_within_its_share_of_max_backlog(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path
+) -> None:
+    """Two sources 5x apart in speed, max_backlog 8 (a share of 4 each), a producer with room for
+    12 groups at once and a trainer slower than generation: the fast source's groups in the group
+    stream never exceed 4 (watched on the stream itself), and every batch still holds 2 + 2."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, mix="fast=1,slow=1", max_backlog=8)
+    fast = write(tmp_path / "fast.jsonl", [f"f{i}" for i in range(60)])
+    slow = write(tmp_path / "slow.jsonl", [f"s{i} " + "x" * 320 for i in range(60)])
+    # fast: 8 tokens x 5 ms = 0.04 s a sample; slow: + 320 prompt tokens x 0.5 ms of prefill = 0.2 s
+    config = SimConfig(seed=1, mean_tokens=8, length_sigma=0.0, latency_per_token=0.005, prefill_per_token=0.0005)
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            seen.append(sum(f.get(b"source") == b"fast" for _, f in await redis.xrange(keys.groups)))
+            await asyncio.sleep(0.005)
+
+    async with SimEngine(config) as sim:
+        procs.start("feed", "--redis", redis_url, "--ns", ns, f"fast={fast}", f"slow={slow}", "--forever",
+                    "--window", "32", log_name="feeder")
+        procs.producer(redis_url, ns, sim.url, concurrency=24)
+        watcher = asyncio.create_task(watch())
+        try:
+            async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+                for _ in range(8):
+                    batch = await asyncio.wait_for(consumer.take(4), 120)
+                    assert Counter(g.source for g in batch.groups) == {"fast": 2, "slow": 2}, procs.logs()
+                    await asyncio.sleep(0.3)  # a training step longer than a slow group
+                    await consumer.commit(batch)
+        finally:
+            stop.set()
+            await watcher
+    state = {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.sources)).items()}
+    assert seen and max(seen) <= 4, (max(seen), sorted(state.items()))
+    assert max(seen) == 4  # the cap was reached, so it held the fast source back
+    state = {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.sources)).items()}
+    assert int(state["fast:published"]) - int(state["fast:committed"]) == int(state["fast:backlog"])
+
+
+async def test_admission_parks_a_capped_sources_prompts_and_never_holds_back_a_lone_source(
+    redis: Redis, ns: str
+) -> None:
+    """ADMIT itself: source ``a`` holds its cap (2 groups), ``b`` has prompts queued behind two of
+    ``a``'s: those two are parked at the end of the retry stream and ``b``'s is admitted; once ``b``
+    is done and has nothing left, ``a`` is admitted past its cap (nothing else could move)."""
+    keys = Keys(ns)
+    config = await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, mix="a=1,b=1", max_backlog=4)
+    assert json.loads(source_caps(config.mix, config.max_backlog, config.batch_size)) == {"a": 2, "b": 2}
+    for index, source in enumerate("aab"):
+        await redis.xadd(keys.prompts, prompt_fields(Prompt(index=index, prompt=f"p{index}", source=source)))
+    await redis.hset(keys.sources, mapping={"a:backlog": 2, "a:fed": 4, "b:fed": 1})
+    queue = PromptQueue(redis, keys, "p1")
+    reply = await queue.admit(config)
+    assert [(e.stream, e.fields[b"source"]) for e in reply.entries] == [(keys.prompts, b"b")]
+    assert [f[b"index"] for _, f in await redis.xrange(keys.retry)] == [b"0", b"1"]  # parked, in order
+    assert await redis.xlen(keys.prompts) == 1 and (await redis.hget(keys.state, StateField.PARKED)) == b"2"
+    assert (await redis.hget(keys.sources, "b:flight")) == b"1"
+    # b still has a prompt in flight: a stays held back, nothing is read
+    assert (await queue.admit(config)).status == "source_backlog"
+    # b's group published and trained, b's feeder done: a is alone and admitted from the retry stream
+    await redis.hset(keys.sources, mapping={"b:flight": 0, "b:committed": 1, "b:done": 1})
+    reply = await queue.admit(config, count=2)
+    assert reply.status == "ok" and [e.fields[b"index"] for e in reply.entries] == [b"0", b"1"]
+    assert (await redis.hget(keys.sources, "a:flight")) == b"2"
+
+
 async def test_a_source_that_runs_dry_leaves_the_mix(
     redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path, sim: SimEngine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, mix="few=1,many=1")
+    # max_backlog 4: each source's cap is 2 groups, so the caps are in play when one source is left
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, mix="few=1,many=1", max_backlog=4)
     few = write(tmp_path / "few.jsonl", [f"few{i}" for i in range(5)])
     many = write(tmp_path / "many.jsonl", [f"many{i}" for i in range(100)])
     feeder = procs.start("feed", "--redis", redis_url, "--ns", ns, f"few={few}", f"many={many}", "--epochs", "1",

@@ -12,6 +12,7 @@ from .. import lua
 from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
+from ..mix import source_caps
 from .guard import Guarded, flat_entries
 
 # -- prompt queue (producers) ----------------------------------------------------------------
@@ -71,6 +72,7 @@ class PromptQueue(Guarded):
             admission=1 if config.admission_enabled else 0, max_staleness=config.max_staleness or 0,
             batch_size=config.batch_size, steps_per_version=config.steps_per_version, count=max(1, count),
             now_ms=now_ms(), max_backlog_bytes=config.max_backlog_bytes,
+            source_caps=source_caps(config.mix, config.max_backlog, config.batch_size),
         )
         status = lua.status(reply[0])
         if status != "ok":
@@ -205,6 +207,7 @@ class PromptQueue(Guarded):
         return bool(await self._move(
             **lua.move_terms(k, stream, target), group=PRODUCERS_GROUP, entry_id=entry_id,
             counter=StateField.RETURNED, fields=lua.flatten(fields), **lua.journal(k, None),
+            tally="" if stream == k.eval_prompts else lua.tally(fields, "returned"),
         ))
 
     async def dead_letter(

@@ -29,3 +29,12 @@ local function drop_journal(journal, state)
   redis.call('DEL', journal)
   if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
 end
+-- A named source's groups in the group stream (``<name>:backlog``) or prompts in flight
+-- (``<name>:flight``) in the ``sources`` hash, read by ADMIT's per-source cap, move by ``delta``
+-- (never below zero); ``tally`` is any ``<name>:<kind>`` counter of the entry's source ('' = an
+-- unnamed source: nothing to count).
+local function move_held(sources, tally, what, delta)
+  if tally == '' then return end
+  local name = string.match(tally, '^(.*):[^:]*$')
+  if name and incr(sources, name .. ':' .. what, delta) < 0 then redis.call('HSET', sources, name .. ':' .. what, 0) end
+end

@@ -15,7 +15,10 @@ for i = ids_at, #ARGV do
   if redis.call('XACK', stream, group, ARGV[i]) == 1 then
     acked = acked + 1
     local field = tallies[i - ids_at + 1]
-    if field and field ~= '' then incr(sources, field, 1) end
+    if field and field ~= '' then
+      incr(sources, field, 1)
+      if sizes ~= stream then move_held(sources, field, 'backlog', -1) end
+    end
     if fate ~= '' then
       local position = ''
       if step ~= '' then position = tostring(i - ids_at) end

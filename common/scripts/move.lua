@@ -27,5 +27,9 @@ if ledger == 'st' and b > 0 then
   incr(state, '$GROUP_BYTES', b)
 end
 incr(state, counter, 1)
-if tally ~= '' then incr(sources, tally, 1) end
+if tally ~= '' then
+  incr(sources, tally, 1)
+  if ledger == 's' then move_held(sources, tally, 'backlog', -1) end
+  if kind ~= 'groups' then move_held(sources, tally, 'flight', -1) end
+end
 return id

@@ -12,7 +12,11 @@ redis.call('XDEL', source, prompt_id)
 if drop == '1' then drop_journal(journal, state) end
 local id = redis.call('XADD', groups, '*', unpack(ARGV, fields_at))
 incr(state, '$PUBLISHED', 1)
-if tally ~= '' then incr(sources, tally, 1) end
+if tally ~= '' then
+  incr(sources, tally, 1)
+  move_held(sources, tally, 'backlog', 1)
+  move_held(sources, tally, 'flight', -1)
+end
 local b = tonumber(data_bytes) or 0
 if b > 0 then
   redis.call('HSET', group_bytes, id, b)
