@@ -505,7 +505,9 @@ class EngineClient:
         if not self._versions_read.is_set():
             await self._versions_read.wait()
         sent = time.monotonic()
-        before = {url: e.version for url, e in self.fleet.engines.items()}
+        # an engine that aborted a reply since its last read may have new weights: its version is
+        # unknown when this is sent, so a read after the reply labels it
+        before = {url: None if url in self._reread_version else e.version for url, e in self.fleet.engines.items()}
         try:
             engine, raw = await self.request(encoded.path, encoded.body, encoded.weight, limit=limit, key=request.key)
             with self.blame(engine):
