@@ -23,6 +23,7 @@ without durable episodes; the prompt's own hand-overs stay exact.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -122,39 +123,72 @@ class PromptJournal:
 
 
 class EpisodeLog:
-    """One episode's journal: replays its steps while they match, then appends the live ones."""
+    """One episode's journal: replays its steps while they match, then appends the live ones.
+
+    Steps are matched by their request, not only by position: a call whose request is not the
+    next journaled step's takes a later step with the same request when that request appears once
+    among the steps not yet replayed (parallel calls of one episode, ``asyncio.gather``, finish in
+    another order on resume). Appends are serialised, so parallel calls never write one seq."""
 
     def __init__(self, journal: PromptJournal, member: int, steps: list[bytes]) -> None:
         self.journal = journal
         self.member = member
         self.steps = steps
         self.seq = 0
-        """The next step's number (replayed or appended)."""
+        """The next step's number to append (while replaying: the first step not replayed yet)."""
+        self.taken: set[int] = set()
+        """Steps after ``seq`` already replayed out of order."""
         self.replaying = bool(steps)
         self.writing = True
+        self._decoded: dict[int, Any] = {}
+        self._lock = asyncio.Lock()
         if steps:
             journal.stats.resumed += 1
 
+    def _step(self, at: int) -> Any:
+        if at not in self._decoded:
+            try:
+                self._decoded[at] = unpackb(self.steps[at], DEFAULT_LIMITS)
+            except Exception:  # msgpack raises a zoo of types: an unreadable step is a difference
+                self._decoded[at] = None
+        return self._decoded[at]
+
+    def _take(self, at: int) -> dict[str, Any]:
+        step = self._step(at)
+        self.taken.add(at)
+        while self.seq in self.taken:
+            self.taken.discard(self.seq)
+            self._decoded.pop(self.seq, None)
+            self.seq += 1
+        self.journal.stats.replayed += 1
+        if self.seq >= len(self.steps):
+            self.replaying = False
+        return step
+
     async def match(self, kind: str, digest: bytes, key: str | None = None) -> dict[str, Any] | None:
-        """The journaled step that answers this call (advancing past it), else None: the
-        journal is exhausted, or it differs (diverged: counted, logged once, replay off)."""
+        """The journaled step that answers this call (the next one, or a later one with the same
+        request when that request is unique among the steps left), else None: the journal is
+        exhausted, or nothing left asks this (diverged: counted, logged once, replay off)."""
         if not self.replaying:
             return None
         if self.seq >= len(self.steps):
             self.replaying = False
             return None
-        try:
-            step = unpackb(self.steps[self.seq], DEFAULT_LIMITS)
-        except Exception:  # msgpack raises a zoo of types: an unreadable step is a difference
-            step = None
-        if (
-            isinstance(step, dict) and step.get("k") == kind and step.get("r") == digest
-            and (key is None or step.get("key") == key)
-        ):
-            self.seq += 1
-            self.journal.stats.replayed += 1
-            return step
+
+        def same(step: Any) -> bool:
+            return (
+                isinstance(step, dict) and step.get("k") == kind and step.get("r") == digest
+                and (key is None or step.get("key") == key)
+            )
+
+        step = self._step(self.seq)
+        if same(step):
+            return self._take(self.seq)
+        later = [at for at in range(self.seq + 1, len(self.steps)) if at not in self.taken and same(self._step(at))]
+        if len(later) == 1:
+            return self._take(later[0])
         self.replaying = False
+        self.taken.clear()
         self.journal.stats.diverged += 1
         logger.warning(
             "%s member %d: resumed episode diverged from its journal at step %d of %d (%s): "
@@ -170,18 +204,19 @@ class EpisodeLog:
 
     async def record(self, step: dict[str, Any]) -> None:
         """Append a live step (no-op once journaling stopped for this episode)."""
-        if not self.writing:
-            return
         data = msgpack.packb(step, use_bin_type=True)
-        try:
-            status = await self.journal.append(self.member, self.seq, data)
-        except TRANSIENT_ERRORS as exc:
-            status = f"unreachable ({type(exc).__name__}: {exc})"
-        if status == "ok":
-            self.seq += 1
-            self.journal.stats.journaled += 1
-            return
-        self.writing = False
+        async with self._lock:
+            if not self.writing:
+                return
+            try:
+                status = await self.journal.append(self.member, self.seq, data)
+            except TRANSIENT_ERRORS as exc:
+                status = f"unreachable ({type(exc).__name__}: {exc})"
+            if status == "ok":
+                self.seq += 1
+                self.journal.stats.journaled += 1
+                return
+            self.writing = False
         self.journal.stats.unwritten += 1
         logger.warning(
             "%s member %d: journaling stopped at step %d: %s; the episode goes on without it",
