@@ -33,8 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from rollstream.common.arrays import Packed
 from rollstream.common.codec.wire import DEFAULT_LIMITS, LITTLE, unpackb
 from rollstream.common.connection import TRANSIENT_ERRORS
+
+from .engine import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,73 @@ def unpack_floats(raw: bytes) -> array[float]:
     if not LITTLE:  # pragma: no cover
         data.byteswap()
     return data
+
+
+def routing_rows(held: Packed | None, generations: Sequence[Generation]) -> Packed | None:
+    """The routing rows a trajectory holds after ``generations`` (as :func:`~.replay.with_routed_experts`
+    folds them: a full replay replaces the rows, one with a start row is spliced after them)."""
+    for g in generations:
+        experts = g.routed_experts
+        if experts is None:
+            continue
+        start = g.routed_experts_start
+        if not start:
+            held = experts
+        elif held is not None and len(held) >= start and held.shape[1:] == experts.shape[1:]:
+            held = held.rows(start).concat(experts)
+        else:
+            held = None
+    return held
+
+
+def pack_generations(generations: Sequence[Generation], held: Packed | None = None) -> list[list[Any]] | None:
+    """The engine-side arrays of one call's replies, as journaled: per reply its routing replay
+    (R3: the codec's packed array, typecode, shape and little-endian bytes, with its start row) and
+    its prefix-cache / speculative-decoding counters; None when no reply carries any. A replay of
+    the whole sequence whose first rows are the ``held`` ones (the trajectory's rows so far) is
+    journaled from the row after them, so a long episode's journal grows with its tokens, not
+    with its turns times its tokens."""
+    out: list[list[Any]] = []
+    for g in generations:
+        experts = g.routed_experts
+        packed = None
+        start = g.routed_experts_start
+        if experts is not None:
+            rows = experts
+            if (
+                not start and held is not None and 0 < len(held) <= len(experts)
+                and held.shape[1:] == experts.shape[1:] and held.typecode == experts.typecode
+                and experts.rows(len(held)).data == held.data
+            ):
+                start = len(held)
+                rows = Packed(experts.data[start * experts.row_size:], (len(experts) - start, *experts.shape[1:]))
+            data = rows.data if LITTLE else array(rows.typecode, rows.data)
+            if not LITTLE:  # pragma: no cover - big-endian hosts
+                data.byteswap()
+            packed = [rows.typecode, list(rows.shape), bytes(data)]
+            held = routing_rows(held, [g])
+        out.append([packed, start, dict(g.counters) if g.counters else None])
+    return out if any(p is not None or c is not None for p, _, c in out) else None
+
+
+def unpack_generations(raw: Any) -> list[Generation]:
+    """The replies :func:`pack_generations` journaled, holding only what the sample takes from
+    them (:func:`~.replay.with_routed_experts`): a resumed R3 sample equals an uninterrupted one."""
+    out: list[Generation] = []
+    for packed, start, counters in raw or ():
+        experts = None
+        if packed is not None:
+            code, shape, data = packed
+            values = array(str(code))
+            values.frombytes(data)
+            if not LITTLE:  # pragma: no cover
+                values.byteswap()
+            experts = Packed(values, tuple(shape))
+        out.append(Generation(
+            "", array("i"), None, None, routed_experts=experts, routed_experts_start=int(start),
+            counters={str(k): int(v) for k, v in counters.items()} if counters else None,
+        ))
+    return out
 
 
 def request_digest(kind: str, trajectory: int, tokens: array[int] | Sequence[int] | None, extra: Any) -> bytes:

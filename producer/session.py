@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass
 from typing import Any
 
+from rollstream.common.arrays import Packed
 from rollstream.common.errors import (
     ConfigError,
     EngineError,
@@ -40,9 +41,12 @@ from .durable import (
     decode_once,
     encode_once,
     pack_floats,
+    pack_generations,
     pack_ints,
     request_digest,
+    routing_rows,
     unpack_floats,
+    unpack_generations,
     unpack_ints,
 )
 from .engine import EngineClient, Generation, route_key
@@ -355,6 +359,8 @@ class _Trajectory(Trajectory):
         self.metadata: dict[str, Any] = {}
         self.generations: list[Generation] = []
         """Every engine reply that added to this trajectory, in order (the routing replay's source)."""
+        self.rows: Packed | None = None
+        """Durable episodes: the routing rows the replies so far add up to (journaled as a delta)."""
         self._encoded: IdsJson | None = None
         """The JSON text of :attr:`tokens` so far (they are only appended to), for the next request."""
 
@@ -366,6 +372,7 @@ class _Trajectory(Trajectory):
         mask = prefix.loss_mask
         self.mask = array("B", mask) if mask is not None else array("B", b"\x01" * prefix.response_length)
         self.log_probs = None if prefix.rollout_log_probs is None else array("f", prefix.rollout_log_probs)
+        self.rows = prefix.routed_experts
         self.text = [prefix.response]
         self.versions = list(prefix.weight_versions)
         spans = prefix.weight_version_spans
@@ -444,7 +451,7 @@ class _Trajectory(Trajectory):
             with session.in_step():
                 turn, prompt_ids = await session.call(source, limit, sampling, continuable=self.known_prompt)
                 if log is not None and not session.aborted:
-                    await log.record(session.turn_step("g", digest, turn, prompt_ids))
+                    await log.record(session.turn_step("g", digest, turn, prompt_ids, self.rows))
         if not self.known_prompt and prompt_ids is not None:  # the engine said (vLLM return_token_ids)
             self.tokens = array("i", prompt_ids)
             self.prompt_length = len(self.tokens)
@@ -460,6 +467,8 @@ class _Trajectory(Trajectory):
         self.text.append(turn.text)
         self.versions.extend(turn.weight_versions)
         self.generations.extend(session.last_generations)
+        if log is not None:
+            self.rows = routing_rows(self.rows, session.last_generations)
         self.spans.extend((start + s, start + e, v) for s, e, v in turn.weight_version_spans)
         self.finish_reason = turn.finish_reason
         self.status = turn.status
@@ -567,13 +576,17 @@ class EpisodeSession(Episode):
         finally:
             self._steps_running -= 1
 
-    def turn_step(self, kind: str, digest: bytes, turn: Turn, prompt_ids: array[int] | None) -> dict[str, Any]:
-        """The journal entry of an engine call's reply."""
+    def turn_step(
+        self, kind: str, digest: bytes, turn: Turn, prompt_ids: array[int] | None, rows: Packed | None = None
+    ) -> dict[str, Any]:
+        """The journal entry of an engine call's reply (``rows``: the trajectory's routing rows
+        before it, so a full routing replay is journaled from the first new row)."""
         return {
             "k": kind, "r": digest, "x": turn.text, "i": pack_ints(turn.token_ids),
             "l": None if turn.log_probs is None else pack_floats(turn.log_probs), "f": turn.finish_reason,
             "v": list(turn.weight_versions), "s": [list(span) for span in turn.weight_version_spans],
             "p": None if prompt_ids is None else pack_ints(prompt_ids), "m": dict(self.last_call_metadata),
+            "e": pack_generations(self.last_generations, rows),
         }
 
     def replayed(self, step: dict[str, Any]) -> tuple[Turn, array[int] | None]:
@@ -585,7 +598,7 @@ class EpisodeSession(Episode):
             tuple((int(a), int(b), int(c)) for a, b, c in step.get("s") or ()),
         )
         self.last_call_metadata = dict(step.get("m") or {})
-        self.last_generations = []
+        self.last_generations = unpack_generations(step.get("e"))
         if len(turn.weight_versions) > 1:
             self.multi_turn = True
         prompt_ids = step.get("p")

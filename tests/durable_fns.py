@@ -70,3 +70,16 @@ async def rated(episode: Episode) -> Sample:
         await asyncio.sleep(0.05)
     await episode.generate(max_new_tokens=8)
     return episode.sample
+
+
+async def turns_then_tool(episode: Episode) -> Sample:
+    """Three engine calls with observations between them, then a last tool call before the
+    sample is returned; ``BLOCK_AT=end`` blocks there, so a resumed episode replays every call."""
+    for turn in range(1, 4):
+        await episode.generate(max_new_tokens=8)
+        if turn < 3:
+            await episode.observe(f"<result>{turn}</result>")
+    _note("final tool")
+    if os.environ.get("BLOCK_AT") == "end":
+        await asyncio.Event().wait()
+    return episode.sample

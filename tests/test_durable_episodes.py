@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import msgpack
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
@@ -21,7 +22,8 @@ from rollstream.common.models import Status
 from rollstream.common.protocol import EpisodeJournals, Heartbeat, PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
-from rollstream.testing.sim import SimEngine
+from rollstream.testing.sim import SimConfig, SimEngine
+from rollstream.testing.sim.simulator import routed_expert
 from test_episodes_pipeline import heartbeat
 from test_faults import wait_exit
 
@@ -238,3 +240,45 @@ async def test_the_journal_is_removed_when_the_group_is_published_failed_and_the
                 await taking
     assert await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 2 * 2 * 2  # 2 attempts x 2 members x 2 steps
     await _assert_no_journal(redis, ns)
+
+
+async def test_a_resumed_episode_answered_from_its_journal_carries_its_routing_replay(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers, topk, experts = moe = (4, 2, 16)
+    tool_log = tmp_path / "tools.log"
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, lease_seconds=3.0, durable_episodes=True)
+    await add_prompts(redis, ns, 1, text="Compute 2 + 2.")
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    monkeypatch.setenv("BLOCK_AT", "end")
+    r3 = ("--generate", fn("turns_then_tool"), "--routed-experts", "x".join(map(str, moe)))
+    async with SimEngine(SimConfig(seed=1, mean_tokens=16, latency_per_token=0.001, accuracy=0.5, moe=moe)) as moe_sim:
+        first = procs.producer(redis_url, ns, moe_sim.url, *r3, name="a")
+        await wait_until(lambda: any(rest == "final tool" for _, rest in _tool_lines(tool_log)),
+                         message="every engine call journaled, in the last tool")
+        assert await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 5  # 3 generates, 2 observes
+        steps = [msgpack.unpackb(v) for k, v in (await redis.hgetall(Keys(ns).episode(0, 0))).items()
+                 if k.startswith(b"0:")]
+        journaled_rows = [g[0][1][0] for step in steps for g in step.get("e") or () if g[0] is not None]
+        assert len(journaled_rows) == 3  # one per engine call, each from the first row it adds
+        first.send_signal(signal.SIGTERM)
+        assert await wait_exit(first) == 0, procs.log_of(first)
+        monkeypatch.delenv("BLOCK_AT")
+        calls = moe_sim.state.requests
+        procs.producer(redis_url, ns, moe_sim.url, *r3, name="b")
+        async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+            async with asyncio.timeout(90):
+                batch = await consumer.take(1)
+            await consumer.commit(batch)
+        assert moe_sim.state.requests == calls == 3  # b asked the engine nothing
+    (group,) = batch.groups
+    assert group.producer == "b" and group.status in USABLE
+    (sample,) = group.samples
+    assert sample.routed_experts is not None, "the journaled rows reach the resumed sample"
+    want = [[[routed_expert(int(t), layer, k, experts) for k in range(topk)] for layer in range(layers)]
+            for t in sample.tokens[:-1]]
+    assert sample.routed_experts.shape == (len(sample.tokens) - 1, layers, topk)
+    assert sample.routed_experts.tolist() == want  # the rows an uninterrupted run would carry
+    assert sum(journaled_rows) == len(sample.tokens) - 1  # compact: no row journaled twice
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 5, 0)

@@ -1,12 +1,23 @@
 """Replay matches journaled replies by request: parallel calls of one episode that finish in
-another order on resume replay, they do not diverge."""
+another order on resume replay, they do not diverge. Routing-replay rows are journaled compactly."""
 
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 import msgpack
-from rollstream.producer.durable import EpisodeLog, JournalStats, PromptJournal, request_digest
+from rollstream.common.arrays import Packed
+from rollstream.producer.durable import (
+    EpisodeLog,
+    JournalStats,
+    PromptJournal,
+    pack_generations,
+    request_digest,
+    routing_rows,
+    unpack_generations,
+)
+from rollstream.producer.engine import Generation
 
 
 class _Journal:
@@ -79,3 +90,16 @@ async def test_sequential_replay_in_order_is_unchanged() -> None:
     assert (await resumed.match("g", a))["x"] == "A"
     assert (await resumed.match("g", b))["x"] == "B"
     assert (await resumed.match("g", a)) is None and stats.diverged == 0  # exhausted: live, no divergence
+
+
+def test_a_routing_replay_is_journaled_from_its_first_new_row_unless_its_held_rows_changed() -> None:
+    held = Packed.of([[1, 2], [3, 4]])
+    same = Generation("", array("i"), None, "stop", routed_experts=Packed.of([[1, 2], [3, 4], [5, 6]]))
+    changed = Generation("", array("i"), None, "stop", routed_experts=Packed.of([[1, 2], [9, 4], [5, 6]]))
+    for reply, start, rows in ((same, 2, [[5, 6]]), (changed, 0, [[1, 2], [9, 4], [5, 6]])):
+        packed = pack_generations([reply], held)
+        assert packed is not None and packed[0][1] == start
+        (replayed,) = unpack_generations(packed)
+        assert replayed.routed_experts is not None and replayed.routed_experts.tolist() == rows
+        assert routing_rows(held, [replayed]) == reply.routed_experts  # the same rows as the live reply
+    assert pack_generations([Generation("", array("i"), None, "stop")], held) is None  # nothing to keep
