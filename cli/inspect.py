@@ -170,7 +170,8 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
     if ep.get("durable") or ep.get("journals"):
         parts.append(Text(
             f"durable episodes: {ep['journals']} journals, {_size(ep['journal_bytes'])}; "
-            f"steps journaled {ep['journal_steps']}, resumes diverged {ep['resume_diverged']}"
+            f"steps journaled {ep['journal_steps']}, resumes diverged {ep['resume_diverged']}, "
+            f"orphan journals swept {ep.get('journals_swept', 0)}"
         ))
 
     producers = _table(

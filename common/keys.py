@@ -378,6 +378,10 @@ class StateField:
     """Episode steps ever journaled."""
     RESUME_DIVERGED = "resume_diverged"
     """Resumed episodes whose replay met a different request and went on live from that step."""
+    JOURNALS_SWEPT = "journals_swept"
+    """Orphan episode journals deleted by the reclaim turn's sweep (their prompt ended otherwise)."""
+    JOURNAL_SWEEP_CURSOR = "journal_sweep_cursor"
+    """The SCAN cursor where the next sweep of episode journals goes on (0: from the start)."""
 
     ARCHIVE_BYTES = "archive_bytes"
     """Bytes of fate records held in the archive stream (what ``archive_bytes`` of the config bounds)."""
@@ -455,5 +459,7 @@ class StateField:
         JOURNAL_BYTES,
         JOURNAL_STEPS,
         RESUME_DIVERGED,
+        JOURNALS_SWEPT,
+        JOURNAL_SWEEP_CURSOR,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

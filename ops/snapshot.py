@@ -337,6 +337,7 @@ async def snapshot(
         "journal_bytes": journal_bytes,
         "journal_steps": _int(state.get(StateField.JOURNAL_STEPS)),
         "resume_diverged": _int(state.get(StateField.RESUME_DIVERGED)),
+        "journals_swept": _int(state.get(StateField.JOURNALS_SWEPT)),
     }
     snap["limits"] = [v.as_dict() for v in await NamespaceLimits(redis, keys).views()]
     terms = await view.admission_terms(config) if config is not None else None

@@ -7,7 +7,8 @@ producer sees it at its next turn and reclaims what it has room for. With P prod
 cost P times less than one per producer (docs/scale.md). While some are due, the worker's
 admission holds off (:attr:`Reclaimer.due`), so the next free capacity goes to them: a dead
 producer's prompts do not wait behind new ones. On Redis 6.2 deleted entries come back without
-fields; they are acknowledged and skipped.
+fields; they are acknowledged and skipped. The turn also sweeps orphan episode journals, a bounded
+SCAN step at a time (:meth:`Reclaimer.sweep_journals`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from .capacity import Work
 
 if TYPE_CHECKING:
     from .worker import Producer
+
+
+JOURNAL_SWEEP_COUNT = 100
+"""Keys one sweep step SCANs (its COUNT): the sweep's cost per reclaim turn is bounded."""
 
 
 class Reclaimer:
@@ -70,6 +75,8 @@ class Reclaimer:
             return False
         if not self.due:
             my_turn, found_ms = await p.prompts.reclaim_turn(int(interval * 900))
+            if my_turn:
+                await self.sweep_journals()
             if found_ms > self.seen_ms:  # another producer found idle prompts
                 self.seen_ms = found_ms
                 self.due = True
@@ -99,6 +106,15 @@ class Reclaimer:
         if not self.due:
             p._wake.set()
         return False  # the outage ended above
+
+    async def sweep_journals(self) -> None:
+        """The fleet's turn also sweeps a bounded step of orphan episode journals (their prompt
+        ended some other way than a publish or a dead letter by a producer: an operator's XDEL,
+        a 6.2 XAUTOCLAIM of a deleted entry); a journal whose prompt waits or runs stays."""
+        p = self.producer
+        swept = await p.journals.sweep(JOURNAL_SWEEP_COUNT)
+        if swept:
+            p.log.info("swept %d episode journals whose prompt is in no prompt stream", swept)
 
     async def adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""

@@ -282,3 +282,49 @@ async def test_a_resumed_episode_answered_from_its_journal_carries_its_routing_r
     assert sum(journaled_rows) == len(sample.tokens) - 1  # compact: no row journaled twice
     beat = await _published_beat(redis, ns, "b")
     assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 5, 0)
+
+
+async def test_orphan_journals_are_swept_and_journals_of_waiting_or_running_prompts_kept(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool,
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, durable_episodes=True)
+    running = await redis.xadd(keys.prompts, {"index": 0, "epoch": 0})
+    deleted = await redis.xadd(keys.prompts, {"index": 1, "epoch": 0})
+    await redis.xreadgroup(PRODUCERS_GROUP, "a", {keys.prompts: ">"}, count=2)  # both pending under a
+    await redis.xadd(keys.retry, {"index": 2, "epoch": 0})  # returned with its journal: waiting
+    journals = EpisodeJournals(redis, keys, "a")
+    for index in (0, 1):
+        entry = running if index == 0 else deleted
+        assert await journals.append(stream=keys.prompts, entry_id=entry, index=index, epoch=0, member=0,
+                                     seq=0, budget=0, step=b"s" * 10) == "ok"
+    for index, epoch in ((2, 0), (0, 1), (9, 0)):  # waiting; another epoch's; a prompt long gone
+        await redis.hset(keys.episode(index, epoch), mapping={"0:0": b"s" * 10, "n:0": 1, "bytes": 10})
+        await redis.hincrby(keys.state, StateField.JOURNAL_BYTES, 10)
+    await redis.xdel(keys.prompts, deleted)  # an operator's XDEL: pending, with no entry left
+    # a bounded SCAN step at a time, from the cursor kept in the state hash, round to its start
+    swept = await journals.sweep(2)
+    while int(await redis.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):  # type: ignore[misc]
+        swept += await journals.sweep(2)
+    assert swept == 3
+    assert sorted(await _journal_keys(redis, ns)) == sorted(k.encode() for k in (keys.episode(0, 0), keys.episode(2, 0)))
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 20
+    assert await _state_int(redis, ns, StateField.JOURNALS_SWEPT) == 3
+    assert await journals.sweep(1000) == 0  # nothing left to sweep
+    snap = await snapshot(redis, keys)
+    assert snap["episodes"]["journals_swept"] == 3 and snap["episodes"]["journals"] == 2
+    screen = Console(width=200, record=True)
+    screen.print(render(snap, plain=True))
+    assert "orphan journals swept 3" in screen.export_text()
+
+    # a producer's reclaim turn sweeps: the running prompt ends without PUBLISH (a dead-letter by hand)
+    await redis.xack(keys.prompts, PRODUCERS_GROUP, running)
+    await redis.xdel(keys.prompts, running)
+    await redis.hset(keys.state, StateField.PAUSED, 1)  # type: ignore[misc]  # the waiting prompt stays waiting
+    procs.producer(redis_url, ns, sim.url, "--reclaim-interval", "0.2", name="b")
+
+    async def swept_by_the_producer() -> bool:
+        return await _state_int(redis, ns, StateField.JOURNALS_SWEPT) == 4
+
+    await wait_until(swept_by_the_producer, message="the producer's reclaim turn swept the orphan")
+    assert await _journal_keys(redis, ns) == [keys.episode(2, 0).encode()]  # the waiting one stays

@@ -18,6 +18,7 @@ class EpisodeJournals(Guarded):
         self.keys = keys
         self.consumer = consumer
         self._journal_append = lua.JOURNAL_APPEND.bind(redis, keys)
+        self._sweep = lua.SWEEP_JOURNALS.bind(redis, keys)
 
     async def load(self, index: int, epoch: int) -> dict[int, list[bytes]]:
         """Member -> its journaled steps in order (a gap ends a member's steps); {} when none."""
@@ -45,6 +46,17 @@ class EpisodeJournals(Guarded):
             member=member, seq=seq, budget=budget, step=step,
         )
         return lua.status(appended)
+
+    async def sweep(self, count: int) -> int:
+        """One bounded step of the orphan-journal sweep: SCAN ``count`` keys on from the cursor
+        kept in the state hash, delete the journals whose prompt is in no prompt stream
+        (SWEEP_JOURNALS); how many went."""
+        raw = await self.redis.hget(self.keys.state, StateField.JOURNAL_SWEEP_CURSOR)
+        cursor = int(raw) if raw is not None and raw.isdigit() else 0
+        cursor, found = await self.redis.scan(cursor, match=self.keys.episode_pattern, count=count)
+        swept = int(await self._sweep(journals=found)) if found else 0
+        await self.redis.hset(self.keys.state, StateField.JOURNAL_SWEEP_CURSOR, int(cursor))
+        return swept
 
     async def count_diverged(self) -> None:
         await self.redis.hincrby(self.keys.state, StateField.RESUME_DIVERGED, 1)
