@@ -203,7 +203,7 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
         ))
         await _wait_engine(engine_url)
         for partial in (False, True):
-            label = "partial-on (default)" if partial else "partial-off"
+            label = "partial-on" if partial else "partial-off"
             results.append(await one_run(server.url, engine_url, partial=partial, prompts=prompts, label=label))
     return results
 

@@ -160,7 +160,9 @@ ACK_DELETE = load(
 )
 EVAL_COLLECT = load("eval_collect")
 ARCHIVED = load("archived")
-ADMIT = load("admit", group=PRODUCERS_GROUP, trainer_group=TRAINER_GROUP, cadence_cap=MEASURED_CADENCE_CAP)
+ADMIT = load(
+    "admit", group=PRODUCERS_GROUP, trainer_group=TRAINER_GROUP, cadence_cap=MEASURED_CADENCE_CAP, source_caps=""
+)
 SET_VERSION = load("set_version", trainer_group=TRAINER_GROUP)
 RENEW = load("renew", group=PRODUCERS_GROUP)
 RECLAIM_TURN = load("reclaim_turn")
