@@ -83,3 +83,28 @@ async def turns_then_tool(episode: Episode) -> Sample:
     if os.environ.get("BLOCK_AT") == "end":
         await asyncio.Event().wait()
     return episode.sample
+
+
+async def parallel_calls(episode: Episode) -> Sample:
+    """Two engine calls at once (``asyncio.gather``) whose finishing order ``ORDER`` sets (``ba``:
+    the call for ``b`` goes first, the other waits for it), both replies observed into the sample,
+    then a tool (``BLOCK_AT=tool`` blocks there) and a last call."""
+    first = os.environ.get("ORDER", "ab")[0]
+    done = asyncio.Event()
+    prompt = list(episode.sample.tokens)
+
+    async def call(name: str) -> list[int]:
+        if name != first:
+            await done.wait()
+        turn = await episode.complete([*prompt, ord(name)], max_new_tokens=4)
+        done.set()
+        return list(turn.token_ids)
+
+    replies = await asyncio.gather(call("a"), call("b"))
+    for ids in replies:
+        await episode.observe(ids)
+    _note("tool")
+    if os.environ.get("BLOCK_AT") == "tool":
+        await asyncio.Event().wait()
+    await episode.generate(max_new_tokens=4)
+    return episode.sample

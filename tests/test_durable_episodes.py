@@ -328,3 +328,33 @@ async def test_orphan_journals_are_swept_and_journals_of_waiting_or_running_prom
 
     await wait_until(swept_by_the_producer, message="the producer's reclaim turn swept the orphan")
     assert await _journal_keys(redis, ns) == [keys.episode(2, 0).encode()]  # the waiting one stays
+
+
+async def test_parallel_calls_that_finish_in_another_order_on_resume_are_replayed_not_diverged(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tool_log = tmp_path / "tools.log"
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, lease_seconds=3.0, durable_episodes=True)
+    await add_prompts(redis, ns, 1, text="Compute 2 + 2.")
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    monkeypatch.setenv("BLOCK_AT", "tool")
+    monkeypatch.setenv("ORDER", "ba")  # journaled b first, then a
+    first = procs.producer(redis_url, ns, sim.url, "--generate", fn("parallel_calls"), name="a")
+    await wait_until(lambda: any(rest == "tool" for _, rest in _tool_lines(tool_log)), message="in the tool")
+    assert await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 4  # two calls, two observes
+    first.send_signal(signal.SIGKILL)
+    await wait_exit(first)
+    monkeypatch.delenv("BLOCK_AT")
+    monkeypatch.setenv("ORDER", "ab")  # on resume a asks first: not the next journaled step
+    assert sim.state.requests == 2
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("parallel_calls"), name="b")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(90):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    assert batch.groups[0].producer == "b" and batch.groups[0].status in USABLE
+    assert sim.state.requests == 3  # only the last call is live
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 4, 0)
+    await _assert_no_journal(redis, ns)
