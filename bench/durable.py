@@ -44,8 +44,9 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import connect
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Prompt
-from rollstream.common.protocol import NamespaceLimits
+from rollstream.common.protocol import EpisodeJournals, NamespaceLimits
 from rollstream.consumer import GroupConsumer
+from rollstream.producer.reclaim import JOURNAL_SWEEP_COUNT
 from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import tokenize
@@ -195,6 +196,58 @@ async def limit_scenario(server: EmbeddedRedis, sim: SimEngine, prompts: int, pr
             "seconds": seconds}
 
 
+async def sweep_cost(server: EmbeddedRedis, queued: int, journals: int) -> dict[str, float]:
+    """One full round of the orphan-journal sweep (100-key SCAN steps, SWEEP_JOURNALS each) with
+    ``queued`` prompts in the prompt stream and ``journals`` journals, half of them orphans."""
+    ns = f"sweep{queued}"
+    keys = Keys(ns)
+    redis = await connect(server.url)
+    try:
+        await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, durable_episodes=True)
+        pipe = redis.pipeline(transaction=False)
+        for prompt in _prompts(queued):
+            pipe.xadd(keys.prompts, prompt_fields(prompt))
+        for i in range(journals):
+            index = i if i % 2 == 0 else queued + i  # odd ones: no prompt of that index (orphans)
+            pipe.hset(keys.episode(index, 0), mapping={"0:0": b"s" * 400, "n:0": 1, "bytes": 400})
+        await pipe.execute()
+        journaled = EpisodeJournals(redis, keys, "bench")
+        times: list[float] = []
+        swept = 0
+        while True:
+            started = time.perf_counter()
+            swept += await journaled.sweep(JOURNAL_SWEEP_COUNT)
+            times.append(time.perf_counter() - started)
+            if not int(await redis.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):
+                break
+        return {"steps": len(times), "swept": swept, "max_ms": 1000 * max(times), "mean_ms": 1000 * statistics.mean(times)}
+    finally:
+        await redis.aclose()
+
+
+def sweep_table(quick: bool = False) -> Table:
+    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 50_000)
+
+    async def measure() -> list[list[Any]]:
+        rows = []
+        with EmbeddedRedis() as server:
+            for queued in sizes:
+                got = await sweep_cost(server, queued, 200)
+                rows.append([queued, 200, int(got["swept"]), int(got["steps"]), got["mean_ms"], got["max_ms"]])
+        return rows
+
+    return Table(
+        name="durable-sweep",
+        title="The orphan-journal sweep's cost per reclaim turn",
+        headers=["prompts queued", "journals (half orphans)", "swept", "sweep steps (SCAN COUNT 100)",
+                 "mean ms per step", "slowest step ms"],
+        rows=asyncio.run(measure()),
+        notes=["one step per reclaim turn of the fleet; a step that finds journals reads the prompt streams "
+               "whole in one script (Redis is busy that long), a step that finds none costs one SCAN."],
+        command="python -m bench episodes --kill",
+    )
+
+
 def run(quick: bool = False) -> list[Table]:
     prompts = 8 if quick else 32
     """Prompts of the cost and limit runs (several waves of episodes, fast engine)."""
@@ -262,7 +315,7 @@ def run(quick: bool = False) -> list[Table]:
                  f"(mean 96 tokens, {slow_token * 1000:g} ms a token, deterministic simulator), a 100 ms tool "
                  f"between two calls, lease {LEASE:g} s; {rounds} rounds: medians, equality: every round, against "
                  "the first uninterrupted run.")
-    return [Table(
+    return [sweep_table(quick), Table(
         name="durable-kill",
         title="Durable episodes: a producer killed midway through 6-turn episodes",
         headers=["run", "wall s (A start to last take)", "s from the kill to the last take", "engine calls",
