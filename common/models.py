@@ -161,8 +161,17 @@ class Sample:
 
     @property
     def newest_version(self) -> int | None:
-        """The version of this sample's last engine call (the default rule judges by it)."""
-        return max(self.weight_versions) if self.weight_versions else None
+        """The newest version that surely generated some of this sample's tokens (the default rule
+        judges by it): the newest span's, else the newest call's. A call whose version moved while
+        it ran, with nothing to say where (``weight_version_split: unknown``), counts as the older
+        one: its tokens may all predate the update."""
+        if not self.weight_versions:
+            return None
+        if self.weight_version_spans:
+            return max(version for _, _, version in self.weight_version_spans)
+        if self.metadata.get("weight_version_split") == "unknown":
+            return min(self.weight_versions)
+        return max(self.weight_versions)
 
     def token_versions(self) -> array[int]:
         """The weight version of each response token (``response_length`` ints): from
@@ -357,7 +366,11 @@ class Group:
         the short samples of a group waiting for its longest, are not penalised (their older
         tokens carry their lag to the trainer instead). ``oldest_token``: from the oldest version
         of any sample (strict: grows with the generation's length)."""
-        since = self.min_version if rule == "oldest_token" else self.max_version
+        if rule == "oldest_token":
+            since = self.min_version
+        else:
+            newest = [v for s in self.samples if (v := s.newest_version) is not None]
+            since = max(newest) if newest else None
         return 0 if since is None else max(0, trainer_version - since)
 
     def token_lags(self, trainer_version: int) -> tuple[int, int, int]:

@@ -125,6 +125,18 @@ async def test_a_continued_generation_is_judged_by_its_newest_token_not_its_leng
         assert [g.index for g in batch.groups] == [2] and recycled == [0, 1]
 
 
+def test_a_reply_whose_version_moved_at_an_unknown_point_is_judged_by_the_older_version() -> None:
+    """A reply during which the engine's version moved, with nothing to say where, records both
+    versions (oldest first, ``weight_version_split: unknown``): its tokens may all predate the
+    update, so the default rule judges it by the older one too; a known split by its newest."""
+    unknown = _group(0, [6, 10])
+    for sample in unknown.samples:
+        sample.metadata["weight_version_split"] = "unknown"
+    assert unknown.staleness(10, "newest_token") == 4
+    assert unknown.staleness(10, "oldest_token") == 4
+    assert _group(1, [6, 10]).staleness(10, "newest_token") == 0
+
+
 async def test_take_overrides_max_staleness(redis: Redis, redis_url: str, ns: str) -> None:
     await make_namespace(redis, ns, max_staleness=2)
     await _publish(redis, ns, _group(0, [5]))
