@@ -315,7 +315,7 @@ def run(quick: bool = False) -> list[Table]:
                  f"(mean 96 tokens, {slow_token * 1000:g} ms a token, deterministic simulator), a 100 ms tool "
                  f"between two calls, lease {LEASE:g} s; {rounds} rounds: medians, equality: every round, against "
                  "the first uninterrupted run.")
-    return [sweep_table(quick), Table(
+    return [Table(
         name="durable-kill",
         title="Durable episodes: a producer killed midway through 6-turn episodes",
         headers=["run", "wall s (A start to last take)", "s from the kill to the last take", "engine calls",
@@ -355,7 +355,7 @@ def run(quick: bool = False) -> list[Table]:
             "the journal divided by the steps journaled.",
         ],
         command="python -m bench episodes --kill",
-    )]
+    ), sweep_table(quick)]
 
 
 if __name__ == "__main__":  # pragma: no cover

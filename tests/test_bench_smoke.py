@@ -62,7 +62,7 @@ def test_episodes_quick_produces_rows() -> None:
 
 @pytest.mark.timeout(120)
 def test_durable_quick_resumes_with_only_the_calls_in_flight_made_again() -> None:
-    kill, limit, cost = bench_main.run(["durable"], quick=True)
+    kill, limit, cost, sweep = bench_main.run(["durable"], quick=True)
     assert limit.rows[0][3] <= 3 and limit.rows[0][2] == 16  # 4 producers, a limit of 3: never more than 3 holders
     rows = {row[0]: row for row in kill.rows}
     resumed, start_over = rows["kill A at half, durable (resume)"], rows["kill A at half, start over"]
@@ -72,6 +72,7 @@ def test_durable_quick_resumes_with_only_the_calls_in_flight_made_again() -> Non
     assert all(row[8].split("/")[0] == row[8].split("/")[1] for row in kill.rows)  # token for token equal
     assert all(row[9] == 0 for row in kill.rows)  # every journal removed
     assert len(cost.rows) == 5
+    assert [row[2] for row in sweep.rows] == [100, 100]  # every orphan swept, the live journals kept
 
 
 @pytest.mark.timeout(120)
