@@ -56,3 +56,22 @@ async def poison_group_async(samples: list[Sample], prompt: Any, label: Any) -> 
 def always_raises(samples: list[Sample], prompt: Any, label: Any) -> list[float]:
     """A reward broken for every prompt."""
     raise RuntimeError("this reward is broken")
+
+
+BLOCK_REWARD_SECONDS = 7.0
+"""A blocking async reward holds the loop this long: past a 5 s lease (issue 43, finding 9)."""
+
+
+async def blocking_async(samples: list[Sample], prompt: Any, label: Any) -> list[Any]:
+    """Async, per group, and wrong: a ``BLOCKREWARD`` prompt calls a synchronous ``time.sleep``
+    on the producer's event loop; the others score 1.0 per sample."""
+    if isinstance(prompt, str) and "BLOCKREWARD" in prompt:
+        time.sleep(BLOCK_REWARD_SECONDS)  # noqa: ASYNC251 -- the mistake under test
+    return [1.0] * len(samples)
+
+
+async def blocking_async_per_sample(sample: Sample, prompt: Any, label: Any) -> float:
+    """:func:`blocking_async`, per sample: each sample of a ``BLOCKREWARD`` prompt holds the loop."""
+    if isinstance(prompt, str) and "BLOCKREWARD" in prompt:
+        time.sleep(BLOCK_REWARD_SECONDS)  # noqa: ASYNC251 -- the mistake under test
+    return 1.0
