@@ -13,7 +13,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_un
 from redis.asyncio import Redis
 from rollstream.common.events import recent_events
 from rollstream.common.keys import Keys
-from rollstream.producer.engine import EngineState
+from rollstream.producer.engine import EngineClient, EngineSettings, EngineState
 from rollstream.producer.engine.fleet import AFFINITY_SLACK, Fleet
 from rollstream.testing.sim import SimConfig, SimEngine
 from test_inspect import run_inspect
@@ -367,3 +367,41 @@ async def test_an_engine_that_answers_health_and_never_a_generation_is_suspect_a
         log = procs.log_of(producer)
         assert f"engine {stuck.url}: healthy -> suspect:" in log and "no answer for" in log, log
     assert producer.poll() is None, procs.log_of(producer)
+
+
+class _CountedTask(asyncio.Task[Any]):
+    """A task that counts the calls to its ``cancel``."""
+
+    cancels = 0
+
+    def cancel(self, msg: Any = None) -> bool:
+        self.cancels += 1
+        return super().cancel(msg)
+
+
+async def test_a_request_whose_engine_is_taken_out_goes_elsewhere_and_nothing_cancels_its_task(sim: SimEngine) -> None:
+    """The request learns that its engine is out through its own await (the engine's ``lost``
+    future beside its HTTP call) and is sent again to the other engine; its task is never
+    cancelled (was: the fleet cancelled it and the client un-cancelled it to resend)."""
+    async with _Stuck() as stuck:
+        settings = EngineSettings(urls=(stuck.url, sim.url), adaptive_concurrency=False)
+        async with EngineClient(settings) as client:
+            fleet = client.fleet
+            held, good = fleet.engines[stuck.url], fleet.engines[sim.url]
+            for engine in (held, good):
+                fleet.joined(engine, "test")
+            assert fleet.stall(good, "test: only the stuck engine is routed", 300.0)
+
+            async def ask() -> Any:
+                body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+                engine, _ = await client.request("/generate", body, limit=1 << 20)
+                return engine
+
+            asking = _CountedTask(ask())
+            await wait_until(lambda: stuck.generations == 1, timeout=30, message="the request on the stuck engine")
+            fleet.unstall(good)
+            assert fleet.take_out(held, EngineState.EJECTED, "test: taken out")
+            assert await asyncio.wait_for(asking, 30) is good
+            assert asking.cancels == 0
+            assert client.errors.get("engine_lost") == 1 and client.retries == 0
+            assert not held.attempts and held.in_flight == 0

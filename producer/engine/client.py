@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -159,6 +159,12 @@ class _Blame:
         if isinstance(exc, EngineRejected) and not exc.engine:
             exc.engine = self._engine.url
         # returning None: the exception propagates as it is
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Read a cancelled call's outcome (no "exception never retrieved" warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def route_key(index: int, epoch: int) -> str:
@@ -351,7 +357,6 @@ class EngineClient:
         settings = self.settings
         fleet = self.fleet
         headers = {ROUTING_KEY_HEADER: key} if key is not None else None
-        task = asyncio.current_task()
         if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
             self._ensure_monitor()
         if not self._versions_read.is_set():
@@ -363,22 +368,19 @@ class EngineClient:
             engine.in_flight += weight
             sent = time.monotonic()
             try:
-                with self.blame(engine), attempt_on(engine, task):
-                    status, raw = await self.transport.request("POST", url, content, limit=limit,
-                                                               seconds=settings.request_timeout, headers=headers)
+                with self.blame(engine):
+                    answer = await self._unless_lost(engine, self.transport.request(
+                        "POST", url, content, limit=limit, seconds=settings.request_timeout, headers=headers))
+                    if answer is None:
+                        self._count_error("engine_lost")
+                        logger.info("engine %s taken out (%s): request sent again elsewhere", engine.url,
+                                    engine.state)
+                        continue
+                    status, raw = answer
                     if status != 200 and status not in RETRY_STATUS:
                         self._count_error(f"http_{status}")
                         engine.last_reply = time.monotonic()
                         raise EngineRejected(status, raw.decode("utf-8", "replace"))
-            except asyncio.CancelledError:
-                if task is None or task not in engine.lost:
-                    raise
-                engine.lost.discard(task)
-                if task.uncancel() > 0:  # cancelled by someone else too
-                    raise
-                self._count_error("engine_lost")
-                logger.info("engine %s taken out (%s): request sent again elsewhere", engine.url, engine.state)
-                continue
             except ConnectionError as exc:  # the transport's: no HTTP answer
                 failure = str(exc)
                 self._count_error("connection")
@@ -410,6 +412,23 @@ class EngineClient:
             self.retries += 1
             logger.info("engine %s: %s; retry %d in %.2f s", url, failure, attempt, delay)
             await asyncio.sleep(delay)
+
+    @staticmethod
+    async def _unless_lost(engine: Engine, call: Coroutine[Any, Any, tuple[int, bytes]]) -> tuple[int, bytes] | None:
+        """``call``'s answer, or None when ``engine`` is taken out first (``call``, its own task, is
+        then cancelled): the request learns it through its own await, nobody cancels it."""
+        lost = engine.lost_signal()
+        running = asyncio.ensure_future(call)
+        try:
+            with attempt_on(engine, running):
+                await asyncio.wait((running, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not running.done():
+                running.cancel()
+                running.add_done_callback(_retrieved)
+        if running.done() and not running.cancelled():
+            return running.result()
+        return None
 
     async def post(self, path: str, body: Mapping[str, Any]) -> tuple[str, bytes]:
         """POST ``body`` to the least-loaded engine with the retries, deadline and reply bound

@@ -122,16 +122,17 @@ class Engine:
         self.next_probe = 0.0
         self.out_count = 0
         """Times it was taken out of routing (the probe backoff grows with it)."""
-        self.attempts: dict[asyncio.Task[Any], float] = {}
-        """The tasks whose request to it is in flight (cancelled when it is lost), and when each was sent."""
+        self.attempts: dict[object, float] = {}
+        """Its requests in flight (one key each) and when each was sent."""
         self.last_answer = time.monotonic()
         """When a request on it last ended with a usable reply (probes do not move it)."""
         self.stalled = False
         """Holding requests with no answer past its bound: ``suspect`` and out of routing (:meth:`Fleet.stall`)."""
         self.stalled_until = 0.0
         self.stalls = 0
-        self.lost: set[asyncio.Task[Any]] = set()
-        """Of those, the ones cancelled because the engine was taken out (retried elsewhere)."""
+        self.lost: asyncio.Future[None] | None = None
+        """Resolved when it is taken out with requests in flight: each request awaits it alongside its
+        HTTP call (:meth:`lost_signal`) and is sent again elsewhere; then replaced for the next ones."""
         self.registered = registered
         """Came from the engine registry (dropped once drained when the registry forgets it)."""
         self.removed = False
@@ -161,6 +162,13 @@ class Engine:
     @property
     def routed(self) -> bool:
         return self.state in ROUTED and not self.stalled
+
+    def lost_signal(self) -> asyncio.Future[None]:
+        """What a request sent to it now awaits beside its reply: resolved when it is taken out."""
+        lost = self.lost
+        if lost is None or lost.done():
+            lost = self.lost = asyncio.get_running_loop().create_future()
+        return lost
 
     def silent_for(self, now: float) -> float:
         """Seconds it has held requests without answering one (0 when it holds none)."""
@@ -388,11 +396,11 @@ class Fleet:
         self._wake()
 
     def lose_requests(self, engine: Engine) -> None:
-        """Cancel the requests in flight on ``engine``: the client retries each elsewhere."""
-        for task in engine.attempts:
-            if task not in engine.lost:
-                engine.lost.add(task)
-                task.cancel()
+        """Tell the requests in flight on ``engine`` that it is out (each awaits :meth:`Engine.lost_signal`
+        and sends itself again elsewhere; nothing is cancelled from here)."""
+        lost, engine.lost = engine.lost, None
+        if lost is not None and not lost.done():
+            lost.set_result(None)
 
     def joined(self, engine: Engine, why: str) -> None:
         """A joining engine answered its first probe: routed (``healthy``), unless it is behind."""
@@ -540,12 +548,10 @@ async def gather_probes(probe: Probe, engines: Iterable[Engine]) -> None:
 
 
 @contextlib.contextmanager
-def attempt(engine: Engine, task: asyncio.Task[Any] | None) -> Any:
-    """Register the current task's request on ``engine`` (so losing the engine cancels it)."""
-    if task is not None:
-        engine.attempts[task] = time.monotonic()
+def attempt(engine: Engine, key: object) -> Any:
+    """Register a request in flight on ``engine`` under ``key`` (its stall clock and count)."""
+    engine.attempts[key] = time.monotonic()
     try:
         yield
     finally:
-        if task is not None:
-            engine.attempts.pop(task, None)
+        engine.attempts.pop(key, None)
