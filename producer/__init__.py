@@ -45,7 +45,7 @@ Modules, one concern each:
   is kept out of it: the producer's ``SamplingParams`` and its engine mapping are built once, a group's
   episode facts (metadata view, prompt ids, prompt source) once per group, a call that was one unaborted
   request takes the reply's arrays as its ``Turn``'s (no copy), and a trajectory JSON-encodes each of its
-  token ids once (``engine.client.IdsJson``), not again with every turn
+  token ids once (``engine.ids_json.IdsJson``), not again with every turn
 * ``checks``: the one validation before publish: ``as_samples`` (the shape of a generate function's result)
   and ``check_sample`` (free-form fields encodable, tokens = prompt + response, mask and log-probs one per
   response token, finite where trained, spans inside the response); a problem is one FAILED sample with the

@@ -50,7 +50,7 @@ from .durable import (
     unpack_ints,
 )
 from .engine import EngineClient, Generation, route_key
-from .engine.client import IdsJson
+from .engine.ids_json import IdsJson
 from .episode import Episode, EpisodeInfo, SamplingParams, Trajectory, Turn
 from .shared_limits import SharedLimits
 from .telemetry import Metrics

@@ -13,7 +13,8 @@ import httpx
 import msgspec
 from rollstream.common.models import Prompt, Sample, Status
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.engine.client import _ENCODER, IdsJson
+from rollstream.producer.engine.ids_json import ENCODER as _ENCODER
+from rollstream.producer.engine.ids_json import IdsJson
 from rollstream.producer.episode import Episode
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout

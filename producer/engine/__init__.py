@@ -8,7 +8,8 @@
   the registry); :mod:`.fleet`: each engine's state and the cache-aware routing with bounded
   loads; :mod:`.discovery`: model-info versions and gateway workers. A request learns that its
   engine was taken out through its own await (the engine's ``lost`` future, awaited beside its
-  HTTP call); the fleet cancels no task it does not own.
+  HTTP call); the fleet cancels no task it does not own. :mod:`.ids_json`: request bodies'
+  encoder, which writes a trajectory's token ids as JSON once (:class:`~.ids_json.IdsJson`).
 * dialects (:mod:`.dialects` names them): :mod:`.sglang` (native ``/generate``), :mod:`.openai`
   (``/v1/completions``, ``/v1/chat/completions``), :mod:`.vllm` (``/inference/v1/generate``):
   each only translates (pure ``encode(request, settings) -> Encoded`` and ``decode(encoded,
