@@ -135,7 +135,8 @@ async def test_engines_join_and_drain_under_a_running_producer_and_every_prompt_
 ) -> None:
     keys = Keys(ns)
     registry = EngineRegistry(redis, keys)
-    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    # a small backlog paces the producer by the takes, so prompts are left when the engine joins
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_backlog=4)
     slow = SimConfig(seed=4, mean_tokens=16, latency_per_token=0.01)
     async with SimEngine(slow) as joining:
         await redis.hset(keys.engines, "not a url", json.dumps({"state": "active"}))  # skipped, with a warning
@@ -148,6 +149,13 @@ async def test_engines_join_and_drain_under_a_running_producer_and_every_prompt_
 
             await take(4)
             await registry.add([joining.url])
+
+            async def joined() -> bool:
+                beat = json.loads((await redis.hget(keys.producers, "follower")) or "{}")
+                states = {e["url"]: e.get("state") for e in beat.get("engine_fleet", [])}
+                return states.get(joining.url) not in (None, "joining")
+
+            await wait_until(joined, timeout=60, message="the registered engine answered its first probe")
             async with asyncio.timeout(120):  # taking, so the backlog never stops the producer meanwhile
                 while not await _requests(joining):
                     await take(2)

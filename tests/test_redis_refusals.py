@@ -27,6 +27,7 @@ from rollstream.common.lua import (
     LIMIT_RENEW,
     PUBLISH,
     RATE_TAKE,
+    SWEEP_JOURNALS,
     script_commands,
 )
 from rollstream.common.protocol import (
@@ -178,7 +179,8 @@ def test_the_role_table_is_the_acl_template() -> None:
     assert f"user {OPERATOR_ROLE} " in TEMPLATE.read_text()
     # every command the scripts call is granted to the role whose process calls them
     assert set(script_commands(LEASE)) <= {c.upper() for c in ROLE_COMMANDS["trainer"]}
-    for script in (PUBLISH, JOURNAL_APPEND, LIMIT_ACQUIRE, LIMIT_RENEW, RATE_TAKE):  # durable episodes: the producer journals and drops journals
+    # durable episodes: the producer journals, drops and sweeps journals
+    for script in (PUBLISH, JOURNAL_APPEND, LIMIT_ACQUIRE, LIMIT_RENEW, RATE_TAKE, SWEEP_JOURNALS):
         assert set(script_commands(script)) <= {c.upper() for c in ROLE_COMMANDS["producer"]}, script.name
 
 
