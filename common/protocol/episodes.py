@@ -4,6 +4,7 @@ prompt over, appended one step at a time under the prompt attempt's lease (JOURN
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from .. import lua
 from ..keys import Keys, StateField
@@ -53,7 +54,12 @@ class EpisodeJournals(Guarded):
         (SWEEP_JOURNALS); how many went."""
         raw = await self.redis.hget(self.keys.state, StateField.JOURNAL_SWEEP_CURSOR)
         cursor = int(raw) if raw is not None and raw.isdigit() else 0
-        cursor, found = await self.redis.scan(cursor, match=self.keys.episode_pattern, count=count)
+        # in a Cluster the namespace's keys share one slot: SCAN that slot's node alone
+        node = {"target_nodes": self.redis.get_node_from_key(self.keys.state)} if isinstance(
+            self.redis, RedisCluster) else {}
+        cursor, found = await self.redis.scan(cursor, match=self.keys.episode_pattern, count=count, **node)
+        if isinstance(cursor, dict):  # a Cluster answers {node name: cursor}
+            cursor = next(iter(cursor.values()))
         swept = int(await self._sweep(journals=found)) if found else 0
         await self.redis.hset(self.keys.state, StateField.JOURNAL_SWEEP_CURSOR, int(cursor))
         return swept
