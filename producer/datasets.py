@@ -73,14 +73,13 @@ class RowFormat:
         if self.metadata_key is None:
             metadata = {k: v for k, v in obj.items() if k not in (self.prompt_key, self.label_key)}
         else:
-            metadata = self._metadata(obj, where)
+            metadata = self._metadata(obj, self.metadata_key, where)
         return Record(prompt, label, metadata)
 
-    def _metadata(self, obj: dict[str, Any], where: str) -> dict[str, Any]:
-        assert self.metadata_key is not None
-        metadata = obj.get(self.metadata_key) or {}
+    def _metadata(self, obj: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+        metadata = obj.get(key) or {}
         if not isinstance(metadata, dict):
-            raise RowError(f"{where}: field {self.metadata_key!r} must be an object, got {type(metadata).__name__}")
+            raise RowError(f"{where}: field {key!r} must be an object, got {type(metadata).__name__}")
         metadata = dict(metadata)
         if self.tool_key is not None and obj.get(self.tool_key) is not None:
             tools = obj[self.tool_key]
