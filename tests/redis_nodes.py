@@ -188,6 +188,14 @@ class SentinelSet:
         with self.sentinels[0].client() as c:
             return int(c.sentinel_get_master_addr_by_name(self.service)[1])
 
+    def master_ports(self) -> set[int]:
+        """The primary's port as each sentinel sees it (they agree once a failover has spread)."""
+        ports = set()
+        for sentinel in self.sentinels:
+            with sentinel.client() as c:
+                ports.add(int(c.sentinel_get_master_addr_by_name(self.service)[1]))
+        return ports
+
     def stop(self) -> None:
         for node in [*self.sentinels, self.replica, self.primary]:
             node.stop()

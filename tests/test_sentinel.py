@@ -106,7 +106,10 @@ async def _rejoin_as_replica(sentinels: SentinelSet, old_port: int) -> None:
     here) once the failover is done, and Sentinel turns it into the new primary's replica."""
 
     async def failed_over() -> bool:
-        return await asyncio.to_thread(sentinels.master_port) != old_port
+        # every sentinel must name the new primary first: a client asking one that does not yet
+        # would be sent to the old port, where the restarted (empty) primary answers
+        ports = await asyncio.to_thread(sentinels.master_ports)
+        return len(ports) == 1 and old_port not in ports
 
     await wait_until(failed_over, timeout=60, interval=0.2, message="Sentinel's failover")
     await asyncio.to_thread(sentinels.primary.start)
