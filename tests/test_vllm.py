@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ProcessPool, make_namespace
+from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
@@ -148,6 +148,14 @@ async def _take_all(consumer: GroupConsumer, count: int, batch: int) -> list[Any
     return groups
 
 
+async def _running(served: Served) -> bool:
+    """Whether vLLM has requests in its running batch (its Prometheus gauge)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{served.url}/metrics")).text
+    return any(float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
 def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, count: int, api: str = "vllm") -> list[Any]:
     model = ("--model", str(served.weights[0])) if api == "openai" else ()
     return [
@@ -183,6 +191,10 @@ async def _live_update(served: Served, redis_url: str, redis: Redis, ns: str, pr
         # the untrained model runs every sample to 400 tokens: with prompts still waiting, the
         # producers have requests in flight when the update lands; they are aborted and recycled
         assert int(await redis.xlen(Keys(ns).prompts)) > 0, "the producers already finished everything"
+        # vLLM batches a wave's requests together, so they end together: update while the next
+        # wave runs (what the abort is for), not in the gap between two
+        await wait_until(lambda: _running(served), timeout=120, interval=0.05,
+                         message="vLLM running requests before the update")
         report = await sync.update(consumer, str(served.weights[1]), 1, mode="abort")
         assert await sync.versions() == {served.url: 1}
         groups = first.groups + await _take_all(consumer, prompts - 4, 8)
