@@ -29,7 +29,7 @@ from rollstream.common.namespace import read_state, state_int
 from rollstream.consumer import GroupConsumer
 from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
-from bench.common import OUT, Table, add_prompts, children, cpu_seconds, init_ns, spawn
+from bench.common import OUT, Table, add_prompts, children, cpu_seconds, init_ns, spawn, wait_engine
 
 N = 8
 BATCH = 16
@@ -65,18 +65,6 @@ def theoretical_bound(draws: int = 2000, seed: int = 0, max_staleness: int = 1) 
     async_step = max(TRAIN, average, (longest + TRAIN) / (max_staleness + 1))
     return {"sync_step": sync_step, "async_step": async_step, "speedup": sync_step / async_step,
             "longest": longest, "mean": average}
-
-
-async def _wait_engine(url: str) -> None:
-    async with httpx.AsyncClient() as http:
-        for _ in range(400):
-            try:
-                if (await http.get(url + "/health", timeout=1)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError("simulator did not start")
 
 
 async def _sample_slots(url: str, stop: asyncio.Event, out: list[float]) -> None:
@@ -162,7 +150,7 @@ async def measure(quick: bool) -> dict[str, dict[str, Any]]:
             OUT / "sim-async-vs-sync.log",
         )
         procs.append(sim)
-        await _wait_engine(engine_url)
+        await wait_engine(engine_url)
         for mode in ("sync", "async"):
             results[mode] = await _one_mode(server.url, engine_url, sim.pid, mode, steps)
         if not quick:

@@ -37,7 +37,7 @@ from rollstream.consumer import GroupConsumer
 from rollstream.consumer.biaswatch import BiasWatch
 from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 
-from bench.common import IMG, OUT, Table, children, init_ns, make_group, spawn
+from bench.common import IMG, OUT, Table, children, init_ns, make_group, spawn, wait_engine
 
 N = 4
 BATCH = 8
@@ -65,18 +65,6 @@ def bias_prompt(index: int) -> Prompt:
     a, b = index % 97, (index * 7) % 89
     reply = LONG_TOKENS if is_long(index) else SHORT_TOKENS
     return Prompt(index=index, prompt=f"What is {a} + {b}? [reply={reply}]", label=str(a + b))
-
-
-async def _wait_engine(url: str) -> None:
-    async with httpx.AsyncClient() as http:
-        for _ in range(400):
-            try:
-                if (await http.get(url + "/health", timeout=1)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError("simulator did not start")
 
 
 async def _dead_indices(redis: Any, keys: Keys) -> list[int]:
@@ -201,7 +189,7 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
              "--latency-per-token", str(PER_TOKEN), "--max-running", str(CONCURRENCY), "--log-level", "WARNING"],
             OUT / "sim-bias.log",
         ))
-        await _wait_engine(engine_url)
+        await wait_engine(engine_url)
         for partial in (False, True):
             label = "partial-on" if partial else "partial-off"
             results.append(await one_run(server.url, engine_url, partial=partial, prompts=prompts, label=label))

@@ -283,3 +283,20 @@ def plt() -> Any:
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+async def wait_engine(url: str) -> None:
+    """Until the engine (a simulator started by a benchmark) answers ``/health``, at most 20 s."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient() as http:
+        for _ in range(400):
+            try:
+                if (await http.get(url + "/health", timeout=1)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"the engine at {url} did not start")
