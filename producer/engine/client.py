@@ -24,15 +24,7 @@ from rollstream.common.errors import ConfigError, EngineError, EngineRejected, E
 from rollstream.common.urls import check_url
 
 from .dialects import DIALECTS
-from .discovery import (
-    FROM_REPLIES,
-    FROM_TRAINER,
-    INFO_BYTES,
-    PROBE_ERRORS,
-    VERSION_HINTS,
-    gateway_workers,
-    probe_version_at,
-)
+from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers
 from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probes
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
@@ -42,6 +34,7 @@ from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
 from .types import Generation, Messages, Request
+from .versions import CatchUp, Versions, cancel_own
 
 if TYPE_CHECKING:
     from ..tokenizer import PromptTokenizer
@@ -55,13 +48,6 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 policy reads (slime sends its session id in it); engines ignore it."""
 ROUND_TRIP_WEIGHT = 0.1
 """Weight of the newest request in an engine's mean request time."""
-CATCH_UP_TIMEOUT = 600.0
-"""Seconds one step of a catch-up (a weight reload) may take."""
-CATCH_UP_RETRY = 60.0
-"""Seconds before a failed catch-up of an engine is tried again."""
-CATCH_UP_RETRY_MAX = 900.0
-"""Most seconds between the catch-ups of an engine whose reloads answer success and do not take
-(the pause doubles from :data:`CATCH_UP_RETRY`)."""
 STALL_FACTOR = 8.0
 """An engine holding requests that answers none for this many times its mean request time (the
 fleet's when it has none) is stalled: ``suspect``, out of routing, its requests sent elsewhere."""
@@ -143,38 +129,14 @@ class EngineClient:
                            joining=len(bare_urls) + len(settings.registry_urls) > 1)
         self._next_load = 0.0
         self._monitor: asyncio.Task[None] | None = None
-        self._weights: tuple[str, int] | None = None
-        """Where the trainer's weights are (``--catch-up-engines``): path, version."""
-        self._catch_ups: dict[str, asyncio.Task[None]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         """Engine URL -> its probe running now (each runs apart, so a hanging one delays no other)."""
-        self._catch_up_after: dict[str, float] = {}
-        self._catch_up_failures: dict[str, int] = {}
-        """Engine URL -> catch-ups in a row that answered success and left its version behind."""
         self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
-        self._version_paths: dict[str, str] = {}
-        """Engine URL -> the endpoint that last gave its weight version."""
-        self._versions_from: dict[str, str] = {}
-        """Engine URL -> where its last reply's versions came from (``weight_versions_from``)."""
-        self._version_reads: dict[str, asyncio.Future[None]] = {}
-        """Engine URL -> its weight-version read in flight (concurrent askers share it)."""
-        self._reread_version: set[str] = set()
-        """Engines whose last reply without a version was aborted (a weight update starts so): the
-        next finished reply reads the version again, whatever was cached in between."""
-        self._said_no_version: set[str] = set()
-        """Engines named in the no-version warning (once each)."""
-        self._versions_read = asyncio.Event()
-        self._versions_read.set()
-        """Cleared from a weight update's news (:meth:`versions_moved`) until every engine's
-        version was read again: no request is sent meanwhile, so none is labelled from before it."""
-        self._versions_moved_again = False
-        self._versions_paused = False
-        self._news_at = -float("inf")
-        """When the last news of a weight update came: a reply to a request sent before it is checked."""
-        self._versions_task: asyncio.Task[None] | None = None
+        self.versions = Versions(self.fleet, transport, self.dialect, settings)
+        self.catch_up = CatchUp(self.versions)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -184,15 +146,11 @@ class EngineClient:
 
     async def aclose(self) -> None:
         monitor, self._monitor = self._monitor, None
-        tasks = [*self._catch_ups.values(), *self._probes.values(), *([monitor] if monitor is not None else []),
-                 *([self._versions_task] if self._versions_task is not None else [])]
-        self._catch_ups.clear()
+        tasks = [*self._probes.values(), *([monitor] if monitor is not None else [])]
         self._probes.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_own(tasks)
+        await self.catch_up.aclose()
+        await self.versions.aclose()
         await self.transport.aclose()
 
     @property
@@ -298,8 +256,8 @@ class EngineClient:
         headers = {ROUTING_KEY_HEADER: key} if key is not None else None
         if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
             self._ensure_monitor()
-        if not self._versions_read.is_set():
-            await self._versions_read.wait()  # bounded: each read by model_info_timeout
+        if not self.versions.settled.is_set():
+            await self.versions.settled.wait()  # bounded: each read by model_info_timeout
         attempt = 0
         while True:
             engine = await self._routed(key, weight)
@@ -460,12 +418,10 @@ class EngineClient:
         encoded = dialect.encode(request, settings)
         limit = self.reply_limit(request.max_new_tokens, encoded.weight, encoded.prompt_tokens, encoded.prompt_copies,
                                  replay_prompt_tokens=encoded.replay_prompt_tokens)
-        if not self._versions_read.is_set():
-            await self._versions_read.wait()
+        if not self.versions.settled.is_set():
+            await self.versions.settled.wait()
         sent = time.monotonic()
-        # an engine that aborted a reply since its last read may have new weights: its version is
-        # unknown when this is sent, so a read after the reply labels it
-        before = {url: None if url in self._reread_version else e.version for url, e in self.fleet.engines.items()}
+        before = self.versions.before_send()
         try:
             engine, raw = await self.request(encoded.path, encoded.body, encoded.weight, limit=limit, key=request.key)
             with self.blame(engine):
@@ -476,8 +432,6 @@ class EngineClient:
             if bad is not None and exc.reason != "deadline":  # the deadline was counted where it struck
                 self.fleet.failed(bad, f"unusable reply: {exc.reason}: {exc.detail[:200]}")
             raise
-        asked: int | None = None
-        missing = False
         newest: int | None = None
         for generation in generations:
             generation.engine = engine.url
@@ -489,24 +443,7 @@ class EngineClient:
                 engine.cached_tokens += cache[1]
             engine.tokens += len(generation.output_ids)
         self.fleet.answered(engine, newest)
-        aborted = any(g.finish_reason == "abort" for g in generations)
-        for generation in generations:
-            if generation.weight_version is None:
-                if not missing:  # once per reply
-                    if not aborted and engine.url in self._reread_version:
-                        engine.version_checked = -float("inf")
-                        self._reread_version.discard(engine.url)
-                    earlier, asked = await self._version_for_reply(engine, sent, before.get(engine.url), aborted)
-                    missing = True
-                    if asked is None:
-                        self._say_no_version([engine.url])
-                generation.weight_version_before, generation.weight_version = earlier, asked
-        if missing and aborted:
-            self._reread_version.add(engine.url)
-        self._versions_from[engine.url] = (
-            FROM_REPLIES if not missing else FROM_TRAINER if asked is None
-            else f"GET {self._version_paths.get(engine.url, '?')}"
-        )
+        await self.versions.label(engine, generations, sent, before)
         return generations
 
     # -- tokenization -------------------------------------------------------------------
@@ -567,143 +504,21 @@ class EngineClient:
     # -- weight version, gateway, abort -------------------------------------------------
 
     async def weight_version(self, engine: Engine | None = None) -> int | None:
-        """Best-effort weight version of an engine: cached for ``model_info_ttl`` seconds,
-        refreshed from the dialect's model-info endpoints; a failure keeps the last good value."""
-        engine = engine or self._engines[0]
-        reading = self._version_reads.get(engine.url)
-        if reading is not None:  # a read in flight: wait for its answer rather than the value it replaces
-            await asyncio.shield(reading)
-            return engine.version
-        now = time.monotonic()
-        if not engine.has_model_info or now - engine.version_checked < self.settings.model_info_ttl:
-            return engine.version
-        engine.version_checked = now
-        read = asyncio.ensure_future(self._read_version(engine))
-        self._version_reads[engine.url] = read
-        try:
-            await asyncio.shield(read)
-        finally:
-            if self._version_reads.get(engine.url) is read:
-                del self._version_reads[engine.url]
-        return engine.version
-
-    async def _read_version(self, engine: Engine) -> None:
-        version, path, exists = await probe_version_at(
-            self.transport, engine.url, self.dialect.version_paths, self.settings.model_info_timeout
-        )
-        if not exists:
-            engine.has_model_info = False  # an engine with none of the endpoints: stop asking
-            logger.info("%s has no model-info endpoint; weight versions come from the trainer", engine.url)
-        elif version is not None:
-            self._version_paths[engine.url] = path
-            self.fleet.version_seen(engine, version)
-
-    async def _version_for_reply(
-        self, engine: Engine, sent: float, before: int | None, aborted: bool = False
-    ) -> tuple[int | None, int | None]:
-        """``(earlier, version)`` of a reply that carried no version. ``before`` is the engine's
-        version as known when the request was sent (a weight update's news has every engine read
-        again before any request is sent). While no read started and no news came since it was
-        sent (the cache is fresh), that stands; else the weights may have moved while it ran, and a read
-        after the reply decides: the same version, or both (``earlier`` the older: nothing says
-        where the change fell). An aborted reply's tokens came before the pause that aborted it:
-        the version before stands."""
-        replied = time.monotonic()
-        if aborted and before is not None:
-            return None, before
-        if before is None or not engine.has_model_info:
-            return None, await self.weight_version(engine)
-        if engine.version_checked < sent and self._news_at < sent:
-            await self.weight_version(engine)  # read only when the cache is past model_info_ttl
-            if engine.version_checked < sent:
-                return None, before
-        after = await self._read_version_after(engine, replied)
-        if after is None or after == before:
-            return None, before
-        return min(before, after), max(before, after)
-
-    async def _read_version_after(self, engine: Engine, moment: float) -> int | None:
-        """The engine's version from a read started at or after ``moment`` (reads in flight are shared)."""
-        for _ in range(2):
-            reading = self._version_reads.get(engine.url)
-            if reading is not None:
-                await asyncio.shield(reading)
-            if engine.version_checked >= moment:
-                return engine.version
-            if reading is None:
-                engine.version_checked = -float("inf")
-                return await self.weight_version(engine)
-        return engine.version
+        """:meth:`.versions.Versions.read` of ``engine`` (the first engine by default)."""
+        return await self.versions.read(engine or self._engines[0])
 
     def versions_moved(self, *, paused: bool = False) -> None:
-        """News of a weight update: a pause (``paused``: while it lasts the versions cannot be
-        known, so no request is sent), a resume or a new trainer version (every engine's version
-        is read again, then requests go out)."""
-        self._news_at = time.monotonic()
-        self._versions_read.clear()
-        self._versions_paused = paused
-        if paused:
-            return
-        if self._versions_task is not None and not self._versions_task.done():
-            self._versions_moved_again = True
-            return
-        self._versions_moved_again = False
-        self._versions_task = asyncio.create_task(self._read_all_versions(), name="versions-moved")
-
-    async def _read_all_versions(self) -> None:
-        try:
-            while True:
-                engines = [e for e in self.fleet.engines.values() if e.has_model_info]
-                for engine in engines:
-                    engine.version_checked = -float("inf")
-                await asyncio.gather(*(self.weight_version(e) for e in engines), return_exceptions=True)
-                if not self._versions_moved_again:
-                    break
-                self._versions_moved_again = False
-        finally:
-            if not self._versions_paused:
-                self._versions_read.set()
+        """News of a weight update: :meth:`.versions.Versions.moved`."""
+        self.versions.moved(paused=paused)
 
     @property
     def versions_from(self) -> str:
-        """Where this producer's weight versions come from, over its engines' last replies (before
-        any reply: what :meth:`check_versions` found); the heartbeat's ``weight_versions_from``."""
-        return ", ".join(sorted(set(self._versions_from.values())))
+        """The heartbeat's ``weight_versions_from``: :attr:`.versions.Versions.sources`."""
+        return self.versions.sources
 
     async def check_versions(self) -> None:
-        """Once at start, on an API whose replies carry no version (OpenAI): ask every engine for
-        its weight version, and say which give none (:meth:`_say_no_version`). On the native APIs
-        the replies carry them; an engine whose reply has none and whose endpoint gives none is
-        named at that first reply instead."""
-        if self.dialect.replies_carry_versions:
-            return
-        engines = list(self.fleet.engines.values())
-        versions = await asyncio.gather(*(self.weight_version(e) for e in engines))  # one timeout in all
-        silent = []
-        for engine, version in zip(engines, versions, strict=True):
-            if version is not None:
-                self._versions_from.setdefault(engine.url, f"GET {self._version_paths.get(engine.url, '?')}")
-            else:
-                silent.append(engine.url)
-                self._versions_from.setdefault(engine.url, FROM_TRAINER)
-        self._say_no_version(silent)
-
-    def _say_no_version(self, urls: list[str]) -> None:
-        """A warning, once per engine: its samples get the trainer's version at admission
-        (staleness is then counted from admission, not from the weights that generated them),
-        and which API would give versions."""
-        new = [url for url in urls if url not in self._said_no_version]
-        if not new:
-            return
-        self._said_no_version.update(new)
-        api = self.settings.api
-        logger.warning(
-            "engine(s) %s on --engine-api %s report no weight version at %s (or could not be asked)%s: "
-            "their samples get the trainer's version at admission (weight_version_source "
-            "trainer_at_admission); %s",
-            ", ".join(new), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths),
-            " nor in their replies" if self.dialect.replies_carry_versions else "", VERSION_HINTS.get(api, ""),
-        )
+        """Once at start: :meth:`.versions.Versions.check`."""
+        await self.versions.check()
 
     # -- the fleet ----------------------------------------------------------------------
 
@@ -737,55 +552,11 @@ class EngineClient:
     def set_weights_source(self, weights: tuple[str, int] | None) -> None:
         """Where the trainer's current weights are (``Keys.weights``): what a behind engine loads
         with ``catch_up``."""
-        if weights != self._weights and weights is not None and any(
+        if weights != self.catch_up.weights and weights is not None and any(
             e.state is EngineState.BEHIND for e in self.fleet.engines.values()
         ):
             self._monitor_wake.set()
-        self._weights = weights
-
-    def _maybe_catch_up(self, engine: Engine) -> None:
-        """Start loading the recorded weights into ``engine`` (behind) when they are newer than
-        its version, it is idle, and no catch-up of it runs or failed within a minute."""
-        weights = self._weights
-        if (not self.settings.catch_up or weights is None or engine.state is not EngineState.BEHIND
-                or engine.in_flight or engine.url in self._catch_ups
-                or time.monotonic() < self._catch_up_after.get(engine.url, 0.0)
-                or (engine.version is not None and weights[1] <= engine.version)):
-            return
-        task = asyncio.create_task(self._catch_up(engine, *weights), name=f"catch-up {engine.url}")
-        self._catch_ups[engine.url] = task
-        task.add_done_callback(lambda _: self._catch_ups.pop(engine.url, None))
-
-    async def _catch_up(self, engine: Engine, path: str, version: int) -> None:
-        logger.warning("engine %s at version %s, behind: loading %s (version %d) into it (--catch-up-engines)",
-                       engine.url, engine.version, path, version)
-        started = time.monotonic()
-        for step, body in self.dialect.reload_requests(path, version):
-            try:
-                status, raw = await self.transport.request("POST", engine.url + step, _ENCODER.encode(body),
-                                                           limit=INFO_BYTES, seconds=CATCH_UP_TIMEOUT)
-            except PROBE_ERRORS as exc:
-                status, raw = 0, f"{type(exc).__name__}: {exc}".encode()
-            reply = json_object(raw) if status == 200 else None
-            if status != 200 or (reply is not None and reply.get("success") is False):
-                self._catch_up_after[engine.url] = time.monotonic() + CATCH_UP_RETRY
-                logger.warning("engine %s: catch-up failed at %s (HTTP %s: %s); tried again in %.0f s", engine.url,
-                               step, status or "-", raw.decode("utf-8", "replace")[:300], CATCH_UP_RETRY)
-                return
-        engine.version_checked = -float("inf")
-        await self.weight_version(engine)
-        if engine.version is None or engine.version < version:
-            # Answered success, version unmoved: without a pause every monitor tick would reload.
-            failures = self._catch_up_failures[engine.url] = self._catch_up_failures.get(engine.url, 0) + 1
-            delay = min(CATCH_UP_RETRY_MAX, CATCH_UP_RETRY * 2 ** (failures - 1))
-            self._catch_up_after[engine.url] = time.monotonic() + delay
-            engine.reason = (f"behind: reload did not take (loaded {path}, version {version}; still at version "
-                             f"{engine.version}); tried again in {delay:.0f} s")
-            logger.warning("engine %s: %s", engine.url, engine.reason)
-            return
-        self._catch_up_failures.pop(engine.url, None)
-        logger.warning("engine %s: loaded version %d in %.1f s, now at version %s", engine.url, version,
-                       time.monotonic() - started, engine.version)
+        self.catch_up.weights = weights
 
     def take_out(self, url: str, why: str) -> bool:
         """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
@@ -943,9 +714,8 @@ class EngineClient:
         settings = self.settings
         fleet = self.fleet
         if engine.state is EngineState.BEHIND or self._version_due(engine):
-            engine.version_checked = -float("inf")
-            await self.weight_version(engine)
-            self._maybe_catch_up(engine)
+            await self.versions.read_now(engine)
+            self.catch_up.maybe(engine)
             return
         if engine.state is EngineState.JOINING:
             await self._probe_joining(engine)
@@ -972,8 +742,7 @@ class EngineClient:
             engine.last_reply = time.monotonic()  # alive: its requests are just long
             return
         if status == 200:
-            engine.version_checked = -float("inf")
-            await self.weight_version(engine)
+            await self.versions.read_now(engine)
             fleet.rejoin(engine, f"/health answered after {time.monotonic() - engine.since:.1f} s out")
         else:
             self._probe_later(engine)
@@ -993,8 +762,7 @@ class EngineClient:
             engine.reason = f"{JOINING_REASON}: /health answered HTTP {status}"
             self._probe_later(engine)
             return
-        engine.version_checked = -float("inf")
-        await self.weight_version(engine)
+        await self.versions.read_now(engine)
         self.fleet.joined(engine, f"/health answered (HTTP {status}) {time.monotonic() - engine.since:.1f} s after "
                                   "it was added")
 
