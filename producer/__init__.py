@@ -69,7 +69,7 @@ Modules, one concern each:
   suspect, ejected, wedged, behind, draining: docs/engines.md, the fleet), the consistent-hash ring with
   bounded loads keyed by ``route_key(index, epoch)``, ``apply_registry``, the client-side wait for room
   (``wait_room``); ``load.py``: each engine's load (vLLM ``/metrics``, SGLang ``/v1/loads`` / ``/get_load``)
-  and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency); ``versions.py``: ``Versions`` (each
+  and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency); ``weights.py``: ``Versions`` (each
   engine's weight version, a weight update's news, the label of a reply without one) and ``CatchUp``
   (``--catch-up-engines``);
   ``generate``/``generate_n``/``tokenize``/``abort_all``/``weight_version``; ``prepare()`` loads the

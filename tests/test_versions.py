@@ -200,7 +200,7 @@ async def test_a_native_engine_with_no_version_anywhere_is_named_once(sim: SimEn
     import logging
 
     settings = EngineSettings(urls=(sim.url,), max_new_tokens=8)
-    caplog.set_level(logging.WARNING, logger="rollstream.producer.engine.versions")
+    caplog.set_level(logging.WARNING, logger="rollstream.producer.engine.weights")
     async with httpx.AsyncClient(base_url=sim.url) as http, EngineClient(settings) as engine:
         await http.post("/sim/faults", json={"model_info": "absent", "report_weight_version": False})
         await engine.check_versions()  # the native API: nothing asked at start

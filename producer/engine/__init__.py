@@ -6,7 +6,7 @@
 * :mod:`.client`: :class:`EngineClient`, retries on :class:`~rollstream.common.backoff.Backoff`,
   the fleet monitor, and what the producer calls (generate, tokenize, weight version, abort,
   the registry); :mod:`.fleet`: each engine's state and the cache-aware routing with bounded
-  loads; :mod:`.versions`: each engine's weight version (shared cached reads, a weight update's
+  loads; :mod:`.weights`: each engine's weight version (shared cached reads, a weight update's
   news, the label of a reply without one) and the catch-up of engines left behind;
   :mod:`.discovery`: model-info versions and gateway workers. A request learns that its
   engine was taken out through its own await (the engine's ``lost`` future, awaited beside its

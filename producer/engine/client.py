@@ -34,7 +34,7 @@ from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
 from .types import Generation, Messages, Request
-from .versions import CatchUp, Versions, cancel_own
+from .weights import CatchUp, Versions, cancel_own
 
 if TYPE_CHECKING:
     from ..tokenizer import PromptTokenizer
@@ -504,20 +504,20 @@ class EngineClient:
     # -- weight version, gateway, abort -------------------------------------------------
 
     async def weight_version(self, engine: Engine | None = None) -> int | None:
-        """:meth:`.versions.Versions.read` of ``engine`` (the first engine by default)."""
+        """:meth:`.weights.Versions.read` of ``engine`` (the first engine by default)."""
         return await self.versions.read(engine or self._engines[0])
 
     def versions_moved(self, *, paused: bool = False) -> None:
-        """News of a weight update: :meth:`.versions.Versions.moved`."""
+        """News of a weight update: :meth:`.weights.Versions.moved`."""
         self.versions.moved(paused=paused)
 
     @property
     def versions_from(self) -> str:
-        """The heartbeat's ``weight_versions_from``: :attr:`.versions.Versions.sources`."""
+        """The heartbeat's ``weight_versions_from``: :attr:`.weights.Versions.sources`."""
         return self.versions.sources
 
     async def check_versions(self) -> None:
-        """Once at start: :meth:`.versions.Versions.check`."""
+        """Once at start: :meth:`.weights.Versions.check`."""
         await self.versions.check()
 
     # -- the fleet ----------------------------------------------------------------------

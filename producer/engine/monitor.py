@@ -29,7 +29,7 @@ from .load import LOAD_BYTES, parse_load
 from .settings import EngineSettings
 from .transport import Transport
 from .types import Dialect
-from .versions import CatchUp, Versions, cancel_own
+from .weights import CatchUp, Versions, cancel_own
 
 logger = logging.getLogger(__name__)
 
