@@ -32,10 +32,23 @@ def test_throughput_quick_produces_rows() -> None:
 
 @pytest.mark.timeout(60)
 def test_take_quick_produces_rows() -> None:
-    (table,) = bench_main.run(["take"], quick=True)
+    table, per_call = bench_main.run(["take"], quick=True)
     assert table.name == "take"
     assert [row[1] for row in table.rows[:3]] == ["raw", "raw+decode", "take"]
     assert all(row[2] > 0 and row[5] > 0 for row in table.rows)
+    assert [(row[0], row[1]) for row in per_call.rows] == [(1, 10), (4, 10)]
+    for row in per_call.rows:
+        assert 0 < row[2] <= row[3] and 0 < row[4] <= row[5]  # median <= p90, both measured
+        assert row[7] == pytest.approx(row[2] / row[4]) and row[10] == pytest.approx(row[8] / row[9])
+
+
+@pytest.mark.timeout(60)
+def test_path_quick_traces_one_prompt_from_admission_to_publish() -> None:
+    (table,) = bench_main.run(["path"], quick=True)
+    admission, generate, at_write = table.rows
+    assert admission[1] > generate[1] > 0  # the whole path enters more files than the request alone
+    assert at_write[3] > generate[3] > 0  # the request's stack continues the prompt's (tasks followed)
+    assert admission[3] > admission[2] > 0  # the prompt crosses tasks: its chain is deeper than one task
 
 
 @pytest.mark.timeout(180)
