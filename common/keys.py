@@ -174,9 +174,10 @@ class Keys:
 
     def episode(self, index: int, epoch: int) -> str:
         """Hash: the journal of one prompt's episodes (durable episodes): field ``M:S`` is member
-        M's step S (msgpack), ``n:M`` its step count, ``bytes`` the total. Appended under the
-        prompt attempt's lease, deleted with its publish or dead letter, kept when it is returned
-        (a drain), so the producer that takes the prompt over replays it."""
+        M's step S (msgpack), ``n:M`` its step count, ``bytes`` the total, ``stream`` and
+        ``entry_id`` where its prompt's entry is (what the orphan sweep checks). Appended under
+        the prompt attempt's lease, deleted with its publish or dead letter, kept when it is
+        returned (a drain), so the producer that takes the prompt over replays it."""
         return f"{self.base}:episode:{index}:{epoch}"
 
     @property

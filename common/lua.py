@@ -19,7 +19,8 @@ indexes ``KEYS[n]``/``ARGV[n]``, and fills in the ``state`` hash's fields, writt
 
 A protocol seam (``common/protocol/``) binds the scripts it runs (:meth:`Script.bind`) and shapes
 their replies itself; the few argument shapes that several seams share are the functions below
-(:func:`tally`, :func:`flatten`, :func:`journal`, :func:`move_terms`, :func:`dead_letter`).
+(:func:`tally`, :func:`flatten`, :func:`journal`, :func:`episode_of`, :func:`move_terms`,
+:func:`dead_letter`).
 A new script: its ``.lua`` file, its ``load`` line here, and the seam method that calls it.
 """
 
@@ -203,10 +204,24 @@ def flatten(fields: Mapping[Any, Any]) -> list[Any]:
     return out
 
 
-def journal(keys: Keys, key: str | None) -> dict[str, str]:
+def journal(keys: Keys, key: str | None, *, keep: bool = False) -> dict[str, str]:
     """PUBLISH's and MOVE's ``journal`` and ``drop``: the prompt's episode journal deleted in the
-    same step, or none (the state key stands in: every KEYS entry is a key of the namespace's slot)."""
-    return {"journal": key or keys.state, "drop": "1" if key else ""}
+    same step, or kept (``keep``: MOVE moves its pointer to the prompt's new entry), or none (the
+    state key stands in: every KEYS entry is a key of the namespace's slot)."""
+    return {"journal": key or keys.state, "drop": "1" if key and not keep else ""}
+
+
+def episode_of(keys: Keys, fields: Mapping[Any, Any]) -> str | None:
+    """The episode journal key of a prompt entry, from its plain ``index`` and ``epoch`` fields
+    (None when they are missing or not numbers)."""
+    found = []
+    for name in ("index", "epoch"):
+        value = fields.get(name, fields.get(name.encode()))
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+        if value is None or not text.isdigit():
+            return None
+        found.append(int(text))
+    return keys.episode(found[0], found[1])
 
 
 def move_terms(keys: Keys, source: str, target: str) -> dict[str, str]:

@@ -22,7 +22,8 @@ import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis_nodes import Cluster, redis7_binary
 from rollstream.common.connection import MAX_CONNECTIONS, connect
-from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
+from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys, StateField
+from rollstream.common.protocol import EpisodeJournals, PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim import SimConfig, SimEngine
 
@@ -149,5 +150,36 @@ async def test_more_commands_at_once_than_a_nodes_pool_holds_wait_instead_of_fai
             await owner.aclose()
         # one more than the bound: the connection that read the topology (CLUSTER SLOTS)
         assert 0 < len(opened) <= MAX_CONNECTIONS + 1, f"{len(opened)} connections to one node"
+    finally:
+        await client.aclose()
+
+
+async def test_the_journal_sweep_checks_the_entry_a_journal_names_on_cluster(cluster: Cluster) -> None:
+    """The sweep's keys are only the namespace's (journals found by a SCAN of the slot's node, the
+    stream a journal names one of the script's declared keys): it runs on a Cluster."""
+    client = connect(cluster.url)
+    ns = "sweep-cluster"
+    keys = Keys(ns)
+    try:
+        await make_namespace(client, ns, durable_episodes=True)
+        kept = await client.xadd(keys.prompts, {"index": 0, "epoch": 0})
+        gone = await client.xadd(keys.prompts, {"index": 1, "epoch": 0})
+        await client.xreadgroup(PRODUCERS_GROUP, "a", {keys.prompts: ">"}, count=2)
+        journals = EpisodeJournals(client, keys, "a")
+        for index, entry_id in ((0, kept), (1, gone)):
+            assert await journals.append(stream=keys.prompts, entry_id=entry_id, index=index, epoch=0, member=0,
+                                         seq=0, budget=0, step=b"s") == "ok"
+        assert await PromptQueue(client, keys, "a").give_back(keys.prompts, kept, {"index": 0, "epoch": 0})
+        await client.xdel(keys.prompts, gone)
+        await client.hset(keys.episode(2, 0), mapping={"0:0": b"s", "n:0": 1, "bytes": 1})  # no pointer, no prompt
+        swept = 0
+        async with asyncio.timeout(30):
+            while True:
+                swept += await journals.sweep(100)
+                if not int(await client.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):
+                    break
+        assert swept == 2
+        assert await client.exists(keys.episode(0, 0)) == 1
+        assert await client.exists(keys.episode(1, 0), keys.episode(2, 0)) == 0
     finally:
         await client.aclose()

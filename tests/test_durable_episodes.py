@@ -10,6 +10,7 @@ import contextlib
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -328,6 +329,117 @@ async def test_orphan_journals_are_swept_and_journals_of_waiting_or_running_prom
 
     await wait_until(swept_by_the_producer, message="the producer's reclaim turn swept the orphan")
     assert await _journal_keys(redis, ns) == [keys.episode(2, 0).encode()]  # the waiting one stays
+
+
+# -- the sweep checks the entry a journal names ------------------------------------------------
+
+
+async def _journaled(redis: Redis, keys: Keys, stream: str, index: int, consumer: str, **fields: Any) -> bytes:
+    """Prompt ``index`` added to ``stream``, admitted by ``consumer`` and one step journaled."""
+    entry_id = await redis.xadd(stream, {"index": index, "epoch": 0, **fields})
+    await redis.xreadgroup(PRODUCERS_GROUP, consumer, {stream: ">"}, count=1)
+    assert await EpisodeJournals(redis, keys, consumer).append(
+        stream=stream, entry_id=entry_id, index=index, epoch=0, member=0, seq=0, budget=0, step=b"s" * 10) == "ok"
+    return entry_id
+
+
+async def _pointer(redis: Redis, keys: Keys, index: int) -> tuple[str, bytes]:
+    stream, entry_id = await redis.hmget(keys.episode(index, 0), ["stream", "entry_id"])  # type: ignore[misc]
+    return stream.decode(), entry_id
+
+
+async def _sweep_round(journals: EpisodeJournals) -> int:
+    """One full round of the sweep's SCAN (COUNT 2 a step, from the cursor to its start)."""
+    keys = journals.keys
+    swept = await journals.sweep(2)
+    while int(await journals.redis.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):  # type: ignore[misc]
+        swept += await journals.sweep(2)
+    return swept
+
+
+async def test_a_journal_names_its_prompts_entry_and_follows_it_when_returned_so_the_sweep_keeps_it(
+    redis: Redis, ns: str
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, durable_episodes=True)
+    first = await _journaled(redis, keys, keys.prompts, 0, "a")
+    assert await _pointer(redis, keys, 0) == (keys.prompts, first)
+    # a drain returns it (prompts -> retry); b admits it and returns it again (retry -> retry)
+    assert await PromptQueue(redis, keys, "a").give_back(keys.prompts, first, {"index": b"0", "epoch": b"0"})
+    ((_, [(second, _)]),) = await redis.xreadgroup(PRODUCERS_GROUP, "b", {keys.retry: ">"}, count=1)
+    assert await _pointer(redis, keys, 0) == (keys.retry, second)
+    assert await PromptQueue(redis, keys, "b").give_back(keys.retry, second, {"index": 0, "epoch": 0})
+    ((_, [(third, _)]),) = await redis.xreadgroup(PRODUCERS_GROUP, "c", {keys.retry: ">"}, count=1)
+    assert await _pointer(redis, keys, 0) == (keys.retry, third)
+    # d takes it over past the lease: the same entry, and d's appends name it
+    await redis.xautoclaim(keys.retry, PRODUCERS_GROUP, "d", 0, start_id="0-0")
+    assert await EpisodeJournals(redis, keys, "d").append(
+        stream=keys.retry, entry_id=third, index=0, epoch=0, member=0, seq=1, budget=0, step=b"t") == "ok"
+    assert await _pointer(redis, keys, 0) == (keys.retry, third)
+    # an eval prompt's journal follows it back into the eval lane
+    lane = await _journaled(redis, keys, keys.eval_prompts, 1, "a")
+    assert await PromptQueue(redis, keys, "a").give_back(keys.eval_prompts, lane, {"index": 1, "epoch": 0})
+    stream, back = await _pointer(redis, keys, 1)
+    assert stream == keys.eval_prompts and back != lane and await redis.xrange(keys.eval_prompts, back, back)
+    journals = EpisodeJournals(redis, keys, "d")
+    assert await _sweep_round(journals) == 0
+    assert len(await _journal_keys(redis, ns)) == 2
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 21
+    # an operator's XDEL of the entry it names: swept at the next round, the other one stays
+    await redis.xdel(keys.retry, third)
+    assert await _sweep_round(journals) == 1
+    assert await _journal_keys(redis, ns) == [keys.episode(1, 0).encode()]
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 10
+
+
+async def test_the_sweep_trusts_a_pointer_and_reads_the_streams_only_for_a_journal_without_one(
+    redis: Redis, ns: str
+) -> None:
+    keys = Keys(ns)
+    await make_namespace(redis, ns, durable_episodes=True)
+    # prompt 0's attempt published by a producer without durable episodes (its journal left
+    # behind), its group recycled: the new attempt of index 0 waits in retry. The journal names
+    # the published entry, so it goes (read whole, the streams would have kept it).
+    published = await _journaled(redis, keys, keys.prompts, 0, "a")
+    assert await PromptQueue(redis, keys, "a").publish(keys.prompts, published, {"data": b"g"}) is not None
+    await redis.xadd(keys.retry, {"index": 0, "epoch": 0})
+    # journals written by an older version (no pointer): kept while a prompt of their index waits
+    for index in (2, 9):
+        await redis.hset(keys.episode(index, 0), mapping={"0:0": b"s" * 10, "n:0": 1, "bytes": 10})
+        await redis.hincrby(keys.state, StateField.JOURNAL_BYTES, 10)
+    await redis.xadd(keys.prompts, {"index": 2, "epoch": 0})
+    # a pointer naming a stream that holds no prompts, or another prompt's entry: read whole too
+    other = await redis.xadd(keys.prompts, {"index": 7, "epoch": 0})
+    for index, stream, entry_id in ((3, keys.groups, b"1-1"), (4, keys.prompts, other)):
+        await redis.xadd(keys.retry, {"index": index, "epoch": 0})
+        await redis.hset(keys.episode(index, 0), mapping={"0:0": b"s", "n:0": 1, "bytes": 1, "stream": stream,
+                                                          "entry_id": entry_id})
+        await redis.hincrby(keys.state, StateField.JOURNAL_BYTES, 1)
+    assert await _sweep_round(EpisodeJournals(redis, keys, "a")) == 2
+    assert sorted(await _journal_keys(redis, ns)) == sorted(keys.episode(i, 0).encode() for i in (2, 3, 4))
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 12
+
+
+async def test_a_journaled_prompt_among_prompts_admit_parks_keeps_its_journal(redis: Redis, ns: str) -> None:
+    """ADMIT parks only entries never delivered (no journal names them); a journaled prompt of the
+    capped source, admitted before and returned behind the parked ones, keeps its journal."""
+    keys = Keys(ns)
+    config = await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, mix="a=1,b=1", max_backlog=4,
+                                  durable_episodes=True)
+    held = await _journaled(redis, keys, keys.prompts, 5, "p0", source="a")
+    for index, source in ((0, "a"), (1, "a"), (2, "b")):
+        await redis.xadd(keys.prompts, {"index": index, "epoch": 0, "source": source})
+    await redis.hset(keys.sources, mapping={"a:backlog": 2, "a:fed": 4, "b:fed": 1})
+    queue = PromptQueue(redis, keys, "p1")
+    assert [e.fields[b"index"] for e in (await queue.admit(config)).entries] == [b"2"]
+    assert await redis.hget(keys.state, StateField.PARKED) == b"2"  # type: ignore[misc]
+    journals = EpisodeJournals(redis, keys, "p1")
+    assert await _sweep_round(journals) == 0
+    assert await PromptQueue(redis, keys, "p0").give_back(keys.prompts, held, {"index": 5, "epoch": 0})
+    stream, entry_id = await _pointer(redis, keys, 5)
+    assert stream == keys.retry and [e for e, _ in await redis.xrange(keys.retry)][-1] == entry_id
+    assert await _sweep_round(journals) == 0
+    assert await _journal_keys(redis, ns) == [keys.episode(5, 0).encode()]
 
 
 async def test_parallel_calls_that_finish_in_another_order_on_resume_are_replayed_not_diverged(

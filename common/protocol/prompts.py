@@ -201,12 +201,13 @@ class PromptQueue(Guarded):
 
     async def give_back(self, stream: str, entry_id: bytes, fields: Mapping[Any, Any]) -> bool:
         """Put an unfinished prompt into the retry stream, attempt unchanged (an eval prompt back
-        into the eval lane)."""
+        into the eval lane); its episode journal stays, pointing at the new entry."""
         k = self.keys
         target = k.eval_prompts if stream == k.eval_prompts else k.retry
         return bool(await self._move(
             **lua.move_terms(k, stream, target), group=PRODUCERS_GROUP, entry_id=entry_id,
-            counter=StateField.RETURNED, fields=lua.flatten(fields), **lua.journal(k, None),
+            counter=StateField.RETURNED, fields=lua.flatten(fields),
+            **lua.journal(k, lua.episode_of(k, fields), keep=True),
             tally="" if stream == k.eval_prompts else lua.tally(fields, "returned"),
         ))
 

@@ -29,6 +29,17 @@ local function drop_journal(journal, state)
   redis.call('DEL', journal)
   if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
 end
+-- A kept journal's pointer (fields ``stream`` and ``entry_id``: where its prompt's entry is, for
+-- the orphan sweep's lookup) follows its prompt to the new entry ``to_id`` of ``to_stream``, in the
+-- script that moves the prompt; only when it named the entry that moved (``journal`` = ``state``:
+-- the caller names none).
+local function follow_journal(journal, state, from_stream, from_id, to_stream, to_id)
+  if journal == state then return end
+  local at = redis.call('HMGET', journal, 'stream', 'entry_id')
+  if at[1] == from_stream and at[2] == from_id then
+    redis.call('HSET', journal, 'stream', to_stream, 'entry_id', to_id)
+  end
+end
 -- A named source's groups in the group stream (``<name>:backlog``) or prompts in flight
 -- (``<name>:flight``) in the ``sources`` hash, read by ADMIT's per-source cap, move by ``delta``
 -- (never below zero); ``tally`` is any ``<name>:<kind>`` counter of the entry's source ('' = an

@@ -3,7 +3,9 @@
 -- under its name): a producer whose prompt was taken over writes nothing. Step ``seq`` of
 -- ``member`` replaces that member's steps from ``seq`` on (a replay that diverged drops the rest;
 -- a re-sent append rewrites the same step). ``budget`` > 0: the bytes of the groups held plus the
--- journals may not pass it, else nothing is written ('full'). Returns 'ok', 'lost' or 'full'.
+-- journals may not pass it, else nothing is written ('full'). The journal records where its
+-- prompt's entry is (``stream``, ``entry_id``: the entry held), so the orphan sweep checks that one
+-- entry instead of reading the prompt streams. Returns 'ok', 'lost' or 'full'.
 -- KEYS: source journal state
 -- ARGV: group consumer entry_id member seq budget step
 local p = redis.call('XPENDING', source, group, entry_id, entry_id, 1)
@@ -32,4 +34,5 @@ if size - freed ~= 0 then
   redis.call('HINCRBY', journal, 'bytes', size - freed)
   if incr(state, '$JOURNAL_BYTES', size - freed) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
 end
+if status == 'ok' or from < count then redis.call('HSET', journal, 'stream', source, 'entry_id', entry_id) end
 return status

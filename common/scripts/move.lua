@@ -5,7 +5,7 @@
 -- byte ledger with it. ``fate`` ('recycled', 'dead_lettered' or '' = none) is archived first
 -- (``_archive.lua``), by ``actor`` from the ``kind`` of stream it left. ``drop`` '1': the prompt's
 -- episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
--- keeps it for the producer that takes it over.
+-- keeps it for the producer that takes it over, and its pointer follows it to the new entry.
 -- KEYS: source target state group_bytes config archive journal sources
 -- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
 -- uses: archive
@@ -22,6 +22,7 @@ if drop == '1' then drop_journal(journal, state) end
 local b = 0
 if ledger ~= '' then b = forget(group_bytes, state, entry_id) end
 local id = redis.call('XADD', target, '*', unpack(ARGV, fields_at))
+if drop ~= '1' then follow_journal(journal, state, source, entry_id, target, id) end
 if ledger == 'st' and b > 0 then
   redis.call('HSET', group_bytes, id, b)
   incr(state, '$GROUP_BYTES', b)
