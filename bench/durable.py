@@ -23,6 +23,10 @@ flight at the kill; the trained samples (tokens, loss mask, log-probs) compared 
 uninterrupted run's, sample for sample. The cost rows: producer CPU per episode step (an engine
 call, an observe or a once), Redis CPU per journaled step (``INFO cpu`` over the run, with minus
 without the journal), and Redis memory per step held (``MEMORY USAGE`` of the journals A left).
+
+The orphan-journal sweep's cost (:func:`sweep_table`, alone: ``python -m bench.durable --sweep``):
+journals that name their prompt's entry against journals of an older version (the prompt streams
+read whole), at 1k to 200k prompts queued.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import dataclasses
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from array import array
@@ -196,54 +201,87 @@ async def limit_scenario(server: EmbeddedRedis, sim: SimEngine, prompts: int, pr
             "seconds": seconds}
 
 
-async def sweep_cost(server: EmbeddedRedis, queued: int, journals: int) -> dict[str, float]:
+async def _script_usec(redis: Redis) -> int:
+    """Microseconds Redis spent in EVALSHA so far (INFO commandstats): the time a script blocks it."""
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("usec", 0))
+
+
+async def sweep_cost(server: EmbeddedRedis, queued: int, journals: int, pointers: bool) -> dict[str, float]:
     """One full round of the orphan-journal sweep (100-key SCAN steps, SWEEP_JOURNALS each) with
-    ``queued`` prompts in the prompt stream and ``journals`` journals, half of them orphans."""
-    ns = f"sweep{queued}"
+    ``queued`` prompts in the prompt stream and ``journals`` journals, half of them orphans (their
+    entry XDELed). ``pointers``: each journal names its prompt's entry, as JOURNAL_APPEND writes
+    it (checked with one XRANGE); without, as an older version wrote them (the streams read whole)."""
+    ns = f"sweep{queued}{'p' if pointers else ''}"
     keys = Keys(ns)
     redis = await connect(server.url)
     try:
         await init_ns(redis, ns, n_samples_per_prompt=N, batch_size=BATCH, durable_episodes=True)
+        ids: list[bytes] = []
+        prompts = _prompts(queued + journals // 2)  # the last ones are the orphans' prompts, deleted below
+        for chunk in range(0, len(prompts), 10_000):
+            pipe = redis.pipeline(transaction=False)
+            for prompt in prompts[chunk:chunk + 10_000]:
+                pipe.xadd(keys.prompts, prompt_fields(prompt))
+            ids += await pipe.execute()
         pipe = redis.pipeline(transaction=False)
-        for prompt in _prompts(queued):
-            pipe.xadd(keys.prompts, prompt_fields(prompt))
         for i in range(journals):
-            index = i if i % 2 == 0 else queued + i  # odd ones: no prompt of that index (orphans)
-            pipe.hset(keys.episode(index, 0), mapping={"0:0": b"s" * 400, "n:0": 1, "bytes": 400})
+            index = i // 2 if i % 2 == 0 else queued + i // 2  # odd ones: their prompt's entry is gone
+            journal = {"0:0": b"s" * 400, "n:0": 1, "bytes": 400}
+            if pointers:
+                journal |= {"stream": keys.prompts, "entry_id": ids[index]}
+            pipe.hset(keys.episode(index, 0), mapping=journal)
+        pipe.xdel(keys.prompts, *ids[queued:])
         await pipe.execute()
         journaled = EpisodeJournals(redis, keys, "bench")
         times: list[float] = []
+        busy: list[float] = []
         swept = 0
         while True:
+            before = await _script_usec(redis)
             started = time.perf_counter()
             swept += await journaled.sweep(JOURNAL_SWEEP_COUNT)
             times.append(time.perf_counter() - started)
+            busy.append((await _script_usec(redis) - before) / 1000)
             if not int(await redis.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):
                 break
-        return {"steps": len(times), "swept": swept, "max_ms": 1000 * max(times), "mean_ms": 1000 * statistics.mean(times)}
+        await redis.flushdb()  # the next run SCANs a keyspace of its own size only
+        return {"steps": len(times), "swept": swept, "mean_ms": 1000 * statistics.mean(times),
+                "script_ms": statistics.mean(busy), "script_max_ms": max(busy)}
     finally:
         await redis.aclose()
 
 
-def sweep_table(quick: bool = False) -> Table:
-    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 50_000)
+def sweep_table(quick: bool = False, sizes: tuple[int, ...] = ()) -> Table:
+    sizes = sizes or ((1_000, 10_000) if quick else (1_000, 10_000, 50_000, 200_000))
+    rounds = 1 if quick else 3
 
     async def measure() -> list[list[Any]]:
         rows = []
         with EmbeddedRedis() as server:
             for queued in sizes:
-                got = await sweep_cost(server, queued, 200)
-                rows.append([queued, 200, int(got["swept"]), int(got["steps"]), got["mean_ms"], got["max_ms"]])
+                runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+                for _ in range(rounds):  # side by side, so a busy machine weighs on both alike
+                    for pointers in (False, True):
+                        runs[pointers].append(await sweep_cost(server, queued, 200, pointers=pointers))
+                read, named = ({key: statistics.median(r[key] for r in runs[pointers]) for key in runs[pointers][0]}
+                               for pointers in (False, True))
+                swept = "/".join(sorted({str(int(r["swept"])) for r in runs[False] + runs[True]}))
+                rows.append([queued, 200, swept, int(named["steps"]), read["script_ms"], read["script_max_ms"],
+                             read["mean_ms"], named["script_ms"], named["script_max_ms"], named["mean_ms"]])
         return rows
 
     return Table(
         name="durable-sweep",
         title="The orphan-journal sweep's cost per reclaim turn",
-        headers=["prompts queued", "journals (half orphans)", "swept", "sweep steps (SCAN COUNT 100)",
-                 "mean ms per step", "slowest step ms"],
+        headers=["prompts queued", "journals (half orphans)", "swept (every run)", "sweep steps (SCAN COUNT 100)",
+                 "streams read: script ms", "slowest", "step ms", "entry named: script ms", "slowest", "step ms"],
         rows=asyncio.run(measure()),
-        notes=["one step per reclaim turn of the fleet; a step that finds journals reads the prompt streams "
-               "whole in one script (Redis is busy that long), a step that finds none costs one SCAN."],
+        notes=["one step per reclaim turn of the fleet; script ms: Redis' own time in SWEEP_JOURNALS per step "
+               "(INFO commandstats; it serves nothing else meanwhile), step ms: the step's wall time (SCAN, "
+               "script, cursor); medians of the runs (each a full round of the sweep). 'streams read': "
+               "journals without the entry of their prompt (an older version's), the prompt streams read "
+               "whole; 'entry named': one XRANGE per journal."],
         command="python -m bench episodes --kill",
     )
 
@@ -360,5 +398,5 @@ def run(quick: bool = False) -> list[Table]:
 
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for table in run():
+    for table in [sweep_table()] if "--sweep" in sys.argv[1:] else run():
         print(table.markdown())
