@@ -59,7 +59,7 @@ Modules, one concern each:
   ``abort``/``wait``/``keep``, or none; the reload calls; the version label; resume; the version path), the
   bodies' ``WEIGHTS_PATH`` / ``VERSION`` slots filled per call; ``WEIGHT_APIS`` (``vllm``, ``sglang``): what
   ``WeightSync(kind=...)`` accepts; a dialect names its server's as ``weights``, and the producer's catch-up
-  sends ``catch_up_requests`` (the reload, then the label)
+  sends its ``catch_up_requests`` (the reload, then the label)
 * ``loop_thread``: ``LoopThread``: an event loop in a daemon thread for synchronous callers
   (``SyncGroupConsumer``, the slime/miles glue) and for the producer's lease renewals (``producer.renewal``)
 * ``watchdog``: ``LoopWatchdog``: the event loop's lag, measured by a ticker task every 0.1 s; a lag over

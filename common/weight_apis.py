@@ -1,7 +1,8 @@
 """The engines' weight-update endpoints, declared once as data: read by the trainer's
 :class:`~rollstream.weight_sync.WeightSync` (pause, reload, version, resume) and by the producer's
-catch-up of an engine found behind (the dialects' ``reload_requests``), so a reload body is
-written in one place and neither reader compares engine names.
+catch-up of an engine found behind (a dialect's ``weights.catch_up_requests``), so a reload body
+is written in one place and neither reader compares engine names. :class:`Call` also declares a
+dialect's abort.
 
 It lives in common because both readers may import it and neither may import the other. A new
 engine server with its own endpoints is one :class:`WeightAPI` here and its line in

@@ -68,14 +68,15 @@ Modules, one concern each:
   monitor (probes of engines in trouble); ``fleet.py``: ``Fleet`` / ``Engine`` / ``EngineState`` (healthy,
   suspect, ejected, wedged, behind, draining: docs/engines.md, the fleet), the consistent-hash ring with
   bounded loads keyed by ``route_key(index, epoch)``, ``apply_registry``, the client-side wait for room
-  (``wait_room``); ``load.py``: each engine's load (vLLM ``/metrics``, SGLang ``/v1/loads`` / ``/get_load``)
-  and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency); ``weights.py``: ``Versions`` (each
+  (``wait_room``); ``load.py``: each engine's load (``LoadEndpoint``, the shared ``/metrics`` parser; the
+  dialects name theirs, SGLang's ``/v1/loads`` / ``/get_load`` read in ``sglang.py``) and
+  ``AdaptiveLimit``, its in-flight limit (adaptive concurrency); ``weights.py``: ``Versions`` (each
   engine's weight version, a weight update's news, the label of a reply without one) and ``CatchUp``
   (``--catch-up-engines``);
   ``generate``/``generate_n``/``tokenize``/``abort_all``/``weight_version``; ``prepare()`` loads the
   tokenizer before the producer says ``running``; ``check_versions()`` asks every engine for its weight
   version once at start (OpenAI API; on the native APIs at the first reply without one) and warns, once per
-  engine, naming the engines that report none and which API would (``discovery.VERSION_HINTS``);
+  engine, naming the engines that report none and which API would (the dialect's ``version_hint``);
   ``versions_from`` (the heartbeat's ``weight_versions_from``: ``engine replies``, ``GET /weight_info``,
   ``GET /model_info``, ``trainer at admission``). ``transport.py``: the contract (bounded reads,
   ``too_large``, the total deadline, URL credentials as a header; any ``httpx`` transport for tests);

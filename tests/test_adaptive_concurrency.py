@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.producer.engine import EngineClient, EngineSettings
-from rollstream.producer.engine.load import DECREASE, AdaptiveLimit, EngineLoad, parse_load, parse_metrics
+from rollstream.producer.engine.dialects import DIALECTS
+from rollstream.producer.engine.load import DECREASE, AdaptiveLimit, EngineLoad, parse_metrics
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -42,22 +43,29 @@ def test_vllm_metrics_sum_over_engine_cores_and_take_the_fullest_cache() -> None
     assert parse_metrics(VLLM_METRICS) == EngineLoad(running=15, waiting=5, kv_usage=0.97, preemptions=8.0)
 
 
+def sglang_load(path: str, raw: bytes) -> EngineLoad | None:
+    """The load in a reply of ``path`` as the SGLang dialect declares it read."""
+    (endpoint,) = [e for e in DIALECTS["sglang"].loads if e.path == path]
+    return endpoint.parse(raw)
+
+
 def test_sglang_load_endpoints_in_both_forms_and_metrics() -> None:
+    assert [e.path for e in DIALECTS["sglang"].loads] == ["/v1/loads", "/get_load", "/metrics"]
     loads = {"timestamp": 1.0, "dp_rank_count": 2, "loads": [
         {"dp_rank": 0, "num_running_reqs": 4, "num_waiting_reqs": 1, "token_usage": 0.5},
         {"dp_rank": 1, "num_running_reqs": 6, "num_waiting_reqs": 0, "token_usage": 0.7},
     ]}
-    assert parse_load("/v1/loads", json.dumps(loads).encode()) == EngineLoad(10, 1, 0.7, None)
+    assert sglang_load("/v1/loads", json.dumps(loads).encode()) == EngineLoad(10, 1, 0.7, None)
     old = [{"dp_rank": 0, "num_reqs": 9, "num_waiting_reqs": 2, "num_tokens": 300}]
-    assert parse_load("/get_load", json.dumps(old).encode()) == EngineLoad(7, 2, None, None)
+    assert sglang_load("/get_load", json.dumps(old).encode()) == EngineLoad(7, 2, None, None)
     text = "sglang:num_running_reqs{name=\"m\"} 3\nsglang:num_queue_reqs{name=\"m\"} 4\nsglang:token_usage{name=\"m\"} 0.5\n"
-    assert parse_load("/metrics", text.encode()) == EngineLoad(3, 4, 0.5, None)
+    assert sglang_load("/metrics", text.encode()) == EngineLoad(3, 4, 0.5, None)
 
 
 @pytest.mark.parametrize("raw", [b"<html>", b"{}", b"[]", b'[{"dp_rank": 0}]', b'{"loads": [{"num_running_reqs": -1}]}',
                                  b"[1, 2]", b'[{"num_reqs": true, "num_waiting_reqs": 0}]'])
 def test_unusable_load_replies_are_none(raw: bytes) -> None:
-    assert parse_load("/v1/loads", raw) is None
+    assert sglang_load("/v1/loads", raw) is None
 
 
 def test_metrics_without_load_gauges_or_with_garbage_values_are_none() -> None:

@@ -1,6 +1,6 @@
 """The engine client's walls (docs/architecture.md, "where a change goes"): HTTP libraries only in
-the transport, an engine API is one dialect module named in ``dialects.py``, weight versions
-parsed by one function."""
+the transport, an engine API is one dialect module named in ``dialects.py`` (its endpoints and
+parsers included), weight versions parsed by one function."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_http_libraries_are_imported_only_by_the_transport() -> None:
 
 
 CONTRACT = ("name", "batches_samples", "accepts_messages", "needs_token_ids", "needs_model", "replies_carry_versions",
-            "routing_replay", "seed_reschedule_kills", "version_paths", "abort_path", "abort_body", "load_paths", "weights")
+            "routing_replay", "seed_reschedule_kills", "version_paths", "version_hint", "loads", "abort", "weights")
 
 
 def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
@@ -53,8 +53,34 @@ def test_every_engine_api_is_a_dialect_with_the_whole_contract() -> None:
             assert hasattr(dialect, attribute), (name, attribute)
         assert dialect.name == name
         assert callable(dialect.encode) and callable(dialect.decode) and dialect.version_paths, name
-        assert dialect.reload_requests("/w", 3), name
+        assert dialect.version_hint and dialect.loads and dialect.abort.path.startswith("/"), name
+        assert dialect.weights.catch_up_requests("/w", 3), name
         EngineSettings(urls=("http://e",), api=name, model="m")  # each API is a valid setting
+
+
+DIALECT_MODULES = {"sglang.py", "openai.py", "vllm.py"}
+SHARED_PATHS = {"/health", "/tokenize", "/workers", "/metrics"}
+"""Endpoints every API's servers answer alike (health probes, tokenizing, gateway workers, Prometheus)."""
+
+
+def test_an_engine_api_is_declared_in_its_dialect_module_only() -> None:
+    """An API's endpoints (versions, load, abort, generation) are literals of its dialect module, and
+    no other module keys a table by API name: discovery, load and the client read the dialect."""
+    paths, tables = [], []
+    for path in sorted(ENGINE.glob("*.py")):
+        if path.name in DIALECT_MODULES or path.name == "dialects.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("/") \
+                    and " " not in node.value and len(node.value) > 1 and node.value not in SHARED_PATHS:
+                paths.append((path.name, node.value))
+            if isinstance(node, ast.Dict) and any(
+                isinstance(k, ast.Constant) and k.value in DIALECTS for k in node.keys
+            ):
+                tables.append((path.name, node.lineno))
+    assert paths == [], f"an API's endpoints belong in its dialect module, not {paths}"
+    assert tables == [], f"a table keyed by engine API is a second declaration: {tables}"
 
 
 def test_dialects_only_translate() -> None:

@@ -79,6 +79,6 @@ def test_every_server_declares_every_pause_mode() -> None:
 def test_the_catch_up_is_the_declared_reload_then_the_version() -> None:
     """The producer's ``--catch-up-engines`` sends what WeightSync's reload and set-version send."""
     vllm = [(path, body) for _, path, body in (RELOAD_VLLM, SET_VLLM)]
-    assert DIALECTS["vllm"].reload_requests("/ckpt/3", 3) == vllm
-    assert DIALECTS["openai"].reload_requests("/ckpt/3", 3) == vllm  # vLLM's endpoints behind its OpenAI server
-    assert DIALECTS["sglang"].reload_requests("/ckpt/3", 3) == [RELOAD_SGLANG[1:]]
+    assert DIALECTS["vllm"].weights.catch_up_requests("/ckpt/3", 3) == vllm
+    assert DIALECTS["openai"].weights.catch_up_requests("/ckpt/3", 3) == vllm  # vLLM's behind its OpenAI server
+    assert DIALECTS["sglang"].weights.catch_up_requests("/ckpt/3", 3) == [RELOAD_SGLANG[1:]]

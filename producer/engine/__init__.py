@@ -17,9 +17,12 @@
   each only translates (pure ``encode(request, settings) -> Encoded`` and ``decode(encoded,
   bytes, settings, where) -> [Generation]``, bytes straight to packed arrays; they import nothing
   of the client), and declares what differs per API (token ids or text, a model name, versions
-  in replies, the routing replay, a seed that kills the engine, the abort, load and reload
-  endpoints); :mod:`.parse` holds the checks they share; :mod:`.load`: each engine's own load
-  and its adaptive in-flight limit.
+  in replies, the routing replay, a seed that kills the engine) and every endpoint it answers
+  beside generation (model-info versions and the hint said when an engine has none, load
+  endpoints with their parsers, the abort, the weight-update :class:`~rollstream.common.weight_apis.WeightAPI`):
+  the client reads them from the dialect (and hands them to :mod:`.discovery` and :mod:`.load`),
+  never from a table keyed by API or path; :mod:`.parse` holds the checks they share; :mod:`.load`: each
+  engine's own load (the shared Prometheus parser) and its adaptive in-flight limit.
 * :mod:`.settings`: :class:`EngineSettings` and the reply bound :func:`reply_byte_bound`.
 
 A new engine API is one dialect module (a class with ``encode``, ``decode`` and the attributes of

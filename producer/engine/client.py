@@ -29,7 +29,7 @@ from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probe
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
 from .ids_json import ENCODER as _ENCODER
-from .load import LOAD_BYTES, parse_load
+from .load import LOAD_BYTES
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
@@ -660,9 +660,12 @@ class EngineClient:
     async def _read_load(self, engine: Engine) -> None:
         """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
         that one) and move its in-flight limit (:mod:`.load`)."""
-        paths = (engine.load_path,) if engine.load_path else self.dialect.load_paths
+        endpoints = self.dialect.loads
+        if engine.load_path:  # the one that answered before
+            endpoints = tuple(e for e in endpoints if e.path == engine.load_path)
         seconds = min(5.0, self.settings.health_timeout)
-        for path in paths:
+        for endpoint in endpoints:
+            path = endpoint.path
             try:
                 status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
             except PROBE_ERRORS as exc:
@@ -670,12 +673,12 @@ class EngineClient:
                 if engine.load_path is None:  # never read: not held at the floor for it
                     self._no_load(engine, f"{path} failed: {type(exc).__name__}")
                 return  # its health is judged elsewhere
-            load = parse_load(path, raw) if status == 200 else None
+            load = endpoint.parse(raw) if status == 200 else None
             if load is not None:
                 break
         else:
             if engine.load_path is None:
-                self._no_load(engine, "none of " + ", ".join(paths))
+                self._no_load(engine, "none of " + ", ".join(e.path for e in endpoints))
             return
         engine.load_path = path
         adaptive = engine.adaptive
@@ -788,8 +791,8 @@ class EngineClient:
             engine.workers_checked = -float("inf")  # the freshest list
             workers = await self._workers(engine)
             urls.extend(workers if workers is not None else [engine.url])
-        content = _ENCODER.encode(self.dialect.abort_body)
-        path = self.dialect.abort_path
+        path = self.dialect.abort.path
+        content = _ENCODER.encode(self.dialect.abort.body or {})
 
         async def abort(url: str) -> None:
             try:

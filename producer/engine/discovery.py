@@ -63,13 +63,6 @@ FROM_REPLIES = "engine replies"
 """``weight_versions_from`` when the replies carry the versions (SGLang ``meta_info``, vLLM spans)."""
 FROM_TRAINER = "trainer at admission"
 """``weight_versions_from`` when no engine says: the trainer's version when the prompt was admitted."""
-VERSION_HINTS = {
-    "openai": "vLLM answers GET /weight_info (VLLM_SERVER_DEV_MODE=1), SGLang GET /model_info; "
-              "--engine-api vllm (vLLM --enable-scale-out) gives per-token version spans",
-    "sglang": "SGLang reports meta_info.weight_version in its replies and at GET /model_info",
-    "vllm": "vLLM reports weight_versions spans and GET /weight_info once /update_weight_version set one",
-}
-"""Which engine API gives versions, per ``--engine-api`` (the producer's start-up warning)."""
 
 
 async def engine_version(url: str, paths: tuple[str, ...], seconds: float = 2.0) -> int | None:

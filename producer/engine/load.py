@@ -24,22 +24,19 @@ request goes out):
   all, is not limited: it is driven exactly as without the option.
 
 Requests over every engine's limit wait in the client (FIFO), not at an engine, and go to the
-first engine with room. The load endpoints, first that answers:
-
-* SGLang: ``GET /v1/loads`` (``loads[].num_running_reqs``, ``num_waiting_reqs``, ``token_usage``),
-  ``GET /get_load`` (per DP rank ``num_reqs``, ``num_waiting_reqs``: no KV usage), ``GET /metrics``
-  (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``);
-* vLLM (native and OpenAI API): ``GET /metrics`` (``vllm:num_requests_running``,
-  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (``gpu_cache_usage_perc`` before
-  v0.10), ``vllm:num_preemptions_total``).
+first engine with room. Each dialect declares its load endpoints (``loads``, first that answers):
+a :class:`LoadEndpoint` is a path and the parser of its reply. :data:`METRICS` (Prometheus
+``GET /metrics``: vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (``gpu_cache_usage_perc`` before v0.10), ``vllm:num_preemptions_total``;
+SGLang's ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``) is shared;
+SGLang's JSON endpoints are read in :mod:`.sglang`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import msgspec
 
 LOAD_BYTES = 4 << 20
 """Bound of a load reply (vLLM's ``/metrics`` holds histograms: about 100 KiB per model)."""
@@ -68,14 +65,6 @@ _METRICS = {
     "vllm:num_preemptions_total": "preemptions",
     "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting", "sglang:token_usage": "kv_usage",
 }
-_JSON = msgspec.json.Decoder()
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
 
 
 def parse_metrics(text: str) -> EngineLoad | None:
@@ -108,32 +97,21 @@ def parse_metrics(text: str) -> EngineLoad | None:
     )
 
 
-def parse_load(path: str, raw: bytes) -> EngineLoad | None:
-    """The load in a reply of ``path`` (one of an engine's load endpoints); None when unusable."""
-    if path == "/metrics":
-        return parse_metrics(raw.decode("utf-8", "replace"))
-    try:
-        reply = _JSON.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    ranks = reply.get("loads") if isinstance(reply, dict) else reply  # /v1/loads, or /get_load's list
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
-        return None
-    running = waiting = 0.0
-    usage: float | None = None
-    for rank in ranks:
-        queued = _number(rank.get("num_waiting_reqs"))
-        total = _number(rank.get("num_running_reqs"))
-        if total is None and (all_reqs := _number(rank.get("num_reqs"))) is not None:
-            total = max(0.0, all_reqs - (queued or 0.0))  # /get_load counts the waiting ones in num_reqs
-        if total is None or queued is None:
-            return None
-        running += total
-        waiting += queued
-        share = _number(rank.get("token_usage"))
-        if share is not None:
-            usage = share if usage is None else max(usage, share)
-    return EngineLoad(int(running), int(waiting), usage, None)
+@dataclass(frozen=True, slots=True)
+class LoadEndpoint:
+    """One endpoint where an engine reports its load: ``GET path``, its 200 reply read by ``parse``
+    (None when unusable: the next endpoint is tried)."""
+
+    path: str
+    parse: Callable[[bytes], EngineLoad | None]
+
+
+def _metrics_reply(raw: bytes) -> EngineLoad | None:
+    return parse_metrics(raw.decode("utf-8", "replace"))
+
+
+METRICS = LoadEndpoint("/metrics", _metrics_reply)
+"""Prometheus text, vLLM's or SGLang's (``--enable-metrics``)."""
 
 
 class AdaptiveLimit:

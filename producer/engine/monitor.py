@@ -25,7 +25,7 @@ from rollstream.common.urls import check_url
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers
 from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probes
 from .ids_json import ENCODER
-from .load import LOAD_BYTES, parse_load
+from .load import LOAD_BYTES
 from .settings import EngineSettings
 from .transport import Transport
 from .types import Dialect
@@ -213,9 +213,12 @@ class FleetMonitor:
     async def read_load(self, engine: Engine) -> None:
         """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
         that one) and move its in-flight limit (:mod:`.load`)."""
-        paths = (engine.load_path,) if engine.load_path else self.dialect.load_paths
+        endpoints = self.dialect.loads
+        if engine.load_path:  # the one that answered before
+            endpoints = tuple(e for e in endpoints if e.path == engine.load_path)
         seconds = min(5.0, self.settings.health_timeout)
-        for path in paths:
+        for endpoint in endpoints:
+            path = endpoint.path
             try:
                 status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
             except PROBE_ERRORS as exc:
@@ -223,12 +226,12 @@ class FleetMonitor:
                 if engine.load_path is None:  # never read: not held at the floor for it
                     self._no_load(engine, f"{path} failed: {type(exc).__name__}")
                 return  # its health is judged elsewhere
-            load = parse_load(path, raw) if status == 200 else None
+            load = endpoint.parse(raw) if status == 200 else None
             if load is not None:
                 break
         else:
             if engine.load_path is None:
-                self._no_load(engine, "none of " + ", ".join(paths))
+                self._no_load(engine, "none of " + ", ".join(e.path for e in endpoints))
             return
         engine.load_path = path
         adaptive = engine.adaptive
@@ -341,8 +344,8 @@ class FleetMonitor:
             engine.workers_checked = -float("inf")  # the freshest list
             workers = await self.workers(engine)
             urls.extend(workers if workers is not None else [engine.url])
-        content = ENCODER.encode(self.dialect.abort_body)
-        path = self.dialect.abort_path
+        path = self.dialect.abort.path
+        content = ENCODER.encode(self.dialect.abort.body or {})
 
         async def abort(url: str) -> None:
             try:

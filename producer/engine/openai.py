@@ -8,19 +8,19 @@ chat: ``choices[i].message.content``, ``.logprobs.content[j].token`` / ``.logpro
 id fields. These servers report no weight version in the reply: it comes from the engine's own
 endpoints, as with the native dialects: vLLM's ``GET /weight_info`` (dev mode), else SGLang's
 ``GET /model_info``; an engine with none gets the trainer's version at admission (said once at
-start, ``discovery.VERSION_HINTS``).
+start, with the dialect's ``version_hint``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from rollstream.common.errors import EngineReplyInvalid
-from rollstream.common.weight_apis import VLLM_WEIGHTS
+from rollstream.common.weight_apis import VLLM_WEIGHTS, Call
 
+from .load import METRICS, LoadEndpoint
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids
 from .types import Encoded, Generation, Request
 
@@ -158,14 +158,13 @@ class OpenAI:
     seed_reschedule_kills = False
     version_paths: tuple[str, ...] = ("/weight_info", "/model_info", "/get_model_info")
     """vLLM's (dev mode) first, then SGLang's: the replies of this API carry no version."""
-    abort_path = "/abort_request"
-    abort_body: Mapping[str, Any] = {"abort_all": True}
-    load_paths: tuple[str, ...] = ("/metrics",)  # vLLM's, or SGLang's with --enable-metrics
-
+    version_hint = (
+        "vLLM answers GET /weight_info (VLLM_SERVER_DEV_MODE=1), SGLang GET /model_info; "
+        "--engine-api vllm (vLLM --enable-scale-out) gives per-token version spans"
+    )
+    loads: tuple[LoadEndpoint, ...] = (METRICS,)  # vLLM's, or SGLang's with --enable-metrics
+    abort = Call("/abort_request", {"abort_all": True})
     weights = VLLM_WEIGHTS  # vLLM's dev-mode endpoints behind its OpenAI server
-
-    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         n = request.n

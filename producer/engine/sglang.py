@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import sys
 from array import array
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from rollstream.common.arrays import Packed
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
-from rollstream.common.weight_apis import SGLANG_WEIGHTS
+from rollstream.common.weight_apis import SGLANG_WEIGHTS, Call
 
+from .load import METRICS, EngineLoad, LoadEndpoint
 from .parse import TokenId, check_logprobs, decode, floats, ids, reply_version
 from .types import Encoded, Generation, Request
 
@@ -188,6 +189,44 @@ def parse_teacher(raw: bytes, tokens: array[int] | memoryview, response_length: 
     return floats([e.logprob for e in scored], where)
 
 
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+_LOADS = msgspec.json.Decoder()
+
+
+def parse_sglang_load(raw: bytes) -> EngineLoad | None:
+    """The load in a ``GET /v1/loads`` reply (``loads[].num_running_reqs``, ``num_waiting_reqs``,
+    ``token_usage``) or an older ``GET /get_load`` one (per DP rank ``num_reqs``,
+    ``num_waiting_reqs``: no KV usage), summed over DP ranks; None when unusable."""
+    try:
+        reply = _LOADS.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    ranks = reply.get("loads") if isinstance(reply, dict) else reply  # /v1/loads, or /get_load's list
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        return None
+    running = waiting = 0.0
+    usage: float | None = None
+    for rank in ranks:
+        queued = _number(rank.get("num_waiting_reqs"))
+        total = _number(rank.get("num_running_reqs"))
+        if total is None and (all_reqs := _number(rank.get("num_reqs"))) is not None:
+            total = max(0.0, all_reqs - (queued or 0.0))  # /get_load counts the waiting ones in num_reqs
+        if total is None or queued is None:
+            return None
+        running += total
+        waiting += queued
+        share = _number(rank.get("token_usage"))
+        if share is not None:
+            usage = share if usage is None else max(usage, share)
+    return EngineLoad(int(running), int(waiting), usage, None)
+
+
 class SGLang:
     """``--engine-api sglang``."""
 
@@ -200,14 +239,12 @@ class SGLang:
     routing_replay = True
     seed_reschedule_kills = False
     version_paths: tuple[str, ...] = ("/model_info", "/get_model_info")  # the gateway only routes the latter
-    abort_path = "/abort_request"
-    abort_body: Mapping[str, Any] = {"abort_all": True}
-    load_paths: tuple[str, ...] = ("/v1/loads", "/get_load", "/metrics")
-
+    version_hint = "SGLang reports meta_info.weight_version in its replies and at GET /model_info"
+    loads: tuple[LoadEndpoint, ...] = (
+        LoadEndpoint("/v1/loads", parse_sglang_load), LoadEndpoint("/get_load", parse_sglang_load), METRICS,
+    )
+    abort = Call("/abort_request", {"abort_all": True})
     weights = SGLANG_WEIGHTS
-
-    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         if request.messages is not None:

@@ -4,7 +4,8 @@
 parsers build it straight from the reply bytes, the client then names the engine and fills in a
 weight version the reply did not carry. :class:`Dialect` is what an engine API implements (one
 module per API: :mod:`.sglang`, :mod:`.openai`, :mod:`.vllm`): it only translates, a request into
-an :class:`Encoded` (path, body, what the reply may hold) and the reply's bytes into generations;
+an :class:`Encoded` (path, body, what the reply may hold) and the reply's bytes into generations,
+and declares the endpoints its servers answer beside generation (versions, load, abort, weights);
 the client alone sends, retries, blames an engine and records versions.
 """
 
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rollstream.common.arrays import Packed
 
 if TYPE_CHECKING:
-    from rollstream.common.weight_apis import WeightAPI
+    from rollstream.common.weight_apis import Call, WeightAPI
 
+    from .load import LoadEndpoint
     from .settings import EngineSettings
 
 Messages = Sequence[Mapping[str, Any]]
@@ -94,8 +96,9 @@ class Encoded:
 
 
 class Dialect(Protocol):
-    """An engine API: how a request is written and a reply read, nothing else (pure functions;
-    transport, retries, blame and versions are the client's)."""
+    """An engine API, declared whole in its module: how a request is written and a reply read
+    (pure functions; transport, retries, blame and versions are the client's), and the endpoints
+    the client's monitor, the catch-up and the abort use."""
 
     name: str
     """Its ``--engine-api`` value."""
@@ -109,25 +112,22 @@ class Dialect(Protocol):
     """Whether the API returns the routing replay (``--routed-experts``)."""
     seed_reschedule_kills: bool
     """Whether a per-request seed kills the engine when it reschedules the request (vLLM's CPU engine)."""
-
     batches_samples: bool
     """Whether one request asks for a group's ``n`` samples (else ``n`` requests)."""
     accepts_messages: bool
     """Whether chat messages can be sent as they are."""
+
     version_paths: tuple[str, ...]
     """Model-info endpoints with a ``weight_version``, tried in order (a 404 tries the next)."""
-    abort_path: str
-    abort_body: Mapping[str, Any]
-    load_paths: tuple[str, ...]
-    """Endpoints of the engine's own load, tried in order (:mod:`.load`)."""
-
+    version_hint: str
+    """Which engine gives versions on this API: the start-up warning about an engine that gives none."""
+    loads: tuple[LoadEndpoint, ...]
+    """The engine's own load endpoints and their parsers, tried in order (:mod:`.load`)."""
+    abort: Call
+    """``POST`` that aborts every request in flight on one engine."""
     weights: WeightAPI
-    """The server's weight-update endpoints (``common/weight_apis.py``, also the trainer's
-    ``WeightSync``'s): where ``reload_requests`` comes from."""
-
-    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        """The POSTs that load the weights at ``path`` as ``version`` into one engine (an engine
-        found behind, ``--catch-up-engines``), in order: ``weights.catch_up_requests``."""
+    """The server's weight-update endpoints (``common/weight_apis.py``, shared with the trainer's
+    ``WeightSync``): the catch-up of an engine found behind sends ``weights.catch_up_requests``."""
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         """The request to send (``PromptNotSupported`` for a prompt this API cannot take)."""

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import msgspec
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
-from rollstream.common.weight_apis import VLLM_WEIGHTS
+from rollstream.common.weight_apis import VLLM_WEIGHTS, Call
 
+from .load import METRICS, LoadEndpoint
 from .parse import TokenId, check_logprobs, choices, decode, floats, ids, reply_version
 from .types import Encoded, Generation, Request
 from .vllm_replay import routed_experts_of
@@ -125,7 +125,6 @@ def parse_vllm_generate(
     ]
 
 
-
 class VLLM:
     """``--engine-api vllm``."""
 
@@ -138,13 +137,10 @@ class VLLM:
     routing_replay = True
     seed_reschedule_kills = True
     version_paths: tuple[str, ...] = ("/weight_info",)
-    abort_path = "/abort_requests"  # dev mode; an empty body aborts everything in flight
-    abort_body: Mapping[str, Any] = {}
-    load_paths: tuple[str, ...] = ("/metrics",)
+    version_hint = "vLLM reports weight_versions spans and GET /weight_info once /update_weight_version set one"
+    loads: tuple[LoadEndpoint, ...] = (METRICS,)
+    abort = Call("/abort_requests", {})  # dev mode; an empty body aborts everything in flight
     weights = VLLM_WEIGHTS  # dev mode: /collective_rpc reload_weights, then /update_weight_version
-
-    def reload_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        return self.weights.catch_up_requests(path, version)
 
     def encode(self, request: Request, settings: EngineSettings) -> Encoded:
         input_ids = request.input_ids

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from .discovery import FROM_REPLIES, FROM_TRAINER, INFO_BYTES, PROBE_ERRORS, VERSION_HINTS, probe_version_at
+from .discovery import FROM_REPLIES, FROM_TRAINER, INFO_BYTES, PROBE_ERRORS, probe_version_at
 from .fleet import Engine, EngineState, Fleet
 from .ids_json import ENCODER
 from .parse import json_object
@@ -247,7 +247,7 @@ class Versions:
             "their samples get the trainer's version at admission (weight_version_source "
             "trainer_at_admission); %s",
             ", ".join(new), api, ", ".join(f"GET {p}" for p in self.dialect.version_paths),
-            " nor in their replies" if self.dialect.replies_carry_versions else "", VERSION_HINTS.get(api, ""),
+            " nor in their replies" if self.dialect.replies_carry_versions else "", self.dialect.version_hint,
         )
 
 
@@ -287,7 +287,7 @@ class CatchUp:
                        engine.url, engine.version, path, version)
         started = time.monotonic()
         transport = self.versions.transport
-        for step, body in self.versions.dialect.reload_requests(path, version):
+        for step, body in self.versions.dialect.weights.catch_up_requests(path, version):
             try:
                 status, raw = await transport.request("POST", engine.url + step, ENCODER.encode(body),
                                                       limit=INFO_BYTES, seconds=CATCH_UP_TIMEOUT)
