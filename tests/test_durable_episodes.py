@@ -397,12 +397,21 @@ async def test_the_sweep_trusts_a_pointer_and_reads_the_streams_only_for_a_journ
 ) -> None:
     keys = Keys(ns)
     await make_namespace(redis, ns, durable_episodes=True)
-    # prompt 0's attempt published by a producer without durable episodes (its journal left
-    # behind), its group recycled: the new attempt of index 0 waits in retry. The journal names
-    # the published entry, so it goes (read whole, the streams would have kept it).
-    published = await _journaled(redis, keys, keys.prompts, 0, "a")
+    deleted, older, published = [await _journaled(redis, keys, keys.prompts, i, "a") for i in (0, 1, 5)]
+    # prompt 0's entry XDELed while it ran, the prompt re-added to `prompts` by hand (a new
+    # attempt): the journal names the deleted entry and goes (the fed backlog is not read for it)
+    await redis.xack(keys.prompts, PRODUCERS_GROUP, deleted)
+    await redis.xdel(keys.prompts, deleted)
+    await redis.xadd(keys.prompts, {"index": 0, "epoch": 0})
+    # prompt 1 returned by an older producer (its MOVE leaves the pointer behind): kept while an
+    # entry of its index waits in retry
+    await redis.xack(keys.prompts, PRODUCERS_GROUP, older)
+    await redis.xdel(keys.prompts, older)
+    await redis.xadd(keys.retry, {"index": 1, "epoch": 0})
+    # prompt 5 published by a producer without durable episodes (its journal left behind), its
+    # group recycled into retry: kept, as before the pointer (the next durable publish drops it)
     assert await PromptQueue(redis, keys, "a").publish(keys.prompts, published, {"data": b"g"}) is not None
-    await redis.xadd(keys.retry, {"index": 0, "epoch": 0})
+    await redis.xadd(keys.retry, {"index": 5, "epoch": 0})
     # journals written by an older version (no pointer): kept while a prompt of their index waits
     for index in (2, 9):
         await redis.hset(keys.episode(index, 0), mapping={"0:0": b"s" * 10, "n:0": 1, "bytes": 10})
@@ -411,13 +420,13 @@ async def test_the_sweep_trusts_a_pointer_and_reads_the_streams_only_for_a_journ
     # a pointer naming a stream that holds no prompts, or another prompt's entry: read whole too
     other = await redis.xadd(keys.prompts, {"index": 7, "epoch": 0})
     for index, stream, entry_id in ((3, keys.groups, b"1-1"), (4, keys.prompts, other)):
-        await redis.xadd(keys.retry, {"index": index, "epoch": 0})
+        await redis.xadd(keys.prompts, {"index": index, "epoch": 0})
         await redis.hset(keys.episode(index, 0), mapping={"0:0": b"s", "n:0": 1, "bytes": 1, "stream": stream,
                                                           "entry_id": entry_id})
         await redis.hincrby(keys.state, StateField.JOURNAL_BYTES, 1)
     assert await _sweep_round(EpisodeJournals(redis, keys, "a")) == 2
-    assert sorted(await _journal_keys(redis, ns)) == sorted(keys.episode(i, 0).encode() for i in (2, 3, 4))
-    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 12
+    assert sorted(await _journal_keys(redis, ns)) == sorted(keys.episode(i, 0).encode() for i in (1, 2, 3, 4, 5))
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 32
 
 
 async def test_a_journaled_prompt_among_prompts_admit_parks_keeps_its_journal(redis: Redis, ns: str) -> None:

@@ -7,11 +7,14 @@
 -- that id, whatever the streams hold. No other script gives a journaled prompt a new entry in a
 -- prompt stream: ADMIT parks only entries never delivered (no journal was written under them),
 -- and a recycled or requeued prompt is a new attempt whose journal went with its publish or dead
--- letter. A journal without a pointer (written by an older version), or whose pointer names
--- another prompt, falls back to reading the prompt streams whole for the ``index:epoch`` alive
--- (once per call, only then: linear in the prompts queued). Atomic, so a prompt moving between
--- streams is never missed. ``journals`` are the key names a SCAN found (the caller bounds them
--- with COUNT). Returns how many went.
+-- letter. Two fallbacks read streams whole, once per call and only when needed: a journal whose
+-- entry is gone is kept if ``retry`` or ``eval_prompts`` holds its ``index:epoch`` (where a MOVE
+-- of an older version, which leaves the pointer behind, puts a returned prompt; a journal left
+-- by a publish that did not delete it, then recycled, stays as before); a journal without a
+-- pointer (an older version's), or whose pointer names another prompt, is kept if any prompt
+-- stream holds its ``index:epoch``. The fed backlog (``prompts``) is read for those only.
+-- Atomic, so a prompt moving between streams is never missed. ``journals`` are the key names a
+-- SCAN found (the caller bounds them with COUNT). Returns how many went.
 -- KEYS: prompts retry eval_prompts state
 -- ARGV: *journals
 if #ARGV < journals_at then return 0 end
@@ -22,7 +25,7 @@ local function field(f, name)
   end
   return nil
 end
--- true: its entry is there; false: gone; nil: no usable pointer (read the streams)
+-- true: its entry is there; false: gone; nil: no usable pointer
 local function pointed(journal, at)
   local ptr = redis.call('HMGET', journal, 'stream', 'entry_id')
   if not (ptr[1] and ptr[2] and streams[ptr[1]]) then return nil end
@@ -34,21 +37,31 @@ local function pointed(journal, at)
   if index and epoch and index .. ':' .. epoch == at then return true end
   return nil
 end
-local alive = nil
-local function read_alive()
-  alive = {}
-  for stream in pairs(streams) do
+-- the ``index:epoch`` of every entry of ``lanes``
+local function held(lanes)
+  local found = {}
+  for _, stream in ipairs(lanes) do
     local from = '-'
     while true do
       local entries = redis.call('XRANGE', stream, from, '+', 'COUNT', 1000)
       for _, entry in ipairs(entries) do
         local index, epoch = field(entry[2], 'index'), field(entry[2], 'epoch')
-        if index and epoch then alive[index .. ':' .. epoch] = true end
+        if index and epoch then found[index .. ':' .. epoch] = true end
       end
       if #entries < 1000 then break end
       from = '(' .. entries[#entries][1]
     end
   end
+  return found
+end
+local returned, queued = nil, nil
+local function in_returned(at)
+  if not returned then returned = held({retry, eval_prompts}) end
+  return returned[at] == true
+end
+local function in_queued(at)
+  if not queued then queued = held({prompts}) end
+  return queued[at] == true
 end
 local swept = 0
 for i = journals_at, #ARGV do
@@ -56,9 +69,10 @@ for i = journals_at, #ARGV do
   local at = string.match(journal, ':episode:(%d+:%d+)$')
   if at then
     local live = pointed(journal, at)
-    if live == nil then
-      if not alive then read_alive() end
-      live = alive[at] == true
+    if live == false then
+      live = in_returned(at)
+    elseif live == nil then
+      live = in_returned(at) or in_queued(at)
     end
     if not live then
       local b = num(redis.call('HGET', journal, 'bytes'))
