@@ -193,7 +193,7 @@ async def test_an_engine_whose_load_gives_no_answer_is_not_held_at_the_floor() -
         async with EngineClient(settings) as client:
             engine = client.fleet.engines[url]
             assert engine.limit == settings.concurrency_floor
-            await client._read_load(engine)
+            await client.monitor.read_load(engine)
             assert engine.limit is None and engine.load_path == ""
     finally:
         for writer in writers:

@@ -305,7 +305,7 @@ async def test_real_vllm_reports_the_load_adaptive_concurrency_reads(served: Ser
     settings = EngineSettings(urls=(served.url,), api="openai", model="tiny", load_interval=0.1)
     async with EngineClient(settings) as client:
         engine = client.fleet.engines[served.url]
-        await client._read_load(engine)
+        await client.monitor.read_load(engine)
         assert engine.load_path == "/metrics" and engine.limit is not None, client.fleet_status()
 
 

@@ -20,21 +20,20 @@ import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rollstream.common.errors import ConfigError, EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
-from rollstream.common.urls import check_url
+from rollstream.common.errors import EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
 
 from .dialects import DIALECTS
-from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers
-from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probes
+from .discovery import INFO_BYTES, PROBE_ERRORS
+from .fleet import Engine, EngineState, Fleet
 from .fleet import attempt as attempt_on
 from .http11 import Http11Transport
 from .ids_json import ENCODER as _ENCODER
-from .load import LOAD_BYTES
+from .monitor import FleetMonitor
 from .parse import json_object
 from .settings import EngineSettings, reply_byte_bound
 from .transport import HttpxTransport, Transport, split_credentials
 from .types import Generation, Messages, Request
-from .weights import CatchUp, Versions, cancel_own
+from .weights import Versions
 
 if TYPE_CHECKING:
     from ..tokenizer import PromptTokenizer
@@ -48,19 +47,6 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 policy reads (slime sends its session id in it); engines ignore it."""
 ROUND_TRIP_WEIGHT = 0.1
 """Weight of the newest request in an engine's mean request time."""
-STALL_FACTOR = 8.0
-"""An engine holding requests that answers none for this many times its mean request time (the
-fleet's when it has none) is stalled: ``suspect``, out of routing, its requests sent elsewhere."""
-STALL_FLOOR = 5.0
-"""The stall bound's least seconds (a fleet of very short requests does not flap)."""
-STALL_CAP_FRACTION = 0.25
-"""The stall bound's most, as a fraction of ``request_timeout`` (well under it)."""
-STALL_PAUSE = 15.0
-"""Seconds a stalled engine stays out of routing, doubling with each stall (at most 300)."""
-WORKERS_TTL = 10.0
-"""Seconds a gateway's worker list is cached (workers come and go)."""
-
-
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -127,16 +113,11 @@ class EngineClient:
                            concurrency_floor=settings.concurrency_floor if settings.adaptive_concurrency else None,
                            registered=settings.registry_urls,
                            joining=len(bare_urls) + len(settings.registry_urls) > 1)
-        self._next_load = 0.0
-        self._monitor: asyncio.Task[None] | None = None
-        self._probes: dict[str, asyncio.Task[None]] = {}
-        """Engine URL -> its probe running now (each runs apart, so a hanging one delays no other)."""
-        self._monitor_wake = asyncio.Event()
         self._backoff = settings.backoff
         self.retries = 0
         self.errors: dict[str, int] = {}
         self.versions = Versions(self.fleet, transport, self.dialect, settings)
-        self.catch_up = CatchUp(self.versions)
+        self.monitor = FleetMonitor(self.fleet, transport, self.dialect, settings, self.versions, self.errors)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -145,11 +126,7 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        monitor, self._monitor = self._monitor, None
-        tasks = [*self._probes.values(), *([monitor] if monitor is not None else [])]
-        self._probes.clear()
-        await cancel_own(tasks)
-        await self.catch_up.aclose()
+        await self.monitor.aclose()
         await self.versions.aclose()
         await self.transport.aclose()
 
@@ -177,7 +154,7 @@ class EngineClient:
         if self.tokenizer is not None:
             await asyncio.to_thread(self.tokenizer.load)
         if any(e.state is EngineState.JOINING for e in self.fleet.engines.values()):
-            self._ensure_monitor()  # the first probes go out now, not with the first request
+            self.monitor.ensure()  # the first probes go out now, not with the first request
 
     def _pick(self, key: str | None = None, weight: int = 1) -> Engine:
         """The engine for a request now (any engine when none is routed: tokenize, probes)."""
@@ -191,7 +168,7 @@ class EngineClient:
         engine = fleet.pick(key, weight)
         if engine is not None:
             return engine
-        self._ensure_monitor()
+        self.monitor.ensure()
         deadline = time.monotonic() + self.settings.no_engine_timeout
         woken = False
         while (engine := fleet.pick(key, weight)) is None:
@@ -207,10 +184,6 @@ class EngineClient:
                 async with asyncio.timeout(min(left, 1.0)):
                     await self.fleet.changed.wait()
         return engine
-
-    def _ensure_monitor(self) -> None:
-        if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-monitor")
 
     def _count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -254,8 +227,8 @@ class EngineClient:
         settings = self.settings
         fleet = self.fleet
         headers = {ROUTING_KEY_HEADER: key} if key is not None else None
-        if self._monitor is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
-            self._ensure_monitor()
+        if self.monitor.task is None and (len(fleet.engines) > 1 or settings.adaptive_concurrency):
+            self.monitor.ensure()
         if not self.versions.settled.is_set():
             await self.versions.settled.wait()  # bounded: each read by model_info_timeout
         attempt = 0
@@ -464,7 +437,7 @@ class EngineClient:
             tokens, unreachable = await self._tokenize_on(engine, content, limit, seconds)
             if tokens is not None or not unreachable or not self.fleet.failed(engine, unreachable, at_once=True):
                 return tokens  # taken out of routing when unreachable: ask the next engine
-            self._ensure_monitor()
+            self.monitor.ensure()
         return None
 
     async def _tokenize_on(
@@ -473,7 +446,7 @@ class EngineClient:
         """Ids from ``engine`` (or a worker of a gateway), and why the engine itself could not be
         reached (``""`` when it answered)."""
         urls = [engine.url]
-        workers = await self._workers(engine)
+        workers = await self.monitor.workers(engine)
         if workers:
             urls += workers
         unreachable = ""
@@ -520,287 +493,28 @@ class EngineClient:
         """Once at start: :meth:`.weights.Versions.check`."""
         await self.versions.check()
 
-    # -- the fleet ----------------------------------------------------------------------
+    # -- the fleet monitor's (:mod:`.monitor`) --------------------------------------------
 
     def set_trainer_version(self, version: int, max_staleness: int) -> None:
-        """The trainer's version (the producer's, at each admission): engines more than
-        ``max_staleness`` behind it get no new requests (checked on a fresh version)."""
-        if self.fleet.set_trainer_version(version, max_staleness) and any(
-            self._version_due(e) or e.state is EngineState.BEHIND for e in self.fleet.engines.values()
-        ):
-            self._ensure_monitor()
-            self._monitor_wake.set()
+        """The trainer's version: :meth:`.monitor.FleetMonitor.set_trainer_version`."""
+        self.monitor.set_trainer_version(version, max_staleness)
 
     def apply_registry(self, entries: Mapping[str, str]) -> None:
-        """The engine registry's entries (URL -> ``active`` | ``draining``): see
-        :meth:`Fleet.apply_registry`; an entry whose URL fails :func:`check_url` or whose state is
-        neither is skipped with a warning naming it (a typo in the registry never kills a producer)."""
-        valid: dict[str, str] = {}
-        for url, state in entries.items():
-            try:
-                checked = check_url(url)
-            except ConfigError as exc:
-                logger.warning("engine registry entry %r skipped: %s", url, exc)
-                continue
-            if state not in ("active", "draining"):
-                logger.warning("engine registry entry %r skipped: state %r is not active or draining", url, state)
-                continue
-            valid[checked] = state
-        self.fleet.apply_registry(valid, self.settings.drain_timeout)
-        self._ensure_monitor()
+        """The engine registry's entries: :meth:`.monitor.FleetMonitor.apply_registry`."""
+        self.monitor.apply_registry(entries)
 
     def set_weights_source(self, weights: tuple[str, int] | None) -> None:
-        """Where the trainer's current weights are (``Keys.weights``): what a behind engine loads
-        with ``catch_up``."""
-        if weights != self.catch_up.weights and weights is not None and any(
-            e.state is EngineState.BEHIND for e in self.fleet.engines.values()
-        ):
-            self._monitor_wake.set()
-        self.catch_up.weights = weights
+        """Where the trainer's weights are: :meth:`.monitor.FleetMonitor.set_weights_source`."""
+        self.monitor.set_weights_source(weights)
 
     def take_out(self, url: str, why: str) -> bool:
-        """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
-        last routed one: True when it was (it is probed and rejoins as any ejected engine)."""
-        engine = self.fleet.engines.get(url)
-        if engine is None:
-            return False
-        out = self.fleet.take_out(engine, EngineState.EJECTED, why)
-        if out:
-            self._ensure_monitor()
-        return out
+        """Take the engine at ``url`` out of routing: :meth:`.monitor.FleetMonitor.take_out`."""
+        return self.monitor.take_out(url, why)
 
     def fleet_status(self) -> list[dict[str, Any]]:
         """Each engine's state, load, version, errors and prefix hit rate (heartbeat, inspect)."""
         return self.fleet.status()
 
-    async def _monitor_loop(self) -> None:
-        """Probe the engines in trouble every ``health_interval``: the ejected and wedged ones
-        for health (with backoff), the busy ones without a reply for ``health_interval`` for a
-        wedge, the behind ones for their version; drains past their timeout."""
-        settings = self.settings
-        probed = OUT | {EngineState.JOINING}
-        adaptive = settings.adaptive_concurrency
-        tick = min(settings.health_interval, settings.load_interval) if adaptive else settings.health_interval
-        while True:
-            now = time.monotonic()
-            fleet = self.fleet
-            fleet.drop_drained(now)
-            due = [
-                e for e in fleet.engines.values()
-                if (e.state in probed and now >= e.next_probe)
-                or (e.routed and e.attempts and now - e.last_reply >= settings.health_interval)
-                or e.state is EngineState.BEHIND or self._version_due(e)
-            ]
-            self._check_stalls(now)
-            loads: list[Engine] = []
-            if adaptive and now >= self._next_load:
-                self._next_load = now + settings.load_interval
-                loads = [e for e in fleet.engines.values() if e.routed and e.load_path != ""]
-            for engine in due:  # each probe on its own: one that hangs (a wedge) holds up no other
-                if engine.url not in self._probes:
-                    task = asyncio.create_task(self._probe_logged(engine), name=f"probe {engine.url}")
-                    self._probes[engine.url] = task
-                    task.add_done_callback(self._probe_ended)
-            await gather_probes(self._read_load, loads)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(tick):
-                    await self._monitor_wake.wait()
-            self._monitor_wake.clear()
-
-    def stall_bound(self, engine: Engine) -> float | None:
-        """Seconds ``engine`` may hold requests without answering one before it is stalled:
-        :data:`STALL_FACTOR` x its mean request time (the fleet's mean when it has answered none),
-        at least :data:`STALL_FLOOR`, at most a quarter of ``request_timeout``; None while no
-        engine has answered (nothing to derive it from)."""
-        base = engine.round_trip
-        if base is None:
-            times = [e.round_trip for e in self.fleet.engines.values() if e.round_trip is not None]
-            if not times:
-                return None
-            base = sum(times) / len(times)
-        return min(max(STALL_FLOOR, STALL_FACTOR * base), self.settings.request_timeout * STALL_CAP_FRACTION)
-
-    def _check_stalls(self, now: float) -> None:
-        """Stall the routed engines silent past their bound; route again those whose pause is over."""
-        fleet = self.fleet
-        if len(fleet.engines) < 2:
-            return
-        for engine in list(fleet.engines.values()):
-            if engine.stalled:
-                if now >= engine.stalled_until:
-                    fleet.unstall(engine)
-                continue
-            silent = engine.silent_for(now)
-            if not silent or not engine.routed:
-                continue
-            bound = self.stall_bound(engine)
-            if bound is None or silent < bound:
-                continue
-            pause = min(300.0, STALL_PAUSE * 2**engine.stalls)
-            whose = "its" if engine.round_trip is not None else "the fleet's"
-            why = (f"{len(engine.attempts)} requests and no answer for {silent:.0f} s (its bound {bound:.0f} s: "
-                   f"{STALL_FACTOR:g} x {whose} mean request time); no new requests for {pause:.0f} s, its "
-                   "requests sent elsewhere")
-            if fleet.stall(engine, why, pause):
-                self._count_error("engine_stalled")
-
-    def _probe_ended(self, task: asyncio.Task[None]) -> None:
-        for url, running in list(self._probes.items()):
-            if running is task:
-                del self._probes[url]
-
-    async def _probe_logged(self, engine: Engine) -> None:
-        try:
-            await self._probe(engine)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a probe never ends the monitor; the next tick probes again
-            logger.warning("probe of %s failed: %r", engine.url, exc)
-
-    async def _read_load(self, engine: Engine) -> None:
-        """Read ``engine``'s load (the first of the dialect's load endpoints that answers, then
-        that one) and move its in-flight limit (:mod:`.load`)."""
-        endpoints = self.dialect.loads
-        if engine.load_path:  # the one that answered before
-            endpoints = tuple(e for e in endpoints if e.path == engine.load_path)
-        seconds = min(5.0, self.settings.health_timeout)
-        for endpoint in endpoints:
-            path = endpoint.path
-            try:
-                status, raw = await self.transport.request("GET", engine.url + path, limit=LOAD_BYTES, seconds=seconds)
-            except PROBE_ERRORS as exc:
-                logger.debug("load of %s: %s failed: %s", engine.url, path, exc)
-                if engine.load_path is None:  # never read: not held at the floor for it
-                    self._no_load(engine, f"{path} failed: {type(exc).__name__}")
-                return  # its health is judged elsewhere
-            load = endpoint.parse(raw) if status == 200 else None
-            if load is not None:
-                break
-        else:
-            if engine.load_path is None:
-                self._no_load(engine, "none of " + ", ".join(e.path for e in endpoints))
-            return
-        engine.load_path = path
-        adaptive = engine.adaptive
-        if adaptive is None:
-            return
-        before = adaptive.limit
-        raised = adaptive.update(load, engine.in_flight, engine.held, time.monotonic(), engine.round_trip)
-        engine.held, engine.load = False, load
-        if adaptive.limit != before:
-            logger.debug("engine %s: in-flight limit %s -> %s (%s)", engine.url, before, adaptive.limit, load)
-        if raised:
-            self.fleet.room_opened()
-
-    def _no_load(self, engine: Engine, why: str) -> None:
-        """``engine``'s load cannot be read: it is not limited (driven as without the option)."""
-        engine.load_path = ""
-        logger.info("engine %s reports no load (%s): no in-flight limit for it", engine.url, why)
-        if engine.adaptive is not None:
-            engine.adaptive.release()
-            self.fleet.room_opened()
-
-    def _version_due(self, engine: Engine) -> bool:
-        """Whether ``engine``'s version is worth asking now: it looks behind the trainer on what
-        is known, or it was never asked (a restarted engine is found before its first reply)."""
-        fleet = self.fleet
-        if fleet.trainer_version is None or len(fleet.engines) < 2 or not engine.routed:
-            return False
-        never = engine.version is None and engine.has_model_info and engine.version_checked == -float("inf")
-        return never or fleet.looks_behind(engine)
-
-    def _probe_later(self, engine: Engine) -> None:
-        """An engine out of routing that did not answer its probe: the next one later (doubling)."""
-        engine.next_probe = time.monotonic() + min(30.0, self.settings.health_interval * 2**engine.out_count)
-
-    async def _probe(self, engine: Engine) -> None:
-        settings = self.settings
-        fleet = self.fleet
-        if engine.state is EngineState.BEHIND or self._version_due(engine):
-            await self.versions.read_now(engine)
-            self.catch_up.maybe(engine)
-            return
-        if engine.state is EngineState.JOINING:
-            await self._probe_joining(engine)
-            return
-        try:
-            status, _ = await self.transport.request(
-                "GET", engine.url + "/health", limit=INFO_BYTES, seconds=settings.health_timeout
-            )
-        except TimeoutError:
-            if engine.routed:
-                why = (f"/health gave no answer within {settings.health_timeout:g} s while {len(engine.attempts)} "
-                       f"requests had no reply for {time.monotonic() - engine.last_reply:.0f} s")
-                fleet.take_out(engine, EngineState.WEDGED, why)
-            else:
-                self._probe_later(engine)
-            return
-        except PROBE_ERRORS as exc:
-            if engine.routed:
-                fleet.take_out(engine, EngineState.EJECTED, f"/health failed: {exc}")
-            else:
-                self._probe_later(engine)
-            return
-        if engine.routed:
-            engine.last_reply = time.monotonic()  # alive: its requests are just long
-            return
-        if status == 200:
-            await self.versions.read_now(engine)
-            fleet.rejoin(engine, f"/health answered after {time.monotonic() - engine.since:.1f} s out")
-        else:
-            self._probe_later(engine)
-
-    async def _probe_joining(self, engine: Engine) -> None:
-        """A joining engine's ``/health``: any answer but a 5xx (a server without the endpoint
-        answers 404) lets it join; none, a refusal or a 5xx: probed again later."""
-        try:
-            status, _ = await self.transport.request(
-                "GET", engine.url + "/health", limit=INFO_BYTES, seconds=self.settings.health_timeout
-            )
-        except PROBE_ERRORS as exc:
-            engine.reason = f"{JOINING_REASON}: {type(exc).__name__}: {exc}"[:300]
-            self._probe_later(engine)
-            return
-        if status >= 500:
-            engine.reason = f"{JOINING_REASON}: /health answered HTTP {status}"
-            self._probe_later(engine)
-            return
-        await self.versions.read_now(engine)
-        self.fleet.joined(engine, f"/health answered (HTTP {status}) {time.monotonic() - engine.since:.1f} s after "
-                                  "it was added")
-
-    async def _workers(self, engine: Engine) -> list[str] | None:
-        """Worker URLs if ``engine`` is an SGLang gateway, else None; cached for :data:`WORKERS_TTL`."""
-        now = time.monotonic()
-        if now - engine.workers_checked < WORKERS_TTL:
-            return engine.workers
-        engine.workers_checked = now
-        answered, workers = await gateway_workers(self.transport, engine.url, self.settings.model_info_timeout)
-        if not answered:
-            return engine.workers  # keep what we knew
-        if workers is not None and engine.workers is None:
-            logger.info("%s is a gateway with workers %s", engine.url, ", ".join(workers) or "(none)")
-        engine.workers = workers
-        return engine.workers
-
     async def abort_all(self) -> None:
-        """Ask every engine to abort its in-flight requests (best effort); behind a gateway,
-        every worker it lists (the gateway does not route the abort)."""
-        urls: list[str] = []
-        for engine in self._engines:
-            engine.workers_checked = -float("inf")  # the freshest list
-            workers = await self._workers(engine)
-            urls.extend(workers if workers is not None else [engine.url])
-        path = self.dialect.abort.path
-        content = _ENCODER.encode(self.dialect.abort.body or {})
-
-        async def abort(url: str) -> None:
-            try:
-                status, _ = await self.transport.request("POST", url + path, content, limit=INFO_BYTES, seconds=5.0)
-            except PROBE_ERRORS as exc:
-                logger.warning("abort on %s failed: %s", url, exc)
-                return
-            if status != 200:
-                logger.warning("abort on %s answered HTTP %d", url, status)
-
-        await asyncio.gather(*(abort(url) for url in dict.fromkeys(urls)))
+        """Abort every engine's requests in flight: :meth:`.monitor.FleetMonitor.abort_all`."""
+        await self.monitor.abort_all()
