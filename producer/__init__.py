@@ -64,8 +64,9 @@ Modules, one concern each:
 * ``telemetry``: ``Metrics``: the producer's instrumentation interface, a no-op by default
 * ``engine``: the engine client, transport below and one dialect module per engine API above (its docstring
   draws it). ``EngineClient`` (``client.py``): routing through the fleet, retries on ``common/backoff.py``
-  (connection errors, 5xx, 429; a request whose engine is taken out is sent again elsewhere), the fleet
-  monitor (probes of engines in trouble); ``fleet.py``: ``Fleet`` / ``Engine`` / ``EngineState`` (healthy,
+  (connection errors, 5xx, 429; a request whose engine is taken out is sent again elsewhere);
+  ``monitor.py``: ``FleetMonitor`` (probes of engines in trouble, loads, stalls, joining engines, the
+  registry, gateway workers); ``fleet.py``: ``Fleet`` / ``Engine`` / ``EngineState`` (healthy,
   suspect, ejected, wedged, behind, draining: docs/engines.md, the fleet), the consistent-hash ring with
   bounded loads keyed by ``route_key(index, epoch)``, ``apply_registry``, the client-side wait for room
   (``wait_room``); ``load.py``: each engine's load (``LoadEndpoint``, the shared ``/metrics`` parser; the

@@ -3,12 +3,14 @@
 * :mod:`.transport`: the HTTP contract (bounded reads, the total deadline, URL credentials; any
   ``httpx`` transport for tests); :mod:`.http11`: the default, keep-alive HTTP/1.1 on
   ``asyncio.Protocol`` with its connection pool.
-* :mod:`.client`: :class:`EngineClient`, retries on :class:`~rollstream.common.backoff.Backoff`,
-  the fleet monitor, and what the producer calls (generate, tokenize, weight version, abort,
-  the registry); :mod:`.fleet`: each engine's state and the cache-aware routing with bounded
-  loads; :mod:`.weights`: each engine's weight version (shared cached reads, a weight update's
-  news, the label of a reply without one) and the catch-up of engines left behind;
-  :mod:`.discovery`: model-info versions and gateway workers. A request learns that its
+* :mod:`.client`: :class:`EngineClient`, the request path (send, retries on
+  :class:`~rollstream.common.backoff.Backoff`, sent again elsewhere, blame; generate, tokenize)
+  and what the producer calls (passed on to the monitor and the versions); :mod:`.fleet`: each
+  engine's state and the cache-aware routing with bounded loads; :mod:`.monitor`:
+  :class:`~.monitor.FleetMonitor`, the fleet monitor (health probes, loads, stalls, joining
+  engines, the registry, gateway workers, ``abort_all``); :mod:`.weights`: each engine's weight
+  version (shared cached reads, a weight update's news, the label of a reply without one) and the
+  catch-up of engines left behind; :mod:`.discovery`: model-info versions and gateway workers. A request learns that its
   engine was taken out through its own await (the engine's ``lost`` future, awaited beside its
   HTTP call); the fleet cancels no task it does not own. :mod:`.ids_json`: request bodies'
   encoder, which writes a trajectory's token ids as JSON once (:class:`~.ids_json.IdsJson`).

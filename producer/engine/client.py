@@ -1,13 +1,14 @@
-"""The engine client: routes through the fleet, retries, discovers; the dialect writes and reads.
+"""The engine client's request path: routes through the fleet, retries, blames; the dialect writes and reads.
 
 Requests go to the engine :class:`~.fleet.Fleet` picks (the group's engine on the hash ring within
 a bounded load, else the least loaded); connection errors, 5xx and 429 are retried with
 :class:`~rollstream.common.backoff.Backoff` (``backoff_base``, ``backoff_max``), on another engine
 when the failure took the engine out of routing (then not counted as a retry); any other status is
-not retried (:class:`EngineRejected`). After the retries, :class:`EngineError`. A monitor task
-(started with the first request to a fleet of several) probes the engines in trouble. An
-unusable reply raises :class:`EngineReplyInvalid` (an ``EngineRejected``, not retried, the engine
-named on it), so the producer records a FAILED sample.
+not retried (:class:`EngineRejected`). After the retries, :class:`EngineError`. An unusable reply
+raises :class:`EngineReplyInvalid` (an ``EngineRejected``, not retried, the engine named on it), so
+the producer records a FAILED sample. The client owns the fleet's monitor (:mod:`.monitor`, started
+with the first request to a fleet of several: probes, loads, stalls, the registry) and its weight
+versions (:mod:`.weights`), and passes the producer's calls on to them.
 """
 
 from __future__ import annotations
@@ -311,16 +312,9 @@ class EngineClient:
     # -- generation ---------------------------------------------------------------------
 
     async def generate(
-        self,
-        *,
-        text: str | None = None,
-        input_ids: Sequence[int] | None = None,
-        messages: Messages | None = None,
-        max_new_tokens: int | None = None,
-        rid: str | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        image_data: Sequence[str] | None = None,
-        key: str | None = None,
+        self, *, text: str | None = None, input_ids: Sequence[int] | None = None, messages: Messages | None = None,
+        max_new_tokens: int | None = None, rid: str | None = None, sampling: Mapping[str, Any] | None = None,
+        image_data: Sequence[str] | None = None, key: str | None = None,
     ) -> Generation:
         """One sample for a prompt given as text, token ids or (OpenAI API) chat messages.
 
@@ -331,16 +325,9 @@ class EngineClient:
         return (await self._generate(1, text, input_ids, messages, max_new_tokens, rid, sampling, image_data, key))[0]
 
     async def generate_n(
-        self,
-        n: int,
-        *,
-        text: str | None = None,
-        input_ids: Sequence[int] | None = None,
-        messages: Messages | None = None,
-        max_new_tokens: int | None = None,
-        image_data: Sequence[str] | None = None,
-        key: str | None = None,
-        sampling: Mapping[str, Any] | None = None,
+        self, n: int, *, text: str | None = None, input_ids: Sequence[int] | None = None,
+        messages: Messages | None = None, max_new_tokens: int | None = None, image_data: Sequence[str] | None = None,
+        key: str | None = None, sampling: Mapping[str, Any] | None = None,
     ) -> list[Generation]:
         """``n`` samples of one prompt: one request with ``n`` (OpenAI, vLLM), else ``n`` requests
         (``sampling`` as :meth:`generate` takes it)."""
@@ -348,27 +335,16 @@ class EngineClient:
             raise ValueError("n must be at least 1")
         if self.batches_samples:
             return await self._generate(n, text, input_ids, messages, max_new_tokens, None, sampling, image_data, key)
-        return list(
-            await asyncio.gather(
-                *(
-                    self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
-                                  sampling=sampling, image_data=image_data, key=key)
-                    for _ in range(n)
-                )
-            )
-        )
+        return list(await asyncio.gather(*(
+            self.generate(text=text, input_ids=input_ids, messages=messages, max_new_tokens=max_new_tokens,
+                          sampling=sampling, image_data=image_data, key=key)
+            for _ in range(n)
+        )))
 
     async def _generate(
-        self,
-        n: int,
-        text: str | None,
-        input_ids: Sequence[int] | None,
-        messages: Messages | None,
-        max_new_tokens: int | None,
-        rid: str | None,
-        sampling: Mapping[str, Any] | None,
-        image_data: Sequence[str] | None = None,
-        key: str | None = None,
+        self, n: int, text: str | None, input_ids: Sequence[int] | None, messages: Messages | None,
+        max_new_tokens: int | None, rid: str | None, sampling: Mapping[str, Any] | None,
+        image_data: Sequence[str] | None = None, key: str | None = None,
     ) -> list[Generation]:
         if (text is not None) + (input_ids is not None) + (messages is not None) != 1:
             raise ValueError("give exactly one of text, input_ids and messages")

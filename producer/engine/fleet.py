@@ -1,4 +1,4 @@
-"""The engine fleet of one producer: each engine's state, routing, and the monitor that probes.
+"""The engine fleet of one producer: each engine's state and routing (:mod:`.monitor` probes them).
 
 Engines are peers that fail one at a time (docs/engines.md, "The fleet"). Each has a state:
 

@@ -114,7 +114,6 @@ class FleetMonitor:
             self._wake.set()
         self.catch_up.weights = weights
 
-
     def take_out(self, url: str, why: str) -> bool:
         """Take the engine at ``url`` out of routing (its replies are unusable), unless it is the
         last routed one: True when it was (it is probed and rejoins as any ejected engine)."""
