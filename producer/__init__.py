@@ -63,24 +63,24 @@ Modules, one concern each:
   with a count)
 * ``telemetry``: ``Metrics``: the producer's instrumentation interface, a no-op by default
 * ``engine``: the engine client, transport below and one dialect module per engine API above (its docstring
-  draws it). ``EngineClient`` (``client.py``): routing through the fleet, retries on ``common/backoff.py``
-  (connection errors, 5xx, 429; a request whose engine is taken out is sent again elsewhere);
-  ``monitor.py``: ``FleetMonitor`` (probes of engines in trouble, loads, stalls, joining engines, the
-  registry, gateway workers); ``fleet.py``: ``Fleet`` / ``Engine`` / ``EngineState`` (healthy,
-  suspect, ejected, wedged, behind, draining: docs/engines.md, the fleet), the consistent-hash ring with
-  bounded loads keyed by ``route_key(index, epoch)``, ``apply_registry``, the client-side wait for room
-  (``wait_room``); ``load.py``: each engine's load (``LoadEndpoint``, the shared ``/metrics`` parser; the
-  dialects name theirs, SGLang's ``/v1/loads`` / ``/get_load`` read in ``sglang.py``) and
-  ``AdaptiveLimit``, its in-flight limit (adaptive concurrency); ``weights.py``: ``Versions`` (each
-  engine's weight version, a weight update's news, the label of a reply without one) and ``CatchUp``
-  (``--catch-up-engines``);
-  ``generate``/``generate_n``/``tokenize``/``abort_all``/``weight_version``; ``prepare()`` loads the
-  tokenizer before the producer says ``running``; ``check_versions()`` asks every engine for its weight
+  draws it). ``EngineClient`` (``client.py``): the request path, routing through the fleet, retries on
+  ``common/backoff.py`` (connection errors, 5xx, 429; a request whose engine is taken out is sent again
+  elsewhere); ``generate``/``generate_n``/``tokenize``/``abort_all``/``weight_version``; ``prepare()`` loads
+  the tokenizer before the producer says ``running``; ``check_versions()`` asks every engine for its weight
   version once at start (OpenAI API; on the native APIs at the first reply without one) and warns, once per
   engine, naming the engines that report none and which API would (the dialect's ``version_hint``);
   ``versions_from`` (the heartbeat's ``weight_versions_from``: ``engine replies``, ``GET /weight_info``,
-  ``GET /model_info``, ``trainer at admission``). ``transport.py``: the contract (bounded reads,
-  ``too_large``, the total deadline, URL credentials as a header; any ``httpx`` transport for tests);
+  ``GET /model_info``, ``trainer at admission``); the fleet calls are passed on to ``monitor.py``:
+  ``FleetMonitor`` (probes of engines in trouble, loads, stalls, joining engines, the registry, gateway
+  workers) and ``weights.py``: ``Versions`` (each engine's weight version, a weight update's news, the
+  label of a reply without one) and ``CatchUp`` (``--catch-up-engines``). ``fleet.py``: ``Fleet`` /
+  ``Engine`` / ``EngineState`` (healthy, suspect, ejected, wedged, behind, draining: docs/engines.md, the
+  fleet), the consistent-hash ring with bounded loads keyed by ``route_key(index, epoch)``,
+  ``apply_registry``, the client-side wait for room (``wait_room``); ``load.py``: each engine's load
+  (``LoadEndpoint``, the shared ``/metrics`` parser; the dialects name theirs, SGLang's ``/v1/loads`` /
+  ``/get_load`` read in ``sglang.py``) and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency).
+  ``transport.py``: the contract (bounded reads, ``too_large``, the total deadline, URL credentials as a
+  header; any ``httpx`` transport for tests);
   ``http11.py``: the default, keep-alive HTTP/1.1 on ``asyncio.Protocol``, answers parsed by llhttp
   (``httptools``) (one pool per origin, at most ``max_connections`` exchanges,
   ``Content-Length``/``chunked``/until-close, TLS, a stale kept-alive connection retried once, anything

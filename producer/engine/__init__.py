@@ -10,10 +10,11 @@
   :class:`~.monitor.FleetMonitor`, the fleet monitor (health probes, loads, stalls, joining
   engines, the registry, gateway workers, ``abort_all``); :mod:`.weights`: each engine's weight
   version (shared cached reads, a weight update's news, the label of a reply without one) and the
-  catch-up of engines left behind; :mod:`.discovery`: model-info versions and gateway workers. A request learns that its
-  engine was taken out through its own await (the engine's ``lost`` future, awaited beside its
-  HTTP call); the fleet cancels no task it does not own. :mod:`.ids_json`: request bodies'
-  encoder, which writes a trajectory's token ids as JSON once (:class:`~.ids_json.IdsJson`).
+  catch-up of engines left behind; :mod:`.discovery`: model-info versions and gateway workers. A
+  request learns that its engine was taken out through its own await (the engine's ``lost``
+  future, awaited beside its HTTP call); neither the fleet nor its monitor cancels a task it does
+  not own. :mod:`.ids_json`: request bodies' encoder, which writes a trajectory's token ids as
+  JSON once (:class:`~.ids_json.IdsJson`).
 * dialects (:mod:`.dialects` names them): :mod:`.sglang` (native ``/generate``), :mod:`.openai`
   (``/v1/completions``, ``/v1/chat/completions``), :mod:`.vllm` (``/inference/v1/generate``):
   each only translates (pure ``encode(request, settings) -> Encoded`` and ``decode(encoded,
