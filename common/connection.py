@@ -9,7 +9,14 @@ Two rules from redis-py's behaviour shape this module:
   in flight); more commands at once wait;
 * redis-py's own retry covers a blip; a Redis restart takes longer, so the long-running loops
   wrap their steps in :class:`Outage`, which backs off (bounded), logs once per outage and
-  once on recovery.
+  once on recovery;
+* redis-py's socket timeout is timed on the event loop, so it counted the time the loop stood
+  still (user code blocking it, DESIGN §4.16): a command in flight across a stall longer than
+  the timeout was timed out although Redis had answered at once, and re-sent by the retry. A
+  script then ran twice: a second ADMIT left the first one's prompts pending under the producer
+  but never worked on, so they were taken over after the lease (issue 43); a second PUBLISH
+  reported a duplicate. Every connection here reads its replies under :class:`_ReplyDeadline`,
+  which gives a stalled loop its time back.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Connection, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -117,6 +125,96 @@ def _credentials(parts: SplitResult, password: str | None) -> tuple[str | None, 
     return username, secret
 
 
+SOCKET_TIMEOUT = 10.0
+"""Seconds a reply may take (a blocking read's: its BLOCK time more) before the connection is
+dropped and the command retried."""
+STALL_SLACK = 0.1
+"""Seconds a reply's deadline may fire late before the loop counts as having stood still at it."""
+
+
+class _ReplyDeadline:
+    """``asyncio.timeout(seconds)`` around one reply, except that a stalled loop does not time it
+    out. When the deadline fires more than :data:`STALL_SLACK` late, the loop stood still past it
+    and the reply may be waiting unread in the socket: the window starts over. When it fires on
+    time it expires one turn of the loop later, so a reply read by this turn's I/O (a stall that
+    ended just before) is parsed first. A server that does not answer still times out."""
+
+    __slots__ = ("_handle", "_loop", "_seconds", "_timeout", "_when")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    async def __aenter__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timeout = asyncio.timeout(None)
+        await self._timeout.__aenter__()
+        self._arm(self._loop.time())
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self._handle.cancel()
+        await self._timeout.__aexit__(*exc_info)
+
+    def _arm(self, now: float) -> None:
+        self._when = now + self._seconds
+        self._handle = self._loop.call_at(self._when, self._due)
+
+    def _due(self) -> None:
+        now = self._loop.time()
+        late = now - self._when
+        if late > STALL_SLACK:
+            logger.debug("a reply's %.1f s deadline fired %.1f s late (the loop stood still): waiting again",
+                         self._seconds, late)
+            self._arm(now)
+        else:
+            self._timeout.reschedule(now)
+
+
+class _StallTolerantReads:
+    """Mixed into every connection class :func:`connect` uses: the socket timeout of a reply is
+    :class:`_ReplyDeadline`'s instead of redis-py's (a read with its own ``timeout``, pub/sub's,
+    is left as it is)."""
+
+    socket_timeout: float | None
+
+    async def read_response(
+        self, disable_decoding: bool = False, timeout: float | None = None, **options: Any  # noqa: ASYNC109 -- redis-py's
+    ) -> Any:
+        parent: Any = super()
+        if timeout is not None or not self.socket_timeout:
+            return await parent.read_response(disable_decoding, timeout, **options)
+        try:
+            async with _ReplyDeadline(self.socket_timeout):
+                return await parent.read_response(disable_decoding, math.inf, **options)
+        except TimeoutError:
+            if options.get("disconnect_on_error", True):
+                await parent.disconnect(nowait=True)
+            raise RedisTimeoutError(f"Timeout reading from {parent._host_error()}") from None
+
+
+_TOLERANT: dict[type[Any], type[Any]] = {}
+
+
+def _stall_tolerant(connection_class: type[Any]) -> type[Any]:
+    """``connection_class`` with :class:`_StallTolerantReads` mixed in (one class per class)."""
+    if issubclass(connection_class, _StallTolerantReads):
+        return connection_class
+    if connection_class not in _TOLERANT:
+        _TOLERANT[connection_class] = type(
+            f"StallTolerant{connection_class.__name__}", (_StallTolerantReads, connection_class), {}
+        )
+    return _TOLERANT[connection_class]
+
+
+class _BlockingPool(BlockingConnectionPool):
+    """redis-py's blocking pool, its connections reading under :class:`_ReplyDeadline`."""
+
+    connection_class: type[Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection_class = _stall_tolerant(self.connection_class)
+
+
 class _ReplicatedRedis(Redis):
     """A client that follows each script (every state move) with ``WAIT replicas timeout`` on
     the same connection, so the call returns once that many replicas have the write."""
@@ -184,7 +282,7 @@ def connect(
             "(0 would block forever; more would outlast the socket timeout and re-send the script)"
         )
     username, secret = _credentials(parts, password)
-    socket_timeout = 10.0 if block_ms is None else block_ms / 1000 + 10.0
+    socket_timeout = SOCKET_TIMEOUT if block_ms is None else block_ms / 1000 + SOCKET_TIMEOUT
     options: dict[str, Any] = {
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": 5.0,
@@ -212,7 +310,7 @@ def connect(
     netloc = parts.netloc.rpartition("@")[2]
     plain_url = urlunsplit((parts.scheme, netloc, parts.path, plain_query, parts.fragment))
     try:
-        pool = BlockingConnectionPool.from_url(plain_url, health_check_interval=15, **_pool_options(options), **options)
+        pool = _BlockingPool.from_url(plain_url, health_check_interval=15, **_pool_options(options), **options)
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL {redact_url(url)}: {exc}") from None
     return redis_class.from_pool(pool)
@@ -225,7 +323,14 @@ def _pool_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
-    """The Sentinel-managed pool (the master's address from the Sentinels) under the same bound."""
+    """The Sentinel-managed pool (the master's address from the Sentinels) under the same bound,
+    its connections reading under :class:`_ReplyDeadline`."""
+
+    connection_class: type[Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection_class = _stall_tolerant(self.connection_class)
 
 
 def _int_option(query: dict[str, str], key: str, given: int | None, url: str) -> int | None:
@@ -322,6 +427,12 @@ class _Cluster(RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_flight = asyncio.Semaphore(MAX_CONNECTIONS)
+        # Every node's connections read under _ReplyDeadline: the nodes known now, and those the
+        # topology adds later (made from the shared connection options).
+        options = self.nodes_manager.connection_kwargs
+        options["connection_class"] = _stall_tolerant(options.get("connection_class", Connection))
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = _stall_tolerant(node.connection_class)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self._initialize:

@@ -135,6 +135,11 @@ class Reclaimer:
                 continue
             if item.entry_id in p._work:
                 continue
+            if item.previous is not None:  # which prompt, whose, how long idle: a take-over is rare and loud
+                p.log.info(
+                    "taking over prompt entry %s of %s (%s)",
+                    item.entry_id.decode(), item.stream, item.previous.describe(),
+                )
             if not await p._capacity.take(n, p._stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
                 p._hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))

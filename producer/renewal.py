@@ -36,6 +36,14 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT = 10.0
 """Seconds :meth:`Renewer.close` waits for the renewal thread's last turn."""
+LOGGED_IDS = 32
+"""Ids a renewal's debug line names at most."""
+
+
+def _ids(by_stream: dict[str, list[bytes]]) -> str:
+    ids = [pid.decode() for pids in by_stream.values() for pid in pids]
+    more = f" (+{len(ids) - LOGGED_IDS} more)" if len(ids) > LOGGED_IDS else ""
+    return " ".join(ids[:LOGGED_IDS]) + more
 
 
 class Renewer:
@@ -139,7 +147,11 @@ class Renewer:
             lost: list[bytes] = []
             for stream, ids in by_stream.items():
                 lost.extend(await prompts.renew(stream, ids))
-            self.log.debug("renewed %d leases (%d lost)", sum(map(len, by_stream.values())), len(lost))
+            if self.log.isEnabledFor(logging.DEBUG):  # which ones: a take-over is checked against it
+                self.log.debug(
+                    "renewed %d leases (%d lost%s): %s", sum(map(len, by_stream.values())), len(lost),
+                    ", claiming" if claiming else "", _ids(by_stream),
+                )
             if lost:
                 with self._lock:
                     lost = [pid for pid in lost if self._held.pop(pid, None) is not None]

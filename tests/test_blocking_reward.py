@@ -1,8 +1,9 @@
 """A reward declared ``async def`` that blocks the event loop past the lease (issue 43, finding 9,
 first bullet: "a blocking async reward (7 s, lease 5 s) still causes one takeover per 40-prompt
-run"). The renewal thread keeps every lease alive while the loop stands still: no prompt is taken
-over and each is trained exactly once. Real Redis, two real producer processes, the simulator
-over HTTP."""
+run"). The renewal thread keeps every lease alive while the loop stands still, and a reply that
+came during the stall is read, not timed out and its script run again: no prompt is taken over,
+none is reported a duplicate, and each is trained exactly once. Real Redis, two real producer
+processes, the simulator over HTTP. The exact window is forced in tests/test_stalled_replies.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import ProcessPool, make_namespace
 from hostile_rewards import BLOCK_REWARD_SECONDS
 from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
+from rollstream.common.connection import SOCKET_TIMEOUT
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt
 from rollstream.consumer import GroupConsumer
@@ -61,8 +63,11 @@ async def test_a_blocking_async_reward_takes_over_nothing(
     stalls = [float(line.split("event loop stalled ")[1].split(" s")[0])
               for line in logs.splitlines() if "event loop stalled" in line and f"in {fn}" in line]
     assert stalls and min(stalls) > LEASE, procs.logs()
-    if int(state.get("reclaimed", 0)) or "lost the lease" in logs:
-        # Issue 43 finding 9, open: one CI run of three (a 13.9 s merged stall, per-sample reward)
-        # saw one prompt taken over while the renewal thread renewed every held lease; exactly
-        # once held (asserted above), the cause is not found yet.
-        pytest.xfail(f"a prompt was taken over during a {max(stalls):.1f} s stall (issue 43 finding 9, open)")
+    if fn == "blocking_async_per_sample":  # and past the socket timeout: a reply in flight is waited for
+        assert max(stalls) > SOCKET_TIMEOUT, procs.logs()
+    # Nothing taken over. The per-sample stalls (two samples: ~14 s) outlast the 10 s socket
+    # timeout: before replies were read under a stall-tolerant deadline (common/connection.py),
+    # a script in flight across one ran twice, in 3 runs of 10: an ADMIT (its first prompts left
+    # pending, unheld, and taken over after the lease) or a PUBLISH (a false duplicate).
+    assert int(state.get("reclaimed", 0)) == 0, procs.logs()
+    assert "taking over" not in logs and "lost the lease" not in logs, procs.logs()

@@ -18,6 +18,10 @@ from .guard import Guarded, flat_entries
 # -- prompt queue (producers) ----------------------------------------------------------------
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """A prompt entry handed to a producer, with the stream it came from (``prompts`` or
@@ -26,6 +30,20 @@ class Admitted:
     stream: str
     entry_id: bytes
     fields: dict[bytes, bytes]
+    previous: Pending | None = None
+    """A take-over's: the entry's pending row just before it was claimed (who held it, how long idle)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A pending entry's row (XPENDING's extended form): under which consumer, idle how long."""
+
+    consumer: str
+    idle_ms: int
+    deliveries: int
+
+    def describe(self) -> str:
+        return f"pending under {self.consumer}, idle {self.idle_ms / 1000:.1f} s, delivered {self.deliveries} times"
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +164,26 @@ class PromptQueue(Guarded):
             want = max(1, count) - len(out)
             if want <= 0:
                 break
+            # Who held them and how long they sat idle, for the log: the rows XAUTOCLAIM is about
+            # to look at (it looks at ``10 * count`` at most), read only when prompts are due.
+            rows = await self.redis.xpending_range(
+                stream, PRODUCERS_GROUP, min=self._reclaim_cursors[stream], max="+", count=10 * want
+            )
+            previous = {
+                row["message_id"]: Pending(
+                    _text(row["consumer"]), int(row["time_since_delivered"]),
+                    int(row["times_delivered"]),
+                )
+                for row in rows
+            }
             reply = await self.redis.xautoclaim(
                 stream, PRODUCERS_GROUP, self.consumer, lease_ms, start_id=self._reclaim_cursors[stream], count=want,
             )
-            cursor, rows = reply[0], reply[1]
+            cursor, claimed = reply[0], reply[1]
             self._reclaim_cursors[stream] = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-            if any(row[0] is None for row in rows):
+            if any(row[0] is None for row in claimed):
                 await self._ack_claimed_deleted(stream, held)
-            out.extend(Admitted(stream, eid, fields) for eid, fields in flat_entries(rows))
+            out.extend(Admitted(stream, eid, fields, previous.get(eid)) for eid, fields in flat_entries(claimed))
         return out
 
     async def _ack_claimed_deleted(self, stream: str, held: Container[bytes]) -> None:
