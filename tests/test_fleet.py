@@ -405,3 +405,33 @@ async def test_a_request_whose_engine_is_taken_out_goes_elsewhere_and_nothing_ca
             assert asking.cancels == 0
             assert client.errors.get("engine_lost") == 1 and client.retries == 0
             assert not held.attempts and held.in_flight == 0
+
+
+def _engine_code(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` runs the engine client's code (not the test servers' handlers)."""
+    code = getattr(task.get_coro(), "cr_code", None)
+    return code is not None and "/producer/engine/" in code.co_filename
+
+
+async def test_closing_the_client_ends_every_task_its_monitor_and_versions_started(sim: SimEngine) -> None:
+    """The monitor loop, a probe hanging on a wedged engine, a weight update's re-read and the
+    version read it waits on are each kept by their owner and ended by ``aclose()`` (was: a read
+    whose asker was cancelled ran on, referenced by nothing, until its own timeout)."""
+    async with _Wedged() as wedged:
+        settings = EngineSettings(urls=(sim.url, wedged.url), health_interval=0.2, health_timeout=60.0,
+                                  model_info_timeout=60.0, adaptive_concurrency=False)
+        before = asyncio.all_tasks()
+        client = EngineClient(settings)
+        try:
+            await client.prepare()  # a fleet of several joins: the monitor starts probing
+            await wait_until(lambda: client.fleet.engines[sim.url].state is EngineState.HEALTHY, timeout=30,
+                             message="the simulator joined")
+            await wait_until(lambda: wedged.connections >= 1, timeout=30, message="the wedged engine's probe")
+            client.versions_moved()  # every engine's version read again: the wedged one's hangs
+            await wait_until(lambda: wedged.connections >= 2, timeout=30, message="the wedged engine's version read")
+            started = {task for task in asyncio.all_tasks() - before if _engine_code(task)}
+            names = {task.get_name() for task in started}
+            assert {"engine-monitor", f"probe {wedged.url}", "versions-moved", f"version {wedged.url}"} <= names, names
+        finally:
+            await client.aclose()
+        assert [task.get_name() for task in started if not task.done()] == []
