@@ -134,7 +134,7 @@ async def test_a_journal_goes_with_its_prompts_publish_and_dead_letter_and_stays
 
 async def _start_blocked(
     redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, monkeypatch: pytest.MonkeyPatch,
-    tool_log: Path, salt: str = "",
+    tool_log: Path, salt: str = "", extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Producer ``a`` runs one 6-turn episode up to the tool of turn 4, which never returns."""
     await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, lease_seconds=3.0, durable_episodes=True)
@@ -142,7 +142,8 @@ async def _start_blocked(
     monkeypatch.setenv("TOOL_LOG", str(tool_log))
     monkeypatch.setenv("BLOCK_AT", "4")
     monkeypatch.setenv("TOOL_SALT", salt)
-    first = procs.producer(redis_url, ns, sim.url, "--generate", fn("six_turns"), "--drain-timeout", "20", name="a")
+    first = procs.producer(redis_url, ns, sim.url, "--generate", fn("six_turns"), "--drain-timeout", "20", *extra,
+                           name="a")
 
     async def at_turn_four() -> bool:  # once + (generate, observe) x 3 + generate 4
         return await _state_int(redis, ns, StateField.JOURNAL_STEPS) == 8
@@ -220,6 +221,42 @@ async def test_a_divergent_tool_drops_the_rest_of_the_journal_and_goes_on_live(
     assert await _state_int(redis, ns, StateField.RESUME_DIVERGED) == 1
     log = procs.logs()
     assert log.count("diverged from its journal at step 2 of 8") == 1
+    await _assert_no_journal(redis, ns)
+
+
+async def test_an_eval_prompt_and_a_training_prompt_of_one_index_keep_their_journals_apart(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eval prompts are numbered from 0 (epoch 0) like a fed dataset: eval prompt 0 runs while
+    training prompt 0 sits journaled at turn 4. The eval episode must neither replay the training
+    journal nor delete it with its publish; the training episode then resumes at turn 4."""
+    keys = Keys(ns)
+    tool_log = tmp_path / "tools.log"
+    # a runs one episode at a time: the eval prompt goes to e
+    first, _ = await _start_blocked(redis, redis_url, ns, sim, procs, monkeypatch, tool_log,
+                                    extra=("--concurrency", "1"))
+    training_journal = await redis.hgetall(keys.episode(0, 0))
+    assert int(training_journal[b"n:0"]) == 8
+    evaluator = procs.producer(redis_url, ns, sim.url, "--generate", fn("six_turns"), name="e")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        await consumer.evaluate("ev", ["Compute 2 + 2."], n_samples=1)  # the training prompt's text
+        (result,) = await wait_until(consumer.eval_results, timeout=90, message="the eval finished")
+    assert result.name == "ev" and result.samples == 1
+    beat = await _published_beat(redis, ns, "e")
+    assert (beat.episodes_resumed, beat.replayed_steps) == (0, 0), "the eval replayed the training journal"
+    assert next(rest for pid, rest in _tool_lines(tool_log) if pid != first.pid) == "once sandbox"  # its own
+    # the eval's publish left the training prompt's journal as it was
+    assert await redis.hgetall(keys.episode(0, 0)) == training_journal
+    evaluator.send_signal(signal.SIGTERM)  # b, not e, takes the training prompt over
+    assert await wait_exit(evaluator) == 0, procs.log_of(evaluator)
+    calls = sim.state.requests
+    first.send_signal(signal.SIGKILL)
+    assert await wait_exit(first) == -signal.SIGKILL
+    assert await _finish_with_b(redis, redis_url, ns, sim, procs) in USABLE
+    assert sim.state.requests == calls + 2  # the training episode resumed at turn 4 (turns 5-6 live)
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 8, 0)
     await _assert_no_journal(redis, ns)
 
 
