@@ -7,7 +7,9 @@ slot and the pipeline runs unchanged on Redis Cluster.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
@@ -172,17 +174,32 @@ class Keys:
         """SCAN MATCH pattern of every journal of the namespace (one per trainer consumer)."""
         return f"{self.base}:journal:*"
 
-    def episode(self, index: int, epoch: int) -> str:
+    def episode(self, index: int, epoch: int, eval_name: str | None = None) -> str:
         """Hash: the journal of one prompt's episodes (durable episodes): field ``M:S`` is member
         M's step S (msgpack), ``n:M`` its step count, ``bytes`` the total, ``stream`` and
         ``entry_id`` where its prompt's entry is (what the orphan sweep checks). Appended under
         the prompt attempt's lease, deleted with its publish or dead letter, kept when it is
-        returned (a drain), so the producer that takes the prompt over replays it."""
-        return f"{self.base}:episode:{index}:{epoch}"
+        returned (a drain), so the producer that takes the prompt over replays it. An eval-lane
+        prompt's (``eval_name``: its eval's name, '' when its entry names none) is
+        ``episode:eval:<name>:<index>:<epoch>``: eval sets are numbered from 0 like a dataset, so
+        they need a key space of their own (a name has no ':')."""
+        if eval_name is None:
+            return f"{self.base}:episode:{index}:{epoch}"
+        return f"{self.base}:episode:eval:{eval_name}:{index}:{epoch}"
+
+    def episode_lane(self, stream: str, fields: Mapping[Any, Any]) -> str | None:
+        """The ``eval_name`` of :meth:`episode` for a prompt entry of ``stream``: in the eval lane its
+        plain ``eval`` field ('' when missing or not a name, as an older consumer's entries), else
+        None. The producer and MOVE derive a journal's key from the same field, so they agree."""
+        if stream != self.eval_prompts:
+            return None
+        value = fields.get("eval", fields.get(b"eval"))
+        name = value.decode("utf-8", "replace") if isinstance(value, bytes) else "" if value is None else str(value)
+        return name if len(name) <= 200 and ":" not in name else ""
 
     @property
     def episode_pattern(self) -> str:
-        """SCAN MATCH pattern of every episode journal of the namespace."""
+        """SCAN MATCH pattern of every episode journal of the namespace (the eval lane's too)."""
         return f"{self.base}:episode:*"
 
     @property

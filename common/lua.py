@@ -211,9 +211,10 @@ def journal(keys: Keys, key: str | None, *, keep: bool = False) -> dict[str, str
     return {"journal": key or keys.state, "drop": "1" if key and not keep else ""}
 
 
-def episode_of(keys: Keys, fields: Mapping[Any, Any]) -> str | None:
-    """The episode journal key of a prompt entry, from its plain ``index`` and ``epoch`` fields
-    (None when they are missing or not numbers)."""
+def episode_of(keys: Keys, stream: str, fields: Mapping[Any, Any]) -> str | None:
+    """The episode journal key of a prompt entry of ``stream``, from its plain ``index`` and
+    ``epoch`` fields (None when they are missing or not numbers) and, in the eval lane, ``eval``
+    (:meth:`~.keys.Keys.episode_lane`)."""
     found = []
     for name in ("index", "epoch"):
         value = fields.get(name, fields.get(name.encode()))
@@ -221,7 +222,7 @@ def episode_of(keys: Keys, fields: Mapping[Any, Any]) -> str | None:
         if value is None or not text.isdigit():
             return None
         found.append(int(text))
-    return keys.episode(found[0], found[1])
+    return keys.episode(found[0], found[1], keys.episode_lane(stream, fields))
 
 
 def move_terms(keys: Keys, source: str, target: str) -> dict[str, str]:

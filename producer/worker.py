@@ -540,13 +540,18 @@ class Producer:
         """The prompt's episode journal, deleted with its publish or dead letter (durable episodes)."""
         if not self.durable or work.prompt is None:
             return None
-        return self.keys.episode(work.prompt.index, work.prompt.epoch)
+        return self.keys.episode(work.prompt.index, work.prompt.epoch, self._eval_lane(work))
+
+    def _eval_lane(self, work: Work) -> str | None:
+        """The eval name an eval-lane prompt's journal is keyed by (None: a training prompt's); the
+        key MOVE follows is read from the same plain field (``Keys.episode_lane``)."""
+        return self.keys.episode_lane(work.stream, work.fields)
 
     async def _journal(self, work: Work, prompt: Prompt) -> PromptJournal:
         """The prompt's episode journal as another producer left it (``{}`` when fresh), and its
         writer: appends name this attempt's entry, so they stop when the lease is lost."""
-        index, epoch = prompt.index, prompt.epoch
-        steps = await self._outage.run(lambda: self.journals.load(index, epoch))
+        index, epoch, lane = prompt.index, prompt.epoch, self._eval_lane(work)
+        steps = await self._outage.run(lambda: self.journals.load(index, epoch, lane))
         if steps:
             self.log.info("prompt %d resumes from its journal (%s steps)", index,
                           ", ".join(f"member {m}: {len(s)}" for m, s in sorted(steps.items())))
@@ -554,7 +559,7 @@ class Producer:
         async def append(member: int, seq: int, step: bytes) -> str:
             return await self.journals.append(
                 stream=work.stream, entry_id=work.prompt_id, index=index, epoch=epoch, member=member, seq=seq,
-                budget=self.config.max_backlog_bytes, step=step,
+                budget=self.config.max_backlog_bytes, step=step, eval_name=lane,
             )
 
         return PromptJournal(steps, append, self.journals.count_diverged, self.rollout.runtime.journal,

@@ -172,6 +172,11 @@ async def test_the_journal_sweep_checks_the_entry_a_journal_names_on_cluster(clu
         assert await PromptQueue(client, keys, "a").give_back(keys.prompts, kept, {"index": 0, "epoch": 0})
         await client.xdel(keys.prompts, gone)
         await client.hset(keys.episode(2, 0), mapping={"0:0": b"s", "n:0": 1, "bytes": 1})  # no pointer, no prompt
+        # an eval prompt of index 0 beside training's: its journal in the namespace's slot too
+        lane = await client.xadd(keys.eval_prompts, {"index": 0, "epoch": 0, "eval": "ev"})
+        await client.xreadgroup(PRODUCERS_GROUP, "a", {keys.eval_prompts: ">"}, count=1)
+        assert await journals.append(stream=keys.eval_prompts, entry_id=lane, index=0, epoch=0, member=0, seq=0,
+                                     budget=0, step=b"e", eval_name="ev") == "ok"
         swept = 0
         async with asyncio.timeout(30):
             while True:
@@ -179,7 +184,7 @@ async def test_the_journal_sweep_checks_the_entry_a_journal_names_on_cluster(clu
                 if not int(await client.hget(keys.state, StateField.JOURNAL_SWEEP_CURSOR) or 0):
                     break
         assert swept == 2
-        assert await client.exists(keys.episode(0, 0)) == 1
+        assert await client.exists(keys.episode(0, 0), keys.episode(0, 0, "ev")) == 2
         assert await client.exists(keys.episode(1, 0), keys.episode(2, 0)) == 0
     finally:
         await client.aclose()

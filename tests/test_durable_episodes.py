@@ -20,7 +20,7 @@ from rich.console import Console
 from rollstream.cli.inspect import render
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
 from rollstream.common.models import Status
-from rollstream.common.protocol import EpisodeJournals, Heartbeat, PromptQueue
+from rollstream.common.protocol import EpisodeJournals, Heartbeat, Keyspace, PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
 from rollstream.testing.sim import SimConfig, SimEngine
@@ -371,17 +371,21 @@ async def test_orphan_journals_are_swept_and_journals_of_waiting_or_running_prom
 # -- the sweep checks the entry a journal names ------------------------------------------------
 
 
-async def _journaled(redis: Redis, keys: Keys, stream: str, index: int, consumer: str, **fields: Any) -> bytes:
-    """Prompt ``index`` added to ``stream``, admitted by ``consumer`` and one step journaled."""
-    entry_id = await redis.xadd(stream, {"index": index, "epoch": 0, **fields})
+async def _journaled(redis: Redis, keys: Keys, stream: str, index: int, consumer: str,
+                     eval_name: str | None = None, **fields: Any) -> bytes:
+    """Prompt ``index`` added to ``stream`` (an eval's, with ``eval_name``), admitted by
+    ``consumer`` and one step journaled."""
+    entry_id = await redis.xadd(stream, {"index": index, "epoch": 0, **fields,
+                                         **({} if eval_name is None else {"eval": eval_name})})
     await redis.xreadgroup(PRODUCERS_GROUP, consumer, {stream: ">"}, count=1)
     assert await EpisodeJournals(redis, keys, consumer).append(
-        stream=stream, entry_id=entry_id, index=index, epoch=0, member=0, seq=0, budget=0, step=b"s" * 10) == "ok"
+        stream=stream, entry_id=entry_id, index=index, epoch=0, member=0, seq=0, budget=0, step=b"s" * 10,
+        eval_name=eval_name) == "ok"
     return entry_id
 
 
-async def _pointer(redis: Redis, keys: Keys, index: int) -> tuple[str, bytes]:
-    stream, entry_id = await redis.hmget(keys.episode(index, 0), ["stream", "entry_id"])  # type: ignore[misc]
+async def _pointer(redis: Redis, keys: Keys, index: int, eval_name: str | None = None) -> tuple[str, bytes]:
+    stream, entry_id = await redis.hmget(keys.episode(index, 0, eval_name), ["stream", "entry_id"])  # type: ignore[misc]
     return stream.decode(), entry_id
 
 
@@ -414,9 +418,10 @@ async def test_a_journal_names_its_prompts_entry_and_follows_it_when_returned_so
         stream=keys.retry, entry_id=third, index=0, epoch=0, member=0, seq=1, budget=0, step=b"t") == "ok"
     assert await _pointer(redis, keys, 0) == (keys.retry, third)
     # an eval prompt's journal follows it back into the eval lane
-    lane = await _journaled(redis, keys, keys.eval_prompts, 1, "a")
-    assert await PromptQueue(redis, keys, "a").give_back(keys.eval_prompts, lane, {"index": 1, "epoch": 0})
-    stream, back = await _pointer(redis, keys, 1)
+    lane = await _journaled(redis, keys, keys.eval_prompts, 1, "a", eval_name="ev")
+    assert await PromptQueue(redis, keys, "a").give_back(keys.eval_prompts, lane,
+                                                          {"index": 1, "epoch": 0, "eval": "ev"})
+    stream, back = await _pointer(redis, keys, 1, "ev")
     assert stream == keys.eval_prompts and back != lane and await redis.xrange(keys.eval_prompts, back, back)
     journals = EpisodeJournals(redis, keys, "d")
     assert await _sweep_round(journals) == 0
@@ -425,7 +430,7 @@ async def test_a_journal_names_its_prompts_entry_and_follows_it_when_returned_so
     # an operator's XDEL of the entry it names: swept at the next round, the other one stays
     await redis.xdel(keys.retry, third)
     assert await _sweep_round(journals) == 1
-    assert await _journal_keys(redis, ns) == [keys.episode(1, 0).encode()]
+    assert await _journal_keys(redis, ns) == [keys.episode(1, 0, "ev").encode()]
     assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 10
 
 
@@ -464,6 +469,46 @@ async def test_the_sweep_trusts_a_pointer_and_reads_the_streams_only_for_a_journ
     assert await _sweep_round(EpisodeJournals(redis, keys, "a")) == 2
     assert sorted(await _journal_keys(redis, ns)) == sorted(keys.episode(i, 0).encode() for i in (1, 2, 3, 4, 5))
     assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 32
+
+
+async def test_the_sweep_keeps_an_eval_prompts_journal_only_while_its_own_eval_entry_is_there(
+    redis: Redis, ns: str
+) -> None:
+    """Eval sets are numbered from 0 like the dataset: a journal is matched against the entries of
+    its own lane (and eval), never against a training prompt or another eval of the same index."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, durable_episodes=True)
+    training = await _journaled(redis, keys, keys.prompts, 0, "a")
+    ev = await _journaled(redis, keys, keys.eval_prompts, 0, "a", eval_name="ev")
+    gone = await _journaled(redis, keys, keys.eval_prompts, 0, "a", eval_name="gone")
+    assert len({*await _journal_keys(redis, ns)}) == 3  # one prompt index, three journals
+    assert (await _pointer(redis, keys, 0), await _pointer(redis, keys, 0, "ev")) == (
+        (keys.prompts, training), (keys.eval_prompts, ev))
+    # eval "gone" ends by hand (no PUBLISH): its journal goes, though training prompt 0 and eval
+    # "ev"'s prompt 0 are both running
+    await redis.xack(keys.eval_prompts, PRODUCERS_GROUP, gone)
+    await redis.xdel(keys.eval_prompts, gone)
+    # journals without a pointer (read against the streams whole): each kept by its own lane alone
+    for index, eval_name in ((3, None), (4, "ev"), (5, "ev"), (6, "")):
+        await redis.hset(keys.episode(index, 0, eval_name), mapping={"0:0": b"s", "n:0": 1, "bytes": 1})
+        await redis.hincrby(keys.state, StateField.JOURNAL_BYTES, 1)
+    await redis.xadd(keys.eval_prompts, {"index": 3, "epoch": 0, "eval": "ev"})  # not training prompt 3
+    await redis.xadd(keys.retry, {"index": 4, "epoch": 0})  # not eval prompt 4
+    await redis.xadd(keys.eval_prompts, {"index": 5, "epoch": 0, "eval": "ev"})  # eval ev's prompt 5
+    await redis.xadd(keys.eval_prompts, {"index": 6, "epoch": 0})  # an older consumer's: no name
+    journals = EpisodeJournals(redis, keys, "a")
+    assert await _sweep_round(journals) == 3
+    kept = [keys.episode(0, 0), keys.episode(0, 0, "ev"), keys.episode(5, 0, "ev"), keys.episode(6, 0, "")]
+    assert sorted(await _journal_keys(redis, ns)) == sorted(k.encode() for k in kept)
+    assert await _state_int(redis, ns, StateField.JOURNAL_BYTES) == 22
+    # a drain gives eval ev's prompt 0 back: its journal follows it, the training one stays put
+    assert await PromptQueue(redis, keys, "a").give_back(keys.eval_prompts, ev, {"index": 0, "epoch": 0, "eval": "ev"})
+    assert await _pointer(redis, keys, 0) == (keys.prompts, training)
+    stream, back = await _pointer(redis, keys, 0, "ev")
+    assert stream == keys.eval_prompts and back != ev
+    assert await _sweep_round(journals) == 0
+    # the eval lane's journals are namespace keys like the others (`rollstream ns delete`)
+    assert {k.encode() for k in kept} <= {k.encode() for k in await Keyspace(redis, keys).existing()}
 
 
 async def test_a_journaled_prompt_among_prompts_admit_parks_keeps_its_journal(redis: Redis, ns: str) -> None:

@@ -21,9 +21,10 @@ class EpisodeJournals(Guarded):
         self._journal_append = lua.JOURNAL_APPEND.bind(redis, keys)
         self._sweep = lua.SWEEP_JOURNALS.bind(redis, keys)
 
-    async def load(self, index: int, epoch: int) -> dict[int, list[bytes]]:
-        """Member -> its journaled steps in order (a gap ends a member's steps); {} when none."""
-        raw = await self.redis.hgetall(self.keys.episode(index, epoch))
+    async def load(self, index: int, epoch: int, eval_name: str | None = None) -> dict[int, list[bytes]]:
+        """Member -> its journaled steps in order (a gap ends a member's steps); {} when none.
+        ``eval_name``: an eval-lane prompt's (:meth:`Keys.episode`)."""
+        raw = await self.redis.hgetall(self.keys.episode(index, epoch, eval_name))
         steps: dict[int, dict[int, bytes]] = {}
         for name, value in raw.items():
             member, sep, seq = name.decode("ascii", "replace").partition(":")
@@ -39,19 +40,20 @@ class EpisodeJournals(Guarded):
 
     async def append(
         self, *, stream: str, entry_id: bytes, index: int, epoch: int, member: int, seq: int, budget: int,
-        step: bytes,
+        step: bytes, eval_name: str | None = None,
     ) -> str:
         """Journal step ``seq`` of ``member`` while this producer holds the entry: 'ok', 'lost', 'full'."""
+        journal = self.keys.episode(index, epoch, eval_name)
         appended = await self._journal_append(
-            source=stream, consumer=self.consumer, entry_id=entry_id, journal=self.keys.episode(index, epoch),
-            member=member, seq=seq, budget=budget, step=step,
+            source=stream, consumer=self.consumer, entry_id=entry_id, journal=journal, member=member, seq=seq,
+            budget=budget, step=step,
         )
         return lua.status(appended)
 
     async def sweep(self, count: int) -> int:
         """One bounded step of the orphan-journal sweep: SCAN ``count`` keys on from the cursor
-        kept in the state hash, delete the journals whose prompt is in no prompt stream
-        (SWEEP_JOURNALS); how many went."""
+        kept in the state hash, delete the journals whose prompt is in no prompt stream (an eval
+        lane's: not in ``eval_prompts``) (SWEEP_JOURNALS); how many went."""
         raw = await self.redis.hget(self.keys.state, StateField.JOURNAL_SWEEP_CURSOR)
         cursor = int(raw) if raw is not None and raw.isdigit() else 0
         # in a Cluster the namespace's keys share one slot: SCAN that slot's node alone

@@ -33,12 +33,13 @@ class EvalLane(Guarded):
         return int(raw) if raw is not None and raw.isdigit() else 0
 
     async def submit(self, name: str, meta: dict[str, Any], prompts: Sequence[Prompt]) -> bool:
-        """Record the eval (False when the name is taken) and add its prompts to the eval lane."""
+        """Record the eval (False when the name is taken) and add its prompts to the eval lane, each
+        with a plain ``eval`` field (its name: the key space of its episode journal)."""
         if not await self.redis.hsetnx(self.keys.evals, name, json.dumps(meta)):
             return False
         async with self.redis.pipeline(transaction=False) as pipe:
             for prompt in prompts:
-                pipe.xadd(self.keys.eval_prompts, prompt_fields(prompt))
+                pipe.xadd(self.keys.eval_prompts, {**prompt_fields(prompt), "eval": name})
             await pipe.execute()
         await self.redis.publish(self.keys.control, EVAL_MESSAGE)  # producers napping on a full backlog wake
         return True

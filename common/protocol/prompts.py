@@ -237,7 +237,7 @@ class PromptQueue(Guarded):
         return bool(await self._move(
             **lua.move_terms(k, stream, target), group=PRODUCERS_GROUP, entry_id=entry_id,
             counter=StateField.RETURNED, fields=lua.flatten(fields),
-            **lua.journal(k, lua.episode_of(k, fields), keep=True),
+            **lua.journal(k, lua.episode_of(k, stream, fields), keep=True),
             tally="" if stream == k.eval_prompts else lua.tally(fields, "returned"),
         ))
 

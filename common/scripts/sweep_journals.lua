@@ -13,8 +13,12 @@
 -- by a publish that did not delete it, then recycled, stays as before); a journal without a
 -- pointer (an older version's), or whose pointer names another prompt, is kept if any prompt
 -- stream holds its ``index:epoch``. The fed backlog (``prompts``) is read for those only.
--- Atomic, so a prompt moving between streams is never missed. ``journals`` are the key names a
--- SCAN found (the caller bounds them with COUNT). Returns how many went.
+-- Atomic, so a prompt moving between streams is never missed. An eval-lane prompt's journal
+-- (``episode:eval:<name>:<index>:<epoch>``: eval sets are numbered from 0 like the dataset) is
+-- matched as ``eval:<name>:<index>:<epoch>`` against ``eval_prompts`` entries alone (their plain
+-- ``eval`` field), a training prompt's as ``index:epoch`` against the other streams alone.
+-- ``journals`` are the key names a SCAN found (the caller bounds them with COUNT). Returns how
+-- many went.
 -- KEYS: prompts retry eval_prompts state
 -- ARGV: *journals
 if #ARGV < journals_at then return 0 end
@@ -25,6 +29,22 @@ local function field(f, name)
   end
   return nil
 end
+-- the prompt an entry of ``stream`` holds, as its journal's key ends: ``index:epoch``, in the
+-- eval lane ``eval:<name>:index:epoch`` (nil without index and epoch)
+local function prompt_of(stream, f)
+  local index, epoch = field(f, 'index'), field(f, 'epoch')
+  if not (index and epoch) then return nil end
+  if stream ~= eval_prompts then return index .. ':' .. epoch end
+  return 'eval:' .. (field(f, 'eval') or '') .. ':' .. index .. ':' .. epoch
+end
+-- the prompt a journal is of (its key past ``<base>:episode:``), nil for another key
+local prefix = string.sub(state, 1, #state - #':state') .. ':episode:'
+local function journal_of(journal)
+  if string.sub(journal, 1, #prefix) ~= prefix then return nil end
+  local at = string.sub(journal, #prefix + 1)
+  if string.match(at, '^%d+:%d+$') or string.match(at, '^eval:[^:]*:%d+:%d+$') then return at end
+  return nil
+end
 -- true: its entry is there; false: gone; nil: no usable pointer
 local function pointed(journal, at)
   local ptr = redis.call('HMGET', journal, 'stream', 'entry_id')
@@ -32,12 +52,10 @@ local function pointed(journal, at)
   local rows = redis.pcall('XRANGE', ptr[1], ptr[2], ptr[2])
   if type(rows) ~= 'table' or rows.err then return nil end
   if not rows[1] then return false end
-  local f = rows[1][2]
-  local index, epoch = field(f, 'index'), field(f, 'epoch')
-  if index and epoch and index .. ':' .. epoch == at then return true end
+  if prompt_of(ptr[1], rows[1][2]) == at then return true end
   return nil
 end
--- the ``index:epoch`` of every entry of ``lanes``
+-- the prompt (``prompt_of``) of every entry of ``lanes``
 local function held(lanes)
   local found = {}
   for _, stream in ipairs(lanes) do
@@ -45,8 +63,8 @@ local function held(lanes)
     while true do
       local entries = redis.call('XRANGE', stream, from, '+', 'COUNT', 1000)
       for _, entry in ipairs(entries) do
-        local index, epoch = field(entry[2], 'index'), field(entry[2], 'epoch')
-        if index and epoch then found[index .. ':' .. epoch] = true end
+        local at = prompt_of(stream, entry[2])
+        if at then found[at] = true end
       end
       if #entries < 1000 then break end
       from = '(' .. entries[#entries][1]
@@ -66,7 +84,7 @@ end
 local swept = 0
 for i = journals_at, #ARGV do
   local journal = ARGV[i]
-  local at = string.match(journal, ':episode:(%d+:%d+)$')
+  local at = journal_of(journal)
   if at then
     local live = pointed(journal, at)
     if live == false then
