@@ -15,7 +15,7 @@ Two rules from redis-py's behaviour shape this module:
   the timeout was timed out although Redis had answered at once, and re-sent by the retry. A
   script then ran twice: a second ADMIT left the first one's prompts pending under the producer
   but never worked on, so they were taken over after the lease (issue 43); a second PUBLISH
-  reported a duplicate. Every connection here reads its replies under :class:`_ReplyDeadline`,
+  reported a duplicate. Every connection here reads its replies under :class:`ReplyDeadline`,
   which gives a stalled loop its time back.
 """
 
@@ -132,7 +132,7 @@ STALL_SLACK = 0.1
 """Seconds a reply's deadline may fire late before the loop counts as having stood still at it."""
 
 
-class _ReplyDeadline:
+class ReplyDeadline:
     """``asyncio.timeout(seconds)`` around one reply, except that a stalled loop does not time it
     out. When the deadline fires more than :data:`STALL_SLACK` late, the loop stood still past it
     and the reply may be waiting unread in the socket: the window starts over. When it fires on
@@ -171,7 +171,7 @@ class _ReplyDeadline:
 
 class _StallTolerantReads:
     """Mixed into every connection class :func:`connect` uses: the socket timeout of a reply is
-    :class:`_ReplyDeadline`'s instead of redis-py's (a read with its own ``timeout``, pub/sub's,
+    :class:`ReplyDeadline`'s instead of redis-py's (a read with its own ``timeout``, pub/sub's,
     is left as it is)."""
 
     socket_timeout: float | None
@@ -183,7 +183,7 @@ class _StallTolerantReads:
         if timeout is not None or not self.socket_timeout:
             return await parent.read_response(disable_decoding, timeout, **options)
         try:
-            async with _ReplyDeadline(self.socket_timeout):
+            async with ReplyDeadline(self.socket_timeout):
                 return await parent.read_response(disable_decoding, math.inf, **options)
         except TimeoutError:
             if options.get("disconnect_on_error", True):
@@ -206,7 +206,7 @@ def _stall_tolerant(connection_class: type[Any]) -> type[Any]:
 
 
 class _BlockingPool(BlockingConnectionPool):
-    """redis-py's blocking pool, its connections reading under :class:`_ReplyDeadline`."""
+    """redis-py's blocking pool, its connections reading under :class:`ReplyDeadline`."""
 
     connection_class: type[Any]
 
@@ -324,7 +324,7 @@ def _pool_options(options: dict[str, Any]) -> dict[str, Any]:
 
 class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     """The Sentinel-managed pool (the master's address from the Sentinels) under the same bound,
-    its connections reading under :class:`_ReplyDeadline`."""
+    its connections reading under :class:`ReplyDeadline`."""
 
     connection_class: type[Any]
 
@@ -427,7 +427,7 @@ class _Cluster(RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_flight = asyncio.Semaphore(MAX_CONNECTIONS)
-        # Every node's connections read under _ReplyDeadline: the nodes known now, and those the
+        # Every node's connections read under ReplyDeadline: the nodes known now, and those the
         # topology adds later (made from the shared connection options).
         options = self.nodes_manager.connection_kwargs
         options["connection_class"] = _stall_tolerant(options.get("connection_class", Connection))

@@ -148,10 +148,12 @@ def test_joining_quick_keeps_the_sick_engines_out_and_completes_every_group() ->
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_loop_stall_quick_produces_rows() -> None:
-    (table,) = bench_main.run(["loop_stall"], quick=True)
+    table, costs = bench_main.run(["loop_stall"], quick=True)
     (row,) = table.rows
-    assert row[0] == "12/12" and row[1] == 0  # every group trained once
-    assert row[5] >= 2 and row[6] >= 2  # the 2 stalls logged and in the heartbeats
+    assert row[1] == "12/12" and row[2] == 0  # every group trained once
+    assert row[6] >= 2 and row[7] >= 2  # the 2 stalls logged and in the heartbeats
+    assert [r[0] for r in costs.rows] == ["redis-py's (asyncio.timeout)", "stall-tolerant (ReplyDeadline)"]
+    assert all(r[1] > 0 and r[2] > 0 for r in costs.rows)  # both measured
 
 
 @pytest.mark.timeout(240)
