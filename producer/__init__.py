@@ -76,9 +76,10 @@ Modules, one concern each:
   label of a reply without one) and ``CatchUp`` (``--catch-up-engines``). ``fleet.py``: ``Fleet`` /
   ``Engine`` / ``EngineState`` (healthy, suspect, ejected, wedged, behind, draining: docs/engines.md, the
   fleet), the consistent-hash ring with bounded loads keyed by ``route_key(index, epoch)``,
-  ``apply_registry``, the client-side wait for room (``wait_room``); ``load.py``: each engine's load
-  (``LoadEndpoint``, the shared ``/metrics`` parser; the dialects name theirs, SGLang's ``/v1/loads`` /
-  ``/get_load`` read in ``sglang.py``) and ``AdaptiveLimit``, its in-flight limit (adaptive concurrency).
+  ``apply_registry``, the client-side waits for room and for a routed engine (``wait_room``,
+  ``wait_engine``); ``load.py``: each engine's load (``LoadEndpoint``, the shared ``/metrics`` parser; the
+  dialects name theirs, SGLang's ``/v1/loads`` / ``/get_load`` read in ``sglang.py``) and
+  ``AdaptiveLimit``, its in-flight limit (adaptive concurrency).
   ``transport.py``: the contract (bounded reads, ``too_large``, the total deadline, URL credentials as a
   header; any ``httpx`` transport for tests);
   ``http11.py``: the default, keep-alive HTTP/1.1 on ``asyncio.Protocol``, answers parsed by llhttp

@@ -162,30 +162,6 @@ class EngineClient:
         engine = self.fleet.pick(key, weight)
         return engine if engine is not None else next(iter(self.fleet.engines.values()))
 
-    async def _routed(self, key: str | None, weight: int) -> Engine:
-        """The engine for a request; waits while every routed engine is at its in-flight limit
-        (for a request to end), and at most ``no_engine_timeout`` while none is routed."""
-        fleet = self.fleet
-        engine = fleet.pick(key, weight)
-        if engine is not None:
-            return engine
-        self.monitor.ensure()
-        deadline = time.monotonic() + self.settings.no_engine_timeout
-        woken = False
-        while (engine := fleet.pick(key, weight)) is None:
-            if fleet.any_routed():  # all at their limits: not a fleet without engines
-                woken = await fleet.wait_room(self.settings.health_interval, again=woken)
-                deadline = time.monotonic() + self.settings.no_engine_timeout
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.fleet.engines.values())
-                raise EngineError(f"no usable engine for {self.settings.no_engine_timeout:g} s: {states or 'none'}")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, 1.0)):
-                    await self.fleet.changed.wait()
-        return engine
-
     def _count_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
@@ -234,7 +210,11 @@ class EngineClient:
             await self.versions.settled.wait()  # bounded: each read by model_info_timeout
         attempt = 0
         while True:
-            engine = await self._routed(key, weight)
+            engine = fleet.pick(key, weight)
+            if engine is None:  # none routed, or all at their limits: wait (and have them probed)
+                self.monitor.ensure()
+                engine = await fleet.wait_engine(key, weight, no_engine=settings.no_engine_timeout,
+                                                 room=settings.health_interval)
             url = engine.url + path
             engine.in_flight += weight
             sent = time.monotonic()

@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from rollstream.common.backoff import Backoff
+from rollstream.common.errors import EngineError
 
 from .load import AdaptiveLimit, EngineLoad
 
@@ -281,6 +282,27 @@ class Fleet:
 
     def any_routed(self) -> bool:
         return any(e.routed for e in self.engines.values())
+
+    async def wait_engine(self, key: str | None, weight: int, *, no_engine: float, room: float) -> Engine:
+        """The engine for a request once there is one: while every routed engine is at its
+        in-flight limit, waits for a request to end (``room`` seconds at a time, first come first
+        served); while none is routed, at most ``no_engine`` seconds for a state change, then
+        :class:`EngineError` naming each engine's state."""
+        deadline = time.monotonic() + no_engine
+        woken = False
+        while (engine := self.pick(key, weight)) is None:
+            if self.any_routed():  # all at their limits: not a fleet without engines
+                woken = await self.wait_room(room, again=woken)
+                deadline = time.monotonic() + no_engine
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.engines.values())
+                raise EngineError(f"no usable engine for {no_engine:g} s: {states or 'none'}")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self.changed.wait()
+        return engine
 
     async def wait_room(self, seconds: float, *, again: bool = False) -> bool:
         """Wait (at most ``seconds``) for a request to end while every routed engine is at its
