@@ -49,7 +49,7 @@ import random
 import time
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rollstream.common.backoff import Backoff
@@ -552,21 +552,6 @@ class Fleet:
         if len(engines) > limit:
             engines = [e for e in engines if e.state is not EngineState.HEALTHY][:limit]
         return [e.status() for e in engines]
-
-
-Probe = Callable[[Engine], Awaitable[None]]
-
-
-async def gather_probes(probe: Probe, engines: Iterable[Engine]) -> None:
-    """Run ``probe`` on each engine at once (each bounded by its own timeout)."""
-    engines = list(engines)
-    if engines:
-        results = await asyncio.gather(*(probe(e) for e in engines), return_exceptions=True)
-        for engine, result in zip(engines, results, strict=True):
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            if isinstance(result, BaseException):
-                logger.warning("probe of %s failed: %r", engine.url, result)
 
 
 @contextlib.contextmanager

@@ -17,13 +17,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from rollstream.common.errors import ConfigError
 from rollstream.common.urls import check_url
 
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers
-from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet, gather_probes
+from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet
 from .ids_json import ENCODER
 from .load import LOAD_BYTES
 from .settings import EngineSettings
@@ -44,6 +44,18 @@ STALL_PAUSE = 15.0
 """Seconds a stalled engine stays out of routing, doubling with each stall (at most 300)."""
 WORKERS_TTL = 10.0
 """Seconds a gateway's worker list is cached (workers come and go)."""
+
+
+async def gather_probes(probe: Callable[[Engine], Awaitable[None]], engines: Iterable[Engine]) -> None:
+    """Run ``probe`` on each engine at once (each bounded by its own timeout)."""
+    engines = list(engines)
+    if engines:
+        results = await asyncio.gather(*(probe(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                logger.warning("probe of %s failed: %r", engine.url, result)
 
 
 class FleetMonitor:
