@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Connection, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
@@ -99,7 +99,13 @@ def redact_url(url: str) -> str:
         f"{k}=***" if any(w in k.lower() for w in _SECRET_WORDS) and not k.startswith("ssl_") else f"{k}={v}"
         for k, v in parse_qsl(parts.query, keep_blank_values=True)
     )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return _join_url(parts.scheme, netloc, parts.path, query)
+
+
+def _join_url(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A URL from its parts that keeps ``//`` with an empty host (``urlunsplit`` writes
+    ``unix:/path``, which redis-py refuses)."""
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
 def _read_password_file(path: str) -> str:
@@ -308,7 +314,7 @@ def connect(
         return _sentinel(parts, query, scheme.startswith("rediss"), options, redis_class, url)
     plain_query = urlencode({k: v for k, v in query.items() if k not in _OWN_QUERY})
     netloc = parts.netloc.rpartition("@")[2]
-    plain_url = urlunsplit((parts.scheme, netloc, parts.path, plain_query, parts.fragment))
+    plain_url = _join_url(parts.scheme, netloc, parts.path, plain_query)
     try:
         pool = _BlockingPool.from_url(plain_url, health_check_interval=15, **_pool_options(options), **options)
     except ValueError as exc:

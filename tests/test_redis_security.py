@@ -23,6 +23,7 @@ from urllib.parse import urlencode
 
 import pytest
 from conftest import ProcessPool, add_prompts, wait_until
+from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_nodes import Node, make_certs, redis7_binary
@@ -32,6 +33,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import init_namespace
 from rollstream.consumer import GroupConsumer
+from rollstream.runtime.redis_server import EmbeddedRedis
 from rollstream.testing.sim import SimEngine
 
 NS = f"acl{os.getpid()}"
@@ -229,3 +231,31 @@ async def test_each_role_is_refused_outside_its_acl(tls_redis: TlsRedis, operato
             await bad.ping()
         finally:
             await bad.aclose()
+
+
+async def test_a_unix_socket_url_reaches_redis_with_its_password_and_db(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unix:///path?db=N`` (listed in ``connect``'s URL forms) reaches a password-protected
+    redis-server over its socket: the URL used to be rebuilt as ``unix:/path``, which redis-py
+    refuses."""
+    sock = tmp_path / "redis.sock"
+    with EmbeddedRedis(extra_args=["--unixsocket", str(sock)]) as server:
+        direct = Redis(host="127.0.0.1", port=server.port)
+        await direct.config_set("requirepass", "s3cret")
+        await direct.aclose()
+        monkeypatch.setenv("ROLLSTREAM_REDIS_PASSWORD", "s3cret")
+        url = f"unix://{sock}?db=3"
+        assert redact_url(url) == f"unix://{sock}?db=3"
+        client = connect(url, name="rollstream-unix-test")
+        try:
+            await client.set("over-the-socket", b"1")
+            assert await client.get("over-the-socket") == b"1"
+            assert (await client.client_info())["db"] == 3
+        finally:
+            await client.aclose()
+        direct = Redis(host="127.0.0.1", port=server.port, password="s3cret", db=3)
+        try:
+            assert await direct.get("over-the-socket") == b"1"
+        finally:
+            await direct.aclose()
