@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import socket
 import sys
@@ -94,11 +95,12 @@ class Tracer:
         self.published = asyncio.Event()
         self.seams: dict[FrameType, Seam] = {}
         self._ours: dict[CodeType, bool] = {}
-        self._seam_codes = {getattr(EngineClient, name).__code__ for name in GENERATE_SEAMS}
+        self._seam_codes = {inspect.unwrap(getattr(EngineClient, name)).__code__ for name in GENERATE_SEAMS}
 
     # -- classification --------------------------------------------------------------------------
 
     def ours(self, frame: FrameType) -> bool:
+        """A function of a rollstream module (the simulator's excluded), by its module's name."""
         code = frame.f_code
         known = self._ours.get(code)
         if known is None:
