@@ -28,6 +28,7 @@ from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
 from rollstream.common.models import Prompt, Sample, Status
 from rollstream.common.namespace import read_state, state_int
+from rollstream.common.weight_apis import VLLM_WEIGHTS
 from rollstream.consumer import GroupConsumer
 from rollstream.runtime.redis_server import free_port
 from rollstream.testing.tiny_model import addition_prompts
@@ -148,12 +149,41 @@ async def _take_all(consumer: GroupConsumer, count: int, batch: int) -> list[Any
     return groups
 
 
-async def _running(served: Served) -> bool:
-    """Whether vLLM has requests in its running batch (its Prometheus gauge)."""
-    async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(f"{served.url}/metrics")).text
-    return any(float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+async def _gauges(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """vLLM's running requests and generated tokens so far (its ``/metrics``, summed over labels)."""
+    running = tokens = 0.0
+    for line in (await http.get(f"{url}/metrics")).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            running += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:generation_tokens_total{"):
+            tokens += float(line.rsplit(" ", 1)[1])
+    return running, tokens
+
+
+async def _freeze(url: str, timeout: float = 240.0) -> int:
+    """Pause vLLM (mode keep) with requests decoding in it; how many it froze.
+
+    Reading the running gauge and then updating races the requests' end: on the tiny model a
+    wave of 400-token requests lasts well under a second, about what one ``/metrics`` read takes
+    while vLLM decodes, so such an update once found nothing in flight. Paused, vLLM runs no
+    step and its gauge keeps the last step's count: the requests frozen, each with tokens on the
+    old weights, that the update then reloads under (its own pause returns at once: a paused
+    engine has nothing to finish). The gauge is read once two reads agree; none frozen (they
+    ended before the pause), vLLM resumes and this tries again when requests run."""
+    async with httpx.AsyncClient(timeout=30) as http, asyncio.timeout(timeout):
+
+        async def running() -> bool:
+            return (await _gauges(http, url))[0] >= 1
+
+        while True:
+            await wait_until(running, timeout=timeout, message="vLLM running requests")
+            (await http.post(url + VLLM_WEIGHTS.pause["keep"].path)).raise_for_status()
+            seen, settled = await _gauges(http, url), await _gauges(http, url)
+            while seen != settled:  # the last step's output may still be on its way
+                seen, settled = settled, await _gauges(http, url)
+            if settled[0] >= 1:
+                return int(settled[0])
+            (await http.post(url + VLLM_WEIGHTS.resume.path)).raise_for_status()
 
 
 def _producers(procs: ProcessPool, redis_url: str, ns: str, served: Served, count: int, api: str = "vllm") -> list[Any]:
@@ -188,13 +218,10 @@ async def _live_update(served: Served, redis_url: str, redis: Redis, ns: str, pr
         _producers(procs, redis_url, ns, served, 2, api)
         first = await asyncio.wait_for(consumer.take(4), 240)
         await consumer.commit(first)
-        # the untrained model runs every sample to 400 tokens: with prompts still waiting, the
-        # producers have requests in flight when the update lands; they are aborted and recycled
         assert int(await redis.xlen(Keys(ns).prompts)) > 0, "the producers already finished everything"
-        # vLLM batches a wave's requests together, so they end together: update while the next
-        # wave runs (what the abort is for), not in the gap between two
-        await wait_until(lambda: _running(served), timeout=120, interval=0.05,
-                         message="vLLM running requests before the update")
+        # the update lands on requests frozen mid-decode (not between two waves): they are
+        # aborted and recycled
+        frozen = await _freeze(served.url)
         report = await sync.update(consumer, str(served.weights[1]), 1, mode="abort")
         assert await sync.versions() == {served.url: 1}
         groups = first.groups + await _take_all(consumer, prompts - 4, 8)
@@ -204,8 +231,8 @@ async def _live_update(served: Served, redis_url: str, redis: Redis, ns: str, pr
     assert sorted(g.index for g in groups) == list(range(prompts)), "every prompt committed exactly once"
     assert state_int(state, "duplicates_discarded") == 0 and state_int(state, "dead_lettered") == 0
     recycled = state_int(state, "recycled_aborted") + state_int(state, "recycled_weight_update")  # issue 38's count
-    # the OpenAI API's aborted requests may end before vLLM's pause reaches them: none recycled then
-    assert recycled >= 1 or api == "openai", f"nothing was in flight at the update ({report}): {state}"
+    assert recycled >= 1, f"{frozen} requests frozen at the update, none recycled ({report}): {state}"
+    print(f"live update ({api}): {frozen} requests frozen at it, {recycled} groups recycled")
     by_version: dict[int, int] = {0: 0, 1: 0}
     unknown = 0
     for group in groups:
@@ -225,19 +252,6 @@ async def _live_update(served: Served, redis_url: str, redis: Redis, ns: str, pr
     assert all(s.weight_versions == [0] for s in first.groups[0].samples)
 
 
-async def _wait_running(url: str, at_least: int, timeout: float = 240.0) -> float:
-    """Until vLLM's ``/metrics`` counts ``at_least`` requests running (decoding or prefilling)."""
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        async with asyncio.timeout(timeout):
-            while True:
-                text = (await http.get(url + "/metrics")).text
-                running = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("vllm:num_requests_running{"))
-                if running >= at_least:
-                    return running
-                await asyncio.sleep(0.05)
-
-
 async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights(
     served: Served, redis_url: str, redis: Redis, ns: str, procs: ProcessPool
 ) -> None:
@@ -251,11 +265,10 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
     async with WeightSync([served.url]) as sync, GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
         await sync.update(consumer, str(served.weights[1]), 1, mode="abort")  # wherever the last test left it
         _producers(procs, redis_url, ns, served, 1)
-        # the update lands while requests are decoding (not after a guessed time); the producers
-        # are not paused first: they keep the engine busy until its own pause, however fast it
-        # decodes (paused first, a fast engine finished all 16 running requests in the 1.8 s the
-        # producers' pause took on a loaded CI machine, and nothing was left to keep)
-        running = await _wait_running(served.url, 4)
+        # the update lands on requests frozen mid-decode (not after a guessed time, nor on a gauge
+        # read that the requests outlive by less than the update takes); the producers are not
+        # paused: they queue at the paused engine and start on the new weights
+        frozen = await _freeze(served.url)
         report = await sync.update(None, str(served.weights[2]), 2, mode="keep")
         await consumer.resume(2)
         groups = await _take_all(consumer, prompts, 8)
@@ -265,7 +278,9 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
     assert state_int(state, "recycled_aborted") == 0 and state_int(state, "dead_lettered") == 0, state
     samples = [s for g in groups for s in g.samples]
     spanning = [s for s in samples if len(s.weight_versions) > 1]
-    assert spanning, f"no request was in flight over the update ({running} running before it, {report})"
+    # a frozen request has tokens on v1 and (not finished) gets more on v2; a request queued at
+    # the pause has none on v1
+    assert len(spanning) == frozen, f"{len(spanning)} samples span the update, {frozen} were frozen ({report})"
     failures = []
     for sample in samples:
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.error
@@ -288,7 +303,7 @@ async def test_a_kept_request_spans_the_update_and_each_span_matches_its_weights
             )
         assert max(abs(a - b) for a, b in zip(rollout, v1, strict=True)) > TOLERANCE, "the whole sample matches v1"
         assert max(abs(a - b) for a, b in zip(rollout, v2, strict=True)) > TOLERANCE, "the whole sample matches v2"
-    print(f"keep: {len(spanning)} of {len(samples)} samples span the update ({running:.0f} requests running at it)")
+    print(f"keep: {len(spanning)} of {len(samples)} samples span the update ({frozen} requests frozen at it)")
     assert not failures, f"{len(failures)} of {len(spanning)} spanning samples:\n" + "\n".join(failures)
 
 
