@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -13,8 +14,10 @@ from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_un
 from redis.asyncio import Redis
 from rollstream.common.events import recent_events
 from rollstream.common.keys import Keys
+from rollstream.common.protocol import EngineRegistry
 from rollstream.producer.engine import EngineClient, EngineSettings, EngineState
 from rollstream.producer.engine.fleet import AFFINITY_SLACK, Fleet
+from rollstream.producer.engine.monitor import COLD_STALL_BOUND, STALL_FACTOR
 from rollstream.testing.sim import SimConfig, SimEngine
 from test_inspect import run_inspect
 
@@ -367,6 +370,52 @@ async def test_an_engine_that_answers_health_and_never_a_generation_is_suspect_a
         log = procs.log_of(producer)
         assert f"engine {stuck.url}: healthy -> suspect:" in log and "no answer for" in log, log
     assert producer.poll() is None, procs.log_of(producer)
+
+
+async def test_a_stuck_engine_that_took_every_request_before_any_engine_answered_is_stalled_too(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool
+) -> None:
+    """The cold case: the stuck engine is the only one when the producer starts, so it holds every
+    slot, and the healthy engine joins later. No engine has answered a generation, so there is no
+    mean reply time to bound the silence by; the cold bound (``COLD_STALL_BOUND``, at most a
+    quarter of ``--request-timeout``: 15 s here) stalls it anyway and every prompt is trained. Was: no bound
+    at all, the producer stuck until ``--request-timeout`` (3,600 s by default)."""
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2)
+    registry = EngineRegistry(redis, Keys(ns))
+    async with _Stuck() as stuck:
+        await registry.add([stuck.url])
+        producer = procs.start(
+            "produce", "--redis", redis_url, "--ns", ns, "--engines-from-registry", "--concurrency", "8",
+            "--reward", "math", "--max-new-tokens", "64", "--heartbeat-interval", "0.5", "--health-interval", "0.5",
+            "--no-adaptive-concurrency", "--request-timeout", "60", "--name", "cold-fleet", log_name="cold-fleet",
+        )
+        await add_prompts(redis, ns, 16)
+        await wait_until(lambda: stuck.generations >= 8, timeout=60, message="every slot on the stuck engine")
+        await registry.add([sim.url])
+        # under the request timeout (60 s), which would end the stuck requests without a bound
+        taken = await take_all(redis_url, ns, 16, 2, timeout=50)
+        assert Counter(taken) == Counter(range(16))
+        log = procs.log_of(producer)
+        assert f"engine {stuck.url}: healthy -> suspect:" in log and "no engine has answered yet" in log, log
+    assert producer.poll() is None, procs.log_of(producer)
+
+
+async def test_the_cold_bound_doubles_with_each_stall_made_under_it_and_gives_way_to_reply_times() -> None:
+    """A fleet whose first generations are merely long is re-sent a few times at most: each cold
+    stall doubles the bound; once an engine has answered, its reply times set the bound."""
+    urls = ("http://127.0.0.1:9", "http://127.0.0.1:10")
+    async with EngineClient(EngineSettings(urls=urls, adaptive_concurrency=False, request_timeout=3600)) as client:
+        monitor, fleet = client.monitor, client.fleet
+        first, second = (fleet.engines[url] for url in urls)
+        for engine in (first, second):
+            fleet.joined(engine, "test")
+        assert monitor.stall_bound(first) == COLD_STALL_BOUND
+        now = time.monotonic()
+        first.attempts[object()] = first.last_answer = now - 2 * COLD_STALL_BOUND  # silent past it
+        monitor._check_stalls(now)
+        assert first.stalled and monitor.stall_bound(second) == 2 * COLD_STALL_BOUND
+        second.round_trip = 2.0
+        assert monitor.stall_bound(second) == STALL_FACTOR * 2.0 and monitor.stall_bound(first) == STALL_FACTOR * 2.0
 
 
 class _CountedTask(asyncio.Task[Any]):

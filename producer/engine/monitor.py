@@ -40,6 +40,11 @@ STALL_FLOOR = 5.0
 """The stall bound's least seconds (a fleet of very short requests does not flap)."""
 STALL_CAP_FRACTION = 0.25
 """The stall bound's most, as a fraction of ``request_timeout`` (well under it)."""
+COLD_STALL_BOUND = 60.0
+"""The stall bound, in seconds, while no engine has answered a generation yet (no mean to derive
+it from): an engine that took every slot before its peers joined, then never answered, must not
+hold the producer until ``request_timeout``. It doubles with each stall made under it, so a fleet
+whose first generations are merely long is re-sent a few times at most, not forever."""
 STALL_PAUSE = 15.0
 """Seconds a stalled engine stays out of routing, doubling with each stall (at most 300)."""
 WORKERS_TTL = 10.0
@@ -77,6 +82,8 @@ class FleetMonitor:
         """Engine URL -> its probe running now (each runs apart, so a hanging one delays no other)."""
         self._wake = asyncio.Event()
         self._next_load = 0.0
+        self._cold_stalls = 0
+        """Stalls made under the cold bound (each doubles it)."""
 
     def ensure(self) -> None:
         """Start the monitor loop unless it runs."""
@@ -171,18 +178,24 @@ class FleetMonitor:
                     await self._wake.wait()
             self._wake.clear()
 
-    def stall_bound(self, engine: Engine) -> float | None:
+    def stall_bound(self, engine: Engine) -> float:
         """Seconds ``engine`` may hold requests without answering one before it is stalled:
-        :data:`STALL_FACTOR` x its mean request time (the fleet's mean when it has answered none),
-        at least :data:`STALL_FLOOR`, at most a quarter of ``request_timeout``; None while no
-        engine has answered (nothing to derive it from)."""
+        :data:`STALL_FACTOR` x its mean request time (the fleet's mean when it has answered none;
+        :data:`COLD_STALL_BOUND`, doubled per stall made under it, while no engine has answered),
+        at least :data:`STALL_FLOOR`, at most a quarter of ``request_timeout``."""
+        cap = self.settings.request_timeout * STALL_CAP_FRACTION
+        if self._cold:
+            return min(COLD_STALL_BOUND * 2**self._cold_stalls, cap)
         base = engine.round_trip
         if base is None:
             times = [e.round_trip for e in self.fleet.engines.values() if e.round_trip is not None]
-            if not times:
-                return None
             base = sum(times) / len(times)
-        return min(max(STALL_FLOOR, STALL_FACTOR * base), self.settings.request_timeout * STALL_CAP_FRACTION)
+        return min(max(STALL_FLOOR, STALL_FACTOR * base), cap)
+
+    @property
+    def _cold(self) -> bool:
+        """No engine has answered a generation yet."""
+        return all(e.round_trip is None for e in self.fleet.engines.values())
 
     def _check_stalls(self, now: float) -> None:
         """Stall the routed engines silent past their bound; route again those whose pause is over."""
@@ -198,15 +211,19 @@ class FleetMonitor:
             if not silent or not engine.routed:
                 continue
             bound = self.stall_bound(engine)
-            if bound is None or silent < bound:
+            if silent < bound:
                 continue
             pause = min(300.0, STALL_PAUSE * 2**engine.stalls)
+            cold = self._cold
             whose = "its" if engine.round_trip is not None else "the fleet's"
+            rule = f"{STALL_FACTOR:g} x {whose} mean request time"
+            if cold:
+                rule = "no engine has answered yet: the cold bound"
             why = (f"{len(engine.attempts)} requests and no answer for {silent:.0f} s (its bound {bound:.0f} s: "
-                   f"{STALL_FACTOR:g} x {whose} mean request time); no new requests for {pause:.0f} s, its "
-                   "requests sent elsewhere")
+                   f"{rule}); no new requests for {pause:.0f} s, its requests sent elsewhere")
             if fleet.stall(engine, why, pause):
                 self.errors["engine_stalled"] = self.errors.get("engine_stalled", 0) + 1
+                self._cold_stalls += cold
 
     def _probe_ended(self, task: asyncio.Task[None]) -> None:
         for url, running in list(self._probes.items()):
