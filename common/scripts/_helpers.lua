@@ -22,12 +22,14 @@ local function forget(sizes, state, id)
   return b
 end
 -- An episode journal (durable episodes) leaves with its prompt: its bytes leave the state hash's
--- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop.
+-- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop. True when
+-- there was one.
 local function drop_journal(journal, state)
-  if journal == '' then return end
+  if journal == '' then return false end
   local b = num(redis.call('HGET', journal, 'bytes'))
-  redis.call('DEL', journal)
+  if redis.call('DEL', journal) == 0 then return false end
   if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
+  return true
 end
 -- A kept journal's pointer (fields ``stream`` and ``entry_id``: where its prompt's entry is, for
 -- the orphan sweep's lookup) follows its prompt to the new entry ``to_id`` of ``to_stream``, in the

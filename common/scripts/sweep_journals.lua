@@ -92,13 +92,7 @@ for i = journals_at, #ARGV do
     elseif live == nil then
       live = in_returned(at) or in_queued(at)
     end
-    if not live then
-      local b = num(redis.call('HGET', journal, 'bytes'))
-      if redis.call('DEL', journal) == 1 then
-        swept = swept + 1
-        if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
-      end
-    end
+    if not live and drop_journal(journal, state) then swept = swept + 1 end
   end
 end
 if swept > 0 then incr(state, '$JOURNALS_SWEPT', swept) end
