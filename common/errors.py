@@ -11,6 +11,11 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   ├── RedisPermissionDenied             the Redis ACL user lacks a command (NOPERM), naming the role
     │   └── ExtraNotInstalled                 a feature needs an optional extra (`pip install 'rollstream[X]'`)
     ├── RedisOutOfMemory                      Redis refused a write at ``maxmemory``: transient, backed off
+    ├── PayloadError                          the payload store failed on one object (store URL and key named)
+    │   ├── PayloadMissing                    the object is gone (file deleted, store process died): recycled
+    │   ├── PayloadCorrupt                    its size or checksum is not what its entry says: recycled
+    │   ├── PayloadUnreadable                 the store cannot be reached or refused the read: recycled
+    │   └── PayloadStoreFull                  the store has no room for a put: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── RowError (also ValueError)            a dataset row that cannot be fed (file and row named): dead-lettered
     ├── EngineError                           the engines failed after the retries (or none is usable): fatal
@@ -120,6 +125,35 @@ class ExtraNotInstalled(ConfigError):
         super().__init__(f"{purpose} needs {module!r}: pip install 'rollstream[{extra}]'")
         self.module = module
         self.extra = extra
+
+
+class PayloadError(RollstreamError):
+    """The payload store (``rollstream init --payload-store``) failed on one object; the message
+    names the store (its redacted URL) and the key."""
+
+    def __init__(self, store: str, key: str, detail: str) -> None:
+        super().__init__(f"payload store {store}: object {key!r}: {detail}")
+        self.store = store
+        self.key = key
+        self.detail = detail
+
+
+class PayloadMissing(PayloadError):
+    """The object is not in the store (its file was deleted, the store process holding it died).
+    A group whose object is missing is recycled with this message, never trained short."""
+
+
+class PayloadCorrupt(PayloadError):
+    """The object's size or checksum is not what its group's entry recorded. Recycled likewise."""
+
+
+class PayloadUnreadable(PayloadError):
+    """The store could not be reached or refused the read (down, timed out, an I/O error)."""
+
+
+class PayloadStoreFull(PayloadError):
+    """The store has no room for a put (``ENOSPC``, Mooncake out of segment memory). Transient:
+    the producer's partial objects are removed, it backs off and retries, loudly."""
 
 
 class RowError(RollstreamError, ValueError):

@@ -1,0 +1,7 @@
+"""The payload plane: per-token arrays too large for a stream entry live in a store (a shared
+directory, Mooncake), the entry keeps a reference per object. :mod:`.store` is the interface
+and :func:`~.store.open_store`; :mod:`.fs` and :mod:`.mooncake` are the backends."""
+
+from .store import Buffer, ObjectRef, PayloadStore, check_key, checksum, open_store
+
+__all__ = ["Buffer", "ObjectRef", "PayloadStore", "check_key", "checksum", "open_store"]

@@ -1,0 +1,162 @@
+"""The payload store's interface: where the per-token arrays that leave a group's stream entry
+live (``rollstream init --payload-store URL``), behind one small class per backend.
+
+A backend is a :class:`PayloadStore`: ``put`` (atomic), ``get`` (a buffer, zero-copy where the
+backend can), ``delete`` (confirmed, key by key), ``list`` (for the orphan sweep and inspection),
+``close``. Every method is a coroutine; a backend runs its blocking calls off the event loop
+(``asyncio.to_thread``), so a 50 MB write does not stall a producer's other prompts.
+:func:`open_store` picks the backend by the URL's scheme: ``fs:///path`` (:mod:`.fs`) and
+``mooncake://HOST:PORT?metadata=URL`` (:mod:`.mooncake`, imported on first use).
+
+The stream entry keeps an :class:`ObjectRef` per object (key, size, CRC-32 of the bytes), so a
+reader can tell a missing or damaged object from a good one before anything is trained on it.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import re
+import zlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+from urllib.parse import urlsplit
+
+from ..connection import redact_url
+from ..errors import ConfigError
+
+Buffer: TypeAlias = "bytes | bytearray | memoryview"
+"""What a put takes and a get returns (anything with the buffer protocol, one byte per item)."""
+
+MAX_KEY = 200
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+
+
+def check_key(key: object) -> str:
+    """``key`` when it is a store key rollstream writes (``[A-Za-z0-9._-]`` segments joined by
+    ``/``, none starting with ``.`` or ``-``, at most 200 characters), else ``ConfigError``: a key
+    can never name a path outside an ``fs`` store's directory."""
+    if not isinstance(key, str) or len(key) > MAX_KEY or not _KEY.fullmatch(key):
+        raise ConfigError(f"payload object key {key!r} is not [A-Za-z0-9._-] segments joined by '/'")
+    return key
+
+
+def checksum(parts: Iterable[Buffer]) -> int:
+    """The CRC-32 (``zlib.crc32``, as in zip and PNG) of ``parts`` back to back: what an
+    :class:`ObjectRef` records and a reader verifies."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """One object of the store as a group's entry refers to it."""
+
+    key: str
+    size: int
+    """Bytes."""
+    checksum: int
+    """CRC-32 of the bytes (:func:`checksum`)."""
+
+    def to_wire(self) -> list[Any]:
+        return [self.key, self.size, self.checksum]
+
+    @classmethod
+    def from_wire(cls, value: object) -> ObjectRef:
+        """The ref in ``value`` (``[key, size, crc32]``); ``ValueError`` when it is not one."""
+        if (
+            not isinstance(value, list | tuple) or len(value) != 3 or not isinstance(value[0], str)
+            or type(value[1]) is not int or type(value[2]) is not int
+            or value[1] < 0 or not 0 <= value[2] <= 0xFFFFFFFF
+        ):
+            raise ValueError("an object reference is [key, size, crc32]")
+        try:
+            check_key(value[0])
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return cls(value[0], value[1], value[2])
+
+
+class PayloadStore(abc.ABC):
+    """A backend of the payload plane. Keys are :func:`check_key` strings; values are bytes.
+
+    Errors are :class:`~rollstream.common.errors.PayloadError` subclasses naming :attr:`url` and
+    the key: ``PayloadMissing`` (not there), ``PayloadUnreadable`` (cannot be reached),
+    ``PayloadStoreFull`` (no room for a put)."""
+
+    url: str
+    """The store's URL, redacted (for messages and ``inspect``)."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store ``parts`` back to back under ``key``. Atomic: once it returns the whole object is
+        readable; a put that fails or is interrupted leaves nothing readable under ``key``
+        (``PayloadStoreFull`` when the store has no room)."""
+
+    @abc.abstractmethod
+    async def get(self, key: str, size: int) -> memoryview:
+        """The object's bytes, ``size`` of them (zero-copy where the backend can: ``fs`` maps the
+        file). ``PayloadMissing`` when it is absent, ``PayloadCorrupt`` when it does not hold
+        ``size`` bytes, ``PayloadUnreadable`` when the store cannot be read. The checksum is the
+        caller's to verify (:func:`checksum`)."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[str]) -> list[str]:
+        """Remove ``keys``; the keys confirmed gone (an absent key counts as gone). A key the
+        backend refuses to remove now (Mooncake under a read lease) is left out, so the caller
+        keeps it and tries again later."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> AsyncIterator[tuple[str, int]]:
+        """``(key, size)`` of every object whose key starts with ``prefix`` (sweeps, inspection)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the backend's resources (buffers already returned by ``get`` stay valid)."""
+
+    async def stat(self, key: str) -> int | None:
+        """The object's size, None when it is absent (``PayloadUnreadable`` when the store cannot
+        be asked). This default lists by the key as a prefix; a backend overrides it with a cheaper
+        call (``fs``: one ``stat``)."""
+        async for found, size in self.list(key):
+            if found == key:
+                return size
+        return None
+
+
+def redact_store_url(url: str) -> str:
+    """``url`` without its secrets (as Redis URLs are redacted), for messages."""
+    return redact_url(url)
+
+
+def open_store(url: str) -> PayloadStore:
+    """The backend of ``url``: ``fs:///absolute/dir`` (:class:`~.fs.FsStore`) or
+    ``mooncake://HOST:PORT?metadata=URL`` (``MooncakeStore``, which needs its extra); anything
+    else is ``ConfigError``. Opening checks the URL; it connects on first use where it can."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"payload store URL {url!r}: expected fs:///dir or mooncake://host:port?metadata=URL")
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise ConfigError(f"payload store URL {redact_store_url(url)}: {exc}") from None
+    if scheme == "fs":
+        from .fs import FsStore
+
+        return FsStore(url)
+    if scheme == "mooncake":
+        try:
+            module = importlib.import_module(f"{__package__}.mooncake")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.mooncake":
+                raise
+            raise ConfigError(
+                f"payload store URL {redact_store_url(url)}: the mooncake backend is not available in this build"
+            ) from None
+        store: PayloadStore = module.MooncakeStore(url)
+        return store
+    raise ConfigError(
+        f"payload store URL {redact_store_url(url)}: scheme {scheme!r} is not one of fs://, mooncake://"
+    )
