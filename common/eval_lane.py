@@ -21,7 +21,8 @@ from .models import Group, Prompt, Status
 
 EVAL_KEY = "rollstream_eval"
 """The prompt metadata key of an eval prompt: ``{"name", "n_samples", "max_new_tokens"}``, and
-``temperature`` / ``top_p`` when the eval sets them."""
+``temperature`` / ``top_p`` when the eval sets them. Reserved: read only on entries of the eval
+lane (``eval_prompts``), stripped from every other prompt (:func:`strip_eval_mark`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,17 @@ def eval_settings(prompt: Prompt) -> EvalSettings | None:
         )
     except ConfigError:
         return None
+
+
+def strip_eval_mark(metadata: dict[str, Any]) -> bool:
+    """Remove the reserved :data:`EVAL_KEY` from a training prompt's ``metadata`` (in place); True
+    when it was there. Eval settings are honoured only on the eval lane's own entries: a dataset
+    row carrying the key must not steer its sampling (the feeder strips it, and so does the
+    producer for any prompt outside ``eval_prompts``)."""
+    if EVAL_KEY not in metadata:
+        return False
+    del metadata[EVAL_KEY]
+    return True
 
 
 def eval_prompts(settings: EvalSettings, source: Iterable[Any]) -> list[Prompt]:

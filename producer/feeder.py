@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 from rollstream.common.codec import prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError
+from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
 from rollstream.common.mix import check_source_name
@@ -224,6 +225,8 @@ class Feeder:
         self.fed = 0
         self.rejected = 0
         self.deferred = 0
+        self.eval_marks_stripped = 0
+        """Rows whose metadata carried the eval lane's reserved key: fed without it (it would steer sampling)."""
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
         self._stop = asyncio.Event()
 
@@ -401,6 +404,11 @@ class Feeder:
             "fed %d prompts; next index %d%s", self.fed, next_index,
             f"; {self.deferred} rows deferred by the curriculum" if self.settings.curriculum else "",
         )
+        if self.eval_marks_stripped:
+            self.log.warning(
+                "%d rows carried metadata[%r] (reserved for the eval lane): fed without it",
+                self.eval_marks_stripped, EVAL_KEY,
+            )
         return self.fed
 
     def _updates(self, chunk: list[tuple[_Source, Item]], entries: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
@@ -463,9 +471,18 @@ class Feeder:
                 continue
             if record is None:
                 continue
+            metadata = {**record.metadata, "dataset_index": rid}
+            if strip_eval_mark(metadata):
+                self.eval_marks_stripped += 1
+                if self.eval_marks_stripped == 1:
+                    self.log.warning(
+                        "row %s%d carries metadata[%r], reserved for the eval lane: stripped (a training row "
+                        "must not steer sampling); the count is in the summary", f"{source.name}:" if source.name
+                        else "", rid, EVAL_KEY,
+                    )
             prompt = Prompt(
                 index=next_index + len(entries), prompt=record.prompt, label=record.label, epoch=ep,
-                metadata={**record.metadata, "dataset_index": rid},
+                metadata=metadata,
                 multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
                 source=source.name,
             )

@@ -54,7 +54,7 @@ from rollstream.common.errors import (
     DecodeError,
     EpisodeDrained,
 )
-from rollstream.common.eval_lane import eval_settings
+from rollstream.common.eval_lane import EVAL_KEY, eval_settings, strip_eval_mark
 from rollstream.common.events import START, now_ms, record_event
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
@@ -76,6 +76,7 @@ from .capacity import Capacity, Work
 from .drain import cancel_and_wait, shutdown
 from .durable import PromptJournal
 from .engine import EngineClient
+from .outcomes import FailureLog
 from .pulse import Pulse
 from .reclaim import Reclaimer
 from .renewal import Renewer
@@ -159,6 +160,9 @@ class Producer:
         self.duplicates = 0
         self.reclaimed = 0
         self.returned = 0
+        self.eval_marks_stripped = 0
+        """Training prompts whose metadata carried the eval lane's reserved key (stripped, warned)."""
+        self._stripped_log = FailureLog()
         self.reclaimer = Reclaimer(self)
         self.pulse = Pulse(self)
         self.metrics.watch(self.pulse.stats)
@@ -452,6 +456,14 @@ class Producer:
                 await self._dead_letter_prompt(work, f"{exc.reason}: {exc.detail}")
                 finished = True
                 return
+            if work.stream != self.keys.eval_prompts and strip_eval_mark(prompt.metadata):
+                # eval settings are the eval lane's alone: a training row must not steer its sampling
+                self.eval_marks_stripped += 1
+                self._stripped_log.report(
+                    "eval_mark",
+                    f"prompt {prompt.index}: a training prompt carried metadata[{EVAL_KEY!r}] (reserved for the "
+                    f"eval lane): ignored and stripped ({self.eval_marks_stripped} so far)",
+                )
             work.prompt = prompt
             started_ms = now_ms()
             if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)

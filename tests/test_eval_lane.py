@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
 from redis.asyncio import Redis
-from rollstream.common.codec import prompt_fields
+from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.errors import ConfigError
 from rollstream.common.eval_lane import EVAL_KEY, EvalSettings, eval_prompts, eval_settings
 from rollstream.common.keys import Keys, StateField
@@ -99,3 +99,51 @@ async def test_eval_beside_training(
     async with await GroupConsumer.connect(redis_url, ns, "trainer-e") as again:
         assert [r.name for r in await again.eval_results()] == ["arith"]  # kept in Redis
     assert int(await redis.hget(keys.state, StateField.TRAINED_STEPS) or 0) == steps
+
+
+HOSTILE_MARK = {"name": "x", "n_samples": 1, "max_new_tokens": 1, "temperature": 50}
+"""What a dataset row could carry to steer its own sampling (issue 49 finding 3)."""
+
+
+async def test_a_training_prompt_carrying_the_eval_mark_is_sampled_as_training_and_stripped(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, sim, procs: ProcessPool
+) -> None:
+    """A training prompt whose metadata carries ``rollstream_eval`` (written by any client, or an
+    older feeder) is generated with the namespace's n and the producer's sampling, not the mark's:
+    its group has n samples (it was dead-lettered as ``wrong_group_size`` with n_samples 1) and
+    reaches the trainer without the key; the producer warns with a count."""
+    await make_namespace(redis, ns, n_samples_per_prompt=3, batch_size=2)
+    for index in range(2):
+        prompt = Prompt(index=index, prompt=f"Compute {index} + 1.", label=str(index + 1),
+                        metadata={EVAL_KEY: dict(HOSTILE_MARK), "keep": index})
+        await redis.xadd(keys.prompts, prompt_fields(prompt))  # type: ignore[arg-type]
+    producer = procs.producer(redis_url, ns, sim.url)
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-m") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(2)
+        await consumer.commit(batch)
+    assert [len(g.samples) for g in batch.groups] == [3, 3]
+    assert [g.metadata.get("keep") for g in batch.groups] == [0, 1]
+    assert all(EVAL_KEY not in g.metadata for g in batch.groups)
+    assert await redis.xlen(keys.dead) == 0
+    await procs.astop_all()
+    log = procs.log_of(producer)
+    assert f"a training prompt carried metadata[{EVAL_KEY!r}]" in log, log
+
+
+async def test_the_feeder_strips_the_eval_mark_from_dataset_rows_and_says_how_many(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, procs: ProcessPool, tmp_path: Path
+) -> None:
+    await make_namespace(redis, ns)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": f"q{i}", "label": str(i), **({EVAL_KEY: HOSTILE_MARK} if i % 2 else {"other": i})}) + "\n"
+        for i in range(6)
+    ))
+    feeder = procs.start("feed", "--redis", redis_url, "--ns", ns, str(data), "--epochs", "1", log_name="feed")
+    assert await asyncio.to_thread(feeder.wait, 60) == 0, procs.log_of(feeder)
+    prompts = [decode_prompt_entry(f) for _, f in await redis.xrange(keys.prompts)]
+    assert len(prompts) == 6 and all(EVAL_KEY not in p.metadata for p in prompts)
+    assert [p.metadata.get("other") for p in prompts if p.index % 2 == 0] == [0, 2, 4]  # the rest kept
+    log = procs.log_of(feeder)
+    assert f"3 rows carried metadata[{EVAL_KEY!r}]" in log, log
