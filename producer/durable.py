@@ -301,15 +301,63 @@ class EpisodeLog:
 
 
 def encode_once(value: Any) -> bytes:
-    """``episode.once``'s result as journaled; a value msgpack cannot hold is the user's error."""
+    """``episode.once``'s result as journaled. It must read back as itself (:func:`decode_once`),
+    checked here when it is recorded: a value msgpack cannot hold, or one it would hand back
+    different (a tuple as a map key, a string past the decoding limits), is the user's
+    error now, not an unreadable step (and the ``once`` function run again) on resume. Int, float,
+    bool and None map keys round-trip; tuples come back as lists (msgpack has one array type)."""
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        raw = msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"episode.once(): the function's result must be msgpack-encodable (None, bool, int, float, "
             f"str, bytes, lists and dicts of them) to be journaled: {exc}"
         ) from None
+    try:
+        back = decode_once(raw)
+    except Exception as exc:  # msgpack raises a zoo of types: the limits, an unhashable key, ...
+        raise TypeError(
+            f"episode.once(): the function's result would not read back from the journal "
+            f"({type(exc).__name__}: {exc}); return plain values (str, bytes, int, float, bool, None keys)"
+        ) from None
+    problem = _differs(value, back, "result")
+    if problem is not None:
+        raise TypeError(f"episode.once(): the function's result would not read back as itself from the journal: "
+                        f"{problem}")
+    return raw
 
 
 def decode_once(raw: bytes) -> Any:
-    return unpackb(raw, DEFAULT_LIMITS)
+    """A journaled ``once`` result (map keys of any msgpack scalar type, within the codec's limits)."""
+    limits = DEFAULT_LIMITS
+    return msgpack.unpackb(
+        raw, raw=False, max_str_len=limits.max_string_bytes, max_bin_len=limits.max_payload_bytes,
+        max_array_len=limits.max_container_len, max_map_len=limits.max_container_len, max_ext_len=0,
+        strict_map_key=False,
+    )
+
+
+def _differs(value: Any, back: Any, where: str) -> str | None:
+    """Where ``back`` (read back) is not ``value``, else None: a tuple read back as a list, or a
+    subclass (a str enum) as its equal base value, is the same."""
+    if isinstance(value, list | tuple) and isinstance(back, list):
+        if len(value) != len(back):
+            return f"{where} has {len(value)} items, {len(back)} read back"
+        for i, (a, b) in enumerate(zip(value, back, strict=True)):
+            if (problem := _differs(a, b, f"{where}[{i}]")) is not None:
+                return problem
+        return None
+    if isinstance(value, dict) and isinstance(back, dict):
+        if len(value) != len(back):
+            return f"{where} has {len(value)} keys, {len(back)} read back (keys equal once encoded)"
+        for (ka, a), (kb, b) in zip(value.items(), back.items(), strict=True):
+            if not isinstance(ka, type(kb)) or ka != kb:
+                return f"{where} key {ka!r} ({type(ka).__name__}) reads back as {kb!r} ({type(kb).__name__})"
+            if (problem := _differs(a, b, f"{where}[{ka!r}]")) is not None:
+                return problem
+        return None
+    if not isinstance(value, type(back)):  # a str enum reads back as its str: equal, kept
+        return f"{where} {value!r} ({type(value).__name__}) reads back as {type(back).__name__}"
+    if isinstance(value, float) and value != value and back != back:  # NaN
+        return None
+    return None if value == back else f"{where} {value!r} reads back as {back!r}"

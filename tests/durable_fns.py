@@ -1,7 +1,8 @@
 """Generate functions for the durable-episode tests (``durable_fns:NAME``), steered by env vars
 set per producer process: ``TOOL_LOG`` (a file each tool call and ``once`` call appends a line
 to), ``BLOCK_AT`` (the tool of that turn never returns: the producer is killed or drained there),
-``TOOL_SALT`` (appended to tool output: a different value makes a nondeterministic tool)."""
+``TOOL_SALT`` (appended to tool output: a different value makes a nondeterministic tool),
+``ONCE_SHAPE`` (``int_keys``: the sandbox ``once`` returns a map with int keys)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ async def six_turns(episode: Episode) -> Sample:
     block_at = int(os.environ.get("BLOCK_AT", "0"))
     salt = os.environ.get("TOOL_SALT", "")
 
-    def sandbox() -> str:
+    def sandbox() -> str | dict[int, str]:
         _note("once sandbox")
+        if os.environ.get("ONCE_SHAPE") == "int_keys":
+            return {1: f"sandbox-{os.getpid()}", 2: "spare"}
         return f"sandbox-{os.getpid()}"
 
-    box = await episode.once("sandbox", sandbox)
+    made = await episode.once("sandbox", sandbox)
+    box = made[1] if isinstance(made, dict) else made
     for turn in range(1, TURNS + 1):
         await episode.generate(max_new_tokens=8)
         if turn == TURNS:

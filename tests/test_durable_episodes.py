@@ -23,6 +23,7 @@ from rollstream.common.models import Status
 from rollstream.common.protocol import EpisodeJournals, Heartbeat, Keyspace, PromptQueue
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
+from rollstream.producer.durable import decode_once, encode_once
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import routed_expert
 from test_episodes_pipeline import heartbeat
@@ -202,6 +203,36 @@ async def test_a_six_turn_episode_resumes_at_turn_four_after_its_producer_is_kil
     # the user's code between steps runs again (it rebuilds the tool's state), with a's sandbox
     assert b_tools == [f"tool {t} sandbox-{first.pid}" for t in range(1, 6)]
     await _assert_no_journal(redis, ns)
+
+
+async def test_a_once_value_with_int_keys_is_read_back_after_its_producer_is_killed(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 49 finding 4: ``once()`` returning ``{1: ..., 2: ...}`` was journaled but could not be
+    decoded on resume (int map keys), so the sandbox was made twice for one episode."""
+    tool_log = tmp_path / "tools.log"
+    monkeypatch.setenv("ONCE_SHAPE", "int_keys")
+    first, _ = await _start_blocked(redis, redis_url, ns, sim, procs, monkeypatch, tool_log)
+    first.send_signal(signal.SIGKILL)
+    assert await wait_exit(first) == -signal.SIGKILL
+    assert await _finish_with_b(redis, redis_url, ns, sim, procs) in USABLE
+    lines = _tool_lines(tool_log)
+    assert [pid for pid, rest in lines if rest == "once sandbox"] == [first.pid]  # made once per episode
+    assert [rest for pid, rest in lines if pid != first.pid and rest.startswith("tool")] == [
+        f"tool {t} sandbox-{first.pid}" for t in range(1, 6)
+    ]
+    beat = await _published_beat(redis, ns, "b")
+    assert (beat.episodes_resumed, beat.replayed_steps, beat.resume_diverged) == (1, 8, 0)
+    await _assert_no_journal(redis, ns)
+
+
+def test_a_once_value_that_would_not_read_back_is_refused_when_recorded() -> None:
+    assert decode_once(encode_once({1: "a", 2.5: None, "k": (1, 2)})) == {1: "a", 2.5: None, "k": [1, 2]}
+    with pytest.raises(TypeError, match="would not read back"):
+        encode_once({(1, 2): "sandbox"})  # a tuple key comes back as a list: unhashable
+    with pytest.raises(TypeError, match="msgpack-encodable"):
+        encode_once({"when": object()})
 
 
 async def test_a_divergent_tool_drops_the_rest_of_the_journal_and_goes_on_live(
