@@ -53,6 +53,10 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         default = next(f.default for f in dataclasses.fields(PipelineConfig) if f.name == name)
         p.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE",
                        help=documented(PipelineConfig, name, note="SIZE: bytes, or with a unit (512MiB, 8GiB)."))
+    p.add_argument("--payload-store", default="", metavar="URL",
+                   help=documented(PipelineConfig, "payload_store"))
+    p.add_argument("--payload-min-bytes", type=parse_bytes, default=64 * 1024, metavar="SIZE",
+                   help=documented(PipelineConfig, "payload_min_bytes", note="SIZE: bytes, or with a unit (64KiB)."))
     p.add_argument("--row-stats", type=int, default=0, metavar="K",
                    help="keep each row's statistics over its last K groups, for feed --curriculum (0: none)")
     p.add_argument("--mix", default="", metavar="NAME=WEIGHT,...",
@@ -251,6 +255,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         max_backlog_bytes=args.max_backlog_bytes,
         max_group_bytes=args.max_group_bytes,
         archive_bytes=args.archive_bytes,
+        payload_store=args.payload_store,
+        payload_min_bytes=args.payload_min_bytes,
         mix=args.mix,
         row_stats=args.row_stats,
     )

@@ -72,6 +72,12 @@ class PipelineConfig:
     archive_bytes: int = 0
     """Byte budget of the archive stream (every group's fate, read by ``rollstream archive``);
     past it the oldest unarchived records are dropped and counted. 0 = no archive."""
+    payload_store: str = ""
+    """Where per-token arrays too large for a stream entry go (``fs:///dir``,
+    ``mooncake://HOST:PORT?metadata=URL``; docs/wire.md): the entry keeps a reference (key,
+    size, checksum) per object. "" = none, every array rides in the entry."""
+    payload_min_bytes: int = 64 * 1024
+    """With a payload store: a sample's packed array of at least this many bytes leaves the entry."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -98,6 +104,14 @@ class PipelineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (bytes), got {value!r}")
+        if isinstance(self.payload_min_bytes, bool) or not isinstance(self.payload_min_bytes, int) or (
+            self.payload_min_bytes < 1
+        ):
+            raise ConfigError(f"payload_min_bytes must be a positive integer (bytes), got {self.payload_min_bytes!r}")
+        if self.payload_store:
+            from .payload.store import check_store_url
+
+            check_store_url(self.payload_store)
         if self.max_group_bytes == 0:
             raise ConfigError("max_group_bytes must be positive")
         if self.staleness_rule not in STALENESS_RULES:

@@ -25,6 +25,7 @@ from operator import attrgetter
 from typing import Any
 
 from .arrays import FloatArray, IntArray, Packed, float_array, int_array, mask_array
+from .payload.refs import GroupPayload
 from .sample_fields import BIN_CODES, Kind, SampleField, declare
 
 Reward = float | dict[str, float]
@@ -321,6 +322,9 @@ class Group:
     """When its prompt was first admitted (Unix ms; 0: unknown), carried over from the Prompt."""
     generated_ms: int = 0
     """How long the attempt that made it took, admission to group (ms; 0: unknown)."""
+    payload: GroupPayload | None = None
+    """Where its arrays that left the entry are (the payload store; None: all in the entry). Until
+    they are fetched (``Batch.fetch``, or any numpy view of the batch) those sample fields are None."""
 
     @property
     def status(self) -> Status:

@@ -28,33 +28,39 @@ One module per seam: :mod:`.wire` (versions, limits, bounded reading), :mod:`.en
 """
 
 from .decode import check_lengths, decode_group, decode_prompt
-from .encode import encode_group, encode_prompt
+from .encode import OFFLOADABLE, StoreObject, encode_group, encode_group_offloaded, encode_prompt
 from .entries import (
     Fields,
     decode_group_entry,
     decode_prompt_entry,
     entry_data,
     group_fields,
+    group_fields_offloaded,
     group_too_large,
     prompt_fields,
 )
-from .wire import DEFAULT_LIMITS, READABLE_VERSIONS, SCHEMA_VERSION, CodecLimits
+from .wire import DEFAULT_LIMITS, OFFLOAD_VERSION, READABLE_VERSIONS, SCHEMA_VERSION, CodecLimits
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "OFFLOADABLE",
+    "OFFLOAD_VERSION",
     "READABLE_VERSIONS",
     "SCHEMA_VERSION",
     "CodecLimits",
     "Fields",
+    "StoreObject",
     "check_lengths",
     "decode_group",
     "decode_group_entry",
     "decode_prompt",
     "decode_prompt_entry",
     "encode_group",
+    "encode_group_offloaded",
     "encode_prompt",
     "entry_data",
     "group_fields",
+    "group_fields_offloaded",
     "group_too_large",
     "prompt_fields",
 ]

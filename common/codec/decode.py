@@ -11,10 +11,13 @@ from typing import Any
 from ..arrays import PACKED_CODES, Packed
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
+from ..payload.refs import GroupPayload, ObjectRef, Offloaded
 from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind, SampleField
+from .encode import OFFLOADABLE
 from .wire import (
     DEFAULT_LIMITS,
     LITTLE,
+    OFFLOAD_VERSION,
     READABLE_VERSIONS,
     SCHEMA_VERSION,
     CodecLimits,
@@ -249,10 +252,76 @@ _RELATED = frozenset(
 )
 
 
-def _sample_from_wire(obj: object, what: str, limits: CodecLimits, version: int) -> Sample:
+class _Away:
+    """An offloaded array while its sample is checked: its length only (the relations need no more)."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+_OFFLOADABLE = {f.key: f for f in OFFLOADABLE}
+
+
+def _offloaded(
+    obj: dict[str, Any], what: str, limits: CodecLimits, position: int, objects: tuple[ObjectRef, ...]
+) -> list[Offloaded]:
+    """The arrays of a version-4 sample that left the entry (its ``ofl``), each checked against the
+    object it names: a known field not also in the entry, a typecode and shape of that field, and
+    bytes that fit inside the object."""
+    raw = obj["ofl"]
+    if (
+        not isinstance(raw, list) or len(raw) != 2 or type(raw[0]) is not int or not isinstance(raw[1], dict)
+        or not 0 <= raw[0] < len(objects)
+    ):
+        raise DecodeError("bad_field", f"{what}.ofl must be [object index, map] naming one of {len(objects)} objects")
+    ref = objects[raw[0]]
+    found = []
+    for key, spec in raw[1].items():
+        f = _OFFLOADABLE.get(key)
+        name = f"{what}.ofl.{key}"
+        if f is None or key in obj:
+            raise DecodeError("bad_field", f"{name}: not an offloadable field, or also in the entry")
+        if not isinstance(spec, list) or len(spec) != 4:
+            raise DecodeError("bad_field", f"{name} must be [offset, bytes, typecode, shape]")
+        offset, nbytes, code, shape = spec
+        ndim = f.ndim if f.kind is Kind.PACKED else 1
+        codes = PACKED_CODES if f.kind is Kind.PACKED else (BIN_CODES[f.kind],)
+        if (
+            type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0
+            or offset + nbytes > ref.size or code not in codes or not isinstance(shape, list) or len(shape) != ndim
+            or not all(type(d) is int and d >= 0 for d in shape)
+        ):
+            raise DecodeError("bad_field", f"{name}: {spec!r} does not describe an array inside {ref.size} bytes")
+        items = math.prod(shape)
+        if items > (limits.max_array_items if f.kind is Kind.PACKED else limits.max_tokens):
+            raise DecodeError("too_large", f"{name}: {items} items")
+        if items * array(code).itemsize != nbytes:
+            raise DecodeError("bad_field", f"{name}: {nbytes} bytes for {items} items of {code!r}")
+        found.append(Offloaded(position, f.name, raw[0], offset, nbytes, code, tuple(shape), f.kind is Kind.PACKED))
+    if not found:
+        raise DecodeError("bad_field", f"{what}.ofl names no array")
+    return found
+
+
+def _sample_from_wire(
+    obj: object, what: str, limits: CodecLimits, version: int, position: int = 0,
+    objects: tuple[ObjectRef, ...] = (), away: list[Offloaded] | None = None,
+) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
     values = _READERS[version](obj, what, limits)
+    moved: list[Offloaded] = []
+    if "ofl" in obj:
+        if away is None or version < OFFLOAD_VERSION:
+            raise DecodeError("bad_field", f"{what}.ofl outside a version-{OFFLOAD_VERSION} group")
+        moved = _offloaded(obj, what, limits, position, objects)
+        for offloaded in moved:
+            values[offloaded.name] = _Away(offloaded.shape[0] if offloaded.shape else 0)
     tokens, rlen = values["tokens"], values["response_length"]
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
@@ -272,6 +341,10 @@ def _sample_from_wire(obj: object, what: str, limits: CodecLimits, version: int)
     elif values["prompt_length"] + rlen != len(tokens):
         raise DecodeError("bad_field", f"{what}: pl {values['prompt_length']} + rlen {rlen} != {len(tokens)} tokens")
     _check_relations(values, what, _RELATIONS[version])
+    if moved:
+        for offloaded in moved:
+            del values[offloaded.name]  # None until the object is fetched (GroupPayload.attach)
+        away.extend(moved)  # type: ignore[union-attr]  # moved is only set when away is a list
     return Sample(**values)
 
 
@@ -319,7 +392,7 @@ def _check_relations(values: dict[str, Any], what: str, relations: tuple[tuple[A
                 raise DecodeError("bad_field", f"{what}.{key} has {len(value)} rows for {len(tokens)} tokens")
         for name, pair, key in offsets:
             value = values.get(name)
-            if value is None:
+            if value is None or isinstance(value, _Away):  # an offloaded array's values are not here
                 continue
             ids = values[pair]
             if len(value) != rlen + 1 or value.data[0] != 0 or value.data[-1] != len(ids):
@@ -370,12 +443,31 @@ def _multimodal(obj: Mapping[str, Any], what: str) -> dict[str, Any] | None:
     return value
 
 
-def _samples(raw: object, what: str, limits: CodecLimits, version: int) -> list[Sample]:
+def _samples(
+    raw: object, what: str, limits: CodecLimits, version: int,
+    objects: tuple[ObjectRef, ...] = (), away: list[Offloaded] | None = None,
+) -> list[Sample]:
     if not isinstance(raw, list):
         raise DecodeError("bad_field", f"{what} must be a list")
     if len(raw) > limits.max_samples:
         raise DecodeError("too_large", f"{len(raw)} samples exceeds {limits.max_samples}")
-    return [_sample_from_wire(s, f"{what}[{i}]", limits, version) for i, s in enumerate(raw)]
+    return [_sample_from_wire(s, f"{what}[{i}]", limits, version, i, objects, away) for i, s in enumerate(raw)]
+
+
+def _objects(obj: Mapping[str, Any]) -> tuple[ObjectRef, ...]:
+    """The refs of a version-4 group's objects (``objs``), each checked, keys distinct."""
+    raw = obj.get("objs")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > 4096:
+        raise DecodeError("bad_field", "group.objs must be a non-empty list of object refs")
+    try:
+        refs = tuple(ObjectRef.from_wire(r) for r in raw)
+    except ValueError as exc:
+        raise DecodeError("bad_field", f"group.objs: {exc}") from None
+    if len({r.key for r in refs}) != len(refs):
+        raise DecodeError("bad_field", "group.objs names one key twice")
+    return refs
 
 
 def _history(obj: Mapping[str, Any], what: str) -> list[str]:
@@ -423,12 +515,21 @@ def _shared(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
 
 
 def _group_from_wire(obj: dict[str, Any], limits: CodecLimits) -> Group:
-    return Group(
-        **_shared(obj, "group"),
+    shared = _shared(obj, "group")
+    objects = _objects(obj)
+    away: list[Offloaded] = []
+    group = Group(
+        **shared,
         producer=_get(obj, "producer", str, "group"),
         generated_ms=_get(obj, "gen", int, "group") if "gen" in obj else 0,
-        samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"]),
+        samples=_samples(_get(obj, "samples", list, "group"), "group.samples", limits, obj["v"], objects, away),
     )
+    if objects:
+        used = {a.obj for a in away}
+        if used != set(range(len(objects))):
+            raise DecodeError("bad_field", "group.objs: an object no sample's array is in")
+        group.payload = GroupPayload(objects, tuple(away))
+    return group
 
 
 def decode_prompt(payload: object, limits: CodecLimits = DEFAULT_LIMITS) -> Prompt:

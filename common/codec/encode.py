@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -12,8 +13,9 @@ import msgpack
 
 from ..arrays import Packed
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
-from ..sample_fields import SET_WHEN_TRUE, Kind
-from .wire import LITTLE, V3_SAMPLE_KEYS
+from ..payload.refs import Buffer, ObjectRef, checksum
+from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind
+from .wire import LITTLE, OFFLOAD_VERSION, V3_SAMPLE_KEYS
 
 _V3_KEYS = frozenset(V3_SAMPLE_KEYS)
 
@@ -113,7 +115,72 @@ def _packb(obj: Any) -> bytes:
 
 
 def encode_group(group: Group) -> bytes:
+    return _packb(_group_to_wire(group, [_sample_to_wire(s) for s in group.samples]))
+
+
+OFFLOADABLE = tuple(
+    f for f in SAMPLE_FIELDS if f.optional and f.kind in (Kind.PACKED, Kind.FLOATS, Kind.IDS, Kind.MASK)
+)
+"""The sample fields whose array may leave the entry for the payload store: the per-token arrays
+that only a version-3 entry carries (routing, indexer and top-p replay, teacher log-probs,
+reverse KL). Tokens, log-probs and loss masks stay: every check and the staleness rule read them."""
+_ALIGN = 8
+
+
+@dataclass(slots=True)
+class StoreObject:
+    """An object to put before the group is published: its ref (what the entry records) and its
+    bytes as parts (views on the samples' arrays: no copy until the store writes them)."""
+
+    ref: ObjectRef
+    parts: list[Buffer]
+
+
+def encode_group_offloaded(
+    group: Group, min_bytes: int, new_key: Callable[[], str]
+) -> tuple[bytes, list[StoreObject]]:
+    """The group's payload with every :data:`OFFLOADABLE` array of at least ``min_bytes`` bytes
+    left out, and the objects they go to: one per sample that has any, its arrays back to back
+    (each at an offset aligned to 8 bytes), named by ``new_key()``. A sample keeps where each
+    went (``ofl``: ``[object, {key: [offset, bytes, typecode, shape]}]``), the group the objects'
+    refs (``objs``), and the entry is version 4 (an older build refuses it instead of reading a
+    sample without its arrays). No array large enough: the bytes :func:`encode_group` writes."""
     samples = [_sample_to_wire(s) for s in group.samples]
+    objects: list[StoreObject] = []
+    for wire in samples:
+        moved: dict[str, list[Any]] = {}
+        parts: list[Buffer] = []
+        offset = 0
+        for f in OFFLOADABLE:
+            value = wire.get(f.key)
+            if value is None:
+                continue
+            if f.kind is Kind.PACKED:
+                typecode, shape, raw = value
+            else:
+                typecode, raw = BIN_CODES[f.kind], value
+                shape = [len(raw) // array(typecode).itemsize]
+            size = len(raw)
+            if size < min_bytes:
+                continue
+            if pad := -offset % _ALIGN:
+                parts.append(bytes(pad))
+                offset += pad
+            parts.append(raw)
+            moved[f.key] = [offset, size, typecode, list(shape)]
+            offset += size
+            del wire[f.key]
+        if moved:
+            wire["ofl"] = [len(objects), moved]
+            objects.append(StoreObject(ObjectRef(new_key(), offset, checksum(parts)), parts))
+    obj = _group_to_wire(group, samples)
+    if objects:
+        obj["v"] = OFFLOAD_VERSION
+        obj["objs"] = [o.ref.to_wire() for o in objects]
+    return _packb(obj), objects
+
+
+def _group_to_wire(group: Group, samples: list[dict[str, Any]]) -> dict[str, Any]:
     obj = {
             "v": _version_of(samples, group.multimodal_inputs),
             "kind": "group",
@@ -135,7 +202,7 @@ def encode_group(group: Group) -> bytes:
         obj["adm"] = group.admitted_ms
     if group.generated_ms:
         obj["gen"] = group.generated_ms
-    return _packb(obj)
+    return obj
 
 
 def encode_prompt(prompt: Prompt) -> bytes:

@@ -4,14 +4,14 @@ without msgpack."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import DecodeError
 from ..models import Group, Prompt
 from ..redis_values import RawFields, utf8
 from .decode import decode_group, decode_prompt
-from .encode import encode_group, encode_prompt
+from .encode import StoreObject, encode_group, encode_group_offloaded, encode_prompt
 from .wire import DEFAULT_LIMITS, CodecLimits
 
 Fields = dict[str, str | bytes | int | float]
@@ -27,12 +27,13 @@ def prompt_fields(prompt: Prompt) -> Fields:
     return fields
 
 
-def group_fields(group: Group) -> Fields:
+def group_fields(group: Group, data: bytes | None = None) -> Fields:
     """Fields of a group-stream entry; everything but ``data`` is readable in redis-cli
-    (``bytes`` is the size of ``data``)."""
+    (``bytes`` is the size of ``data``; ``data``: the group's payload when already encoded)."""
     min_version = group.min_version
     reward = group.reward_mean
-    data = encode_group(group)
+    if data is None:
+        data = encode_group(group)
     return {
         "index": group.index,
         "epoch": group.epoch,
@@ -46,6 +47,25 @@ def group_fields(group: Group) -> Fields:
         **({"source": group.source} if group.source else {}),
         "data": data,
     }
+
+
+def group_fields_offloaded(
+    group: Group, min_bytes: int, new_key: Callable[[], str]
+) -> tuple[Fields, list[StoreObject]]:
+    """:func:`group_fields` with the arrays of at least ``min_bytes`` left out
+    (:func:`~.encode.encode_group_offloaded`), and the objects to put before publishing. Beside
+    ``bytes`` (the entry's own data), plain fields say where the rest is: ``objects`` (how many),
+    ``store_bytes`` (their bytes) and ``refs`` (their keys, space-separated: what the fate
+    scripts free, in Lua, without msgpack). No array large enough: exactly :func:`group_fields`."""
+    data, objects = encode_group_offloaded(group, min_bytes, new_key)
+    fields = group_fields(group, data)
+    if objects:
+        fields = {k: v for k, v in fields.items() if k != "data"}
+        fields.update({
+            "objects": len(objects), "store_bytes": sum(o.ref.size for o in objects),
+            "refs": " ".join(o.ref.key for o in objects), "data": data,
+        })
+    return fields, objects
 
 
 def group_too_large(fields: Mapping[str, Any], limit: int) -> str | None:

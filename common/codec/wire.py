@@ -14,13 +14,18 @@ import msgpack
 from ..errors import ConfigError, DecodeError
 from ..models import SAMPLE_FIELDS
 
-SCHEMA_VERSION = 3
-"""The newest version this build writes, for groups and prompts that use a version-3 field
+SCHEMA_VERSION = 4
+"""The newest version this build writes: 4 for a group whose arrays went to the payload store
+(``OFFLOAD_VERSION``), 3 for groups and prompts that use a version-3 field
 (routing replay, teacher log-probs, ... see ``V3_SAMPLE_KEYS``); an entry without any is written
 as version 2, byte for byte what the previous build wrote, so a trainer still on that build reads
 it until a run turns the new fields on. Version 1 entries (before ``pl``, ``err`` and the filled
 ``lm``) are still read, so producers can be upgraded while a pipeline runs."""
-READABLE_VERSIONS = (1, 2, 3)
+OFFLOAD_VERSION = SCHEMA_VERSION
+"""A group some of whose arrays left the entry for the payload store (``rollstream init
+--payload-store``; docs/wire.md): written only then, so that a build that cannot fetch them
+refuses the entry (``unknown_schema``) rather than reading samples without their arrays."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 V3_SAMPLE_KEYS = tuple(f.key for f in SAMPLE_FIELDS if f.since >= 3)
 """Version-3 sample keys, each present only when its field is set: absent fields cost nothing."""
 LITTLE = sys.byteorder == "little"

@@ -22,7 +22,8 @@ any other kind raw (decoded by msgpack)."""
 
 _SampleView = msgspec.defstruct(
     "_SampleView",
-    [(f.key, _VIEW_TYPES.get(f.kind, Raw | UnsetType), UNSET) for f in SAMPLE_FIELDS],
+    [(f.key, _VIEW_TYPES.get(f.kind, Raw | UnsetType), UNSET) for f in SAMPLE_FIELDS]
+    + [("ofl", Raw | UnsetType, UNSET)],  # where its offloaded arrays are (version 4)
     gc=False,
     forbid_unknown_fields=True,
 )
@@ -33,7 +34,7 @@ leave the group to the copying decoder."""
 
 _GROUP_KEYS = (
     "v", "kind", "index", "epoch", "attempt", "prompt", "label", "metadata", "producer", "history", "mmi", "src",
-    "adm", "gen",
+    "adm", "gen", "objs",
 )
 _GroupView = msgspec.defstruct(
     "_GroupView",

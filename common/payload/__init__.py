@@ -2,6 +2,9 @@
 directory, Mooncake), the entry keeps a reference per object. :mod:`.store` is the interface
 and :func:`~.store.open_store`; :mod:`.fs` and :mod:`.mooncake` are the backends."""
 
-from .store import Buffer, ObjectRef, PayloadStore, check_key, checksum, open_store
+from .refs import Buffer, GroupPayload, ObjectRef, Offloaded, check_key, checksum
+from .store import PayloadStore, open_store
 
-__all__ = ["Buffer", "ObjectRef", "PayloadStore", "check_key", "checksum", "open_store"]
+__all__ = [
+    "Buffer", "GroupPayload", "ObjectRef", "Offloaded", "PayloadStore", "check_key", "checksum", "open_store",
+]

@@ -26,7 +26,8 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError, PayloadCorrupt, PayloadMissing, PayloadStoreFull, PayloadUnreadable
-from .store import Buffer, PayloadStore, check_key
+from .refs import Buffer, check_key
+from .store import PayloadStore
 
 logger = logging.getLogger(__name__)
 

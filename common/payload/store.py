@@ -16,68 +16,12 @@ from __future__ import annotations
 
 import abc
 import importlib
-import re
-import zlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from collections.abc import AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
 from ..connection import redact_url
 from ..errors import ConfigError
-
-Buffer: TypeAlias = "bytes | bytearray | memoryview"
-"""What a put takes and a get returns (anything with the buffer protocol, one byte per item)."""
-
-MAX_KEY = 200
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-
-
-def check_key(key: object) -> str:
-    """``key`` when it is a store key rollstream writes (``[A-Za-z0-9._-]`` segments joined by
-    ``/``, none starting with ``.`` or ``-``, at most 200 characters), else ``ConfigError``: a key
-    can never name a path outside an ``fs`` store's directory."""
-    if not isinstance(key, str) or len(key) > MAX_KEY or not _KEY.fullmatch(key):
-        raise ConfigError(f"payload object key {key!r} is not [A-Za-z0-9._-] segments joined by '/'")
-    return key
-
-
-def checksum(parts: Iterable[Buffer]) -> int:
-    """The CRC-32 (``zlib.crc32``, as in zip and PNG) of ``parts`` back to back: what an
-    :class:`ObjectRef` records and a reader verifies."""
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectRef:
-    """One object of the store as a group's entry refers to it."""
-
-    key: str
-    size: int
-    """Bytes."""
-    checksum: int
-    """CRC-32 of the bytes (:func:`checksum`)."""
-
-    def to_wire(self) -> list[Any]:
-        return [self.key, self.size, self.checksum]
-
-    @classmethod
-    def from_wire(cls, value: object) -> ObjectRef:
-        """The ref in ``value`` (``[key, size, crc32]``); ``ValueError`` when it is not one."""
-        if (
-            not isinstance(value, list | tuple) or len(value) != 3 or not isinstance(value[0], str)
-            or type(value[1]) is not int or type(value[2]) is not int
-            or value[1] < 0 or not 0 <= value[2] <= 0xFFFFFFFF
-        ):
-            raise ValueError("an object reference is [key, size, crc32]")
-        try:
-            check_key(value[0])
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return cls(value[0], value[1], value[2])
+from .refs import Buffer
 
 
 class PayloadStore(abc.ABC):
@@ -132,31 +76,47 @@ def redact_store_url(url: str) -> str:
     return redact_url(url)
 
 
+def check_store_url(url: object) -> str:
+    """``url`` when its scheme names a backend (``fs:///absolute/dir``, ``mooncake://HOST:PORT``),
+    else ``ConfigError``; the backend checks the rest when the store is opened."""
+    if not isinstance(url, str) or not url or any(c.isspace() for c in url):
+        raise ConfigError(f"payload store URL {url!r}: expected fs:///dir or mooncake://host:port?metadata=URL")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"payload store URL {redact_store_url(url)}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme == "fs":
+        from .fs import fs_root
+
+        fs_root(url)
+    elif scheme == "mooncake":
+        if not parts.hostname or port is None:
+            raise ConfigError(f"payload store URL {redact_store_url(url)}: expected mooncake://HOST:PORT?metadata=URL")
+    else:
+        raise ConfigError(
+            f"payload store URL {redact_store_url(url)}: scheme {scheme!r} is not one of fs://, mooncake://"
+        )
+    return url
+
+
 def open_store(url: str) -> PayloadStore:
     """The backend of ``url``: ``fs:///absolute/dir`` (:class:`~.fs.FsStore`) or
     ``mooncake://HOST:PORT?metadata=URL`` (``MooncakeStore``, which needs its extra); anything
     else is ``ConfigError``. Opening checks the URL; it connects on first use where it can."""
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"payload store URL {url!r}: expected fs:///dir or mooncake://host:port?metadata=URL")
-    try:
-        scheme = urlsplit(url).scheme.lower()
-    except ValueError as exc:
-        raise ConfigError(f"payload store URL {redact_store_url(url)}: {exc}") from None
+    scheme = urlsplit(check_store_url(url)).scheme.lower()
     if scheme == "fs":
         from .fs import FsStore
 
         return FsStore(url)
-    if scheme == "mooncake":
-        try:
-            module = importlib.import_module(f"{__package__}.mooncake")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.mooncake":
-                raise
-            raise ConfigError(
-                f"payload store URL {redact_store_url(url)}: the mooncake backend is not available in this build"
-            ) from None
-        store: PayloadStore = module.MooncakeStore(url)
-        return store
-    raise ConfigError(
-        f"payload store URL {redact_store_url(url)}: scheme {scheme!r} is not one of fs://, mooncake://"
-    )
+    try:
+        module = importlib.import_module(f"{__package__}.mooncake")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.mooncake":
+            raise
+        raise ConfigError(
+            f"payload store URL {redact_store_url(url)}: the mooncake backend is not available in this build"
+        ) from None
+    store: PayloadStore = module.MooncakeStore(url)
+    return store

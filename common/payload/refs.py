@@ -1,0 +1,122 @@
+"""What a stream entry keeps of the objects its arrays went to (pure data, no store, no Redis):
+:class:`ObjectRef` (key, size, CRC-32) per object, :class:`Offloaded` per array (which object,
+where in it, its typecode and shape), and :class:`GroupPayload`, a decoded group's both, which
+puts the arrays back in their samples once the objects are fetched (:meth:`GroupPayload.attach`)."""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..models import Group
+
+Buffer: TypeAlias = "bytes | bytearray | memoryview"
+"""What a put takes and a get returns (anything with the buffer protocol, one byte per item)."""
+
+MAX_KEY = 200
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+
+
+def check_key(key: object) -> str:
+    """``key`` when it is a store key rollstream writes (``[A-Za-z0-9._-]`` segments joined by
+    ``/``, none starting with ``.`` or ``-``, at most 200 characters), else ``ConfigError``: a key
+    can never name a path outside an ``fs`` store's directory."""
+    if not isinstance(key, str) or len(key) > MAX_KEY or not _KEY.fullmatch(key):
+        raise ConfigError(f"payload object key {key!r} is not [A-Za-z0-9._-] segments joined by '/'")
+    return key
+
+
+def checksum(parts: Iterable[Buffer]) -> int:
+    """The CRC-32 (``zlib.crc32``, as in zip and PNG) of ``parts`` back to back: what an
+    :class:`ObjectRef` records and a reader verifies."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """One object of the store as a group's entry refers to it."""
+
+    key: str
+    size: int
+    """Bytes."""
+    checksum: int
+    """CRC-32 of the bytes (:func:`checksum`)."""
+
+    def to_wire(self) -> list[Any]:
+        return [self.key, self.size, self.checksum]
+
+    @classmethod
+    def from_wire(cls, value: object) -> ObjectRef:
+        """The ref in ``value`` (``[key, size, crc32]``); ``ValueError`` when it is not one."""
+        if (
+            not isinstance(value, list | tuple) or len(value) != 3 or not isinstance(value[0], str)
+            or type(value[1]) is not int or type(value[2]) is not int
+            or value[1] < 0 or not 0 <= value[2] <= 0xFFFFFFFF
+        ):
+            raise ValueError("an object reference is [key, size, crc32]")
+        try:
+            check_key(value[0])
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return cls(value[0], value[1], value[2])
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Offloaded:
+    """One array of one sample that left the entry: ``nbytes`` bytes at ``offset`` of the group's
+    object number ``obj``, items of ``typecode`` in ``shape`` (one dimension for a flat array)."""
+
+    sample: int
+    """The sample's position in its group."""
+    name: str
+    """The :class:`~..models.Sample` field."""
+    obj: int
+    offset: int
+    nbytes: int
+    typecode: str
+    shape: tuple[int, ...]
+    packed: bool
+    """A :class:`~..arrays.Packed` field (else a flat array)."""
+
+    @property
+    def items(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(slots=True)
+class GroupPayload:
+    """The objects of a decoded group and the arrays in them, until they are fetched."""
+
+    objects: tuple[ObjectRef, ...]
+    arrays: tuple[Offloaded, ...]
+    attached: bool = False
+    """The arrays are in their samples (fetched)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ref.size for ref in self.objects)
+
+    def attach(self, group: Group, buffers: Mapping[str, memoryview]) -> None:
+        """Put every array back in its sample as a view on ``buffers`` (the fetched objects by
+        key, each already checked against its ref): a :class:`~..arrays.Packed` on a cast view, or
+        the cast view itself for a flat array."""
+        from ..arrays import Packed
+
+        for array in self.arrays:
+            raw = buffers[self.objects[array.obj].key][array.offset : array.offset + array.nbytes]
+            view = raw.cast("B").cast(array.typecode)  # type: ignore[call-overload]
+            value: Any = Packed(view, array.shape) if array.packed else view
+            setattr(group.samples[array.sample], array.name, value)
+        self.attached = True
