@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from ..connection import redact_url
 from ..errors import ConfigError
-from .refs import Buffer
+from .refs import Buffer, ObjectRef, check_key, checksum  # noqa: F401  # the agreed interface's names (issue 48)
 
 
 class PayloadStore(abc.ABC):
