@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .codec import decode_group, decode_prompt, encode_group
-from .errors import ConfigError, DecodeError
+from .errors import ArchiveUnusable, ConfigError, DecodeError
 from .imports import require_extra
 from .models import Group, Prompt
 
@@ -47,6 +47,8 @@ BIG_ARRAYS = (
 )
 """Per-token arrays kept in ``data`` only with ``--keep-arrays`` (routing replay, teacher log-probs)."""
 _PART = re.compile(r"^part_(\d+-\d+)_(\d+-\d+)\.parquet$")
+OWNER_FILE = "rollstream-archive.json"
+"""In an archive folder: ``{"namespace": NAME}``, the one namespace whose archiver writes there."""
 
 
 def pyarrow() -> Any:
@@ -247,67 +249,250 @@ def written_cursor(root: str | Path) -> str:
     return f"{best[0]}-{best[1]}"
 
 
-def write_part(root: str | Path, partition: str, rows: list[dict[str, Any]]) -> Path:
-    """Write ``rows`` (a contiguous run, in id order) as one zstd Parquet file, atomically: a
-    temporary name, fsync, rename, fsync of the folder. A killed writer leaves a ``.tmp`` only."""
+def _unreadable(path: Path | str, exc: BaseException) -> ArchiveUnusable:
+    said = " ".join(str(exc).split())[:300]  # one line: the CLI prints the first
+    return ArchiveUnusable(
+        f"{path}: not a readable archive file ({type(exc).__name__}: {said}); it is damaged or was cut short: "
+        "restore it from a copy, or move it out of the archive folder (its records are then missing) and re-run"
+    )
+
+
+def _arrow_errors() -> tuple[type[BaseException], ...]:
+    pa = pyarrow()
+    return (OSError, pa.ArrowException)
+
+
+def _file_info(path: str | Path, raw_metadata: Mapping[bytes, bytes] | None) -> dict[str, Any]:
+    raw = (raw_metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ConfigError(f"{path}: not a rollstream archive file (no {METADATA_KEY.decode()} metadata)")
+    try:
+        info = json.loads(raw)
+        version = int(info["schema_version"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _unreadable(path, exc) from exc
+    if version not in READABLE_SCHEMAS:
+        raise ConfigError(f"{path}: archive schema {version} is newer than this rollstream reads {READABLE_SCHEMAS}")
+    return dict(info)
+
+
+def file_metadata(path: str | Path) -> dict[str, Any]:
+    """A part file's ``rollstream.archive`` metadata: ``schema_version``, and in files written since
+    issue 49 the ``namespace`` that wrote it and ``after``, the archive id its run follows."""
+    pyarrow()
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(path).metadata
+    except _arrow_errors() as exc:
+        raise _unreadable(path, exc) from exc
+    return _file_info(path, meta)
+
+
+def file_schema_version(path: str | Path) -> int:
+    return int(file_metadata(path)["schema_version"])
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivePart:
+    """One part file, from its name and footer (no row is read)."""
+
+    path: Path
+    first: str
+    last: str
+    rows: int
+    namespace: str | None
+    """The namespace whose archiver wrote it (None: a file of an older rollstream)."""
+    after: str | None
+    """The archive id its run follows (the previous file's last; None: an older file)."""
+
+
+def scan_parts(root: str | Path) -> list[ArchivePart]:
+    """The part files under ``root`` in archive order, their footers read (``ArchiveUnusable``
+    names a damaged one)."""
+    pyarrow()
+    import pyarrow.parquet as pq
+
+    parts = []
+    for path in archive_files(root):
+        match = _PART.match(path.name)
+        if match is None:  # archive_files lists matching names only
+            continue
+        try:
+            with pq.ParquetFile(path) as handle:
+                meta, rows = handle.schema_arrow.metadata, handle.metadata.num_rows
+        except _arrow_errors() as exc:
+            raise _unreadable(path, exc) from exc
+        info = _file_info(path, meta)
+        parts.append(ArchivePart(
+            path=path, first=match.group(1), last=match.group(2), rows=rows,
+            namespace=info.get("namespace"), after=info.get("after"),
+        ))
+    return parts
+
+
+def one_namespace(parts: Iterable[ArchivePart], root: str | Path) -> str | None:
+    """The namespace the files were written by; ``ConfigError`` when they name several."""
+    names = sorted({p.namespace for p in parts if p.namespace is not None})
+    if len(names) > 1:
+        raise ConfigError(
+            f"{root}: the archive folder holds files of several namespaces {names}: an archive folder "
+            "belongs to one namespace (read each namespace's own folder)"
+        )
+    return names[0] if names else None
+
+
+def missing_runs(parts: list[ArchivePart]) -> list[tuple[str, str]]:
+    """Where a part file is missing: (last id before, first file's ``after`` id) for each break in
+    the chain of files (a file's ``after`` is the last id of the one before it)."""
+    gaps = []
+    previous = "0-0"
+    for part in parts:
+        if part.after is not None and id_key(part.after) != id_key(previous):
+            gaps.append((previous, part.after))
+        previous = part.last
+    return gaps
+
+
+def read_part(path: str | Path, columns: Iterable[str] | None = None, *, rows: slice | None = None) -> pa.Table:
+    """One part file's ``columns`` (only those are read), upgraded to ``SCHEMA_VERSION``; ``rows``:
+    just those rows (the others of their row groups are read and dropped)."""
+    pa = pyarrow()
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema()
+    wanted = list(columns) if columns is not None else schema.names
+    try:
+        with pq.ParquetFile(path) as handle:
+            _file_info(path, handle.schema_arrow.metadata)
+            present = set(handle.schema_arrow.names)
+            read = [name for name in wanted if name in present]
+            if rows is None:
+                table = handle.read(columns=read)
+            else:
+                start, stop, _ = rows.indices(handle.metadata.num_rows)
+                table = _read_rows(handle, read, start, stop)
+    except _arrow_errors() as exc:
+        raise _unreadable(path, exc) from exc
+    for name in wanted:
+        if name not in present:  # a column of a later version: null for older files
+            table = table.append_column(schema.field(name), pa.nulls(len(table), schema.field(name).type))
+    return table.select(wanted)
+
+
+def _read_rows(handle: Any, columns: list[str], start: int, stop: int) -> pa.Table:
+    """Rows ``start:stop`` of an open ParquetFile, reading only the row groups that hold them."""
+    pa = pyarrow()
+    meta = handle.metadata
+    tables = []
+    offset = 0
+    for group in range(meta.num_row_groups):
+        size = meta.row_group(group).num_rows
+        lo, hi = max(start, offset), min(stop, offset + size)
+        if lo < hi:
+            tables.append(handle.read_row_group(group, columns=columns).slice(lo - offset, hi - lo))
+        offset += size
+    if not tables:
+        return handle.schema_arrow.empty_table().select(columns)
+    return pa.concat_tables(tables)
+
+
+def read_table(root: str | Path, columns: Iterable[str] | None = None) -> pa.Table:
+    """Every record under ``root`` in archive order, upgraded to ``SCHEMA_VERSION``; only
+    ``columns`` are read from the files (``data``, the payloads, is most of an archive's bytes)."""
+    pa = pyarrow()
+    schema = arrow_schema()
+    wanted = list(columns) if columns is not None else schema.names
+    parts = scan_parts(root)
+    one_namespace(parts, root)
+    tables = [read_part(part.path, wanted) for part in parts]
+    if not tables:
+        return schema.empty_table().select(wanted)
+    return pa.concat_tables(tables)
+
+
+def claim_folder(root: Path, namespace: str) -> None:
+    """Make ``root`` the archive folder of ``namespace`` (its ``OWNER_FILE``), or refuse it with
+    ``ConfigError`` naming the namespace that owns it. A folder without the file is claimed when
+    none of its part files names another namespace (files of an older rollstream name none)."""
+    marker = root / OWNER_FILE
+    if not marker.exists():
+        if (other := one_namespace(scan_parts(root), root)) not in (None, namespace):
+            _refuse_foreign(root, other, namespace)
+        tmp = root / f".{OWNER_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"namespace": namespace}) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, marker)  # atomic: of two archivers claiming a new folder, one wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        owner = json.loads(marker.read_text(encoding="utf-8"))["namespace"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArchiveUnusable(
+            f"{marker}: unreadable ({exc}); it names the namespace this archive folder belongs to: "
+            f'restore it, or write {{"namespace": "{namespace}"}} into it if the folder is {namespace!r}\'s'
+        ) from exc
+    if owner != namespace:
+        _refuse_foreign(root, str(owner), namespace)
+
+
+def _refuse_foreign(root: Path, owner: str, namespace: str) -> None:
+    raise ConfigError(
+        f"{root} is the archive folder of namespace {owner!r}, not {namespace!r}: an archive folder belongs to "
+        f"one namespace (its cursor and its steps are that namespace's); give --out a folder of its own, "
+        f"e.g. {root.parent / namespace}"
+    )
+
+
+def part_metadata(namespace: str, after: str) -> dict[bytes, bytes]:
+    """The ``rollstream.archive`` metadata of a file written now."""
+    info = {"schema_version": SCHEMA_VERSION, "namespace": namespace, "after": after}
+    return {METADATA_KEY: json.dumps(info).encode()}
+
+
+def write_tmp(root: str | Path, partition: str, rows: list[dict[str, Any]], metadata: Mapping[bytes, bytes],
+              tag: str = "") -> tuple[Path, Path]:
+    """Write ``rows`` (a contiguous run, in id order) as one zstd Parquet file under a temporary
+    name, fsynced; (temporary, final) paths. ``tag`` makes the temporary name the writer's own."""
     pa = pyarrow()
     import pyarrow.parquet as pq
 
     folder = Path(root) / partition
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / part_name(rows[0]["archive_id"], rows[-1]["archive_id"])
-    tmp = final.with_suffix(".parquet.tmp")
-    table = pa.Table.from_pylist(rows, schema=arrow_schema())
+    tmp = final.with_name(f"{final.name}{'.' + tag if tag else ''}.tmp")
+    table = pa.Table.from_pylist(rows, schema=arrow_schema()).replace_schema_metadata(dict(metadata))
     pq.write_table(table, tmp, compression="zstd")
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
+    return tmp, final
+
+
+def publish_part(tmp: Path, final: Path) -> None:
+    """Rename a temporary file to its final name and fsync the folder."""
     os.replace(tmp, final)
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_part(root: str | Path, partition: str, rows: list[dict[str, Any]],
+               metadata: Mapping[bytes, bytes] | None = None) -> Path:
+    """Write ``rows`` as one part file, atomically: a temporary name, fsync, rename, fsync of the
+    folder. A killed writer leaves a ``.tmp`` only."""
+    tmp, final = write_tmp(root, partition, rows, metadata or arrow_schema().metadata)
+    publish_part(tmp, final)
     return final
 
 
 def remove_partial(root: str | Path) -> int:
     """Delete the ``.tmp`` files a killed writer left; how many."""
     gone = 0
-    for path in Path(root).rglob("part_*.parquet.tmp"):
+    for path in Path(root).rglob("part_*.parquet*.tmp"):
         path.unlink(missing_ok=True)
         gone += 1
     return gone
-
-
-def file_schema_version(path: str | Path) -> int:
-    pyarrow()
-    import pyarrow.parquet as pq
-
-    meta = pq.read_schema(path).metadata or {}
-    raw = meta.get(METADATA_KEY)
-    if raw is None:
-        raise ConfigError(f"{path}: not a rollstream archive file (no {METADATA_KEY.decode()} metadata)")
-    version = int(json.loads(raw)["schema_version"])
-    if version not in READABLE_SCHEMAS:
-        raise ConfigError(f"{path}: archive schema {version} is newer than this rollstream reads {READABLE_SCHEMAS}")
-    return version
-
-
-def read_table(root: str | Path, columns: Iterable[str] | None = None) -> pa.Table:
-    """Every record under ``root`` in archive order, upgraded to ``SCHEMA_VERSION``."""
-    pa = pyarrow()
-    import pyarrow.parquet as pq
-
-    schema = arrow_schema()
-    wanted = list(columns) if columns is not None else schema.names
-    tables = []
-    for path in archive_files(root):
-        file_schema_version(path)  # every readable version has the columns of version 1
-        table = pq.read_table(path)
-        missing = [name for name in wanted if name not in table.schema.names]
-        for name in missing:  # a column of a later version: null for older files
-            table = table.append_column(schema.field(name), pa.nulls(len(table), schema.field(name).type))
-        tables.append(table.select(wanted))
-    if not tables:
-        return schema.empty_table().select(wanted)
-    return pa.concat_tables(tables)

@@ -18,6 +18,8 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   └── PayloadStoreFull                  the store has no room for a put: transient, backed off
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── RowError (also ValueError)            a dataset row that cannot be fed (file and row named): dead-lettered
+    ├── ArchiveUnusable                       an archive folder or file that cannot be written or read (full disk,
+    │                                         read-only, not a folder, a corrupt file): the path and the fix named
     ├── EngineError                           the engines failed after the retries (or none is usable): fatal
     │   └── EngineBroken                      no usable reply on many distinct prompts in a row: fatal
     ├── EngineRejected                        one request cannot be served, not retried: the sample fails
@@ -159,6 +161,12 @@ class PayloadStoreFull(PayloadError):
 class RowError(RollstreamError, ValueError):
     """A dataset row that cannot become a prompt; the message names the file and row. The feeder
     dead-letters it with that reason (a whole-file load raises ``ConfigError`` instead)."""
+
+
+class ArchiveUnusable(RollstreamError):
+    """The archive folder or one of its files cannot be written or read: a full disk, a read-only
+    or missing folder, a file where a folder should be, a corrupt part file. The message names the
+    path and what to do; the archiver stops on it (it never writes past a file it could not)."""
 
 
 class DecodeError(RollstreamError, ValueError):

@@ -19,6 +19,7 @@ from conftest import make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import group_fields
 from rollstream.common.connection import connect
+from rollstream.common.errors import ArchiveUnusable
 from rollstream.common.keys import TRAINER_GROUP, Keys, StateField
 from rollstream.common.protocol import GroupQueue
 from rollstream.ops.archive_view import page_records
@@ -40,6 +41,36 @@ def _group(index: int, source: str, *, tool_turn: bool) -> Any:
             reward=float(index % 4) / 4, routed_experts=None,
         ))
     return replace(group, samples=samples)
+
+
+async def _write_archive(redis: Redis, redis_url: str, ns: str, out: Path, expected: int, batch: int = 512) -> None:
+    """Run a real archiver until ``expected`` records are archived into ``out``."""
+    keys = Keys(ns)
+    blocking = connect(redis_url, block_ms=1000)
+    archiver = Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=out, flush_seconds=0.05, batch=batch))
+    task = asyncio.create_task(archiver.run())
+    try:
+        async def drained() -> bool:
+            if task.done():
+                task.result()
+            archived = int(await redis.hget(keys.state, StateField.ARCHIVED) or 0)
+            return await redis.xlen(keys.archive) == 0 and archived == expected
+        await wait_until(drained, message="the archive written")
+    finally:
+        archiver.stop()
+        await task
+        await blocking.aclose()
+
+
+async def _train(redis: Redis, ns: str, groups: list[Any], *, batch: int) -> None:
+    """Publish ``groups`` and commit them in batches of ``batch`` (a namespace with an archive)."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, archive_bytes=500_000_000)
+    ids = [await redis.xadd(keys.groups, group_fields(group)) for group in groups]
+    await redis.xreadgroup(TRAINER_GROUP, "trainer-v", {keys.groups: ">"})
+    queue = GroupQueue(redis, keys, "trainer-v")
+    for at in range(0, len(ids), batch):
+        await queue.commit(ids[at:at + batch])
 
 
 async def _archive(redis: Redis, redis_url: str, ns: str, out: Path) -> dict[str, int]:
@@ -158,3 +189,111 @@ async def test_the_page_in_a_headless_browser(
     if shot := os.environ.get("ROLLSTREAM_ARCHIVE_SCREENSHOT"):  # docs/img/archive_view.png is made so
         browser.execute_script("document.getElementById('list').scrollLeft = 0")
         browser.save_screenshot(shot)
+
+
+def _view(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollstream.cli", "archive", "view", *args],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+
+
+async def test_a_folder_name_and_hostile_text_stay_text_in_a_browser(
+    redis: Redis, redis_url: str, ns: str, tmp_path: Path, browser: Any
+) -> None:
+    """Issue 49 finding 6 (and 17's infinite reward): a folder named ``run__DATA__`` (the valid
+    namespace of the documented ``--out /data/archive/NAME``) stays the title; a response holding
+    ``<!--<script>`` or a handler neither hides the app's script nor runs; an infinite reward shows
+    as ``inf``; a long response is cut on the page."""
+    from selenium.webdriver.common.by import By
+
+    hostile = '<!--<script> <img src=x onerror="window.pwned = 1"> </script><script>window.pwned = 2</script> & >'
+    groups = []
+    for index in range(3):
+        group = _group(index, "math", tool_turn=False)
+        samples = [replace(s, response=hostile + (" long" * 20_000 if index == 1 else "")) for s in group.samples]
+        if index == 2:
+            samples[0] = replace(samples[0], reward=float("inf"))
+        groups.append(replace(group, samples=samples))
+    await _train(redis, ns, groups, batch=3)
+    out = tmp_path / "run__DATA__"
+    await _write_archive(redis, redis_url, ns, out, expected=3)
+    done = await asyncio.to_thread(_view, str(out))
+    assert done.returncode == 0, done.stderr
+    page = (out / "index.html").read_text()
+    assert "<!--" not in page.split('id="data">')[1] and "<img" not in page.split('id="data">')[1]
+    assert len(page) < 200_000  # a 100,000-character response is cut (4,000 shown)
+
+    browser.get((out / "index.html").as_uri())
+    assert browser.find_element(By.TAG_NAME, "h1").text == "rollstream archive: run__DATA__"
+    assert browser.title == "rollstream archive: run__DATA__"
+    rows = browser.find_elements(By.CSS_SELECTOR, "#rows tr")
+    assert len(rows) == 3
+    assert browser.find_element(By.ID, "count").text == "3 of 3 groups"
+    assert browser.execute_script("return window.pwned === undefined") is True
+    assert rows[2].find_elements(By.TAG_NAME, "td")[6].text == "inf"  # the mean of [inf, x] is inf
+    rows[1].click()
+    text = browser.find_element(By.ID, "detail").find_elements(By.CSS_SELECTOR, ".sample")[0].text
+    assert hostile in text and "more characters, in the archive" in text
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[2].click()  # a click redraws the rows
+    assert "reward inf" in browser.find_element(By.ID, "detail").text
+    assert browser.execute_script("return window.pwned === undefined") is True
+    assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
+
+
+def _corrupt_column(path: Path, column: str) -> None:
+    """Overwrite the bytes of one column chunk of a Parquet file (its footer stays readable)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    group = meta.row_group(0)
+    [chunk] = [group.column(i) for i in range(group.num_columns) if group.column(i).path_in_schema == column]
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    with open(path, "r+b") as handle:
+        handle.seek(start)
+        handle.write(b"\xff" * chunk.total_compressed_size)
+
+
+async def test_view_reads_only_the_newest_files_and_its_columns(
+    redis: Redis, redis_url: str, ns: str, tmp_path: Path
+) -> None:
+    """Issue 49 finding 14: ``view --limit 1`` reads the newest file only, and the page reads no
+    ``data`` column: an older file whose rows are damaged, and a newest file whose payloads are,
+    do not stop it. Asking for the older rows names the damaged file (finding 16)."""
+    from rollstream.common.archive_schema import archive_files, read_table
+
+    await _train(redis, ns, [_group(i, "math", tool_turn=False) for i in range(6)], batch=2)
+    out = tmp_path / "arch"
+    await _write_archive(redis, redis_url, ns, out, expected=6, batch=2)
+    files = archive_files(out)
+    assert len(files) == 3
+    _corrupt_column(files[0], "fate")
+    _corrupt_column(files[-1], "data")
+    done = await asyncio.to_thread(_view, str(out), "--limit", "1")
+    assert done.returncode == 0, done.stderr
+    assert "rows" not in done.stderr and '"index": 5' in (out / "index.html").read_text()
+    assert len(read_table(out, ["archive_id", "index"])) == 6  # no damaged column read
+    with pytest.raises(ArchiveUnusable, match=str(files[0])):
+        read_table(out, ["archive_id", "fate"])
+
+    done = await asyncio.to_thread(_view, str(out), "--limit", "100")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert str(files[0]) in done.stderr and "restore it" in done.stderr
+
+
+async def test_view_errors_name_the_fix(redis: Redis, redis_url: str, ns: str, tmp_path: Path) -> None:
+    """Issue 49 finding 16: ``--html`` into a missing folder, or a part file that is not Parquet,
+    is one line naming the path and the fix, not a traceback."""
+    from rollstream.common.archive_schema import archive_files
+
+    await _train(redis, ns, [_group(i, "math", tool_turn=False) for i in range(2)], batch=2)
+    out = tmp_path / "arch"
+    await _write_archive(redis, redis_url, ns, out, expected=2)
+    done = await asyncio.to_thread(_view, str(out), "--html", str(tmp_path / "nowhere" / "page.html"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"mkdir -p {tmp_path / 'nowhere'}" in done.stderr
+    [path] = archive_files(out)
+    path.write_bytes(path.read_bytes()[:100])  # cut short, as by a full disk without fsync
+    done = await asyncio.to_thread(_view, str(out))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert str(path) in done.stderr and "restore it" in done.stderr
