@@ -10,19 +10,30 @@ without reading what came before.
 Trade-off of the buffered shuffle: a row moves at most about ``shuffle_buffer`` places from where
 its unit put it, so rows of one unit stay closer together than a full permutation would keep
 them. A dataset that fits in the buffer gets a full permutation (the same as before streaming);
-slime's scheme always does (it is slime's order, and costs 8 bytes per row as slime's does).
+slime's scheme always does (it is slime's order). A full permutation costs 8 bytes per row (the
+permuted ids, and for JSONL each row's start in its unit) and reads its rows a block at a time.
 Smaller Parquet row groups (say 10k-50k rows) make the buffered shuffle closer to a full one.
+
+A file is scanned once, at start: one that shrinks, vanishes or is replaced while it is fed is a
+ConfigError naming it (the feed stops rather than count rows it never read). A row is at most
+:data:`MAX_LINE_BYTES` (a longer JSONL line is one row, a dead letter; the feeder caps encoded
+Parquet rows the same), and Parquet values Python gives as dates, times or decimals are fed as
+plain values (:func:`_plain`).
 """
 
 from __future__ import annotations
 
 import bisect
+import datetime
+import decimal
 import glob
 import hashlib
 import json
 import os
 import random
-from collections.abc import Iterator
+import re
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +49,7 @@ PARQUET_BATCH = 1024
 CHECK_ROWS = 8
 """Rows of every shard parsed before feeding: a wrong key or format fails at start, not mid-epoch."""
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+_END = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +108,17 @@ class RowFormat:
 
 class Shard(Protocol):
     path: str
+    pick_rows: int
+    """Rows of a full permutation :meth:`pick` reads at a time."""
     units: list[int]
     """Rows per unit."""
 
     def read(self, unit: int, start: int) -> Iterator[Any]:
-        """The unit's raw rows from row ``start`` on, streamed."""
+        """The unit's raw rows from row ``start`` on, streamed (fewer when the file shrank)."""
+        ...
+
+    def pick(self, unit: int, rows: list[int]) -> Iterator[Any]:
+        """The unit's raw rows at the ascending offsets ``rows`` (a full permutation's reads)."""
         ...
 
     def decode(self, raw: Any, row: int) -> Any:
@@ -117,7 +135,13 @@ class Shard(Protocol):
 
 
 class JsonlShard:
-    """A JSONL file; a row is a line (blank lines keep their number and are skipped)."""
+    """A JSONL file; a row is a line (blank lines keep their number and are skipped).
+
+    A line longer than :data:`MAX_LINE_BYTES` is still one row (a dead letter): the scan and the
+    reads skip its rest without holding it, so the rows after it keep their numbers."""
+
+    pick_rows = 1024
+    """Rows of a full permutation read at a time (each one found by a seek: see :meth:`pick`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -127,25 +151,66 @@ class JsonlShard:
             with open(path, "rb") as handle:
                 start = 0
                 while data := handle.read(UNIT_BYTES):
-                    if len(data) == UNIT_BYTES and not data.endswith(b"\n"):
-                        data += handle.readline(MAX_LINE_BYTES + 1)
+                    size = len(data)
+                    if size == UNIT_BYTES and not data.endswith(b"\n"):
+                        while tail := handle.readline(UNIT_BYTES):  # to the end of the line, however long
+                            size += len(tail)
+                            if tail.endswith(b"\n"):
+                                break
                     self.offsets.append(start)
                     self.units.append(data.count(b"\n") + (0 if data.endswith(b"\n") else 1))
-                    start += len(data)
+                    start += size
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read the dataset: {exc}") from None
         self.size = start
         self._firsts = [0]
         for count in self.units:
             self._firsts.append(self._firsts[-1] + count)
+        self._starts: list[array[int]] = []
+
+    def _open(self) -> Any:
+        try:
+            return open(self.path, "rb")
+        except OSError as exc:
+            raise _vanished(self.path, exc) from None
 
     def read(self, unit: int, start: int) -> Iterator[Any]:
-        with open(self.path, "rb") as handle:
+        with self._open() as handle:
             handle.seek(self.offsets[unit])
             for number in range(self.units[unit]):
-                line = handle.readline(MAX_LINE_BYTES + 1)
+                line = _line(handle)
+                if not line:  # the file ends before the rows counted at start: Dataset.read says so
+                    return
                 if number >= start:
                     yield line
+
+    def pick(self, unit: int, rows: list[int]) -> Iterator[Any]:
+        """The unit's raw rows at the (ascending) offsets ``rows``, each found by a seek: the row
+        starts are indexed once, 4 bytes a row (:meth:`_row_starts`)."""
+        starts = self._row_starts(unit)
+        with self._open() as handle:
+            for row in rows:
+                handle.seek(self.offsets[unit] + starts[row])
+                line = _line(handle)
+                if not line:
+                    raise _changed(self.path, f"it ends before row {self._firsts[unit] + row + 1}")
+                yield line
+
+    def _row_starts(self, unit: int) -> array[int]:
+        """Where each row of ``unit`` starts, from the unit's start (every row starts in its first
+        :data:`UNIT_BYTES`); indexed for every unit at the first call."""
+        if not self._starts:
+            with self._open() as handle:
+                for index, offset in enumerate(self.offsets):
+                    handle.seek(offset)
+                    head = handle.read(UNIT_BYTES)
+                    starts = array("I", [0])
+                    starts.extend(m.end() for m in _NEWLINE.finditer(head, 0, len(head) - 1))
+                    if len(starts) != self.units[index]:
+                        found = f"unit {index} holds {len(starts)} rows, {self.units[index]} at start"
+                        raise _changed(self.path, found)
+                    self._starts.append(starts)
+        return self._starts[unit]
 
     def decode(self, raw: Any, row: int) -> Any:
         where = f"{self.path}:{row + 1}"
@@ -162,13 +227,111 @@ class JsonlShard:
         return self._firsts[unit] + offset
 
     def fingerprint(self) -> str:
-        with open(self.path, "rb") as handle:
+        with self._open() as handle:
             head = handle.read(65536)
         return f"{os.path.basename(self.path)}:{self.size}:{len(self.units)}:{hashlib.sha1(head).hexdigest()[:12]}"
 
 
+_NEWLINE = re.compile(b"\n")
+
+
+def _line(handle: Any) -> bytes:
+    """The next line; one longer than :data:`MAX_LINE_BYTES` is cut there (a dead letter) and
+    its rest skipped, so it stays one row. b"" at the end of the file."""
+    line: bytes = handle.readline(MAX_LINE_BYTES + 1)
+    if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+        while (rest := handle.readline(UNIT_BYTES)) and not rest.endswith(b"\n"):
+            pass
+    return line
+
+
+def _changed(path: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"{path}: the dataset file changed while it was fed ({what}): the feed stops rather than lose rows. "
+        "Restore the file, or feed the new one into a new namespace"
+    )
+
+
+def _vanished(path: str, exc: BaseException) -> ConfigError:
+    return ConfigError(
+        f"{path}: the dataset file cannot be read any more ({type(exc).__name__}: {exc}): was it deleted or "
+        "replaced while it was fed? Restore it and restart the feed (it resumes where it stopped)"
+    )
+
+
+_TEMPORAL = (datetime.datetime, datetime.date, datetime.time)
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A Parquet value as one msgpack carries: timestamps, dates and times as ISO 8601 text,
+    durations as seconds, decimals as their exact text; RowError for anything else."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, _TEMPORAL):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    raise RowError(f"{where}: a {type(value).__name__} value cannot be fed (no plain JSON-like form)")
+
+
+def _needs_plain(arrow_type: Any) -> bool:
+    """Whether a column of this Arrow type reads as values msgpack cannot carry (dates, decimals...)."""
+    import pyarrow as pa
+
+    t = arrow_type
+    if pa.types.is_temporal(t) or pa.types.is_decimal(t) or pa.types.is_interval(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_needs_plain(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _needs_plain(t.key_type) or _needs_plain(t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _needs_plain(t.value_type)
+    return pa.types.is_dictionary(t) and _needs_plain(t.value_type)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreadable:
+    """A Parquet row pyarrow cannot give as Python values (its reason): decoded as a RowError."""
+
+    reason: str
+
+
+def _to_micros(arrow_type: Any) -> Any:
+    """The microsecond type a top-level nanosecond timestamp, time or duration column is read as, or None."""
+    import pyarrow as pa
+
+    t = arrow_type
+    if getattr(t, "unit", None) != "ns":
+        return None
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz=t.tz)
+    if pa.types.is_time64(t):
+        return pa.time64("us")
+    if pa.types.is_duration(t):
+        return pa.duration("us")
+    return None
+
+
+def _cast_schema(schema: Any, casts: dict[int, Any]) -> Any:
+    for i, arrow_type in casts.items():
+        schema = schema.set(i, schema.field(i).with_type(arrow_type))
+    return schema
+
+
 class ParquetShard:
-    """A Parquet file; a unit is a row group, read in batches of :data:`PARQUET_BATCH` rows."""
+    """A Parquet file; a unit is a row group, read in batches of :data:`PARQUET_BATCH` rows.
+    Timestamp, date, time, duration and decimal values are fed as plain values (:func:`_plain`)."""
+
+    pick_rows = 16384
+    """Rows of a full permutation read at a time: each block decodes the row groups it touches
+    (a Parquet row cannot be read alone), so a block is larger than JSONL's."""
 
     def __init__(self, path: str) -> None:
         pq = _pyarrow_parquet()
@@ -178,33 +341,86 @@ class ParquetShard:
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise ConfigError(f"{path}: cannot read the Parquet file: {exc}") from None
         self.units = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        self._schema = metadata.schema.to_arrow_schema().to_string(show_schema_metadata=False)
+        arrow_schema = metadata.schema.to_arrow_schema()
+        self._schema = arrow_schema.to_string(show_schema_metadata=False)
+        self._plain = any(_needs_plain(field.type) for field in arrow_schema)
+        self._casts = {i: t for i, field in enumerate(arrow_schema) if (t := _to_micros(field.type)) is not None}
         self._firsts = [0]
         for count in self.units:
             self._firsts.append(self._firsts[-1] + count)
 
-    def read(self, unit: int, start: int) -> Iterator[Any]:
+    def _batches(self, unit: int) -> Iterator[Any]:
+        """The row group's record batches; a file gone or changed under the feed is a ConfigError."""
         pq = _pyarrow_parquet()
-        with pq.ParquetFile(self.path) as reader:
-            skip = start
-            # one thread: arrow's pool threads each keep an arena (25 MB more RSS, bench/data.py)
-            for batch in reader.iter_batches(batch_size=PARQUET_BATCH, row_groups=[unit], use_threads=False):
-                if skip >= batch.num_rows:
-                    skip -= batch.num_rows
-                    continue
-                rows = batch.slice(skip).to_pylist()
-                skip = 0
-                yield from rows
+        try:
+            with pq.ParquetFile(self.path) as reader:
+                # one thread: arrow's pool threads each keep an arena (25 MB more RSS, bench/data.py)
+                yield from reader.iter_batches(batch_size=PARQUET_BATCH, row_groups=[unit], use_threads=False)
+        except (OSError, ValueError, IndexError) as exc:  # ArrowInvalid is a ValueError; a lost row group, IndexError
+            raise _vanished(self.path, exc) from None
+
+    def read(self, unit: int, start: int) -> Iterator[Any]:
+        skip = start
+        for batch in self._batches(unit):
+            if skip >= batch.num_rows:
+                skip -= batch.num_rows
+                continue
+            rows = self._pylist(batch.slice(skip))
+            skip = 0
+            yield from rows
+
+    def pick(self, unit: int, rows: list[int]) -> Iterator[Any]:
+        """The row group's rows at the (ascending) offsets ``rows``: its batches are decoded, and
+        only those rows converted to Python."""
+        base, at = 0, 0
+        for batch in self._batches(unit):
+            end = base + batch.num_rows
+            upto = bisect.bisect_left(rows, end, at)
+            if upto > at:
+                yield from self._pylist(batch.take([r - base for r in rows[at:upto]]))
+                at = upto
+            base = end
+            if at == len(rows):
+                return
+        raise _changed(self.path, f"row group {unit} holds {base} rows, {self.units[unit]} at start")
+
+    def _pylist(self, batch: Any) -> list[Any]:
+        """The batch's rows as Python; nanosecond times cut to the microsecond (Python's datetime
+        holds no more); a row Python cannot hold is an :class:`_Unreadable` (a dead letter)."""
+        if self._casts:
+            import pyarrow as pa
+
+            columns = [
+                batch.column(i).cast(self._casts[i], safe=False) if i in self._casts else batch.column(i)
+                for i in range(batch.num_columns)
+            ]
+            batch = pa.RecordBatch.from_arrays(columns, schema=_cast_schema(batch.schema, self._casts))
+        try:
+            rows: list[Any] = batch.to_pylist()
+        except (ValueError, OverflowError):  # a nested nanosecond time, say: row by row, to name the bad ones
+            rows = []
+            for i in range(batch.num_rows):
+                try:
+                    rows.append(batch.slice(i, 1).to_pylist()[0])
+                except (ValueError, OverflowError) as exc:
+                    rows.append(_Unreadable(str(exc)))
+        return rows
 
     def decode(self, raw: Any, row: int) -> Any:
-        return raw
+        if isinstance(raw, _Unreadable):
+            raise RowError(f"{self.path} row {row}: cannot be read as Python values: {raw.reason}")
+        return _plain(raw, f"{self.path} row {row}") if self._plain else raw
 
     def row_of(self, unit: int, offset: int) -> int:
         return self._firsts[unit] + offset
 
     def fingerprint(self) -> str:
         digest = hashlib.sha1(self._schema.encode()).hexdigest()[:12]
-        return f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}:{self.units}:{digest}"
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as exc:
+            raise _vanished(self.path, exc) from None
+        return f"{os.path.basename(self.path)}:{size}:{self.units}:{digest}"
 
 
 def _pyarrow_parquet() -> Any:
@@ -284,8 +500,26 @@ class Dataset:
         rid = unit.first_id + offset
         rows = shard.read(unit.unit, unit.start + offset)
         for _ in range(unit.count - offset):
-            yield rid, next(rows)
+            raw = next(rows, _END)
+            if raw is _END:
+                row = shard.row_of(unit.unit, unit.start + rid - unit.first_id)
+                raise _changed(shard.path, f"it ends before row {row + 1}, {sum(shard.units)} rows counted at start")
+            yield rid, raw
             rid += 1
+
+    def pick(self, ids: Sequence[int]) -> dict[int, Any]:
+        """The raw rows of ``ids`` (row ids), by id: each unit they fall in is read once, for just those rows."""
+        by_unit: dict[int, list[int]] = {}
+        for rid in ids:
+            by_unit.setdefault(self.unit_of(rid), []).append(rid)
+        out: dict[int, Any] = {}
+        for index in sorted(by_unit):
+            unit = self.units[index]
+            wanted = sorted(by_unit[index])
+            raws = self.shards[unit.shard].pick(unit.unit, [unit.start + rid - unit.first_id for rid in wanted])
+            for rid, raw in zip(wanted, raws, strict=True):
+                out[rid] = raw
+        return out
 
     def record(self, row_id: int, raw: Any) -> Record | None:
         """The row's record, None for a blank line; RowError naming file and row."""
@@ -295,11 +529,18 @@ class Dataset:
         obj = shard.decode(raw, row)
         if obj is None:
             return None
-        where = f"{shard.path}:{row + 1}" if isinstance(shard, JsonlShard) else f"{shard.path} row {row}"
-        return self.row_format.record(obj, where)
+        return self.row_format.record(obj, self.where(row_id))
 
-    def check(self) -> None:
-        """Parse the first rows of every shard: ConfigError now rather than dead letters later."""
+    def where(self, row_id: int) -> str:
+        """The row's file and row, as errors name it (``file:line`` for JSONL, 1-based)."""
+        unit = self.units[self.unit_of(row_id)]
+        shard = self.shards[unit.shard]
+        row = shard.row_of(unit.unit, unit.start + row_id - unit.first_id)
+        return f"{shard.path}:{row + 1}" if isinstance(shard, JsonlShard) else f"{shard.path} row {row}"
+
+    def check(self, encode: Callable[[int, Record], None] | None = None) -> None:
+        """Parse the first rows of every shard (and ``encode(row id, record)`` them, which raises
+        RowError for one that cannot be fed): ConfigError now rather than dead letters later."""
         seen: set[int] = set()
         for index, unit in enumerate(self.units):
             if unit.shard in seen:
@@ -307,7 +548,9 @@ class Dataset:
             seen.add(unit.shard)
             for rid, raw in self.read(index, 0):
                 try:
-                    self.record(rid, raw)
+                    record = self.record(rid, raw)
+                    if record is not None and encode is not None:
+                        encode(rid, record)
                 except RowError as exc:
                     raise ConfigError(str(exc)) from None
                 if rid - unit.first_id + 1 >= min(CHECK_ROWS, unit.count):
@@ -333,6 +576,8 @@ def open_dataset(path: str | Path, row_format: RowFormat | None = None) -> Datas
 class MemoryShard:
     """Records already in memory (tests, :func:`~rollstream.producer.feeder.load_jsonl`)."""
 
+    pick_rows = 1 << 30
+
     def __init__(self, records: list[Record]) -> None:
         self.path = "<memory>"
         self.records = records
@@ -340,6 +585,9 @@ class MemoryShard:
 
     def read(self, unit: int, start: int) -> Iterator[Any]:
         yield from self.records[start:]
+
+    def pick(self, unit: int, rows: list[int]) -> Iterator[Any]:
+        return (self.records[row] for row in rows)
 
     def decode(self, raw: Any, row: int) -> Any:
         return raw
@@ -363,7 +611,7 @@ class MemoryDataset(Dataset):
     def record(self, row_id: int, raw: Any) -> Record | None:
         return raw
 
-    def check(self) -> None:
+    def check(self, encode: Callable[[int, Record], None] | None = None) -> None:
         return None
 
     def fingerprint(self) -> str:
@@ -389,38 +637,36 @@ class EpochWalk:
     """One epoch's rows from a position: ``(position after, row id, raw row)``.
 
     The order is a function of row ids only, so resuming at position ``p`` replays the ids (cheap,
-    no I/O), then reads just the units that still hold rows the buffer had not given out.
+    no I/O), then reads just the units that still hold rows the buffer had not given out. A full
+    permutation (slime's scheme, or a dataset that fits the buffer) is an array of row ids, 4 or
+    8 bytes a row; its rows are read a block at a time (:meth:`Dataset.pick`), never all at once.
     """
 
     def __init__(self, dataset: Dataset, order: Order, epoch: int, position: int) -> None:
         self.dataset = dataset
         self.position = position
         rows = dataset.rows
+        self._permutation: array[int] | None = None
+        self._loaded: dict[int, Any] = {}
         if order.shuffle and (order.scheme == "slime" or rows <= order.buffer):
-            ids = list(range(rows))
+            ids = array("I" if rows < 1 << 32 else "q", range(rows))
             seed: Any = order.seed + epoch if order.scheme == "slime" else f"{order.seed}:{epoch}"
             random.Random(seed).shuffle(ids)  # slime: random.seed(seed + epoch); random.shuffle
-            self._ids: Iterator[int] = iter(ids[position:])
-            self._entered = rows
-            pending = set(ids[position:])
-            self._sequence = list(range(len(dataset.units)))
-        else:
-            self._sequence = list(range(len(dataset.units)))
-            buffer = 0
-            if order.shuffle:
-                random.Random(f"{order.seed}:{epoch}:units").shuffle(self._sequence)
-                buffer = order.buffer
-            self._state: list[int] = []
-            self._count = 0
-            ids_iter = self._buffered(random.Random(f"{order.seed}:{epoch}"), buffer)
-            for _ in range(position):
-                next(ids_iter)
-            self._ids = ids_iter
-            self._entered = self._count
-            pending = set(self._state)
-        self._loaded: dict[int, Any] = {}
-        self._load_pending(pending)
-        self._reader = self._read_from(self._entered)
+            self._permutation = ids
+            return
+        self._sequence = list(range(len(dataset.units)))
+        buffer = 0
+        if order.shuffle:
+            random.Random(f"{order.seed}:{epoch}:units").shuffle(self._sequence)
+            buffer = order.buffer
+        self._state: list[int] = []
+        self._count = 0
+        ids_iter = self._buffered(random.Random(f"{order.seed}:{epoch}"), buffer)
+        for _ in range(position):
+            next(ids_iter)
+        self._ids: Iterator[int] = ids_iter
+        self._load_pending(set(self._state))
+        self._reader = self._read_from(self._count)
 
     def _buffered(self, rng: random.Random, size: int) -> Iterator[int]:
         """Row ids in order: units in sequence, rows through a shuffle buffer of ``size``."""
@@ -464,6 +710,9 @@ class EpochWalk:
             skip = 0
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        if self._permutation is not None:
+            yield from self._permuted(self._permutation)
+            return
         position = self.position
         for rid in self._ids:
             while rid not in self._loaded:
@@ -471,3 +720,11 @@ class EpochWalk:
                 self._loaded[got] = raw
             position += 1
             yield position, rid, self._loaded.pop(rid)
+
+    def _permuted(self, ids: array[int]) -> Iterator[tuple[int, int, Any]]:
+        block = min(shard.pick_rows for shard in self.dataset.shards)
+        for start in range(self.position, len(ids), block):
+            chunk = ids[start:start + block]
+            rows = self.dataset.pick(chunk)
+            for position, rid in enumerate(chunk, start + 1):
+                yield position, rid, rows.pop(rid)

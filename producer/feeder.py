@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
-from rollstream.common.codec import prompt_fields
+from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.connection import Outage, connect
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
@@ -363,7 +363,7 @@ class Feeder:
                 "source %r starts at epoch %d, position %d of %d rows (next index %d, window %d)",
                 source.name, source.epoch, source.position, source.dataset.rows, next_index, self.settings.window,
             )
-            source.dataset.check()
+            await asyncio.to_thread(source.dataset.check, functools.partial(self._check_encoding, source))
         while not self._stop.is_set():
             queued = await self._outage.run(self.feed.queued)
             room = min(self.settings.window - queued, self.settings.chunk)
@@ -410,6 +410,10 @@ class Feeder:
                 self.eval_marks_stripped, EVAL_KEY,
             )
         return self.fed
+
+    @staticmethod
+    def _check_encoding(source: _Source, rid: int, record: Record) -> None:
+        _encoded(source.dataset, rid, record, {**record.metadata, "dataset_index": rid}, 0, 0, source.name)
 
     def _updates(self, chunk: list[tuple[_Source, Item]], entries: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
         """The named sources' cursor moves and fed counts of a chunk."""
@@ -463,11 +467,7 @@ class Feeder:
                 record = source.dataset.record(rid, raw)
             except RowError as exc:
                 self.log.warning("row dead-lettered: %s", exc)
-                dead.append({
-                    "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
-                    "epoch": ep, "dataset_index": rid, "row": _row_text(raw),
-                    **({"dataset_source": source.name} if source.name else {}),
-                })
+                dead.append(self._dead_letter(source, ep, rid, raw, exc))
                 continue
             if record is None:
                 continue
@@ -480,14 +480,21 @@ class Feeder:
                         "must not steer sampling); the count is in the summary", f"{source.name}:" if source.name
                         else "", rid, EVAL_KEY,
                     )
-            prompt = Prompt(
-                index=next_index + len(entries), prompt=record.prompt, label=record.label, epoch=ep,
-                metadata=metadata,
-                multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")),
-                source=source.name,
-            )
-            entries.append(prompt_fields(prompt))
+            try:
+                entries.append(_encoded(source.dataset, rid, record, metadata, next_index + len(entries), ep,
+                                        source.name))
+            except RowError as exc:
+                self.log.warning("row dead-lettered: %s", exc)
+                dead.append(self._dead_letter(source, ep, rid, raw, exc))
         return entries, dead
+
+    @staticmethod
+    def _dead_letter(source: _Source, epoch: int, rid: int, raw: Any, exc: RowError) -> dict[str, Any]:
+        return {
+            "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
+            "epoch": epoch, "dataset_index": rid, "row": _row_text(raw),
+            **({"dataset_source": source.name} if source.name else {}),
+        }
 
     async def _sleep(self) -> None:
         try:
@@ -514,6 +521,31 @@ def _legacy_id(dataset: Dataset) -> str:
                 digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
                 records += 1
     return f"{digest.hexdigest()[:12]}:{records}"
+
+
+def _encoded(
+    dataset: Dataset, rid: int, record: Record, metadata: dict[str, Any], index: int, epoch: int, source: str,
+) -> dict[str, Any]:
+    """The row's prompt entry; RowError naming its file and row when it cannot be fed: a value
+    msgpack cannot carry, an entry over :data:`MAX_LINE_BYTES` (the cap on a JSONL line, for
+    Parquet rows too), or one a producer could not read back (the decoder's bounds)."""
+    prompt = Prompt(
+        index=index, prompt=record.prompt, label=record.label, epoch=epoch, metadata=metadata,
+        multimodal_inputs=multimodal_of(record.prompt, record.metadata.get("images")), source=source,
+    )
+    try:
+        fields = prompt_fields(prompt)
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack's refusals of a value
+        raise RowError(f"{dataset.where(rid)}: cannot be encoded for the prompt stream: {exc}") from None
+    data = fields["data"]
+    size = len(data) if isinstance(data, bytes) else 0
+    if size > MAX_LINE_BYTES:
+        raise RowError(f"{dataset.where(rid)}: the row is {size} bytes encoded, over the {MAX_LINE_BYTES}-byte cap")
+    try:
+        decode_prompt_entry(fields)
+    except DecodeError as exc:
+        raise RowError(f"{dataset.where(rid)}: a producer could not read the row back: {exc}") from None
+    return fields
 
 
 def _as_dataset(dataset: Dataset | list[Record]) -> Dataset:
