@@ -19,8 +19,9 @@ from rollstream import ops
 from rollstream.common.config import STALENESS_RULES, PipelineConfig
 from rollstream.common.connection import connect
 from rollstream.common.errors import ConfigError
+from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
-from rollstream.common.namespace import init_namespace
+from rollstream.common.namespace import init_namespace, load_config
 from rollstream.common.protocol import (
     EngineRegistry,
     NamespaceLimits,
@@ -298,14 +299,24 @@ def cmd_limits(args: argparse.Namespace) -> int:
         rates = dict(parse_rate(spec) for spec in args.rate)
         if not limits and not rates:
             raise ConfigError("limits set: give NAME=K and/or --rate NAME=R/s")
-        asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).set(limits, rates)))
+
+        async def set_limits(redis: Any) -> None:
+            await load_config(redis, keys)  # a namespace that does not exist: NamespaceNotInitialized
+            await NamespaceLimits(redis, keys).set(limits, rates)
+
+        asyncio.run(_with_redis(args.redis, set_limits))
         logger.info("namespace %s: limits %s, rates %s", args.ns, limits,
                     {n: format_rate(r) for n, r in rates.items()})
         return 0
     if args.action == "remove":
         if not args.specs:
             raise ConfigError("limits remove: give the names to remove")
-        removed = asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).remove(args.specs)))
+
+        async def remove_limits(redis: Any) -> int:
+            await load_config(redis, keys)
+            return await NamespaceLimits(redis, keys).remove(args.specs, now_ms())
+
+        removed = asyncio.run(_with_redis(args.redis, remove_limits))
         logger.info("namespace %s: %d limit/rate field(s) removed", args.ns, removed)
         return 0
     views = asyncio.run(_with_redis(args.redis, lambda r: NamespaceLimits(r, keys).views()))

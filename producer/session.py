@@ -303,6 +303,8 @@ class EpisodeRuntime:
         both when both are set, the namespace unit first (waiting for it holds no local slot)."""
         slots = self.named.get(name)
         shared = self.shared if self.shared is not None and self.shared.has_limit(name) else None
+        if slots is None and shared is None and self.shared is not None and self.shared.is_removed(name):
+            return contextlib.nullcontext()  # removed by `rollstream limits remove`: no longer applied
         if slots is None and shared is None:
             known = ", ".join(sorted({*self.named, *(self.shared.sizes if self.shared else ())})) or "none"
             raise KeyError(f"no limit named {name!r} (--limit {name}=K or rollstream limits set; configured: {known})")
@@ -314,6 +316,8 @@ class EpisodeRuntime:
 
     async def rate(self, name: str) -> None:
         """A token of the namespace rate ``name`` (``rollstream limits set --rate``)."""
+        if self.shared is not None and not self.shared.has_rate(name) and self.shared.is_removed(name):
+            return  # removed by `rollstream limits remove`: no longer applied
         if self.shared is None or not self.shared.has_rate(name):
             raise KeyError(f"no namespace rate named {name!r} (rollstream init/limits set --rate {name}=R/s)")
         await self.shared.take(name)

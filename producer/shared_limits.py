@@ -2,7 +2,9 @@
 episode.limit(NAME)``, ``await episode.rate(NAME)``).
 
 A unit of a limit is leased in Redis (LIMIT_ACQUIRE) and renewed with the producer's other
-leases, so a killed producer's units come back within the namespace's lease. Waiting polls
+leases, so a killed producer's units come back within the namespace's lease. A limit or rate
+removed by ``rollstream limits remove`` leaves a mark that the next try reads: its waiters go on
+at once (as they would see a size raised by ``limits set``), unlimited. Waiting polls
 (every :data:`POLL_MIN` to :data:`POLL_MAX` seconds, so a unit given back or a size raised at
 runtime is seen within half a second) and holds no engine slot; it runs inside the episode, so
 it counts against its deadline. The sizes the producer last read stand in for a ``limits`` hash
@@ -42,6 +44,8 @@ class SharedLimits:
         self.lease_ms = int(lease_s * 1000)
         self.sizes: dict[str, int] = {}
         self.rates: dict[str, float] = {}
+        self.removed: set[str] = set()
+        """Names removed by ``rollstream limits remove``: no longer applied (not an unknown name)."""
         self.held: dict[str, set[str]] = {}
         """Limit name -> this producer's tokens holding a unit (renewed by :meth:`renew`)."""
         self.waiting = 0
@@ -51,12 +55,26 @@ class SharedLimits:
     async def refresh(self) -> None:
         """Read the sizes (at start and every heartbeat: ``rollstream limits set`` at runtime);
         a hash that is gone keeps the sizes last read."""
-        sizes, rates = await self.store.sizes()
-        if not sizes and not rates and (self.sizes or self.rates):
+        sizes, rates, removed = await self.store.read()
+        if not sizes and not rates and not removed and (self.sizes or self.rates):
             self.log.warning("the namespace limits hash is gone (Redis restarted?); keeping the last sizes read: %s",
                              {**self.sizes, **self.rates})
             return
-        self.sizes, self.rates = sizes, rates
+        self.sizes, self.rates, self.removed = sizes, rates, removed
+
+    def is_removed(self, name: str) -> bool:
+        """Whether ``name`` was removed (``limits remove``): an episode's ``limit`` / ``rate`` of it
+        goes on unlimited, as it would have at its next try in Redis."""
+        return name in self.removed
+
+    def _removed(self, name: str, kind: str) -> None:
+        if name not in self.removed:
+            self.log.info("namespace %s %s was removed (rollstream limits remove): no longer applied", kind, name)
+        self.removed.add(name)
+        if kind == "limit":
+            self.sizes.pop(name, None)
+        else:
+            self.rates.pop(name, None)
 
     def has_limit(self, name: str) -> bool:
         return name in self.sizes
@@ -81,6 +99,9 @@ class SharedLimits:
                     status = "wait"
                 if status == "ok":
                     break
+                if status == "removed":  # `limits remove` while it waited: no unit to hold any more
+                    self._removed(name, "limit")
+                    break
                 if status == "unknown":
                     raise KeyError(f"no namespace limit named {name!r} (rollstream limits set --ns NS {name}=K)")
                 await asyncio.sleep(pause)
@@ -91,6 +112,9 @@ class SharedLimits:
             raise
         finally:
             self.waiting -= 1
+        if status == "removed":
+            yield
+            return
         self.held.setdefault(name, set()).add(token)
         try:
             yield
@@ -110,6 +134,9 @@ class SharedLimits:
                 logger.debug("rate %s: Redis unreachable while waiting (%s); retrying", name, exc)
                 status, wait_ms = "wait", int(POLL_MAX * 1000)
             if status == "ok":
+                return
+            if status == "removed":
+                self._removed(name, "rate")
                 return
             if status == "unknown":
                 raise KeyError(f"no namespace rate named {name!r} (rollstream limits set --ns NS --rate {name}=R/s)")

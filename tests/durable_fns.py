@@ -112,3 +112,17 @@ async def parallel_calls(episode: Episode) -> Sample:
         await asyncio.Event().wait()
     await episode.generate(max_new_tokens=4)
     return episode.sample
+
+
+async def held_until_release(episode: Episode) -> Sample:
+    """Inside the limit ``sandbox`` (a line ``sandbox MEMBER`` once in), wait for the file
+    ``$RELEASE`` (at most 60 s), then one engine call."""
+    async with episode.limit("sandbox"):
+        _note(f"sandbox {episode.member}")
+        release = Path(os.environ["RELEASE"])
+        for _ in range(1200):
+            if await asyncio.to_thread(release.exists):
+                break
+            await asyncio.sleep(0.05)
+        await episode.generate(max_new_tokens=8)
+    return episode.sample

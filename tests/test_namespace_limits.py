@@ -204,3 +204,76 @@ def test_init_writes_limits_and_rates_and_limits_set_list_remove_change_them(red
     bad = subprocess.run([sys.executable, "-m", "rollstream.cli", "limits", "set", "--redis", redis_url, "--ns", ns,
                           "sandbox=lots"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "NAME=K" in bad.stderr  # a ConfigError: one line, exit 2
+
+
+async def test_limits_remove_reaches_running_producers_at_their_next_try(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 49 finding 13: a producer kept applying a removed limit (its last-read size stands in
+    for a lost hash, and a removed one looked the same). Its three waiting episodes of a limit of
+    one go on once ``rollstream limits remove`` runs, as they would after a ``limits set``: within
+    the wait allowed (at least 60 s), far shorter than the producer's re-read of the sizes (a third
+    of the 300 s lease)."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=4, batch_size=1, lease_seconds=300.0)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({"sandbox": 1}, {})
+    tool_log, release = tmp_path / "tools.log", tmp_path / "release"
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    monkeypatch.setenv("RELEASE", str(release))
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("held_until_release"), name="a", concurrency=4)
+    await add_prompts(redis, ns, 1, text="Compute 3 + 4.")
+
+    async def one_in_three_waiting() -> bool:
+        view = await _view(limits, "sandbox")
+        return (view["holders"], view["waiters"]) == (1, 3)
+
+    await wait_until(one_in_three_waiting, message="one episode in the sandbox, three waiting")
+    _cli("limits", "remove", "--redis", redis_url, "--ns", ns, "sandbox")
+
+    def inside() -> int:
+        return sum(1 for line in (tool_log.read_text().splitlines() if tool_log.exists() else ())
+                   if line.split(" ", 1)[1].startswith("sandbox"))
+
+    await wait_until(lambda: inside() == 4, message="all four episodes past the removed limit")
+    release.touch()
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    assert len(batch.groups[0].samples) == 4
+    assert [row.name for row in await limits.views()] == []  # gone from list and inspect
+    _cli("limits", "set", "--redis", redis_url, "--ns", ns, "sandbox=2")  # and set again later
+    assert await limits.acquire("sandbox", "x:1", 60_000, 0, 0) == ("ok", 2)
+
+
+async def test_a_removed_limit_is_not_applied_even_with_a_producers_hint(redis: Redis, ns: str) -> None:
+    limits = NamespaceLimits(redis, Keys(ns))
+    await limits.set({"sandbox": 1}, {"judge": 1 / 60})
+    assert await limits.acquire("sandbox", "a:1", 60_000, 1, 0) == ("ok", 1)
+    assert await limits.acquire("sandbox", "a:2", 60_000, 1, 0) == ("wait", 1)
+    assert (await limits.take("judge", 1 / 60, 0))[0] == "ok"
+    assert await limits.remove(["sandbox", "judge"], 1) == 2
+    assert await limits.acquire("sandbox", "a:2", 60_000, 1, 0) == ("removed", 0)
+    assert await limits.take("judge", 1 / 60, 0) == ("removed", 0)
+    shared = SharedLimits(limits, "p", 30.0)
+    await shared.refresh()  # the mark keeps the hash from looking lost
+    assert shared.is_removed("sandbox") and not shared.has_limit("sandbox")
+    runtime = EpisodeRuntime(None, EpisodeLimits())  # type: ignore[arg-type]  # no engine call
+    runtime.shared = shared
+    async with runtime.limit("sandbox"):  # unlimited now, not an unknown name
+        pass
+    await runtime.rate("judge")
+
+
+async def test_limits_set_or_remove_on_a_namespace_that_does_not_exist_fails(
+    redis: Redis, redis_url: str, ns: str
+) -> None:
+    for args in (("set", "sandbox=3"), ("remove", "sandbox")):
+        bad = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "rollstream.cli", "limits", args[0], "--redis", redis_url, "--ns", ns,
+                             args[1]], capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert bad.returncode == 2 and f"namespace {ns!r} has no config" in bad.stderr, bad.stderr
+    assert await redis.exists(Keys(ns).limits) == 0  # nothing written

@@ -90,9 +90,17 @@ class NamespaceLimits(Translated):
 
     async def sizes(self) -> tuple[dict[str, int], dict[str, float]]:
         """(limit -> units, rate -> tokens per second) as set; unreadable fields are skipped."""
+        limits, rates, _ = await self.read()
+        return limits, rates
+
+    async def read(self) -> tuple[dict[str, int], dict[str, float], set[str]]:
+        """(limit -> units, rate -> tokens per second, names removed) as set; unreadable fields are
+        skipped. A removed name (``limits remove``) leaves ``removed:NAME`` behind: producers
+        that still know its size stop applying it (a hash that is gone says nothing of the kind)."""
         raw = await self.redis.hgetall(self.keys.limits)
         limits: dict[str, int] = {}
         rates: dict[str, float] = {}
+        removed: set[str] = set()
         for field, value in raw.items():
             kind, _, name = text(field).partition(":")
             try:
@@ -100,24 +108,36 @@ class NamespaceLimits(Translated):
                     limits[name] = int(text(value))
                 elif kind == "rate":
                     rates[name] = float(text(value))
+                elif kind == "removed":
+                    removed.add(name)
             except ValueError:
                 continue
-        return limits, rates
+        return limits, rates, removed - limits.keys() - rates.keys()
 
     async def set(self, limits: Mapping[str, int], rates: Mapping[str, float]) -> None:
         fields = {f"limit:{_check_name(n)}": str(k) for n, k in limits.items()}
         fields.update({f"rate:{_check_name(n)}": repr(float(r)) for n, r in rates.items()})
         if fields:
-            await self.redis.hset(self.keys.limits, mapping=fields)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self.keys.limits, mapping=fields)
+                pipe.hdel(self.keys.limits, *{f"removed:{n}" for n in (*limits, *rates)})
+                await pipe.execute()
 
-    async def remove(self, names: Sequence[str]) -> int:
+    async def remove(self, names: Sequence[str], now_ms: int) -> int:
+        """Delete limits and rates by name, leaving ``removed:NAME`` (``now_ms``) so running
+        producers, whose last-read sizes stand in for a lost hash, stop applying them at their next
+        try (LIMIT_ACQUIRE, RATE_TAKE); how many limit/rate fields went."""
         if not names:
             return 0
-        fields = [f"{kind}:{name}" for name in names for kind in ("limit", "rate")]
-        return int(await self.redis.hdel(self.keys.limits, *fields))
+        fields = [f"{kind}:{_check_name(name)}" for name in names for kind in ("limit", "rate")]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.keys.limits, *fields)
+            pipe.hset(self.keys.limits, mapping={f"removed:{name}": str(now_ms) for name in names})
+            deleted, _ = await pipe.execute()
+        return int(deleted)
 
     async def acquire(self, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int) -> tuple[str, int]:
-        """One unit of the limit ``name``: ('ok' | 'wait' | 'unknown', the limit's size)."""
+        """One unit of the limit ``name``: ('ok' | 'wait' | 'unknown' | 'removed', the limit's size)."""
         k = self.keys
         state, size = await self._limit_acquire(
             holders=k.limit_holders(name), waiters=k.limit_waiters(name), name=name, token=token,
@@ -138,7 +158,8 @@ class NamespaceLimits(Translated):
         await self.redis.zrem(self.keys.limit_waiters(name), token)
 
     async def take(self, name: str, rate_hint: float, waited_ms: int) -> tuple[str, int]:
-        """One token of the rate ``name``: ('ok', 0), ('wait', ms until one is due) or ('unknown', 0)."""
+        """One token of the rate ``name``: ('ok', 0), ('wait', ms until one is due), ('unknown', 0) or
+        ('removed', 0): removed by ``limits remove`` (no longer applied)."""
         state, wait_ms = await self._rate_take(
             bucket=self.keys.rate_bucket(name), name=name, rate_hint=repr(float(rate_hint)), waited_ms=waited_ms,
         )

@@ -1,10 +1,14 @@
 -- One token of the namespace rate ``name`` (tokens per second from the ``limits`` hash, else
 -- ``rate_hint``; a burst of one second's worth, at least 1). Returns {'ok', 0}, {'wait', ms until a
--- token is due} or {'unknown', 0}; a token taken counts in ``limit_stats`` with the wait before it.
+-- token is due}, {'unknown', 0} or {'removed', 0} (``limits remove``: no longer applied, whatever
+-- the hint); a token taken counts in ``limit_stats`` with the wait before it.
 -- KEYS: limits bucket limit_stats
 -- ARGV: name rate_hint waited_ms
 -- uses: now
-local rate = tonumber(redis.call('HGET', limits, 'rate:' .. name) or '') or tonumber(rate_hint) or 0
+local marks = redis.call('HMGET', limits, 'rate:' .. name, 'removed:' .. name)
+local set = marks[1]
+if not set and marks[2] then return {'removed', 0} end
+local rate = tonumber(set or '') or tonumber(rate_hint) or 0
 if rate <= 0 then return {'unknown', 0} end
 local burst = math.max(1, rate)
 local b = redis.call('HMGET', bucket, 'tokens', 'ts_ms')
