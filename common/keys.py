@@ -222,6 +222,11 @@ class Keys:
         """Sorted set: the episodes waiting for a unit, scored by when their wait lapses (ms)."""
         return f"{self.base}:limit:{name}:waiters"
 
+    def limit_queue(self, name: str) -> str:
+        """Sorted set: the same waiters scored by when they started waiting (ms): units are granted
+        in this order (a newcomer polling fast does not pass a long waiter)."""
+        return f"{self.base}:limit:{name}:queue"
+
     def rate_bucket(self, name: str) -> str:
         """Hash: a namespace rate's token bucket, ``tokens`` and ``ts_ms`` (Redis' own clock)."""
         return f"{self.base}:rate:{name}"

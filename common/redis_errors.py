@@ -30,7 +30,7 @@ ROLE_COMMANDS: dict[str, frozenset[str]] = {
     "producer": frozenset(
         "hello auth ping client|setname evalsha script|load xreadgroup xread xack xadd xdel xclaim xautoclaim "
         "xpending xrange xlen xgroup|create xinfo|groups hget hmget hgetall hset hsetnx hincrby subscribe unsubscribe "
-        "hstrlen hdel del zadd zrem zscore zcard zremrangebyscore time scan".split()
+        "hstrlen hdel del zadd zrem zscore zcard zremrangebyscore zrangebyscore zrank time scan".split()
     ),
     "trainer": frozenset(
         "hello auth ping client|setname evalsha script|load multi exec discard publish xreadgroup xread xrevrange "

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 POLL_MIN = 0.02
 POLL_MAX = 0.5
 """Seconds between two tries for a unit (doubling from ``POLL_MIN``) or a rate token (at most)."""
+WAIT_LEASE_S = 10.0
+"""A waiter for a unit keeps its place in line while it asks again within this (it asks every
+:data:`POLL_MAX` at most): a killed producer's waiters stop holding the line after it."""
 
 
 class SharedLimits:
@@ -93,7 +96,10 @@ class SharedLimits:
             while True:
                 waited_ms = int((time.monotonic() - started) * 1000)
                 try:
-                    status, _ = await self.store.acquire(name, token, self.lease_ms, self.sizes.get(name, 0), waited_ms)
+                    status, _ = await self.store.acquire(
+                        name, token, self.lease_ms, self.sizes.get(name, 0), waited_ms,
+                        min(self.lease_ms, int(WAIT_LEASE_S * 1000)),
+                    )
                 except TRANSIENT_ERRORS as exc:
                     logger.debug("limit %s: Redis unreachable while waiting (%s); retrying", name, exc)
                     status = "wait"

@@ -277,3 +277,67 @@ async def test_limits_set_or_remove_on_a_namespace_that_does_not_exist_fails(
         )
         assert bad.returncode == 2 and f"namespace {ns!r} has no config" in bad.stderr, bad.stderr
     assert await redis.exists(Keys(ns).limits) == 0  # nothing written
+
+
+async def test_a_unit_goes_to_the_longest_waiter_not_to_a_newcomer_polling_fast(
+    redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 49 finding 19: a real producer's episode waits for the one unit (backed off to a try
+    every 0.5 s); a newcomer asks every 20 ms. When the holder lets go, the unit goes to the
+    episode, which waited longer; the newcomer gets it after the episode is done with it."""
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1)
+    limits = NamespaceLimits(redis, keys)
+    await limits.set({"sandbox": 1}, {})
+    assert await limits.acquire("sandbox", "holder", 60_000, 0, 0) == ("ok", 1)
+    tool_log = tmp_path / "tools.log"
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    procs.producer(redis_url, ns, sim.url, "--generate", fn("limited"), name="a")
+    await add_prompts(redis, ns, 1, text="Compute 3 + 4.")
+
+    async def waiters(count: int) -> bool:
+        return (await _view(limits, "sandbox"))["waiters"] == count
+
+    await wait_until(lambda: waiters(1), message="the episode waiting for the unit")
+    waiting_since = asyncio.get_running_loop().time()
+
+    async def newcomer() -> bool:
+        """Ask every 20 ms until granted; whether the episode had had the unit by then."""
+        started = asyncio.get_running_loop().time()
+        while True:
+            waited_ms = int((asyncio.get_running_loop().time() - started) * 1000)
+            if (await limits.acquire("sandbox", "newcomer", 60_000, 0, waited_ms))[0] == "ok":
+                return tool_log.exists() and "sandbox 0" in tool_log.read_text()
+            await asyncio.sleep(0.02)
+
+    fast = asyncio.create_task(newcomer())
+    await wait_until(lambda: waiters(2), message="the newcomer waiting too")
+    # the episode's tries are 0.5 s apart by now (20 ms doubling: 1 s of waiting is past the cap)
+    await wait_until(lambda: asyncio.get_running_loop().time() - waiting_since > 1.5, message="a long wait")
+    await limits.release("sandbox", "holder")
+    async with asyncio.timeout(60):
+        episode_first = await fast
+    assert episode_first, "the newcomer polling fast took the unit from the episode that waited longer"
+    await limits.release("sandbox", "newcomer")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(1)
+        await consumer.commit(batch)
+    assert (await _view(limits, "sandbox"))["peak"] == 1
+
+
+async def test_a_waiter_that_stops_asking_loses_its_place_in_line(redis: Redis, ns: str) -> None:
+    limits = NamespaceLimits(redis, Keys(ns))
+    await limits.set({"sandbox": 1}, {})
+    assert await limits.acquire("sandbox", "h", 60_000, 0, 0) == ("ok", 1)
+    assert await limits.acquire("sandbox", "dead", 60_000, 0, 5_000, 300) == ("wait", 1)  # first in line
+    assert await limits.acquire("sandbox", "live", 60_000, 0, 0, 300) == ("wait", 1)
+    await limits.release("sandbox", "h")
+    assert await limits.acquire("sandbox", "live", 60_000, 0, 10, 300) == ("wait", 1)  # "dead" is ahead
+    # "dead" never asks again: within its 300 ms the line is "live"'s
+    await wait_until(lambda: _granted_to(limits, "live"), message="the unit for the live waiter")
+
+
+async def _granted_to(limits: NamespaceLimits, token: str) -> bool:
+    return (await limits.acquire("sandbox", token, 60_000, 0, 100, 300))[0] == "ok"

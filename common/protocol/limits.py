@@ -136,12 +136,17 @@ class NamespaceLimits(Translated):
             deleted, _ = await pipe.execute()
         return int(deleted)
 
-    async def acquire(self, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int) -> tuple[str, int]:
-        """One unit of the limit ``name``: ('ok' | 'wait' | 'unknown' | 'removed', the limit's size)."""
+    async def acquire(
+        self, name: str, token: str, lease_ms: int, size_hint: int, waited_ms: int, wait_lease_ms: int | None = None
+    ) -> tuple[str, int]:
+        """One unit of the limit ``name``: ('ok' | 'wait' | 'unknown' | 'removed', the limit's size).
+        Units go to waiters in the order they started waiting (``waited_ms`` ago); a waiter that does
+        not ask again within ``wait_lease_ms`` (default ``lease_ms``) loses its place."""
         k = self.keys
         state, size = await self._limit_acquire(
-            holders=k.limit_holders(name), waiters=k.limit_waiters(name), name=name, token=token,
-            lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms,
+            holders=k.limit_holders(name), waiters=k.limit_waiters(name), queue=k.limit_queue(name), name=name,
+            token=token, lease_ms=lease_ms, size_hint=size_hint, waited_ms=waited_ms,
+            wait_lease_ms=lease_ms if wait_lease_ms is None else wait_lease_ms,
         )
         return lua.status(state), int(size)
 
@@ -156,6 +161,7 @@ class NamespaceLimits(Translated):
         """Give a unit back (or stop waiting for one)."""
         await self.redis.zrem(self.keys.limit_holders(name), token)
         await self.redis.zrem(self.keys.limit_waiters(name), token)
+        await self.redis.zrem(self.keys.limit_queue(name), token)
 
     async def take(self, name: str, rate_hint: float, waited_ms: int) -> tuple[str, int]:
         """One token of the rate ``name``: ('ok', 0), ('wait', ms until one is due), ('unknown', 0) or
