@@ -70,11 +70,18 @@ class WeightAPI:
     """``GET`` that answers the engine's ``weight_version``."""
     set_version: Call | None = None
     """Labels the current weights (None: the reload already does)."""
+    reset_cache: Call | None = None
+    """Empties the prefix cache after a reload that keeps it (None: the reload empties it). Sent by
+    the catch-up, which does not pause; ``WeightSync``'s pause empties it already."""
 
     def catch_up_requests(self, path: str, version: int) -> list[tuple[str, Mapping[str, Any]]]:
-        """The reload and the version label, in order: what loads ``path`` as ``version`` into an
-        engine without pausing it (the producer's ``--catch-up-engines``)."""
-        calls = (*self.reload, *((self.set_version,) if self.set_version is not None else ()))
+        """The reload, the cache reset and the version label, in order: what loads ``path`` as
+        ``version`` into an engine without pausing it (the producer's ``--catch-up-engines``). A
+        reload that keeps the prefix cache would leave the prompts' KV computed with the old
+        weights under the new ones (samples labelled new that match neither), so it is emptied
+        before the label moves: every token labelled new is the new weights' alone."""
+        calls = (*self.reload, *((self.reset_cache,) if self.reset_cache is not None else ()),
+                 *((self.set_version,) if self.set_version is not None else ()))
         out: list[tuple[str, Mapping[str, Any]]] = []
         for call in calls:
             step, body = call.filled(path, version)
@@ -91,9 +98,16 @@ VLLM_WEIGHTS = WeightAPI(
     set_version=Call("/update_weight_version", {"new_version": VERSION}),
     resume=Call("/resume"),
     version_path="/weight_info",
+    # reload_weights keeps the prefix cache; the reset answers {"success": false} while requests
+    # hold blocks unless reset_running_requests, which preempts them (their KV is recomputed with
+    # the new weights, as the keep pause's clear_cache does)
+    reset_cache=Call("/reset_prefix_cache?reset_running_requests=true"),
 )
 """vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``), also behind its OpenAI server."""
 
+# /update_weights_from_disk flushes the radix cache itself (flush_cache, on by default) and asserts
+# the flush, which succeeds only with no request queued or running: unpaused, the reload first
+# takes the lock every generation holds while it runs, so it waits for them (docs/engines.md)
 SGLANG_WEIGHTS = WeightAPI(
     # wait does not pause: /update_weights_from_disk itself waits for the requests in flight
     pause={

@@ -216,6 +216,86 @@ async def test_catch_up_engines_loads_the_recorded_weights_into_an_engine_found_
     assert "loading /checkpoints/step-5 (version 5)" in log and "behind" in log, log
 
 
+async def test_catch_up_engines_catches_up_a_fleet_of_one_and_waits_for_it_rather_than_fail(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool
+) -> None:
+    """One engine, restarted on version 0; the trainer at 5 recorded its weights. With
+    ``--catch-up-engines`` the producer holds the engine out of routing while they load (3 s, past
+    ``--no-engine-timeout 1``: requests wait for it, the producer does not fail for want of an
+    engine), then routes to it again; every prompt is trained once. Was: a fleet of one was never
+    checked for its version, so the engine stayed healthy at version 0 and every group it made was
+    recycled as stale, indefinitely."""
+    import httpx
+    from rollstream.consumer import GroupConsumer
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_staleness=1)
+    async with GroupConsumer.connect(redis_url, ns, "trainer-one-engine") as consumer:
+        await consumer.set_weight_version(5)
+        await consumer.record_weights("/checkpoints/step-5", 5)
+    config = SimConfig(seed=11, mean_tokens=16, latency_per_token=0.002)
+    async with SimEngine(config) as only, httpx.AsyncClient() as http:
+        await http.post(f"{only.url}/sim/faults", json={"reload_seconds": 3})
+        producer = procs.producer(redis_url, ns, only.url, "--catch-up-engines", "--health-interval", "0.3",
+                                  "--no-engine-timeout", "1", name="one-engine", concurrency=4)
+        await add_prompts(redis, ns, 16)
+        taken = await take_all(redis_url, ns, 16, 2, timeout=90)
+        assert Counter(taken) == Counter(range(16))
+        assert only.state.reloads == ["/checkpoints/step-5"] and only.state.weight_version == 5
+        assert _engine_state(await _beat(redis, keys, "one-engine"), only.url) in (("healthy", 5), ("suspect", 5))
+        assert producer.poll() is None, procs.log_of(producer)
+    log = procs.log_of(producer)
+    assert "held while version 5 loads into it" in log and "loaded version 5" in log, log
+    assert "no usable engine" not in log, log
+
+
+async def test_a_vllm_catch_up_empties_the_prefix_cache_its_reload_keeps(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool
+) -> None:
+    """``--engine-api vllm``: a prompt generated on version 0 is cached; the trainer moves to 3 and
+    the engine is caught up (``reload_weights`` keeps the cache, as vLLM's does). The same prompt
+    again reuses no KV from the old weights: the catch-up resets the prefix cache before the label
+    moves. Was: every cached block of it was reused under the new weights (the simulator's
+    ``stale_cached_tokens``; on real vLLM, samples labelled new that match neither version)."""
+    import httpx
+    from rollstream.consumer import GroupConsumer
+
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_staleness=0)
+    text = "Think it through step by step, then write the answer in a box. " * 4 + "Compute 3 + 1."
+    config = SimConfig(seed=12, mean_tokens=16, latency_per_token=0.001, prefix_cache_tokens=1 << 16)
+    async with SimEngine(config) as only, httpx.AsyncClient() as http, \
+            GroupConsumer.connect(redis_url, ns, "trainer-vllm-cache") as consumer:
+        await consumer.set_weight_version(0)
+        producer = procs.producer(redis_url, ns, only.url, "--engine-api", "vllm", "--catch-up-engines",
+                                  "--health-interval", "0.3", name="vllm-cache", concurrency=4)
+        await add_prompts(redis, ns, 4, text=text)
+        taken = await _take(consumer, 4)
+        before = (await http.get(f"{only.url}/sim/stats")).json()
+        assert before["stale_cached_tokens"] == 0 and only.state.prefix_cache, before  # the prompt is cached
+        await consumer.pause()
+        await consumer.record_weights("/checkpoints/step-3", 3)
+        await consumer.resume(3)
+        await add_prompts(redis, ns, 4, start=4, text=text)
+        taken += await _take(consumer, 4)
+        after = (await http.get(f"{only.url}/sim/stats")).json()
+    assert Counter(taken) == Counter(range(8))
+    assert only.state.reloads == ["/checkpoints/step-3"] and after["weight_version"] == 3, after
+    assert after["cached_tokens"] > before["cached_tokens"], after  # the prompt was cached again, afresh
+    assert after["stale_cached_tokens"] == 0, after
+    assert "loaded version 3" in procs.log_of(producer)
+
+
+async def _take(consumer: Any, count: int, timeout: float = 60) -> list[int]:
+    """Take and commit ``count`` groups with ``consumer`` (the namespace's one trainer)."""
+    indexes: list[int] = []
+    async with asyncio.timeout(timeout):
+        while len(indexes) < count:
+            batch = await consumer.take(min(2, count - len(indexes)))
+            indexes += [g.index for g in batch.groups]
+            assert await consumer.commit(batch) == len(batch)
+    return indexes
+
+
 async def _beat(redis: Redis, keys: Keys, name: str) -> dict[str, object]:
     return json.loads((await redis.hget(keys.producers, name)) or "{}")  # type: ignore[no-any-return]
 

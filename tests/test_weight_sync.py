@@ -77,8 +77,11 @@ def test_every_server_declares_every_pause_mode() -> None:
 
 
 def test_the_catch_up_is_the_declared_reload_then_the_version() -> None:
-    """The producer's ``--catch-up-engines`` sends what WeightSync's reload and set-version send."""
-    vllm = [(path, body) for _, path, body in (RELOAD_VLLM, SET_VLLM)]
+    """The producer's ``--catch-up-engines`` sends what WeightSync's reload and set-version send;
+    on vLLM, whose reload keeps the prefix cache, it empties the cache before the label moves
+    (WeightSync's pause empties it)."""
+    reset = ("/reset_prefix_cache?reset_running_requests=true", {})
+    vllm = [RELOAD_VLLM[1:], reset, SET_VLLM[1:]]
     assert DIALECTS["vllm"].weights.catch_up_requests("/ckpt/3", 3) == vllm
     assert DIALECTS["openai"].weights.catch_up_requests("/ckpt/3", 3) == vllm  # vLLM's behind its OpenAI server
     assert DIALECTS["sglang"].weights.catch_up_requests("/ckpt/3", 3) == [RELOAD_SGLANG[1:]]

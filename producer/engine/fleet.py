@@ -17,13 +17,16 @@ Engines are peers that fail one at a time (docs/engines.md, "The fleet"). Each h
   may legitimately take an hour and a health check may not); treated as ejected.
 * ``behind``: its weight version is more than ``max_staleness`` behind the trainer's (what it
   generates would be recycled as stale: restarted without the new weights?); probed for its
-  version, back when it caught up.
+  version, back when it caught up. With ``--catch-up-engines`` an engine is also held ``behind``
+  when it is the last routed one, while the trainer's weights load into it (``catching_up``):
+  its requests are sent again once it caught up, and requests wait for it without the
+  no-usable-engine clock (:meth:`Fleet.hold_for_catch_up`).
 * ``draining``: the registry (or an operator) drains it: no new requests, the ones in flight
   finish, past ``drain_timeout`` they are retried elsewhere.
 
-An engine is taken out of routing only while another usable one remains: the last usable engine
-is retried with backoff as before, and only its failing after the retries is fatal (a fleet with
-no usable engine at all).
+An engine is taken out of routing only while another usable one remains (a catch-up aside): the
+last usable engine is retried with backoff as before, and only its failing after the retries is
+fatal (a fleet with no usable engine at all).
 
 Routing: requests that carry a key (a group's, and so every turn of its episodes) go to the
 engine a consistent-hash ring names for it, unless that engine would then hold more than
@@ -92,11 +95,11 @@ class Engine:
     """One engine URL (credentials stripped), its state and what the client knows of it."""
 
     __slots__ = (
-        "adaptive", "attempts", "cached_tokens", "drain_deadline", "errors", "failures", "has_model_info", "held",
-        "in_flight", "last_answer", "last_reply", "load", "load_path", "lost", "next_probe", "out_count",
-        "prompt_tokens", "reason", "registered", "removed", "replies", "round_trip", "since", "stalled",
-        "stalled_until", "stalls", "state", "tokens", "url", "version", "version_checked", "workers",
-        "workers_checked",
+        "adaptive", "attempts", "cached_tokens", "catching_up", "drain_deadline", "errors", "failures",
+        "has_model_info", "held", "in_flight", "last_answer", "last_reply", "load", "load_path", "lost",
+        "next_probe", "out_count", "prompt_tokens", "reason", "registered", "removed", "replies", "round_trip",
+        "since", "stalled", "stalled_until", "stalls", "state", "tokens", "url", "version", "version_checked",
+        "workers", "workers_checked",
     )
 
     def __init__(self, url: str, *, registered: bool = False, concurrency_floor: int | None = None) -> None:
@@ -147,6 +150,9 @@ class Engine:
         """The load endpoint that answered; ``""``: none does (no limit then)."""
         self.round_trip: float | None = None
         """Mean seconds of its answered requests (moving average; adaptive concurrency's pace)."""
+        self.catching_up = False
+        """Held ``behind`` for a catch-up (``--catch-up-engines``): the trainer's weights load into it,
+        or will once its requests ended; requests wait for it (:meth:`Fleet.wait_engine`)."""
 
     @property
     def limit(self) -> int | None:
@@ -286,8 +292,9 @@ class Fleet:
     async def wait_engine(self, key: str | None, weight: int, *, no_engine: float, room: float) -> Engine:
         """The engine for a request once there is one: while every routed engine is at its
         in-flight limit, waits for a request to end (``room`` seconds at a time, first come first
-        served); while none is routed, at most ``no_engine`` seconds for a state change, then
-        :class:`EngineError` naming each engine's state."""
+        served); while none is routed, at most ``no_engine`` seconds for a state change (the clock
+        stands still while an engine is held for a catch-up: its weight load is bounded on its
+        own), then :class:`EngineError` naming each engine's state."""
         deadline = time.monotonic() + no_engine
         woken = False
         while (engine := self.pick(key, weight)) is None:
@@ -295,6 +302,8 @@ class Fleet:
                 woken = await self.wait_room(room, again=woken)
                 deadline = time.monotonic() + no_engine
                 continue
+            if any(e.catching_up for e in self.engines.values()):  # loading the trainer's weights
+                deadline = time.monotonic() + no_engine
             left = deadline - time.monotonic()
             if left <= 0:
                 states = "; ".join(f"{e.url} {e.state}: {e.reason}" for e in self.engines.values())
@@ -464,6 +473,26 @@ class Fleet:
             f"{self.max_staleness}): restarted without the new weights?"
         )
 
+    def hold_for_catch_up(self, engine: Engine, why: str) -> None:
+        """``engine`` is behind and a catch-up of it will run (``--catch-up-engines``): out of
+        routing (``behind``) even as the last routed engine, its requests in flight sent again once
+        an engine is routed (what it generates now would be recycled as stale), and no request
+        fails for want of an engine while it is held (:meth:`wait_engine`)."""
+        engine.catching_up = True
+        if engine.state is not EngineState.BEHIND:
+            self._move(engine, EngineState.BEHIND, why)
+            self.lose_requests(engine)
+
+    def catch_up_ended(self, engine: Engine, why: str) -> None:
+        """The catch-up of ``engine`` ended. Caught up, it is routed again (:meth:`version_seen`
+        did it); still behind and no other engine routed, it is routed again as it was before the
+        hold (behind, but the only engine: a fleet without one would be fatal), ``why`` its reason."""
+        engine.catching_up = False
+        if engine.state is EngineState.BEHIND and not any(e.routed for e in self.engines.values() if e is not engine):
+            self._move(engine, EngineState.SUSPECT, why)
+        else:
+            self._wake()
+
     def version_seen(self, engine: Engine, version: int) -> None:
         """A fresh version of ``engine`` (its reply or a probe): behind, or back from behind."""
         engine.version = version
@@ -532,6 +561,8 @@ class Fleet:
         if engine.state is state:
             return
         engine.stalled = False  # a new state is judged afresh (stall() sets it after its move)
+        if state is not EngineState.BEHIND:
+            engine.catching_up = False  # back from behind, however (a catch-up ends with it)
         before = engine.state
         engine.state, engine.since = state, time.monotonic()
         engine.reason = why if state is not EngineState.HEALTHY else ""

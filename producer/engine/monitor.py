@@ -283,9 +283,11 @@ class FleetMonitor:
 
     def _version_due(self, engine: Engine) -> bool:
         """Whether ``engine``'s version is worth asking now: it looks behind the trainer on what
-        is known, or it was never asked (a restarted engine is found before its first reply)."""
+        is known, or it was never asked (a restarted engine is found before its first reply). In a
+        fleet of one only with ``--catch-up-engines`` (else it is never taken out of routing)."""
         fleet = self.fleet
-        if fleet.trainer_version is None or len(fleet.engines) < 2 or not engine.routed:
+        if (fleet.trainer_version is None or not engine.routed
+                or (len(fleet.engines) < 2 and not self.settings.catch_up)):
             return False
         never = engine.version is None and engine.has_model_info and engine.version_checked == -float("inf")
         return never or fleet.looks_behind(engine)

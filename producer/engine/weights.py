@@ -270,19 +270,40 @@ class CatchUp:
         await cancel_own(tasks)
 
     def maybe(self, engine: Engine) -> None:
-        """Start loading the recorded weights into ``engine`` (behind) when they are newer than
-        its version, it is idle, and no catch-up of it runs or failed within a minute."""
+        """Start loading the recorded weights into ``engine`` when they are newer than its
+        version, it is behind (or looks behind as the last routed engine: then held out of routing
+        for it, :meth:`~.fleet.Fleet.hold_for_catch_up`), it is idle, and no catch-up of it runs or
+        failed within a minute."""
         weights = self.weights
-        if (not self.versions.settings.catch_up or weights is None or engine.state is not EngineState.BEHIND
-                or engine.in_flight or engine.url in self._tasks
+        fleet = self.versions.fleet
+        if (not self.versions.settings.catch_up or weights is None or engine.url in self._tasks
                 or time.monotonic() < self._after.get(engine.url, 0.0)
                 or (engine.version is not None and weights[1] <= engine.version)):
             return
+        if engine.state is not EngineState.BEHIND:
+            if not (engine.routed and fleet.looks_behind(engine)):
+                return
+            # The last routed engine (version_seen moves any other): what it generates would be
+            # recycled as stale, so it is held and its requests wait for the new weights.
+            fleet.hold_for_catch_up(engine, f"at version {engine.version}, the trainer at {fleet.trainer_version} "
+                                            f"(max_staleness {fleet.max_staleness}): held while version {weights[1]} "
+                                            "loads into it (--catch-up-engines; the only routed engine)")
+        if engine.in_flight:
+            return  # its requests end first (a held engine's are sent again: they end at once)
+        engine.catching_up = True
         task = asyncio.create_task(self._run(engine, *weights), name=f"catch-up {engine.url}")
         self._tasks[engine.url] = task
         task.add_done_callback(lambda _: self._tasks.pop(engine.url, None))
 
     async def _run(self, engine: Engine, path: str, version: int) -> None:
+        why = "catch-up cancelled"
+        try:
+            why = await self._load(engine, path, version)
+        finally:
+            self.versions.fleet.catch_up_ended(engine, why)
+
+    async def _load(self, engine: Engine, path: str, version: int) -> str:
+        """Load ``path`` as ``version`` into ``engine``; why it is still behind if it is."""
         logger.warning("engine %s at version %s, behind: loading %s (version %d) into it (--catch-up-engines)",
                        engine.url, engine.version, path, version)
         started = time.monotonic()
@@ -296,9 +317,11 @@ class CatchUp:
             reply = json_object(raw) if status == 200 else None
             if status != 200 or (reply is not None and reply.get("success") is False):
                 self._after[engine.url] = time.monotonic() + CATCH_UP_RETRY
+                detail = raw.decode("utf-8", "replace")[:300]
                 logger.warning("engine %s: catch-up failed at %s (HTTP %s: %s); tried again in %.0f s", engine.url,
-                               step, status or "-", raw.decode("utf-8", "replace")[:300], CATCH_UP_RETRY)
-                return
+                               step, status or "-", detail, CATCH_UP_RETRY)
+                return (f"behind: catch-up failed at {step} (HTTP {status or '-'}); tried again in "
+                        f"{CATCH_UP_RETRY:.0f} s, routed meanwhile as the only engine")
         await self.versions.read_now(engine)
         if engine.version is None or engine.version < version:
             # Answered success, version unmoved: without a pause every monitor tick would reload.
@@ -308,7 +331,8 @@ class CatchUp:
             engine.reason = (f"behind: reload did not take (loaded {path}, version {version}; still at version "
                              f"{engine.version}); tried again in {delay:.0f} s")
             logger.warning("engine %s: %s", engine.url, engine.reason)
-            return
+            return engine.reason
         self._failures.pop(engine.url, None)
         logger.warning("engine %s: loaded version %d in %.1f s, now at version %s", engine.url, version,
                        time.monotonic() - started, engine.version)
+        return f"at version {engine.version} after its catch-up"

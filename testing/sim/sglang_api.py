@@ -141,16 +141,21 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _json_body(request)
     version = body.get("weight_version")
     path = str(body.get("model_path"))
+    if version is not None:
+        try:
+            version = int(version)
+        except (TypeError, ValueError) as exc:
+            raise _BadRequest(f"weight_version must be an integer, got {version!r}") from exc
     state.reloads.append(path)
     if NOT_TAKEN in path:  # a reload that answers success and loads nothing (a broken checkpoint)
         logger.info("weights 'updated' from %r: not taken, still version %d", path, state.weight_version)
-    elif version is None:
-        state.set_version(state.weight_version + 1)
     else:
-        try:
-            state.set_version(int(version))
-        except (TypeError, ValueError) as exc:
-            raise _BadRequest(f"weight_version must be an integer, got {version!r}") from exc
+        await state.reload()
+        state.set_version(state.weight_version + 1 if version is None else version)
+    # SGLang flushes its radix cache in the reload (flush_cache, on by default; its scheduler
+    # asserts the flush, which needs no request running: unpaused, the reload first waits for the
+    # requests in flight, which the simulator does not)
+    state.reset_cache()
     logger.info("weights updated from %r, version %d", body.get("model_path"), state.weight_version)
     return web.json_response(
         {

@@ -180,6 +180,11 @@ async def _set_faults(request: web.Request) -> web.Response:
         if not isinstance(body["load_endpoints"], bool):
             raise _BadRequest("load_endpoints must be a boolean")
         state.load_endpoints = body["load_endpoints"]
+    if "reload_seconds" in body:
+        seconds = body["reload_seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= HANG_SECONDS:
+            raise _BadRequest(f"reload_seconds must be a number of seconds within [0, {HANG_SECONDS}]")
+        state.reload_seconds = float(seconds)
     if "wedge" in body:
         if not isinstance(body["wedge"], bool):
             raise _BadRequest("wedge must be a boolean")
@@ -206,6 +211,7 @@ async def _set_faults(request: web.Request) -> web.Response:
             "bad_reply": state.bad_reply_mode,
             "wedge": not state.unwedged.is_set(),
             "load_endpoints": state.load_endpoints,
+            "reload_seconds": state.reload_seconds,
         }
     )
 

@@ -68,7 +68,9 @@ vLLM's RL and token endpoints (as ``vllm ... --enable-scale-out`` with ``VLLM_SE
     ``weight_versions`` spans: a version change while a request runs splits its span at the
     tokens produced by then), ``POST /pause?mode=abort|wait|keep``, ``POST /resume``,
     ``POST /collective_rpc`` (``reload_weights`` only; a path containing ``POISON`` fails with
-    500), ``POST /update_weight_version``, ``GET /weight_info``, ``POST /abort_requests``.
+    500; the prefix cache is kept, as vLLM keeps it), ``POST /update_weight_version``,
+    ``GET /weight_info``, ``POST /abort_requests``, ``POST /reset_prefix_cache`` (empties the
+    prefix cache; so does ``/pause`` unless ``clear_cache=false``).
 
 vLLM (OpenAI-compatible) endpoint
     ``POST /v1/completions`` with ``prompt`` (a string or a list of token ids), ``n``,
@@ -98,6 +100,8 @@ Fault injection (for tests of retries and fallbacks)
       ``"bad_reply_bytes"`` bytes, default 1 MiB) or ``hang`` (no reply until the client gives up,
       at most 30 s). Injected faults (``generate_errors``) are answered first.
 
+    * ``"reload_seconds": S``: every weight reload (``/update_weights_from_disk``,
+      ``reload_weights``) takes ``S`` seconds (a large checkpoint).
     * ``"wedge": true`` (``false`` clears): every request but ``/sim/*`` is accepted and not
       answered until the wedge clears, replies of requests already running included (a GPU or
       NCCL hang: ``/health`` hangs too).
@@ -112,8 +116,13 @@ Prefix cache
     the capacity), pays :attr:`SimConfig.prefill_per_token` per uncached token before decoding,
     reports ``meta_info.cached_tokens`` (and ``prompt_tokens``) as SGLang does, caches the
     prompt's blocks once prefilled (the samples of a group running at once share them) and the
-    output's when a request ends not aborted. ``/sim/stats`` counts
-    ``prompt_tokens`` and ``cached_tokens`` (the hit rate).
+    output's when a request ends not aborted; vLLM's ``/inference/v1/generate`` looks its prompt up
+    the same way. Each block remembers the weights it was computed with: a reload that keeps the
+    cache (vLLM's ``reload_weights``) makes it stale, SGLang's ``/update_weights_from_disk`` flushes
+    it (as SGLang does), vLLM's ``/reset_prefix_cache`` and ``/pause`` empty it. ``/sim/stats``
+    counts ``prompt_tokens`` and ``cached_tokens`` (the hit rate), ``stale_cached_tokens`` (cached
+    tokens reused under weights since replaced: samples that match neither version) and
+    ``cache_resets``.
 
 KV capacity and load
     With :attr:`SimConfig.kv_capacity_tokens`, generations are scheduled in steps of

@@ -105,10 +105,21 @@ class SimState:
     bad_reply_mode: str = "not_json"
     bad_reply_bytes: int = 2**20
     bad_replies_sent: int = 0
-    prefix_cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    """Hashes of cached token blocks (a block's hash covers its whole prefix), LRU first."""
+    prefix_cache: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    """Hashes of cached token blocks (a block's hash covers its whole prefix), LRU first -> the
+    weights they were computed with (the count of reloads then: :attr:`weights_loaded`)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    stale_cached_tokens: int = 0
+    """Cached tokens reused whose KV was computed with weights since replaced: a reload that kept
+    the cache (vLLM's ``reload_weights`` does; its ``/reset_prefix_cache`` and a pause with
+    ``clear_cache`` empty it, as SGLang's reload does)."""
+    weights_loaded: int = 0
+    """Reloads that took (each makes the cached KV before it stale)."""
+    cache_resets: int = 0
+    """Times the prefix cache was emptied on request (vLLM ``/reset_prefix_cache``, SGLang's flush)."""
+    reload_seconds: float = 0.0
+    """Seconds a weight reload takes (``/sim/faults`` ``reload_seconds``): a large checkpoint."""
     unwedged: asyncio.Event = field(default_factory=asyncio.Event)
     """Cleared while wedged: every request but ``/sim/*`` waits, and so does every reply."""
     restarts: int = 0
@@ -164,6 +175,8 @@ class SimState:
             "paused": self.paused,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "stale_cached_tokens": self.stale_cached_tokens,
+            "cache_resets": self.cache_resets,
             "wedged": not self.unwedged.is_set(),
             "restarts": self.restarts,
             "kv_used": self.kv_used,
@@ -177,15 +190,19 @@ class SimState:
 
     def cached_prefix(self, ids: list[int]) -> int:
         """Tokens of ``ids`` found in the prefix cache (whole blocks from the start), counted."""
-        cached = 0
+        cached = stale = 0
         if self.config.prefix_cache_tokens:
             for end, key in _block_keys(ids):
-                if key not in self.prefix_cache:
+                weights = self.prefix_cache.get(key)
+                if weights is None:
                     break
                 self.prefix_cache.move_to_end(key)
+                if weights != self.weights_loaded:
+                    stale += end - cached
                 cached = end
         self.prompt_tokens += len(ids)
         self.cached_tokens += cached
+        self.stale_cached_tokens += stale
         return cached
 
     def cache(self, ids: list[int]) -> None:
@@ -194,10 +211,21 @@ class SimState:
         if not capacity:
             return
         for _, key in _block_keys(ids):
-            self.prefix_cache[key] = None
+            self.prefix_cache.setdefault(key, self.weights_loaded)  # a block found is kept as it was
             self.prefix_cache.move_to_end(key)
         while len(self.prefix_cache) > capacity:
             self.prefix_cache.popitem(last=False)
+
+    def reset_cache(self) -> None:
+        """Empty the prefix cache (vLLM ``/reset_prefix_cache``, SGLang's flush after a reload)."""
+        self.prefix_cache.clear()
+        self.cache_resets += 1
+
+    async def reload(self) -> None:
+        """A weight reload that takes: :attr:`reload_seconds` long, and the cached KV is stale."""
+        if self.reload_seconds:
+            await asyncio.sleep(self.reload_seconds)
+        self.weights_loaded += 1
 
     def restart(self, version: int) -> None:
         """What an engine restarted from its base checkpoint looks like: in-flight requests end

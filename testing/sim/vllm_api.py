@@ -1,7 +1,7 @@
 """vLLM's RL and token-in/token-out endpoints (``--enable-scale-out``, ``VLLM_SERVER_DEV_MODE=1``),
 as the simulator answers them: ``/inference/v1/generate`` with weight version spans, ``/pause``,
 ``/resume``, ``/collective_rpc`` (``reload_weights``), ``/update_weight_version``,
-``/weight_info``, ``/abort_requests``."""
+``/weight_info``, ``/abort_requests``, ``/reset_prefix_cache``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,13 @@ async def _vllm_generate(request: web.Request) -> web.Response:
     text = detokenize(prompt_ids)
     _check_poison(text)
     rid = f"generate-tokens-{uuid.uuid4().hex}"
-    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens, len(prompt_ids))
+    cached = state.cached_prefix(prompt_ids)
+    state.cache(prompt_ids)
+    outcomes = await _generate_all(state, text, [f"{rid}-{i}" for i in range(n)], max_tokens, len(prompt_ids),
+                                   len(prompt_ids) - cached)
+    for outcome in outcomes:
+        if outcome.finish != "abort":
+            state.cache([*prompt_ids, *outcome.output_ids])
     choices = []
     for i, outcome in enumerate(outcomes):
         choice: dict[str, Any] = {
@@ -62,8 +68,11 @@ async def _vllm_pause(request: web.Request) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
         raise _BadRequest(f"unknown pause mode {mode!r}")
-    state.pauses.append((mode, request.query.get("clear_cache")))
+    clear_cache = request.query.get("clear_cache")
+    state.pauses.append((mode, clear_cache))
     state.resumed.clear()
+    if (clear_cache or "true").lower() != "false":  # vLLM's default: the pause resets the prefix cache
+        state.reset_cache()
     if mode == "abort":
         state.abort()
     elif mode == "wait":
@@ -89,7 +98,14 @@ async def _vllm_collective_rpc(request: web.Request) -> web.Response:
     if POISON_MARKER in path:
         return _error(500, f"cannot load weights from {path}")
     state.reloads.append(path)
+    await state.reload()  # the prefix cache is kept, as vLLM keeps it: its KV is now stale
     return web.json_response({"results": [None]})
+
+
+async def _vllm_reset_prefix_cache(request: web.Request) -> web.Response:
+    """``/reset_prefix_cache``: the prefix cache emptied (the requests running are not touched)."""
+    request.app[STATE_KEY].reset_cache()
+    return web.Response(status=200)
 
 
 async def _vllm_update_weight_version(request: web.Request) -> web.Response:
@@ -124,3 +140,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/update_weight_version", _vllm_update_weight_version)
     app.router.add_get("/weight_info", _vllm_weight_info)
     app.router.add_post("/abort_requests", _vllm_abort_requests)
+    app.router.add_post("/reset_prefix_cache", _vllm_reset_prefix_cache)
