@@ -229,7 +229,7 @@ async def test_master_killed_calls_fail_then_a_restarted_master_knows_nothing(fa
         with pytest.raises(PayloadUnreadable, match=r"object 'm/a': cannot read it: RPC_FAIL"):
             await store.get("m/a", 3)
         assert await store.delete(["m/a"]) == []
-        with pytest.raises(PayloadUnreadable, match="cannot ask the master.s admin server"):
+        with pytest.raises(PayloadUnreadable, match=r"cannot ask the master's admin server"):
             [item async for item in store.list("m/")]
         fault_cluster.start_master()
         fault_cluster.wait_store(fault_cluster.stores[0])

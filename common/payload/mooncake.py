@@ -65,7 +65,8 @@ import httpx
 
 from ..errors import ConfigError, PayloadCorrupt, PayloadError, PayloadMissing, PayloadStoreFull, PayloadUnreadable
 from ..imports import require_extra
-from .store import Buffer, PayloadStore, check_key, redact_store_url
+from .refs import Buffer, check_key
+from .store import PayloadStore, redact_store_url
 
 logger = logging.getLogger(__name__)
 

@@ -94,6 +94,9 @@ def check_store_url(url: object) -> str:
     elif scheme == "mooncake":
         if not parts.hostname or port is None:
             raise ConfigError(f"payload store URL {redact_store_url(url)}: expected mooncake://HOST:PORT?metadata=URL")
+        from .mooncake import parse_url  # its options too (no Mooncake import: that waits for first use)
+
+        parse_url(url)
     else:
         raise ConfigError(
             f"payload store URL {redact_store_url(url)}: scheme {scheme!r} is not one of fs://, mooncake://"
