@@ -13,6 +13,10 @@ partition folder (``version=N`` or ``hour=YYYYMMDDHH``) and each holds a contigu
 archive stream, written in id order: the highest last id over the files is where a restarted
 archiver resumes (:func:`written_cursor`), so a record is in the files exactly once.
 
+A folder belongs to one namespace (``OWNER_FILE``, :func:`claim_folder`); each file's metadata
+names it and ``after``, the id its run follows, so a missing file shows as a break in the chain
+(:func:`missing_runs`). Readers read only the columns and files they need (:func:`read_part`).
+
 Schema versions (``SCHEMA_VERSION``, also in each file's metadata under ``rollstream.archive``):
 1 is the first. :func:`read_table` reads every version it knows and upgrades it to the newest;
 a column added by a later version is filled with nulls for older files.
@@ -464,9 +468,13 @@ def write_tmp(root: str | Path, partition: str, rows: list[dict[str, Any]], meta
     final = folder / part_name(rows[0]["archive_id"], rows[-1]["archive_id"])
     tmp = final.with_name(f"{final.name}{'.' + tag if tag else ''}.tmp")
     table = pa.Table.from_pylist(rows, schema=arrow_schema()).replace_schema_metadata(dict(metadata))
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+    except BaseException:  # a full disk: no half file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp, final
 
 

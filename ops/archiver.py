@@ -10,12 +10,18 @@ scripts that decide a fate drop the oldest records past the namespace's ``archiv
 
 One archiver per namespace: it holds a leased name in Redis (``Keys.archiver_lease``, renewed
 while it runs, deleted when it stops); a second one is refused, or waits with ``wait_seconds``
-for a killed holder's lease to lapse.
+for a killed holder's lease to lapse. One that stalled past its lease writes nothing twice: each
+file is renamed only right after a renewal of the lease succeeded (its temporary file is removed
+otherwise), and ARCHIVED confirms nothing for an archiver that no longer holds it.
+
+One namespace per folder: the folder's ``OWNER_FILE`` names it (:func:`claim_folder`), and
+another namespace's archiver is refused there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -28,15 +34,18 @@ from pathlib import Path
 from redis.asyncio import Redis
 from rollstream.common.archive_schema import (
     ArchiveRecord,
+    claim_folder,
+    part_metadata,
     partition_of,
+    publish_part,
     pyarrow,
     record_row,
     remove_partial,
-    write_part,
+    write_tmp,
     written_cursor,
 )
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage
-from rollstream.common.errors import ConfigError
+from rollstream.common.errors import ArchiveUnusable, ConfigError
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
@@ -97,7 +106,9 @@ class Archiver:
         self._stop = asyncio.Event()
         self._dropped: int | None = None
         self._dropped_checked = 0.0
-        token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+        self._tag = secrets.token_hex(4)
+        """In this archiver's temporary file names: a successor's clean-up is told apart from a stall."""
+        token = f"{socket.gethostname()} pid {os.getpid()} {self._tag}"
         self.lease = NameLease(redis, self.keys, "archiver", token, key=self.keys.archiver_lease)
         self._renewed = 0.0
 
@@ -134,15 +145,27 @@ class Archiver:
     def _ttl_ms(self) -> int:
         return int(self.settings.lease_seconds * 1000)
 
+    def _lease_lost(self, what: str) -> ConfigError:
+        return ConfigError(
+            f"archiver (ns {self.keys.namespace}): its lease lapsed and another archiver took the namespace "
+            f"(this one stalled past --lease-seconds: a pause, a swap storm, a stalled disk); {what}; stopping"
+        )
+
     async def _renew(self) -> None:
         if time.monotonic() - self._renewed < self.settings.lease_seconds / 3:
             return
-        if not await self._outage.run(functools.partial(self.lease.hold, self._ttl_ms)):
-            raise ConfigError(
-                f"archiver (ns {self.keys.namespace}): its lease lapsed and another archiver took the namespace "
-                "(this one stalled past --lease-seconds); stopping"
-            )
-        self._renewed = time.monotonic()
+        await self._hold_fresh("nothing was written after it")
+
+    async def _hold_fresh(self, what: str) -> None:
+        """Renew the lease and know it is ours for at least half its length from now: a reply that
+        took longer than that (a stall after Redis renewed it) is checked again."""
+        while True:
+            asked = time.monotonic()
+            if not await self._outage.run(functools.partial(self.lease.hold, self._ttl_ms)):
+                raise self._lease_lost(what)
+            if time.monotonic() - asked < self.settings.lease_seconds / 2:
+                self._renewed = asked
+                return
 
     async def _run(self) -> int:
         config = await self._outage.run(lambda: load_config(self.redis, self.keys))
@@ -152,12 +175,12 @@ class Archiver:
                 "re-run `rollstream init ... --archive-bytes SIZE --force`"
             )
         out = self.settings.out
-        out.mkdir(parents=True, exist_ok=True)
+        self._prepare(out)
         if partial := remove_partial(out):
             logger.info("archiver (ns %s): removed %d unfinished file(s) of a killed run", self.keys.namespace, partial)
         cursor = written_cursor(out)
         await self._confirm_written(cursor)
-        await self._outage.run(lambda: self.stream.confirm([], "", now_ms()))  # seen: inspect shows it running
+        await self._confirm([], "")  # seen: inspect shows it running
         logger.info("archiver (ns %s): writing to %s after record %s", self.keys.namespace, out, cursor)
         buffer: list[ArchiveRecord] = []
         oldest = 0.0
@@ -170,17 +193,38 @@ class Archiver:
             if entries and not buffer:
                 oldest = time.monotonic()
             buffer.extend(ArchiveRecord.parse(eid, fields) for eid, fields in entries)
+            if entries:
+                logger.debug("archiver (ns %s): read %d records, %d buffered", self.keys.namespace, len(entries),
+                             len(buffer))
             full = len(buffer) >= self.settings.batch
             if buffer and (full or time.monotonic() - oldest >= self.settings.flush_seconds):
-                cursor = await self._flush(buffer)
+                cursor = await self._flush(buffer, cursor)
                 buffer = []
             elif not buffer:
-                await self._outage.run(lambda: self.stream.confirm([], "", now_ms()))
+                await self._confirm([], "")
             await self._check_drops()
             await self._renew()
         if buffer:
-            await self._flush(buffer)
+            await self._flush(buffer, cursor)
         return self.written
+
+    def _prepare(self, out: Path) -> None:
+        """The ``--out`` folder made if missing and claimed for this namespace (``claim_folder``);
+        a file there, a read-only or unwritable folder is ``ArchiveUnusable`` naming the fix."""
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), out)
+            raise ArchiveUnusable(
+                f"--out {out}: {file} is a file, not a folder: give --out a folder (made if missing)"
+            ) from exc
+        except OSError as exc:
+            raise ArchiveUnusable(f"--out {out}: the folder cannot be made ({exc.strerror or exc}): "
+                                  f"{_fix(exc, out)}") from exc
+        try:
+            claim_folder(out, self.keys.namespace)
+        except OSError as exc:
+            raise ArchiveUnusable(f"--out {out}: cannot write there ({exc.strerror or exc}): {_fix(exc, out)}") from exc
 
     async def _confirm_written(self, cursor: str) -> None:
         """Records at or below ``cursor`` are in the files: delete those still in Redis."""
@@ -190,32 +234,71 @@ class Archiver:
             await self._confirm([(eid, ArchiveRecord.parse(eid, fields).record_bytes) for eid, fields in rows], cursor)
 
     async def _confirm(self, pairs: list[tuple[bytes, int]], cursor: str) -> None:
-        await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms()))
+        """Delete confirmed records, in a script that first checks this archiver still holds the lease."""
+        token = self.lease.token
+        if not await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms(), token)):
+            raise self._lease_lost("its files stay (the archiver now holding the namespace counts them)")
 
-    async def _flush(self, records: list[ArchiveRecord]) -> str:
-        """Write the records (one file per run of one partition, in id order), then confirm them."""
-        await asyncio.to_thread(self._write, records)
+    async def _flush(self, records: list[ArchiveRecord], after: str) -> str:
+        """Write the records (one file per run of one partition, in id order) under temporary
+        names, then for each file check the lease and rename it, then confirm them."""
+        try:
+            written = await asyncio.to_thread(self._write, records, after)
+        except ArchiveUnusable:  # a lapsed lease (a successor removed our files) says more
+            await self._hold_fresh("its unfinished files were removed")
+            raise
+        try:
+            while written:
+                tmp, final, count = written[0]
+                await self._hold_fresh("its unfinished files were removed, nothing renamed")
+                try:
+                    publish_part(tmp, final)  # no await since the check: the lease is ours for L/2 more
+                except FileNotFoundError as exc:  # a successor's start removed our temporary file
+                    await self._hold_fresh("its unfinished files were removed by its successor")
+                    raise ArchiveUnusable(f"{tmp}: the temporary file vanished before its rename ({exc})") from exc
+                except OSError as exc:
+                    raise ArchiveUnusable(f"{final}: cannot rename it ({exc.strerror or exc}): "
+                                          f"{_fix(exc, self.settings.out)}") from exc
+                written.pop(0)
+                self.written += count
+                self.files += 1
+                logger.debug("archiver (ns %s): %d records to %s", self.keys.namespace, count, final)
+        finally:
+            for tmp, _, _ in written:
+                tmp.unlink(missing_ok=True)
         cursor = records[-1].archive_id
         await self._confirm([(r.archive_id.encode(), r.record_bytes) for r in records], cursor)
         return cursor
 
-    def _write(self, records: list[ArchiveRecord]) -> None:
+    def _write(self, records: list[ArchiveRecord], after: str) -> list[tuple[Path, Path, int]]:
+        """Each run of one partition as a temporary file: (temporary, final, records)."""
         by = self.settings.partition
-        run: list[ArchiveRecord] = []
+        runs: list[list[ArchiveRecord]] = []
         for record in records:
-            if run and partition_of(record, by) != partition_of(run[0], by):
-                self._write_run(run)
-                run = []
-            run.append(record)
-        if run:
-            self._write_run(run)
-
-    def _write_run(self, run: list[ArchiveRecord]) -> None:
-        rows = [record_row(r, keep_arrays=self.settings.keep_arrays) for r in run]
-        path = write_part(self.settings.out, partition_of(run[0], self.settings.partition), rows)
-        self.written += len(rows)
-        self.files += 1
-        logger.debug("archiver (ns %s): %d records to %s", self.keys.namespace, len(rows), path)
+            if runs and partition_of(record, by) == partition_of(runs[-1][0], by):
+                runs[-1].append(record)
+            else:
+                runs.append([record])
+        written: list[tuple[Path, Path, int]] = []
+        try:
+            for run in runs:
+                rows = [record_row(r, keep_arrays=self.settings.keep_arrays) for r in run]
+                metadata = part_metadata(self.keys.namespace, after)
+                folder = self.settings.out / partition_of(run[0], by)
+                try:
+                    tmp, final = write_tmp(self.settings.out, partition_of(run[0], by), rows, metadata, self._tag)
+                except OSError as exc:
+                    raise ArchiveUnusable(
+                        f"{folder}: cannot write the archive's next file ({exc.strerror or exc}): "
+                        f"{_fix(exc, self.settings.out)}"
+                    ) from exc
+                written.append((tmp, final, len(rows)))
+                after = run[-1].archive_id
+        except BaseException:
+            for tmp, _, _ in written:
+                tmp.unlink(missing_ok=True)
+            raise
+        return written
 
     async def _check_drops(self) -> None:
         now = time.monotonic()
@@ -236,3 +319,13 @@ class Archiver:
                 "(archive_bytes budget reached while no archiver ran)", self.keys.namespace, dropped,
             )
         self._dropped = dropped
+
+
+def _fix(exc: OSError, out: Path) -> str:
+    """What to do about an archive folder the system refused."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the disk of {out} is full: free space there (or move --out), then restart; the records wait in "
+                "Redis meanwhile (past --archive-bytes the oldest are dropped and counted in archive_dropped)")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{out} is read-only or not writable by this user: give --out a writable folder"
+    return f"check {out} (its disk, mount and permissions) and restart"

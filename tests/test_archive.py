@@ -5,11 +5,15 @@ byte budget (drops counted, shown, warned), and written to Parquet exactly once 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from rollstream.common.archive_schema import (
     ArchiveRecord,
     archive_files,
     file_schema_version,
+    publish_part,
     read_table,
     written_cursor,
 )
@@ -159,7 +164,9 @@ async def test_archiver_resumes_after_files_written_but_not_confirmed(
         first = Archiver(redis, blocking, settings)
         (tmp_path / "arch").mkdir()
         stream = ArchiveStream(redis, keys)
-        first._write([ArchiveRecord.parse(e, f) for e, f in await stream.after("0-0", 100)])  # killed before confirm
+        records = [ArchiveRecord.parse(e, f) for e, f in await stream.after("0-0", 100)]
+        for tmp, final, _ in first._write(records, "0-0"):  # renamed, then killed before the confirm
+            publish_part(tmp, final)
         (tmp_path / "arch" / "version=0" / "part_9-0_9-1.parquet.tmp").write_bytes(b"half a file")
         await queue.commit(ids[4:])
         await _archive_until(Archiver(redis, blocking, settings), redis, keys)
@@ -359,3 +366,155 @@ async def test_a_killed_archivers_lease_lapses(
 
 async def _held_by(redis: Redis, keys: Keys, pid: int) -> bool:
     return f" pid {pid} " in await _holder(redis, keys)
+
+
+async def _commit(redis: Redis, keys: Keys, count: int, start: int = 0, **kwargs: int) -> list[bytes]:
+    """Publish ``count`` groups and commit them in one step (each an archive record)."""
+    ids = [await _publish(redis, keys, start + i, **kwargs) for i in range(count)]
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await GroupQueue(redis, keys, "t").commit(ids) == count
+    return ids
+
+
+async def _exit_code(child: subprocess.Popen[bytes]) -> int:
+    return await asyncio.wait_for(asyncio.to_thread(child.wait), 60)
+
+
+async def test_an_archive_folder_belongs_to_one_namespace(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, procs: ProcessPool, tmp_path: Path
+) -> None:
+    """Issue 49 finding 1: a second namespace's archiver given the first one's folder is refused,
+    naming the owner, and deletes nothing from Redis (it had written 1 row, deleted 8, said 8)."""
+    other = Keys(f"{ns}-b")
+    for k in (keys, other):
+        await make_namespace(redis, k.namespace, archive_bytes=50_000_000)
+    await _commit(redis, other, 8)  # older ids than the first namespace's
+    await _commit(redis, keys, 8)
+    out = tmp_path / "shared"
+    args = ["archive", "--redis", redis_url, "--out", str(out), "--flush-seconds", "0.05"]
+    first = procs.start(*args, "--ns", ns, log_name="first")
+    await wait_until(lambda: _settled(redis, keys), message="the first namespace archived", timeout=60)
+    first.send_signal(signal.SIGTERM)
+    assert await _exit_code(first) == 0, procs.logs()
+    second = procs.start(*args, "--ns", other.namespace, log_name="second")
+    assert await _exit_code(second) == 2, procs.logs()
+    assert f"is the archive folder of namespace {ns!r}, not {other.namespace!r}" in procs.log_of(second)
+    assert "Traceback" not in procs.log_of(second)
+    assert await redis.xlen(other.archive) == 8 and await redis.hget(other.state, StateField.ARCHIVED) is None
+    assert read_table(out).num_rows == 8
+
+    # its own folder works; files of two namespaces in one folder are refused by the readers
+    own = tmp_path / "own"
+    third = procs.start(*args[:-4], "--out", str(own), "--flush-seconds", "0.05", "--ns", other.namespace,
+                        log_name="third")
+    await wait_until(lambda: _settled(redis, other), message="the second namespace archived", timeout=60)
+    third.send_signal(signal.SIGTERM)
+    assert await _exit_code(third) == 0, procs.logs()
+    [stray] = archive_files(own)
+    (out / stray.parent.name / stray.name).write_bytes(stray.read_bytes())
+    with pytest.raises(ConfigError, match="several namespaces"):
+        read_table(out)
+
+
+async def test_the_confirming_script_checks_the_lease(redis: Redis, ns: str, keys: Keys) -> None:
+    """Issue 49 finding 2: ARCHIVED deletes nothing for an archiver whose lease another holds."""
+    await make_namespace(redis, ns, archive_bytes=50_000_000)
+    await _commit(redis, keys, 3)
+    stream = ArchiveStream(redis, keys)
+    pairs = [(eid, ArchiveRecord.parse(eid, f).record_bytes) for eid, f in await stream.after("0-0", 10)]
+    await redis.set(keys.archiver_lease, "host pid 2 successor", px=10_000)
+    assert await stream.confirm(pairs, "9-9", 1, "host pid 1 stalled") is False
+    assert await redis.xlen(keys.archive) == 3 and await redis.hget(keys.state, StateField.ARCHIVE_CURSOR) is None
+    assert await stream.confirm(pairs, "9-9", 1, "host pid 2 successor") is True
+    assert await redis.xlen(keys.archive) == 0
+
+
+async def test_an_archiver_stalled_past_its_lease_writes_nothing_twice(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, procs: ProcessPool, tmp_path: Path
+) -> None:
+    """Issue 49 finding 2, with real processes and signals: archiver A reads 10 records and is
+    SIGSTOPped before its flush; B (--wait) takes the lapsed lease and archives them (files of 3); A, resumed
+    with its flush due, checks the lease before its rename and stops without writing. Before the
+    fix A wrote its 10 again: 20 rows for 10 ids."""
+    await make_namespace(redis, ns, archive_bytes=50_000_000)
+    out = tmp_path / "arch"
+    args = ["archive", "--redis", redis_url, "--ns", ns, "--out", str(out), "--lease-seconds", "2",
+            "--log-level", "DEBUG"]
+    flush = 12.0
+    stalled = procs.start(*args, "--flush-seconds", str(flush), "--batch", "1000", log_name="stalled")
+    await wait_until(lambda: _held_by(redis, keys, stalled.pid), message="A's lease", timeout=60)
+    await _commit(redis, keys, 10)
+    await wait_until(lambda: "10 buffered" in procs.log_of(stalled), message="A holding 10 records", timeout=60)
+    read_at = asyncio.get_running_loop().time()
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        assert archive_files(out) == [], "A flushed before it was stopped: the stall was not reproduced"
+        procs.start(*args, "--flush-seconds", "0.05", "--batch", "3", "--wait", "60", log_name="successor")
+        await wait_until(lambda: _settled(redis, keys), message="B archived the 10 records", timeout=90)
+        await wait_until(lambda: asyncio.get_running_loop().time() - read_at > flush + 1,
+                         message="A's flush due", timeout=flush + 5)
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    assert await _exit_code(stalled) == 2, procs.logs()
+    assert "its lease lapsed and another archiver took the namespace" in procs.log_of(stalled)
+    ids = read_table(out, ["archive_id"]).column("archive_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 10
+    assert len(archive_files(out)) == 4  # B's files of 3, 3, 3 and 1 (A's one file of 10 would overlap them)
+    assert not list(out.rglob("*.tmp"))
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A tmpfs mounted for the test (``size``, ``ro``): a real full disk or read-only folder.
+    Needs root (the CI runs as root); skipped otherwise."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("mounting a small tmpfs (a real full or read-only disk) needs root")
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True, check=False, timeout=30)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False, timeout=30)
+
+
+async def test_archiver_errors_name_the_fix(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, procs: ProcessPool, tmp_path: Path,
+    small_mount: Callable[..., Path],
+) -> None:
+    """Issue 49 finding 16: an --out that is a file, a read-only --out and a full disk each stop
+    the archiver with one line naming the path and the fix (no traceback), nothing confirmed in
+    Redis and no half-written file left."""
+    await make_namespace(redis, ns, archive_bytes=200_000_000)
+    args = ["archive", "--redis", redis_url, "--ns", ns, "--flush-seconds", "0.05"]
+
+    async def refused(out: Path, *said: str) -> None:
+        child = procs.start(*args, "--out", str(out), log_name="archiver")
+        assert await _exit_code(child) == 2, procs.logs()
+        log = procs.log_of(child)
+        assert "Traceback" not in log and all(s in log for s in said), log
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    await refused(a_file, f"--out {a_file}", "is a file, not a folder")
+    await refused(a_file / "sub", f"{a_file} is a file, not a folder")
+    read_only = small_mount("ro", "ro,size=1m")
+    await refused(read_only, f"--out {read_only}", "read-only")
+
+    full = small_mount("full", "size=256k")
+    group = full_group(n=2, index=0)  # 200 kB of random text a sample: its file is more than the disk
+    group = replace(group, samples=[replace(s, response=base64.b64encode(os.urandom(150_000)).decode())
+                                    for s in group.samples])
+    entry = await redis.xadd(keys.groups, group_fields(group))
+    await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    assert await GroupQueue(redis, keys, "t").commit([entry]) == 1
+    await refused(full, str(full / "version=0"), "disk", "is full", "free space")
+    assert await redis.xlen(keys.archive) == 1 and not list(full.rglob("*.tmp"))

@@ -33,12 +33,15 @@ class ArchiveStream(Guarded):
         """Records at or below ``cursor``: written to files by an archiver killed before it confirmed them."""
         return flat_entries(await self.redis.xrange(self.keys.archive, max=cursor, count=count))
 
-    async def confirm(self, pairs: Sequence[tuple[bytes, int]], cursor: str, now: int) -> int:
-        """Delete records written to files (id, record size) and leave them out of the ledger."""
+    async def confirm(self, pairs: Sequence[tuple[bytes, int]], cursor: str, now: int, token: str) -> bool:
+        """Delete records written to files (id, record size) and leave them out of the ledger, if
+        the archiver lease holds ``token``; False (nothing changed) when it does not."""
         flat: list[bytes | str | int] = []
         for record_id, size in pairs:
             flat.extend((record_id, size))
-        return int(await self._archived(cursor=cursor, now_ms=now, pairs=flat))
+        reply = int(await self._archived(lease=self.keys.archiver_lease, token=token, cursor=cursor, now_ms=now,
+                                         pairs=flat))
+        return reply >= 0
 
     async def dropped(self) -> int:
         raw = await self.redis.hget(self.keys.state, StateField.ARCHIVE_DROPPED)

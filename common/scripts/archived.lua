@@ -1,8 +1,11 @@
 -- The archiver's confirmation: ``pairs`` are (archive id, record size) of records written to
 -- Parquet; each one still in the stream is deleted and leaves the ledger (one the budget dropped
--- meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``.
--- KEYS: archive state
--- ARGV: cursor now_ms *pairs
+-- meanwhile changes nothing). ``cursor`` is the last id written, for ``inspect``. Only the archiver
+-- holding the namespace's lease (``token``) confirms: a stalled one whose lease lapsed changes
+-- nothing and is told so (-1), as a successor may have written the same records.
+-- KEYS: archive state lease
+-- ARGV: token cursor now_ms *pairs
+if redis.call('GET', lease) ~= token then return -1 end
 local gone, freed = 0, 0
 for i = pairs_at, #ARGV - 1, 2 do
   if redis.call('XDEL', archive, ARGV[i]) == 1 then
