@@ -205,3 +205,12 @@ def test_bias_quick_produces_rows() -> None:
     _cost, table = bench_main.run(["bias"], quick=True)
     assert [row[0] for row in table.rows] == ["partial-off", "partial-on"]
     assert all(row[2] == "0 / 0" and row[3] == "8 / 8" for row in table.rows), table.rows
+
+
+@pytest.mark.timeout(120)
+def test_mooncake_store_quick_measures_every_path() -> None:
+    (table,) = bench_main.run(["mooncake_store"], quick=True)
+    if table.headers == ["why"]:
+        pytest.skip(f"Mooncake cannot run here: {table.rows[0][0]}")
+    assert [row[0] for row in table.rows][:2] == ["MooncakeStore", "MooncakeStore"]
+    assert all(row[3] > 0 for row in table.rows)
