@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
@@ -170,6 +170,12 @@ def _fmt(value: float, fmt: str) -> str:
     return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
 
 
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """POST ``body`` as JSON to the simulator; an error status raises (``raise_for_status``)."""
+    async with http.post(url, json=body) as response:
+        await response.read()
+
+
 async def trainer_loop(
     args: argparse.Namespace, url: str, engine_url: str, console: Console
 ) -> tuple[list[dict[str, float]], dict[str, str]]:
@@ -179,7 +185,7 @@ async def trainer_loop(
     live_output = console.is_terminal
     async with (
         GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
-        httpx.AsyncClient(timeout=10) as http,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), raise_for_status=True) as http,
     ):
         from rich.live import Live
 
@@ -194,13 +200,14 @@ async def trainer_loop(
                     # As in a real weight update: producers stop admitting, the engine aborts what
                     # is in flight (those groups come back ABORTED and are recycled), weights load.
                     await consumer.pause()
-                    await http.post(f"{engine_url}/pause_generation", json={"mode": "abort"})
-                await http.post(
+                    await _post(http, f"{engine_url}/pause_generation", {"mode": "abort"})
+                await _post(
+                    http,
                     f"{engine_url}/update_weights_from_disk",
-                    json={"model_path": f"step-{step}", "weight_version": str(version)},
+                    {"model_path": f"step-{step}", "weight_version": str(version)},
                 )
                 if not args.no_pause:
-                    await http.post(f"{engine_url}/continue_generation", json={})
+                    await _post(http, f"{engine_url}/continue_generation", {})
                 if args.no_pause:
                     await consumer.set_weight_version(version)
                 else:

@@ -7,6 +7,7 @@ backoff, no orphans after the owner dies)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -16,13 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from rollstream.common.backoff import Backoff
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,25 @@ def stop_processes(children: Iterable[subprocess.Popen[bytes]], timeout: float =
             child.wait()
 
 
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The health checks' opener: the engines are asked directly, never through an environment proxy."""
+
+
+def healthy(url: str, timeout: float = 1.0) -> bool:
+    """Whether ``url/health`` answers 200 within ``timeout`` seconds (blocking; stdlib HTTP)."""
+    try:
+        with _NO_PROXY.open(url + "/health", timeout=timeout) as reply:
+            return bool(reply.status == 200)
+    except (OSError, http.client.HTTPException, ValueError):  # refused, reset, timeout, non-2xx, garbage
+        return False
+
+
 def wait_for_http(url: str, timeout: float = 20.0) -> None:
     """Block until ``url/health`` answers 200 (an engine or the simulator came up)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
+        if healthy(url):
+            return
         time.sleep(0.05)
     raise RuntimeError(f"no engine answered at {url}/health within {timeout} s")
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import httpx
+from rollstream.runtime.children import healthy
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,8 @@ def vllm_server(model: Path, port: int, log: Path, *, python: str | None = None,
             if child.poll() is not None:
                 tail = log.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"vLLM exited with {child.returncode} while starting:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
+            if healthy(url, timeout=2.0):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not answer {url}/health within {timeout:.0f} s (log {log})")
             time.sleep(0.5)

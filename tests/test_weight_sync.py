@@ -5,10 +5,12 @@ declaration."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 from rollstream import WeightSync
 from rollstream.common.errors import ConfigError, WeightSyncError
 from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS
@@ -35,31 +37,43 @@ EXPECTED: dict[tuple[str, str], list[tuple[str, str, Any]]] = {
 declaration (body None: no body)."""
 
 
-def _recorder(seen: list[tuple[str, str, Any]], reply: dict[str, Any] | None = None) -> httpx.MockTransport:
-    def handler(request: httpx.Request) -> httpx.Response:
-        path = request.url.raw_path.decode()
-        seen.append((request.method, path, json.loads(request.content) if request.content else None))
-        return httpx.Response(200, json=reply or {"weight_version": "3"})
+@asynccontextmanager
+async def _recorder(seen: list[tuple[str, str, Any]], reply: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """A real HTTP server on a free port that records every request and answers ``reply``; its URL."""
 
-    return httpx.MockTransport(handler)
+    async def handler(request: web.Request) -> web.Response:
+        content = await request.read()
+        seen.append((request.method, request.raw_path, json.loads(content) if content else None))
+        return web.json_response(reply or {"weight_version": "3"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize(("kind", "mode"), sorted(EXPECTED))
 async def test_each_server_and_mode_sends_the_declared_requests_in_order(kind: str, mode: str) -> None:
     seen: list[tuple[str, str, Any]] = []
-    async with WeightSync(["http://e"], kind=kind, transport=_recorder(seen)) as sync:
+    async with _recorder(seen) as url, WeightSync([url], kind=kind) as sync:
         report = await sync.update(None, "/ckpt/3", 3, mode=mode)  # type: ignore[arg-type]
         assert ("set version" in report.seconds) == (kind == "vllm")
         assert seen == EXPECTED[kind, mode]
         seen.clear()
-        assert await sync.versions() == {"http://e": 3}
+        assert await sync.versions() == {url: 3}
         assert seen == [("GET", WEIGHT_APIS[kind].version_path, None)]
 
 
 async def test_a_reload_answering_success_false_fails_the_stage() -> None:
     seen: list[tuple[str, str, Any]] = []
     reply = {"success": False, "message": "no such folder"}
-    async with WeightSync(["http://e"], kind="sglang", transport=_recorder(seen, reply)) as sync:
+    async with _recorder(seen, reply) as url, WeightSync([url], kind="sglang") as sync:
         with pytest.raises(WeightSyncError, match="no such folder") as caught:
             await sync.update(None, "/ckpt/3", 3)
     assert caught.value.stage == "reload"

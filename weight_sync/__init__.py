@@ -28,21 +28,22 @@ Engines are driven concurrently, each stage within its timeout. A failure raises
 :class:`WeightSyncError` naming the engine, the stage and the reply, and leaves producers paused
 (engines may hold different weights: the trainer retries :meth:`WeightSync.update`, which is
 safe to repeat, or stops). The consumer is anything with ``pause()`` and ``resume(version)``
-(a :class:`~rollstream.consumer.GroupConsumer`), so this module depends on nothing but httpx
-and ``rollstream.common``. It was the package ``rollstream.engines`` until issue 31; users import
+(a :class:`~rollstream.consumer.GroupConsumer`), so this module depends on nothing but aiohttp's
+client and ``rollstream.common``. It was the package ``rollstream.engines`` until issue 31; users import
 ``from rollstream import WeightSync``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
 from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
 from rollstream.common.versions import version_of
 from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS, Call, PauseMode, WeightAPI
@@ -87,7 +88,6 @@ class WeightSync:
         kind: EngineKind = "vllm",
         timeout: float = 120.0,
         pause_timeout: float = 600.0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not urls:
             raise ConfigError("WeightSync needs at least one engine URL")
@@ -103,7 +103,7 @@ class WeightSync:
         self.api: WeightAPI = WEIGHT_APIS[kind]
         self.timeout = timeout
         self.pause_timeout = pause_timeout
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(pause_timeout, connect=10.0), transport=transport)
+        self._http: aiohttp.ClientSession | None = None  # made on first use, on the loop that uses it
 
     async def __aenter__(self) -> WeightSync:
         return self
@@ -112,7 +112,9 @@ class WeightSync:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.close()
 
     # -- one call ---------------------------------------------------------------------
 
@@ -213,19 +215,24 @@ class WeightSync:
         return await self._request(url, "POST", path, body, stage, seconds if seconds is not None else self.timeout)
 
     async def _request(self, url: str, method: str, path: str, body: Any, stage: str, seconds: float) -> Any:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
+        timeout = aiohttp.ClientTimeout(total=seconds, connect=min(seconds, 10.0))
         try:
-            response = await self._http.request(method, url + path, json=body, timeout=seconds)
-        except httpx.HTTPError as exc:
+            async with self._http.request(
+                method, url + path, json=body, timeout=timeout, allow_redirects=False
+            ) as response:
+                status, content = response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise WeightSyncError(url, stage, f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            detail = f"{method} {path} answered HTTP {response.status_code}: {response.text[:500]}"
-            raise WeightSyncError(url, stage, detail)
-        if not response.content:
+        if status != 200:
+            text = content.decode("utf-8", "replace")
+            raise WeightSyncError(url, stage, f"{method} {path} answered HTTP {status}: {text[:500]}")
+        if not content:
             return None
         try:
-            return response.json()
+            return json.loads(content)
         except ValueError:
             return None
-
 
 __all__ = ["PAUSE_MODES", "EngineKind", "Pausable", "PauseMode", "UpdateReport", "WeightSync", "WeightSyncError"]

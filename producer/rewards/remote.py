@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 from rollstream.common.backoff import Backoff
 from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.models import PromptContent, Sample
@@ -40,17 +40,16 @@ class RemoteReward(RewardFunction):
         self.attempts = attempts
         self.backoff = backoff
         self.max_connections = max_connections
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
-    def _get_client(self) -> httpx.AsyncClient:
+    def _get_client(self) -> aiohttp.ClientSession:
         # created lazily so that it belongs to the event loop that uses it
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
-                limits=httpx.Limits(
-                    max_connections=self.max_connections,
-                    max_keepalive_connections=min(self.max_connections, 16),
-                ),
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout, connect=min(self.timeout, 10.0)),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                raise_for_status=False,
             )
         return self._client
 
@@ -100,30 +99,30 @@ class RemoteReward(RewardFunction):
         for attempt in range(1, self.attempts + 1):
             delay = backoff.delay(attempt - 1)
             try:
-                response = await client.post(
-                    self.url, content=content, headers={"Content-Type": "application/json"}
-                )
-            except httpx.TransportError as exc:  # connection refused/reset, timeouts
+                async with client.post(
+                    self.url, data=content, headers={"Content-Type": "application/json"}, allow_redirects=False
+                ) as response:
+                    status = response.status
+                    raw = await response.read()
+                    retry_after = _retry_after(response.headers.get("Retry-After"))
+            except (aiohttp.ClientError, TimeoutError) as exc:  # connection refused/reset, timeouts
                 last_error = _describe(exc)
             else:
-                status = response.status_code
+                text = raw.decode("utf-8", "replace")
                 if status == 429 or status >= 500:
-                    last_error = f"HTTP {status}: {response.text[:200]}"
-                    retry_after = _retry_after(response)
+                    last_error = f"HTTP {status}: {text[:200]}"
                     if retry_after is not None:
                         delay = retry_after
                 elif not 200 <= status < 300:
                     raise RewardError(
-                        f"reward server {self.url} rejected the request with HTTP {status}: "
-                        f"{response.text[:500]}"
+                        f"reward server {self.url} rejected the request with HTTP {status}: {text[:500]}"
                     )
                 else:
                     try:
-                        return response.json()
+                        return json.loads(raw)
                     except ValueError as exc:
                         raise RewardError(
-                            f"reward server {self.url} answered with invalid JSON: "
-                            f"{response.text[:200]!r}"
+                            f"reward server {self.url} answered with invalid JSON: {text[:200]!r}"
                         ) from exc
             if attempt < self.attempts:
                 await asyncio.sleep(delay)
@@ -134,11 +133,10 @@ class RemoteReward(RewardFunction):
     async def aclose(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await client.close()
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
+def _retry_after(value: str | None) -> float | None:
     if value is None:
         return None
     try:
