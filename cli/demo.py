@@ -25,12 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+from rollstream.common import bias
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
@@ -48,20 +50,39 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rollstream.demo")
 
-COLUMNS = (
-    ("step", "step", "{:.0f}"),
-    ("groups", "groups", "{:.0f}"),
-    ("reward", "reward_mean", "{:.3f}"),
-    ("stale mean", "staleness_mean", "{:.2f}"),
-    ("stale max", "staleness_max", "{:.0f}"),
-    ("stale seen", "staleness_max_seen", "{:.0f}"),
-    ("recycled stale", "recycled_stale", "{:.0f}"),
-    ("recycled abort", "recycled_aborted", "{:.0f}"),
-    ("backlog", "backlog", "{:.0f}"),
-    ("wait s", "wait_time_s", "{:.2f}"),
-    ("blocked s", "admission_blocked_s", "{:.2f}"),
-    ("producers", "producers_alive", "{:.0f}"),
+def _cell(fmt: str, *keys: str) -> Callable[[dict[str, Any]], str]:
+    def cell(row: dict[str, Any]) -> str:
+        values = [row.get(key, math.nan) for key in keys]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            return "-"
+        return fmt.format(*values)
+
+    return cell
+
+
+COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("step", _cell("{:.0f}", "step")),
+    ("groups/s", _cell("{:.1f}", "groups_per_s")),
+    ("tokens/s", _cell("{:,.0f}", "tokens_per_s")),
+    ("wait / step s", _cell("{:.2f} / {:.2f}", "wait_time_s", "step_s")),
+    ("fates T/R/F", _cell("{:.0f} / {:.0f} / {:.0f}", "groups", "recycled", "dropped")),
+    ("stale", _cell("{:.2f} ({:.0f})", "staleness_mean", "staleness_max")),
+    ("token lag", _cell("{:.2f} ({:.0f})", "token_lag_mean", "token_lag_max")),
+    ("long T/F", _cell("{}", "long_shares")),
 )
+"""The live table: throughput; the trainer's wait for its batch against the whole step (training,
+weight update and wait); each step's fates; staleness and per-token lag; the bias ledger's share
+of long responses, trained against fed (docs/staleness.md, issue 38)."""
+
+CAPTION = (
+    "wait / step: seconds the trainer waited for its batch, of the whole step; fates: trained / recycled / "
+    "filtered or dead-lettered groups; stale, token lag: mean (max) versions behind; long T/F: responses of "
+    ">= {edge} tokens, their share of the epoch's trained prompts / of its fed ones (the bias ledger)"
+)
+
+
+LENGTH_LABELS = tuple(bias.bucket(value, bias.RESPONSE_EDGES) for value in (0, *bias.RESPONSE_EDGES))
+"""The bias ledger's response-length buckets, shortest first."""
 
 
 def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[argparse.ArgumentParser]) -> None:
@@ -155,19 +176,53 @@ def dataset_path() -> Path:
     return Path(str(resources.files("rollstream.cli") / "data" / "arithmetic.jsonl"))
 
 
-def _table(rows: list[dict[str, float]]) -> Table:
+def _table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
-    table = Table(title="rollstream demo", expand=False)
-    for title, _, _ in COLUMNS:
-        table.add_column(title, justify="right")
+    table = Table(title="rollstream demo", caption=CAPTION.format(edge=bias.RESPONSE_EDGES[0]), expand=False)
+    for title, _ in COLUMNS:
+        table.add_column(title, justify="right", no_wrap=True)
     for row in rows:
-        table.add_row(*(_fmt(row.get(key, math.nan), fmt) for _, key, fmt in COLUMNS))
+        table.add_row(*(cell(row) for _, cell in COLUMNS))
     return table
 
 
-def _fmt(value: float, fmt: str) -> str:
-    return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+def length_shares(metrics: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(bucket, fed share, trained share) of each response-length bucket of the batch's bias
+    ledger (the epoch so far) that was fed anything, shortest first."""
+    out = []
+    for label in LENGTH_LABELS:
+        fed = metrics.get(f"bias/response/{label}/fed", 0.0)
+        if fed > 0:
+            stem = f"bias/response/{label}"
+            out.append((label, metrics.get(f"{stem}/fed_share", 0.0), metrics.get(f"{stem}/trained_share", 0.0)))
+    return out
+
+
+def step_row(
+    step: int, metrics: dict[str, float], tokens: int, *, step_s: float, train_s: float, update_s: float
+) -> dict[str, Any]:
+    """One step of the table and the plot: the batch's metrics, the step's throughput (the batch
+    over the wall time since the previous step ended), its fates and the long responses' shares."""
+    groups = metrics.get("groups", 0.0)
+    recycled = sum(value for key, value in metrics.items() if key.startswith("recycled_"))
+    shares = length_shares(metrics)
+    long = [share for share in shares if share[0] != LENGTH_LABELS[0]]
+    fed_long, trained_long = sum(f for _, f, _ in long), sum(t for _, _, t in long)
+    return {
+        **metrics,
+        "step": float(step),
+        "step_s": step_s,
+        "train_s": train_s,
+        "update_s": update_s,
+        "tokens": float(tokens),
+        "groups_per_s": groups / step_s if step_s > 0 else math.nan,
+        "tokens_per_s": tokens / step_s if step_s > 0 else math.nan,
+        "recycled": float(recycled),
+        "dropped": metrics.get("filtered", 0.0) + metrics.get("dead_lettered", 0.0),
+        "long_shares": f"{trained_long:.0%} / {fed_long:.0%}" if long else math.nan,
+        "length_shares": shares,
+    }
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
@@ -178,10 +233,10 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
 
 async def trainer_loop(
     args: argparse.Namespace, url: str, engine_url: str, console: Console
-) -> tuple[list[dict[str, float]], dict[str, str]]:
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     from rollstream.consumer import GroupConsumer
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     live_output = console.is_terminal
     async with (
         GroupConsumer.connect(url, args.ns, "demo-trainer", stall_timeout=60) as consumer,
@@ -191,10 +246,13 @@ async def trainer_loop(
 
         live = Live(_table(rows), console=console, refresh_per_second=4) if live_output else None
         with live if live is not None else contextlib.nullcontext():
+            last = time.monotonic()
             for step in range(args.steps):
                 batch = await consumer.take(args.batch_size)
+                trained_at = time.monotonic()
                 await asyncio.sleep(args.train_time)  # the "training step"
                 await consumer.commit(batch)
+                updated_at = time.monotonic()
                 version = batch.weight_version + 1
                 if not args.no_pause:
                     # As in a real weight update: producers stop admitting, the engine aborts what
@@ -212,19 +270,27 @@ async def trainer_loop(
                     await consumer.set_weight_version(version)
                 else:
                     await consumer.resume(version)
-                row = {"step": float(step), **batch.metrics}
+                now = time.monotonic()
+                tokens = sum(sample.response_length for group in batch.groups for sample in group.samples)
+                row = step_row(
+                    step, batch.metrics, tokens,
+                    step_s=now - last, train_s=updated_at - trained_at, update_s=now - updated_at,
+                )
+                last = now
                 rows.append(row)
                 if live is not None:
                     live.update(_table(rows))
                 else:
                     console.print(
-                        "  ".join(f"{title}={_fmt(row.get(key, math.nan), fmt)}" for title, key, fmt in COLUMNS)
+                        "  ".join(f"{title}={cell(row)}" for title, cell in COLUMNS)
                     )
         state = await read_state(consumer.redis, consumer.keys)
     return rows, state
 
 
-def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
+def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """The run in six panels (``demo.png`` in ``out``): throughput, the trainer's time, each
+    step's fates, staleness and token lag, and the bias ledger by response length."""
     try:
         import matplotlib
 
@@ -233,25 +299,92 @@ def plot(rows: list[dict[str, float]], out: Path) -> Path | None:
     except ImportError:
         logger.warning("matplotlib is not installed (pip install 'rollstream[plot]'): no plot")
         return None
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    axes[0].plot(steps, [r.get("reward_mean", math.nan) for r in rows], marker="o")
-    axes[0].set_ylabel("mean reward")
-    axes[1].plot(steps, [r.get("staleness_mean", 0) for r in rows], marker="o", label="mean")
-    axes[1].plot(steps, [r.get("staleness_max", 0) for r in rows], marker="x", label="max")
-    axes[1].bar(steps, [r.get("recycled_stale", 0) for r in rows], alpha=0.3, label="recycled stale")
-    axes[1].set_ylabel("staleness")
-    axes[1].legend()
-    axes[2].plot(steps, [r.get("backlog", 0) for r in rows], marker="o")
-    axes[2].set_ylabel("backlog (groups)")
-    axes[2].set_xlabel("step")
-    fig.suptitle("rollstream demo")
+    steps = [int(r["step"]) for r in rows]
+
+    def col(key: str) -> list[float]:
+        return [float(r.get(key, math.nan)) for r in rows]
+
+    fig, axes = plt.subplots(3, 2, figsize=(13, 11))
+    (speed, trainer), (fates, stale), (ledger, drift) = axes
+
+    speed.bar(steps, col("groups_per_s"), color="tab:blue", alpha=0.6, label="groups/s")
+    speed.set_ylabel("groups / s")
+    tokens = speed.twinx()
+    tokens.plot(steps, col("tokens_per_s"), color="tab:orange", marker="o", label="tokens/s")
+    tokens.set_ylabel("response tokens / s")
+    tokens.set_ylim(bottom=0)
+    speed.legend(handles=[*speed.get_legend_handles_labels()[0], *tokens.get_legend_handles_labels()[0]],
+                 loc="lower right", fontsize=8)
+    total_s = sum(col("step_s"))
+    speed.set_title(f"throughput: {sum(col('groups')) / total_s:.1f} groups/s, "
+                    f"{sum(col('tokens')) / total_s:,.0f} tokens/s over the run", fontsize=10)
+
+    wait, train, update = col("wait_time_s"), col("train_s"), col("update_s")
+    trainer.bar(steps, train, color="tab:green", label="training step")
+    trainer.bar(steps, update, bottom=train, color="tab:gray", label="weight update")
+    trainer.bar(steps, wait, bottom=[a + b for a, b in zip(train, update, strict=True)], color="tab:red",
+                label="waiting for a batch")
+    trainer.set_ylabel("seconds")
+    trainer.legend(fontsize=8)
+    waited = sum(wait) / max(sum(wait) + sum(train) + sum(update), 1e-9)
+    later = sum(wait[1:]) / max(sum(wait[1:]) + sum(train[1:]) + sum(update[1:]), 1e-9) if len(rows) > 1 else waited
+    trainer.set_title(f"the trainer's steps: it waits {later:.0%} of its time after step 0 (start-up)", fontsize=10)
+
+    trained, recycled, dropped = col("groups"), col("recycled"), col("dropped")
+    fates.bar(steps, trained, color="tab:green", label="trained")
+    fates.bar(steps, recycled, bottom=trained, color="tab:orange", label="recycled (stale, aborted, failed)")
+    fates.bar(steps, dropped, bottom=[a + b for a, b in zip(trained, recycled, strict=True)], color="tab:purple",
+              label="filtered / dead-lettered")
+    fates.set_ylabel("groups")
+    fates.set_ylim(0, 1.4 * max([a + b + c for a, b, c in zip(trained, recycled, dropped, strict=True)], default=1))
+    handed_back = sum(recycled) + sum(dropped)
+    fates.set_title(f"each step's groups by fate: {sum(trained):.0f} trained, {handed_back:.0f} handed back",
+                    fontsize=10)
+    fates.legend(fontsize=8, loc="upper left", ncols=3)
+
+    stale.plot(steps, col("staleness_mean"), marker="o", color="tab:blue", label="staleness mean (versions)")
+    stale.plot(steps, col("staleness_max"), marker="^", color="tab:blue", linestyle=":", label="staleness max")
+    stale.plot(steps, col("token_lag_mean"), marker="o", color="tab:red", label="token lag mean")
+    stale.plot(steps, col("token_lag_max"), marker="^", color="tab:red", linestyle=":", label="token lag max")
+    stale.set_ylabel("weight versions behind")
+    stale.set_ylim(bottom=0)
+    stale.set_title("staleness of each batch, and of its tokens", fontsize=10)
+    stale.legend(fontsize=8)
+
+    shares = rows[-1].get("length_shares", []) if rows else []
+    labels = [label for label, _, _ in shares]
+    where = range(len(labels))
+    ledger.bar([x - 0.2 for x in where], [f for _, f, _ in shares], width=0.4, color="tab:gray", label="fed")
+    ledger.bar([x + 0.2 for x in where], [t for _, _, t in shares], width=0.4, color="tab:green", label="trained")
+    ledger.set_xticks(list(where), labels)
+    ledger.set_xlabel("response length (tokens)")
+    ledger.set_ylabel("share of the epoch's prompts")
+    ledger.set_title("bias ledger at the last step: trained against fed, by length", fontsize=10)
+    ledger.legend(fontsize=8)
+
+    drift.plot(steps, [_long(r, 1) for r in rows], color="tab:gray", linewidth=5, alpha=0.5, label="fed")
+    drift.plot(steps, [_long(r, 2) for r in rows], marker="o", color="tab:green", label="trained")
+    drift.set_ylabel("share of the epoch's prompts")
+    drift.set_ylim(0, 1)
+    drift.set_title(f"responses of >= {bias.RESPONSE_EDGES[0]} tokens, step by step (trained below fed: "
+                    "late)", fontsize=10)
+    drift.legend(fontsize=8)
+
+    for axis in (speed, trainer, fates, stale, drift):
+        axis.set_xlabel("step")
+        axis.set_xticks(steps)
+    fig.suptitle("rollstream demo: a fully-async pipeline, step by step")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "demo.png"
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _long(row: dict[str, Any], which: int) -> float:
+    """The fed (``which`` 1) or trained (2) share of every response-length bucket but the shortest."""
+    return sum(share[which] for share in row.get("length_shares", []) if share[0] != LENGTH_LABELS[0])
 
 
 def real_run_command(flags: list[str], *, build: bool = True) -> list[str]:

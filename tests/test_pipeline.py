@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -177,8 +179,19 @@ async def test_producer_refuses_a_namespace_without_config_or_with_other_flags(
 def test_demo_runs_three_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
     result = subprocess.run(
         [sys.executable, "-m", "rollstream.cli", "demo", "--steps", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "400"},  # one line a step
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "24 groups committed" in result.stdout
     assert (tmp_path / "demo.png").stat().st_size > 1000
+    # the table a step: throughput, the trainer's wait within its step, fates, staleness, the ledger
+    line = re.compile(
+        r"step=(\d)  groups/s=([\d.]+)  tokens/s=([\d,]+)  wait / step s=([\d.]+) / ([\d.]+)  "
+        r"fates T/R/F=8 / (\d+) / (\d+)  stale=([\d.]+) \((\d+)\)  token lag=([\d.]+) \((\d+)\)  "
+        r"long T/F=(\d+% / \d+%|-)"
+    )
+    steps = [m.groups() for m in line.finditer(result.stdout)]
+    assert [int(s[0]) for s in steps] == [0, 1, 2], result.stdout[-3000:]
+    for _, per_s, tokens, wait, step, *_ in steps:
+        assert float(per_s) > 0 and int(tokens.replace(",", "")) > 0
+        assert 0 <= float(wait) <= float(step)
