@@ -346,14 +346,15 @@ def one_namespace(parts: Iterable[ArchivePart], root: str | Path) -> str | None:
     return names[0] if names else None
 
 
-def missing_runs(parts: list[ArchivePart]) -> list[tuple[str, str]]:
-    """Where a part file is missing: (last id before, first file's ``after`` id) for each break in
-    the chain of files (a file's ``after`` is the last id of the one before it)."""
+def missing_runs(parts: list[ArchivePart]) -> list[tuple[int, str, str]]:
+    """Where a part file is missing: (number of the file after the gap, last id before it, that
+    file's ``after`` id) for each break in the chain of files (a file's ``after`` is the last id of
+    the one before it; the first file's is ``0-0``)."""
     gaps = []
     previous = "0-0"
-    for part in parts:
+    for number, part in enumerate(parts):
         if part.after is not None and id_key(part.after) != id_key(previous):
-            gaps.append((previous, part.after))
+            gaps.append((number, previous, part.after))
         previous = part.last
     return gaps
 
