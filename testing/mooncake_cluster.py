@@ -21,11 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-import httpx
 from rollstream.common.errors import ExtraNotInstalled
 from rollstream.runtime.redis_server import free_port
 
@@ -148,27 +149,19 @@ class MooncakeCluster:
 
     def _master_ready(self) -> bool:
         try:
-            health = httpx.get(f"{self.admin}/health", timeout=1.0)
-            # the metadata server answers 404 for a key it does not hold: it is up
-            httpx.get(f"{self.metadata}?key=probe", timeout=1.0)
-        except httpx.HTTPError:
-            return False
-        try:
-            return health.status_code == 200 and bool(json.loads(health.text).get("service_ready"))
-        except ValueError:
+            health = _http_get(f"{self.admin}/health")
+            _http_get(f"{self.metadata}?key=probe", missing_ok=True)  # 404 for an unknown key: it is up
+            return bool(json.loads(health).get("service_ready"))
+        except (OSError, ValueError):
             return False
 
     def segments(self) -> set[str]:
         """The segments the master has mounted (one per live store process)."""
-        answer = httpx.get(f"{self.admin}/get_all_segments", timeout=5.0)
-        answer.raise_for_status()
-        return {line for line in answer.text.splitlines() if line.strip()}
+        return {line for line in _http_get(f"{self.admin}/get_all_segments").splitlines() if line.strip()}
 
     def keys(self) -> set[str]:
         """Every key the master holds."""
-        answer = httpx.get(f"{self.admin}/get_all_keys", timeout=5.0)
-        answer.raise_for_status()
-        return {line for line in answer.text.splitlines() if line.strip()}
+        return {line for line in _http_get(f"{self.admin}/get_all_keys").splitlines() if line.strip()}
 
     def kill_master(self) -> None:
         _kill(self.master)
@@ -197,7 +190,7 @@ class MooncakeCluster:
                 raise RuntimeError(f"mooncake_client exited with {store.process.returncode}: {_tail(store.log)}")
             try:
                 mounted = self.segments()
-            except httpx.HTTPError:
+            except OSError:
                 mounted = set()
             if store.segment_name:
                 if store.segment_name in mounted:
@@ -278,3 +271,14 @@ def _tail(log: Path, limit: int = 3000) -> str:
         return log.read_text(errors="replace")[-limit:]
     except OSError:
         return "(no log)"
+
+
+def _http_get(url: str, *, missing_ok: bool = False, timeout: float = 2.0) -> str:
+    """The body of ``url`` (``OSError`` when it cannot be fetched; a 404 is an answer with ``missing_ok``)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return str(answer.read().decode())
+    except urllib.error.HTTPError as exc:
+        if missing_ok and exc.code == 404:
+            return ""
+        raise

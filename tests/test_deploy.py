@@ -11,8 +11,10 @@ The validators are installed by ``.ci/run``; elsewhere those two tests skip with
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -69,7 +71,7 @@ def test_kubernetes_commands_parse_and_drain_within_the_grace_period() -> None:
     seen = 0
     for doc in docs:
         for container in _containers(doc):
-            if container.get("image", "").startswith("rollstream"):
+            if container.get("image", "").startswith("rollstream") and "command" not in container:
                 env = {**config, "POD_NAME": "pod-0"}
                 args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in container["args"]]
                 parsed = build_parser().parse_args(args)
@@ -88,7 +90,7 @@ def test_compose_commands_parse_and_keep_the_password_in_a_file() -> None:
         services = yaml.safe_load(compose.read_text())["services"]
         for name, service in services.items():
             command = service.get("command")
-            if "build" in service:
+            if "build" in service and "entrypoint" not in service:  # the image's rollstream, not Mooncake's binaries
                 parsed = build_parser().parse_args(command)
                 assert parsed.command in ("init", "feed", "produce"), name
                 assert service["environment"]["ROLLSTREAM_REDIS_PASSWORD_FILE"].startswith("/run/secrets/")
@@ -127,3 +129,87 @@ def test_compose_redis_command_starts_redis_with_a_password_and_aof(tmp_path: Pa
         server.terminate()
         server.wait(10)
     assert os.path.exists(tmp_path / "appendonlydir") or os.path.exists(tmp_path / "appendonly.aof")
+
+
+def _mooncake_commands(kind: str) -> tuple[list[str], list[str], str]:
+    """(mooncake_master args, mooncake_client args, the payload store URL) as a deploy file says."""
+    if kind == "compose":
+        services = yaml.safe_load((DEPLOY / "docker-compose.mooncake.yml").read_text())["services"]
+        assert services["mooncake-master"]["entrypoint"] == ["mooncake_master"]
+        master = list(services["mooncake-master"]["command"])
+        assert services["mooncake-store"]["entrypoint"] == ["sh", "-c"]
+        script = services["mooncake-store"]["command"][0].replace('"$$(hostname -i)"', "127.0.0.1")
+        words = shlex.split(script)
+        assert words[:2] == ["exec", "mooncake_client"], words
+        init = services["init"]["command"]
+        return master, words[2:], init[init.index("--payload-store") + 1]
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "mooncake.yaml").read_text()) if d]
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    master = _containers(by_name["Deployment", "rollstream-mooncake-master"])[0]
+    store = _containers(by_name["StatefulSet", "rollstream-mooncake-store"])[0]
+    assert master["command"] == ["mooncake_master"] and store["command"] == ["mooncake_client"]
+    url = by_name["ConfigMap", "rollstream-mooncake"]["data"]["PAYLOAD_STORE"]
+    return list(master["args"]), [a.replace("$(POD_IP)", "127.0.0.1") for a in store["args"]], url
+
+
+@pytest.mark.parametrize("kind", ["compose", "k8s"])
+async def test_mooncake_deploy_runs_a_store_the_payload_url_reaches(kind: str, tmp_path: Path) -> None:
+    """The deploy file's mooncake_master and mooncake_client commands, run for real on loopback
+    (hosts and ports mapped, the segment shrunk), serve the URL its namespace is given: an object
+    put through it is read back and deleted."""
+    from rollstream.common.payload import open_store
+    from rollstream.testing.mooncake_cluster import mooncake_binary, mooncake_unavailable
+
+    reason = mooncake_unavailable()
+    if reason is not None:
+        pytest.skip(f"Mooncake cannot run here: {reason}")
+    master_args, store_args, url = _mooncake_commands(kind)
+    ports = {port: str(free_port()) for port in ("50051", "8080", "9003", "50052")}
+
+    def local(text: str) -> str:
+        text = re.sub(r"(rollstream-)?mooncake-master", "127.0.0.1", text)
+        text = re.sub(r"\b(50051|8080|9003|50052)\b", lambda m: ports[m.group(1)], text)
+        return re.sub(r"--global_segment_size=\w+", "--global_segment_size=64MB", text)
+
+    children = []
+    try:
+        for name, args in (("mooncake_master", master_args), ("mooncake_client", store_args)):
+            with (tmp_path / f"{name}.log").open("wb") as log:
+                children.append(subprocess.Popen(  # noqa: ASYNC220
+                    [sys.executable, "-m", "rollstream.runtime.parent_death", str(os.getpid()), "--",
+                     mooncake_binary(name), *map(local, args)], stdout=log, stderr=subprocess.STDOUT))
+            if name == "mooncake_master":
+                await _until_mounted(f"http://127.0.0.1:{ports['9003']}", None, children, tmp_path)
+        await _until_mounted(f"http://127.0.0.1:{ports['9003']}", 1, children, tmp_path)
+        store = open_store(local(url))
+        await store.put("deploy/obj", [b"routing replay"])
+        assert bytes(await store.get("deploy/obj", 14)) == b"routing replay"
+        assert [item async for item in store.list("deploy/")] == [("deploy/obj", 14)]
+        await store.close()
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait(10)
+
+
+async def _until_mounted(admin: str, segments: int | None, children: list[subprocess.Popen[bytes]],
+                         logs: Path) -> None:
+    """Until the master answers (``segments`` None) or has mounted that many segments."""
+    import httpx
+
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if any(child.poll() is not None for child in children):
+                raise AssertionError("a Mooncake process of the deploy file exited:\n" + "\n".join(
+                    p.read_text(errors="replace")[-2000:] for p in logs.glob("*.log")))  # noqa: ASYNC240
+            try:
+                if segments is None:
+                    if (await http.get(f"{admin}/health")).status_code == 200:
+                        return
+                elif len((await http.get(f"{admin}/get_all_segments")).text.split()) >= segments:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the Mooncake processes of the deploy file did not come up within 60 s: {admin}")

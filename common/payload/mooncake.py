@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-import httpx
+import aiohttp
 
 from ..errors import ConfigError, PayloadCorrupt, PayloadError, PayloadMissing, PayloadStoreFull, PayloadUnreadable
 from ..imports import require_extra
@@ -453,14 +453,16 @@ class MooncakeStore(PayloadStore):
     async def _admin(self, what: str, path: str, params: dict[str, str]) -> str:
         where = f"http://{self.options.admin}{path}"
         try:
-            async with httpx.AsyncClient(timeout=self.options.timeout) as http:
-                answer = await http.get(where, params=params)
-            answer.raise_for_status()
-        except httpx.HTTPError as exc:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.options.timeout)) as http,
+                http.get(where, params=params) as answer,
+            ):
+                answer.raise_for_status()
+                return await answer.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise PayloadUnreadable(
                 self.url, what, f"cannot ask the master's admin server ({where}, ?admin=): {type(exc).__name__}: {exc}"
             ) from None
-        return answer.text
 
     async def close(self) -> None:
         self._closed = True
