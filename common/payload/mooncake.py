@@ -35,6 +35,11 @@ must not starve the loop's other thread work), under ``timeout`` (``?timeout=S``
 * A put of a key that exists succeeds and keeps the stored object (Mooncake's put is
   insert-only); rollstream's keys are unique per object, and a reader would see a wrong size or
   checksum (``PayloadCorrupt``), never other bytes as good ones.
+* A put whose transfer fails (``TRANSFER_FAIL``: the master placed it on a store process that
+  died and is not yet dropped) is revoked by Mooncake and tried again, 3 times, then reported as
+  ``PayloadStoreFull`` (no live room: the producer backs off and retries) rather than as a fatal
+  error: a store process's death must not stop the producers. Any other failure of a put (the
+  master down: ``RPC_FAIL``) is ``PayloadUnreadable``.
 * Objects are hard-pinned (``with_hard_pin``): the master never evicts them to make room; a full
   store refuses the put (``PayloadStoreFull``) instead of losing a published object.
 
@@ -75,6 +80,7 @@ T = TypeVar("T")
 DEFAULT_MASTER_PORT = 50051
 DEFAULT_ADMIN_PORT = 9003
 _QUERY_CHUNK = 64
+PUT_TRANSFER_ATTEMPTS = 3
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 TRAILER = b"R"
 """The byte stored after every object (Mooncake refuses empty values); checked on every get."""
@@ -348,17 +354,25 @@ class MooncakeStore(PayloadStore):
 
     def _put(self, client: Any, key: str, views: list[memoryview]) -> None:
         size = sum(view.nbytes for view in views)
-        codes = client.batch_put_from_multi_buffers(
-            [key], [[address(view) for view in views]], [[view.nbytes for view in views]], self._config
-        )
-        code = codes[0] if codes else -1
-        if code == NO_AVAILABLE_HANDLE:
-            raise PayloadStoreFull(
-                self.url, key, f"no room for {size - 1} bytes: the store processes' segments are full, or "
-                f"none is up (mooncake_client --global_segment_size), {error_name(code)}"
+        for _attempt in range(PUT_TRANSFER_ATTEMPTS):
+            codes = client.batch_put_from_multi_buffers(
+                [key], [[address(view) for view in views]], [[view.nbytes for view in views]], self._config
             )
-        if code != 0:
-            raise PayloadUnreadable(self.url, key, f"the put of {size - 1} bytes failed: {error_name(code)}")
+            code = codes[0] if codes else -1
+            if code != TRANSFER_FAIL:
+                break
+            # Revoked by Mooncake, nothing readable: the master placed it on a store process that
+            # does not answer (dead, and still mounted until --client_ttl); the next try may land elsewhere.
+            logger.warning("payload store %s: the put of %s failed (%s), trying again", self.url, key, error_name(code))
+        if code == 0:
+            return
+        if code in (NO_AVAILABLE_HANDLE, TRANSFER_FAIL):
+            why = ("the store processes' segments are full, or none is up (mooncake_client --global_segment_size)"
+                   if code == NO_AVAILABLE_HANDLE else
+                   f"{PUT_TRANSFER_ATTEMPTS} tries were placed on store processes that do not answer (down, "
+                   f"until the master drops them after its --client_ttl)")
+            raise PayloadStoreFull(self.url, key, f"no room for {size - 1} bytes: {why}, {error_name(code)}")
+        raise PayloadUnreadable(self.url, key, f"the put of {size - 1} bytes failed: {error_name(code)}")
 
     # -- get -----------------------------------------------------------------------------
 
