@@ -158,6 +158,14 @@ def render(snap: dict[str, Any], *, plain: bool) -> RenderableType:
             f"{a['recorded']}, archived {a['archived']}, archive_dropped {a['dropped']}; archiver last seen "
             f"{_age(a['archiver_seen_age_s'])}",
         )
+    pl = snap.get("payload") or {}
+    if pl.get("store") or pl.get("objects"):
+        streams.add_row(
+            "payload", str(pl["objects"]),
+            f"objects held in {pl['store']}, {_size(pl['bytes'])}; being put {pl['intents']}, to free "
+            f"{pl['to_free']}; orphans swept {pl['orphans_swept']}, freed {pl['freed']}, read failures "
+            f"{pl['read_failures']}" + (f" (last: {pl['last_failure']})" if pl.get("last_failure") else ""),
+        )
     parts.append(streams)
     if snap.get("limits"):
         limits = _table("namespace limits and rates", plain, "name", "kind", "size", "holders", "waiters",

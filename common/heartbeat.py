@@ -118,6 +118,13 @@ class Heartbeat:
                                     "producer)", kind=COUNTER, unit="episodes")
     resume_diverged: int = stat(0, "of those, the ones whose replay met a different step and went on live",
                                 kind=COUNTER, unit="episodes")
+    payload_objects_put: int = stat(0, "payload store: objects this producer put (arrays past payload_min_bytes)",
+                                    kind=COUNTER, unit="objects")
+    payload_bytes_put: int = stat(0, "payload store: bytes of those objects", kind=COUNTER, unit="bytes")
+    payload_put_failures: int = stat(0, "payload store: puts that failed (store full or unreachable; retried, "
+                                        "then fatal)", kind=COUNTER, unit="puts")
+    payload_orphans_swept: int = stat(0, "payload store: objects this producer's reclaim turns swept (put, never "
+                                         "published: a producer killed in between)", kind=COUNTER, unit="objects")
     loop_stalls: int = stat(0, "stalls of the event loop over loop_stall_after_s (user code that blocked it: a "
                                "synchronous tool, a heavy reward)", kind=COUNTER, unit="stalls")
     loop_stall_s: float = stat(0.0, "seconds the loop stood still in those stalls, in all", kind=COUNTER,

@@ -86,6 +86,26 @@ class Keys:
         return f"{self.base}:group_bytes"
 
     @property
+    def payload_intents(self) -> str:
+        """Sorted set: payload store key -> deadline (ms) of an object a producer is putting and
+        has not published yet (written before the put); past its deadline it is an orphan (the
+        producer died between put and publish) and the reclaim turn's sweep frees it."""
+        return f"{self.base}:payload:intents"
+
+    @property
+    def payload_held(self) -> str:
+        """Hash: payload store key -> bytes, of every object an entry refers to (a group in the
+        group stream, a dead letter, an archive record); PUBLISH turns an intent into a claim here."""
+        return f"{self.base}:payload:held"
+
+    @property
+    def payload_free(self) -> str:
+        """Sorted set: payload store key -> when it was queued, of objects nothing refers to any
+        more (moved here by the script of the fate that released them); a later step deletes them
+        from the store and removes only the keys the store confirmed gone."""
+        return f"{self.base}:payload:free"
+
+    @property
     def archive(self) -> str:
         """Stream: every group's fate (trained, filtered, recycled, dead-lettered) with a copy of its
         entry, added by the script that decided it while the namespace has an ``archive_bytes``
@@ -278,6 +298,9 @@ class Keys:
             self.weights,
             self.rollout_flags,
             self.group_bytes,
+            self.payload_intents,
+            self.payload_held,
+            self.payload_free,
             self.archive,
             self.sources,
             self.rows,
@@ -406,6 +429,22 @@ class StateField:
     JOURNAL_SWEEP_CURSOR = "journal_sweep_cursor"
     """The SCAN cursor where the next sweep of episode journals goes on (0: from the start)."""
 
+    PAYLOAD_BYTES = "payload_bytes"
+    """Bytes of the payload store's objects that entries refer to (``Keys.payload_held``'s sum),
+    kept by PUBLISH and the fate scripts; also inside ``group_bytes`` for the groups' objects."""
+    PAYLOAD_SWEPT = "payload_orphans_swept"
+    """Objects freed by the sweep because no entry claimed them by their deadline (a producer that
+    died between put and publish)."""
+    PAYLOAD_FREED = "payload_freed"
+    """Objects the store confirmed deleted after their last reference went."""
+    PAYLOAD_READ_FAILURES = "payload_read_failures"
+    """Groups ``take()`` recycled because an object could not be read (missing, wrong size or
+    checksum, store down)."""
+    PAYLOAD_LAST_FAILURE = "payload_last_failure"
+    """The last such failure's message (store and key named)."""
+    RECYCLED_PAYLOAD = "recycled_payload"
+    """Groups recycled because an object of theirs could not be read (also ``payload_read_failures``)."""
+
     ARCHIVE_BYTES = "archive_bytes"
     """Bytes of fate records held in the archive stream (what ``archive_bytes`` of the config bounds)."""
     ARCHIVE_RECORDED = "archive_recorded"
@@ -444,6 +483,7 @@ class StateField:
         RECYCLED_STALE,
         RECYCLED_FAILED,
         RECYCLED_FILTERED,
+        RECYCLED_PAYLOAD,
         FILTERED,
         DEAD,
         LATE_GROUPS,
@@ -484,5 +524,9 @@ class StateField:
         RESUME_DIVERGED,
         JOURNALS_SWEPT,
         JOURNAL_SWEEP_CURSOR,
+        PAYLOAD_BYTES,
+        PAYLOAD_SWEPT,
+        PAYLOAD_FREED,
+        PAYLOAD_READ_FAILURES,
     )
     """Fields that hold integers (with every ``filtered:<reason>`` counter): anything else there is damage."""

@@ -154,7 +154,7 @@ class Script:
         return Bound(self, redis, keys)
 
 
-PUBLISH = load("publish", tally="")
+PUBLISH = load("publish", tally="", objects="")
 MOVE = load("move", tally="", fate="", reason="", actor="", now_ms=0)
 ACK_DELETE = load(
     "ack_delete", tally="", second_counter="", time_field="", now_ms=0, fate="", reason="", actor="",
@@ -176,6 +176,8 @@ LIMIT_RENEW = load("limit_renew")
 RATE_TAKE = load("rate_take")
 ROW_STATS = load("row_stats")
 REQUEUE = load("requeue", tally="")
+SWEEP_PAYLOAD = load("sweep_payload")
+DROP_DEAD = load("drop_dead")
 LEASE = load("lease")
 RELEASE = load("release")
 

@@ -30,12 +30,12 @@ ROLE_COMMANDS: dict[str, frozenset[str]] = {
     "producer": frozenset(
         "hello auth ping client|setname evalsha script|load xreadgroup xread xack xadd xdel xclaim xautoclaim "
         "xpending xrange xlen xgroup|create xinfo|groups hget hmget hgetall hset hsetnx hincrby subscribe unsubscribe "
-        "hstrlen hdel del zadd zrem zscore zcard zremrangebyscore zrangebyscore zrank time scan".split()
+        "hstrlen hdel del zadd zrem zscore zcard zremrangebyscore zrangebyscore zrank zrange time scan".split()
     ),
     "trainer": frozenset(
         "hello auth ping client|setname evalsha script|load multi exec discard publish xreadgroup xread xrevrange "
         "xack xadd xdel xclaim xautoclaim xpending xrange xlen xgroup|create xgroup|delconsumer xinfo|groups "
-        "xinfo|consumers hget hmget hgetall hset hsetnx hincrby get set pexpire del hkeys hdel".split()
+        "xinfo|consumers hget hmget hgetall hset hsetnx hincrby get set pexpire del hkeys hdel zadd zrem zrange".split()
     ),
 }
 """The commands each role of the ACL template grants by name (tests/test_redis_errors.py checks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import math
 from array import array
@@ -15,6 +17,7 @@ from rollstream.common.arrays import FloatArray, IntArray, Packed
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.models import SAMPLE_FIELDS, Group
+from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import TakeStats
 from rollstream.common.sample_fields import Kind
 
@@ -38,9 +41,74 @@ class Batch:
     """True when (some of) these groups were taken before, by an earlier incarnation."""
     bias: Counter[str] = field(default_factory=Counter, repr=False)
     """What committing the batch adds to the bias ledger (:mod:`rollstream.common.bias`)."""
+    plane: PayloadPlane | None = field(default=None, repr=False)
+    """The payload store its groups' offloaded arrays are fetched from (None: every array is in
+    the groups already)."""
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    # -- the payload plane: arrays fetched on first access, each rank its share -------------
+
+    @property
+    def unfetched(self) -> list[Group]:
+        """The groups whose offloaded arrays are not in their samples yet."""
+        return [g for g in self.groups if g.payload is not None and not g.payload.attached]
+
+    @property
+    def store_bytes(self) -> int:
+        """Bytes of this batch's objects in the payload store (fetched or not)."""
+        return sum(g.payload.nbytes for g in self.groups if g.payload is not None)
+
+    async def fetch(self) -> None:
+        """Fetch the offloaded arrays of this batch's groups (a shard's: only its own) and put
+        them in their samples as views on the fetched buffers (``fs``: mapped files, no copy);
+        every object's CRC-32 is verified. ``PayloadError`` (naming the store and the key) when
+        one cannot be read: a wrong array never reaches training. Done already: nothing to do.
+        The numpy views call it themselves; a sample's field is None until then."""
+        pending = self.unfetched
+        if not pending:
+            return
+        if self.plane is None:
+            raise ConfigError("this batch's groups have offloaded arrays but no payload store to fetch them from")
+        plane = self.plane
+        buffers = [await plane.fetch(g.payload) for g in pending if g.payload is not None]
+        for group, fetched in zip(pending, buffers, strict=True):
+            if group.payload is not None:
+                group.payload.attach(group, fetched)
+
+    def fetch_now(self) -> None:
+        """:meth:`fetch` from synchronous code (the numpy views, a training step): run in a
+        thread of its own, so it works whether or not this thread runs an event loop."""
+        if not self.unfetched:
+            return
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollstream-fetch") as pool:
+            pool.submit(asyncio.run, self.fetch()).result()
+
+    def shard(self, rank: int, world_size: int) -> Batch:
+        """This rank's share of the batch for data parallelism: whole groups, balanced by tokens
+        (the largest first, each to the rank with the fewest tokens so far, ties by rank), the
+        same split on every rank. Its offloaded arrays are fetched only for its own groups (on
+        first access, or :meth:`fetch`), so each rank reads about ``1/world_size`` of the bytes.
+        Commit the whole batch (the shards share its entries), from one rank."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+        loads = [0] * world_size
+        mine: list[int] = []
+        order = sorted(range(len(self.groups)), key=lambda i: (-_tokens(self.groups[i]), i))
+        for i in order:
+            target = min(range(world_size), key=lambda r: (loads[r], r))
+            loads[target] += _tokens(self.groups[i])
+            if target == rank:
+                mine.append(i)
+        mine.sort()
+        return Batch(
+            id=f"{self.id}/{rank}of{world_size}", groups=[self.groups[i] for i in mine],
+            entry_ids=[self.entry_ids[i] for i in mine], metrics=self.metrics, weight_version=self.weight_version,
+            redelivered=self.redelivered, bias=Counter(), plane=self.plane,
+        )
 
     def numpy_views(self, name: str) -> list[numpy.ndarray | None]:
         """Every sample's field ``name`` as a numpy array, groups in batch order, samples in group
@@ -54,6 +122,7 @@ class Batch:
         view = _VIEWS.get(name)
         if view is None:
             raise ConfigError(f"Sample.{name} has no numpy view (fields with one: {', '.join(_VIEWS)})")
+        self.fetch_now()  # offloaded arrays: fetched on first access (this batch's or shard's only)
         return [None if (value := getattr(s, name)) is None else view(value) for g in self.groups for s in g.samples]
 
     def tokens_numpy(self) -> list[numpy.ndarray]:
@@ -136,6 +205,10 @@ _VIEW_RULES: dict[Kind, Callable[[Any], numpy.ndarray]] = {
 }
 """The numpy view of a field of each kind that has one."""
 _VIEWS = {f.name: _VIEW_RULES[f.kind] for f in SAMPLE_FIELDS if f.numpy}
+
+
+def _tokens(group: Group) -> int:
+    return sum(len(s.tokens) for s in group.samples)
 
 
 def batch_id(entry_ids: list[bytes]) -> str:

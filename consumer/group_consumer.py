@@ -29,6 +29,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
@@ -36,15 +37,17 @@ from typing import TYPE_CHECKING, Any, Final
 from redis.asyncio import Redis
 from rollstream.common import bias
 from rollstream.common.cancellation import raise_if_cancelled
+from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
-from rollstream.common.errors import AllGroupsStale, PipelineStalled, ProducerFailed
+from rollstream.common.errors import AllGroupsStale, PayloadError, PayloadUnreadable, PipelineStalled, ProducerFailed
 from rollstream.common.eval_lane import EvalResult
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
 from rollstream.common.namespace import load_config
+from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
     Control,
     Diagnosis,
@@ -73,6 +76,7 @@ from .verdict import (
     Route,
     Verdict,
     judge,
+    unreadable,
 )
 from .waiting import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
 
@@ -150,6 +154,7 @@ class GroupConsumer:
         blocking: Redis,
         options: ConsumerOptions | None = None,
         hold: NameHold | None = None,
+        plane: PayloadPlane | None = None,
     ) -> None:
         self.url = url
         self.keys = Keys(namespace)
@@ -163,6 +168,8 @@ class GroupConsumer:
         self.control = Control(redis, self.keys)
         self.monitor = TrainerMonitor(redis, self.keys)
         self._hold = hold
+        self.plane = plane
+        """The namespace's payload store and its ledgers (None: the namespace has no store)."""
         self._outage = Outage(logger, f"consumer {name}")
         self._redeliver: deque[tuple[bytes, dict[bytes, bytes]]] | None = None
         self._last_blocked_ms: int | None = None
@@ -230,7 +237,11 @@ class GroupConsumer:
             raise
         blocking = connect(url, block_ms=_READ_BLOCK_MS, name=f"rollstream-consumer-{name}-read")
         try:
-            consumer = cls(url, namespace, name, config, redis, blocking, options, hold)
+            plane = (
+                PayloadPlane.open(config.payload_store, redis, keys, config.lease_seconds)
+                if config.payload_store else None
+            )
+            consumer = cls(url, namespace, name, config, redis, blocking, options, hold, plane)
         except BaseException:
             await hold.release()
             await redis.aclose()
@@ -253,8 +264,12 @@ class GroupConsumer:
             if self._hold is not None:
                 await self._hold.release()
         finally:
-            await self.redis.aclose()
-            await self._blocking.aclose()
+            try:
+                if self.plane is not None:
+                    await self.plane.close()
+            finally:
+                await self.redis.aclose()
+                await self._blocking.aclose()
 
     def _check_name(self) -> None:
         if self._hold is not None:
@@ -423,6 +438,7 @@ class GroupConsumer:
             items = row_stat_items(batch.groups, batch.weight_version)
             await self._outage.run(lambda: self.queue.record_rows(self.config.row_stats, items))
         self._handed_out.difference_update(batch.entry_ids)
+        await self._free_objects()
         if acked == len(batch.entry_ids) and batch.bias:  # committed now, all of it: trained once
             forget = self._bias.forget
             await self._outage.run(lambda: self.monitor.add_bias(batch.bias, forget))
@@ -434,6 +450,62 @@ class GroupConsumer:
                 batch.id, acked, len(batch.entry_ids),
             )
         return acked
+
+    # -- the payload plane ----------------------------------------------------------------
+
+    async def _free_objects(self) -> None:
+        """Delete from the store the objects the last hand-overs released (best effort: what is
+        left waits for the next commit or a producer's reclaim turn)."""
+        if self.plane is None:
+            return
+        plane = self.plane
+        try:
+            await self._outage.run(lambda: plane.free(rounds=4), give_up_after=5)
+        except Exception as exc:
+            self.log.warning("freeing released payload objects failed (retried later): %s", exc)
+
+    async def _check_payload(self, entry_id: bytes, verdict: Verdict, tally: Tally) -> Group | None:
+        """A kept group whose arrays are in the payload store, checked as ``payload_check`` says
+        (read and checksum, or present with their size); one that fails is recycled with the
+        reason (store and key) and counted, and None returned."""
+        group = verdict.group
+        if group is None or group.payload is None:
+            return group
+        plane = self.plane
+        try:
+            if plane is None:
+                raise PayloadUnreadable(
+                    "(none)", group.payload.objects[0].key, "the namespace has no payload store any more"
+                )
+            if self.options.payload_check == "checksum":
+                group.payload.attach(group, await plane.fetch(group.payload))
+            else:
+                await plane.stat(group.payload)
+        except PayloadError as exc:
+            reason = f"{Cause.PAYLOAD}: {exc}"
+            self.log.error("group of prompt %d cannot be used: %s", group.index, exc)
+            failed = unreadable(group, reason, self.config, verdict.staleness or 0)
+            tally.saw(failed)
+            await self._hand_back(entry_id, failed, tally)
+            if plane is not None:
+                await self._outage.run(lambda: plane.ledger.read_failed(reason))
+            return None
+        return group
+
+    async def _inline_partial(self, verdict: Verdict) -> Verdict:
+        """A recycle that keeps its partial samples (partial rollout) carries their arrays inline
+        in the retry prompt (the producer continues them): fetched from the store first. When
+        they cannot be read, the prompt is recycled without them (generated again), the reason
+        added."""
+        group, prompt = verdict.group, verdict.prompt
+        if group is None or group.payload is None or prompt is None or not prompt.partial or self.plane is None:
+            return verdict
+        try:
+            group.payload.attach(group, await self.plane.fetch(group.payload))
+        except PayloadError as exc:
+            self.log.warning("prompt %d: its partial samples cannot be read, generated again: %s", group.index, exc)
+            prompt = replace(prompt, partial=None, history=[*prompt.history[:-1], f"{verdict.reason}; {exc}"])
+        return replace(verdict, prompt=prompt, fields=prompt_fields(prompt))
 
     # -- internals ----------------------------------------------------------------------
 
@@ -505,7 +577,9 @@ class GroupConsumer:
         self._stale.saw(verdict, version, staleness_limit)
         tally.saw(verdict)
         if verdict.route == Route.KEEP:
-            return verdict.group
+            return await self._check_payload(entry_id, verdict, tally)
+        if verdict.route == Route.RECYCLE:
+            verdict = await self._inline_partial(verdict)
         await self._hand_back(entry_id, verdict, tally)
         return None
 
@@ -651,5 +725,6 @@ class GroupConsumer:
             weight_version=version,
             redelivered=redelivered,
             bias=trained,
+            plane=self.plane,
         )
 

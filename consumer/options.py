@@ -22,6 +22,7 @@ NAME_WAIT_SECONDS = NAME_LEASE_SECONDS + 2.0
 """How long ``connect`` waits for a consumer name held by another trainer (it may have crashed)."""
 
 OnProducerFailure = Literal["raise", "warn"]
+PayloadCheck = Literal["checksum", "size"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,15 @@ class ConsumerOptions:
     name_wait: float = NAME_WAIT_SECONDS
     """Seconds ``connect`` waits for the consumer name while another trainer holds it (a crashed
     holder's hold expires within ``NAME_LEASE_SECONDS``), then ``ConsumerNameInUse``."""
+    payload_check: PayloadCheck = "checksum"
+    """With a payload store (docs/wire.md): what ``take()`` checks of each group's objects before
+    it counts the group. ``checksum``: every object is read and its CRC-32 verified (one read of
+    every byte by the taking process; ``fs`` maps the files, so it reads the page cache), the
+    arrays are then in the batch. ``size``: each object is only looked up (present, right size),
+    and the arrays are fetched on first access, by whichever rank uses them
+    (``batch.shard(rank, world_size)``), their checksum verified then (a mismatch raises
+    ``PayloadCorrupt``, never a wrong array). A group whose check fails is recycled with the
+    reason, naming the store and the key."""
 
     def __post_init__(self) -> None:
         if self.on_producer_failure not in ("raise", "warn"):
@@ -56,6 +66,8 @@ class ConsumerOptions:
             raise ConfigError("stall_timeout and warn_interval must be positive")
         if not self.name_wait >= 0:
             raise ConfigError(f"name_wait must be >= 0 seconds, got {self.name_wait!r}")
+        if self.payload_check not in ("checksum", "size"):
+            raise ConfigError(f"payload_check must be 'checksum' or 'size', got {self.payload_check!r}")
         if self.keep is not None and not callable(self.keep):
             raise ConfigError(f"keep must be a callable (group -> verdict) or None, got {type(self.keep).__name__}")
 
@@ -71,3 +83,4 @@ class ConsumerOptionArgs(TypedDict, total=False):
     warn_interval: float
     limits: CodecLimits
     name_wait: float
+    payload_check: PayloadCheck

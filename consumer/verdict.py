@@ -58,6 +58,9 @@ class Cause(enum.StrEnum):
     WEIGHT_UPDATE = "weight_update"
     """Aborted by a weight update: the pipeline's cadence, the attempt is kept."""
     STALE = "stale"
+    PAYLOAD = "payload"
+    """An object of the group could not be read from the payload store (missing, wrong size or
+    checksum, store down): recycled with ``attempt + 1``, never trained short."""
     FILTERED = "filtered"
     USABLE = "usable"
 
@@ -87,6 +90,7 @@ RECYCLE_COUNTERS = {
     Cause.STALE: StateField.RECYCLED_STALE,
     Cause.FAILED: StateField.RECYCLED_FAILED,
     Cause.FILTERED: StateField.RECYCLED_FILTERED,
+    Cause.PAYLOAD: StateField.RECYCLED_PAYLOAD,
 }
 """Why a group is recycled -> its counter in the state hash (also its ``recycled_*`` metric)."""
 
@@ -171,6 +175,13 @@ def judge(
                 return _recycle(group, Cause.FILTERED, reason, config, staleness, stale, rejection)
             return Verdict(Cause.FILTERED, Route.DROP, rejection, group, staleness=staleness, rejection=rejection)
     return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness)
+
+
+def unreadable(group: Group, reason: str, config: PipelineConfig, staleness: int) -> Verdict:
+    """The verdict on a kept group whose payload objects cannot be read: recycled (a fresh
+    attempt, which puts new objects) with ``reason`` (``payload: <store and key>: <why>``); past
+    ``max_attempts``, dead-lettered like any failure."""
+    return _recycle(group, Cause.PAYLOAD, reason, config, staleness, StaleContext())
 
 
 def _recycle(

@@ -18,6 +18,7 @@ from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.events import FATAL, WARNING, now_ms
 from rollstream.common.keys import ALIVE_STATES, PRODUCERS_GROUP, TRAINER_GROUP, Keys, SourceField, StateField
+from rollstream.common.payload.store import redact_store_url
 from rollstream.common.protocol import (
     EpisodeJournals,
     Fleet,
@@ -27,6 +28,7 @@ from rollstream.common.protocol import (
     fold,
     state_mismatch,
 )
+from rollstream.common.protocol.objects import PayloadLedger
 from rollstream.common.redis_values import damaged_fields
 
 from ._fields import as_int as _int
@@ -338,6 +340,20 @@ async def snapshot(
         "journal_steps": _int(state.get(StateField.JOURNAL_STEPS)),
         "resume_diverged": _int(state.get(StateField.RESUME_DIVERGED)),
         "journals_swept": _int(state.get(StateField.JOURNALS_SWEPT)),
+    }
+    store = config.payload_store if config else ""
+    payload = await PayloadLedger(redis, keys).held()
+    snap["payload"] = {
+        "store": redact_store_url(store) if store else None,
+        "min_bytes": config.payload_min_bytes if config else 0,
+        "objects": payload.objects,
+        "bytes": payload.bytes,
+        "intents": payload.intents,
+        "to_free": payload.to_free,
+        "orphans_swept": payload.swept,
+        "freed": payload.freed,
+        "read_failures": payload.read_failures,
+        "last_failure": payload.last_failure or None,
     }
     snap["limits"] = [v.as_dict() for v in await NamespaceLimits(redis, keys).views()]
     terms = await view.admission_terms(config) if config is not None else None

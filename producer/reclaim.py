@@ -8,7 +8,8 @@ cost P times less than one per producer (docs/scale.md). While some are due, the
 admission holds off (:attr:`Reclaimer.due`), so the next free capacity goes to them: a dead
 producer's prompts do not wait behind new ones. On Redis 6.2 deleted entries come back without
 fields; they are acknowledged and skipped. The turn also sweeps orphan episode journals, a bounded
-SCAN step at a time (:meth:`Reclaimer.sweep_journals`).
+SCAN step at a time (:meth:`Reclaimer.sweep_journals`), and the payload store's orphans and
+released objects (:meth:`Reclaimer.sweep_payload`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING
 
+from rollstream.common.errors import PayloadError
 from rollstream.common.events import now_ms
 from rollstream.common.protocol import Admitted
 
@@ -77,6 +79,7 @@ class Reclaimer:
             my_turn, found_ms = await p.prompts.reclaim_turn(int(interval * 900))
             if my_turn:
                 await self.sweep_journals()
+                await self.sweep_payload()
             if found_ms > self.seen_ms:  # another producer found idle prompts
                 self.seen_ms = found_ms
                 self.due = True
@@ -115,6 +118,19 @@ class Reclaimer:
         swept = await p.journals.sweep(JOURNAL_SWEEP_COUNT)
         if swept:
             p.log.info("swept %d episode journals whose prompt is in no prompt stream", swept)
+
+    async def sweep_payload(self) -> None:
+        """The fleet's turn also frees payload objects: those whose intent passed its deadline
+        unpublished (a producer killed between put and publish), and those the fate scripts
+        released that no trainer commit freed yet. A store error is logged, never fatal."""
+        p = self.producer
+        if p.plane is None:
+            return
+        try:
+            p.payload_stats["orphans_swept"] += await p.plane.sweep()
+            await p.plane.free(rounds=4)
+        except PayloadError as exc:
+            p.log.warning("payload sweep: %s", exc)
 
     async def adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""

@@ -42,7 +42,15 @@ from redis.asyncio import Redis
 from rollstream.common import bias
 from rollstream.common.attempts import exhausted, mark_weight_update
 from rollstream.common.cancellation import raise_if_cancelled
-from rollstream.common.codec import DEFAULT_LIMITS, decode_prompt_entry, group_fields, group_too_large, prompt_fields
+from rollstream.common.codec import (
+    DEFAULT_LIMITS,
+    StoreObject,
+    decode_prompt_entry,
+    group_fields,
+    group_fields_offloaded,
+    group_too_large,
+    prompt_fields,
+)
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
     TRANSIENT_ERRORS,
@@ -53,6 +61,8 @@ from rollstream.common.connection import (
 from rollstream.common.errors import (
     DecodeError,
     EpisodeDrained,
+    PayloadError,
+    PayloadStoreFull,
 )
 from rollstream.common.eval_lane import EVAL_KEY, eval_settings, strip_eval_mark
 from rollstream.common.events import START, now_ms, record_event
@@ -60,6 +70,7 @@ from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
 from rollstream.common.models import Prompt, Status
 from rollstream.common.namespace import load_config
+from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
     Admitted,
     Control,
@@ -72,6 +83,7 @@ from rollstream.common.protocol import (
 )
 from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
+from . import fault_points
 from .capacity import Capacity, Work
 from .drain import cancel_and_wait, shutdown
 from .durable import PromptJournal
@@ -91,6 +103,9 @@ from .telemetry import Metrics
 logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
+PUT_ATTEMPTS = 4
+"""Tries of a put into a full payload store (backing off from :data:`PUT_BACKOFF_S`, doubling) before it is fatal."""
+PUT_BACKOFF_S = 1.0
 """Seconds a starting producer waits for an unreachable Redis before it gives up."""
 BACKLOG_RETRY = 2.0
 """Seconds before a producer refused for a full backlog runs ADMIT again, unless a control
@@ -182,6 +197,13 @@ class Producer:
         """Warm pools: prompts admitted beyond the concurrency (the generate function has a prepare hook)."""
         self._warming: set[bytes] = set()
         self._warm_changed = asyncio.Event()
+        self.plane = (
+            PayloadPlane.open(config.payload_store, redis, self.keys, config.lease_seconds)
+            if config.payload_store else None
+        )
+        """The namespace's payload store and its ledgers (None: every array rides in the entry)."""
+        self.payload_stats = {"objects_put": 0, "bytes_put": 0, "put_failures": 0, "orphans_swept": 0}
+        """What this producer did with the payload store (its heartbeat's ``payload_*`` stats)."""
         """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
     @classmethod
@@ -283,8 +305,12 @@ class Producer:
             raise self._fatal
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
-        await self._blocking.aclose()
+        try:
+            if self.plane is not None:
+                await self.plane.close()
+        finally:
+            await self.redis.aclose()
+            await self._blocking.aclose()
 
     async def _close_generate(self) -> None:
         """Close the rollout plug-in (its endpoint server) once its episodes ended; a failure to
@@ -499,7 +525,12 @@ class Producer:
                     await self._outage.run(lambda: self.monitor.add_bias(bias.deltas(group, "dead")))
                 finished = True
                 return
-            fields = group_fields(group)
+            objects: list[StoreObject] = []
+            if self.plane is not None and work.stream != self.keys.eval_prompts:
+                # arrays past --payload-min-bytes go to the store (the eval lane keeps its inline)
+                fields, objects = group_fields_offloaded(group, self.config.payload_min_bytes, self.plane.new_key)
+            else:
+                fields = group_fields(group)
             if work.stream == self.keys.eval_prompts:  # the eval lane: its name and the trainer's step beside
                 lane = eval_settings(prompt)
                 step = await self._outage.run(self.prompts.trained_steps)
@@ -508,17 +539,25 @@ class Producer:
                 await self._dead_letter_prompt(work, too_large)
                 finished = True
                 return
+            if objects:
+                await self._put_objects(objects)  # before PUBLISH: a published group's objects exist
+                fault_points.reached("after_put")
             work.finishing = True
+            refs = [o.ref for o in objects]
             result = await self._outage.run(
-                lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work))
+                lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work), refs)
             )
             finished = True
+            if objects:
+                fault_points.reached("after_publish")
             if result is None:
                 self.duplicates += 1
                 self.log.warning(
                     "prompt %d was taken over by another producer; duplicate group discarded",
                     prompt.index,
                 )
+                if objects:  # PUBLISH queued them to be freed: nothing refers to them
+                    await self._free_objects()
             else:
                 self.published += 1
                 self.pulse.group_published()
@@ -533,6 +572,39 @@ class Producer:
                 work.finishing = False
             self._capacity.give(work.held)
             work.held = 0
+
+    async def _put_objects(self, objects: list[StoreObject]) -> None:
+        """Put a group's payload objects (their intents first). A full store is retried
+        :data:`PUT_ATTEMPTS` times, backing off (the trainer's commits free room), then raised:
+        fatal, loudly (``--max-backlog-bytes`` below the store's size keeps it from filling)."""
+        plane = self.plane
+        assert plane is not None  # only called with objects, which only a plane makes
+        for attempt in range(1, PUT_ATTEMPTS + 1):
+            try:
+                await self._outage.run(lambda: plane.put(objects))
+                self.payload_stats["objects_put"] += len(objects)
+                self.payload_stats["bytes_put"] += sum(o.ref.size for o in objects)
+                return
+            except PayloadError as exc:
+                self.payload_stats["put_failures"] += 1
+                if not isinstance(exc, PayloadStoreFull):
+                    raise
+                if attempt == PUT_ATTEMPTS:
+                    raise
+                delay = PUT_BACKOFF_S * 2 ** (attempt - 1)
+                self.log.error("payload store full, retrying in %.0f s (%d of %d): %s", delay, attempt,
+                               PUT_ATTEMPTS, exc)
+                await asyncio.sleep(delay)
+
+    async def _free_objects(self) -> None:
+        """Delete released payload objects now (best effort: the reclaim turn frees the rest)."""
+        plane = self.plane
+        if plane is None:
+            return
+        try:
+            await self._outage.run(lambda: plane.free(), give_up_after=5)
+        except Exception as exc:
+            self.log.warning("freeing released payload objects failed (the reclaim turn retries): %s", exc)
 
     async def _dead_letter_prompt(
         self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True

@@ -13,6 +13,7 @@ from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
 from ..mix import source_caps
+from ..payload.refs import ObjectRef
 from .guard import Guarded, flat_entries
 
 # -- prompt queue (producers) ----------------------------------------------------------------
@@ -209,17 +210,23 @@ class PromptQueue(Guarded):
         await self.redis.hincrby(self.keys.state, StateField.RECLAIMED, 1)
 
     async def publish(
-        self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any], journal: str | None = None
+        self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any], journal: str | None = None,
+        objects: Sequence[ObjectRef] = (),
     ) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically (deleting its episode
         ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
         producer). The size of its ``data`` enters the byte ledger; a prompt of the eval lane
-        publishes to ``eval_groups``, outside the ledger and the sources' counters."""
+        publishes to ``eval_groups``, outside the ledger and the sources' counters. ``objects``:
+        the payload store objects it refers to (put already): claimed, and their bytes in the
+        ledger too; a duplicate queues them to be freed."""
         lane = stream == self.keys.eval_prompts
+        store_bytes = sum(ref.size for ref in objects)
         published = await self._publish(
             source=stream, group=PRODUCERS_GROUP, prompt_id=entry_id, now_ms=now_ms(),
             groups=self.keys.eval_groups if lane else self.keys.groups,
-            data_bytes=0 if lane else len(group_fields.get("data", b"")), fields=lua.flatten(group_fields),
+            objects=" ".join(f"{ref.key}:{ref.size}" for ref in objects),
+            data_bytes=0 if lane else len(group_fields.get("data", b"")) + store_bytes,
+            fields=lua.flatten(group_fields),
             tally="" if lane else lua.tally(group_fields, "published"), **lua.journal(self.keys, journal),
         )
         return published or None

@@ -8,6 +8,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from .. import lua
+from ..events import now_ms
 from ..keys import Keys, StateField
 from .guard import Entry, Guarded, flat_entries
 
@@ -21,6 +22,7 @@ class DeadLetters(Guarded):
         self.redis = redis
         self.keys = keys
         self._requeue = lua.REQUEUE.bind(redis, keys)
+        self._drop = lua.DROP_DEAD.bind(redis, keys)
 
     async def entries(self, *, ids: Sequence[str] | None = None, count: int | None = None) -> list[Entry]:
         """The given entries (missing ones skipped), else the first ``count``, oldest first."""
@@ -42,7 +44,8 @@ class DeadLetters(Guarded):
         return requeued or None
 
     async def drop(self, ids: Sequence[str]) -> int:
-        return int(await self.redis.xdel(self.keys.dead, *ids)) if ids else 0
+        """Delete dead entries (their payload objects released); the number that existed."""
+        return int(await self._drop(now_ms=now_ms(), ids=ids)) if ids else 0
 
 
 class JournalHash(Guarded):

@@ -4,14 +4,19 @@
 -- its own fields, in the same step as the hand-over. The archive never refuses a hand-over: the
 -- oldest records are deleted (``archive_dropped``) until the new one fits; one larger than the
 -- whole budget is dropped itself. ``record_bytes`` is the record's size in the ledger.
-local function archive_fate(cfg, akey, state, src, id, meta)
+-- A record of an entry with payload objects (``refs``) refers to them in its place (the archiver
+-- reads them with ``--keep-arrays``), and their bytes count in its size; a dropped record releases
+-- them (``release``, into ``free``); the archiver's confirmation (ARCHIVED) releases the others.
+-- Returns true when the record was added (it then holds the entry's objects).
+local function archive_fate(cfg, akey, state, src, id, meta, held, free)
   local budget = num(redis.call('HGET', cfg, 'archive_bytes'))
-  if budget <= 0 then return end
+  if budget <= 0 then return false end
   local rows = redis.call('XRANGE', src, id, id)
-  if #rows == 0 then return end
+  if #rows == 0 then return false end
   local f = rows[1][2]
   local size = 64
   for i = 1, #f do size = size + #f[i] end
+  for i = 1, #f - 1, 2 do if f[i] == 'store_bytes' then size = size + num(f[i + 1]) end end
   for i = 1, #meta do size = size + #meta[i] end
   local held = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
   local dropped = 0
@@ -20,13 +25,16 @@ local function archive_fate(cfg, akey, state, src, id, meta)
     if #first == 0 then held = 0 break end
     local ff, fb = first[1][2], 0
     for i = 1, #ff - 1, 2 do if ff[i] == 'record_bytes' then fb = num(ff[i + 1]) break end end
+    release(refs_of(ff), '', held, free, state, meta[7])
     redis.call('XDEL', akey, first[1][1])
     held = math.max(0, held - fb)
     dropped = dropped + 1
   end
+  local added = false
   if size > budget then
     dropped = dropped + 1
   else
+    added = true
     local version = redis.call('HGET', state, '$WEIGHT_VERSION') or '0'
     redis.call('XADD', akey, '*', 'fate', meta[1], 'reason', meta[2], 'actor', meta[3], 'step', meta[4],
       'position', meta[5], 'kind', meta[6], 'ts_ms', meta[7], 'trainer_version', version, 'entry_id', id,
@@ -36,4 +44,5 @@ local function archive_fate(cfg, akey, state, src, id, meta)
   end
   redis.call('HSET', state, '$ARCHIVE_BYTES', held)
   if dropped > 0 then incr(state, '$ARCHIVE_DROPPED', dropped) end
+  return added
 end

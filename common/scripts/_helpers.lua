@@ -51,3 +51,39 @@ local function move_held(sources, tally, what, delta)
   local name = string.match(tally, '^(.*):[^:]*$')
   if name and incr(sources, name .. ':' .. what, delta) < 0 then redis.call('HSET', sources, name .. ':' .. what, 0) end
 end
+-- The payload plane (issue 48). An entry's objects are its plain field ``refs`` (store keys,
+-- space-separated); ``held`` (hash key -> bytes) lists every object some entry refers to, ``free``
+-- (sorted set, score = when) the objects nothing refers to any more: a later step deletes them
+-- from the store and removes only the keys it confirmed gone. ``refs_of``: an entry's flat fields'
+-- refs ('' = none). ``release``: each key of ``refs`` that ``kept`` (the refs of the entry that
+-- replaces it, '' = none) does not name leaves ``held`` for ``free``; the number released.
+local function refs_of(f)
+  for i = 1, #f - 1, 2 do if f[i] == 'refs' then return f[i + 1] end end
+  return ''
+end
+local function release(refs, kept, held, free, state, when)
+  if refs == '' then return 0 end
+  local n = 0
+  kept = ' ' .. kept .. ' '
+  for key in string.gmatch(refs, '%S+') do
+    if not string.find(kept, ' ' .. key .. ' ', 1, true) then
+      local b = redis.call('HGET', held, key)
+      if b then
+        redis.call('HDEL', held, key)
+        if incr(state, '$PAYLOAD_BYTES', -num(b)) < 0 then redis.call('HSET', state, '$PAYLOAD_BYTES', 0) end
+      end
+      redis.call('ZADD', free, tonumber(when) or 0, key)
+      n = n + 1
+    end
+  end
+  return n
+end
+-- The refs of entry ``id`` of ``stream`` ('' when it has none, or is gone), read only while the
+-- namespace has a payload store (``config``'s ``payload_store``): other namespaces pay no XRANGE.
+local function entry_refs(config, stream, id)
+  local store = redis.call('HGET', config, 'payload_store')
+  if not store or store == '' then return '' end
+  local rows = redis.call('XRANGE', stream, id, id)
+  if #rows == 0 then return '' end
+  return refs_of(rows[1][2])
+end

@@ -3,7 +3,9 @@
 -- does not hold, e.g. a prompt's, changes nothing). ``fate`` ('trained', 'filtered' or '' = none)
 -- is archived for each acknowledged group first (``_archive.lua``); a commit that acknowledged any is
 -- one more trained step (``trained_steps``: the records' ``step``, ``position`` = order in it).
--- KEYS: stream state sizes config archive sources
+-- An acknowledged entry's payload objects (``refs``) are released, unless its archive record now
+-- refers to them.
+-- KEYS: stream state sizes config archive sources payload_held payload_free
 -- ARGV: group counter second_counter time_field now_ms fate reason actor tally *ids
 -- uses: archive
 local acked = 0
@@ -19,12 +21,15 @@ for i = ids_at, #ARGV do
       incr(sources, field, 1)
       if sizes ~= stream then move_held(sources, field, 'backlog', -1) end
     end
+    local refs = entry_refs(config, stream, ARGV[i])
+    local archived = false
     if fate ~= '' then
       local position = ''
       if step ~= '' then position = tostring(i - ids_at) end
-      archive_fate(config, archive, state, stream, ARGV[i],
-        {fate, reason, actor, step, position, 'groups', now_ms})
+      archived = archive_fate(config, archive, state, stream, ARGV[i],
+        {fate, reason, actor, step, position, 'groups', now_ms}, payload_held, payload_free)
     end
+    if not archived then release(refs, '', payload_held, payload_free, state, now_ms) end
     redis.call('XDEL', stream, ARGV[i])
     if sizes ~= stream then forget(sizes, state, ARGV[i]) end
   end

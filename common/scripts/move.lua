@@ -6,16 +6,25 @@
 -- (``_archive.lua``), by ``actor`` from the ``kind`` of stream it left. ``drop`` '1': the prompt's
 -- episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
 -- keeps it for the producer that takes it over, and its pointer follows it to the new entry.
--- KEYS: source target state group_bytes config archive journal sources
+-- The entry's payload objects (``refs``) that the new entry does not refer to are released
+-- (``_helpers.lua``), unless its archive record now refers to them.
+-- KEYS: source target state group_bytes config archive journal sources payload_held payload_free
 -- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
 -- uses: archive
 if redis.call('XACK', source, group, entry_id) == 0 then
   group_exists(source, group)
   return false
 end
+local refs = entry_refs(config, source, entry_id)
+local archived = false
 if fate ~= '' then
-  archive_fate(config, archive, state, source, entry_id,
-    {fate, reason, actor, '', '', kind, now_ms})
+  archived = archive_fate(config, archive, state, source, entry_id,
+    {fate, reason, actor, '', '', kind, now_ms}, payload_held, payload_free)
+end
+if refs ~= '' and not archived then
+  local kept = ''
+  for i = fields_at, #ARGV - 1, 2 do if ARGV[i] == 'refs' then kept = ARGV[i + 1] end end
+  release(refs, kept, payload_held, payload_free, state, now_ms)
 end
 redis.call('XDEL', source, entry_id)
 if drop == '1' then drop_journal(journal, state) end

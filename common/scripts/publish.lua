@@ -1,9 +1,22 @@
 -- A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
 -- group's size goes into the byte ledger in the same step as the group, and the prompt's episode
--- journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too.
--- KEYS: source groups state group_bytes journal sources
--- ARGV: group prompt_id now_ms data_bytes drop tally *fields
-if redis.call('XACK', source, group, prompt_id) == 0 then
+-- journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too. ``objects``
+-- ('key:bytes ...', '' = none) are the payload store objects the group refers to, put before this
+-- script: their intents become claims (``payload_held``); a duplicate frees them instead (queued in
+-- ``payload_free``: nothing will ever refer to them).
+-- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free
+-- ARGV: group prompt_id now_ms data_bytes drop tally objects *fields
+local claimed = redis.call('XACK', source, group, prompt_id) == 1
+for key, size in string.gmatch(objects, '(%S+):(%d+)') do
+  redis.call('ZREM', payload_intents, key)
+  if claimed then
+    redis.call('HSET', payload_held, key, size)
+    incr(state, '$PAYLOAD_BYTES', tonumber(size))
+  else
+    redis.call('ZADD', payload_free, now_ms, key)
+  end
+end
+if not claimed then
   group_exists(source, group)
   incr(state, '$DUPLICATES', 1)
   return false

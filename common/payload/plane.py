@@ -1,0 +1,152 @@
+"""One process's payload plane: a store (:mod:`.store`) and the namespace's ledgers in Redis
+(:class:`~..protocol.objects.PayloadLedger`), and the steps the producer and the trainer take
+with both, in the order that keeps exactly once:
+
+* **put** (producer, before PUBLISH): the objects' intents first (with a deadline), then the
+  puts; a put that fails frees what it wrote. PUBLISH turns the intents into claims; a producer
+  killed in between leaves intents that the reclaim turn's **sweep** frees after their deadline.
+* **fetch** (trainer): each object read as a buffer (``fs``: a map of the file) and its CRC-32
+  checked; any failure is a :class:`~..errors.PayloadError` naming the store and the key.
+* **free** (trainer after a commit, producers' reclaim turn): the objects the fate scripts
+  released are deleted from the store, and only the keys the store confirmed gone leave the
+  to-free set (Mooncake refuses under a read lease: tried again next time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import zlib
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from ..codec import StoreObject
+from ..errors import PayloadCorrupt, PayloadError
+from ..events import now_ms
+from ..keys import Keys
+from ..protocol.objects import PayloadLedger
+from .refs import GroupPayload, ObjectRef
+from .store import PayloadStore, open_store
+
+logger = logging.getLogger(__name__)
+
+FREE_BATCH = 500
+"""Objects one free step deletes (the rest wait for the next step)."""
+INTENT_LEASES = 2
+"""An intent's deadline is this many prompt leases after it is written (before the puts, and
+again once they are done): a live producer publishes well within it, a dead one's objects are
+swept after it."""
+
+
+def _key_part(text: str) -> str:
+    part = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".-_") or "x"
+    return part[:64]
+
+
+class PayloadPlane:
+    """The store and the ledgers of one namespace, for one process."""
+
+    def __init__(self, store: PayloadStore, redis: Redis, keys: Keys, lease_seconds: float = 120.0) -> None:
+        self.store = store
+        self.keys = keys
+        self.ledger = PayloadLedger(redis, keys)
+        self.intent_ms = int(INTENT_LEASES * lease_seconds * 1000)
+        self._prefix = f"{_key_part(keys.namespace)}/"
+
+    @classmethod
+    def open(cls, url: str, redis: Redis, keys: Keys, lease_seconds: float = 120.0) -> PayloadPlane:
+        return cls(open_store(url), redis, keys, lease_seconds)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def new_key(self) -> str:
+        """A fresh object key, under the namespace's prefix (the sweep's listing)."""
+        return self._prefix + secrets.token_hex(16)
+
+    async def put(self, objects: Sequence[StoreObject]) -> None:
+        """Intents first, then every object (concurrently); on any failure the objects are
+        abandoned (queued to free) and the error raised."""
+        if not objects:
+            return
+        keys = [o.ref.key for o in objects]
+        await self.ledger.intend(keys, now_ms() + self.intent_ms)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for o in objects:
+                    group.create_task(self.store.put(o.ref.key, o.parts))
+            await self.ledger.intend(keys, now_ms() + self.intent_ms)  # a slow put keeps its full deadline
+        except BaseException as exc:
+            error = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1 else exc
+            try:
+                await self.ledger.abandon(keys, now_ms())
+                await self.free()
+            except Exception as cleanup:  # the sweep frees them after the deadline
+                logger.warning("payload store %s: could not free abandoned objects now: %s", self.url, cleanup)
+            if error is not exc:
+                raise error from None
+            raise
+
+    async def fetch(self, payload: GroupPayload) -> dict[str, memoryview]:
+        """Every object of ``payload`` read and its checksum verified (``PayloadError`` otherwise)."""
+        buffers: dict[str, memoryview] = {}
+        for ref in payload.objects:
+            buffers[ref.key] = await self.read(ref)
+        return buffers
+
+    async def read(self, ref: ObjectRef) -> memoryview:
+        buffer = await self.store.get(ref.key, ref.size)
+        if len(buffer) != ref.size:
+            raise PayloadCorrupt(self.url, ref.key, f"{len(buffer)} bytes read, its entry says {ref.size}")
+        crc = await asyncio.to_thread(zlib.crc32, buffer) if ref.size > 1 << 20 else zlib.crc32(buffer)
+        if crc != ref.checksum:
+            raise PayloadCorrupt(self.url, ref.key, f"CRC-32 {crc:#010x}, its entry says {ref.checksum:#010x}")
+        return buffer
+
+    async def stat(self, payload: GroupPayload) -> None:
+        """Every object of ``payload`` is there with its size (``PayloadError`` otherwise): the
+        cheap check (no read; the checksum is verified when the arrays are fetched)."""
+        from ..errors import PayloadMissing
+
+        for ref in payload.objects:
+            size = await self.store.stat(ref.key)
+            if size is None:
+                raise PayloadMissing(self.url, ref.key, "not in the store")
+            if size != ref.size:
+                raise PayloadCorrupt(self.url, ref.key, f"holds {size} bytes, its entry says {ref.size}")
+
+    async def free(self, rounds: int = 1) -> int:
+        """Delete released objects from the store (``rounds`` steps of :data:`FREE_BATCH`); the
+        number confirmed gone. A store error is logged and left for the next time."""
+        total = 0
+        for _ in range(rounds):
+            keys = await self.ledger.to_free(FREE_BATCH)
+            if not keys:
+                break
+            try:
+                gone = await self.store.delete(keys)
+            except PayloadError as exc:
+                logger.warning("payload store %s: deleting released objects failed: %s", self.url, exc)
+                break
+            total += await self.ledger.freed(gone)
+            if len(gone) < len(keys):
+                break  # some refused (a read lease): next time
+        return total
+
+    async def sweep(self) -> int:
+        """Free the objects whose intent passed its deadline unpublished; the number swept."""
+        swept = await self.ledger.sweep(now_ms())
+        if swept:
+            logger.warning(
+                "payload store %s: %d objects put but never published (a producer died between put and "
+                "publish?) swept", self.url, len(swept),
+            )
+            await self.free(rounds=1 + len(swept) // FREE_BATCH)
+        return len(swept)
+
+    async def close(self) -> None:
+        await self.store.close()

@@ -1,0 +1,95 @@
+"""The payload plane's ledgers in Redis (issue 48): the intents a producer writes before it puts
+objects in the store, the objects entries hold (claimed by PUBLISH, released by the fate scripts
+into the to-free set), and the sweep of intents nobody published. The store itself is never
+called from here (nor from Lua): the caller deletes what :meth:`PayloadLedger.to_free` lists
+and confirms with :meth:`PayloadLedger.freed` only the keys the store confirmed gone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from .. import lua
+from ..keys import Keys, StateField
+from ..redis_values import int_or, text
+from .guard import Guarded
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadHeld:
+    """What ``inspect`` shows of the payload plane."""
+
+    objects: int
+    """Objects some entry refers to."""
+    bytes: int
+    intents: int
+    """Objects being put and not published yet."""
+    to_free: int
+    """Objects released and not yet confirmed deleted by the store."""
+    swept: int
+    freed: int
+    read_failures: int
+    last_failure: str
+
+
+class PayloadLedger(Guarded):
+    """One namespace's payload ledgers."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._sweep = lua.SWEEP_PAYLOAD.bind(redis, keys)
+
+    async def intend(self, keys: Sequence[str], deadline_ms: int) -> None:
+        """Record objects about to be put (before the put): unclaimed past ``deadline_ms``, swept."""
+        if keys:
+            await self.redis.zadd(self.keys.payload_intents, dict.fromkeys(keys, deadline_ms))
+
+    async def abandon(self, keys: Sequence[str], now: int) -> None:
+        """Objects put (or partly put) for a group that will not be published: freed at once."""
+        if keys:
+            async with self.redis.pipeline(transaction=False) as pipe:  # to free first: never lost between
+                pipe.zadd(self.keys.payload_free, dict.fromkeys(keys, now))
+                pipe.zrem(self.keys.payload_intents, *keys)
+                await pipe.execute()
+
+    async def sweep(self, now: int, count: int = 1000) -> list[str]:
+        """Intents past their deadline moved to the to-free set (counted as orphans swept)."""
+        return [text(k) for k in await self._sweep(now_ms=now, count=count)]
+
+    async def to_free(self, count: int = 500) -> list[str]:
+        """Objects released, oldest first, up to ``count``: delete them from the store, then :meth:`freed`."""
+        return [text(k) for k in await self.redis.zrange(self.keys.payload_free, 0, count - 1)]
+
+    async def freed(self, keys: Sequence[str]) -> int:
+        """The store confirmed these gone: out of the to-free set, counted; the number removed."""
+        if not keys:
+            return 0
+        removed = int(await self.redis.zrem(self.keys.payload_free, *keys))
+        if removed:
+            await self.redis.hincrby(self.keys.state, StateField.PAYLOAD_FREED, removed)
+        return removed
+
+    async def read_failed(self, message: str) -> None:
+        """Count a group recycled because an object could not be read, and keep the message."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self.keys.state, StateField.PAYLOAD_READ_FAILURES, 1)
+            pipe.hset(self.keys.state, StateField.PAYLOAD_LAST_FAILURE, message[:500])
+            await pipe.execute()
+
+    async def held(self) -> PayloadHeld:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hlen(self.keys.payload_held)
+            pipe.zcard(self.keys.payload_intents)
+            pipe.zcard(self.keys.payload_free)
+            pipe.hmget(self.keys.state, StateField.PAYLOAD_BYTES, StateField.PAYLOAD_SWEPT, StateField.PAYLOAD_FREED,
+                       StateField.PAYLOAD_READ_FAILURES, StateField.PAYLOAD_LAST_FAILURE)
+            objects, intents, to_free, state = await pipe.execute()
+        held_bytes, swept, freed, failures, last = state
+        return PayloadHeld(
+            objects=int(objects), bytes=int_or(held_bytes, 0), intents=int(intents), to_free=int(to_free),
+            swept=int_or(swept, 0), freed=int_or(freed, 0), read_failures=int_or(failures, 0),
+            last_failure=text(last) if last else "",
+        )

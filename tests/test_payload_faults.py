@@ -1,0 +1,263 @@
+"""The payload plane under faults (issue 48 item 5), with real processes, real signals and a
+real ``fs`` store: a producer SIGKILLed between its put and its PUBLISH and right after it, a
+damaged or missing object, a full directory (a real 1 MiB tmpfs, as root), a trainer SIGKILLed
+between take and commit. Each run ends with every prompt trained exactly once, no object left
+in the store and the ledgers empty."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
+from redis.asyncio import Redis
+from rollstream.common.errors import ProducerFailed
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.protocol.objects import PayloadLedger
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.sim.simulator import SimConfig, SimEngine
+from test_payload_pipeline import MOE, check_rows, objects_in
+
+MOE_FLAG = "x".join(map(str, MOE))
+
+
+@pytest.fixture
+async def moe_sim() -> AsyncIterator[SimEngine]:
+    async with SimEngine(SimConfig(seed=1, mean_tokens=100, length_sigma=0.0, latency_per_token=0.001,
+                                   accuracy=0.5, moe=MOE)) as engine:
+        yield engine
+
+
+def stopped(child: subprocess.Popen[bytes]) -> bool:
+    """The child stopped itself (SIGSTOP at a fault point): state T in /proc."""
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def kill_at(child: subprocess.Popen[bytes], procs: ProcessPool, what: str) -> None:
+    await wait_until(lambda: _true(stopped(child)), 30, message=f"the producer stops {what}")
+    child.send_signal(signal.SIGKILL)
+    assert await asyncio.to_thread(child.wait, 10) == -signal.SIGKILL
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def nothing_left(redis: Redis, ns: str, store: Path) -> None:
+    """No object in the store and the ledgers empty: the sweep and the frees caught up."""
+    ledger = PayloadLedger(redis, Keys(ns))
+
+    async def clean() -> bool:
+        h = await ledger.held()
+        return not objects_in(store) and (h.objects, h.bytes, h.intents, h.to_free) == (0, 0, 0, 0)
+
+    await wait_until(clean, 30, message="no payload object left")
+
+
+async def counter(redis: Redis, ns: str, name: str) -> int:
+    return int(await redis.hget(Keys(ns).state, name) or 0)
+
+
+@pytest.mark.parametrize("point", ["after_put", "after_publish"])
+async def test_producer_killed_around_publish_loses_and_leaks_nothing(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, point: str,
+) -> None:
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, lease_seconds=2, payload_store=f"fs://{store}", payload_min_bytes=1024)
+    await add_prompts(redis, ns, 4)
+    monkeypatch.setenv("ROLLSTREAM_FAULT_STOP", point)
+    a = procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a", concurrency=2)
+    await kill_at(a, procs, point)
+    monkeypatch.delenv("ROLLSTREAM_FAULT_STOP")
+    keys = Keys(ns)
+    written = objects_in(store)
+    assert len(written) == 2  # the one group's two objects are in the store
+    if point == "after_put":
+        assert await redis.xlen(keys.groups) == 0
+        assert sorted(k.decode() for k in await redis.zrange(keys.payload_intents, 0, -1)) == written
+    else:
+        assert await redis.xlen(keys.groups) == 1
+        assert await redis.zcard(keys.payload_intents) == 0 and await redis.hlen(keys.payload_held) == 2
+    procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, "--reclaim-interval", "0.5",
+                   name="prod-b", concurrency=4)
+    try:
+        indexes = await take_all(redis_url, ns, 4, 2, timeout=60)
+    except TimeoutError:
+        raise AssertionError(procs.logs()) from None
+    assert sorted(indexes) == [0, 1, 2, 3]  # lost 0, doubled 0
+    await nothing_left(redis, ns, store)
+    assert await counter(redis, ns, StateField.PAYLOAD_SWEPT) == (2 if point == "after_put" else 0)
+    assert await counter(redis, ns, StateField.DUPLICATES) == 0
+
+
+@pytest.mark.parametrize("damage", ["checksum", "missing"])
+async def test_an_unreadable_object_recycles_its_group_with_the_reason(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path, damage: str,
+) -> None:
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=1024)
+    await add_prompts(redis, ns, 1)
+    a = procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a")
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen(redis, keys.groups, 1), 30, message="the group is published")
+    procs.stop_all()
+    assert await asyncio.to_thread(a.wait, 20) == 0
+    victim = objects_in(store)[0]
+    path = store / victim
+    if damage == "checksum":
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # same size, one byte wrong
+        path.write_bytes(bytes(raw))
+    else:
+        path.unlink()
+    await add_prompts(redis, ns, 1, start=1)
+    procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-b")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(2)
+        assert sorted(g.index for g in batch.groups) == [0, 1]  # prompt 0 again, generated anew
+        for group in batch.groups:
+            check_rows(group)
+        assert batch.metrics["recycled_payload"] == 1.0
+        assert await consumer.commit(batch) == 2
+    reason = (await redis.hget(keys.state, StateField.PAYLOAD_LAST_FAILURE) or b"").decode()
+    assert f"payload store fs://{store}" in reason and victim in reason
+    assert ("CRC-32" if damage == "checksum" else "no file") in reason
+    assert await counter(redis, ns, StateField.PAYLOAD_READ_FAILURES) == 1
+    assert await counter(redis, ns, StateField.RECYCLED_PAYLOAD) == 1
+    await nothing_left(redis, ns, store)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (mounting needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+async def big_moe_sim() -> AsyncIterator[SimEngine]:
+    async with SimEngine(SimConfig(seed=1, mean_tokens=100, length_sigma=0.0, latency_per_token=0.001,
+                                   accuracy=0.5, moe=(48, 8, 128))) as engine:
+        yield engine
+
+
+async def test_a_full_store_fails_the_producer_loudly_and_loses_nothing(
+    redis: Redis, redis_url: str, ns: str, big_moe_sim: SimEngine, procs: ProcessPool, small_tmpfs: Path,
+) -> None:
+    """20 groups of 2 x ~44 KiB objects do not fit in 1 MiB: the producer retries a few times,
+    backing off, then fails (recorded, exit 1, its prompts returned); the trainer takes what was
+    published (freeing room), and a new producer finishes the rest."""
+    await make_namespace(redis, ns, payload_store=f"fs://{small_tmpfs}", payload_min_bytes=1024, max_backlog=64)
+    await add_prompts(redis, ns, 20)
+    moe = "48x8x128"  # 384 bytes of routing a token: ~40 KiB per 100-token sample
+    a = procs.producer(redis_url, ns, big_moe_sim.url, "--routed-experts", moe, name="prod-a", concurrency=2)
+    keys = Keys(ns)
+    consumer = await GroupConsumer.connect(redis_url, ns, "trainer-t", on_producer_failure="raise")
+    try:
+        with pytest.raises(ProducerFailed, match="no room"):
+            async with asyncio.timeout(90):
+                while True:  # wait, never taking: the store fills up
+                    await consumer.take(64)
+        assert await asyncio.to_thread(a.wait, 30) == 1
+        log = procs.log_of(a)
+        assert log.count("payload store full, retrying") == 3  # backed off, did not spin
+        assert not [p for p in objects_in(small_tmpfs, hidden=True) if "/." in f"/{p}"]  # no partial object left
+        published = int(await redis.xlen(keys.groups))
+        assert 0 < published < 20
+    finally:
+        await consumer.aclose()
+    procs.producer(redis_url, ns, big_moe_sim.url, "--routed-experts", moe, name="prod-b", concurrency=2)
+    indexes: list[int] = []
+    # the same trainer again (prod-a's failure is known: warned, not raised)
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", on_producer_failure="warn") as consumer:
+        async with asyncio.timeout(90):
+            while len(indexes) < 20:  # committing frees room: prod-b goes on
+                batch = await consumer.take(1)
+                indexes += [g.index for g in batch.groups]
+                await consumer.commit(batch)
+    assert sorted(indexes) == list(range(20))
+    await nothing_left(redis, ns, small_tmpfs)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from rollstream.consumer import GroupConsumer
+
+    async def main():
+        url, ns, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+        consumer = await GroupConsumer.connect(url, ns, "trainer-k", payload_check="size")
+        batch = await consumer.take(2)
+        rows = [int(v.sum()) for v in batch.routed_experts_numpy()]  # fetched on first access
+        print(json.dumps({"id": batch.id, "indexes": [g.index for g in batch.groups], "rows": rows,
+                          "redelivered": batch.redelivered}), flush=True)
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        await consumer.commit(batch)
+        await consumer.aclose()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _run_trainer(script: Path, url: str, ns: str, mode: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    child = subprocess.Popen([sys.executable, str(script), url, ns, mode], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if not line:
+        child.wait(10)
+        raise AssertionError(f"trainer exited with {child.returncode} before taking a batch")
+    return child, json.loads(line)
+
+
+async def test_trainer_killed_between_take_and_commit_gets_its_batch_and_arrays_again(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=1024)
+    await add_prompts(redis, ns, 4)
+    procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a")
+    await wait_until(lambda: _xlen(redis, Keys(ns).groups, 4), 30, message="4 groups published")
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    first, taken = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "hang")
+    first.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(first.wait, 10)
+    assert len(objects_in(store)) == 8  # nothing freed: the batch is not committed
+    second, again = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    assert await asyncio.to_thread(second.wait, 30) == 0
+    assert again == {**taken, "redelivered": True}  # the same batch, the same arrays
+    assert all(r > 0 for r in again["rows"])
+    third, rest = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    assert await asyncio.to_thread(third.wait, 30) == 0
+    assert sorted(taken["indexes"] + rest["indexes"]) == [0, 1, 2, 3]
+    await nothing_left(redis, ns, store)
+
+
+async def _xlen(redis: Redis, key: str, n: int) -> bool:
+    return int(await redis.xlen(key)) == n

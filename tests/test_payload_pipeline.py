@@ -1,0 +1,120 @@
+"""The payload plane end to end on a real ``fs`` store (a temporary directory): real producer
+processes with R3 against the simulator, a real trainer, real Redis. Where the bytes are, that
+the trainer's arrays are the engine's, and that every fate frees the objects exactly when nothing
+refers to them any more."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
+from redis.asyncio import Redis
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.models import Group
+from rollstream.common.protocol.objects import PayloadLedger
+from rollstream.consumer import GroupConsumer
+from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert
+
+MOE = (8, 4, 64)
+"""Layers, top-k, experts: 32 bytes of routing a token, so a 100-token reply's replay is ~3 KiB."""
+MIN_BYTES = 1024
+
+
+@pytest.fixture
+async def moe_sim() -> AsyncIterator[SimEngine]:
+    async with SimEngine(SimConfig(seed=1, mean_tokens=100, length_sigma=0.0, latency_per_token=0.001,
+                                   accuracy=0.5, moe=MOE)) as engine:
+        yield engine
+
+
+def objects_in(store: Path, hidden: bool = False) -> list[str]:
+    """The files under ``store`` (the objects; with ``hidden``, unfinished puts too)."""
+    found = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
+    return found if hidden else [f for f in found if "/." not in f"/{f}"]
+
+
+async def held(redis: Redis, ns: str) -> tuple[int, int, int, int]:
+    """(objects claimed, bytes claimed, intents, to free)."""
+    h = await PayloadLedger(redis, Keys(ns)).held()
+    return h.objects, h.bytes, h.intents, h.to_free
+
+
+def check_rows(group: Group) -> None:
+    layers, topk, experts = MOE
+    for sample in group.samples:
+        assert sample.routed_experts is not None
+        got = sample.routed_experts.numpy()
+        assert got.shape == (len(sample.tokens) - 1, layers, topk) and got.dtype == np.uint8
+        tokens = np.frombuffer(sample.tokens, dtype=np.int32)[:-1]
+        want = np.array([[[routed_expert(int(t), layer, k, experts) for k in range(topk)] for layer in range(layers)]
+                         for t in tokens])
+        np.testing.assert_array_equal(got, want.reshape(got.shape))
+
+
+async def start(redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, store: Path,
+                prompts: int, **config: object) -> None:
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=MIN_BYTES, **config)
+    await add_prompts(redis, ns, prompts)
+    procs.producer(redis_url, ns, sim.url, "--routed-experts", "x".join(map(str, MOE)), name="prod-a")
+
+
+async def test_arrays_live_in_the_store_and_commit_frees_them(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    await start(redis, redis_url, ns, moe_sim, procs, store, 4)
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen_is(redis, keys.groups, 4), 30, message="4 groups published")
+    entries = await redis.xrange(keys.groups)
+    refs = [k for _, f in entries for k in f[b"refs"].decode().split()]
+    assert all(int(f[b"objects"]) == 2 for _, f in entries)  # one object per sample
+    assert objects_in(store) == sorted(refs) and len(refs) == 8
+    store_bytes = sum(int(f[b"store_bytes"]) for _, f in entries)
+    assert all(int(f[b"bytes"]) < int(f[b"store_bytes"]) for _, f in entries)  # the bulk left Redis
+    assert await held(redis, ns) == (8, store_bytes, 0, 0)
+    assert int(await redis.hget(keys.state, StateField.GROUP_BYTES) or 0) >= store_bytes  # the byte budget counts them
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(30):
+            batch = await consumer.take(4)
+        assert batch.store_bytes == store_bytes and not batch.unfetched  # checksum mode: fetched at take
+        for group in batch.groups:
+            check_rows(group)
+        views = batch.routed_experts_numpy()
+        assert await consumer.commit(batch) == 4
+    assert objects_in(store) == []
+    assert await held(redis, ns) == (0, 0, 0, 0)
+    assert int(await redis.hget(keys.state, StateField.PAYLOAD_FREED) or 0) == 8
+    assert all(v is not None and v.shape[1:] == MOE[:2] for v in views)  # mapped pages outlive their files
+    assert int(np.sum([v.sum() for v in views if v is not None])) > 0
+
+
+async def test_lazy_fetch_each_rank_its_share(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    await start(redis, redis_url, ns, moe_sim, procs, store, 4)
+    await wait_until(lambda: _xlen_is(redis, Keys(ns).groups, 4), 30, message="4 groups published")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", payload_check="size") as consumer:
+        async with asyncio.timeout(30):
+            batch = await consumer.take(4)
+        assert len(batch.unfetched) == 4
+        assert all(s.routed_experts is None for g in batch.groups for s in g.samples)
+        shards = [batch.shard(rank, 2) for rank in range(2)]
+        assert sorted(i for s in shards for i in s.entry_ids) == sorted(batch.entry_ids)
+        assert [len(s) for s in shards] == [2, 2]
+        rank0 = shards[0].routed_experts_numpy()  # fetched on first access: rank 0's groups only
+        assert all(v is not None for v in rank0)
+        assert not shards[0].unfetched and len(batch.unfetched) == 2
+        await shards[1].fetch()
+        for group in batch.groups:
+            check_rows(group)
+        assert await consumer.commit(batch) == 4
+    assert objects_in(store) == []
+
+
+async def _xlen_is(redis: Redis, key: str, n: int) -> bool:
+    return int(await redis.xlen(key)) == n
