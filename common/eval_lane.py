@@ -93,23 +93,26 @@ def strip_eval_mark(metadata: dict[str, Any]) -> bool:
 
 
 def eval_prompts(settings: EvalSettings, source: Iterable[Any]) -> list[Prompt]:
-    """The eval set ``source`` as prompts: each item a prompt (text or chat messages) or a mapping
-    with ``prompt`` and optionally ``label`` and ``metadata``."""
-    out = []
-    for index, item in enumerate(source):
-        if isinstance(item, Mapping):
-            if "prompt" not in item:
-                raise ConfigError(f"eval {settings.name!r} item {index} has no 'prompt'")
-            prompt, label, metadata = item["prompt"], item.get("label"), dict(item.get("metadata") or {})
-        else:
-            prompt, label, metadata = item, None, {}
-        if not isinstance(prompt, str | list) or not prompt:
-            raise ConfigError(f"eval {settings.name!r} item {index}: a prompt is text or chat messages, got {prompt!r}")
-        metadata[EVAL_KEY] = settings.as_metadata()
-        out.append(Prompt(index=index, prompt=prompt, label=label, metadata=metadata))
+    """The eval set ``source`` as prompts (see :func:`eval_prompt`)."""
+    out = [eval_prompt(settings, index, item) for index, item in enumerate(source)]
     if not out:
         raise ConfigError(f"eval {settings.name!r} has no prompts")
     return out
+
+
+def eval_prompt(settings: EvalSettings, index: int, item: Any) -> Prompt:
+    """Item ``index`` of an eval set as a prompt: a prompt (text or chat messages) or a mapping
+    with ``prompt`` and optionally ``label`` and ``metadata``."""
+    if isinstance(item, Mapping):
+        if "prompt" not in item:
+            raise ConfigError(f"eval {settings.name!r} item {index} has no 'prompt'")
+        prompt, label, metadata = item["prompt"], item.get("label"), dict(item.get("metadata") or {})
+    else:
+        prompt, label, metadata = item, None, {}
+    if not isinstance(prompt, str | list) or not prompt:
+        raise ConfigError(f"eval {settings.name!r} item {index}: a prompt is text or chat messages, got {prompt!r}")
+    metadata[EVAL_KEY] = settings.as_metadata()
+    return Prompt(index=index, prompt=prompt, label=label, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,12 @@ class Keys:
         return f"{self.base}:eval_groups"
 
     @property
+    def eval_submitting(self) -> str:
+        """Hash: eval name -> ``written:digest`` while its prompts are being written (``evaluate``
+        streams them in chunks; a submission cut short resumes from here: same name, same set)."""
+        return f"{self.base}:eval_submitting"
+
+    @property
     def evals(self) -> str:
         """Hash: eval name -> JSON (submitted, prompts, samples, max_new_tokens, step; the result once finished)."""
         return f"{self.base}:evals"
@@ -309,6 +315,7 @@ class Keys:
             self.eval_prompts,
             self.eval_groups,
             self.evals,
+            self.eval_submitting,
             self.archiver_lease,
         ]
 

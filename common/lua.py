@@ -160,6 +160,9 @@ ACK_DELETE = load(
     "ack_delete", tally="", second_counter="", time_field="", now_ms=0, fate="", reason="", actor="",
 )
 EVAL_COLLECT = load("eval_collect")
+EVAL_BEGIN = load("eval_begin")
+EVAL_CHUNK = load("eval_chunk")
+EVAL_SUBMITTED = load("eval_submitted")
 ARCHIVED = load("archived")
 ADMIT = load(
     "admit", group=PRODUCERS_GROUP, trainer_group=TRAINER_GROUP, cadence_cap=MEASURED_CADENCE_CAP, source_caps=""

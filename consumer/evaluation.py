@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import itertools
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollstream.common.codec import decode_group_entry
+from rollstream.common.codec import decode_group_entry, prompt_fields
 from rollstream.common.connection import Outage
 from rollstream.common.errors import ConfigError
-from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompts, summarize
+from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompt, summarize
 from rollstream.common.events import now_ms
 from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
@@ -23,22 +25,106 @@ from rollstream.common.protocol import EvalLane
 logger = logging.getLogger(__name__)
 
 
+SUBMIT_CHUNK = 1000
+"""Eval prompts written per script: what the trainer holds at once while it submits an eval."""
+
+
 async def submit_eval(
     lane: EvalLane, outage: Outage, consumer: str, name: str, source: str | Path | Iterable[Any],
     n_samples: int, max_new_tokens: int | None, temperature: float | None = None, top_p: float | None = None,
 ) -> str:
-    """Write the eval set's prompts to the eval lane and record it; its name."""
+    """Write the eval set's prompts to the eval lane and record it; its name.
+
+    The set is streamed: read, encoded and written :data:`SUBMIT_CHUNK` prompts at a time (the
+    reading and encoding in a worker thread), each chunk with the submission's progress in one
+    script, so the trainer's memory does not grow with the set and its event loop is not held. A
+    submission cut short (the trainer killed, the call cancelled, an outage) resumes when the same
+    name is submitted again with the same set: the prompts already written are read and checked
+    (a digest), not written again. A name whose submission finished is refused (``ConfigError``)."""
     settings = EvalSettings(name, n_samples, max_new_tokens, temperature, top_p)
-    items = await asyncio.to_thread(read_eval_source, source) if isinstance(source, str | Path) else source
-    prompts = eval_prompts(settings, items)
+    log = Prefixed(logger, "consumer", consumer)
+    reader = _EvalReader(settings, source)
+    chunk = await asyncio.to_thread(reader.read, 1)  # an empty or unreadable set records nothing
+    if not chunk:
+        raise ConfigError(f"eval {name!r} has no prompts")
     step = await outage.run(lane.trained_steps)
-    meta = {**settings.as_metadata(), "prompts": len(prompts), "submitted_step": step, "submitted_ms": now_ms()}
-    if not await outage.run(lambda: lane.submit(name, meta, prompts)):
+    meta = {**settings.as_metadata(), "submitting": True, "submitted_step": step, "submitted_ms": now_ms()}
+    status, stored, progress = await outage.run(lambda: lane.begin(name, meta))
+    if status == "taken":
         raise ConfigError(f"an eval named {name!r} was already submitted to namespace {lane.keys.namespace!r}")
-    Prefixed(logger, "consumer", consumer).info(
-        "eval %s submitted (%d prompts x %d samples) at step %d", name, len(prompts), n_samples, step
-    )
+    written, digest = _progress(progress)
+    if status == "resume":
+        _same_settings(settings, stored)
+        meta = stored
+        log.info("eval %s: resuming its submission after the %d prompts already written", name, written)
+    before = progress
+    while chunk:
+        if reader.count <= written:  # written by the submission cut short: checked, not written again
+            if reader.count == written and reader.digest() != digest:
+                raise ConfigError(
+                    f"eval {name!r} was partly submitted ({written} prompts) from another set: submit it under a "
+                    "new name, or the same set again"
+                )
+        else:
+            after = reader.progress()
+            reply = await outage.run(functools.partial(lane.write, name, before, after, chunk))
+            if reply != "ok":
+                raise ConfigError(f"eval {name!r} is being submitted by another caller (progress {reply!r})")
+            before = after
+        size = SUBMIT_CHUNK if reader.count >= written else min(SUBMIT_CHUNK, written - reader.count)
+        chunk = await asyncio.to_thread(reader.read, size)
+    if reader.count < written:
+        raise ConfigError(f"eval {name!r} was partly submitted with {written} prompts, more than this set's "
+                          f"{reader.count}: submit the same set again")
+    final = {k: v for k, v in meta.items() if k != "submitting"} | {"prompts": reader.count}
+    if not await outage.run(lambda: lane.finish(name, before, final)):
+        raise ConfigError(f"eval {name!r} is being submitted by another caller")
+    log.info("eval %s submitted (%d prompts x %d samples) at step %s", name, reader.count, n_samples,
+             final.get("submitted_step"))
     return name
+
+
+class _EvalReader:
+    """An eval set read a chunk at a time (in a worker thread): its prompt entries' fields, and a
+    running digest of them (what a resumed submission checks the prompts already written by)."""
+
+    def __init__(self, settings: EvalSettings, source: str | Path | Iterable[Any]) -> None:
+        self.settings = settings
+        self.items: Iterator[Any] = iter_eval_source(source) if isinstance(source, str | Path) else iter(source)
+        self.count = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def read(self, size: int) -> list[dict[str, Any]]:
+        out = []
+        for item in itertools.islice(self.items, size):
+            fields = prompt_fields(eval_prompt(self.settings, self.count, item))
+            data = fields["data"]
+            self._hash.update(data if isinstance(data, bytes) else str(data).encode())
+            self.count += 1
+            out.append(fields)
+        return out
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def progress(self) -> str:
+        return f"{self.count}:{self.digest()}"
+
+
+def _progress(progress: str) -> tuple[int, str]:
+    written, _, digest = progress.partition(":")
+    return (int(written) if written.isdigit() else 0), digest
+
+
+def _same_settings(settings: EvalSettings, stored: dict[str, Any]) -> None:
+    """A resumed submission must ask for what the first one did (``ConfigError`` otherwise)."""
+    wanted = settings.as_metadata()
+    fields = ("n_samples", "max_new_tokens", "temperature", "top_p")
+    if any(wanted.get(k) != stored.get(k) for k in fields):
+        raise ConfigError(
+            f"eval {settings.name!r} was partly submitted with other settings "
+            f"({ {k: stored.get(k) for k in fields} }): submit it with those, or under a new name"
+        )
 
 
 async def _collect(
@@ -50,7 +136,10 @@ async def _collect(
 async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[EvalResult]:
     """Every finished eval, oldest first; an eval whose prompts all came back is summarized now,
     its groups archived and deleted (one script)."""
-    submitted = await outage.run(lane.submitted)
+    submitted = {
+        name: meta for name, meta in (await outage.run(lane.submitted)).items()
+        if "prompts" in meta or "result" in meta  # not one whose prompts are still being written
+    }
     waiting = {name for name, meta in submitted.items() if "result" not in meta}
     found: dict[str, list[tuple[bytes, Group, int]]] = {}
     after = "-"
@@ -85,15 +174,18 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
     return sorted(finished, key=lambda r: r.submitted_ms)
 
 
-def read_eval_source(path: str | Path) -> list[Any]:
-    """The records of a JSONL eval set (``ConfigError`` naming the first bad line)."""
-    items = []
+def iter_eval_source(path: str | Path) -> Iterator[Any]:
+    """The records of a JSONL eval set, one at a time (``ConfigError`` naming the first bad line)."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
-                items.append(json.loads(line))
+                yield json.loads(line)
             except ValueError as exc:
                 raise ConfigError(f"{path}:{number}: not JSON: {exc}") from None
-    return items
+
+
+def read_eval_source(path: str | Path) -> list[Any]:
+    """The records of a JSONL eval set (``ConfigError`` naming the first bad line)."""
+    return list(iter_eval_source(path))

@@ -144,9 +144,9 @@ class LaneEvals:
         running = {split[0] for name, meta in submitted.items() if "result" not in meta and (split := split_name(name))}
         for dataset in self.datasets:
             name = f"{dataset.name}{SEPARATOR}{rollout_id}"
-            if name in submitted:
+            if name in submitted and not submitted[name].get("submitting"):
                 continue  # a restarted trainer asking again for the same rollout
-            if dataset.name in running:
+            if name not in submitted and dataset.name in running:  # (one cut short mid-submit resumes)
                 logger.warning("eval %s: the one asked earlier is still running; not submitting %s", dataset.name, name)
                 continue
             if dataset.name not in self._items:

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace
+from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.errors import ConfigError
@@ -147,3 +153,120 @@ async def test_the_feeder_strips_the_eval_mark_from_dataset_rows_and_says_how_ma
     assert [p.metadata.get("other") for p in prompts if p.index % 2 == 0] == [0, 2, 4]  # the rest kept
     log = procs.log_of(feeder)
     assert f"3 rows carried metadata[{EVAL_KEY!r}]" in log, log
+
+
+SUBMITTER = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    from rollstream.consumer import GroupConsumer
+
+    def items(count, block_at, release):
+        for i in range(count):
+            if i == block_at:  # the trainer is killed here, its submission cut short
+                while not os.path.exists(release):
+                    time.sleep(0.05)
+            yield {"prompt": f"Compute {i} + 2.", "label": str(i + 2)}
+
+    async def main():
+        url, ns, name, count, block_at, release = sys.argv[1:7]
+        async with await GroupConsumer.connect(url, ns, "trainer-s") as consumer:
+            await consumer.evaluate(name, items(int(count), int(block_at), release), n_samples=1, max_new_tokens=4)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _items(count: int) -> list[dict[str, str]]:
+    return [{"prompt": f"Compute {i} + 2.", "label": str(i + 2)} for i in range(count)]
+
+
+async def _lane_indexes(redis: Redis, keys: Keys) -> list[int]:
+    return sorted(int(f[b"index"]) for _, f in await redis.xrange(keys.eval_prompts))
+
+
+async def _progress_at(redis: Redis, keys: Keys, name: str, written: int) -> bool:
+    progress = await redis.hget(keys.eval_submitting, name)  # type: ignore[misc]
+    return progress is not None and progress.split(b":")[0] == str(written).encode()
+
+
+async def test_an_eval_whose_trainer_was_killed_right_after_its_name_was_recorded_is_resumed_and_finishes(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, sim, procs: ProcessPool, tmp_path: Path
+) -> None:
+    """Issue 49 finding 5: the name was recorded before (and apart from) the prompts, so a trainer
+    SIGKILLed in between left an eval that could never finish, and a resubmit was refused as
+    "already submitted". Now the same name and set resume it, and it finishes."""
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1)
+    script = tmp_path / "submitter.py"
+    script.write_text(SUBMITTER)
+    log = tmp_path / "submitter.log"
+    with log.open("wb") as out:
+        child = await asyncio.to_thread(
+            subprocess.Popen, [sys.executable, str(script), redis_url, ns, "big", "300", "1", str(tmp_path / "never")],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        try:
+            await wait_until(lambda: redis.hexists(keys.evals, "big"), timeout=120, interval=0.005,
+                             message="the name recorded")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the submitter's log: {log.read_text(errors='replace')[-2000:]}") from None
+        child.send_signal(signal.SIGKILL)
+        assert await asyncio.to_thread(child.wait, 20) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    meta = json.loads(await redis.hget(keys.evals, "big"))  # type: ignore[misc,arg-type]
+    assert meta.get("submitting") and "prompts" not in meta
+    assert await _lane_indexes(redis, keys) in ([], [0])  # at most the first prompt (the set blocks at its second)
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-r") as consumer:
+        assert await consumer.evaluate("big", _items(300), n_samples=1, max_new_tokens=4) == "big"
+        assert await _lane_indexes(redis, keys) == list(range(300))  # each prompt once
+        with pytest.raises(ConfigError, match="already submitted"):
+            await consumer.evaluate("big", _items(300), n_samples=1, max_new_tokens=4)
+        procs.producer(redis_url, ns, sim.url, concurrency=32)
+        (result,) = await wait_until(consumer.eval_results, timeout=120, message="the resumed eval finished")
+    assert (result.name, result.prompts, result.samples) == ("big", 300, 300)
+    assert await redis.hlen(keys.eval_submitting) == 0
+
+
+async def test_a_cancelled_or_failed_eval_submission_resumes_from_where_it_stopped_and_checks_the_set(
+    redis: Redis, redis_url: str, ns: str, keys: Keys
+) -> None:
+    await make_namespace(redis, ns)
+    release = threading.Event()
+
+    def blocking(count: int, block_at: int) -> Iterator[dict[str, str]]:
+        for i, item in enumerate(_items(count)):
+            if i == block_at:
+                release.wait(60)
+            yield item
+
+    def failing(count: int, fail_at: int) -> Iterator[dict[str, str]]:
+        for i, item in enumerate(_items(count)):
+            if i == fail_at:
+                raise ConfigError("the eval set's reader failed")
+            yield item
+
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-c") as consumer:
+        submit = asyncio.create_task(consumer.evaluate("c", blocking(2500, 1200), n_samples=2))
+        await wait_until(lambda: _progress_at(redis, keys, "c", 1001), message="1001 prompts written")
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        release.set()
+        with pytest.raises(ConfigError, match="other settings"):  # a resume asks for what the first did
+            await consumer.evaluate("c", _items(2500), n_samples=3)
+        assert await consumer.evaluate("c", _items(2500), n_samples=2) == "c"
+        assert await _lane_indexes(redis, keys) == list(range(2500))
+        meta = json.loads(await redis.hget(keys.evals, "c"))  # type: ignore[misc,arg-type]
+        assert meta["prompts"] == 2500 and "submitting" not in meta
+        with pytest.raises(ConfigError, match="the eval set's reader failed"):
+            await consumer.evaluate("d", failing(1500, 1100), n_samples=2)
+        assert await _progress_at(redis, keys, "d", 1001)
+        other = [{"prompt": f"Other {i}."} for i in range(1500)]
+        with pytest.raises(ConfigError, match="from another set"):
+            await consumer.evaluate("d", other, n_samples=2)
+        assert await consumer.evaluate("d", _items(1500), n_samples=2) == "d"
+    assert len(await _lane_indexes(redis, keys)) == 4000
+    assert await redis.hlen(keys.eval_submitting) == 0

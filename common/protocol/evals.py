@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
 from .. import lua
-from ..codec import prompt_fields
 from ..keys import Keys, StateField
-from ..models import Prompt
 from .guard import Entry, Guarded, flat_entries
 
 EVAL_MESSAGE = "eval"
@@ -27,22 +25,44 @@ class EvalLane(Guarded):
         self.redis = redis
         self.keys = keys
         self._eval_collect = lua.EVAL_COLLECT.bind(redis, keys)
+        self._eval_begin = lua.EVAL_BEGIN.bind(redis, keys)
+        self._eval_chunk = lua.EVAL_CHUNK.bind(redis, keys)
+        self._eval_submitted = lua.EVAL_SUBMITTED.bind(redis, keys)
 
     async def trained_steps(self) -> int:
         raw = await self.redis.hget(self.keys.state, StateField.TRAINED_STEPS)
         return int(raw) if raw is not None and raw.isdigit() else 0
 
-    async def submit(self, name: str, meta: dict[str, Any], prompts: Sequence[Prompt]) -> bool:
-        """Record the eval (False when the name is taken) and add its prompts to the eval lane, each
-        with a plain ``eval`` field (its name: the key space of its episode journal)."""
-        if not await self.redis.hsetnx(self.keys.evals, name, json.dumps(meta)):
-            return False
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for prompt in prompts:
-                pipe.xadd(self.keys.eval_prompts, {**prompt_fields(prompt), "eval": name})
-            await pipe.execute()
-        await self.redis.publish(self.keys.control, EVAL_MESSAGE)  # producers napping on a full backlog wake
-        return True
+    async def begin(self, name: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+        """Record a submission (``meta``: no ``prompts`` yet) unless its name is taken: ('new',
+        meta, progress), ('resume', its meta, progress) while an earlier submission of the name is
+        still writing prompts, or ('taken', its meta, '')."""
+        reply = await self._eval_begin(name=name, meta=json.dumps(meta))
+        status = lua.status(reply[0])
+        try:
+            stored = json.loads(reply[1])
+        except ValueError:
+            stored = {}
+        progress = lua.status(reply[2]) if len(reply) > 2 else ""
+        return status, stored if isinstance(stored, dict) else {}, progress
+
+    async def write(self, name: str, before: str, after: str, prompts: Sequence[Mapping[str, Any]]) -> str:
+        """Add one chunk of prompt entries (each with a plain ``eval`` field: its name, the key
+        space of its episode journal) and move the progress from ``before`` to ``after``, in one
+        script: 'ok', else the progress found (another caller moved it; nothing written)."""
+        flat: list[Any] = []
+        for fields in prompts:
+            items = lua.flatten({**fields, "eval": name})
+            flat += [len(items), *items]
+        reply = lua.status(await self._eval_chunk(name=name, before=before, after=after, entries=flat))
+        if reply == "ok":
+            await self.redis.publish(self.keys.control, EVAL_MESSAGE)  # producers napping on a full backlog wake
+        return reply
+
+    async def finish(self, name: str, progress: str, meta: dict[str, Any]) -> bool:
+        """Store the complete submission (``meta`` with ``prompts``) if the progress is still
+        ``progress``; False when another caller moved it."""
+        return lua.status(await self._eval_submitted(name=name, progress=progress, meta=json.dumps(meta))) == "ok"
 
     async def submitted(self) -> dict[str, dict[str, Any]]:
         """Every eval of the namespace: its submission, with ``result`` once finished."""

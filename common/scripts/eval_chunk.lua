@@ -1,0 +1,18 @@
+-- One chunk of an eval's prompts added to the eval lane, and its progress moved from ``before`` to
+-- ``after`` (``written:digest``), in one step: a chunk is written whole or not at all, once. A
+-- re-sent call that went through finds ``after`` and adds nothing; progress that is neither (another
+-- caller resuming the same eval) is returned and nothing is written. Returns 'ok' or the progress.
+-- ``entries``: per prompt entry, the number of field/value items, then those items.
+-- KEYS: eval_prompts eval_submitting
+-- ARGV: name before after *entries
+local progress = redis.call('HGET', eval_submitting, name)
+if progress == after then return 'ok' end
+if progress ~= before then return progress or '' end
+local i = entries_at
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  redis.call('XADD', eval_prompts, '*', unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+redis.call('HSET', eval_submitting, name, after)
+return 'ok'
