@@ -190,7 +190,9 @@ def record_row(record: ArchiveRecord, *, keep_arrays: bool = False) -> dict[str,
     row.update(index=item.index, epoch=item.epoch, attempt=item.attempt, label=_json(item.label),
                history=list(item.history), metadata=_json(item.metadata), source=_source(item))
     if isinstance(item, Group):
-        if not keep_arrays and any(getattr(s, name) is not None for s in item.samples for name in BIG_ARRAYS):
+        if not keep_arrays and (item.payload is not None or any(
+            getattr(s, name) is not None for s in item.samples for name in BIG_ARRAYS
+        )):  # a version-4 group's refs go too: its objects are freed once the record is confirmed
             item = _strip(item)
             row["data"] = encode_group(item)
         row.update(producer=item.producer, status=item.status.value, reward_mean=_finite(item.reward_mean),

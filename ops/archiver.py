@@ -21,6 +21,7 @@ another namespace's archiver is refused there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import logging
@@ -44,11 +45,13 @@ from rollstream.common.archive_schema import (
     write_tmp,
     written_cursor,
 )
+from rollstream.common.codec import decode_group, encode_group
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage
-from rollstream.common.errors import ArchiveUnusable, ConfigError
+from rollstream.common.errors import ArchiveUnusable, ConfigError, DecodeError, PayloadError
 from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys
 from rollstream.common.namespace import load_config
+from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import ArchiveStream, NameLease
 
 logger = logging.getLogger(__name__)
@@ -111,6 +114,10 @@ class Archiver:
         token = f"{socket.gethostname()} pid {os.getpid()} {self._tag}"
         self.lease = NameLease(redis, self.keys, "archiver", token, key=self.keys.archiver_lease)
         self._renewed = 0.0
+        self.plane: PayloadPlane | None = None
+        """The namespace's payload store, if any: with ``keep_arrays`` the offloaded arrays are read
+        from it into each record before the record is confirmed, which releases them; the archiver
+        then deletes what was released."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,6 +130,8 @@ class Archiver:
         try:
             return await self._run()
         finally:
+            if self.plane is not None:
+                await self.plane.close()
             try:
                 await asyncio.wait_for(self.lease.release(), 5)
             except _RELEASE_ERRORS:  # the lease lapses by itself: say so and go
@@ -174,6 +183,8 @@ class Archiver:
                 f"namespace {self.keys.namespace!r} keeps no archive (archive_bytes 0): "
                 "re-run `rollstream init ... --archive-bytes SIZE --force`"
             )
+        if config.payload_store and self.plane is None:
+            self.plane = PayloadPlane.open(config.payload_store, self.redis, self.keys, config.lease_seconds)
         out = self.settings.out
         self._prepare(out)
         if partial := remove_partial(out):
@@ -238,10 +249,35 @@ class Archiver:
         token = self.lease.token
         if not await self._outage.run(lambda: self.stream.confirm(pairs, cursor, now_ms(), token)):
             raise self._lease_lost("its files stay (the archiver now holding the namespace counts them)")
+        if pairs and self.plane is not None:  # the confirmed records' objects were released: delete them
+            try:
+                await self.plane.free(rounds=4)
+            except Exception as exc:  # the trainer's next commit or a reclaim turn frees them
+                logger.warning("archiver (ns %s): freeing payload objects failed: %s", self.keys.namespace, exc)
+
+    async def _inline(self, record: ArchiveRecord) -> ArchiveRecord:
+        """With ``--keep-arrays`` and a payload store: the record with its group's offloaded arrays
+        read back into its ``data`` (checksums verified), before its confirmation frees them. An
+        object that cannot be read is logged, the record written without those arrays."""
+        plane = self.plane
+        if plane is None or not self.settings.keep_arrays or b"refs" not in record.fields:
+            return record
+        try:
+            group = decode_group(record.fields.get(b"data", b""))
+            if group.payload is None:
+                return record
+            group.payload.attach(group, await plane.fetch(group.payload))
+        except (DecodeError, PayloadError) as exc:
+            logger.warning("archiver (ns %s): record %s keeps no offloaded arrays: %s", self.keys.namespace,
+                           record.archive_id, exc)
+            return record
+        group.payload = None
+        return dataclasses.replace(record, fields={**record.fields, b"data": encode_group(group)})
 
     async def _flush(self, records: list[ArchiveRecord], after: str) -> str:
         """Write the records (one file per run of one partition, in id order) under temporary
         names, then for each file check the lease and rename it, then confirm them."""
+        records = [await self._inline(r) for r in records]
         try:
             written = await asyncio.to_thread(self._write, records, after)
         except ArchiveUnusable:  # a lapsed lease (a successor removed our files) says more

@@ -118,3 +118,101 @@ async def test_lazy_fetch_each_rank_its_share(
 
 async def _xlen_is(redis: Redis, key: str, n: int) -> bool:
     return int(await redis.xlen(key)) == n
+
+
+@pytest.mark.parametrize("keep_arrays", [True, False])
+async def test_the_archive_holds_the_objects_until_archived(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path, keep_arrays: bool
+) -> None:
+    """A trained group's archive record refers to its objects (they outlive the commit); the
+    archiver with ``--keep-arrays`` reads them into its Parquet rows before it confirms, and the
+    confirmation frees them."""
+    pytest.importorskip("pyarrow")
+    from rollstream.common.archive_schema import read_table
+    from rollstream.common.codec import decode_group
+    from rollstream.common.connection import connect
+    from rollstream.ops.archiver import Archiver, ArchiveSettings
+
+    store = tmp_path / "store"
+    await start(redis, redis_url, ns, moe_sim, procs, store, 2, archive_bytes=50_000_000)
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen_is(redis, keys.groups, 2), 30, message="2 groups published")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(30):
+            batch = await consumer.take(2)
+        trained = {g.index: g for g in batch.groups}
+        assert await consumer.commit(batch) == 2
+    assert len(objects_in(store)) == 4 and (await held(redis, ns))[0] == 4  # the archive records hold them
+    blocking = connect(redis_url, block_ms=1000)
+    archiver = Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path / "archive", flush_seconds=0.05,
+                                                         keep_arrays=keep_arrays))
+    task = asyncio.create_task(archiver.run())
+    try:
+        await wait_until(lambda: _xlen_is(redis, keys.archive, 0), 30, message="the archive confirmed")
+        await wait_until(lambda: _true(not objects_in(store)), 30, message="the objects freed")
+    finally:
+        archiver.stop()
+        await task
+        await blocking.aclose()
+    assert await held(redis, ns) == (0, 0, 0, 0)
+    rows = read_table(tmp_path / "archive").to_pylist()
+    assert sorted(r["index"] for r in rows) == sorted(trained)
+    for row in rows:
+        group = decode_group(row["data"])
+        assert group.payload is None  # no reference to an object that is gone
+        if keep_arrays:
+            for mine, theirs in zip(group.samples, trained[row["index"]].samples, strict=True):
+                assert mine.routed_experts == theirs.routed_experts
+        else:
+            assert all(s.routed_experts is None for s in group.samples)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_dead_letter_keeps_a_raw_groups_objects_until_dropped(
+    redis: Redis, redis_url: str, ns: str, tmp_path: Path
+) -> None:
+    """An undecodable group is dead-lettered as it came, ``refs`` included: its objects stay
+    claimed (the dead letter refers to them) until ``dead drop`` releases them. A decodable group's
+    dead letter is its prompt (what ``dead requeue`` puts back): no arrays, its objects freed."""
+    from rollstream.common.codec import group_fields_offloaded, prompt_fields
+    from rollstream.common.keys import PRODUCERS_GROUP
+    from rollstream.common.models import Prompt
+    from rollstream.common.payload.plane import PayloadPlane
+    from rollstream.common.protocol import PromptQueue
+    from rollstream.ops.deadletter import dead_entries, drop_dead
+    from rollstream.testing.samples import full_group
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, n_samples_per_prompt=2, payload_store=f"fs://{store}", payload_min_bytes=64)
+    keys = Keys(ns)
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    queue = PromptQueue(redis, keys, "p")
+    for index in range(2):
+        await redis.xadd(keys.prompts, prompt_fields(Prompt(index=index, prompt="p")))
+    delivered = await redis.xreadgroup(PRODUCERS_GROUP, "p", {keys.prompts: ">"})
+    published = {}
+    for (prompt_id, _), index in zip(delivered[0][1], range(2), strict=True):
+        fields, objects = group_fields_offloaded(full_group(n=2, index=index), 64, plane.new_key)
+        assert objects
+        if index == 0:
+            fields = {**fields, "data": b"\x81\xa1v\x63"}  # not a group: dead-lettered as it came
+        await plane.put(objects)
+        assert await queue.publish(keys.prompts, prompt_id, fields, None, [o.ref for o in objects])
+        published[index] = [o.ref.key for o in objects]
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(30):
+            batch = await consumer.take(1)
+        assert [g.index for g in batch.groups] == [1]
+        assert await consumer.commit(batch) == 1
+    [dead] = await dead_entries(redis, keys)
+    assert dead.prompt is None and dead.index == 0
+    [(_, raw)] = await redis.xrange(keys.dead)
+    assert raw[b"refs"].decode().split() == published[0]
+    assert objects_in(store) == sorted(published[0])  # the dead letter's objects stay, the trained one's went
+    assert (await held(redis, ns))[0] == len(published[0])
+    assert await drop_dead(redis, keys, [dead.id]) == 1
+    assert await plane.free() == len(published[0])
+    assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
