@@ -31,7 +31,6 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from rollstream.common import bias
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
@@ -45,6 +44,7 @@ from rollstream.runtime.redis_server import EmbeddedRedis, free_port
 from .shared_options import REDIS_URL_ENV
 
 if TYPE_CHECKING:
+    import aiohttp
     from rich.console import Console
     from rich.table import Table
 
@@ -234,6 +234,7 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
 async def trainer_loop(
     args: argparse.Namespace, url: str, engine_url: str, console: Console
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    import aiohttp
     from rollstream.consumer import GroupConsumer
 
     rows: list[dict[str, Any]] = []

@@ -41,12 +41,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
 from rollstream.common.versions import version_of
 from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS, Call, PauseMode, WeightAPI
+
+if TYPE_CHECKING:
+    import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +217,8 @@ class WeightSync:
         return await self._request(url, "POST", path, body, stage, seconds if seconds is not None else self.timeout)
 
     async def _request(self, url: str, method: str, path: str, body: Any, stage: str, seconds: float) -> Any:
+        import aiohttp  # here: a trainer that never syncs weights does not pay for importing it
+
         if self._http is None:
             self._http = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
         timeout = aiohttp.ClientTimeout(total=seconds, connect=min(seconds, 10.0))

@@ -6,15 +6,17 @@ import asyncio
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import aiohttp
 from rollstream.common.backoff import Backoff
 from rollstream.common.errors import ConfigError, RewardError
 from rollstream.common.models import PromptContent, Sample
 
 from .base import RETRY_AFTER_CAP, RewardFunction, _describe, _short
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class RemoteReward(RewardFunction):
@@ -43,8 +45,11 @@ class RemoteReward(RewardFunction):
         self._client: aiohttp.ClientSession | None = None
 
     def _get_client(self) -> aiohttp.ClientSession:
-        # created lazily so that it belongs to the event loop that uses it
+        # created lazily so that it belongs to the event loop that uses it (and aiohttp is
+        # imported only by a producer that uses a remote reward: it is a tenth of a CLI start's CPU)
         if self._client is None:
+            import aiohttp
+
             self._client = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, connect=min(self.timeout, 10.0)),
@@ -93,6 +98,8 @@ class RemoteReward(RewardFunction):
         return rewards
 
     async def _post(self, content: bytes) -> Any:
+        import aiohttp
+
         client = self._get_client()
         last_error = ""
         backoff = Backoff(base=self.backoff, cap=max(self.backoff, RETRY_AFTER_CAP))
