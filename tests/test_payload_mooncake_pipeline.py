@@ -1,0 +1,140 @@
+"""The payload plane end to end on a real Mooncake cluster (issue 48): a real ``mooncake_master``
+and real store processes on loopback, real producer processes with MoE routing replay (48 layers
+x top-8 of 128 experts, 256-token replies: ~96 KiB of replay per sample) against the simulator,
+a real trainer, real Redis. Every prompt is trained exactly once, and when the run is over
+Mooncake holds no object and the ledgers are empty; faults are real SIGKILLs of a producer and
+of the store process holding the published groups' bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
+from redis.asyncio import Redis
+from rollstream.common.keys import Keys, StateField
+from rollstream.common.protocol.objects import PayloadLedger
+from rollstream.testing.mooncake_cluster import MooncakeCluster, mooncake_unavailable
+from rollstream.testing.sim.simulator import SimConfig, SimEngine
+
+UNAVAILABLE = mooncake_unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"Mooncake cannot run here: {UNAVAILABLE}")
+
+MOE = "48x8x128"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[MooncakeCluster]:
+    """A short read lease (2 s: frees after a read are confirmed soon) and a dead store process
+    dropped after 3 s."""
+    with MooncakeCluster(tmp_path / "mooncake", segment="256MB", lease_ms=2000, client_ttl=3) as running:
+        yield running
+
+
+@pytest.fixture
+async def r3_sim() -> AsyncIterator[SimEngine]:
+    async with SimEngine(SimConfig(seed=1, mean_tokens=256, length_sigma=0.0, latency_per_token=0.0005,
+                                   accuracy=0.5, moe=(48, 8, 128))) as engine:
+        yield engine
+
+
+def stopped(child: subprocess.Popen[bytes]) -> bool:
+    """The child stopped itself at a fault point (SIGSTOP): state T."""
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def nothing_left(redis: Redis, ns: str, cluster: MooncakeCluster) -> None:
+    """No object in Mooncake and the ledgers empty: every fate's frees (confirmed by Mooncake,
+    past its read leases) and the sweep caught up."""
+    ledger = PayloadLedger(redis, Keys(ns))
+
+    async def clean() -> bool:
+        h = await ledger.held()
+        keys = await asyncio.to_thread(cluster.keys)
+        return not keys and (h.objects, h.bytes, h.intents, h.to_free) == (0, 0, 0, 0)
+
+    await wait_until(clean, 60, interval=0.2, message="no payload object left in Mooncake")
+
+
+async def counter(redis: Redis, ns: str, name: str) -> int:
+    return int(await redis.hget(Keys(ns).state, name) or 0)
+
+
+async def test_r3_groups_through_mooncake_lost_0_doubled_0_orphan_swept(
+    redis: Redis, redis_url: str, ns: str, r3_sim: SimEngine, procs: ProcessPool, cluster: MooncakeCluster,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer SIGKILLed between its put and its PUBLISH leaves objects nobody claims in
+    Mooncake; the others' reclaim turn sweeps them. 12 prompts, trained once each."""
+    await make_namespace(redis, ns, lease_seconds=2, payload_store=cluster.url, payload_min_bytes=64 * 1024)
+    await add_prompts(redis, ns, 12)
+    monkeypatch.setenv("ROLLSTREAM_FAULT_STOP", "after_put")
+    a = procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, name="prod-a", concurrency=2)
+    await wait_until(lambda: _true(stopped(a)), 60, message="prod-a stops after its put")
+    orphans = await asyncio.to_thread(cluster.keys)
+    assert len(orphans) == 2  # one group of two samples, one object each, in Mooncake
+    a.send_signal(signal.SIGKILL)
+    assert await asyncio.to_thread(a.wait, 10) == -signal.SIGKILL
+    monkeypatch.delenv("ROLLSTREAM_FAULT_STOP")
+    for name in ("prod-b", "prod-c"):
+        procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, "--reclaim-interval", "0.5",
+                       name=name, concurrency=4)
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen_at_least(redis, keys.groups, 1), 60, message="a group published")
+    entry = (await redis.xrange(keys.groups, count=1))[0][1]
+    assert int(entry[b"store_bytes"]) > 2 * 90_000 and int(entry[b"bytes"]) < 16 * 1024  # the bulk left Redis
+    try:
+        indexes = await take_all(redis_url, ns, 12, 4, timeout=120)
+    except TimeoutError:
+        raise AssertionError(procs.logs() + cluster.logs()) from None
+    assert sorted(indexes) == list(range(12))  # lost 0, doubled 0
+    await nothing_left(redis, ns, cluster)
+    assert await counter(redis, ns, StateField.PAYLOAD_SWEPT) == 2
+    assert await counter(redis, ns, StateField.DUPLICATES) == 0
+    assert await counter(redis, ns, StateField.PAYLOAD_FREED) >= 24  # 12 groups x 2 objects, and the orphans
+
+
+async def test_store_process_killed_groups_recycled_with_the_reason(
+    redis: Redis, redis_url: str, ns: str, r3_sim: SimEngine, procs: ProcessPool, cluster: MooncakeCluster,
+) -> None:
+    """The store process holding every published group's bytes SIGKILLed (a second one up): the
+    trainer's reads fail, each such group is recycled with the error naming the store and the
+    key, generated again into the live store process, and trained once."""
+    await make_namespace(redis, ns, lease_seconds=5, payload_store=cluster.url, payload_min_bytes=64 * 1024)
+    await add_prompts(redis, ns, 4)
+    procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, "--reclaim-interval", "0.5",
+                   name="prod-a", concurrency=4)
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen_at_least(redis, keys.groups, 4), 60, message="4 groups published")
+    held = await asyncio.to_thread(cluster.keys)
+    assert len(held) == 8  # all of them in the one store process
+    cluster.start_store()
+    cluster.kill_store(0)
+    await add_prompts(redis, ns, 4, start=4)
+    try:
+        indexes = await take_all(redis_url, ns, 8, 4, timeout=120)
+    except TimeoutError:
+        raise AssertionError(procs.logs() + cluster.logs()) from None
+    assert sorted(indexes) == list(range(8))  # lost 0, doubled 0
+    assert await counter(redis, ns, StateField.RECYCLED_PAYLOAD) == 4
+    assert await counter(redis, ns, StateField.PAYLOAD_READ_FAILURES) == 4
+    reason = (await redis.hget(keys.state, StateField.PAYLOAD_LAST_FAILURE) or b"").decode()
+    assert f"payload store {cluster.url}: object '" in reason and any(key in reason for key in held), reason
+    await nothing_left(redis, ns, cluster)
+    assert all(child.poll() is None for child, _ in procs.children), procs.logs()  # no producer stopped
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _xlen_at_least(redis: Redis, key: str, n: int) -> bool:
+    return int(await redis.xlen(key)) >= n
