@@ -273,6 +273,12 @@ class Keys:
         return f"{self.base}:lease:{consumer}"
 
     @property
+    def feeder(self) -> str:
+        """String with a TTL: the token (host, pid) of the live ``rollstream feed``, renewed while it
+        feeds and deleted when it stops (``init --force`` refuses while it is there)."""
+        return f"{self.base}:feeder"
+
+    @property
     def archiver_lease(self) -> str:
         """String with a TTL: the token of the one live ``rollstream archive`` of the namespace."""
         return f"{self.base}:archiver"
@@ -317,6 +323,7 @@ class Keys:
             self.evals,
             self.eval_submitting,
             self.archiver_lease,
+            self.feeder,
         ]
 
 

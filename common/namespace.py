@@ -12,7 +12,7 @@ from .config import PipelineConfig
 from .errors import ConfigError, NamespaceNotInitialized
 from .events import now_ms
 from .keys import PRODUCERS_GROUP, Keys, StateField
-from .protocol import Heartbeats, Keyspace
+from .protocol import Feed, Heartbeats, Keyspace
 from .redis_errors import translate_errors
 from .redis_values import int_or, text
 
@@ -80,8 +80,9 @@ async def check_memory(redis: Redis, keys: Keys, config: PipelineConfig) -> None
 @translate_errors
 async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, force: bool = False) -> bool:
     """Write the namespace config; True when written. An existing, different config is kept
-    unless ``force``, and even then refused while a producer or a trainer is alive: changing n or
-    the batch size under running producers corrupts groups. The namespace id is kept across a
+    unless ``force``, and even then refused while a producer, a trainer or a feeder is alive:
+    changing n or the batch size under running producers corrupts groups, and a new mix under a
+    running feeder leaves sources unfed. The namespace id is kept across a
     ``--force`` (the state hash, with the feeder cursor, stays valid). A Redis that can evict
     keys, or cannot hold the byte budget, is refused (:func:`check_memory`)."""
     await check_memory(redis, keys, config)
@@ -118,11 +119,13 @@ async def init_namespace(redis: Redis, keys: Keys, config: PipelineConfig, *, fo
 async def _refuse_while_alive(redis: Redis, keys: Keys, heartbeat_timeout: float) -> None:
     alive = (await Heartbeats(redis, keys).fleet(now_ms(), heartbeat_timeout)).alive_names
     trainers = await Keyspace(redis, keys).trainer_names()
-    if alive or trainers:
+    feeder = await Feed(redis, keys).live_feeder()
+    if alive or trainers or feeder:
         raise ConfigError(
             f"namespace {keys.namespace!r} is in use (live producers: {', '.join(alive) or 'none'}; "
-            f"connected trainers: {', '.join(trainers) or 'none'}): changing its config now would "
-            "dead-letter the groups in flight. Stop them first (SIGTERM drains a producer), then init --force"
+            f"connected trainers: {', '.join(trainers) or 'none'}; a running feeder: {feeder or 'none'}): changing "
+            "its config now would dead-letter the groups in flight, or leave the feeder feeding another mix. Stop "
+            "them first (SIGTERM drains a producer, stops a feeder), then init --force"
         )
 
 

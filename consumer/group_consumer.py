@@ -408,10 +408,12 @@ class GroupConsumer:
                 health = await self._check_health(target, started, len(taken))
                 if now - last_warning >= self.options.warn_interval:
                     last_warning = now
+                    unfed = "" if self._mixer is None or quotas is None else self._mixer.unfed(
+                        quotas, Counter(g.source for _, g in taken))
                     # a deadlock at maxmemory ends only when someone raises maxmemory: an error
                     (self.log.error if self._memory_deadlock else self.log.warning)(
-                        "take(%d) waiting for %.0f s with %d groups; %s",
-                        target, now - started, len(taken), health,
+                        "take(%d) waiting for %.0f s with %d groups; %s%s",
+                        target, now - started, len(taken), health, f"; {unfed}" if unfed else "",
                     )
             batch = await self._finish(taken, version, started, tally, redelivered)
             self._held.extend((eid, {}) for eid, _ in held)

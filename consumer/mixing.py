@@ -33,9 +33,30 @@ class Mixer:
         self.weights = dict(weights)
         self._outage = outage
         self._left: set[str] = set()
+        self._last: dict[str, str] = {}
 
     async def _state(self) -> dict[str, str]:
-        return await self._outage.run(self.sources.state)
+        self._last = await self._outage.run(self.sources.state)
+        return self._last
+
+    def unfed(self, quotas: Mapping[str, int], taken: Counter[str]) -> str:
+        """Why a waiting take lacks groups of a source, when it is because nothing of that source
+        is fed or alive (no feeder feeds it: a mix changed under the feeder, say); "" otherwise.
+        From the state the last :meth:`quotas` read."""
+        state = self._last
+        short = []
+        for name, quota in sorted(quotas.items()):
+            if taken[name] >= quota or state.get(SourceField.of(name, "done")) == "1":
+                continue
+            fed = self._count(state, name, "fed")
+            alive = (fed + self._count(state, name, "requeued") - self._count(state, name, "lost")
+                     - self._count(state, name, "committed") - taken[name])
+            if alive <= 0:
+                short.append(f"{name!r} ({taken[name]} of its {quota} taken, {fed} fed ever, none alive)")
+        if not short:
+            return ""
+        return (f"source(s) {', '.join(short)} of the mix have nothing fed to generate: is a feeder feeding "
+                "them? (rollstream feed NAME=PATH ... with every source of the mix)")
 
     @staticmethod
     def _count(state: Mapping[str, str], name: str, kind: str) -> int:

@@ -13,11 +13,15 @@ its file and row, written by the same script; the epoch goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import os
 import re
+import secrets
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -26,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.connection import Outage, connect
 from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
-from rollstream.common.mix import check_source_name
+from rollstream.common.mix import check_source_name, parse_mix
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed, Sources
@@ -229,6 +234,10 @@ class Feeder:
         """Rows whose metadata carried the eval lane's reserved key: fed without it (it would steer sampling)."""
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
         self._stop = asyncio.Event()
+        self._token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+        self._mix = ""
+        self._beat_ttl = 15.0
+        self._beat_at = 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -330,11 +339,51 @@ class Feeder:
             f"feeder (ns {self.keys.namespace})", default_stall_after(config.lease_seconds), logger
         )
         watching = asyncio.create_task(watchdog.run(), name="watchdog")
+        self._mix = config.mix
+        self._beat_ttl = max(1.0, config.heartbeat_timeout)
         try:
+            await self._beat(due=True)
             return await self._feed()
         finally:
             watching.cancel()
             await asyncio.wait([watching], timeout=5)
+            with contextlib.suppress(RedisError, OSError):  # a beat left behind lapses by itself
+                await self.feed.release(self._token)
+
+    async def _beat(self, due: bool = False) -> None:
+        """Every third of the heartbeat timeout: say this feeder is alive (``init --force``
+        refuses while it is), and re-read the namespace's mix: a changed one is adopted when it
+        names the same sources, else the feed stops with a ConfigError saying what changed."""
+        now = time.monotonic()
+        if not due and now - self._beat_at < self._beat_ttl / 3:
+            return
+        self._beat_at = now
+        await self._outage.run(lambda: self.feed.beat(self._token, int(self._beat_ttl * 1000)))
+        mix = await self._outage.run(self.feed.mix)
+        if mix != self._mix:
+            self._mix_changed(mix)
+
+    def _mix_changed(self, mix: str) -> None:
+        weights = parse_mix(mix)
+        names = {s.name for s in self.sources}
+        if self.named and weights.keys() == names:
+            self.log.warning("the namespace's mix changed from %r to %r: feeding by the new weights", self._mix, mix)
+            self.weights, self._mix = weights, mix
+            return
+        if not self.named:
+            why = "this feed feeds one unnamed source"
+        elif not weights:
+            why = "the namespace has no mix any more"
+        else:
+            missing, extra = sorted(weights.keys() - names), sorted(names - weights.keys())
+            why = "; ".join(
+                ([f"source(s) {', '.join(missing)} not fed by this feed"] if missing else [])
+                + ([f"source(s) {', '.join(extra)} fed here not in it"] if extra else [])
+            )
+        raise ConfigError(
+            f"the namespace's mix changed while feeding, from {self._mix!r} to {mix!r} ({why}): the feed stops. "
+            "Restart it with the sources of the new mix (rollstream feed NAME=PATH ...)"
+        )
 
     def _pick(self, alive: dict[str, int]) -> _Source | None:
         """The live source furthest behind its share (the only one when unnamed)."""
@@ -365,6 +414,7 @@ class Feeder:
             )
             await asyncio.to_thread(source.dataset.check, functools.partial(self._check_encoding, source))
         while not self._stop.is_set():
+            await self._beat()
             queued = await self._outage.run(self.feed.queued)
             room = min(self.settings.window - queued, self.settings.chunk)
             if room <= 0:

@@ -47,6 +47,24 @@ class Feed(Guarded):
         self.redis = redis
         self.keys = keys
         self._feed = lua.FEED.bind(redis, keys)
+        self._release = lua.RELEASE.bind(redis, keys)
+
+    async def beat(self, token: str, ttl_ms: int) -> None:
+        """Say a feeder (``token``: its host and pid) is alive for ``ttl_ms`` (``Keys.feeder``)."""
+        await self.redis.set(self.keys.feeder, token, px=ttl_ms)
+
+    async def release(self, token: str) -> None:
+        """Forget the feeder's beat if it is still this feeder's."""
+        await self._release(lease=self.keys.feeder, token=token)
+
+    async def live_feeder(self) -> str | None:
+        """The token of a feeder alive now (its beat not expired), or None."""
+        raw = await self.redis.get(self.keys.feeder)
+        return None if raw is None else text(raw)
+
+    async def mix(self) -> str:
+        """The namespace config's mix now ("" without one)."""
+        return text(await self.redis.hget(self.keys.config, "mix") or b"")
 
     async def cursor(self) -> FeedCursor:
         """Where the feeder stands; ConfigError when the state hash is not this namespace's any
