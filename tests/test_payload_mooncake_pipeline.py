@@ -18,6 +18,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_un
 from redis.asyncio import Redis
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.protocol.objects import PayloadLedger
+from rollstream.consumer import GroupConsumer
 from rollstream.testing.mooncake_cluster import MooncakeCluster, mooncake_unavailable
 from rollstream.testing.sim.simulator import SimConfig, SimEngine
 
@@ -130,6 +131,45 @@ async def test_store_process_killed_groups_recycled_with_the_reason(
     assert f"payload store {cluster.url}: object '" in reason and any(key in reason for key in held), reason
     await nothing_left(redis, ns, cluster)
     assert all(child.poll() is None for child, _ in procs.children), procs.logs()  # no producer stopped
+
+
+@pytest.mark.slow
+async def test_master_killed_producer_fails_loudly_restarted_master_groups_recycled(
+    redis: Redis, redis_url: str, ns: str, r3_sim: SimEngine, procs: ProcessPool, cluster: MooncakeCluster,
+) -> None:
+    """The master SIGKILLed with 4 groups published: the producer's next put fails (RPC_FAIL) and
+    it stops loudly, handing its prompt back; the master restarted knows no object (no HA), so
+    the 4 groups are recycled as missing and generated again by a new producer; each prompt is
+    trained once, and the frees of the lost objects are confirmed (they are gone)."""
+    await make_namespace(redis, ns, lease_seconds=5, payload_store=cluster.url, payload_min_bytes=64 * 1024)
+    await add_prompts(redis, ns, 4)
+    a = procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, "--reclaim-interval", "0.5",
+                       name="prod-a", concurrency=4)
+    keys = Keys(ns)
+    await wait_until(lambda: _xlen_at_least(redis, keys.groups, 4), 60, message="4 groups published")
+    cluster.kill_master()
+    await add_prompts(redis, ns, 4, start=4)
+    assert await asyncio.to_thread(a.wait, 120) == 1, procs.log_of(a)
+    assert "RPC_FAIL" in procs.log_of(a) and cluster.url in procs.log_of(a)
+    await asyncio.to_thread(cluster.start_master)
+    await asyncio.to_thread(cluster.wait_store, cluster.stores[0])
+    procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, "--reclaim-interval", "0.5",
+                   name="prod-b", concurrency=4)
+    indexes: list[int] = []
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", on_producer_failure="warn") as consumer:
+        try:
+            async with asyncio.timeout(180):
+                while len(indexes) < 8:
+                    batch = await consumer.take(min(4, 8 - len(indexes)))
+                    indexes += [g.index for g in batch.groups]
+                    assert await consumer.commit(batch) == len(batch)
+        except TimeoutError:
+            raise AssertionError(procs.logs() + cluster.logs()) from None
+    assert sorted(indexes) == list(range(8))  # lost 0, doubled 0
+    assert await counter(redis, ns, StateField.RECYCLED_PAYLOAD) == 4
+    reason = (await redis.hget(keys.state, StateField.PAYLOAD_LAST_FAILURE) or b"").decode()
+    assert f"payload store {cluster.url}: object '" in reason and "not in the Mooncake store" in reason, reason
+    await nothing_left(redis, ns, cluster)
 
 
 async def _true(value: bool) -> bool:
