@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
 from redis.asyncio import Redis
@@ -20,7 +21,7 @@ from rollstream.common.keys import Keys, StateField
 from rollstream.common.protocol.objects import PayloadLedger
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.mooncake_cluster import MooncakeCluster, mooncake_unavailable
-from rollstream.testing.sim.simulator import SimConfig, SimEngine
+from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert
 
 UNAVAILABLE = mooncake_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"Mooncake cannot run here: {UNAVAILABLE}")
@@ -131,6 +132,39 @@ async def test_store_process_killed_groups_recycled_with_the_reason(
     assert f"payload store {cluster.url}: object '" in reason and any(key in reason for key in held), reason
     await nothing_left(redis, ns, cluster)
     assert all(child.poll() is None for child, _ in procs.children), procs.logs()  # no producer stopped
+
+
+async def test_each_rank_fetches_its_share_from_mooncake_with_the_engines_rows(
+    redis: Redis, redis_url: str, ns: str, r3_sim: SimEngine, procs: ProcessPool, cluster: MooncakeCluster,
+) -> None:
+    """``payload_check="size"``: take() only asks the master for the objects' sizes (no read
+    lease taken, so the frees after commit are not refused), each rank's shard fetches its own
+    groups on first access, and the routing rows are the engine's, byte for byte."""
+    await make_namespace(redis, ns, payload_store=cluster.url, payload_min_bytes=64 * 1024)
+    await add_prompts(redis, ns, 4)
+    procs.producer(redis_url, ns, r3_sim.url, "--routed-experts", MOE, "--reclaim-interval", "0.5",
+                   name="prod-a", concurrency=4)
+    await wait_until(lambda: _xlen_at_least(redis, Keys(ns).groups, 4), 60, message="4 groups published")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", payload_check="size") as consumer:
+        async with asyncio.timeout(60):
+            batch = await consumer.take(4)
+        assert len(batch.unfetched) == 4
+        shards = [batch.shard(rank, 2) for rank in range(2)]
+        rank0 = shards[0].routed_experts_numpy()  # fetched on first access: rank 0's groups only
+        assert all(view is not None and view.shape[1:] == (48, 8) for view in rank0)
+        assert not shards[0].unfetched and len(batch.unfetched) == 2
+        await shards[1].fetch()
+        layers, topk, experts = 48, 8, 128
+        for group in batch.groups:
+            for sample in group.samples:
+                assert sample.routed_experts is not None
+                got = sample.routed_experts.numpy()
+                tokens = np.frombuffer(sample.tokens, dtype=np.int32)[:-1]
+                want = np.array([[[routed_expert(int(t), layer, k, experts) for k in range(topk)]
+                                  for layer in range(layers)] for t in tokens], dtype=np.uint8)
+                np.testing.assert_array_equal(got, want.reshape(got.shape))
+        assert await consumer.commit(batch) == 4
+    await nothing_left(redis, ns, cluster)
 
 
 @pytest.mark.slow
