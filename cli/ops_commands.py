@@ -24,6 +24,7 @@ from rollstream.ops import (
     DeadEntry,
     dead_entries,
     delete_namespace,
+    delete_payload_objects,
     drop_dead,
     existing_keys,
     list_namespaces,
@@ -197,6 +198,9 @@ def cmd_ns(args: argparse.Namespace) -> int:
         if not _confirm("type the namespace name to confirm", expected=args.ns):
             _out("not confirmed; nothing deleted")
             return 1
+    objects = _run(args.redis, lambda r: delete_payload_objects(r, keys))
+    if objects:
+        _out(f"deleted {objects} payload store objects of namespace {args.ns!r}")
     deleted = _run(args.redis, lambda r: delete_namespace(r, keys))
     _out(f"deleted {deleted} keys of namespace {args.ns!r}")
     return 0

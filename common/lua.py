@@ -181,6 +181,7 @@ ROW_STATS = load("row_stats")
 REQUEUE = load("requeue", tally="")
 SWEEP_PAYLOAD = load("sweep_payload")
 DROP_DEAD = load("drop_dead")
+ADOPT_ORPHANS = load("adopt_orphans")
 LEASE = load("lease")
 RELEASE = load("release")
 

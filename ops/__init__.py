@@ -24,7 +24,7 @@ from rollstream.common.admission import DEFAULT_STALL_AFTER
 from .actions import pause, release_consumer, resume
 from .deadletter import DeadEntry, dead_entries, dead_entry, drop_dead, requeue_dead
 from .health import DEFAULT_STUCK_AFTER, LEASE_WARNING_FRACTION, assess
-from .namespaces import delete_namespace, existing_keys, list_namespaces
+from .namespaces import delete_namespace, delete_payload_objects, existing_keys, list_namespaces
 from .snapshot import SCHEMA_VERSION, snapshot
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "dead_entries",
     "dead_entry",
     "delete_namespace",
+    "delete_payload_objects",
     "drop_dead",
     "existing_keys",
     "list_namespaces",

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import TYPE_CHECKING
 
 from rollstream.common.errors import PayloadError
 from rollstream.common.events import now_ms
+from rollstream.common.payload.plane import RECONCILE_INTERVAL_S
 from rollstream.common.protocol import Admitted
 
 from .capacity import Work
@@ -41,6 +43,8 @@ class Reclaimer:
         self.due = False
         """Idle prompts were found (here or by another producer) and not all taken over yet."""
         self.seen_ms = 0
+        self.reconciled = time.monotonic()
+        """When this producer last listed the payload store against the ledgers (not at start)."""
         """The newest ``reclaim_due_ms`` this producer acted on (0 at start: its first turn acts on
         an earlier find once, harmlessly: XAUTOCLAIM finds nothing left)."""
 
@@ -129,6 +133,9 @@ class Reclaimer:
         try:
             p.payload_stats["orphans_swept"] += await p.plane.sweep()
             await p.plane.free(rounds=4)
+            if time.monotonic() - self.reconciled >= RECONCILE_INTERVAL_S:
+                self.reconciled = time.monotonic()
+                p.payload_stats["orphans_swept"] += await p.plane.reconcile()
         except PayloadError as exc:
             p.log.warning("payload sweep: %s", exc)
 

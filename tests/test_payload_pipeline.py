@@ -216,3 +216,46 @@ async def test_a_dead_letter_keeps_a_raw_groups_objects_until_dropped(
     assert await drop_dead(redis, keys, [dead.id]) == 1
     assert await plane.free() == len(published[0])
     assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
+
+
+async def test_the_full_sweep_frees_what_no_entry_refers_to_and_ns_delete_empties_the_store(
+    redis: Redis, ns: str, tmp_path: Path
+) -> None:
+    """Objects no ledger knows (Redis lost its ledgers: restarted without persistence, the
+    namespace deleted and made again) are freed by the full sweep (the reclaim turn's
+    ``reconcile``, rare: it lists the store), and nothing in use (an object being put, one an
+    entry holds); ``ns delete`` empties the store."""
+    from rollstream.common.codec import group_fields_offloaded, prompt_fields
+    from rollstream.common.keys import PRODUCERS_GROUP
+    from rollstream.common.models import Prompt
+    from rollstream.common.payload.plane import PayloadPlane
+    from rollstream.common.protocol import PromptQueue
+    from rollstream.ops import delete_payload_objects
+    from rollstream.testing.samples import full_group
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=64)
+    keys = Keys(ns)
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    for index in range(2):
+        await redis.xadd(keys.prompts, prompt_fields(Prompt(index=index, prompt="p")))
+    delivered = await redis.xreadgroup(PRODUCERS_GROUP, "p", {keys.prompts: ">"})
+    queue = PromptQueue(redis, keys, "p")
+    entries = []
+    for (prompt_id, _), index in zip(delivered[0][1], range(2), strict=True):
+        fields, objects = group_fields_offloaded(full_group(n=2, index=index), 64, plane.new_key)
+        await plane.put(objects)
+        entries.append((await queue.publish(keys.prompts, prompt_id, fields, None, [o.ref for o in objects]),
+                        [o.ref.key for o in objects]))
+    _, being_put = group_fields_offloaded(full_group(n=2, index=9), 64, plane.new_key)
+    await plane.ledger.intend([o.ref.key for o in being_put], 2**62)  # a put under way: its intent first
+    await plane.store.put(being_put[0].ref.key, being_put[0].parts)
+    (gone_id, gone_keys), (_, kept_keys) = entries
+    await redis.xdel(keys.groups, gone_id)  # its entry and its claims lost with Redis' data
+    await redis.hdel(keys.payload_held, *gone_keys)
+    assert await plane.reconcile() == len(gone_keys)
+    assert objects_in(store) == sorted([*kept_keys, being_put[0].ref.key])
+    assert await plane.reconcile() == 0
+    assert int(await redis.hget(keys.state, StateField.PAYLOAD_SWEPT) or 0) == len(gone_keys)
+    assert await delete_payload_objects(redis, keys) == len(kept_keys) + 1
+    assert objects_in(store) == []

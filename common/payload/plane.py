@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 FREE_BATCH = 500
 """Objects one free step deletes (the rest wait for the next step)."""
+RECONCILE_INTERVAL_S = 600.0
+"""How often a producer's reclaim turn lists the store for objects no ledger knows."""
 INTENT_LEASES = 2
 """An intent's deadline is this many prompt leases after it is written (before the puts, and
 again once they are done): a live producer publishes well within it, a dead one's objects are
@@ -147,6 +149,33 @@ class PayloadPlane:
             )
             await self.free(rounds=1 + len(swept) // FREE_BATCH)
         return len(swept)
+
+    async def reconcile(self, batch: int = FREE_BATCH) -> int:
+        """The full sweep: list the namespace's objects in the store and free every one no ledger
+        knows (its entry went without a fate script: an ``XDEL`` by hand, a lost stream); the
+        number found. Costs a listing of the store: run rarely (the reclaim turn, every
+        :data:`RECONCILE_INTERVAL_S`)."""
+        found = 0
+        listed: list[str] = []
+        async for key, _ in self.store.list(self._prefix):
+            listed.append(key)
+            if len(listed) >= batch:
+                found += await self.ledger.adopt_orphans(listed, now_ms())
+                listed = []
+        found += await self.ledger.adopt_orphans(listed, now_ms())
+        if found:
+            logger.warning("payload store %s: %d objects no entry refers to (removed by hand?) swept", self.url, found)
+            await self.free(rounds=1 + found // FREE_BATCH)
+        return found
+
+    async def delete_all(self) -> int:
+        """Delete every object of the namespace from the store (``rollstream ns delete``); the
+        number the store confirmed gone."""
+        gone = 0
+        listed = [key async for key, _ in self.store.list(self._prefix)]
+        for start in range(0, len(listed), FREE_BATCH):
+            gone += len(await self.store.delete(listed[start : start + FREE_BATCH]))
+        return gone
 
     async def close(self) -> None:
         await self.store.close()

@@ -41,6 +41,7 @@ class PayloadLedger(Guarded):
         self.redis = redis
         self.keys = keys
         self._sweep = lua.SWEEP_PAYLOAD.bind(redis, keys)
+        self._adopt = lua.ADOPT_ORPHANS.bind(redis, keys)
 
     async def intend(self, keys: Sequence[str], deadline_ms: int) -> None:
         """Record objects about to be put (before the put): unclaimed past ``deadline_ms``, swept."""
@@ -58,6 +59,10 @@ class PayloadLedger(Guarded):
     async def sweep(self, now: int, count: int = 1000) -> list[str]:
         """Intents past their deadline moved to the to-free set (counted as orphans swept)."""
         return [text(k) for k in await self._sweep(now_ms=now, count=count)]
+
+    async def adopt_orphans(self, listed: Sequence[str], now: int) -> int:
+        """Of keys listed in the store, queue to free those no ledger knows (leaked); how many."""
+        return int(await self._adopt(now_ms=now, keys=listed)) if listed else 0
 
     async def to_free(self, count: int = 500) -> list[str]:
         """Objects released, oldest first, up to ``count``: delete them from the store, then :meth:`freed`."""
