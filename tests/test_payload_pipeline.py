@@ -259,3 +259,63 @@ async def test_the_full_sweep_frees_what_no_entry_refers_to_and_ns_delete_emptie
     assert int(await redis.hget(keys.state, StateField.PAYLOAD_SWEPT) or 0) == len(gone_keys)
     assert await delete_payload_objects(redis, keys) == len(kept_keys) + 1
     assert objects_in(store) == []
+
+
+async def _publish_offloaded(redis: Redis, keys: Keys, groups: list[Group], store: Path) -> list[list[str]]:
+    """Publish ``groups`` as a producer does (intents, puts, PUBLISH), each for a prompt of its
+    own; the object keys of each."""
+    from rollstream.common.codec import group_fields_offloaded, prompt_fields
+    from rollstream.common.keys import PRODUCERS_GROUP
+    from rollstream.common.models import Prompt
+    from rollstream.common.payload.plane import PayloadPlane
+    from rollstream.common.protocol import PromptQueue
+
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    for group in groups:
+        await redis.xadd(keys.prompts, prompt_fields(Prompt(index=group.index, prompt="p")))
+    delivered = await redis.xreadgroup(PRODUCERS_GROUP, "p", {keys.prompts: ">"})
+    out = []
+    for (prompt_id, _), group in zip(delivered[0][1], groups, strict=True):
+        fields, objects = group_fields_offloaded(group, 64, plane.new_key)
+        await plane.put(objects)
+        assert await PromptQueue(redis, keys, "p").publish(keys.prompts, prompt_id, fields, None,
+                                                           [o.ref for o in objects])
+        out.append([o.ref.key for o in objects])
+    return out
+
+
+@pytest.mark.parametrize("readable", [True, False])
+async def test_a_partial_rollout_recycle_carries_its_arrays_inline(
+    redis: Redis, redis_url: str, ns: str, tmp_path: Path, readable: bool
+) -> None:
+    """An ABORTED group recycled with partial rollout keeps its samples for the next attempt: their
+    offloaded arrays are read back into the retry prompt (the producer continues them) and the
+    objects freed; when they cannot be read, the prompt goes back without its partial samples."""
+    from rollstream.common.codec import decode_prompt_entry
+    from rollstream.common.models import Status
+    from rollstream.testing.samples import full_group
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=64, partial_rollout=True)
+    keys = Keys(ns)
+    aborted = full_group(n=2, index=0)
+    for sample in aborted.samples:
+        sample.status = Status.ABORTED
+    published = await _publish_offloaded(redis, keys, [aborted, full_group(n=2, index=1)], store)
+    if not readable:
+        (store / published[0][0]).unlink()
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
+        async with asyncio.timeout(30):
+            batch = await consumer.take(1)
+        assert [g.index for g in batch.groups] == [1]
+        assert await consumer.commit(batch) == 1
+    [(_, fields)] = await redis.xrange(keys.retry)
+    assert b"refs" not in fields
+    prompt = decode_prompt_entry(fields)
+    if readable:
+        assert prompt.partial is not None
+        for mine, theirs in zip(prompt.partial, aborted.samples, strict=True):
+            assert mine.routed_experts == theirs.routed_experts and mine.teacher_log_probs == theirs.teacher_log_probs
+    else:
+        assert prompt.partial is None and "no file" in prompt.history[-1]
+    assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
