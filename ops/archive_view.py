@@ -19,9 +19,9 @@ from typing import Any
 from rollstream.common.archive_schema import one_namespace, read_part, scan_parts
 from rollstream.common.errors import ArchiveUnusable
 
-MAX_TOKENS_SHOWN = 1024
+MAX_TOKENS_SHOWN = 256
 """Response token ids per sample kept on the page (the counts are always exact)."""
-MAX_TEXT_SHOWN = 4000
+MAX_TEXT_SHOWN = 2000
 """Characters of a prompt, response, reward or error kept on the page (the archive has them whole)."""
 
 _COLUMNS = (
