@@ -27,8 +27,7 @@ from rollstream.common.protocol import (
     NamespaceLimits,
     check_engine_url,
     format_rate,
-    parse_limit,
-    parse_rate,
+    parse_limits_and_rates,
 )
 from rollstream.common.settings_fields import documented
 from rollstream.producer.engine.settings import parse_moe_shape
@@ -262,8 +261,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         row_stats=args.row_stats,
     )
     keys = Keys(args.ns)
-    limits = dict(parse_limit(spec) for spec in args.limit)
-    rates = dict(parse_rate(spec) for spec in args.rate)
+    limits, rates = parse_limits_and_rates(args.limit, args.rate)
 
     async def work(redis: Any) -> bool:
         written = await init_namespace(redis, keys, config, force=args.force)
@@ -295,8 +293,7 @@ def named_sources(specs: list[str]) -> dict[str, str]:
 def cmd_limits(args: argparse.Namespace) -> int:
     keys = Keys(args.ns)
     if args.action == "set":
-        limits = dict(parse_limit(spec) for spec in args.specs)
-        rates = dict(parse_rate(spec) for spec in args.rate)
+        limits, rates = parse_limits_and_rates(args.specs, args.rate)
         if not limits and not rates:
             raise ConfigError("limits set: give NAME=K and/or --rate NAME=R/s")
 

@@ -52,8 +52,14 @@ def format_mix(weights: Mapping[str, float]) -> str:
 
 
 def normalised(weights: Mapping[str, float]) -> dict[str, float]:
-    total = sum(weights.values())
-    return {name: weight / total for name, weight in weights.items()} if total > 0 else {}
+    """The weights as shares summing to 1; scaled by the largest first, so weights near the float
+    maximum (``a=1e308,b=1e308``) do not overflow their sum to infinity and every share to 0."""
+    largest = max(weights.values(), default=0.0)
+    if not largest > 0 or not math.isfinite(largest):
+        return {}
+    scaled = {name: weight / largest for name, weight in weights.items()}
+    total = sum(scaled.values())
+    return {name: weight / total for name, weight in scaled.items()}
 
 
 def carries(weights: Mapping[str, float], committed: Mapping[str, int]) -> dict[str, float]:

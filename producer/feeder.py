@@ -23,6 +23,7 @@ import re
 import secrets
 import socket
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from rollstream.common.errors import ConfigError, DecodeError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
-from rollstream.common.mix import check_source_name, parse_mix
+from rollstream.common.mix import check_source_name, normalised, parse_mix
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed, Sources
@@ -62,12 +63,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["MAX_LINE_BYTES", "FeedSettings", "Feeder", "Record", "feed", "load_jsonl", "split_row_slice"]
 
 _SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+_BAD_SLICE = re.compile(r"^.*(?P<slice>@\[[^\]]*\])$")
 
 
 def split_row_slice(path: str | Path) -> tuple[str, slice | None]:
     """slime's and miles' ``--prompt-data path@[start:stop]``: the path and the row slice."""
     match = _SLICE.match(str(path))
     if match is None:
+        if (bad := _BAD_SLICE.match(str(path))) is not None and not os.path.exists(path):
+            raise ConfigError(
+                f"{path}: row slice {bad.group('slice')!r}: expected PATH@[START:STOP] with START and STOP "
+                "integers or empty (e.g. data.jsonl@[0:1000], data.jsonl@[-500:])"
+            )
         return str(path), None
     start, stop = match.group("start"), match.group("stop")
     return match.group("path"), slice(int(start) if start else None, int(stop) if stop else None)
@@ -238,6 +245,8 @@ class Feeder:
         self._mix = ""
         self._beat_ttl = 15.0
         self._beat_at = 0.0
+        self._deferred_run = 0
+        self._defer_wait = 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -401,9 +410,9 @@ class Feeder:
             return None
         if not self.named:
             return live[0]
-        total_weight = sum(self.weights[s.name] for s in live)
+        shares = normalised({s.name: self.weights[s.name] for s in live})
         have = sum(alive[s.name] for s in live) + 1
-        return max(live, key=lambda s: self.weights[s.name] / total_weight * have - alive[s.name])
+        return max(live, key=lambda s: shares[s.name] * have - alive[s.name])
 
     async def _feed(self) -> int:
         next_index = await self._cursor()
@@ -450,6 +459,7 @@ class Feeder:
             next_index += added
             self.fed += added
             self.rejected += len(dead)
+            await self._back_off_if_all_deferred(chunk, len(deferred))
         self.log.info(
             "fed %d prompts; next index %d%s", self.fed, next_index,
             f"; {self.deferred} rows deferred by the curriculum" if self.settings.curriculum else "",
@@ -498,7 +508,15 @@ class Feeder:
         raw = await self._outage.run(lambda: self.source_hash.rows(fields))
         deferred = set()
         for i, ((source, (epoch, _, rid, _)), stats) in enumerate(zip(chunk, raw, strict=True)):
-            if not sampler(RowStats.parse(stats), epoch, draw(self.settings.seed, epoch, source.name, rid)):
+            try:
+                feed_now = sampler(RowStats.parse(stats), epoch, draw(self.settings.seed, epoch, source.name, rid))
+            except Exception as exc:  # the user's function: its error named, not a traceback from the feeder
+                raise ConfigError(
+                    f"the curriculum {_name_of(sampler)} raised {type(exc).__name__}: {exc} ({_where_raised(exc)}) "
+                    f"on row {source.name + ':' if source.name else ''}{rid} of epoch {epoch}: fix it, or feed "
+                    "without --curriculum"
+                ) from exc
+            if not feed_now:
                 deferred.add(i)
         self.deferred += len(deferred)
         return deferred
@@ -546,13 +564,38 @@ class Feeder:
             **({"dataset_source": source.name} if source.name else {}),
         }
 
-    async def _sleep(self) -> None:
+    async def _back_off_if_all_deferred(self, chunk: list[tuple[_Source, Item]], deferred: int) -> None:
+        """A curriculum that defers every row would walk epoch after epoch at full speed feeding
+        nothing: after a whole epoch of every live source deferred in a row, warn and wait (1 s,
+        doubling to 60 s while it lasts), so the trainer's statistics can change meanwhile."""
+        if deferred < len(chunk):
+            self._deferred_run, self._defer_wait = 0, 0.0
+            return
+        self._deferred_run += len(chunk)
+        epoch_rows = sum(s.dataset.rows for s in self.sources if not s.done)
+        if self._deferred_run < epoch_rows:
+            return
+        self._defer_wait = min(_DEFER_WAIT_MAX, max(1.0, 2 * self._defer_wait))
+        self.log.warning(
+            "the curriculum deferred every one of the last %d rows (a whole epoch of every source; now at epoch %s): "
+            "nothing fed. Waiting %.0f s before going on; a curriculum that defers every row feeds nothing",
+            self._deferred_run, ", ".join(f"{name} {epoch}" if name else str(epoch)
+                                          for name, epoch in {s.name: item[0] for s, item in chunk}.items()),
+            self._defer_wait,
+        )
+        self._deferred_run = 0
+        await self._sleep(self._defer_wait)
+
+    async def _sleep(self, seconds: float | None = None) -> None:
         try:
-            async with asyncio.timeout(self.settings.poll_interval):
+            async with asyncio.timeout(self.settings.poll_interval if seconds is None else seconds):
                 await self._stop.wait()
         except TimeoutError:
             pass
 
+
+_DEFER_WAIT_MAX = 60.0
+"""The longest wait between two epochs whose every row the curriculum deferred."""
 
 _LEGACY_ID = re.compile(r"^[0-9a-f]{12}:\d+:(o|s\d+|slime\d+)$")
 
@@ -596,6 +639,17 @@ def _encoded(
     except DecodeError as exc:
         raise RowError(f"{dataset.where(rid)}: a producer could not read the row back: {exc}") from None
     return fields
+
+
+def _name_of(function: Any) -> str:
+    """A callable as ``module:qualname`` (an instance: its class's)."""
+    target = function if hasattr(function, "__qualname__") else type(function)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+
+
+def _where_raised(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"at {frames[-1].filename}:{frames[-1].lineno}" if frames else "where unknown"
 
 
 def _as_dataset(dataset: Dataset | list[Record]) -> Dataset:

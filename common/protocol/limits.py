@@ -47,6 +47,27 @@ def parse_rate(spec: str) -> tuple[str, float]:
     return _check_name(name.strip()), float(match.group(1)) / _PERIOD[match.group(2)]
 
 
+def parse_limits_and_rates(limits: Sequence[str], rates: Sequence[str]) -> tuple[dict[str, int], dict[str, float]]:
+    """``--limit NAME=K`` and ``--rate NAME=R/s`` specs as ``({name: K}, {name: per second})``;
+    ConfigError for a name given twice with one flag (the last one would win silently)."""
+    parsed_limits: dict[str, int] = {}
+    parsed_rates: dict[str, float] = {}
+    for spec in limits:
+        name, size = parse_limit(spec)
+        _once("--limit", name, parsed_limits, spec)
+        parsed_limits[name] = size
+    for spec in rates:
+        name, per_second = parse_rate(spec)
+        _once("--rate", name, parsed_rates, spec)
+        parsed_rates[name] = per_second
+    return parsed_limits, parsed_rates
+
+
+def _once(flag: str, name: str, seen: Mapping[str, float], spec: str) -> None:
+    if name in seen:
+        raise ConfigError(f"{flag} {name!r} is given twice ({name}={seen[name]:g}, then {spec!r}): give it once")
+
+
 def format_rate(per_second: float) -> str:
     return f"{per_second:g}/s" if per_second >= 1 else f"{per_second * 60:g}/min"
 
