@@ -72,10 +72,14 @@ class Batch:
         if self.plane is None:
             raise ConfigError("this batch's groups have offloaded arrays but no payload store to fetch them from")
         plane = self.plane
-        buffers = [await plane.fetch(g.payload) for g in pending if g.payload is not None]
-        for group, fetched in zip(pending, buffers, strict=True):
-            if group.payload is not None:
-                group.payload.attach(group, fetched)
+        fetched = await asyncio.gather(*(plane.fetch(g.payload) for g in pending if g.payload is not None),
+                                       return_exceptions=True)
+        for value in fetched:
+            if isinstance(value, BaseException):
+                raise value  # the first failure, naming its store and key
+        for group, buffers in zip(pending, fetched, strict=True):
+            if group.payload is not None and not isinstance(buffers, BaseException):
+                group.payload.attach(group, buffers)
 
     def fetch_now(self) -> None:
         """:meth:`fetch` from synchronous code (the numpy views, a training step): run in a

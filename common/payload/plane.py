@@ -20,6 +20,7 @@ import re
 import secrets
 import zlib
 from collections.abc import Sequence
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
@@ -32,15 +33,25 @@ from .refs import GroupPayload, ObjectRef
 from .store import PayloadStore, open_store
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FREE_BATCH = 500
 """Objects one free step deletes (the rest wait for the next step)."""
+FETCH_CONCURRENCY = 8
+"""Objects one fetch reads and checks at once."""
 RECONCILE_INTERVAL_S = 600.0
 """How often a producer's reclaim turn lists the store for objects no ledger knows."""
 INTENT_LEASES = 2
 """An intent's deadline is this many prompt leases after it is written (before the puts, and
 again once they are done): a live producer publishes well within it, a dead one's objects are
 swept after it."""
+
+
+def _result(value: T | BaseException) -> T:
+    """A result of ``gather(..., return_exceptions=True)``, its exception raised."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def _key_part(text: str) -> str:
@@ -78,33 +89,41 @@ class PayloadPlane:
         keys = [o.ref.key for o in objects]
         await self.ledger.intend(keys, now_ms() + self.intent_ms)
         try:
-            async with asyncio.TaskGroup() as group:
-                for o in objects:
-                    group.create_task(self.store.put(o.ref.key, o.parts))
+            done = await asyncio.gather(*(self.store.put(o.ref.key, o.parts) for o in objects), return_exceptions=True)
+            for value in done:
+                _result(value)
             await self.ledger.intend(keys, now_ms() + self.intent_ms)  # a slow put keeps its full deadline
-        except BaseException as exc:
-            error = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1 else exc
+        except BaseException:
             try:
                 await self.ledger.abandon(keys, now_ms())
                 await self.free()
             except Exception as cleanup:  # the sweep frees them after the deadline
                 logger.warning("payload store %s: could not free abandoned objects now: %s", self.url, cleanup)
-            if error is not exc:
-                raise error from None
             raise
 
     async def fetch(self, payload: GroupPayload) -> dict[str, memoryview]:
-        """Every object of ``payload`` read and its checksum verified (``PayloadError`` otherwise)."""
-        buffers: dict[str, memoryview] = {}
-        for ref in payload.objects:
-            buffers[ref.key] = await self.read(ref)
-        return buffers
+        """Every object of ``payload`` read and its checksum verified (``PayloadError`` otherwise),
+        up to :data:`FETCH_CONCURRENCY` at a time (the CRC-32 runs in threads: zlib releases the
+        GIL, so objects are checked on several cores)."""
+        refs = payload.objects
+        if len(refs) == 1:
+            return {refs[0].key: await self.read(refs[0])}
+        limit = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def one(ref: ObjectRef) -> memoryview:
+            async with limit:
+                return await self.read(ref)
+
+        # gather, not a TaskGroup: on Python 3.11 a failing child can leave this task marked as
+        # cancelling, which the take loop's cancellation check would then see
+        results = await asyncio.gather(*(one(ref) for ref in refs), return_exceptions=True)
+        return {ref.key: _result(value) for ref, value in zip(refs, results, strict=True)}
 
     async def read(self, ref: ObjectRef) -> memoryview:
         buffer = await self.store.get(ref.key, ref.size)
         if len(buffer) != ref.size:
             raise PayloadCorrupt(self.url, ref.key, f"{len(buffer)} bytes read, its entry says {ref.size}")
-        crc = await asyncio.to_thread(zlib.crc32, buffer) if ref.size > 1 << 20 else zlib.crc32(buffer)
+        crc = await asyncio.to_thread(zlib.crc32, buffer) if ref.size > 1 << 16 else zlib.crc32(buffer)
         if crc != ref.checksum:
             raise PayloadCorrupt(self.url, ref.key, f"CRC-32 {crc:#010x}, its entry says {ref.checksum:#010x}")
         return buffer
