@@ -22,6 +22,7 @@ def test_codec_quick_produces_rows() -> None:
     assert "rollstream µs" in table.markdown()
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(60)
 def test_throughput_quick_produces_rows() -> None:
     (table,) = bench_main.run(["throughput"], quick=True)
@@ -62,6 +63,7 @@ def test_r3_quick_produces_rows() -> None:
     assert filled[1] == "filled until OOM" and filled[5] > 0
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(120)
 def test_episodes_quick_produces_rows() -> None:
     table, session = bench_main.run(["episodes"], quick=True)
@@ -73,6 +75,7 @@ def test_episodes_quick_produces_rows() -> None:
     assert all(row[1] > 0 and row[2] > 0 for row in table.rows)
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(120)
 def test_durable_quick_resumes_with_only_the_calls_in_flight_made_again() -> None:
     kill, limit, cost, sweep = bench_main.run(["durable"], quick=True)
@@ -95,6 +98,7 @@ def test_adapters_quick_produces_rows() -> None:
     assert all(row[1] == table.rows[0][1] and row[2] > 0 for row in table.rows)  # the same calls, measured
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(180)
 def test_restart_quick_measures_both_producers() -> None:
     (table,) = bench_main.run(["restart"], quick=True)
@@ -127,6 +131,7 @@ def test_diagnose_quick_produces_rows() -> None:
     assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in table.rows)
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 def test_fleet_quick_measures_the_sick_fleet_the_old_engine_the_cache_and_adaptive_concurrency() -> None:
     from bench import fleet
 
@@ -156,6 +161,7 @@ def test_loop_stall_quick_produces_rows() -> None:
     assert all(r[1] > 0 and r[2] > 0 for r in costs.rows)  # both measured
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(240)
 def test_learning_sim_quick_times_sync_and_async_against_the_bound() -> None:
     (table,) = bench_main.run(["learning_sim"], quick=True)
@@ -171,6 +177,7 @@ def test_learning_sim_quick_times_sync_and_async_against_the_bound() -> None:
             assert fraction == pytest.approx(speedup / bound)
 
 
+@pytest.mark.slow  # a scenario of seconds to minutes (issue 50: the default suite under ten minutes)
 @pytest.mark.timeout(240)
 def test_staleness_rule_quick_compares_partial_rollout_and_the_two_rules() -> None:
     (table,) = bench_main.run(["staleness_rule"], quick=True)
