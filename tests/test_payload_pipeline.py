@@ -319,3 +319,19 @@ async def test_a_partial_rollout_recycle_carries_its_arrays_inline(
     else:
         assert prompt.partial is None and "no file" in prompt.history[-1]
     assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
+
+
+async def test_init_flags_set_the_store_and_refuse_a_bad_one(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path
+) -> None:
+    from rollstream.common.config import PipelineConfig
+
+    init = procs.start("init", "--redis", redis_url, "--ns", ns, "--n-samples", "2", "--batch-size", "4",
+                       "--payload-store", f"fs://{tmp_path}/store", "--payload-min-bytes", "16KiB", log_name="init")
+    assert await asyncio.to_thread(init.wait, 120) == 0, procs.logs()
+    config = PipelineConfig.from_redis(await redis.hgetall(Keys(ns).config))
+    assert (config.payload_store, config.payload_min_bytes) == (f"fs://{tmp_path}/store", 16384)
+    bad = procs.start("init", "--redis", redis_url, "--ns", f"{ns}-b", "--n-samples", "2", "--batch-size", "4",
+                      "--payload-store", "s3://bucket", log_name="bad")
+    assert await asyncio.to_thread(bad.wait, 120) == 2, procs.logs()
+    assert "scheme 's3' is not one of fs://, mooncake://" in procs.log_of(bad)
