@@ -564,10 +564,26 @@ class Dataset:
         return f"{digest.hexdigest()[:12]}:{self.rows}"
 
 
+_SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+_BAD_SLICE = re.compile(r"^.*(?P<slice>@\[[^\]]*\])$")
+
+
+def split_row_slice(path: str | Path) -> tuple[str, slice | None]:
+    """slime's and miles' ``--prompt-data path@[start:stop]``: the path and the row slice."""
+    match = _SLICE.match(str(path))
+    if match is None:
+        if (bad := _BAD_SLICE.match(str(path))) is not None and not os.path.exists(path):
+            raise ConfigError(
+                f"{path}: row slice {bad.group('slice')!r}: expected PATH@[START:STOP] with START and STOP "
+                "integers or empty (e.g. data.jsonl@[0:1000], data.jsonl@[-500:])"
+            )
+        return str(path), None
+    start, stop = match.group("start"), match.group("stop")
+    return match.group("path"), slice(int(start) if start else None, int(stop) if stop else None)
+
+
 def open_dataset(path: str | Path, row_format: RowFormat | None = None) -> Dataset:
     """A file, folder or glob of JSONL/Parquet shards, with slime's ``path@[start:stop]``."""
-    from rollstream.producer.feeder import split_row_slice
-
     real_path, rows = split_row_slice(path)
     shards: list[Shard] = [open_shard(p) for p in shard_paths(real_path)]
     return Dataset(str(path), shards, rows, row_format or RowFormat())

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -60,25 +60,7 @@ from .datasets import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_LINE_BYTES", "FeedSettings", "Feeder", "Record", "feed", "load_jsonl", "split_row_slice"]
-
-_SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
-_BAD_SLICE = re.compile(r"^.*(?P<slice>@\[[^\]]*\])$")
-
-
-def split_row_slice(path: str | Path) -> tuple[str, slice | None]:
-    """slime's and miles' ``--prompt-data path@[start:stop]``: the path and the row slice."""
-    match = _SLICE.match(str(path))
-    if match is None:
-        if (bad := _BAD_SLICE.match(str(path))) is not None and not os.path.exists(path):
-            raise ConfigError(
-                f"{path}: row slice {bad.group('slice')!r}: expected PATH@[START:STOP] with START and STOP "
-                "integers or empty (e.g. data.jsonl@[0:1000], data.jsonl@[-500:])"
-            )
-        return str(path), None
-    start, stop = match.group("start"), match.group("stop")
-    return match.group("path"), slice(int(start) if start else None, int(stop) if stop else None)
-
+__all__ = ["MAX_LINE_BYTES", "FeedSettings", "Feeder", "Item", "Record", "feed", "load_jsonl"]
 
 def load_jsonl(
     path: str | Path,
@@ -158,8 +140,16 @@ def _order(settings: FeedSettings) -> Order:
     return Order(settings.shuffle, settings.seed, settings.shuffle_scheme, settings.shuffle_buffer)
 
 
-Item = tuple[int, int, int, Any]
-"""(epoch, position after, row id, raw row)."""
+class Item(NamedTuple):
+    """One row of a source's walk, as the feeder hands it out."""
+
+    epoch: int
+    position: int
+    """The position in the epoch's order after this row (the cursor once it is fed)."""
+    row: int
+    """The row id in the (sliced) dataset."""
+    raw: Any
+    """The row as read, before decoding."""
 
 
 class _Source:
@@ -188,7 +178,7 @@ class _Source:
     def _walk(self, epoch: int, position: int) -> Iterator[Item]:
         while self.epochs is None or epoch < self.epochs:
             for after, rid, raw in EpochWalk(self.dataset, self.order, epoch, position):
-                yield epoch, after, rid, raw
+                yield Item(epoch, after, rid, raw)
             epoch, position = epoch + 1, 0
 
     def peek(self) -> Item | None:
