@@ -51,6 +51,9 @@ BIG_ARRAYS = (
 )
 """Per-token arrays kept in ``data`` only with ``--keep-arrays`` (routing replay, teacher log-probs)."""
 _PART = re.compile(r"^part_(\d+-\d+)_(\d+-\d+)\.parquet$")
+ROW_GROUP_ROWS = 64
+"""Rows per Parquet row group: a reader of a few rows (``archive view --limit 1``, one replayed
+step) reads the row groups that hold them, not the whole file."""
 OWNER_FILE = "rollstream-archive.json"
 """In an archive folder: ``{"namespace": NAME}``, the one namespace whose archiver writes there."""
 
@@ -311,6 +314,17 @@ class ArchivePart:
     """The namespace whose archiver wrote it (None: a file of an older rollstream)."""
     after: str | None
     """The archive id its run follows (the previous file's last; None: an older file)."""
+    row_groups: tuple[int, ...] = ()
+    """The rows of each of its row groups, in order."""
+
+    def row_group_of(self, row: int) -> tuple[int, int]:
+        """(first row, end) of the row group that holds ``row``."""
+        start = 0
+        for size in self.row_groups:
+            if row < start + size:
+                return start, start + size
+            start += size
+        return 0, self.rows
 
 
 def scan_parts(root: str | Path) -> list[ArchivePart]:
@@ -327,12 +341,13 @@ def scan_parts(root: str | Path) -> list[ArchivePart]:
         try:
             with pq.ParquetFile(path) as handle:
                 meta, rows = handle.schema_arrow.metadata, handle.metadata.num_rows
+                groups = tuple(handle.metadata.row_group(i).num_rows for i in range(handle.metadata.num_row_groups))
         except _arrow_errors() as exc:
             raise _unreadable(path, exc) from exc
         info = _file_info(path, meta)
         parts.append(ArchivePart(
             path=path, first=match.group(1), last=match.group(2), rows=rows,
-            namespace=info.get("namespace"), after=info.get("after"),
+            namespace=info.get("namespace"), after=info.get("after"), row_groups=groups,
         ))
     return parts
 
@@ -472,7 +487,7 @@ def write_tmp(root: str | Path, partition: str, rows: list[dict[str, Any]], meta
     tmp = final.with_name(f"{final.name}{'.' + tag if tag else ''}.tmp")
     table = pa.Table.from_pylist(rows, schema=arrow_schema()).replace_schema_metadata(dict(metadata))
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, tmp, compression="zstd", row_group_size=ROW_GROUP_ROWS)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
     except BaseException:  # a full disk: no half file left behind

@@ -47,19 +47,23 @@ class RecordedStep:
 
 
 class _Payloads:
-    """The ``data`` column of one part file at a time (a step's files are read when it is taken)."""
+    """The ``data`` column of one row group at a time (a step's row groups are read when it is taken)."""
 
     def __init__(self, parts: Sequence[ArchivePart]) -> None:
         self.parts = parts
-        self._cached: tuple[int, Any] | None = None
+        self._cached: tuple[int, int, int, Any] | None = None
+        """(part, first row, end, its data column)"""
 
     def get(self, rows: list[tuple[int, int]]) -> list[bytes]:
         out = []
         for part, row in rows:
-            if self._cached is None or self._cached[0] != part:
-                self._cached = None  # the previous file's payloads go before the next's are read
-                self._cached = (part, read_part(self.parts[part].path, ["data"]).column("data"))
-            out.append(self._cached[1][row].as_py())
+            cached = self._cached
+            if cached is None or cached[0] != part or not cached[1] <= row < cached[2]:
+                self._cached = None  # the previous row group's payloads go before the next's are read
+                start, end = self.parts[part].row_group_of(row)
+                column = read_part(self.parts[part].path, ["data"], rows=slice(start, end)).column("data")
+                self._cached = cached = (part, start, end, column)
+            out.append(cached[3][row - cached[1]].as_py())
         return out
 
 
