@@ -181,6 +181,15 @@ class _Source:
                 yield Item(epoch, after, rid, raw)
             epoch, position = epoch + 1, 0
 
+    def fill(self, count: int) -> None:
+        """Read ahead until ``count`` rows are buffered (or the walk ends): the feeder calls this
+        in a thread, so reading the dataset (a full permutation's blocks, a unit, a row group)
+        never holds its event loop."""
+        if self.done:
+            return
+        while len(self.buffered) < count and (item := next(self.walk, None)) is not None:
+            self.buffered.append(item)
+
     def peek(self) -> Item | None:
         if not self.buffered:
             item = next(self.walk, None)
@@ -384,6 +393,10 @@ class Feeder:
             "Restart it with the sources of the new mix (rollstream feed NAME=PATH ...)"
         )
 
+    def _fill(self, room: int) -> None:
+        for source in self.sources:
+            source.fill(room)
+
     def _pick(self, alive: dict[str, int]) -> _Source | None:
         """The live source furthest behind its share (the only one when unnamed)."""
         live = [s for s in self.sources if not s.done and s.peek() is not None]
@@ -420,6 +433,7 @@ class Feeder:
                 await self._sleep()
                 continue
             alive = await self._alive() if self.named else {}
+            await asyncio.to_thread(self._fill, room)
             chunk: list[tuple[_Source, Item]] = []
             while len(chunk) < room:
                 picked = self._pick(alive)
