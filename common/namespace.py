@@ -66,9 +66,12 @@ async def check_memory(redis: Redis, keys: Keys, config: PipelineConfig) -> None
                        keys.namespace, exc)
         return
     held = int_or(await redis.hget(keys.state, StateField.GROUP_BYTES), 0)
+    # With a payload store the budget counts mostly the store's bytes (docs/wire.md): Redis holds
+    # the entries' own, a small part of it, so only the policy is checked against Redis.
+    budget = 0 if config.payload_store else config.max_backlog_bytes
     problem = memory_problem(
         int(info.get("maxmemory", 0) or 0), str(info.get("maxmemory_policy", "") or ""),
-        int(info.get("used_memory", 0) or 0), held, config.max_backlog_bytes,
+        int(info.get("used_memory", 0) or 0), held, budget,
     )
     if problem is not None:
         raise ConfigError(problem)

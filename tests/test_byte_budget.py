@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,6 +169,21 @@ async def test_init_refuses_an_evicting_policy_and_a_budget_over_maxmemory(redis
     await redis.config_set("maxmemory", used + 256 * 1024 * 1024)
     assert await init_namespace(redis, keys, cfg)
     assert (await redis.xinfo_groups(keys.prompts))[0]["name"] == PRODUCERS_GROUP.encode()
+
+
+
+async def test_a_budget_over_maxmemory_is_fine_with_a_payload_store(redis_config: Redis, ns: str, tmp_path: Path) -> None:
+    """With a payload store the budget counts the store's bytes, not Redis': a 1 TiB budget on a
+    small Redis is what such a namespace is for (an evicting policy is still refused)."""
+    redis = redis_config
+    store = PipelineConfig(n_samples_per_prompt=2, batch_size=2, max_backlog_bytes=1 << 40,
+                           payload_store=f"fs://{tmp_path}")
+    used = int((await redis.info("memory"))["used_memory"])
+    await redis.config_set("maxmemory", used + 32 * 1024 * 1024)
+    assert await init_namespace(redis, Keys(ns), store)
+    await redis.config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(ConfigError, match="maxmemory-policy is 'allkeys-lru'"):
+        await init_namespace(redis, Keys(f"{ns}-b"), store)
 
 
 
