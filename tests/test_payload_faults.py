@@ -261,3 +261,38 @@ async def test_trainer_killed_between_take_and_commit_gets_its_batch_and_arrays_
 
 async def _xlen(redis: Redis, key: str, n: int) -> bool:
     return int(await redis.xlen(key)) == n
+
+
+async def test_a_duplicate_publish_frees_its_own_objects(
+    redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer stopped between its put and its PUBLISH past the lease: another takes the prompt
+    over and publishes it; the first wakes up, its PUBLISH finds the XACK done (a duplicate) and
+    its objects are freed, never claimed: one group trained, no object left. (A lease of 10 s puts
+    the intents' deadline 20 s after the put: the duplicate frees them, not the sweep.)"""
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, lease_seconds=10, payload_store=f"fs://{store}", payload_min_bytes=1024)
+    await add_prompts(redis, ns, 1)
+    monkeypatch.setenv("ROLLSTREAM_FAULT_STOP", "after_put")
+    a = procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a", concurrency=2)
+    await wait_until(lambda: _true(stopped(a)), 30, message="prod-a stops after its put")
+    monkeypatch.delenv("ROLLSTREAM_FAULT_STOP")
+    a_objects = objects_in(store)
+    keys = Keys(ns)
+    try:
+        procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-b", concurrency=2)
+        await wait_until(lambda: _xlen(redis, keys.groups, 1), 30, message="prod-b publishes the prompt")
+    finally:
+        a.send_signal(signal.SIGCONT)
+    await wait_until(lambda: _at_least(redis, ns, StateField.DUPLICATES, 1), 30, message="prod-a's duplicate")
+    assert "duplicate group discarded" in procs.log_of(a)
+    assert await take_all(redis_url, ns, 1, 1, timeout=30) == [0]
+    await nothing_left(redis, ns, store)
+    assert len(a_objects) == 2
+    assert await counter(redis, ns, StateField.PAYLOAD_SWEPT) == 0  # freed as a duplicate's, not as orphans
+    assert await counter(redis, ns, StateField.PUBLISHED) == 1
+
+
+async def _at_least(redis: Redis, ns: str, name: str, n: int) -> bool:
+    return await counter(redis, ns, name) >= n
