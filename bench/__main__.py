@@ -19,7 +19,8 @@ from bench.common import OUT, Table, machine
 BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
     "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "joining", "loop_stall", "learning_sim",
-    "bias", "staleness_rule", "durable", "archive", "archive_read", "path", "shuffle_memory", "mooncake_store", "data", "scale", "learning",
+    "bias", "staleness_rule", "durable", "archive", "archive_read", "path", "shuffle_memory", "mooncake_store",
+    "eval_submit", "data", "scale", "learning",
 )
 DEFAULT = tuple(name for name in BENCHMARKS if name not in ("scale", "learning", "data"))
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own; learning

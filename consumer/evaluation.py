@@ -10,9 +10,11 @@ import itertools
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import decode_group_entry, prompt_fields
 from rollstream.common.connection import Outage
 from rollstream.common.errors import ConfigError
@@ -45,7 +47,7 @@ async def submit_eval(
     log = Prefixed(logger, "consumer", consumer)
     reader = _EvalReader(settings, source)
     chunk = await asyncio.to_thread(reader.read, 1)  # an empty or unreadable set records nothing
-    if not chunk:
+    if not chunk.count:
         raise ConfigError(f"eval {name!r} has no prompts")
     step = await outage.run(lane.trained_steps)
     meta = {**settings.as_metadata(), "submitting": True, "submitted_step": step, "submitted_ms": now_ms()}
@@ -58,7 +60,8 @@ async def submit_eval(
         meta = stored
         log.info("eval %s: resuming its submission after the %d prompts already written", name, written)
     before = progress
-    while chunk:
+    while chunk.count:
+        raise_if_cancelled()  # a cancellation the Redis client lost: the submission stops, resumable
         if reader.count <= written:  # written by the submission cut short: checked, not written again
             if reader.count == written and reader.digest() != digest:
                 raise ConfigError(
@@ -67,11 +70,12 @@ async def submit_eval(
                 )
         else:
             after = reader.progress()
-            reply = await outage.run(functools.partial(lane.write, name, before, after, chunk))
+            reply = await outage.run(functools.partial(lane.write, name, before, after, chunk.packed))
             if reply != "ok":
                 raise ConfigError(f"eval {name!r} is being submitted by another caller (progress {reply!r})")
             before = after
         size = SUBMIT_CHUNK if reader.count >= written else min(SUBMIT_CHUNK, written - reader.count)
+        raise_if_cancelled()
         chunk = await asyncio.to_thread(reader.read, size)
     if reader.count < written:
         raise ConfigError(f"eval {name!r} was partly submitted with {written} prompts, more than this set's "
@@ -84,9 +88,16 @@ async def submit_eval(
     return name
 
 
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    count: int
+    packed: bytes
+
+
 class _EvalReader:
-    """An eval set read a chunk at a time (in a worker thread): its prompt entries' fields, and a
-    running digest of them (what a resumed submission checks the prompts already written by)."""
+    """An eval set read a chunk at a time (in a worker thread): its prompt entries packed for the
+    eval lane, and a running digest of them (what a resumed submission checks the prompts already
+    written by)."""
 
     def __init__(self, settings: EvalSettings, source: str | Path | Iterable[Any]) -> None:
         self.settings = settings
@@ -94,7 +105,7 @@ class _EvalReader:
         self.count = 0
         self._hash = hashlib.blake2b(digest_size=16)
 
-    def read(self, size: int) -> list[dict[str, Any]]:
+    def read(self, size: int) -> _Chunk:
         out = []
         for item in itertools.islice(self.items, size):
             fields = prompt_fields(eval_prompt(self.settings, self.count, item))
@@ -102,7 +113,7 @@ class _EvalReader:
             self._hash.update(data if isinstance(data, bytes) else str(data).encode())
             self.count += 1
             out.append(fields)
-        return out
+        return _Chunk(len(out), EvalLane.pack(self.settings.name, out) if out else b"")
 
     def digest(self) -> str:
         return self._hash.hexdigest()

@@ -362,7 +362,7 @@ async def test_feed_rejects_entries_of_different_shapes(fake: Redis, ns: str) ->
 
 _LUA_NAMES = frozenset(
     "and break do else elseif end false for function if in local nil not or repeat return then true until while "
-    "redis cjson tonumber tostring type string math table unpack pcall ipairs pairs next".split()
+    "redis cjson cmsgpack tonumber tostring type string math table unpack pcall ipairs pairs next".split()
 )
 
 

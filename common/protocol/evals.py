@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgpack
 from redis.asyncio import Redis
 
 from .. import lua
@@ -46,15 +47,19 @@ class EvalLane(Guarded):
         progress = lua.status(reply[2]) if len(reply) > 2 else ""
         return status, stored if isinstance(stored, dict) else {}, progress
 
-    async def write(self, name: str, before: str, after: str, prompts: Sequence[Mapping[str, Any]]) -> str:
-        """Add one chunk of prompt entries (each with a plain ``eval`` field: its name, the key
-        space of its episode journal) and move the progress from ``before`` to ``after``, in one
-        script: 'ok', else the progress found (another caller moved it; nothing written)."""
-        flat: list[Any] = []
-        for fields in prompts:
-            items = lua.flatten({**fields, "eval": name})
-            flat += [len(items), *items]
-        reply = lua.status(await self._eval_chunk(name=name, before=before, after=after, entries=flat))
+    @staticmethod
+    def pack(name: str, prompts: Sequence[Mapping[str, Any]]) -> bytes:
+        """A chunk of prompt entries as :meth:`write` sends it (pure: a worker thread may run it),
+        each with a plain ``eval`` field: its name, the key space of its episode journal."""
+        entries = [lua.flatten({**fields, "eval": name}) for fields in prompts]  # str, bytes and int values
+        packed: bytes = msgpack.packb(entries, use_bin_type=False)  # the old raw types: Lua's cmsgpack reads them
+        return packed
+
+    async def write(self, name: str, before: str, after: str, chunk: bytes) -> str:
+        """Add a chunk of prompt entries (:meth:`pack`) and move the progress from ``before`` to
+        ``after``, in one script: 'ok', else the progress found (another caller moved it; nothing
+        written)."""
+        reply = lua.status(await self._eval_chunk(name=name, before=before, after=after, entries=chunk))
         if reply == "ok":
             await self.redis.publish(self.keys.control, EVAL_MESSAGE)  # producers napping on a full backlog wake
         return reply
