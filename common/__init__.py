@@ -35,7 +35,8 @@ Modules, one concern each:
 * ``bias``: the bias ledger, no I/O: each prompt's bucket per dimension (``prompt``, ``response`` length,
   ``attempts``, named ``source``; one entry of ``DIMENSIONS`` each), ``deltas(group, fate)`` (fed once per
   dimension, when its value is known for good; trained, dead, filtered, recycled), ``ledger(fields)`` with
-  shares, ``short_buckets`` (below 0.8x the fed share, with the cause); written by ``take()`` (hand-backs in
+  shares, ``short_buckets`` (below 0.8x the fed share beyond chance for the counts, with the cause); written
+  by ``take()`` (hand-backs in
   ``mark_take``'s round trip, trained at ``commit``) and by the producer for its dead letters
   (``TrainerMonitor.add_bias``)
 * ``protocol``: the Redis protocol layer, a package of bound classes (below, and ``ArchiveStream``: the

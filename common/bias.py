@@ -15,8 +15,9 @@ For each bucket the ledger counts, per epoch, in the ``state`` hash
 * ``recycled``: a group of it went back (aborted, stale, failed, filtered), each time.
 
 ``fed - trained - dead - filtered`` is what is late: fed, not trained yet. The trained share of a bucket
-falling below :data:`WARN_RATIO` of its fed share is logged by ``take()`` with the likeliest
-cause (dead letters, recycles, lateness) and shown by ``inspect`` and Prometheus.
+falling below :data:`WARN_RATIO` of its fed share, by more than chance explains for the counts
+(:data:`WARN_P`), is logged by ``take()`` with the counts and the likeliest cause (dead letters,
+recycles, lateness) and shown by ``inspect`` and Prometheus.
 
 A dimension is one entry of :data:`DIMENSIONS` (a name and a function of the group). Pure
 functions, no I/O.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +44,11 @@ WARN_MIN_TRAINED = 32
 """Groups trained in the epoch before a bucket is judged (the first steps are always the fast half)."""
 WARN_MIN_FED = 4
 """Prompts fed in a bucket before it is judged."""
+WARN_P = 0.001
+"""A shortfall is reported only when a fair trainer would train this few of the bucket with
+probability below this (the hypergeometric lower tail: the trained groups drawn from the fed
+ones without regard to the bucket); a handful of prompts is noise, not a bias. Strict, as the
+test is made at every take, for every bucket."""
 KEEP_EPOCHS = 2
 """Epochs kept in the state hash: the current one and the one before."""
 
@@ -143,6 +150,10 @@ class Bucket:
     recycled: int = 0
     fed_share: float = 0.0
     trained_share: float = 0.0
+    fed_total: int = 0
+    """Prompts fed in the bucket's dimension (every bucket), this epoch."""
+    trained_total: int = 0
+    """Groups trained in the bucket's dimension, this epoch."""
 
     @property
     def late(self) -> int:
@@ -158,12 +169,24 @@ class Bucket:
         )
 
     def short(self, trained_total: int) -> bool:
-        """Trained share below :data:`WARN_RATIO` of the fed share, with enough to judge."""
+        """Trained share below :data:`WARN_RATIO` of the fed share, with enough to judge, and a
+        shortfall a fair trainer would show with probability below :data:`WARN_P`."""
         return (
             trained_total >= WARN_MIN_TRAINED
             and self.fed >= WARN_MIN_FED
             and self.trained_share < WARN_RATIO * self.fed_share
+            and self.p_value() < WARN_P
         )
+
+    def expected(self) -> float:
+        """Groups of this bucket a fair trainer would have trained (its fed share of the trained)."""
+        return self.trained_total * self.fed / self.fed_total if self.fed_total else 0.0
+
+    def p_value(self) -> float:
+        """How likely a fair trainer trains at most :attr:`trained` of this bucket: the trained
+        groups drawn without regard to bucket from the fed prompts."""
+        total = max(self.fed_total, self.trained_total, self.fed)
+        return lower_tail(total, max(self.fed, self.trained), min(self.trained_total, total), self.trained)
 
 
 Ledger = dict[int, dict[str, dict[str, Bucket]]]
@@ -192,7 +215,34 @@ def ledger(fields: Mapping[str, int]) -> Ledger:
             for b in buckets.values():
                 b.fed_share = b.fed / fed if fed else 0.0
                 b.trained_share = b.trained / trained if trained else 0.0
+                b.fed_total, b.trained_total = fed, trained
     return out
+
+
+def lower_tail(population: int, marked: int, drawn: int, at_most: int) -> float:
+    """P(X <= ``at_most``) for X hypergeometric: ``drawn`` of ``population`` without replacement,
+    ``marked`` of them marked. Summed down from ``at_most`` while the terms count (a few standard
+    deviations), so large ledgers cost little."""
+    low, high = max(0, drawn + marked - population), min(drawn, marked)
+    if at_most < low:
+        return 0.0
+    if at_most >= high:
+        return 1.0
+
+    def log_comb(n: int, k: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+    x = at_most
+    term = math.exp(log_comb(marked, x) + log_comb(population - marked, drawn - x) - log_comb(population, drawn))
+    total = 0.0
+    while term > 0.0 and x >= low:
+        total += term
+        if term < total * 1e-17:
+            break
+        # term(x - 1) / term(x)
+        term *= x * (population - marked - drawn + x) / ((marked - x + 1) * (drawn - x + 1))
+        x -= 1
+    return min(1.0, total)
 
 
 def trained_total(dimensions: Mapping[str, Mapping[str, Bucket]]) -> int:
@@ -205,7 +255,9 @@ def short_buckets(epoch: int, dimensions: Mapping[str, Mapping[str, Bucket]]) ->
     total = trained_total(dimensions)
     return [
         f"epoch {epoch}: {name} {label}: trained share {b.trained_share:.2f} < {WARN_RATIO:g} x fed share "
-        f"{b.fed_share:.2f} ({b.trained} of {b.fed} trained); cause: {b.cause()}"
+        f"{b.fed_share:.2f} ({b.trained} of {b.fed} trained, {b.expected():.1f} expected from the {b.trained_total} "
+        f"groups trained of {b.fed_total} prompts fed; a fair trainer falls this short with p = {b.p_value():.1e}); "
+        f"cause: {b.cause()}"
         for name, buckets in dimensions.items()
         for label, b in sorted(buckets.items())
         if b.short(total)

@@ -90,8 +90,11 @@ class StepClock:
         self._started_ms = int(time.time() * 1000)
         self._times: list[int] = []
         self._dropped = 0
-        self._warned: dict[str, float] = {}
-        self._quiet: Counter[str] = Counter()
+        self._warned_at = -math.inf
+        self._pending: Counter[str] = Counter()
+        """Late groups by cause since the last WARNING."""
+        self._worst: Late | None = None
+        """The latest of them (most steps late)."""
 
     @property
     def steps(self) -> int:
@@ -135,29 +138,45 @@ class StepClock:
             self._dropped += drop
 
     def report(self, late: list[Late]) -> tuple[dict[str, float], Counter[str]]:
-        """The batch's ``lateness/...`` metrics and state counters; logs each cause at most every
-        ``interval`` seconds (with how many were not logged)."""
+        """The batch's ``lateness/...`` metrics and state counters. Each late group is logged at
+        DEBUG; at WARNING, at most once per ``interval`` seconds, one line sums up the late groups
+        since the last one: how many, by cause, and the worst of them (a long tail of one-step-late
+        groups is one line, not one per group)."""
         counts: Counter[str] = Counter(item.cause for item in late)
+        worst = max(late, key=lambda item: item.steps, default=None)
         metrics = {
             "lateness/groups": float(len(late)),
-            "lateness/steps_max": float(max((item.steps for item in late), default=0)),
+            "lateness/steps_max": float(worst.steps if worst is not None else 0),
             **{f"lateness/{key}": float(n) for key, n in counts.items()},
         }
+        if worst is not None:
+            metrics["lateness/worst_index"] = float(worst.index)
         state: Counter[str] = Counter({f"{LATE_PREFIX}{key}": n for key, n in counts.items()})
         if late:
             state[LATE_GROUPS] = len(late)
-        now = time.monotonic()
         for item in late:
-            if now - self._warned.get(item.cause, -math.inf) < self.interval:
-                self._quiet[item.cause] += 1
-                continue
-            self._warned[item.cause] = now
-            quiet = self._quiet.pop(item.cause, 0)
+            self.log.debug("%s", _detail(item))
+        self._pending.update(counts)
+        if worst is not None and (self._worst is None or worst.steps > self._worst.steps):
+            self._worst = worst
+        now = time.monotonic()
+        if self._worst is not None and now - self._warned_at >= self.interval:
+            total = sum(self._pending.values())
+            since = "" if self._warned_at == -math.inf else f" in the last {now - self._warned_at:.0f} s"
             self.log.warning(
-                "prompt %d (epoch %d) trained %d steps late: admitted at step %d, generation "
-                "~%d steps, trained at step %d; cause: %s%s",
-                item.index, item.epoch, item.steps, item.admitted_step,
-                item.generation_steps, item.trained_step, item.why,
-                f" ({quiet} more late for this cause not logged)" if quiet else "",
+                "%d group%s trained late%s (%s); the worst: %s",
+                total, "" if total == 1 else "s", since,
+                ", ".join(f"{key} {n}" for key, n in self._pending.most_common()), _detail(self._worst),
             )
+            self._warned_at = now
+            self._pending.clear()
+            self._worst = None
         return metrics, state
+
+
+def _detail(item: Late) -> str:
+    return (
+        f"prompt {item.index} (epoch {item.epoch}) trained {item.steps} steps late: admitted at step "
+        f"{item.admitted_step}, generation ~{item.generation_steps} steps, trained at step {item.trained_step}; "
+        f"cause: {item.why}"
+    )

@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common import bias
@@ -85,6 +86,33 @@ def test_an_under_trained_bucket_is_named_with_its_cause() -> None:
     assert bias.short_buckets(0, bias.ledger(fair)[0]) == []
     early = {**fields, "bias:0:prompt:<64:trained": 10}
     assert bias.short_buckets(0, bias.ledger(early)[0]) == []
+
+
+def test_a_shortfall_within_chance_for_its_counts_is_not_reported_and_one_beyond_it_says_how_many() -> None:
+    """Issue 49 finding 20: 3 of 5 prompts of a bucket trained among 36 of 40 is a trained share
+    of 0.08 against a fed share of 0.12, below 0.8x, and a fair trainer falls that short one time in
+    15: noise, not reported. The same shares over ten times the prompts are not chance."""
+
+    def fields(scale: int) -> dict[str, int]:
+        return {"bias:0:prompt:<64:fed": 35 * scale, "bias:0:prompt:<64:trained": 33 * scale,
+                "bias:0:prompt:64-255:fed": 5 * scale, "bias:0:prompt:64-255:trained": 3 * scale}
+
+    small = bias.ledger(fields(1))[0]
+    bucket = small["prompt"]["64-255"]
+    assert bucket.trained_share < bias.WARN_RATIO * bucket.fed_share  # the old rule's warning
+    assert 0.01 < bucket.p_value() < 0.1
+    assert bias.short_buckets(0, small) == []
+    [line] = bias.short_buckets(0, bias.ledger(fields(10))[0])
+    assert "prompt 64-255" in line and "(30 of 50 trained, 45.0 expected from the 360 groups trained of 400 " in line
+    assert "p = " in line
+
+
+def test_the_hypergeometric_tail_is_exact_on_small_counts_and_cheap_on_large_ones() -> None:
+    assert bias.lower_tail(36, 5, 35, 4) == pytest.approx(5 / 36)  # one of 36 untrained: in the bucket 5 / 36
+    assert bias.lower_tail(10, 3, 4, 0) == pytest.approx(35 / 210)  # C(7,4) / C(10,4)
+    assert bias.lower_tail(10, 3, 4, -1) == 0.0 and bias.lower_tail(10, 3, 4, 3) == 1.0
+    # 100,000 fed, 20% in the bucket, 50,000 trained: 3.2 standard deviations short
+    assert 0.0005 < bias.lower_tail(100_000, 20_000, 50_000, 9_800) < 0.0012
 
 
 LONG_POISON = "POISON " + "x" * 1100

@@ -7,14 +7,15 @@ import asyncio
 import logging
 from typing import Any
 
+import pytest
 from conftest import ProcessPool, make_namespace
 from redis.asyncio import Redis
 from rollstream import WeightSync
 from rollstream.common.codec import prompt_fields
 from rollstream.common.keys import Keys
 from rollstream.common.models import Group, Prompt
-from rollstream.consumer import GroupConsumer
-from rollstream.consumer.lateness import StepClock, cause_of
+from rollstream.consumer import GroupConsumer, lateness
+from rollstream.consumer.lateness import Late, StepClock, cause_of
 from rollstream.testing.sim import SimConfig, SimEngine
 
 
@@ -43,6 +44,36 @@ def test_a_group_is_late_only_past_admission_plus_generation_plus_one_step() -> 
 def test_a_prompt_that_never_went_back_is_late_for_queueing() -> None:
     assert cause_of([])[0] == "queued"
     assert cause_of(["failed: x", "aborted", "failed: y"])[0] == "failed"
+
+
+def test_late_groups_are_one_warning_per_interval_with_counts_and_the_worst_and_each_at_debug(
+    caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49 finding 20: a long tail of groups one step late was a WARNING per group (per cause
+    and interval); now one line per interval sums up every late group since the last one (how
+    many, by cause, the worst), each group at DEBUG, the batch's metrics as before."""
+    now = [1000.0]
+    monkeypatch.setattr(lateness.time, "monotonic", lambda: now[0])
+    clock = StepClock("t", "ns", 30.0)
+    caplog.set_level(logging.DEBUG, logger="rollstream.consumer.group_consumer")
+    tail = [Late(i, 0, 0, 0, 2, "queued", "queued: it never went back") for i in range(150)]
+    worst = Late(999, 0, 0, 1, 12, "weight_update", "aborted by weight updates (9 times)")
+    clock.report(tail[:1])  # the first late group is told at once
+    clock.report(tail[1:100])
+    now[0] += 10
+    metrics, state = clock.report([*tail[100:], worst])
+    assert metrics["lateness/groups"] == 51 and metrics["lateness/steps_max"] == 10
+    assert metrics["lateness/worst_index"] == 999 and state["late_groups"] == 51
+    now[0] += 25  # 35 s after the first line: the next one
+    clock.report([])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "1 group trained late (queued 1); the worst: prompt 0 (epoch 0) trained 1 steps late" in warnings[0]
+    assert "150 groups trained late in the last 35 s (queued 149, weight_update 1); the worst: prompt 999 " \
+        "(epoch 0) trained 10 steps late" in warnings[1]
+    assert "cause: aborted by weight updates (9 times)" in warnings[1]
+    detail = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "steps late" in r.getMessage()]
+    assert len(detail) == 151
 
 
 LONG = "What is 2 + 3? [reply=200]"
