@@ -221,3 +221,11 @@ def test_mooncake_store_quick_measures_every_path() -> None:
         pytest.skip(f"Mooncake cannot run here: {table.rows[0][0]}")
     assert [row[0] for row in table.rows][:2] == ["MooncakeStore", "MooncakeStore"]
     assert all(row[3] > 0 for row in table.rows)
+
+
+def test_eval_submit_quick_writes_every_prompt_once() -> None:
+    from bench import eval_submit
+
+    [table] = eval_submit.run(quick=True)
+    [row] = table.rows
+    assert row[0] == "this tree" and row[1] == row[2] == 20_000
