@@ -54,7 +54,7 @@ def register(sub: Any, base: list[argparse.ArgumentParser], with_redis: list[arg
         p.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE",
                        help=documented(PipelineConfig, name, note="SIZE: bytes, or with a unit (512MiB, 8GiB)."))
     p.add_argument("--payload-store", default="", metavar="URL",
-                   help=documented(PipelineConfig, "payload_store"))
+                   help=documented(PipelineConfig, "payload_store", default="none"))
     p.add_argument("--payload-min-bytes", type=parse_bytes, default=64 * 1024, metavar="SIZE",
                    help=documented(PipelineConfig, "payload_min_bytes", note="SIZE: bytes, or with a unit (64KiB)."))
     p.add_argument("--row-stats", type=int, default=0, metavar="K",

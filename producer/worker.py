@@ -178,6 +178,8 @@ class Producer:
         self.eval_marks_stripped = 0
         """Training prompts whose metadata carried the eval lane's reserved key (stripped, warned)."""
         self._stripped_log = FailureLog()
+        self.payload_stats = {"objects_put": 0, "bytes_put": 0, "put_failures": 0, "orphans_swept": 0}
+        """What this producer did with the payload store (its heartbeat's ``payload_*`` stats)."""
         self.reclaimer = Reclaimer(self)
         self.pulse = Pulse(self)
         self.metrics.watch(self.pulse.stats)
@@ -202,8 +204,6 @@ class Producer:
             if config.payload_store else None
         )
         """The namespace's payload store and its ledgers (None: every array rides in the entry)."""
-        self.payload_stats = {"objects_put": 0, "bytes_put": 0, "put_failures": 0, "orphans_swept": 0}
-        """What this producer did with the payload store (its heartbeat's ``payload_*`` stats)."""
         """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
     @classmethod
