@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -242,11 +243,64 @@ async def test_catch_up_engines_catches_up_a_fleet_of_one_and_waits_for_it_rathe
         taken = await take_all(redis_url, ns, 16, 2, timeout=90)
         assert Counter(taken) == Counter(range(16))
         assert only.state.reloads == ["/checkpoints/step-5"] and only.state.weight_version == 5
-        assert _engine_state(await _beat(redis, keys, "one-engine"), only.url) in (("healthy", 5), ("suspect", 5))
+
+        async def routed_at_version_5() -> bool:  # what the heartbeat shows (written every 0.5 s)
+            return _engine_state(await _beat(redis, keys, "one-engine"), only.url) in (("healthy", 5), ("suspect", 5))
+
+        await wait_until(routed_at_version_5, timeout=30, message="the heartbeat: routed, at version 5")
         assert producer.poll() is None, procs.log_of(producer)
     log = procs.log_of(producer)
     assert "held while version 5 loads into it" in log and "loaded version 5" in log, log
     assert "no usable engine" not in log, log
+
+
+async def test_a_fleet_of_one_whose_catch_up_does_not_take_is_routed_again(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool
+) -> None:
+    """One engine at version 0, the trainer at 5, and a reload that answers success and loads
+    nothing: the engine is held for the catch-up, then routed again (the only engine: a fleet
+    without one would be fatal) with the reason shown, and tried again only after the pause. The
+    producer runs on; nothing says "no usable engine"."""
+    from rollstream.consumer import GroupConsumer
+    from rollstream.testing.sim.sglang_api import NOT_TAKEN
+
+    keys = Keys(ns)
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, max_staleness=1)
+    async with SimEngine(SimConfig(seed=13, mean_tokens=16, latency_per_token=0.002)) as only, \
+            GroupConsumer.connect(redis_url, ns, "trainer-one-not-taken") as consumer:
+        await consumer.set_weight_version(5)
+        await consumer.record_weights(f"/checkpoints/{NOT_TAKEN}-5", 5)
+        producer = procs.producer(redis_url, ns, only.url, "--catch-up-engines", "--health-interval", "0.3",
+                                  "--no-engine-timeout", "1", name="one-not-taken", concurrency=4)
+        await add_prompts(redis, ns, 8)
+        # the trainer takes: every group (version 0) is recycled as stale, so requests keep coming
+        taking = asyncio.create_task(consumer.take(2))
+        try:
+
+            async def reloaded() -> int | None:
+                return only.state.requests if only.state.reloads else None
+
+            requests = await wait_until(reloaded, timeout=60, message="the catch-up's reload")
+
+            async def routed_again() -> bool:
+                return only.state.requests >= requests + 8  # held, it got none
+
+            await wait_until(routed_again, timeout=30, message="requests on the only engine again")
+        finally:
+            taking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await taking
+
+        async def routed_at_version_0() -> bool:  # what the heartbeat shows (written every 0.5 s)
+            beat = await _beat(redis, keys, "one-not-taken")
+            return _engine_state(beat, only.url) in (("healthy", 0), ("suspect", 0))
+
+        await wait_until(routed_at_version_0, timeout=30, message="the heartbeat: routed, at version 0")
+        assert only.state.reloads == [f"/checkpoints/{NOT_TAKEN}-5"]
+        assert producer.poll() is None, procs.log_of(producer)
+    log = procs.log_of(producer)
+    assert "held while version 5 loads into it" in log and "no usable engine" not in log, log
+    assert f"engine {only.url}: behind -> suspect: behind: reload did not take" in log, log
 
 
 async def test_a_vllm_catch_up_empties_the_prefix_cache_its_reload_keeps(
