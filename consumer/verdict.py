@@ -60,7 +60,8 @@ class Cause(enum.StrEnum):
     STALE = "stale"
     PAYLOAD = "payload"
     """An object of the group could not be read from the payload store (missing, wrong size or
-    checksum, store down): recycled with ``attempt + 1``, never trained short."""
+    checksum, store down): recycled with its attempt unchanged (the store's fault, not the
+    prompt's), never trained short."""
     FILTERED = "filtered"
     USABLE = "usable"
 
@@ -178,9 +179,9 @@ def judge(
 
 
 def unreadable(group: Group, reason: str, config: PipelineConfig, staleness: int) -> Verdict:
-    """The verdict on a kept group whose payload objects cannot be read: recycled (a fresh
-    attempt, which puts new objects) with ``reason`` (``payload: <store and key>: <why>``); past
-    ``max_attempts``, dead-lettered like any failure."""
+    """The verdict on a kept group whose payload objects cannot be read: recycled (generated
+    again, which puts new objects) with ``reason`` (``payload: <store and key>: <why>``), its
+    attempt unchanged: never dead-lettered for the store's failures."""
     return _recycle(group, Cause.PAYLOAD, reason, config, staleness, StaleContext())
 
 
@@ -200,7 +201,9 @@ def _recycle(
     # (counted in recycled_stale; a pipeline where everything goes stale is diagnosed instead).
     # Nor does an abort by a weight update (counted in recycled_weight_update).
     is_stale = cause == Cause.STALE
-    cadence = is_stale or cause == Cause.WEIGHT_UPDATE
+    # An unreadable payload object is the store's fault, not the prompt's either: a store that
+    # fails is loud (payload_read_failures, inspect), never drained into the dead-letter stream.
+    cadence = is_stale or cause in (Cause.WEIGHT_UPDATE, Cause.PAYLOAD)
     # other groups are fresh (this one counts towards the streak)
     alone = is_stale and stale.fresh_seen and not stale_reportable(stale.streak + 1, config.batch_size)
     if is_stale and not alone:

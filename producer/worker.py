@@ -63,6 +63,7 @@ from rollstream.common.errors import (
     EpisodeDrained,
     PayloadError,
     PayloadStoreFull,
+    PayloadUnreadable,
 )
 from rollstream.common.eval_lane import EVAL_KEY, eval_settings, strip_eval_mark
 from rollstream.common.events import START, now_ms, record_event
@@ -574,9 +575,10 @@ class Producer:
             work.held = 0
 
     async def _put_objects(self, objects: list[StoreObject]) -> None:
-        """Put a group's payload objects (their intents first). A full store is retried
-        :data:`PUT_ATTEMPTS` times, backing off (the trainer's commits free room), then raised:
-        fatal, loudly (``--max-backlog-bytes`` below the store's size keeps it from filling)."""
+        """Put a group's payload objects (their intents first). A full or unreachable store is
+        retried :data:`PUT_ATTEMPTS` times, backing off (the trainer's commits free room, a store
+        process comes back), then raised: fatal, loudly (``--max-backlog-bytes`` below the store's
+        size keeps it from filling)."""
         plane = self.plane
         assert plane is not None  # only called with objects, which only a plane makes
         for attempt in range(1, PUT_ATTEMPTS + 1):
@@ -587,12 +589,11 @@ class Producer:
                 return
             except PayloadError as exc:
                 self.payload_stats["put_failures"] += 1
-                if not isinstance(exc, PayloadStoreFull):
-                    raise
-                if attempt == PUT_ATTEMPTS:
+                if not isinstance(exc, PayloadStoreFull | PayloadUnreadable) or attempt == PUT_ATTEMPTS:
                     raise
                 delay = PUT_BACKOFF_S * 2 ** (attempt - 1)
-                self.log.error("payload store full, retrying in %.0f s (%d of %d): %s", delay, attempt,
+                what = "full" if isinstance(exc, PayloadStoreFull) else "unreachable"
+                self.log.error("payload store %s, retrying in %.0f s (%d of %d): %s", what, delay, attempt,
                                PUT_ATTEMPTS, exc)
                 await asyncio.sleep(delay)
 

@@ -130,6 +130,8 @@ async def test_an_unreadable_object_recycles_its_group_with_the_reason(
         async with asyncio.timeout(60):
             batch = await consumer.take(2)
         assert sorted(g.index for g in batch.groups) == [0, 1]  # prompt 0 again, generated anew
+        again = next(g for g in batch.groups if g.index == 0)
+        assert again.attempt == 0 and again.history[-1].startswith("payload: payload store")  # not the prompt's fault
         for group in batch.groups:
             check_rows(group)
         assert batch.metrics["recycled_payload"] == 1.0
