@@ -8,7 +8,7 @@ in a fresh Python process and reports its peak RSS (``VmHWM``): ``rollstream arc
 taken, and ``read_table`` of two small columns. The same archive can be read by an older
 rollstream: ``--python /path/to/old/.venv/bin/python`` (``ROLLSTREAM_BENCH_PYTHON``) runs the
 readers with that interpreter, which is how the before/after pairs in docs/benchmarks.md were
-measured.
+measured. ``ROLLSTREAM_BENCH_ARCHIVE_GROUPS`` sets the number of groups (default 800).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def peak_rss_mb(python: str, code: str, root: Path) -> float:
 
 def run(quick: bool = False) -> list[Table]:
     python = os.environ.get("ROLLSTREAM_BENCH_PYTHON", sys.executable)
-    groups = 40 if quick else GROUPS
+    groups = 40 if quick else int(os.environ.get("ROLLSTREAM_BENCH_ARCHIVE_GROUPS", GROUPS))
     with tempfile.TemporaryDirectory(prefix="rollstream-archive-read-") as tmp:
         root = Path(tmp) / "archive"
         size = build(root, groups)

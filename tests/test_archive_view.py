@@ -201,10 +201,9 @@ def _view(*args: str) -> subprocess.CompletedProcess[str]:
 async def test_a_folder_name_and_hostile_text_stay_text_in_a_browser(
     redis: Redis, redis_url: str, ns: str, tmp_path: Path, browser: Any
 ) -> None:
-    """Issue 49 finding 6 (and 17's infinite reward): a folder named ``run__DATA__`` (the valid
-    namespace of the documented ``--out /data/archive/NAME``) stays the title; a response holding
-    ``<!--<script>`` or a handler neither hides the app's script nor runs; an infinite reward shows
-    as ``inf``; a long response is cut on the page."""
+    """Issue 49 finding 6: a folder named ``run__DATA__`` (the valid namespace of the documented
+    ``--out /data/archive/NAME``) stays the title; a response holding ``<!--<script>`` or a handler
+    neither hides the app's script nor runs; a long response is cut on the page."""
     from selenium.webdriver.common.by import By
 
     hostile = '<!--<script> <img src=x onerror="window.pwned = 1"> </script><script>window.pwned = 2</script> & >'
@@ -212,8 +211,6 @@ async def test_a_folder_name_and_hostile_text_stay_text_in_a_browser(
     for index in range(3):
         group = _group(index, "math", tool_turn=False)
         samples = [replace(s, response=hostile + (" long" * 20_000 if index == 1 else "")) for s in group.samples]
-        if index == 2:
-            samples[0] = replace(samples[0], reward=float("inf"))
         groups.append(replace(group, samples=samples))
     await _train(redis, ns, groups, batch=3)
     out = tmp_path / "run__DATA__"
@@ -231,13 +228,32 @@ async def test_a_folder_name_and_hostile_text_stay_text_in_a_browser(
     assert len(rows) == 3
     assert browser.find_element(By.ID, "count").text == "3 of 3 groups"
     assert browser.execute_script("return window.pwned === undefined") is True
-    assert rows[2].find_elements(By.TAG_NAME, "td")[6].text == "inf"  # the mean of [inf, x] is inf
     rows[1].click()
     text = browser.find_element(By.ID, "detail").find_elements(By.CSS_SELECTOR, ".sample")[0].text
     assert hostile in text and "more characters, in the archive" in text
-    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[2].click()  # a click redraws the rows
-    assert "reward inf" in browser.find_element(By.ID, "detail").text
     assert browser.execute_script("return window.pwned === undefined") is True
+    assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
+
+
+async def test_an_infinite_reward_shows_as_inf(redis: Redis, redis_url: str, ns: str, tmp_path: Path,
+                                               browser: Any) -> None:
+    """Issue 49 finding 17: a sample reward of inf (so a mean of inf) is shown, not a crash of
+    ``archive view`` (``allow_nan=False``)."""
+    from selenium.webdriver.common.by import By
+
+    group = _group(1, "math", tool_turn=False)
+    group = replace(group, samples=[replace(group.samples[0], reward=float("inf")), *group.samples[1:]])
+    await _train(redis, ns, [group], batch=1)
+    out = tmp_path / "arch"
+    await _write_archive(redis, redis_url, ns, out, expected=1)
+    done = await asyncio.to_thread(_view, str(out))
+    assert done.returncode == 0, done.stderr
+    browser.get((out / "index.html").as_uri())
+    [row] = browser.find_elements(By.CSS_SELECTOR, "#rows tr")
+    assert row.find_elements(By.TAG_NAME, "td")[6].text == "inf"
+    row.click()
+    detail = browser.find_element(By.ID, "detail").text
+    assert "mean reward: inf" in detail and "sample 0: reward inf" in detail
     assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
