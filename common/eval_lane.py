@@ -10,6 +10,7 @@ those groups into an :class:`EvalResult` once every prompt of the set has come b
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -137,7 +138,8 @@ class EvalResult:
     """Whether each sample hit its token limit, in the order of :attr:`rewards`."""
     groups: list[Group] = field(default_factory=list, compare=False, repr=False)
     """The eval's groups by prompt index, only on the result returned by the call that finished
-    it (they are archived and deleted then; never stored with the result)."""
+    it: those this consumer process collected (every one, unless it restarted while the eval ran;
+    they are archived and deleted as they are collected; never stored with the result)."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -161,17 +163,38 @@ class EvalResult:
         )
 
 
+def eval_row(group: Group, step: int) -> str:
+    """A collected eval group as kept until its eval finishes (``eval_rows``, JSON): per sample its
+    reward (null: unscored), whether it was truncated, its oldest weight version and its length;
+    the trainer step when it was published."""
+    return json.dumps({
+        "s": step,
+        "r": [None if math.isnan(s.scalar_reward) else s.scalar_reward for s in group.samples],
+        "t": [s.status is Status.TRUNCATED for s in group.samples],
+        "v": [min(s.weight_versions) if s.weight_versions else None for s in group.samples],
+        "l": [s.response_length for s in group.samples],
+    }, separators=(",", ":"))
+
+
 def summarize(
-    name: str, groups: list[tuple[Group, int]], *, submitted_step: int, submitted_ms: int, finished_ms: int
+    name: str, rows: Mapping[int, str], *, submitted_step: int, submitted_ms: int, finished_ms: int,
+    groups: Iterable[Group] = (),
 ) -> EvalResult:
-    """The result of an eval from its groups, each with the trainer step when it was published."""
-    rewards = [s.scalar_reward for g, _ in groups for s in g.samples]
+    """The result of an eval from its rows (:func:`eval_row`, by prompt index); ``groups``: the
+    ones to hand back with it (those this process collected)."""
+    parsed = []
+    for index in sorted(rows):
+        try:
+            row = json.loads(rows[index])
+            parsed.append((int(row["s"]), [math.nan if r is None else float(r) for r in row["r"]],
+                           [bool(t) for t in row["t"]], list(row["v"]), [int(n) for n in row["l"]]))
+        except (ValueError, TypeError, KeyError):
+            continue  # a damaged row: its prompt is left out
+    rewards = [r for _, rs, _, _, _ in parsed for r in rs]
     scored = [r for r in rewards if not math.isnan(r)]
-    samples = [s for g, _ in groups for s in g.samples]
-    versions: Counter[int] = Counter(min(s.weight_versions) for s in samples if s.weight_versions)
-    lengths = [s.response_length for s in samples]
-    finished_step = max((step for _, step in groups), default=submitted_step)
-    ordered = [s for g in sorted((g for g, _ in groups), key=by_index) for s in g.samples]
+    versions: Counter[int] = Counter(int(v) for _, _, _, vs, _ in parsed for v in vs if v is not None)
+    lengths = [n for _, _, _, _, ls in parsed for n in ls]
+    finished_step = max((step for step, *_ in parsed), default=submitted_step)
     metrics = {
         "reward_mean": sum(scored) / len(scored) if scored else math.nan,
         "pass_rate": sum(1 for r in scored if r > 0) / len(scored) if scored else math.nan,
@@ -179,10 +202,10 @@ def summarize(
         "samples_unscored": float(len(rewards) - len(scored)),
     }
     return EvalResult(
-        name=name, prompts=len(groups), samples=len(samples), metrics=metrics, versions=dict(sorted(versions.items())),
+        name=name, prompts=len(parsed), samples=len(rewards), metrics=metrics, versions=dict(sorted(versions.items())),
         lag_steps=max(0, finished_step - submitted_step), submitted_step=submitted_step, finished_step=finished_step,
-        submitted_ms=submitted_ms, finished_ms=finished_ms, rewards=[s.scalar_reward for s in ordered],
-        truncated=[s.status is Status.TRUNCATED for s in ordered], groups=sorted((g for g, _ in groups), key=by_index),
+        submitted_ms=submitted_ms, finished_ms=finished_ms, rewards=rewards,
+        truncated=[t for _, _, ts, _, _ in parsed for t in ts], groups=sorted(groups, key=by_index),
     )
 
 

@@ -150,6 +150,12 @@ class Keys:
         and deleted by ``GroupConsumer.eval_results``."""
         return f"{self.base}:eval_groups"
 
+    def eval_rows(self, name: str) -> str:
+        """Hash: a running eval's collected groups, prompt index -> its compact row (JSON: each
+        sample's reward, truncation, version, length; the step): ``eval_results`` folds groups in as
+        they come (so ``eval_groups`` stays bounded) and the result is computed from these."""
+        return f"{self.base}:eval_rows:{name}"
+
     @property
     def eval_submitting(self) -> str:
         """Hash: eval name -> ``written:digest`` while its prompts are being written (``evaluate``
@@ -286,9 +292,10 @@ class Keys:
     @property
     def per_consumer_patterns(self) -> tuple[str, ...]:
         """SCAN MATCH patterns of the keys not fixed by name: per trainer consumer (journals, name
-        leases), per prompt (episode journals) and per limit or rate (holders, waiters, buckets)."""
+        leases), per prompt (episode journals), per limit or rate (holders, waiters, buckets) and
+        per running eval (its collected rows)."""
         return (self.journal_pattern, self.lease_pattern, self.episode_pattern, f"{self.base}:limit:*",
-                f"{self.base}:rate:*")
+                f"{self.base}:rate:*", f"{self.base}:eval_rows:*")
 
     @property
     def lease_pattern(self) -> str:
@@ -431,6 +438,9 @@ class StateField:
     atomically by PUBLISH and the scripts that remove groups: what the byte budget bounds."""
     PUBLISHED_BYTES = "published_bytes"
     """Bytes of group data ever published (with ``published``: the mean group size)."""
+    EVAL_BYTES = "eval_bytes"
+    """Bytes of group data held in ``eval_groups`` (the eval lane's own ledger, kept by PUBLISH and
+    EVAL_COLLECT): ADMIT bounds the eval lane by it and ``max_backlog_bytes``, apart from training."""
     JOURNAL_BYTES = "journal_bytes"
     """Bytes held in episode journals (durable episodes), kept by the scripts that append to and
     delete them; with ``group_bytes`` it is what the byte budget bounds."""
@@ -527,6 +537,7 @@ class StateField:
         RECLAIM_DUE_MS,
         GROUP_BYTES,
         PUBLISHED_BYTES,
+        EVAL_BYTES,
         ARCHIVE_BYTES,
         ARCHIVE_RECORDED,
         ARCHIVE_DROPPED,

@@ -35,7 +35,8 @@ ROLE_COMMANDS: dict[str, frozenset[str]] = {
     "trainer": frozenset(
         "hello auth ping client|setname evalsha script|load multi exec discard publish xreadgroup xread xrevrange "
         "xack xadd xdel xclaim xautoclaim xpending xrange xlen xgroup|create xgroup|delconsumer xinfo|groups "
-        "xinfo|consumers hget hmget hgetall hset hsetnx hincrby get set pexpire del hkeys hdel zadd zrem zrange".split()
+        "xinfo|consumers hget hmget hgetall hset hsetnx hincrby get set pexpire del hkeys hdel zadd zrem zrange hlen "
+        "hscan".split()
     ),
 }
 """The commands each role of the ACL template grants by name (tests/test_redis_errors.py checks

@@ -18,7 +18,7 @@ from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import decode_group_entry, prompt_fields
 from rollstream.common.connection import Outage
 from rollstream.common.errors import ConfigError
-from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompt, summarize
+from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompt, eval_row, summarize
 from rollstream.common.events import now_ms
 from rollstream.common.logs import Prefixed
 from rollstream.common.models import Group
@@ -138,21 +138,21 @@ def _same_settings(settings: EvalSettings, stored: dict[str, Any]) -> None:
         )
 
 
-async def _collect(
-    lane: EvalLane, outage: Outage, name: str, stored: dict[str, Any], consumer: str, ids: list[bytes]
-) -> None:
-    await outage.run(lambda: lane.collect(name, stored, consumer, ids, now_ms()))
-
-
-async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[EvalResult]:
-    """Every finished eval, oldest first; an eval whose prompts all came back is summarized now,
-    its groups archived and deleted (one script)."""
+async def finished_evals(
+    lane: EvalLane, outage: Outage, consumer: str, collected: dict[str, list[Group]] | None = None
+) -> list[EvalResult]:
+    """Every finished eval, oldest first. The groups of a running eval are folded into its rows as
+    they come (``eval_rows``; archived and deleted in the same script, so ``eval_groups`` stays
+    under the eval lane's bound while an eval larger than it runs); an eval whose prompts all came
+    back is summarized from its rows now. ``collected``: the groups this process collected, by eval
+    (the finishing call's result carries them)."""
+    collected = collected if collected is not None else {}
     submitted = {
         name: meta for name, meta in (await outage.run(lane.submitted)).items()
         if "prompts" in meta or "result" in meta  # not one whose prompts are still being written
     }
     waiting = {name for name, meta in submitted.items() if "result" not in meta}
-    found: dict[str, list[tuple[bytes, Group, int]]] = {}
+    found: dict[str, list[tuple[bytes, Group, int, int]]] = {}
     after = "-"
     while waiting and (rows := await outage.run(functools.partial(lane.groups, after))):
         for entry_id, fields in rows:
@@ -160,21 +160,31 @@ async def finished_evals(lane: EvalLane, outage: Outage, consumer: str) -> list[
             if eval_name in waiting:
                 step = fields.get(b"step", b"0")
                 found.setdefault(eval_name, []).append(
-                    (entry_id, decode_group_entry(fields), int(step) if step.isdigit() else 0)
+                    (entry_id, decode_group_entry(fields), int(step) if step.isdigit() else 0,
+                     len(fields.get(b"data", b"")))
                 )
         after = rows[-1][0].decode()
     just_finished: dict[str, EvalResult] = {}
-    for eval_name, got in found.items():
+    for eval_name in sorted(waiting):
         meta = submitted[eval_name]
-        if len({g.index for _, g, _ in got}) < int(meta["prompts"]):
+        got = found.get(eval_name, [])
+        if got:
+            held = await outage.run(functools.partial(
+                lane.collect, eval_name, consumer, [eid for eid, _, _, _ in got],
+                {g.index: eval_row(g, step) for _, g, step, _ in got}, sum(size for *_, size in got), now_ms(),
+            ))
+            collected.setdefault(eval_name, []).extend(g for _, g, _, _ in got)
+        else:
+            held = await outage.run(functools.partial(lane.held_rows, eval_name))
+        if held < int(meta["prompts"]):
             continue
+        rows_of = await outage.run(functools.partial(lane.rows, eval_name))
         result = summarize(
-            eval_name, [(g, step) for _, g, step in got], submitted_step=int(meta.get("submitted_step", 0)),
-            submitted_ms=int(meta.get("submitted_ms", 0)), finished_ms=now_ms(),
+            eval_name, rows_of, submitted_step=int(meta.get("submitted_step", 0)),
+            submitted_ms=int(meta.get("submitted_ms", 0)), finished_ms=now_ms(), groups=collected.pop(eval_name, []),
         )
         stored = {**meta, "result": result.as_json()}
-        ids = [eid for eid, _, _ in got]
-        await _collect(lane, outage, eval_name, stored, consumer, ids)
+        await outage.run(functools.partial(lane.store_result, eval_name, stored))
         submitted[eval_name] = stored
         just_finished[eval_name] = result
         Prefixed(logger, "consumer", consumer).info("eval %s finished: %s", eval_name, json.dumps(result.as_json()))

@@ -195,6 +195,9 @@ class GroupConsumer:
         self._version = 0
         self._bias = BiasWatch(self.name, self.keys.namespace, self.options.warn_interval)
         self._steps = StepClock(self.name, self.keys.namespace, self.options.warn_interval)
+        self._eval_groups: dict[str, list[Group]] = {}
+        """The groups of running evals this consumer collected (``eval_results``): handed back with
+        the result of the call that finishes each."""
 
     @property
     def keep(self) -> KeepFilter | None:
@@ -320,9 +323,12 @@ class GroupConsumer:
         """Every finished eval of the namespace, oldest first: its metrics (mean reward, pass rate,
         response length), the weight versions its samples were generated at with how many at each,
         and its lag in steps (training steps committed while it ran). An eval finishes when every
-        one of its prompts came back; its groups are then archived (fate ``evaluated``) and deleted,
-        and the result returned by that call carries them (``EvalResult.groups``)."""
-        return await finished_evals(EvalLane(self.redis, self.keys), self._outage, self.name)
+        one of its prompts came back. Each call folds the groups that came back since the last into
+        their eval's rows and archives (fate ``evaluated``) and deletes them, so the eval lane stays
+        within its bound (``max_backlog``, ``max_backlog_bytes``) however large the eval: call it
+        while an eval runs. The result returned by the call that finishes an eval carries the
+        groups this consumer collected (``EvalResult.groups``)."""
+        return await finished_evals(EvalLane(self.redis, self.keys), self._outage, self.name, self._eval_groups)
 
     # -- take / commit ------------------------------------------------------------------
 

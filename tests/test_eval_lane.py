@@ -270,3 +270,53 @@ async def test_a_cancelled_or_failed_eval_submission_resumes_from_where_it_stopp
         assert await consumer.evaluate("d", _items(1500), n_samples=2) == "d"
     assert len(await _lane_indexes(redis, keys)) == 4000
     assert await redis.hlen(keys.eval_submitting) == 0
+
+
+async def _eval_held(redis: Redis, keys: Keys) -> tuple[int, int, int]:
+    """(groups in eval_groups, their data bytes, eval prompts in flight)."""
+    rows = await redis.xrange(keys.eval_groups)
+    pending = await redis.xpending(keys.eval_prompts, "producers")
+    return len(rows), sum(len(f[b"data"]) for _, f in rows), int(pending["pending"])
+
+
+@pytest.mark.parametrize("bound", ["max_backlog", "max_backlog_bytes"])
+async def test_the_eval_lane_is_bounded_like_the_training_path_and_an_eval_larger_than_the_bound_finishes(
+    redis: Redis, redis_url: str, ns: str, keys: Keys, sim, procs: ProcessPool, bound: str
+) -> None:
+    """Issue 49 finding 9: eval groups piled up in ``eval_groups`` without bound (401 KiB under a
+    64 KiB budget) while nobody collected them. Now ADMIT holds the eval lane to the namespace's
+    ``max_backlog`` (groups held plus prompts in flight) or byte budget, training goes on beside
+    it, and ``eval_results`` collects as groups come, so an eval 8x the bound finishes."""
+    budget = 4096  # a few eval groups of 2 short samples (about 600 bytes each)
+    config = {"max_backlog": 4} if bound == "max_backlog" else {"max_backlog": 1000, "max_backlog_bytes": budget}
+    await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=2, **config)
+    await add_prompts(redis, ns, 40)
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-b") as consumer:
+        await consumer.evaluate("big", _items(32), n_samples=2, max_new_tokens=16)
+        procs.producer(redis_url, ns, sim.url)
+        largest = 0
+        async with asyncio.timeout(120):
+            for _ in range(6):  # training goes on (the eval lane at its bound lets training prompts in)
+                batch = await consumer.take(2)
+                await consumer.commit(batch)
+                held, held_bytes, flight = await _eval_held(redis, keys)
+                largest = max(largest, max((len(f[b"data"]) for _, f in await redis.xrange(keys.eval_groups)),
+                                           default=0))
+                if bound == "max_backlog":
+                    assert held + flight <= 4, (held, flight)
+                else:
+                    assert held_bytes <= budget + largest, (held_bytes, budget)
+        assert (await _eval_held(redis, keys))[0] < 32  # nobody collected yet: the lane stopped short
+        results: list = []
+        async with asyncio.timeout(120):
+            while not results:
+                results = await consumer.eval_results()
+                await asyncio.sleep(0.05)
+    [result] = results
+    assert (result.name, result.prompts, result.samples) == ("big", 32, 64)
+    assert sorted(g.index for g in result.groups) == list(range(32))  # every group, collected as it came
+    assert len(result.rewards) == 64
+    assert await redis.xlen(keys.eval_groups) == 0 and not await redis.exists(keys.eval_rows("big"))
+    assert int(await redis.hget(keys.state, StateField.EVAL_BYTES) or 0) == 0  # type: ignore[misc]
+    archived = [f for _, f in await redis.xrange(keys.archive) if f[b"fate"] == b"evaluated"]
+    assert len(archived) in (0, 32)  # archived once each when the archive is on

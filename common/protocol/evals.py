@@ -86,6 +86,33 @@ class EvalLane(Guarded):
         start = after if after == "-" else f"({after}"
         return flat_entries(await self.redis.xrange(self.keys.eval_groups, min=start, count=count))
 
-    async def collect(self, name: str, result: dict[str, Any], actor: str, ids: Sequence[bytes], now: int) -> int:
-        """Archive and delete a finished eval's groups, and store its result, in one script."""
-        return int(await self._eval_collect(name=name, result=json.dumps(result), actor=actor, now_ms=now, ids=ids))
+    async def collect(
+        self, name: str, actor: str, ids: Sequence[bytes], rows: Mapping[int, str], freed: int, now: int
+    ) -> int:
+        """Fold a running eval's groups (entries ``ids`` of ``eval_groups``, ``freed`` bytes of
+        data) into its rows (prompt index -> compact row JSON), archive and delete them, in one
+        script; how many rows the eval now holds."""
+        return int(await self._eval_collect(
+            rows=self.keys.eval_rows(name), name=name, actor=actor, now_ms=now, freed=freed,
+            rows_json=json.dumps({str(index): row for index, row in rows.items()}), ids=ids,
+        ))
+
+    async def held_rows(self, name: str) -> int:
+        """How many rows a running eval holds (prompts whose groups were collected)."""
+        return int(await self.redis.hlen(self.keys.eval_rows(name)))
+
+    async def rows(self, name: str) -> dict[int, str]:
+        """A running eval's rows, read a page at a time (HSCAN)."""
+        out: dict[int, str] = {}
+        async for field, value in self.redis.hscan_iter(self.keys.eval_rows(name), count=1000):
+            key = field.decode() if isinstance(field, bytes) else str(field)
+            if key.isdigit():
+                out[int(key)] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        return out
+
+    async def store_result(self, name: str, result: dict[str, Any]) -> None:
+        """Store a finished eval's result and drop its rows, in one transaction."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.evals, name, json.dumps(result))
+            pipe.delete(self.keys.eval_rows(name))
+            await pipe.execute()

@@ -226,7 +226,7 @@ class PromptQueue(Guarded):
             groups=self.keys.eval_groups if lane else self.keys.groups,
             objects=" ".join(f"{ref.key}:{ref.size}" for ref in objects),
             data_bytes=0 if lane else len(group_fields.get("data", b"")) + store_bytes,
-            fields=lua.flatten(group_fields),
+            eval_bytes=len(group_fields.get("data", b"")) if lane else 0, fields=lua.flatten(group_fields),
             tally="" if lane else lua.tally(group_fields, "published"), **lua.journal(self.keys, journal),
         )
         return published or None

@@ -27,16 +27,35 @@
 -- batch plus one (the carry), so a take can always get its quota within the caps.
 -- Refusals: {'paused'}, {'backlog', ready}, {'backlog_bytes', projected, budget},
 -- {'staleness', outstanding, capacity, c, G}, {'source_backlog', backlog, cap}, {'empty'}.
--- KEYS: retry prompts groups state eval_prompts sources
+-- KEYS: retry prompts groups state eval_prompts sources eval_groups
 -- ARGV: group consumer max_backlog admission max_staleness batch_size steps_per_version count trainer_group cadence_cap now_ms max_backlog_bytes source_caps
 -- uses: pending
 local st = redis.call('HMGET', state, '$PAUSED', '$WEIGHT_VERSION', '$COMMITTED',
   '$VERSION_START_CONSUMED', '$PREV_VERSION_CONSUMED', '$GROUP_BYTES', '$PUBLISHED_BYTES', '$PUBLISHED')
 if st[1] == '1' then return {'paused'} end
--- The eval lane first (stream index 3): its groups never enter the group stream, so neither the
--- backlog, the byte budget nor the staleness rule holds it back; a round that admits eval
--- prompts admits nothing else. pcall: a namespace of an older version has no eval stream yet.
-local ev = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', tonumber(count), 'STREAMS', eval_prompts, '>')
+-- The eval lane first (stream index 3): its groups never enter the group stream, so the training
+-- backlog, byte budget and staleness rule do not hold it back; it has bounds of its own, the same
+-- numbers: its groups not yet collected by ``eval_results`` (XLEN eval_groups) plus its prompts in
+-- flight stay under ``max_backlog``, and with a byte budget and eval groups held, their bytes
+-- (``$EVAL_BYTES``) plus the prompts in flight at their mean size, plus one more, fit in it. A
+-- round that admits eval prompts admits nothing else; an eval lane at its bound lets training
+-- prompts in. pcall: a namespace of an older version has no eval stream yet.
+local eval_ready = redis.pcall('XLEN', eval_groups)
+if type(eval_ready) ~= 'number' then eval_ready = 0 end
+local eval_flight = pending(eval_prompts, group)
+local eval_room = math.min(tonumber(count), tonumber(max_backlog) - eval_ready - eval_flight)
+local eval_budget = tonumber(max_backlog_bytes) or 0
+if eval_room > 0 and eval_budget > 0 and eval_ready > 0 then
+  local held = math.max(0, num(redis.call('HGET', state, '$EVAL_BYTES')))
+  local mean = math.max(1, math.ceil(held / eval_ready))
+  local projected = held + eval_flight * mean
+  eval_room = math.min(eval_room, math.floor((eval_budget - projected) / mean))
+  if projected + mean > eval_budget then eval_room = 0 end
+end
+local ev = nil
+if eval_room > 0 then
+  ev = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', eval_room, 'STREAMS', eval_prompts, '>')
+end
 if type(ev) == 'table' and ev[1] and ev[1][2] and #ev[1][2] > 0 then
   local out = {'ok', tostring(math.max(0, num(st[2])))}
   for _, entry in ipairs(ev[1][2]) do

@@ -5,7 +5,8 @@
 -- script: their intents become claims (``payload_held``); a duplicate frees them instead (queued in
 -- ``payload_free``: nothing will ever refer to them).
 -- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free
--- ARGV: group prompt_id now_ms data_bytes drop tally objects *fields
+-- ``eval_bytes``: a group of the eval lane's size, into its own ledger (``$EVAL_BYTES``), not the training one.
+-- ARGV: group prompt_id now_ms data_bytes drop tally objects eval_bytes *fields
 local claimed = redis.call('XACK', source, group, prompt_id) == 1
 for key, size in string.gmatch(objects, '(%S+):(%d+)') do
   redis.call('ZREM', payload_intents, key)
@@ -30,6 +31,8 @@ if tally ~= '' then
   move_held(sources, tally, 'backlog', 1)
   move_held(sources, tally, 'flight', -1)
 end
+local e = tonumber(eval_bytes) or 0
+if e > 0 then incr(state, '$EVAL_BYTES', e) end
 local b = tonumber(data_bytes) or 0
 if b > 0 then
   redis.call('HSET', group_bytes, id, b)
