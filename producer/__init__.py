@@ -7,7 +7,9 @@ Modules, one concern each:
 
 * ``worker``: ``Producer``, the runtime: admission, work items (entry + admitted version), leases (renewed
   by ``producer.renewal``), the loop watchdog, control, limits; a group past ``max_attempts`` dead-lettered
-  where it failed. Three of its concerns have a module each, run on its state:
+  where it failed. Three of its concerns have a module each; they share its work in flight through
+  ``capacity.WorkTable``'s methods and read the producer through a ``Protocol`` of its public members (none
+  imports the worker back; ``tests/test_layers.py`` fails on a private member reached across modules):
 * ``reclaim``: ``Reclaimer``: prompts idle past the lease taken over (one producer per interval looks for
   the fleet and announces a find), the prompts pending under its own name adopted at start, leases lost
   to another producer's reclaim; admission holds off while a reclaim is due
@@ -34,8 +36,11 @@ Modules, one concern each:
   their help from each field's docstring (``settings_fields.documented``: what, unit, default);
   ``tests/test_cli_help.py`` fails on any option of any command without help, a default it does not say, or
   a duration without its unit
-* ``capacity``: ``Capacity`` (samples in flight: taken ``n`` at a time, given back per episode) and ``Work``
-  (one prompt held: entry, admitted version, units)
+* ``capacity``: ``Capacity`` (samples in flight: taken ``n`` at a time, given back per episode), ``Work``
+  (one prompt held: entry, admitted version, units) and ``WorkTable``, the one owner of the work in flight:
+  the prompts held (``hold`` / ``drop`` / ``start``, leases renewed meanwhile), the capacity, ``stopping``,
+  ``fail`` (the first fatal error), the Redis outage the loops ride out, and the counts (published,
+  duplicates, reclaimed, returned)
 * ``episode``: the rollout plug-in contract (docs/rollouts.md): ``Episode``, ``Trajectory``,
   ``EpisodeInfo``, ``SamplingParams``, ``Turn``, ``GenerateFunction``, ``EpisodeAborted``,
   ``GenerateBroken``

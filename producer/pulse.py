@@ -14,21 +14,59 @@ import asyncio
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rollstream.common.connection import redact_url
 from rollstream.common.events import now_ms
-from rollstream.common.protocol import Heartbeat
+from rollstream.common.logs import Prefixed
+from rollstream.common.protocol import Control, EngineRegistry, Heartbeat, Heartbeats, TrainerMonitor
+from rollstream.common.watchdog import LoopWatchdog
 
-if TYPE_CHECKING:
-    from .worker import Producer
+from .capacity import WorkTable
+from .engine import EngineClient
+from .rollout import Rollout
+from .settings import ProducerSettings
+from .telemetry import Metrics
+
+
+class Beating(Protocol):
+    """What the heartbeat reads of its producer (:class:`~.worker.Producer`): public members only."""
+
+    @property
+    def table(self) -> WorkTable: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def log(self) -> Prefixed: ...
+    @property
+    def settings(self) -> ProducerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def rollout(self) -> Rollout: ...
+    @property
+    def watchdog(self) -> LoopWatchdog: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def heartbeats(self) -> Heartbeats: ...
+    @property
+    def monitor(self) -> TrainerMonitor: ...
+    @property
+    def control(self) -> Control: ...
+    @property
+    def registry(self) -> EngineRegistry: ...
+    @property
+    def payload_stats(self) -> dict[str, int]: ...
 
 
 class Pulse:
     """The heartbeat of one :class:`~.worker.Producer`, assembled from its state and its engine's,
     rollout's and watchdog's counters."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Beating) -> None:
         self.producer = producer
         self._blocked_since: float | None = None
         self._blocked_total = 0.0
@@ -78,17 +116,17 @@ class Pulse:
         return Heartbeat(
             host=socket.gethostname(),
             pid=os.getpid(),
-            state=p._state,
-            in_flight_samples=p.in_flight_samples,
-            in_flight_prompts=len(p._work),
+            state=p.table.state,
+            in_flight_samples=p.table.in_flight_samples,
+            in_flight_prompts=len(p.table),
             concurrency=p.settings.concurrency,
-            published=p.published,
+            published=p.table.published,
             groups_last_minute=self._groups_last_minute(),
-            duplicates=p.duplicates,
-            reclaimed=p.reclaimed,
+            duplicates=p.table.duplicates,
+            reclaimed=p.table.reclaimed,
             engine_retries=engine.retries,
             engines=[redact_url(u) for u in engine.settings.all_urls],
-            started_ms=int(p._started * 1000),
+            started_ms=int(p.started * 1000),
             last_seen_ms=now_ms(),
             admission=self._refusal,
             admission_since_ms=self._refusal_since_ms,
@@ -129,7 +167,7 @@ class Pulse:
             p.metrics.admission_blocked_for(blocked_ms / 1000)
 
     async def loop(self) -> None:
-        await self.producer._outage.forever(self.turn, wrote=True)  # a write Redis refuses at maxmemory
+        await self.producer.table.outage.forever(self.turn, wrote=True)  # a write Redis refuses at maxmemory
 
     async def turn(self) -> bool:
         p = self.producer

@@ -17,43 +17,66 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import PayloadError
 from rollstream.common.events import now_ms
-from rollstream.common.payload.plane import RECONCILE_INTERVAL_S
-from rollstream.common.protocol import Admitted
+from rollstream.common.logs import Prefixed
+from rollstream.common.payload.plane import RECONCILE_INTERVAL_S, PayloadPlane
+from rollstream.common.protocol import Admitted, Control, EpisodeJournals, PromptQueue
 
-from .capacity import Work
-
-if TYPE_CHECKING:
-    from .worker import Producer
-
+from .capacity import Work, WorkTable
+from .settings import ProducerSettings
 
 JOURNAL_SWEEP_COUNT = 100
 """Keys one sweep step SCANs (its COUNT): the sweep's cost per reclaim turn is bounded."""
 
 
+class Reclaiming(Protocol):
+    """What the reclaim pass reads of its producer (:class:`~.worker.Producer`): public members only."""
+
+    @property
+    def table(self) -> WorkTable: ...
+    @property
+    def config(self) -> PipelineConfig: ...
+    @property
+    def settings(self) -> ProducerSettings: ...
+    @property
+    def log(self) -> Prefixed: ...
+    @property
+    def prompts(self) -> PromptQueue: ...
+    @property
+    def control(self) -> Control: ...
+    @property
+    def journals(self) -> EpisodeJournals: ...
+    @property
+    def plane(self) -> PayloadPlane | None: ...
+    @property
+    def payload_stats(self) -> dict[str, int]: ...
+
+
 class Reclaimer:
     """The reclaim pass of one :class:`~.worker.Producer`: its loop, and the take-over it shares
-    with the adoption at start. It runs on the producer's state (capacity, prompts held, outage)."""
+    with the adoption at start. It runs on the producer's :class:`~.capacity.WorkTable`
+    (capacity, prompts held, outage)."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Reclaiming) -> None:
         self.producer = producer
         self.due = False
         """Idle prompts were found (here or by another producer) and not all taken over yet."""
         self.seen_ms = 0
-        self.reconciled = time.monotonic()
-        """When this producer last listed the payload store against the ledgers (not at start)."""
         """The newest ``reclaim_due_ms`` this producer acted on (0 at start: its first turn acts on
         an earlier find once, harmlessly: XAUTOCLAIM finds nothing left)."""
+        self.reconciled = time.monotonic()
+        """When this producer last listed the payload store against the ledgers (not at start)."""
 
     def leases_lost(self, lost: list[bytes]) -> None:
         """The renewal thread found prompts no longer ours (taken over after the lease: another
         producer's reclaim); called on the producer's loop."""
         p = self.producer
         for pid in lost:
-            work = p._work.get(pid)
+            work = p.table.get(pid)
             if work is not None and not work.lease_lost and not work.finishing:
                 work.lease_lost = True
                 p.log.warning(
@@ -67,16 +90,16 @@ class Reclaimer:
         def give_up() -> None:
             self.due = False
 
-        await self.producer._outage.forever(self.turn, on_error=give_up)
+        await self.producer.table.outage.forever(self.turn, on_error=give_up)
 
     async def turn(self) -> bool:
-        p = self.producer
+        p, table = self.producer, self.producer.table
         n = p.config.n_samples_per_prompt
         interval = p.settings.reclaim_interval or min(5.0, p.config.lease_seconds / 4)
         lease_ms = int(p.config.lease_seconds * 1000)
         if not self.due:
             await asyncio.sleep(interval)
-        if p._stopping.is_set():
+        if table.stopping.is_set():
             self.due = False
             return False
         if not self.due:
@@ -98,10 +121,10 @@ class Reclaimer:
             self.due = True
             await p.prompts.announce_reclaim()
             self.seen_ms = now_ms()  # its own find: already acting on it
-        await p._capacity.room(n, p._stopping)
-        with p._claiming():
-            claimed = await p.prompts.reclaim(lease_ms, count=p._capacity.free // n, held=p._work)
-            p._outage.recovered()  # before the take-over, whose own calls ride out an outage
+        await table.capacity.room(n, table.stopping)
+        with table.claiming():
+            claimed = await p.prompts.reclaim(lease_ms, count=table.capacity.free // n, held=table)
+            table.outage.recovered()  # before the take-over, whose own calls ride out an outage
             if claimed:
                 p.log.info(
                     "reclaimed %d prompts idle past the %.0f s lease",
@@ -111,7 +134,7 @@ class Reclaimer:
         if not claimed and p.prompts.reclaim_scanned:
             self.due = False  # scanned to the end: nothing left to take over
         if not self.due:
-            p._wake.set()
+            table.wake()
         return False  # the outage ended above
 
     async def sweep_journals(self) -> None:
@@ -141,33 +164,33 @@ class Reclaimer:
 
     async def adopt_own_pending(self) -> None:
         """Prompts pending under this name (a restart with the same ``--name``) are ours now."""
-        p = self.producer
-        with p._claiming():
-            claimed = await p._outage.run(p.prompts.own_pending)
+        p, table = self.producer, self.producer.table
+        with table.claiming():
+            claimed = await table.outage.run(p.prompts.own_pending)
             if claimed:
                 p.log.info("adopting %d prompts pending under its name", len(claimed))
                 await self.take_over(claimed)
 
     async def take_over(self, claimed: list[Admitted]) -> None:
-        p = self.producer
+        p, table = self.producer, self.producer.table
         n = p.config.n_samples_per_prompt
-        version = await p._outage.run(p.control.weight_version)
+        version = await table.outage.run(p.control.weight_version)
         for item in claimed:
             if not item.fields:
-                await p._outage.run(functools.partial(p.prompts.ack_deleted, item.stream, item.entry_id))
+                await table.outage.run(functools.partial(p.prompts.ack_deleted, item.stream, item.entry_id))
                 continue
-            if item.entry_id in p._work:
+            if item.entry_id in table:
                 continue
             if item.previous is not None:  # which prompt, whose, how long idle: a take-over is rare and loud
                 p.log.info(
                     "taking over prompt entry %s of %s (%s)",
                     item.entry_id.decode(), item.stream, item.previous.describe(),
                 )
-            if not await p._capacity.take(n, p._stopping):
+            if not await table.capacity.take(n, table.stopping):
                 # Stopping: no room will come. Listed without a task, the shutdown hands it back.
-                p._hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))
+                table.hold(Work(stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version))
                 continue
-            p.reclaimed += 1
-            p._start_work(item, version)
+            table.reclaimed += 1
+            table.start(item, version, n)
             # Only a counter, but a Redis outage here must not become a fatal error.
-            await p._outage.run(p.prompts.count_reclaimed)
+            await table.outage.run(p.prompts.count_reclaimed)

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,7 +72,6 @@ from rollstream.common.models import Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
-    Admitted,
     Control,
     EngineRegistry,
     EpisodeJournals,
@@ -85,7 +83,7 @@ from rollstream.common.protocol import (
 from rollstream.common.watchdog import LoopWatchdog, Stall, default_stall_after
 
 from . import fault_points
-from .capacity import Capacity, Work
+from .capacity import Work, WorkTable
 from .drain import cancel_and_wait, shutdown
 from .durable import PromptJournal
 from .engine import EngineClient
@@ -160,22 +158,18 @@ class Producer:
         )
         self._control_changed = asyncio.Event()
         """Set (and replaced) on every control message: wakes episodes waiting for a resume."""
-        self._capacity = Capacity(settings.concurrency)
-        self._work: dict[bytes, Work] = {}
-        self._abandoned: set[asyncio.Task[Any]] = set()
-        self._wake = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._fatal: BaseException | None = None
-        self._fatal_tb = ""
-        self._state = "starting"
         self._outage = Outage(logger, f"producer {self.name}")
+        self.table = WorkTable(
+            settings.concurrency, self._outage, self.log,
+            warm=settings.warm if self.rollout.warm is not None else 0,
+        )
+        """The work in flight (prompts held, capacity, stopping, fatal error), shared with the
+        reclaim pass and the drain."""
+        self.table.runner = self._run_work
         self._admitted_version: int | None = None
         """The trainer's version at the last admission (a change is a weight update's news)."""
-        self._started = time.time()
-        self.published = 0
-        self.duplicates = 0
-        self.reclaimed = 0
-        self.returned = 0
+        self.started = time.time()
+        """When this producer started (wall clock, for its heartbeat)."""
         self.eval_marks_stripped = 0
         """Training prompts whose metadata carried the eval lane's reserved key (stripped, warned)."""
         self._stripped_log = FailureLog()
@@ -191,21 +185,16 @@ class Producer:
             on_stall=self._stalled,
             on_lag=self.metrics.loop_lag,
         )
-        self._renewer: Renewer | None = None
         self.limits = SharedLimits(NamespaceLimits(redis, self.keys), self.name, config.lease_seconds)
         """The namespace's limits and rates, held by the episodes (``episode.limit`` / ``rate``)."""
         self.rollout.runtime.shared = self.limits
         self.durable = config.durable_episodes and self.rollout.journals
-        self._warm_size = settings.warm if self.rollout.warm is not None else 0
-        """Warm pools: prompts admitted beyond the concurrency (the generate function has a prepare hook)."""
-        self._warming: set[bytes] = set()
-        self._warm_changed = asyncio.Event()
+        """Durable episodes apply: the namespace has them on and the rollout is the user's."""
         self.plane = (
             PayloadPlane.open(config.payload_store, redis, self.keys, config.lease_seconds)
             if config.payload_store else None
         )
         """The namespace's payload store and its ledgers (None: every array rides in the entry)."""
-        """Durable episodes apply: the namespace has them on and the rollout is the user's."""
 
     @classmethod
     async def connect(
@@ -234,15 +223,21 @@ class Producer:
 
     @property
     def in_flight_samples(self) -> int:
-        return self._capacity.total - self._capacity.free
+        return self.table.in_flight_samples
+
+    @property
+    def published(self) -> int:
+        return self.table.published
+
+    @property
+    def duplicates(self) -> int:
+        return self.table.duplicates
 
     def stop(self) -> None:
         """Ask for a drain: stop admitting, finish or return what is in flight."""
-        if not self._stopping.is_set():
+        if not self.table.stopping.is_set():
             self.log.info("drain requested")
-        self._stopping.set()
-        self._wake.set()
-        self._capacity.wake()
+        self.table.stop()
         if self.durable:  # episodes stop at a step boundary; their journals go back with the prompts
             self.rollout.runtime.stop_episodes()
 
@@ -257,19 +252,20 @@ class Producer:
         # The heartbeat outlives the other loops: operators see "draining" during the drain.
         heartbeat: asyncio.Task[None] | None = None
         loops: list[asyncio.Task[None]] = []
-        stopper = asyncio.create_task(self._stopping.wait(), name="stop-wait")
+        table = self.table
+        stopper = asyncio.create_task(table.stopping.wait(), name="stop-wait")
         try:
             await self.engine.prepare()  # the tokenizer: the first prompt must not wait for it
             await self.engine.check_versions()  # says once if no engine reports weight versions
-            self._state = "running"
+            table.state = "running"
             watchdog = asyncio.create_task(self.watchdog.run(), name="watchdog")
             loops.append(watchdog)
-            self._renewer = Renewer(
+            table.renewer = Renewer(
                 self.url, self.keys, self.name,
                 self.settings.renew_interval or self.config.lease_seconds / 3,
-                self.reclaimer.leases_lost, self._set_fatal, asyncio.get_running_loop(),
+                self.reclaimer.leases_lost, table.fail, asyncio.get_running_loop(),
             )
-            self._renewer.start()
+            table.renewer.start()
             await self._outage.run(lambda: record_event(self.redis, self.keys, START, source=self.name))
             await self._outage.run(self.pulse.follow_registry)
             await self._outage.run(self.pulse.follow_weights)
@@ -286,24 +282,24 @@ class Producer:
             done, _ = await asyncio.wait([stopper, heartbeat, *loops], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stopper and not task.cancelled() and (error := task.exception()) is not None:
-                    self._set_fatal(error)
+                    table.fail(error)
         except Exception as exc:  # a failure while starting is as fatal as one while running
-            self._set_fatal(exc)
+            table.fail(exc)
         finally:
             stopper.cancel()
-            await cancel_and_wait(self, [stopper, *loops], "loops")
+            await cancel_and_wait(table, [stopper, *loops], "loops")
             try:
                 await shutdown(self)
             finally:
-                if self._renewer is not None:  # after the shutdown: the drain's prompts are renewed
-                    await asyncio.to_thread(self._renewer.close)
+                if table.renewer is not None:  # after the shutdown: the drain's prompts are renewed
+                    await asyncio.to_thread(table.renewer.close)
                 try:
                     await self._close_generate()
                 finally:
                     if heartbeat is not None:
-                        await cancel_and_wait(self, [heartbeat], "heartbeat")
-        if self._fatal is not None:
-            raise self._fatal
+                        await cancel_and_wait(table, [heartbeat], "heartbeat")
+        if table.fatal is not None:
+            raise table.fatal
 
     async def aclose(self) -> None:
         try:
@@ -321,21 +317,12 @@ class Producer:
         except Exception as exc:
             self.log.warning("closing the generate function failed: %s", exc)
 
-    def _set_fatal(self, exc: BaseException) -> None:
-        if self._fatal is None:
-            self._fatal = exc
-            self._fatal_tb = "".join(traceback.format_exception(exc))
-            self.log.error("fatal error: %s", exc)
-        self._stopping.set()
-        self._wake.set()
-        self._capacity.wake()
-
     async def _nap(self, seconds: float) -> None:
         """Sleep up to ``seconds``; a control message, a stop or a finished reclaim wakes it early."""
-        self._wake.clear()
+        self.table.woken.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
-                await self._wake.wait()
+                await self.table.woken.wait()
 
     async def _wait_resumed(self) -> None:
         """Return once the pipeline is not paused: an episode whose engine call was aborted (a
@@ -356,18 +343,19 @@ class Producer:
         for, start them; then wait as the answer says (new prompts, a full backlog, staleness).
         False when it asked Redis nothing."""
         n = self.config.n_samples_per_prompt
+        table, capacity = self.table, self.table.capacity
         if self.reclaimer.due:  # prompts of a dead producer come first
             await self._nap(0.2)
             return False
-        if self._warm_size and not self._stopping.is_set() and (self._warming or self._capacity.free < n):
+        if table.warm and not table.stopping.is_set() and (table.warming or capacity.free < n):
             return await self._warm_turn()
-        if self._stopping.is_set() or not await self._capacity.take(n, self._stopping):
+        if table.stopping.is_set() or not await capacity.take(n, table.stopping):
             await asyncio.Future()  # draining: nothing more is admitted; the drain cancels this loop
-        extra = self._capacity.free // n  # as many prompts as there is room for, in one round trip
-        self._capacity.free -= extra * n
+        extra = capacity.free // n  # as many prompts as there is room for, in one round trip
+        capacity.free -= extra * n
         held = count = 1 + extra
         try:
-            with self._claiming():
+            with table.claiming():
                 admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
                 version = admission.weight_version
                 if version is not None and version != self._admitted_version:
@@ -377,26 +365,27 @@ class Producer:
                 if self.config.max_staleness is not None and version is not None:  # a refusal has none
                     self.engine.set_trainer_version(version, self.config.max_staleness)
                 for item in admission.entries:
-                    self._start_work(item, version or 0)
+                    table.start(item, version or 0, n)
                     held -= 1
         finally:
             if held:
-                self._capacity.give(held * n)
+                capacity.give(held * n)
         return await self._admitted(admission.status)
 
     async def _warm_turn(self) -> bool:
         """Warm pools (``--warm K``): no room, so admit one prompt beyond the concurrency while
         fewer than K wait for room (its prepare hook runs meanwhile); else wait for one to start."""
-        if len(self._warming) >= self._warm_size:
-            self._warm_changed.clear()
+        table = self.table
+        if len(table.warming) >= table.warm:
+            table.warm_changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
-                    await self._warm_changed.wait()
+                    await table.warm_changed.wait()
             return False
-        with self._claiming():
+        with table.claiming():
             admission = await self._outage.run(lambda: self.prompts.admit(self.config, 1))
             for item in admission.entries:
-                self._start_work(item, admission.weight_version or 0, warming=True)
+                table.start(item, admission.weight_version or 0, self.config.n_samples_per_prompt, warming=True)
         return await self._admitted(admission.status)
 
     async def _admitted(self, status: str) -> bool:
@@ -416,11 +405,11 @@ class Producer:
 
     async def _wait_for_prompts(self) -> None:
         """Block (on the blocking client) until a new prompt is added, or briefly time out."""
-        self._wake.clear()
+        self.table.woken.clear()
         read = asyncio.create_task(
             self.prompts.wait_for_new(self._blocking, block_ms=1000), name="wait-prompts"
         )
-        wake = asyncio.create_task(self._wake.wait(), name="wait-wake")
+        wake = asyncio.create_task(self.table.woken.wait(), name="wait-wake")
         try:
             await asyncio.wait([read, wake], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -430,49 +419,7 @@ class Producer:
         if isinstance(results[0], TRANSIENT_ERRORS):
             await self._outage.failed(results[0])
 
-    def _start_work(self, item: Admitted, version: int, *, warming: bool = False) -> None:
-        """Run a prompt whose ``n`` units of capacity were just taken (``warming``: none yet, its
-        task takes them once its prepare hook started)."""
-        work = Work(
-            stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
-            held=0 if warming else self.config.n_samples_per_prompt, warming=warming,
-        )
-        if warming:
-            self._warming.add(work.prompt_id)
-        self._hold(work)
-        work.task = asyncio.create_task(self._run_work(work), name=f"work-{item.entry_id.decode()}")
-
-    def _hold(self, work: Work) -> None:
-        """List a prompt as held: its lease is renewed until :meth:`_drop`."""
-        self._work[work.prompt_id] = work
-        if self._renewer is not None:
-            self._renewer.hold(work.stream, work.prompt_id)
-
-    def _claiming(self) -> contextlib.AbstractContextManager[None]:
-        """Around a call that claims prompts (ADMIT, XAUTOCLAIM, adoption) until they are held."""
-        return self._renewer.claiming() if self._renewer is not None else contextlib.nullcontext()
-
-    def _drop(self, work: Work) -> None:
-        """A prompt's last script returned: no longer held, no longer renewed. (Renewing goes on
-        until then: the loop may stall between the call and the script, see :mod:`.renewal`.)"""
-        self._work.pop(work.prompt_id, None)
-        self._done_warming(work)
-        if self._renewer is not None:
-            self._renewer.release(work.prompt_id)
-
-    def _done_warming(self, work: Work) -> None:
-        if work.prompt_id in self._warming:
-            self._warming.discard(work.prompt_id)
-            self._warm_changed.set()
-
     # -- one prompt ---------------------------------------------------------------------
-
-    def _sample_done(self, work: Work, samples: int) -> None:
-        """Give back the units of finished samples, keeping one until the group is published."""
-        units = min(samples, work.held - 1)
-        if units > 0:
-            work.held -= units
-            self._capacity.give(units)
 
     async def _run_work(self, work: Work) -> None:
         finished = False
@@ -497,14 +444,14 @@ class Producer:
                 prompt.admitted_ms = started_ms
             work.prepared = self.rollout.prepare(prompt, work.version)  # warm pools: ahead of the episodes
             if work.warming:  # admitted beyond the concurrency: wait for room
-                if not await self._capacity.take(self.config.n_samples_per_prompt, self._stopping):
+                if not await self.table.capacity.take(self.config.n_samples_per_prompt, self.table.stopping):
                     return  # draining: the shutdown returns it and releases what it prepared
                 work.held, work.warming = self.config.n_samples_per_prompt, False
-                self._done_warming(work)
+                self.table.done_warming(work)
             journal = await self._journal(work, prompt) if self.durable else None
             try:
                 group = await self.rollout.run(
-                    prompt, work.version, lambda k: self._sample_done(work, k), journal, work.prepared
+                    prompt, work.version, lambda k: self.table.sample_done(work, k), journal, work.prepared
                 )
             except EpisodeDrained:
                 self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
@@ -552,7 +499,7 @@ class Producer:
             if objects:
                 fault_points.reached("after_publish")
             if result is None:
-                self.duplicates += 1
+                self.table.duplicates += 1
                 self.log.warning(
                     "prompt %d was taken over by another producer; duplicate group discarded",
                     prompt.index,
@@ -560,19 +507,18 @@ class Producer:
                 if objects:  # PUBLISH queued them to be freed: nothing refers to them
                     await self._free_objects()
             else:
-                self.published += 1
+                self.table.published += 1
                 self.pulse.group_published()
                 self.metrics.group_published(group)
         except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
-            self._set_fatal(exc)
+            self.table.fail(exc)
         finally:
             if finished:  # otherwise the prompt stays listed, and the shutdown returns it
-                self._drop(work)
-                await self._release_prepared(work)
+                self.table.drop(work)
+                await self.table.release_prepared(work)
             else:
                 work.finishing = False
-            self._capacity.give(work.held)
-            work.held = 0
+            self.table.give_back_units(work)
 
     async def _put_objects(self, objects: list[StoreObject]) -> None:
         """Put a group's payload objects (their intents first). A full or unreachable store is
@@ -682,19 +628,9 @@ class Producer:
                     if isinstance(data, bytes) and data.startswith((b"pause", b"resume", b"version")):
                         # no request goes out while paused; on the resume every engine is read first
                         self.engine.versions_moved(paused=data.startswith(b"pause"))
-                    self._wake.set()
+                    self.table.wake()
                     changed, self._control_changed = self._control_changed, asyncio.Event()
                     changed.set()
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
-
-    # -- shutdown (the drain: .drain) ----------------------------------------------------
-
-    async def _release_prepared(self, work: Work) -> None:
-        """Release the prepared resources no episode of ``work`` took (warm pools)."""
-        if work.prepared is not None:
-            released = await work.prepared.release_unused()
-            if released:
-                self.log.debug("released %d unused prepared resource(s) of prompt entry %s",
-                               released, work.prompt_id.decode())

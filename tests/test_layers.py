@@ -324,3 +324,66 @@ def test_mypy_reads_every_mapped_package_under_its_installed_name() -> None:
         if not (target.is_symlink() and target.resolve() == real.resolve()):
             wrong.append(f"{link.relative_to(root)} -> {folder}")
     assert not wrong, f"scripts/typecheck lacks (or misroutes) {wrong}"
+
+
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+"""NamedTuple's public API (its names start with ``_`` so fields cannot clash)."""
+
+
+def private_reaches(root: Path = ROOT, folders: tuple[str, ...] = ("producer",)) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is not defined in the same
+    module: code reaching into another module's object's private members (issue 50: the drain and
+    the reclaim pass reached into about 20 of the worker's)."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            own: set[str] = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    own.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    own.add(node.attr)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    own.add(node.id)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                    own.add(node.value)  # __slots__ = ("_count", ...)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in PUBLIC_UNDERSCORE and node.attr not in own
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                ):
+                    found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_producer_module_reaches_into_another_modules_private_members() -> None:
+    """The producer's work in flight has one owner (``capacity.WorkTable``), shared through its
+    methods; a module reading another's ``_members`` is how the state lost its owner before."""
+    found = private_reaches()
+    assert not found, "private members reached across modules (add a method to the owner):\n" + "\n".join(found)
+
+
+def test_the_private_member_checker_catches_a_reach(tmp_path: Path) -> None:
+    (tmp_path / "producer").mkdir()
+    (tmp_path / "producer" / "drain.py").write_text(
+        "def shutdown(p):\n    p._work.clear()\n    p.table.stop()\n    return p.row._replace(a=1)\n"
+    )
+    (tmp_path / "producer" / "own.py").write_text(
+        "class A:\n    __slots__ = ('_n',)\n    def __init__(self):\n        self._n = 0\n"
+        "def bump(a: A) -> None:\n    a._n += 1\n"
+    )
+    assert private_reaches(tmp_path) == ["producer/drain.py:2 p._work"]
+
+
+def test_nothing_in_the_producer_imports_the_worker_back() -> None:
+    """The worker composes the drain, the reclaim pass and the heartbeat; they read it through
+    a Protocol of its public members, so no import (not even a typing one) points back up."""
+    back = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in sorted((ROOT / "producer").rglob("*.py")) if path.name not in ("worker.py", "__init__.py")
+        for line, target in imported(path, module_name("rollstream.producer", path, ROOT / "producer"))
+        if target == "rollstream.producer.worker"
+    ]
+    assert not back, f"producer modules importing the worker: {back}"
