@@ -3,7 +3,7 @@
 Tables also go to ``bench/out/<name>.md`` (and ``bench/out/results.md`` for the whole run);
 plots to ``docs/img/``. Names: codec, throughput, take, latency, async_vs_sync, memory, scaleout, r3, episodes, adapters,
 restart, reply_bound, one_flag, diagnose, redis_memory, fleet, joining, loop_stall, learning_sim, bias, staleness_rule,
-durable, archive, archive_read, path, shuffle_memory, mooncake_store, eval_submit (also ``episodes --kill``); and, run only by name: data (it writes 10M-row JSONL and Parquet
+durable, archive, archive_read, path, shuffle_memory, mooncake_store, eval_submit, payload (also ``episodes --kill``); and, run only by name: data (it writes 10M-row JSONL and Parquet
 files, ~1 GB, under $ROLLSTREAM_BENCH_DATA or /tmp: bench/data.py), scale (it needs root for its network namespaces:
 bench/scale.py, docs/scale.md) and learning (real vLLM runs, ~30 min: bench/learning.py).
 """
@@ -20,7 +20,7 @@ BENCHMARKS = (
     "codec", "throughput", "take", "latency", "async_vs_sync", "memory", "scaleout", "r3", "episodes", "adapters",
     "restart", "reply_bound", "one_flag", "diagnose", "redis_memory", "fleet", "joining", "loop_stall", "learning_sim",
     "bias", "staleness_rule", "durable", "archive", "archive_read", "path", "shuffle_memory", "mooncake_store",
-    "eval_submit", "data", "scale", "learning",
+    "eval_submit", "payload", "data", "scale", "learning",
 )
 DEFAULT = tuple(name for name in BENCHMARKS if name not in ("scale", "learning", "data"))
 """What ``python -m bench`` runs without names (scale needs root and takes minutes of its own; learning

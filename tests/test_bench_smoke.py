@@ -229,3 +229,28 @@ def test_eval_submit_quick_writes_every_prompt_once() -> None:
     [table] = eval_submit.run(quick=True)
     [row] = table.rows
     assert row[0] == "this tree" and row[1] == row[2] == 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_payload_quick_puts_the_arrays_beside_redis_and_splits_them_by_rank() -> None:
+    """Issue 48 item 4's run, tiny: the before table, then inline against the stores that can run
+    here. Inline, Redis holds every byte of the group; with a store, only what stays in the entry
+    (the tokens and log-probs, ~2 % of a 16 x 8k R3 group); each of 4 ranks reads its own shard's
+    objects (8 groups of unequal sizes, balanced by tokens: 0.238-0.254 of the store bytes)."""
+    before, table, projection = bench_main.run(["payload"], quick=True)
+    assert [row[0] for row in before.rows] == ["16 x 1k"] and all(v > 0 for v in before.rows[0][1:4])
+    column = {name: i for i, name in enumerate(table.headers)}
+    rows = {row[0]: row for row in table.rows}
+    assert {"inline", "inline, no R3", "inline, 8 x 1k, no R3", "fs"} <= rows.keys()
+    held = column["held / payload"]
+    assert rows["inline"][held] > 0.9  # inline: Redis keeps every byte
+    for name in ("fs", "mooncake"):
+        if name in rows:
+            assert rows[name][held] < 0.1
+            low, high = (float(x) for x in rows[name][column["store bytes per rank of 4"]].split("-"))
+            assert 0.2 < low <= 0.25 <= high < 0.3
+    assert all(row[column["groups/s end to end"]] > 0 for row in table.rows)
+    # the large run with R3: inline it needs more than one Redis core, with a store a fraction of one
+    share = {row[0]: float(row[3].rstrip("%")) / 100 for row in projection.rows}
+    assert share["inline"] > 1 and 0 < share["fs"] < 1
