@@ -29,6 +29,7 @@ from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.common.models import Group, Prompt, Sample, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.consumer.verdict import Route, judge
+from rollstream.ops.snapshot import snapshot
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.settings import ProducerSettings
@@ -450,8 +451,8 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
     await add_prompt(redis, ns, 50, "HOLD compute 50.")
     procs.producer(redis_url, ns, hostile_engine.url, "--long-request-after", "2", name="slow-engine")
 
-    async def warned() -> dict[str, Any] | None:
-        _, snap = await inspect_json(redis_url, ns)
+    async def warned() -> dict[str, Any] | None:  # polled in-process: what `inspect --json` prints
+        snap = await snapshot(redis, Keys(ns))
         row = next((p for p in snap["producers"] if p["name"] == "slow-engine"), None)
         # The two samples' requests start a moment apart: a heartbeat may count only the first.
         if row and row["long_requests"] >= 2:
@@ -459,6 +460,8 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
         return None
 
     seen = await wait_until(warned, timeout=30, interval=0.3, message="long requests in the heartbeat")
+    _, shown = await inspect_json(redis_url, ns)  # the command shows the warning too (the requests are held)
+    assert any("slow-engine: 2 sample(s) with an engine request in flight" in w for w in shown["health"]["warnings"])
     row = seen["row"]
     # oldest_request_s is rounded to 0.1 s: an age just over the threshold may read exactly 2.0.
     assert row["long_requests"] == 2 and row["long_request_s"] == 2 and row["oldest_request_s"] >= 2
@@ -468,7 +471,7 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
     assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
 
     async def cleared() -> bool:  # the slow requests ended: no warning from the next heartbeat on
-        _, snap = await inspect_json(redis_url, ns)
+        snap = await snapshot(redis, Keys(ns))
         return not any("engine request in flight" in w for w in snap["health"]["warnings"])
 
     await wait_until(cleared, timeout=15, interval=0.3, message="the warning to go")

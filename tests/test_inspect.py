@@ -123,18 +123,20 @@ async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(r
 
     # Groups waiting and no trainer: healthy under the default threshold, stuck under a tiny one
     # once the last publish is older than it (a fast machine gets here sooner than 0.5 s).
-    async def stuck() -> bool:
-        code, snap = await inspect_json(redis_url, ns, "--stuck-after", "0.5")
-        return code == 1 and any("backlog stuck" in p for p in snap["health"]["problems"])
+    async def stuck() -> bool:  # polled in-process: what `inspect --json` prints (one process a poll bought nothing)
+        snap = await snapshot(redis, keys, stuck_after=0.5)
+        return not snap["health"]["ok"] and any("backlog stuck" in p for p in snap["health"]["problems"])
 
     await wait_until(stuck, timeout=20, interval=0.2, message="inspect --stuck-after 0.5 to report a stuck backlog")
+    code, snap = await inspect_json(redis_url, ns, "--stuck-after", "0.5")  # and the command says so
+    assert code == 1 and any("backlog stuck" in p for p in snap["health"]["problems"]), snap["health"]
 
     producer.send_signal(signal.SIGKILL)
     producer.wait(10)
 
     async def unhealthy() -> bool:
-        code, snap = await inspect_json(redis_url, ns)
-        return code == 1 and any("no live producer" in p for p in snap["health"]["problems"])
+        snap = await snapshot(redis, keys)
+        return not snap["health"]["ok"] and any("no live producer" in p for p in snap["health"]["problems"])
 
     await wait_until(unhealthy, timeout=20, interval=0.5, message="inspect to report no live producer")
     code, text = await run_inspect(redis_url, ns)
@@ -171,12 +173,13 @@ async def test_inspect_reports_an_admission_stall_with_its_terms_and_take_names_
     ghost_ids = [eid for eid, _ in ghost[0][1]]
     procs.producer(redis_url, ns, sim.url, name="live")
 
-    async def stalled() -> bool:
-        code, snap = await inspect_json(redis_url, ns, "--stall-after", "1")
-        return code == 1 and any("admission stalled" in p for p in snap["health"]["problems"])
+    async def stalled() -> bool:  # polled in-process; the command is run once below
+        snap = await snapshot(redis, keys, stall_after=1)
+        return not snap["health"]["ok"] and any("admission stalled" in p for p in snap["health"]["problems"])
 
     await wait_until(stalled, timeout=20, interval=0.5, message=f"inspect to report the stall\n{procs.logs()}")
     code, snap = await inspect_json(redis_url, ns, "--stall-after", "1")
+    assert code == 1
     (problem,) = [p for p in snap["health"]["problems"] if "admission stalled" in p]
     assert "staleness" in problem and "40 prompts queued" in problem, problem
     admission = snap["admission"]
