@@ -652,45 +652,65 @@ class Order:
 class EpochWalk:
     """One epoch's rows from a position: ``(position after, row id, raw row)``.
 
-    The order is a function of row ids only, so resuming at position ``p`` replays the ids (cheap,
-    no I/O), then reads just the units that still hold rows the buffer had not given out. A full
-    permutation (slime's scheme, or a dataset that fits the buffer) is an array of row ids, 4 or
-    8 bytes a row; its rows are read a block at a time (:meth:`Dataset.pick`), never all at once.
-    """
+    The order is a function of row ids only, so a walk resumed at position ``p`` gives what the
+    walk from 0 gave after ``p``. Two orders, a class each: a full permutation
+    (:class:`PermutedWalk`: slime's scheme, or a shuffled dataset that fits the buffer) and the
+    units read in sequence through a shuffle buffer (:class:`BufferedWalk`: in order when not
+    shuffled)."""
+
+    def __init__(self, dataset: Dataset, order: Order, epoch: int, position: int) -> None:
+        full = order.shuffle and (order.scheme == "slime" or dataset.rows <= order.buffer)
+        self.walk: PermutedWalk | BufferedWalk = (
+            PermutedWalk(dataset, order, epoch, position) if full else BufferedWalk(dataset, order, epoch, position)
+        )
+
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        return iter(self.walk)
+
+
+class PermutedWalk:
+    """A full permutation: an array of row ids (4 or 8 bytes a row), its rows read a block at a
+    time (:meth:`Dataset.pick`), never all at once. Resuming slices the array: no I/O."""
 
     def __init__(self, dataset: Dataset, order: Order, epoch: int, position: int) -> None:
         self.dataset = dataset
         self.position = position
         rows = dataset.rows
-        self._permutation: array[int] | None = None
-        self._loaded: dict[int, Any] = {}
-        if order.shuffle and (order.scheme == "slime" or rows <= order.buffer):
-            ids = array("I" if rows < 1 << 32 else "q", range(rows))
-            seed: Any = order.seed + epoch if order.scheme == "slime" else f"{order.seed}:{epoch}"
-            random.Random(seed).shuffle(ids)  # slime: random.seed(seed + epoch); random.shuffle
-            self._permutation = ids
-            return
-        self._sequence = list(range(len(dataset.units)))
-        buffer = 0
-        if order.shuffle:
-            random.Random(f"{order.seed}:{epoch}:units").shuffle(self._sequence)
-            buffer = order.buffer
-        self._state: list[int] = []
-        self._count = 0
-        ids_iter = self._buffered(random.Random(f"{order.seed}:{epoch}"), buffer)
-        for _ in range(position):
-            next(ids_iter)
-        self._ids: Iterator[int] = ids_iter
-        self._load_pending(set(self._state))
-        self._reader = self._read_from(self._count)
+        self.ids = array("I" if rows < 1 << 32 else "q", range(rows))
+        seed: Any = order.seed + epoch if order.scheme == "slime" else f"{order.seed}:{epoch}"
+        random.Random(seed).shuffle(self.ids)  # slime: random.seed(seed + epoch); random.shuffle
 
-    def _buffered(self, rng: random.Random, size: int) -> Iterator[int]:
-        """Row ids in order: units in sequence, rows through a shuffle buffer of ``size``."""
-        buffer = self._state
-        for index in self._sequence:
-            unit = self.dataset.units[index]
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        block = min(shard.pick_rows for shard in self.dataset.shards)
+        for start in range(self.position, len(self.ids), block):
+            chunk = self.ids[start:start + block]
+            rows = self.dataset.pick(chunk)
+            for position, rid in enumerate(chunk, start + 1):
+                yield position, rid, rows.pop(rid)
+
+
+class ShuffleBuffer:
+    """The buffered order's row ids, one per :meth:`__next__`: units in ``sequence``, rows through
+    a buffer of ``size`` (0: in order). ``held`` (the ids in the buffer) and ``entered`` (the rows
+    taken in so far) say where it stands, which is all a resumed walk needs to read."""
+
+    def __init__(self, dataset: Dataset, sequence: list[int], size: int, rng: random.Random) -> None:
+        self.held: list[int] = []
+        self.entered = 0
+        self._ids = self._walk(dataset, sequence, size, rng)
+
+    def __iter__(self) -> Iterator[int]:
+        return self._ids
+
+    def __next__(self) -> int:
+        return next(self._ids)
+
+    def _walk(self, dataset: Dataset, sequence: list[int], size: int, rng: random.Random) -> Iterator[int]:
+        buffer = self.held
+        for index in sequence:
+            unit = dataset.units[index]
             for rid in range(unit.first_id, unit.first_id + unit.count):
-                self._count += 1
+                self.entered += 1
                 if len(buffer) < size:
                     buffer.append(rid)
                     continue
@@ -704,20 +724,39 @@ class EpochWalk:
         while buffer:
             yield buffer.pop()
 
-    def _load_pending(self, pending: set[int]) -> None:
-        """Read the units before the resume point that still hold rows to give out."""
-        if not pending:
-            return
-        units = sorted({self.dataset.unit_of(rid) for rid in pending})
-        for index in units:
+
+class BufferedWalk:
+    """Units in sequence (shuffled when the order shuffles), rows through a :class:`ShuffleBuffer`.
+    Resuming at ``position`` replays the ids (cheap, no I/O), then reads just the units that still
+    hold rows the buffer had not given out, and goes on from the first row it had not taken in."""
+
+    def __init__(self, dataset: Dataset, order: Order, epoch: int, position: int) -> None:
+        self.dataset = dataset
+        self.position = position
+        self.sequence = list(range(len(dataset.units)))
+        size = 0
+        if order.shuffle:
+            random.Random(f"{order.seed}:{epoch}:units").shuffle(self.sequence)
+            size = order.buffer
+        self.ids = ShuffleBuffer(dataset, self.sequence, size, random.Random(f"{order.seed}:{epoch}"))
+        for _ in range(position):
+            next(self.ids)
+        self.loaded = self._pending(set(self.ids.held))
+        self.reader = self._read_from(self.ids.entered)
+
+    def _pending(self, pending: set[int]) -> dict[int, Any]:
+        """The rows of the units before the resume point that the buffer still holds."""
+        loaded: dict[int, Any] = {}
+        for index in sorted({self.dataset.unit_of(rid) for rid in pending}):
             for rid, raw in self.dataset.read(index):
                 if rid in pending:
-                    self._loaded[rid] = raw
+                    loaded[rid] = raw
+        return loaded
 
     def _read_from(self, entered: int) -> Iterator[tuple[int, Any]]:
         """Rows in sequence from the ``entered``-th on (the ones the buffer has not taken in)."""
         skip = entered
-        for index in self._sequence:
+        for index in self.sequence:
             count = self.dataset.units[index].count
             if skip >= count:
                 skip -= count
@@ -726,21 +765,10 @@ class EpochWalk:
             skip = 0
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
-        if self._permutation is not None:
-            yield from self._permuted(self._permutation)
-            return
         position = self.position
-        for rid in self._ids:
-            while rid not in self._loaded:
-                got, raw = next(self._reader)
-                self._loaded[got] = raw
+        for rid in self.ids:
+            while rid not in self.loaded:
+                got, raw = next(self.reader)
+                self.loaded[got] = raw
             position += 1
-            yield position, rid, self._loaded.pop(rid)
-
-    def _permuted(self, ids: array[int]) -> Iterator[tuple[int, int, Any]]:
-        block = min(shard.pick_rows for shard in self.dataset.shards)
-        for start in range(self.position, len(ids), block):
-            chunk = ids[start:start + block]
-            rows = self.dataset.pick(chunk)
-            for position, rid in enumerate(chunk, start + 1):
-                yield position, rid, rows.pop(rid)
+            yield position, rid, self.loaded.pop(rid)
