@@ -59,10 +59,10 @@ class Kind(enum.StrEnum):
 
 
 BIN_CODES = {Kind.IDS: "i", Kind.FLOATS: "f", Kind.MASK: "B"}
+"""The kinds that travel as one packed ``bin``, and their typecode."""
 SET_WHEN_TRUE = (Kind.FLAG, Kind.SECONDS)
 """Kinds whose field is set when true (a FLAG when True, SECONDS when not zero); a field of
 another kind is set when not None. An optional field that is not set costs no byte."""
-"""The kinds that travel as one packed ``bin``, and their typecode."""
 
 Length = Literal["response", "rows", "rows_or_media", "offsets"]
 """A length checked on decode: ``response_length`` items; ``len(tokens) - 1`` rows (more with

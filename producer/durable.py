@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 from rollstream.common.arrays import Packed
-from rollstream.common.codec.wire import DEFAULT_LIMITS, LITTLE, unpackb
+from rollstream.common.codec.wire import DEFAULT_LIMITS, from_le_bytes, le_bytes, unpackb
 from rollstream.common.connection import TRANSIENT_ERRORS
 
 from .engine import Generation
@@ -62,35 +62,19 @@ class JournalStats:
 
 
 def pack_ints(values: array[int] | Sequence[int]) -> bytes:
-    data = values if isinstance(values, array) and values.typecode == "i" else array("i", values)
-    if not LITTLE:  # pragma: no cover - big-endian hosts
-        data = array("i", data)
-        data.byteswap()
-    return data.tobytes()
+    return bytes(le_bytes(values if isinstance(values, array) and values.typecode == "i" else array("i", values)))
 
 
 def unpack_ints(raw: bytes) -> array[int]:
-    data = array("i")
-    data.frombytes(raw)
-    if not LITTLE:  # pragma: no cover
-        data.byteswap()
-    return data
+    return from_le_bytes("i", raw)
 
 
 def pack_floats(values: array[float]) -> bytes:
-    data = values if values.typecode == "f" else array("f", values)
-    if not LITTLE:  # pragma: no cover
-        data = array("f", data)
-        data.byteswap()
-    return data.tobytes()
+    return bytes(le_bytes(values if values.typecode == "f" else array("f", values)))
 
 
 def unpack_floats(raw: bytes) -> array[float]:
-    data = array("f")
-    data.frombytes(raw)
-    if not LITTLE:  # pragma: no cover
-        data.byteswap()
-    return data
+    return from_le_bytes("f", raw)
 
 
 def routing_rows(held: Packed | None, generations: Sequence[Generation]) -> Packed | None:
@@ -131,10 +115,7 @@ def pack_generations(generations: Sequence[Generation], held: Packed | None = No
             ):
                 start = len(held)
                 rows = Packed(experts.data[start * experts.row_size:], (len(experts) - start, *experts.shape[1:]))
-            data = rows.data if LITTLE else array(rows.typecode, rows.data)
-            if not LITTLE:  # pragma: no cover - big-endian hosts
-                data.byteswap()
-            packed = [rows.typecode, list(rows.shape), bytes(data)]
+            packed = [rows.typecode, list(rows.shape), bytes(le_bytes(rows.data))]
             held = routing_rows(held, [g])
         out.append([packed, start, dict(g.counters) if g.counters else None])
     return out if any(p is not None or c is not None for p, _, c in out) else None
@@ -148,11 +129,7 @@ def unpack_generations(raw: Any) -> list[Generation]:
         experts = None
         if packed is not None:
             code, shape, data = packed
-            values = array(str(code))
-            values.frombytes(data)
-            if not LITTLE:  # pragma: no cover
-                values.byteswap()
-            experts = Packed(values, tuple(shape))
+            experts = Packed(from_le_bytes(str(code), data), tuple(shape))
         out.append(Generation(
             "", array("i"), None, None, routed_experts=experts, routed_experts_start=int(start),
             counters={str(k): int(v) for k, v in counters.items()} if counters else None,

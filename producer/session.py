@@ -33,6 +33,7 @@ from rollstream.common.errors import (
     PromptNotSupported,
 )
 from rollstream.common.models import Sample, Status
+from rollstream.common.protocol import parse_limits
 from rollstream.common.settings_fields import option
 
 from .durable import (
@@ -95,21 +96,6 @@ class EpisodeLimits:
             raise ConfigError(f"episode timeout must be positive, got {self.episode_timeout!r}")
         if self.max_context is not None and self.max_context < 1:
             raise ConfigError(f"max context must be at least 1 token, got {self.max_context!r}")
-
-
-def parse_limits(specs: Sequence[str]) -> dict[str, int]:
-    """``["sandbox=4", ...]`` -> ``{"sandbox": 4}``; ConfigError on a malformed or repeated one."""
-    limits: dict[str, int] = {}
-    for spec in specs:
-        name, sep, size = spec.partition("=")
-        name = name.strip()
-        if not sep or not size.strip().isdigit():
-            raise ConfigError(f"--limit {spec!r} must look like name=K (K a positive integer)")
-        if name in limits:
-            raise ConfigError(f"--limit {name!r} given twice")
-        limits[name] = int(size)
-    EpisodeLimits(named=limits)
-    return limits
 
 
 class _Slots:
@@ -237,9 +223,9 @@ class EpisodeRuntime:
         self.stopping = False
         """A drain with durable episodes: episodes stop at their next step boundary."""
         self.sessions: set[EpisodeSession] = set()
+        """Durable episodes running now (so a drain can stop the ones between steps at once)."""
         self.shared: SharedLimits | None = None
         """The namespace's limits and rates (set by the producer runtime; None in-process)."""
-        """Durable episodes running now (so a drain can stop the ones between steps at once)."""
 
     def stop_episodes(self) -> None:
         """A drain (durable episodes): every journaled episode stops at a step boundary. One

@@ -102,10 +102,11 @@ from .telemetry import Metrics
 logger = logging.getLogger(__name__)
 
 STARTUP_REDIS_WAIT = 60.0
+"""Seconds a starting producer waits for an unreachable Redis before it gives up."""
 PUT_ATTEMPTS = 4
 """Tries of a put into a full payload store (backing off from :data:`PUT_BACKOFF_S`, doubling) before it is fatal."""
 PUT_BACKOFF_S = 1.0
-"""Seconds a starting producer waits for an unreachable Redis before it gives up."""
+"""Seconds before the first retry of a put into a full or unreachable payload store (doubling after each)."""
 BACKLOG_RETRY = 2.0
 """Seconds before a producer refused for a full backlog runs ADMIT again, unless a control
 message (a ``take()``'s ``taken``, pause, resume, version) wakes it first. Was 0.2 s of polling:

@@ -18,6 +18,7 @@ import pytest
 from conftest import wait_until
 from rollstream.common.errors import ConfigError, GenerateBroken
 from rollstream.common.models import Group, Prompt, Sample, Status
+from rollstream.common.protocol import parse_limit
 from rollstream.producer.checks import check_sample
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.episode import Episode, SamplingParams
@@ -148,10 +149,16 @@ async def test_named_limits_cap_tools_producer_wide(sim: SimEngine) -> None:
     assert sample.status == Status.FAILED and sample.error is not None and "no limit named 'gpu'" in sample.error
 
 
-@pytest.mark.parametrize("bad", ["sandbox", "sandbox=0", "sandbox=x", "=3"])
+@pytest.mark.parametrize("bad", ["sandbox", "sandbox=0", "sandbox=x", "=3", "a=+3", "a=3_0", "a=\u00b2", "a=-1"])
 def test_malformed_limits_are_config_errors(bad: str) -> None:
+    """One ``NAME=K`` parser (common.protocol.parse_limit) for a producer's and the namespace's
+    limits: K in decimal digits only (``a=²`` was a ValueError here, ``a=+3`` passed init's)."""
     with pytest.raises(ConfigError):
         parse_limits([bad])
+    with pytest.raises(ConfigError):
+        parse_limit(bad)
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_limits(["a=1", "a=2"])
 
 
 async def test_a_tool_that_raises_fails_its_sample_with_the_reason(sim: SimEngine) -> None:

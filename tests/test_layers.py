@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import re
 import tomllib
 from collections.abc import Iterator
@@ -387,3 +388,32 @@ def test_nothing_in_the_producer_imports_the_worker_back() -> None:
         if target == "rollstream.producer.worker"
     ]
     assert not back, f"producer modules importing the worker: {back}"
+
+
+def stacked_docstrings(root: Path = ROOT) -> list[str]:
+    """Two string statements in a row in library code: the second is an attribute's docstring
+    left under the wrong attribute (an assignment moved, its docstring stayed)."""
+    def is_text(node: ast.stmt) -> bool:
+        return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+    found = []
+    for _, path in library_files(root):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            body = getattr(node, "body", None)
+            if isinstance(body, list):
+                found += [
+                    f"{path.relative_to(root).as_posix()}:{second.lineno}"
+                    for first, second in itertools.pairwise(body) if is_text(first) and is_text(second)
+                ]
+    return found
+
+
+def test_every_attribute_docstring_sits_under_its_attribute() -> None:
+    found = stacked_docstrings()
+    assert not found, "a docstring under another docstring (move it under its attribute):\n" + "\n".join(found)
+
+
+def test_the_docstring_checker_catches_a_stacked_one(tmp_path: Path) -> None:
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "a.py").write_text('A = 1\nB = 2\n"""What A is."""\n"""What B is."""\n')
+    assert stacked_docstrings(tmp_path) == ["common/a.py:4"]

@@ -23,6 +23,7 @@ from .wire import (
     CodecLimits,
     check_payload,
     check_version,
+    from_le_bytes,
     unpack,
 )
 from .zero_copy import unpack_group_views
@@ -40,10 +41,7 @@ def _unpack_array(typecode: str, raw: object, what: str, limit: int) -> Any:
         raise DecodeError("too_large", f"{what}: more than {limit} items")
     if isinstance(raw, memoryview):  # only on little-endian hosts (see decode_group)
         return raw.cast(typecode)  # type: ignore[call-overload]
-    values.frombytes(raw)
-    if not LITTLE:  # pragma: no cover
-        values.byteswap()
-    return values
+    return from_le_bytes(typecode, raw)
 
 
 def _get(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], what: str) -> Any:

@@ -15,21 +15,13 @@ from ..arrays import Packed
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
 from ..payload.refs import Buffer, ObjectRef, checksum
 from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind
-from .wire import LITTLE, OFFLOAD_VERSION, V3_SAMPLE_KEYS
+from .wire import OFFLOAD_VERSION, V3_SAMPLE_KEYS, le_bytes
 
 _V3_KEYS = frozenset(V3_SAMPLE_KEYS)
 
 
-def _pack_array(values: array[Any] | memoryview[Any]) -> bytes | memoryview:
-    if LITTLE:  # msgpack packs the buffer as bin: one copy, into the payload
-        return memoryview(values).cast("B")
-    swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
-    swapped.byteswap()  # pragma: no cover
-    return swapped.tobytes()  # pragma: no cover
-
-
 def _packed_to_wire(packed: Packed) -> list[Any]:
-    return [packed.typecode, list(packed.shape), _pack_array(packed.data)]
+    return [packed.typecode, list(packed.shape), le_bytes(packed.data)]
 
 
 def _mm_train_to_wire(inputs: Mapping[str, Any]) -> list[Any]:
@@ -52,7 +44,7 @@ def _same(value: object) -> object:
 
 
 _TO_WIRE: dict[Kind, Callable[[Any], Any]] = {
-    Kind.IDS: _pack_array, Kind.FLOATS: _pack_array, Kind.MASK: _pack_array, Kind.PACKED: _packed_to_wire,
+    Kind.IDS: le_bytes, Kind.FLOATS: le_bytes, Kind.MASK: le_bytes, Kind.PACKED: _packed_to_wire,
     Kind.STATUS: attrgetter("value"), Kind.SECONDS: float, Kind.ADAPTER: _adapter_to_wire,
     Kind.MEDIA: _mm_train_to_wire, Kind.SPANS: _spans_to_wire,
 }
@@ -216,7 +208,7 @@ def encode_prompt(prompt: Prompt) -> bytes:
             "prompt": prompt.prompt,
             "label": prompt.label,
             "metadata": prompt.metadata,
-            "input_ids": None if prompt.input_ids is None else _pack_array(prompt.input_ids),
+            "input_ids": None if prompt.input_ids is None else le_bytes(prompt.input_ids),
             "partial": partial,
             "history": prompt.history,
         }

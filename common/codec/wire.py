@@ -30,6 +30,26 @@ V3_SAMPLE_KEYS = tuple(f.key for f in SAMPLE_FIELDS if f.since >= 3)
 """Version-3 sample keys, each present only when its field is set: absent fields cost nothing."""
 LITTLE = sys.byteorder == "little"
 
+
+def le_bytes(values: array[Any] | memoryview[Any]) -> bytes | memoryview:
+    """An array's little-endian bytes (the wire's): a byte view of it on a little-endian host (msgpack
+    packs the buffer as bin, one copy, into the payload), a swapped copy elsewhere."""
+    if LITTLE:
+        return memoryview(values).cast("B")
+    swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
+    swapped.byteswap()  # pragma: no cover
+    return swapped.tobytes()  # pragma: no cover
+
+
+def from_le_bytes(typecode: str, raw: bytes | bytearray) -> array[Any]:
+    """The array of ``typecode`` whose little-endian bytes are ``raw`` (a copy; checked lengths are
+    the caller's: a length not a multiple of the item size raises ``ValueError``)."""
+    values = array(typecode)
+    values.frombytes(raw)
+    if not LITTLE:  # pragma: no cover - big-endian hosts
+        values.byteswap()
+    return values
+
 if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - exotic platforms
     raise ImportError("rollstream needs 4-byte C int and float for its packed arrays")
 

@@ -44,7 +44,15 @@ from .groups import GroupQueue, NameLease
 from .guard import Entry, Guarded, Server, Translated, flat_entries, is_nogroup, nogroup_error, raise_if_refused
 from .heartbeats import Heartbeats
 from .keyspace import Keyspace
-from .limits import LimitView, NamespaceLimits, format_rate, parse_limit, parse_limits_and_rates, parse_rate
+from .limits import (
+    LimitView,
+    NamespaceLimits,
+    format_rate,
+    parse_limit,
+    parse_limits,
+    parse_limits_and_rates,
+    parse_rate,
+)
 from .prompts import Admission, Admitted, PromptQueue
 from .stores import DeadLetters, JournalHash, RolloutFlagsHash
 from .trainer import Diagnosis, TakeStats, TrainerMonitor
@@ -93,6 +101,7 @@ __all__ = [
     "live_producers",
     "nogroup_error",
     "parse_limit",
+    "parse_limits",
     "parse_limits_and_rates",
     "parse_rate",
     "raise_if_refused",

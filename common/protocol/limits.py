@@ -16,6 +16,7 @@ from ..keys import Keys
 from ..redis_values import text
 from .guard import Translated
 
+_SIZE = re.compile(r"^\s*([0-9]+)\s*$")
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
 _PERIOD = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0, "h": 3600.0, "hour": 3600.0}
 
@@ -27,15 +28,23 @@ def _check_name(name: str) -> str:
 
 
 def parse_limit(spec: str) -> tuple[str, int]:
-    """``NAME=K`` -> (name, K), K a positive integer."""
+    """``NAME=K`` -> (name, K): NAME an identifier, K a positive integer in decimal digits (no sign,
+    no ``_``); the one parser of ``--limit`` (namespace limits and a producer's own)."""
     name, sep, value = spec.partition("=")
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if not sep or size < 1:
+    match = _SIZE.match(value) if sep else None
+    if match is None or int(match.group(1)) < 1:
         raise ConfigError(f"limit {spec!r}: expected NAME=K with K a positive integer (e.g. sandbox=64)")
-    return _check_name(name.strip()), size
+    return _check_name(name.strip()), int(match.group(1))
+
+
+def parse_limits(specs: Sequence[str], flag: str = "--limit") -> dict[str, int]:
+    """``["sandbox=4", ...]`` -> ``{"sandbox": 4}``; ConfigError on a malformed or repeated one."""
+    parsed: dict[str, int] = {}
+    for spec in specs:
+        name, size = parse_limit(spec)
+        _once(flag, name, parsed, spec)
+        parsed[name] = size
+    return parsed
 
 
 def parse_rate(spec: str) -> tuple[str, float]:
@@ -50,12 +59,8 @@ def parse_rate(spec: str) -> tuple[str, float]:
 def parse_limits_and_rates(limits: Sequence[str], rates: Sequence[str]) -> tuple[dict[str, int], dict[str, float]]:
     """``--limit NAME=K`` and ``--rate NAME=R/s`` specs as ``({name: K}, {name: per second})``;
     ConfigError for a name given twice with one flag (the last one would win silently)."""
-    parsed_limits: dict[str, int] = {}
+    parsed_limits = parse_limits(limits)
     parsed_rates: dict[str, float] = {}
-    for spec in limits:
-        name, size = parse_limit(spec)
-        _once("--limit", name, parsed_limits, spec)
-        parsed_limits[name] = size
     for spec in rates:
         name, per_second = parse_rate(spec)
         _once("--rate", name, parsed_rates, spec)

@@ -218,9 +218,9 @@ class Fleet:
                  probe_backoff: Backoff | None = None, concurrency_floor: int | None = None,
                  registered: Iterable[str] = (), joining: bool = False) -> None:
         self.concurrency_floor = concurrency_floor
+        """Adaptive concurrency's floor; None: off (no engine is ever limited)."""
         self.joining = joining
         """Engines join routing only after their first answered probe (a fleet of several)."""
-        """Adaptive concurrency's floor; None: off (no engine is ever limited)."""
         self.engines: dict[str, Engine] = {}
         for url in urls:
             engine = Engine(url, concurrency_floor=concurrency_floor)
