@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .checked import is_int
 from .errors import ConfigError
 from .redis_values import RawHash
 
@@ -82,7 +83,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
         positive_int("n_samples_per_prompt")
@@ -90,11 +91,7 @@ class PipelineConfig:
         positive_int("max_backlog")
         positive_int("max_attempts")
         positive_int("steps_per_version")
-        if self.max_staleness is not None and (
-            isinstance(self.max_staleness, bool)
-            or not isinstance(self.max_staleness, int)
-            or self.max_staleness < 0
-        ):
+        if self.max_staleness is not None and (not is_int(self.max_staleness) or self.max_staleness < 0):
             raise ConfigError(f"max_staleness must be a non-negative integer or None, got {self.max_staleness!r}")
         if not isinstance(self.lease_seconds, int | float) or not self.lease_seconds >= 1:
             raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds!r}")
@@ -102,9 +99,9 @@ class PipelineConfig:
             raise ConfigError(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout!r}")
         for name in ("max_backlog_bytes", "max_group_bytes", "archive_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer (bytes), got {value!r}")
-        if isinstance(self.payload_min_bytes, bool) or not isinstance(self.payload_min_bytes, int) or (
+        if not is_int(self.payload_min_bytes) or (
             self.payload_min_bytes < 1
         ):
             raise ConfigError(f"payload_min_bytes must be a positive integer (bytes), got {self.payload_min_bytes!r}")
@@ -120,7 +117,7 @@ class PipelineConfig:
             )
         if self.admission_control and self.max_staleness is None:
             raise ConfigError("admission_control needs max_staleness")
-        if isinstance(self.row_stats, bool) or not isinstance(self.row_stats, int) or not 0 <= self.row_stats <= 64:
+        if not is_int(self.row_stats) or not 0 <= self.row_stats <= 64:
             raise ConfigError(f"row_stats must be an integer 0..64, got {self.row_stats!r}")
         from .mix import parse_mix
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checked import is_int, is_number
 from .errors import ConfigError
 from .models import Group, Prompt, Status
 
@@ -42,20 +43,20 @@ class EvalSettings:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 200 or ":" in self.name:
             raise ConfigError(f"an eval's name must be a non-empty string of at most 200 characters, no ':', "
                               f"got {self.name!r}")
-        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
+        if not is_int(self.n_samples) or self.n_samples < 1:
             raise ConfigError(f"n_samples must be a positive integer, got {self.n_samples!r}")
         if self.max_new_tokens is not None and (
-            isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+            not is_int(self.max_new_tokens)
             or self.max_new_tokens < 1
         ):
             raise ConfigError(f"max_new_tokens must be a positive integer or None, got {self.max_new_tokens!r}")
         if self.temperature is not None and (
-            isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float)
+            not is_number(self.temperature)
             or not 0 <= self.temperature < math.inf
         ):
             raise ConfigError(f"temperature must be a non-negative number or None, got {self.temperature!r}")
         if self.top_p is not None and (
-            isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1
+            not is_number(self.top_p) or not 0 < self.top_p <= 1
         ):
             raise ConfigError(f"top_p must be within (0, 1] or None, got {self.top_p!r}")
 

@@ -16,11 +16,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .checked import is_number
 from .keys import ALIVE_STATES
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def _heartbeat_object(raw: bytes | str) -> dict[str, Any]:

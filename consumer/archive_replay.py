@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from rollstream.common.archive_schema import ArchivePart, missing_runs, one_namespace, read_part, scan_parts
+from rollstream.common.checked import is_int
 from rollstream.common.codec import decode_group
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError, ReplayExhausted
@@ -134,7 +135,7 @@ class ArchiveReplay:
 
     def take_next(self, target: int) -> Batch:
         """The next recorded batch (synchronous: nothing here waits)."""
-        if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+        if not is_int(target) or target < 1:
             raise ValueError(f"target must be a positive integer, got {target!r}")
         if self.next >= len(self.steps):
             raise ReplayExhausted(f"{self.source}: all {len(self.steps)} recorded batches were replayed")

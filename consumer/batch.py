@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.common import bias
 from rollstream.common.arrays import FloatArray, IntArray, Packed
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.models import SAMPLE_FIELDS, Group
@@ -95,9 +96,9 @@ class Batch:
         same split on every rank. Its offloaded arrays are fetched only for its own groups (on
         first access, or :meth:`fetch`), so each rank reads about ``1/world_size`` of the bytes.
         Commit the whole batch (the shards share its entries), from one rank."""
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
         loads = [0] * world_size
         mine: list[int] = []
@@ -312,7 +313,7 @@ def row_stat_items(groups: list[Group], version: int) -> list[tuple[str, float, 
     for group in groups:
         row = group.metadata.get("dataset_index")
         rewards = [r for s in group.samples if not math.isnan(r := s.scalar_reward)]
-        if not isinstance(row, int) or isinstance(row, bool) or not rewards:
+        if not is_int(row) or not rewards:
             continue
         mean = sum(rewards) / len(rewards)
         variance = sum((r - mean) ** 2 for r in rewards) / len(rewards)

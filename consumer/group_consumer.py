@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 from redis.asyncio import Redis
 from rollstream.common import bias
 from rollstream.common.cancellation import raise_if_cancelled
+from rollstream.common.checked import is_int
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
@@ -344,7 +345,7 @@ class GroupConsumer:
         To bound the wait, wrap it in ``asyncio.timeout``: groups taken so far stay pending
         and are handed out first by the next call.
         """
-        if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+        if not is_int(target) or target < 1:
             raise ValueError(f"target must be a positive integer, got {target!r}")
         self._check_name()
         staleness_limit = self.config.max_staleness if max_staleness is UNSET else max_staleness

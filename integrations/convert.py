@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.arrays import Packed, float_array, int_array, mask_array
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import require_extra
 from rollstream.common.models import SAMPLE_FIELDS, Adapter, Group, Sample, Status
@@ -312,7 +313,7 @@ def _counters_back(value: Any, f: SampleField, base: int) -> dict[str, int] | No
     if value is None:
         return None
     values = value.to_dict() if hasattr(value, "to_dict") else dict(value)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+    if not all(is_int(v) for v in values.values()):
         raise TypeError(f"not int counters: {values!r}")
     return values if any(values.values()) else None
 

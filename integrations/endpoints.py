@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from rollstream.common.checked import is_int, is_number
 from rollstream.common.errors import (  # ConversationDiverged, EndpointRefused: re-exported
     ConfigError,
     ConversationDiverged,
@@ -411,7 +412,7 @@ def _json_response(payload: Any, status: int = 200) -> web.Response:
 
 
 def _int_ids(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise EndpointRefused(f"{what} must be a list of token ids")
     return value
 
@@ -431,12 +432,12 @@ async def _sglang_request(body: Mapping[str, Any], episode: Episode) -> tuple[li
         raise EndpointRefused("sampling_params must be an object")
     base = episode.sampling
     max_new = raw.get("max_new_tokens", base.max_new_tokens)
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+    if not is_int(max_new) or max_new < 0:
         raise EndpointRefused(f"sampling_params.max_new_tokens must be a non-negative integer, got {max_new!r}")
     temperature = raw.get("temperature", base.temperature)
     top_p = raw.get("top_p", base.top_p)
     for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not is_number(value):
             raise EndpointRefused(f"sampling_params.{name} must be a number, got {value!r}")
     extra = {k: v for k, v in raw.items() if k not in _SAMPLING_KEYS and v is not None}
     sampling = SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p), extra=extra)
@@ -481,14 +482,14 @@ def _chat_request(body: Mapping[str, Any], episode: Episode) -> tuple[list[dict[
     params: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise EndpointRefused(f"max_tokens must be a positive integer, got {max_tokens!r}")
         params["max_new_tokens"] = max_tokens
     changes: dict[str, Any] = {}
     for name in ("temperature", "top_p"):
         value = body.get(name)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not is_number(value):
                 raise EndpointRefused(f"{name} must be a number, got {value!r}")
             changes[name] = float(value)
     for openai_name, engine_name in _CHAT_PARAMS.items():

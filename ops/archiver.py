@@ -45,6 +45,7 @@ from rollstream.common.archive_schema import (
     write_tmp,
     written_cursor,
 )
+from rollstream.common.checked import is_int
 from rollstream.common.codec import decode_group, encode_group
 from rollstream.common.connection import TRANSIENT_ERRORS, Outage
 from rollstream.common.errors import ArchiveUnusable, ConfigError, DecodeError, PayloadError
@@ -84,7 +85,7 @@ class ArchiveSettings:
     def __post_init__(self) -> None:
         if self.partition not in PARTITIONS:
             raise ConfigError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+        if not is_int(self.batch) or self.batch < 1:
             raise ConfigError(f"batch must be a positive integer, got {self.batch!r}")
         if not self.flush_seconds > 0:
             raise ConfigError(f"flush_seconds must be positive, got {self.flush_seconds!r}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def check(young: int | None) -> int:
     """``young`` validated (None: :data:`DEFAULT_YOUNG`)."""
     if young is None:
         return DEFAULT_YOUNG
-    if isinstance(young, bool) or not isinstance(young, int) or young < 0:
+    if not is_int(young) or young < 0:
         raise ConfigError(f"gc threshold must be a non-negative integer (0: Python's own), got {young!r}")
     return young
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
+from rollstream.common.checked import is_int
 from rollstream.common.errors import (
     ConfigError,
     EngineBroken,
@@ -106,7 +107,7 @@ class Rollout:
         """``n_samples`` per prompt and ``partial_rollout`` are the namespace's; ``producer`` is
         written into every group; ``episodes`` (the producer's sub-settings) hold the plug-in,
         its caps and the failure limits."""
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        if not is_int(n_samples) or n_samples < 1:
             raise ConfigError(f"n_samples must be a positive integer, got {n_samples!r}")
         self.engine = engine
         self.teacher = teacher

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.arrays import Packed
+from rollstream.common.checked import is_int
 from rollstream.common.errors import (
     ConfigError,
     EngineError,
@@ -90,7 +91,7 @@ class EpisodeLimits:
         for name, size in self.named.items():
             if not name or not name.isidentifier():
                 raise ConfigError(f"limit name {name!r} must be an identifier (--limit name=K)")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_int(size) or size < 1:
                 raise ConfigError(f"limit {name!r} must be a positive integer, got {size!r}")
         if self.episode_timeout is not None and not self.episode_timeout > 0:
             raise ConfigError(f"episode timeout must be positive, got {self.episode_timeout!r}")

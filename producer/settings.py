@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from rollstream.common.checked import is_int
 from rollstream.common.config import PipelineConfig
 from rollstream.common.errors import ConfigError
 from rollstream.common.settings_fields import branch, option, set_by
@@ -89,9 +90,9 @@ class ProducerSettings:
     episodes: EpisodeSettings = branch(EpisodeSettings)
 
     def __post_init__(self) -> None:
-        if isinstance(self.warm, bool) or not isinstance(self.warm, int) or self.warm < 0:
+        if not is_int(self.warm) or self.warm < 0:
             raise ConfigError(f"warm must be a non-negative integer, got {self.warm!r}")
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
+        if not is_int(self.concurrency) or self.concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if not self.name or any(c.isspace() for c in self.name):
             raise ConfigError(f"producer name must be non-empty without spaces, got {self.name!r}")

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_object
 
@@ -42,7 +43,7 @@ def _as_ids(value: Any, what: str) -> list[int]:
     if not isinstance(value, Sequence) or isinstance(value, str | bytes):
         raise ValueError(f"{what} returned {type(value).__name__}, not token ids")
     ids = list(value)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(is_int(t) for t in ids):
         raise ValueError(f"{what} returned non-integer token ids")
     return ids
 

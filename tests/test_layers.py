@@ -417,3 +417,46 @@ def test_the_docstring_checker_catches_a_stacked_one(tmp_path: Path) -> None:
     (tmp_path / "common").mkdir()
     (tmp_path / "common" / "a.py").write_text('A = 1\nB = 2\n"""What A is."""\n"""What B is."""\n')
     assert stacked_docstrings(tmp_path) == ["common/a.py:4"]
+
+
+def hand_checked_ints(root: Path = ROOT) -> list[str]:
+    """``isinstance(x, bool)`` beside ``isinstance(x, int...)`` in one condition: "an int that is
+    not a bool" written by hand (``common.checked.is_int`` / ``is_number`` say it once)."""
+    found = []
+    for _, path in library_files(root):
+        if path.name == "checked.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.BoolOp):
+                continue
+            kinds: dict[str, set[str]] = {}
+            for call in ast.walk(node):
+                if (
+                    isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "isinstance"
+                    and len(call.args) == 2
+                ):
+                    kinds.setdefault(ast.unparse(call.args[0]), set()).add(ast.unparse(call.args[1]))
+            if any("bool" in types and any("int" in t.split(" | ") for t in types) for types in kinds.values()):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_an_int_that_is_not_a_bool_is_checked_in_one_place() -> None:
+    found = hand_checked_ints()
+    assert not found, "hand-written int-not-bool checks (use rollstream.common.checked):\n" + "\n".join(found)
+
+
+def test_the_int_checker_catches_a_hand_written_one(tmp_path: Path) -> None:
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "a.py").write_text(
+        "def f(x, y):\n    if isinstance(x, bool) or not isinstance(x, int | float):\n        pass\n"
+        "    return (\n        isinstance(y, int)\n        and not isinstance(y, bool)\n    )\n"
+    )
+    assert hand_checked_ints(tmp_path) == ["common/a.py:2", "common/a.py:5"]
+
+
+def test_is_int_refuses_a_bool_and_is_number_too() -> None:
+    from rollstream.common.checked import is_int, is_number
+
+    assert is_int(3) and is_int(-1) and not is_int(True) and not is_int(3.0) and not is_int("3")
+    assert is_number(2.5) and is_number(2) and not is_number(False) and not is_number(None)

@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError, WeightSyncError  # WeightSyncError: re-exported
 from rollstream.common.versions import version_of
 from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS, Call, PauseMode, WeightAPI
@@ -127,7 +128,7 @@ class WeightSync:
         engines and in rollstream, resume. ``consumer`` None: the engines only."""
         if mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        if not is_int(version) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
         report = UpdateReport(version=version, mode=mode)
         if consumer is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..arrays import PACKED_CODES, Packed
+from ..checked import is_int, is_number
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
 from ..payload.refs import GroupPayload, ObjectRef, Offloaded
@@ -66,17 +67,17 @@ def _prompt_content(value: object, what: str) -> Any:
 
 
 def _reward(value: object, what: str) -> Any:
-    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+    if value is None or is_number(value):
         return value
     if isinstance(value, dict) and all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+        is_number(v) for v in value.values()
     ):
         return value
     raise DecodeError("bad_field", f"{what}.rew must be a number, a map of numbers or nil")
 
 
 def _int(value: object, what: str, f: SampleField, limits: CodecLimits) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be an int")
     return value
 
@@ -98,7 +99,7 @@ def _status(value: object, what: str, f: SampleField, limits: CodecLimits) -> St
 
 
 def _versions(value: object, what: str, f: SampleField, limits: CodecLimits) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(is_int(v) for v in value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a list of ints")
     return value
 
@@ -128,7 +129,7 @@ def _flag(value: object, what: str, f: SampleField, limits: CodecLimits) -> bool
 
 
 def _seconds(value: object, what: str, f: SampleField, limits: CodecLimits) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise DecodeError("bad_field", f"{what}.{f.key} must be a finite number")
     return float(value)
 
@@ -136,7 +137,7 @@ def _seconds(value: object, what: str, f: SampleField, limits: CodecLimits) -> f
 def _adapter(value: object, what: str, f: SampleField, limits: CodecLimits) -> Adapter:
     if (
         not isinstance(value, list | tuple) or len(value) != 2 or not isinstance(value[0], str)
-        or not isinstance(value[1], int) or isinstance(value[1], bool)
+        or not is_int(value[1])
     ):
         raise DecodeError("bad_field", f"{what}.{f.key} must be [name, slot]")
     return Adapter(value[0], value[1])
@@ -417,7 +418,7 @@ def _packed_from_wire(raw: object, what: str, limits: CodecLimits, ndim: int) ->
     if (
         not isinstance(shape, list | tuple)
         or len(shape) != ndim
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(is_int(d) and d >= 0 for d in shape)
     ):
         raise DecodeError("bad_field", f"{what}: shape {shape!r} is not {ndim} non-negative ints")
     values = _unpack_array(code, data, what, limits.max_array_items)

@@ -6,6 +6,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from .. import lua
+from ..checked import is_int
 from ..errors import ConfigError
 from ..events import now_ms
 from ..keys import Keys, StateField
@@ -16,7 +17,7 @@ from .guard import Guarded
 
 
 def _check_version(version: int) -> None:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+    if not is_int(version) or version < 0:
         raise ConfigError(f"weight version must be a non-negative integer, got {version!r}")
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rollstream.common.checked import is_int
 from rollstream.common.errors import EngineError, EngineRejected, EngineReplyInvalid, PromptNotSupported
 
 from .dialects import DIALECTS
@@ -51,7 +52,7 @@ ROUND_TRIP_WEIGHT = 0.1
 
 
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and all(is_int(t) for t in value):
         return list(value)
     return None
 

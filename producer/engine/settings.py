@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.backoff import Backoff
+from rollstream.common.checked import is_int
 from rollstream.common.errors import ConfigError
 from rollstream.common.settings_fields import option, set_by
 from rollstream.common.urls import check_url
@@ -152,7 +153,7 @@ class EngineSettings:
             raise ConfigError("eject_after must be at least 1")
         if self.balance < 0:
             raise ConfigError("balance must be non-negative")
-        if isinstance(self.concurrency_floor, bool) or not isinstance(self.concurrency_floor, int) \
+        if not is_int(self.concurrency_floor) \
                 or self.concurrency_floor < 1:
             raise ConfigError(f"concurrency_floor must be a positive integer, got {self.concurrency_floor!r}")
         for name in ("request_timeout", "connect_timeout", "model_info_timeout", "backoff_max", "health_interval",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from rollstream.common.arrays import Packed
+from rollstream.common.checked import is_number
 from rollstream.common.errors import EngineReplyInvalid, PromptNotSupported
 from rollstream.common.weight_apis import SGLANG_WEIGHTS, Call
 
@@ -190,7 +191,7 @@ def parse_teacher(raw: bytes, tokens: array[int] | memoryview, response_length: 
 
 
 def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         return None
     number = float(value)
     return number if math.isfinite(number) and number >= 0 else None

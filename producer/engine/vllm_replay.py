@@ -24,6 +24,7 @@ import sys
 from array import array
 
 from rollstream.common.arrays import Packed
+from rollstream.common.checked import is_int
 from rollstream.common.errors import EngineReplyInvalid
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -104,6 +105,6 @@ def _npy(raw: bytes, where: str) -> tuple[str, tuple[int, ...], memoryview]:
         raise EngineReplyInvalid("routed_experts", ".npy header is not a dict", where)
     descr, order, shape = header.get("descr"), header.get("fortran_order"), header.get("shape")
     if (not isinstance(descr, str) or order is not False or not isinstance(shape, tuple)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            or not all(is_int(d) and d >= 0 for d in shape)):
         raise EngineReplyInvalid("routed_experts", f".npy header {header!r} (expected descr, C order, shape)", where)
     return descr, shape, memoryview(raw)[start + size :]

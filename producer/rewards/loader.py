@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rollstream.common.checked import is_number
 from rollstream.common.errors import ConfigError
 from rollstream.common.imports import import_callable
 
@@ -66,7 +67,7 @@ def load_reward(spec: str, *, timeout: float = DEFAULT_REWARD_TIMEOUT) -> Reward
     share of it (one per attempt)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"reward spec must be {_usages()} or 'module.path:function', got {spec!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+    if not is_number(timeout) or not timeout > 0:
         raise ConfigError(f"reward timeout must be a positive number of seconds, got {timeout!r}")
     spec = spec.strip()
     name, sep, _ = spec.partition(":")

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from rollstream.common.checked import is_int, is_number
 from rollstream.testing.sim.model import POISON_MARKER, _plan_response
 from rollstream.testing.sim.state import STATE_KEY, SimState, _Outcome
 
@@ -54,14 +55,14 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> dict[st
 def _int_param(value: Any, name: str, default: int, *, minimum: int = 0) -> int:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise _BadRequest(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
 def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
+        is_int(i) for i in value
     ):
         raise _BadRequest(f"{name} must be a list of token ids (batches are not supported)")
     return value
@@ -161,7 +162,7 @@ async def _set_faults(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "generate_errors" in body:
         count = body["generate_errors"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+        if not is_int(count) or count < -1:
             raise _BadRequest("generate_errors must be an integer >= -1")
         status = body.get("generate_error_status", 500)
         if status not in FAULT_STATUSES:
@@ -182,7 +183,7 @@ async def _set_faults(request: web.Request) -> web.Response:
         state.load_endpoints = body["load_endpoints"]
     if "reload_seconds" in body:
         seconds = body["reload_seconds"]
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= HANG_SECONDS:
+        if not is_number(seconds) or not 0 <= seconds <= HANG_SECONDS:
             raise _BadRequest(f"reload_seconds must be a number of seconds within [0, {HANG_SECONDS}]")
         state.reload_seconds = float(seconds)
     if "wedge" in body:
@@ -194,7 +195,7 @@ async def _set_faults(request: web.Request) -> web.Response:
             state.unwedged.set()
     if "bad_replies" in body:
         count = body["bad_replies"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+        if not is_int(count) or count < -1:
             raise _BadRequest("bad_replies must be an integer >= -1")
         mode = body.get("bad_reply", "not_json")
         if mode not in BAD_REPLY_MODES:
