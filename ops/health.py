@@ -69,6 +69,18 @@ def assess(
             f"archive_dropped {archive['dropped']}: fate records were dropped unarchived at the archive_bytes "
             "budget (no `rollstream archive` running, or it falls behind)"
         )
+    payload = snap.get("payload") or {}
+    if payload.get("read_failures"):
+        warnings.append(
+            f"payload_read_failures {payload['read_failures']}: groups were recycled because an object could not be "
+            f"read from the payload store {payload.get('store')} (last: {payload.get('last_failure')}); check the "
+            "store (its processes, the directory every producer and trainer mounts)"
+        )
+    if payload.get("to_free", 0) > 10_000:
+        warnings.append(
+            f"payload store {payload.get('store')}: {payload['to_free']} released objects are not deleted yet "
+            "(the store refuses or fails the deletes: they take store room until it confirms)"
+        )
     for line in (snap.get("bias") or {}).get("short", []):
         warnings.append(f"the trainer does not see the dataset: {line}")
     ledger = snap.get("ledger")

@@ -142,6 +142,11 @@ async def test_an_unreadable_object_recycles_its_group_with_the_reason(
     assert await counter(redis, ns, StateField.PAYLOAD_READ_FAILURES) == 1
     assert await counter(redis, ns, StateField.RECYCLED_PAYLOAD) == 1
     await nothing_left(redis, ns, store)
+    from rollstream.ops.snapshot import snapshot
+
+    snap = await snapshot(redis, keys)
+    assert snap["payload"]["read_failures"] == 1 and victim in snap["payload"]["last_failure"]
+    assert any(w.startswith("payload_read_failures 1: ") and victim in w for w in snap["health"]["warnings"])
 
 
 @pytest.fixture
