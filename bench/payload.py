@@ -745,9 +745,9 @@ def projection(result: dict[str, Any], command: str) -> Table:
     )
 
 
-def save(result: dict[str, Any], quick: bool) -> None:
-    """The round's figures as JSON (``python -m bench.payload render`` prints the tables again)."""
-    data = {**result, "variants": [
+def save(result: dict[str, Any], quick: bool, command: str) -> None:
+    """The run's figures as JSON (``python -m bench.payload render`` prints the tables again)."""
+    data = {**result, "command": command, "variants": [
         {k: getattr(v, k) for k in ("name", "store", "samples", "tokens", "r3", "hold", "flow", "batch", "runs")}
         for v in result["variants"]]}
     (OUT / f"payload{'-quick' if quick else ''}.json").write_text(json.dumps(data, indent=1))
@@ -760,8 +760,8 @@ def render(data: dict[str, Any], command: str) -> list[Table]:
 
 
 def run(quick: bool = False, rounds: int | None = None, hold: int | None = None, flow: int | None = None,
-        before_rounds: int | None = None) -> list[Table]:
-    command = "python -m bench payload" + (" --quick" if quick else "")
+        before_rounds: int | None = None, command: str | None = None) -> list[Table]:
+    command = command or "python -m bench payload" + (" --quick" if quick else "")
     sizes = (1024,) if quick else (1024, 8192, 32768)
     b_rounds = before_rounds or (1 if quick else 3)
     workdir = Path(tempfile.mkdtemp(prefix="rollstream-bench-before-"))
@@ -772,7 +772,7 @@ def run(quick: bool = False, rounds: int | None = None, hold: int | None = None,
     result = measure(rounds or (1 if quick else 3), hold or (1 if quick else 2), flow or (2 if quick else 3),
                      40 if quick else 200)
     result["before"] = first
-    save(result, quick)
+    save(result, quick, command)
     data = json.loads((OUT / f"payload{'-quick' if quick else ''}.json").read_text())
     return render(data, command)
 
@@ -787,9 +787,13 @@ def main() -> None:
     parser.add_argument("--before-rounds", type=int, default=5)
     args = parser.parse_args()
     if args.what == "render":
-        produced = render(json.loads((OUT / "payload.json").read_text()), "python -m bench.payload render")
+        data = json.loads((OUT / "payload.json").read_text())
+        produced = render(data, data.get("command", "python -m bench payload"))
     else:
-        produced = run(rounds=args.rounds, hold=args.hold, flow=args.flow, before_rounds=args.before_rounds)
+        command = (f"python -m bench.payload --rounds {args.rounds} --hold {args.hold} --flow {args.flow} "
+                   f"--before-rounds {args.before_rounds}")
+        produced = run(rounds=args.rounds, hold=args.hold, flow=args.flow, before_rounds=args.before_rounds,
+                       command=command)
     for table in produced:
         print(table.markdown(), flush=True)
 
