@@ -584,14 +584,29 @@ class Producer:
         writer: appends name this attempt's entry, so they stop when the lease is lost."""
         index, epoch, lane = prompt.index, prompt.epoch, self._eval_lane(work)
         steps = await self._outage.run(lambda: self.journals.load(index, epoch, lane))
+        plane = self.plane
+        if plane is not None and steps:  # steps kept in the payload store, read back (checksums verified)
+            try:
+                steps = await plane.resolve_steps(steps)
+            except PayloadError as exc:
+                self.log.warning("prompt %d: its journal's steps cannot be read, the episodes start over: %s",
+                                 index, exc)
+                steps = {}
         if steps:
             self.log.info("prompt %d resumes from its journal (%s steps)", index,
                           ", ".join(f"member {m}: {len(s)}" for m, s in sorted(steps.items())))
 
         async def append(member: int, seq: int, step: bytes) -> str:
+            objects = ""
+            if plane is not None:  # a large step goes to the payload store, the journal keeps a reference
+                try:
+                    step, objects = await plane.offload_step(step, self.config.payload_min_bytes)
+                except PayloadError as exc:  # journaled inline instead: the episode goes on
+                    self.log.warning("prompt %d: a journal step stays in Redis, the payload store failed: %s",
+                                     index, exc)
             return await self.journals.append(
                 stream=work.stream, entry_id=work.prompt_id, index=index, epoch=epoch, member=member, seq=seq,
-                budget=self.config.max_backlog_bytes, step=step, eval_name=lane,
+                budget=self.config.max_backlog_bytes, step=step, eval_name=lane, objects=objects,
             )
 
         return PromptJournal(steps, append, self.journals.count_diverged, self.rollout.runtime.journal,

@@ -383,3 +383,45 @@ async def test_the_pipeline_on_mooncake(
 
 async def _all_freed(redis: Redis, ns: str) -> bool:
     return await held(redis, ns) == (0, 0, 0, 0)
+
+
+async def test_durable_episode_journal_steps_live_in_the_store(redis: Redis, ns: str, tmp_path: Path) -> None:
+    """A large journal step goes to the store and the journal keeps a reference: claimed when
+    written, read back (checksum verified) by the producer that resumes the episode, released when
+    replaced, when the append is refused (the lease lost) and with the journal at PUBLISH."""
+    from rollstream.common.codec import group_fields, prompt_fields
+    from rollstream.common.keys import PRODUCERS_GROUP
+    from rollstream.common.models import Prompt
+    from rollstream.common.payload.plane import PayloadPlane
+    from rollstream.common.protocol import EpisodeJournals, PromptQueue
+    from rollstream.testing.samples import full_group
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=1024, durable_episodes=True)
+    keys = Keys(ns)
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    await redis.xadd(keys.prompts, prompt_fields(Prompt(index=0, prompt="p")))
+    [(_, [(prompt_id, _)])] = await redis.xreadgroup(PRODUCERS_GROUP, "p", {keys.prompts: ">"})
+    journals = EpisodeJournals(redis, keys, "p")
+
+    async def append(step: bytes, seq: int, entry_id: bytes = prompt_id) -> str:
+        value, objects = await plane.offload_step(step, 1024)
+        return await journals.append(stream=keys.prompts, entry_id=entry_id, index=0, epoch=0, member=0, seq=seq,
+                                     budget=0, step=value, objects=objects)
+
+    first, second, small = b"\x81" + b"a" * 5000, b"\x81" + b"b" * 6000, b"\x81small"
+    assert await append(first, 0) == "ok" and await append(small, 1) == "ok"
+    journal = keys.episode(0, 0)
+    assert len(objects_in(store)) == 1 and (await held(redis, ns))[:2] == (1, len(first))
+    assert await plane.resolve_steps(await journals.load(0, 0)) == {0: [first, small]}
+    assert int(await redis.hget(journal, "bytes") or 0) >= len(first)  # the budget counts the object
+    assert await append(second, 0) == "ok"  # replaces steps 0.. of member 0: the first object released
+    assert await plane.resolve_steps(await journals.load(0, 0)) == {0: [second]}
+    assert await append(second, 1, entry_id=b"1-1") == "lost"  # not ours: its object released at once
+    assert await plane.free() == 2
+    assert len(objects_in(store)) == 1 and (await held(redis, ns))[0] == 1
+    fields = group_fields(full_group(n=2, index=0))
+    assert await PromptQueue(redis, keys, "p").publish(keys.prompts, prompt_id, fields, journal)
+    assert not await redis.exists(journal)
+    assert await plane.free() == 1
+    assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)

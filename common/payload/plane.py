@@ -54,6 +54,21 @@ def _result(value: T | BaseException) -> T:
     return value
 
 
+STEP_REF = b"\xc1"
+"""The first byte of a journal step kept in the store: ``0xc1``, which msgpack never uses."""
+
+
+def step_ref(value: bytes) -> ObjectRef | None:
+    """The object a journal step refers to, None for a step kept inline."""
+    if not value.startswith(STEP_REF) or len(value) > 256:
+        return None
+    try:
+        key, size, crc = value[1:].decode("ascii").split(" ")
+        return ObjectRef.from_wire([key, int(size), int(crc)])
+    except ValueError:
+        return None
+
+
 def _key_part(text: str) -> str:
     part = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".-_") or "x"
     return part[:64]
@@ -195,6 +210,28 @@ class PayloadPlane:
         for start in range(0, len(listed), FREE_BATCH):
             gone += len(await self.store.delete(listed[start : start + FREE_BATCH]))
         return gone
+
+    async def offload_step(self, step: bytes, min_bytes: int) -> tuple[bytes, str]:
+        """An episode journal's step as the journal keeps it: itself when shorter than
+        ``min_bytes``, else put in the store (intent first) and replaced by a reference
+        (:data:`STEP_REF` + ``key bytes crc32``); with JOURNAL_APPEND's ``objects`` ('' or 'key:bytes')."""
+        if len(step) < min_bytes:
+            return step, ""
+        ref = ObjectRef(self.new_key(), len(step), zlib.crc32(step))
+        await self.put([StoreObject(ref, [step])])
+        return STEP_REF + f"{ref.key} {ref.size} {ref.checksum}".encode(), f"{ref.key}:{ref.size}"
+
+    async def resolve_steps(self, steps: dict[int, list[bytes]]) -> dict[int, list[bytes]]:
+        """A journal's steps with every reference read back from the store (checksum verified);
+        ``PayloadError`` when one cannot be read."""
+        out: dict[int, list[bytes]] = {}
+        for member, values in steps.items():
+            resolved = []
+            for value in values:
+                ref = step_ref(value)
+                resolved.append(value if ref is None else bytes(await self.read(ref)))
+            out[member] = resolved
+        return out
 
     async def close(self) -> None:
         await self.store.close()

@@ -40,13 +40,15 @@ class EpisodeJournals(Guarded):
 
     async def append(
         self, *, stream: str, entry_id: bytes, index: int, epoch: int, member: int, seq: int, budget: int,
-        step: bytes, eval_name: str | None = None,
+        step: bytes, eval_name: str | None = None, objects: str = "",
     ) -> str:
-        """Journal step ``seq`` of ``member`` while this producer holds the entry: 'ok', 'lost', 'full'."""
+        """Journal step ``seq`` of ``member`` while this producer holds the entry: 'ok', 'lost', 'full'.
+        ``objects``: 'key:bytes' when ``step`` is a reference to a payload store object (claimed
+        when written, released otherwise)."""
         journal = self.keys.episode(index, epoch, eval_name)
         appended = await self._journal_append(
             source=stream, consumer=self.consumer, entry_id=entry_id, journal=journal, member=member, seq=seq,
-            budget=budget, step=step,
+            budget=budget, step=step, objects=objects,
         )
         return lua.status(appended)
 

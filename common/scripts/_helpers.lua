@@ -11,6 +11,34 @@ local function incr(key, field, n)
   if v and not isint(v) then redis.call('HSET', key, field, 0) end
   return redis.call('HINCRBY', key, field, n)
 end
+-- The payload plane (issue 48). An entry's objects are its plain field ``refs`` (store keys,
+-- space-separated); ``held`` (hash key -> bytes) lists every object some entry refers to, ``free``
+-- (sorted set, score = when) the objects nothing refers to any more: a later step deletes them
+-- from the store and removes only the keys it confirmed gone. ``refs_of``: an entry's flat fields'
+-- refs ('' = none). ``release``: each key of ``refs`` that ``kept`` (the refs of the entry that
+-- replaces it, '' = none) does not name leaves ``held`` for ``free``; the number released. An
+-- episode journal's steps kept in the store are listed in its field ``objects`` the same way.
+local function refs_of(f)
+  for i = 1, #f - 1, 2 do if f[i] == 'refs' then return f[i + 1] end end
+  return ''
+end
+local function release(refs, kept, held, free, state, when)
+  if refs == '' then return 0 end
+  local n = 0
+  kept = ' ' .. kept .. ' '
+  for key in string.gmatch(refs, '%S+') do
+    if not string.find(kept, ' ' .. key .. ' ', 1, true) then
+      local b = redis.call('HGET', held, key)
+      if b then
+        redis.call('HDEL', held, key)
+        if incr(state, '$PAYLOAD_BYTES', -num(b)) < 0 then redis.call('HSET', state, '$PAYLOAD_BYTES', 0) end
+      end
+      redis.call('ZADD', free, tonumber(when) or 0, key)
+      n = n + 1
+    end
+  end
+  return n
+end
 -- The byte budget's ledger: the size of every group entry's data (hash ``sizes``) and their sum
 -- in the state hash; ``forget`` removes one entry from both (never below zero).
 local function forget(sizes, state, id)
@@ -24,11 +52,14 @@ end
 -- An episode journal (durable episodes) leaves with its prompt: its bytes leave the state hash's
 -- ``journal_bytes`` in the same step. ``journal`` '' = the prompt has none to drop. True when
 -- there was one.
-local function drop_journal(journal, state)
+-- Its steps kept in the payload store (field ``objects``: their keys) are released with it.
+local function drop_journal(journal, state, held, free)
   if journal == '' then return false end
-  local b = num(redis.call('HGET', journal, 'bytes'))
+  local j = redis.call('HMGET', journal, 'bytes', 'objects')
   if redis.call('DEL', journal) == 0 then return false end
+  local b = num(j[1])
   if b > 0 and incr(state, '$JOURNAL_BYTES', -b) < 0 then redis.call('HSET', state, '$JOURNAL_BYTES', 0) end
+  if j[2] then release(j[2], '', held, free, state, 0) end
   return true
 end
 -- A kept journal's pointer (fields ``stream`` and ``entry_id``: where its prompt's entry is, for
@@ -50,33 +81,6 @@ local function move_held(sources, tally, what, delta)
   if tally == '' then return end
   local name = string.match(tally, '^(.*):[^:]*$')
   if name and incr(sources, name .. ':' .. what, delta) < 0 then redis.call('HSET', sources, name .. ':' .. what, 0) end
-end
--- The payload plane (issue 48). An entry's objects are its plain field ``refs`` (store keys,
--- space-separated); ``held`` (hash key -> bytes) lists every object some entry refers to, ``free``
--- (sorted set, score = when) the objects nothing refers to any more: a later step deletes them
--- from the store and removes only the keys it confirmed gone. ``refs_of``: an entry's flat fields'
--- refs ('' = none). ``release``: each key of ``refs`` that ``kept`` (the refs of the entry that
--- replaces it, '' = none) does not name leaves ``held`` for ``free``; the number released.
-local function refs_of(f)
-  for i = 1, #f - 1, 2 do if f[i] == 'refs' then return f[i + 1] end end
-  return ''
-end
-local function release(refs, kept, held, free, state, when)
-  if refs == '' then return 0 end
-  local n = 0
-  kept = ' ' .. kept .. ' '
-  for key in string.gmatch(refs, '%S+') do
-    if not string.find(kept, ' ' .. key .. ' ', 1, true) then
-      local b = redis.call('HGET', held, key)
-      if b then
-        redis.call('HDEL', held, key)
-        if incr(state, '$PAYLOAD_BYTES', -num(b)) < 0 then redis.call('HSET', state, '$PAYLOAD_BYTES', 0) end
-      end
-      redis.call('ZADD', free, tonumber(when) or 0, key)
-      n = n + 1
-    end
-  end
-  return n
 end
 -- The refs of entry ``id`` of ``stream`` ('' when it has none, or is gone), read only while the
 -- namespace has a payload store (``config``'s ``payload_store``): other namespaces pay no XRANGE.

@@ -27,7 +27,7 @@ if refs ~= '' and not archived then
   release(refs, kept, payload_held, payload_free, state, now_ms)
 end
 redis.call('XDEL', source, entry_id)
-if drop == '1' then drop_journal(journal, state) end
+if drop == '1' then drop_journal(journal, state, payload_held, payload_free) end
 local b = 0
 if ledger ~= '' then b = forget(group_bytes, state, entry_id) end
 local id = redis.call('XADD', target, '*', unpack(ARGV, fields_at))

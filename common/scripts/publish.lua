@@ -23,7 +23,7 @@ if not claimed then
   return false
 end
 redis.call('XDEL', source, prompt_id)
-if drop == '1' then drop_journal(journal, state) end
+if drop == '1' then drop_journal(journal, state, payload_held, payload_free) end
 local id = redis.call('XADD', groups, '*', unpack(ARGV, fields_at))
 incr(state, '$PUBLISHED', 1)
 if tally ~= '' then

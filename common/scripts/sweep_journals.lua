@@ -19,7 +19,7 @@
 -- ``eval`` field), a training prompt's as ``index:epoch`` against the other streams alone.
 -- ``journals`` are the key names a SCAN found (the caller bounds them with COUNT). Returns how
 -- many went.
--- KEYS: prompts retry eval_prompts state
+-- KEYS: prompts retry eval_prompts state payload_held payload_free
 -- ARGV: *journals
 if #ARGV < journals_at then return 0 end
 local streams = {[prompts] = true, [retry] = true, [eval_prompts] = true}
@@ -92,7 +92,7 @@ for i = journals_at, #ARGV do
     elseif live == nil then
       live = in_returned(at) or in_queued(at)
     end
-    if not live and drop_journal(journal, state) then swept = swept + 1 end
+    if not live and drop_journal(journal, state, payload_held, payload_free) then swept = swept + 1 end
   end
 end
 if swept > 0 then incr(state, '$JOURNALS_SWEPT', swept) end
