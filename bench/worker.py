@@ -25,9 +25,9 @@ from rollstream.common.connection import connect
 from rollstream.common.protocol import PromptQueue
 from rollstream.producer import gcpolicy, worker
 from rollstream.producer.engine import EngineClient, EngineSettings
+from rollstream.producer.episode_runtime import EpisodeLimits
 from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import load_reward
-from rollstream.producer.session import EpisodeLimits
 from rollstream.producer.settings import EpisodeSettings, ProducerSettings
 from rollstream.producer.worker import Producer
 

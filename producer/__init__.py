@@ -44,10 +44,15 @@ Modules, one concern each:
 * ``episode``: the rollout plug-in contract (docs/rollouts.md): ``Episode``, ``Trajectory``,
   ``EpisodeInfo``, ``SamplingParams``, ``Turn``, ``GenerateFunction``, ``EpisodeAborted``,
   ``GenerateBroken``
-* ``session``: the engine session behind it: ``EpisodeRuntime`` (engine slots held per request, named
-  limits, counters, request ages, the resume wait), ``EpisodeSession`` / trajectories (tokens, mask,
-  log-probs, versions and spans appended together; abort continuation), ``EpisodeLimits``. Per-request work
-  is kept out of it: the producer's ``SamplingParams`` and its engine mapping are built once, a group's
+* ``session``: the engine session behind it, one episode: ``EpisodeSession`` (engine calls with abort
+  continuation, step boundaries for a drain, and ``journaled``: every step (generate, complete, observe,
+  once) replayed from the journal or run live, then recorded)
+* ``trajectory``: ``SessionTrajectory``, one token sequence of an episode (tokens, mask, log-probs, versions
+  and spans appended together)
+* ``episode_runtime``: what all episodes of a producer share: ``EpisodeRuntime`` (engine slots held per
+  request, named limits, counters, request ages, the resume wait) and ``EpisodeLimits``
+* ``slots``: ``Slots``, the weighted counting semaphore of engine slots and named limits. Per-request work
+  is kept out of the session: the producer's ``SamplingParams`` and its engine mapping are built once, a group's
   episode facts (metadata view, prompt ids, prompt source) once per group, a call that was one unaborted
   request takes the reply's arrays as its ``Turn``'s (no copy), and a trajectory JSON-encodes each of its
   token ids once (``engine.ids_json.IdsJson``), not again with every turn
@@ -137,10 +142,10 @@ Modules, one concern each:
 
 from .engine import EngineClient, EngineSettings
 from .episode import Episode, GenerateFunction
+from .episode_runtime import EpisodeLimits
 from .feeder import Feeder, FeedSettings, feed, load_jsonl
 from .rewards import RewardFunction, load_reward
 from .rollout import Rollout
-from .session import EpisodeLimits
 from .settings import EpisodeSettings, ProducerSettings
 from .telemetry import Metrics
 from .worker import Producer

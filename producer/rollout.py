@@ -64,11 +64,12 @@ from .checks import as_samples, check_sample
 from .durable import EpisodeLog, PromptJournal
 from .engine import EngineClient, route_key
 from .episode import EpisodeInfo, GenerateFunction, SamplingParams
+from .episode_runtime import EpisodeRuntime
 from .outcomes import FailureLog, failed, rejected, to_sample
 from .plugin import single_turn
 from .replay import with_routed_experts
 from .rewards import RewardFunction
-from .session import EpisodeRuntime, EpisodeSession
+from .session import EpisodeSession
 from .settings import EpisodeSettings
 from .teacher import TeacherScorer
 from .telemetry import Metrics

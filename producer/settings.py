@@ -18,7 +18,7 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.settings_fields import branch, option, set_by
 
 from .episode import GenerateFunction
-from .session import EpisodeLimits
+from .episode_runtime import EpisodeLimits
 
 LONG_REQUEST_AFTER = 600.0
 """Default seconds after which an engine request in flight counts as long (heartbeat, inspect)."""

@@ -87,13 +87,13 @@ from .capacity import Work, WorkTable
 from .drain import cancel_and_wait, shutdown
 from .durable import PromptJournal
 from .engine import EngineClient
+from .episode_runtime import RESUME_POLL
 from .outcomes import FailureLog
 from .pulse import Pulse
 from .reclaim import Reclaimer
 from .renewal import Renewer
 from .rewards import RewardFunction
 from .rollout import Rollout
-from .session import RESUME_POLL
 from .settings import ProducerSettings
 from .shared_limits import SharedLimits
 from .teacher import TeacherScorer

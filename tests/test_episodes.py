@@ -18,14 +18,14 @@ import pytest
 from conftest import wait_until
 from rollstream.common.errors import ConfigError, GenerateBroken
 from rollstream.common.models import Group, Prompt, Sample, Status
-from rollstream.common.protocol import parse_limit
+from rollstream.common.protocol import parse_limit, parse_limits
 from rollstream.producer.checks import check_sample
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.episode import Episode, SamplingParams
+from rollstream.producer.episode_runtime import EpisodeLimits
 from rollstream.producer.plugin import load_generate
 from rollstream.producer.rewards import PythonReward
 from rollstream.producer.rollout import Rollout, single_turn
-from rollstream.producer.session import EpisodeLimits, parse_limits
 from rollstream.producer.settings import EpisodeSettings
 from rollstream.testing.sim import SimConfig, SimEngine
 from rollstream.testing.sim.simulator import detokenize, tokenize

@@ -19,7 +19,7 @@ from rollstream.common.keys import Keys, StateField
 from rollstream.common.protocol import NamespaceLimits, parse_limit, parse_rate
 from rollstream.consumer import GroupConsumer
 from rollstream.ops.snapshot import snapshot
-from rollstream.producer.session import EpisodeLimits, EpisodeRuntime
+from rollstream.producer.episode_runtime import EpisodeLimits, EpisodeRuntime
 from rollstream.producer.shared_limits import SharedLimits
 from rollstream.testing.sim import SimEngine
 from test_episodes_pipeline import heartbeat
