@@ -303,3 +303,56 @@ async def test_a_duplicate_publish_frees_its_own_objects(
 
 async def _at_least(redis: Redis, ns: str, name: str, n: int) -> bool:
     return await counter(redis, ns, name) >= n
+
+
+async def test_a_resumed_episode_reads_its_journal_steps_from_the_store(
+    redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Durable episodes with a payload store: the steps (replies with their routing rows) are
+    objects, the journal holds references; the producer that takes the prompt over after the
+    first is stopped reads them back and asks the engine nothing; the journal's objects go with
+    the publish."""
+    from rollstream.testing.sim.simulator import routed_expert
+    from test_durable_episodes import _tool_lines, fn
+    from test_payload_pipeline import held
+
+    layers, topk, experts = moe = (4, 2, 16)
+    store = tmp_path / "store"
+    tool_log = tmp_path / "tools.log"
+    await make_namespace(redis, ns, n_samples_per_prompt=1, batch_size=1, lease_seconds=3.0, durable_episodes=True,
+                         payload_store=f"fs://{store}", payload_min_bytes=64)
+    await add_prompts(redis, ns, 1, text="Compute 2 + 2.")
+    monkeypatch.setenv("TOOL_LOG", str(tool_log))
+    monkeypatch.setenv("BLOCK_AT", "end")
+    r3 = ("--generate", fn("turns_then_tool"), "--routed-experts", "x".join(map(str, moe)))
+    keys = Keys(ns)
+    async with SimEngine(SimConfig(seed=1, mean_tokens=16, latency_per_token=0.001, accuracy=0.5, moe=moe)) as sim:
+        first = procs.producer(redis_url, ns, sim.url, *r3, name="a")
+        await wait_until(lambda: _true(any(rest == "final tool" for _, rest in _tool_lines(tool_log))), 60,
+                         message="every engine call journaled, in the last tool")
+        journal = await redis.hgetall(keys.episode(0, 0))
+        refs = [v for k, v in journal.items() if k.startswith(b"0:") and v.startswith(b"\xc1")]
+        assert refs and sorted(journal[b"objects"].decode().split()) == objects_in(store)
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(first.wait, 30) == 0, procs.log_of(first)
+        monkeypatch.delenv("BLOCK_AT")
+        calls = sim.state.requests
+        procs.producer(redis_url, ns, sim.url, *r3, name="b")
+        async with await GroupConsumer.connect(redis_url, ns, "trainer") as consumer:
+            async with asyncio.timeout(90):
+                batch = await consumer.take(1)
+            (group,) = batch.groups
+            (sample,) = group.samples
+            assert group.producer == "b" and sample.routed_experts is not None
+            want = [[[routed_expert(int(t), layer, k, experts) for k in range(topk)] for layer in range(layers)]
+                    for t in sample.tokens[:-1]]
+            assert sample.routed_experts.tolist() == want  # the rows read back from the store
+            await consumer.commit(batch)
+        assert sim.state.requests == calls == 3  # b asked the engine nothing
+    assert not await redis.exists(keys.episode(0, 0))
+    await wait_until(lambda: _true(not objects_in(store)), 30, message="the journal's and group's objects freed")
+    await wait_until(lambda: _true_async(held(redis, ns), (0, 0, 0, 0)), 30, message="the ledgers empty")
+
+
+async def _true_async(value: Any, want: Any) -> bool:
+    return await value == want
