@@ -178,15 +178,12 @@ class EpisodeRuntime:
             return self._sampling_params
         return _sampling_dict(sampling)
 
-    def episode_started(self) -> None:
-        """An episode entered its generate function (the caller takes ``episodes`` down again)."""
+    @contextlib.contextmanager
+    def episode(self) -> Iterator[None]:
+        """Around an episode's generate function: counted in ``episodes`` (and its peak) meanwhile."""
         self.episodes += 1
         if self.episodes > self.episodes_peak:
             self.episodes_peak = self.episodes
-
-    @contextlib.contextmanager
-    def episode(self) -> Iterator[None]:
-        self.episode_started()
         try:
             yield
         finally:

@@ -428,16 +428,15 @@ class Rollout:
             session.task = asyncio.current_task()
             runtime.sessions.add(session)
         try:
-            runtime.episode_started()
-            try:
-                if timeout is None:
-                    result = await fn(session)
-                else:
-                    async with asyncio.timeout(timeout) as scope:
+            with runtime.episode():
+                try:
+                    if timeout is None:
                         result = await fn(session)
-            finally:
-                runtime.episodes -= 1
-                runtime.sessions.discard(session)
+                    else:
+                        async with asyncio.timeout(timeout) as scope:
+                            result = await fn(session)
+                finally:
+                    runtime.sessions.discard(session)
             if session.drained:  # the user's code caught EpisodeDrained and returned
                 raise EpisodeDrained(f"{where}: stopped by the drain")
             samples = as_samples(result)
@@ -451,24 +450,8 @@ class Rollout:
                 raise session.fatal from None
             if session.drained or isinstance(exc, EpisodeDrained):
                 raise EpisodeDrained(f"{where}: stopped by the drain") from None
-            if isinstance(exc, EpisodeAborted):
-                aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
-                return [with_routed_experts(aborted, session.main.generations, prefix)]
-            if isinstance(exc, EngineRejected):  # the engine refused a request (or the prompt cannot be sent)
-                self._engine_refused(prompt, exc)
-                return [rejected(member, prompt_ids, exc)]
-            if isinstance(exc, TimeoutError) and scope is not None and scope.expired():
-                self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
-                self.metrics.error("episode_deadline")
-                reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
-                self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
-                return [failed(member, prompt_ids, reason, "deadline")]
-            if isinstance(exc, InvalidResult):
-                return [self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")]
-            if isinstance(exc, EngineError):
-                raise  # an engine that keeps failing is fatal, as in the single-turn rollout
-            # the user's code or a tool raised: this sample fails, not the producer
-            return [self._function_failed(where, member, prompt_ids, "exception", _describe(exc))]
+            expired = scope is not None and scope.expired()
+            return [self._sample_of_failure(exc, session, prompt, member, prompt_ids, prefix, where, expired)]
         if session.fatal is not None:
             raise session.fatal
         if session.aborted:  # an abort the user's code caught: the episode is ABORTED all the same
@@ -483,6 +466,33 @@ class Rollout:
         if len(samples) == 1 and session.main.generations:  # the engine's arrays of the main trajectory
             samples = [with_routed_experts(samples[0], session.main.generations, prefix)]
         return samples
+
+    def _sample_of_failure(
+        self, exc: Exception, session: EpisodeSession, prompt: Prompt, member: int, prompt_ids: array[int] | None,
+        prefix: Sample | None, where: str, expired: bool,
+    ) -> Sample:
+        """The sample an episode whose function raised ``exc`` ends as (``expired``: its deadline
+        passed); an engine that keeps failing is raised again (fatal, as in the single-turn rollout)."""
+        match exc:
+            case EpisodeAborted():
+                aborted = replace(session.sample, status=Status.ABORTED, finish_reason="abort")
+                return with_routed_experts(aborted, session.main.generations, prefix)
+            case EngineRejected():  # the engine refused a request (or the prompt cannot be sent)
+                self._engine_refused(prompt, exc)
+                return rejected(member, prompt_ids, exc)
+            case TimeoutError() if expired:
+                self.episodes_failed += 1  # not counted against the function: a deadline may be the load's
+                self.metrics.error("episode_deadline")
+                timeout = self.settings.limits.episode_timeout
+                reason = f"episode deadline: not done within {timeout:g} s (--episode-timeout)"
+                self.failures.report("episode:deadline", f"{where}: sample failed: {reason}")
+                return failed(member, prompt_ids, reason, "deadline")
+            case InvalidResult():
+                return self._function_failed(where, member, prompt_ids, "invalid", f"invalid result: {exc}")
+            case EngineError():
+                raise exc
+            case _:  # the user's code or a tool raised: this sample fails, not the producer
+                return self._function_failed(where, member, prompt_ids, "exception", _describe(exc))
 
     def _function_failed(
         self, where: str, member: int, prompt_ids: array[int] | None, kind: str, reason: str

@@ -68,7 +68,7 @@ from rollstream.common.eval_lane import EVAL_KEY, eval_settings, strip_eval_mark
 from rollstream.common.events import START, now_ms, record_event
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
-from rollstream.common.models import Prompt, Status
+from rollstream.common.models import Group, Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
@@ -423,103 +423,121 @@ class Producer:
     # -- one prompt ---------------------------------------------------------------------
 
     async def _run_work(self, work: Work) -> None:
-        finished = False
+        """One prompt, from its entry to its last script (a publish or a dead letter), when it is
+        dropped; one stopped by the drain (or a fatal error) stays held, and the shutdown returns it."""
         try:
-            try:
-                prompt = decode_prompt_entry(work.fields, DEFAULT_LIMITS)
-            except DecodeError as exc:
-                await self._dead_letter_prompt(work, f"{exc.reason}: {exc.detail}")
-                finished = True
-                return
-            if work.stream != self.keys.eval_prompts and strip_eval_mark(prompt.metadata):
-                # eval settings are the eval lane's alone: a training row must not steer its sampling
-                self.eval_marks_stripped += 1
-                self._stripped_log.report(
-                    "eval_mark",
-                    f"prompt {prompt.index}: a training prompt carried metadata[{EVAL_KEY!r}] (reserved for the "
-                    f"eval lane): ignored and stripped ({self.eval_marks_stripped} so far)",
-                )
-            work.prompt = prompt
-            started_ms = now_ms()
-            if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)
-                prompt.admitted_ms = started_ms
-            work.prepared = self.rollout.prepare(prompt, work.version)  # warm pools: ahead of the episodes
-            if work.warming:  # admitted beyond the concurrency: wait for room
-                if not await self.table.capacity.take(self.config.n_samples_per_prompt, self.table.stopping):
-                    return  # draining: the shutdown returns it and releases what it prepared
-                work.held, work.warming = self.config.n_samples_per_prompt, False
-                self.table.done_warming(work)
-            journal = await self._journal(work, prompt) if self.durable else None
-            try:
-                group = await self.rollout.run(
-                    prompt, work.version, lambda k: self.table.sample_done(work, k), journal, work.prepared
-                )
-            except EpisodeDrained:
-                self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
-                return
-            group.generated_ms = max(1, now_ms() - started_ms)
-            if group.status == Status.ABORTED and await self._outage.run(
-                lambda: self.control.updated_since(work.version)
-            ):
-                # The engine aborted during a weight update: the pipeline's cadence, the attempt is kept.
-                mark_weight_update(group)
-            if (dead := exhausted(group, self.config)) is not None:
-                # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
-                reason, last = dead
-                self.log.warning(
-                    "prompt %d dead-lettered after %d attempts: %s",
-                    last.index, last.attempt, "; ".join(last.history),
-                )
-                if await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False):
-                    await self._outage.run(lambda: self.monitor.add_bias(bias.deltas(group, "dead")))
-                finished = True
-                return
-            objects: list[StoreObject] = []
-            if self.plane is not None and work.stream != self.keys.eval_prompts:
-                # arrays past --payload-min-bytes go to the store (the eval lane keeps its inline)
-                fields, objects = group_fields_offloaded(group, self.config.payload_min_bytes, self.plane.new_key)
-            else:
-                fields = group_fields(group)
-            if work.stream == self.keys.eval_prompts:  # the eval lane: its name and the trainer's step beside
-                lane = eval_settings(prompt)
-                step = await self._outage.run(self.prompts.trained_steps)
-                fields = {**fields, "eval": lane.name if lane is not None else "", "step": step}
-            if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
-                await self._dead_letter_prompt(work, too_large)
-                finished = True
-                return
-            if objects:
-                await self._put_objects(objects)  # before PUBLISH: a published group's objects exist
-                fault_points.reached("after_put")
-            work.finishing = True
-            refs = [o.ref for o in objects]
-            result = await self._outage.run(
-                lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work), refs)
-            )
-            finished = True
-            if objects:
-                fault_points.reached("after_publish")
-            if result is None:
-                self.table.duplicates += 1
-                self.log.warning(
-                    "prompt %d was taken over by another producer; duplicate group discarded",
-                    prompt.index,
-                )
-                if objects:  # PUBLISH queued them to be freed: nothing refers to them
-                    await self._free_objects()
-            else:
-                self.table.published += 1
-                self.pulse.group_published()
-                self.metrics.group_published(group)
+            await self._work_through(work)
         except Exception as exc:  # an engine that keeps failing, a broken reward, ...: fatal
             self.table.fail(exc)
         finally:
-            if finished:  # otherwise the prompt stays listed, and the shutdown returns it
-                self.table.drop(work)
-                await self.table.release_prepared(work)
-            else:
+            if work.prompt_id in self.table:  # not ended: it stays listed, and the shutdown returns it
                 work.finishing = False
+            else:
+                await self.table.release_prepared(work)
             self.table.give_back_units(work)
+
+    async def _work_through(self, work: Work) -> None:
+        try:
+            prompt = decode_prompt_entry(work.fields, DEFAULT_LIMITS)
+        except DecodeError as exc:
+            await self._dead_letter_prompt(work, f"{exc.reason}: {exc.detail}")
+            self.table.drop(work)
+            return
+        if work.stream != self.keys.eval_prompts and strip_eval_mark(prompt.metadata):
+            # eval settings are the eval lane's alone: a training row must not steer its sampling
+            self.eval_marks_stripped += 1
+            self._stripped_log.report(
+                "eval_mark",
+                f"prompt {prompt.index}: a training prompt carried metadata[{EVAL_KEY!r}] (reserved for the "
+                f"eval lane): ignored and stripped ({self.eval_marks_stripped} so far)",
+            )
+        work.prompt = prompt
+        started_ms = now_ms()
+        if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)
+            prompt.admitted_ms = started_ms
+        work.prepared = self.rollout.prepare(prompt, work.version)  # warm pools: ahead of the episodes
+        if work.warming:  # admitted beyond the concurrency: wait for room
+            if not await self.table.capacity.take(self.config.n_samples_per_prompt, self.table.stopping):
+                return  # draining: the shutdown returns it and releases what it prepared
+            work.held, work.warming = self.config.n_samples_per_prompt, False
+            self.table.done_warming(work)
+        journal = await self._journal(work, prompt) if self.durable else None
+        try:
+            group = await self.rollout.run(
+                prompt, work.version, lambda k: self.table.sample_done(work, k), journal, work.prepared
+            )
+        except EpisodeDrained:
+            self.log.info("prompt %d stopped by the drain; its journal goes back with it", prompt.index)
+            return
+        group.generated_ms = max(1, now_ms() - started_ms)
+        if group.status == Status.ABORTED and await self._outage.run(
+            lambda: self.control.updated_since(work.version)
+        ):
+            # The engine aborted during a weight update: the pipeline's cadence, the attempt is kept.
+            mark_weight_update(group)
+        if (dead := exhausted(group, self.config)) is not None:
+            # No take() would accept it (past max_attempts): dead-lettered here, not left in the backlog.
+            reason, last = dead
+            self.log.warning(
+                "prompt %d dead-lettered after %d attempts: %s",
+                last.index, last.attempt, "; ".join(last.history),
+            )
+            if await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False):
+                await self._outage.run(lambda: self.monitor.add_bias(bias.deltas(group, "dead")))
+            self.table.drop(work)
+            return
+        fields, objects = await self._group_fields(work, prompt, group)
+        if (too_large := group_too_large(fields, self.config.max_group_bytes)) is not None:
+            await self._dead_letter_prompt(work, too_large)
+            self.table.drop(work)
+            return
+        await self._publish(work, prompt, group, fields, objects)
+
+    async def _group_fields(
+        self, work: Work, prompt: Prompt, group: Group
+    ) -> tuple[dict[str, Any], list[StoreObject]]:
+        """The group's stream fields, and the payload objects its arrays went to (a store, not the
+        eval lane); an eval-lane group carries its eval's name and the trainer's step."""
+        objects: list[StoreObject] = []
+        if self.plane is not None and work.stream != self.keys.eval_prompts:
+            # arrays past --payload-min-bytes go to the store (the eval lane keeps its inline)
+            fields, objects = group_fields_offloaded(group, self.config.payload_min_bytes, self.plane.new_key)
+        else:
+            fields = group_fields(group)
+        if work.stream == self.keys.eval_prompts:  # the eval lane: its name and the trainer's step beside
+            lane = eval_settings(prompt)
+            step = await self._outage.run(self.prompts.trained_steps)
+            fields = {**fields, "eval": lane.name if lane is not None else "", "step": step}
+        return fields, objects
+
+    async def _publish(
+        self, work: Work, prompt: Prompt, group: Group, fields: dict[str, Any], objects: list[StoreObject]
+    ) -> None:
+        """Put the group's objects, then PUBLISH it (XACK-checked: a prompt taken over by another
+        producer is discarded as a duplicate); the prompt is dropped once the script returned."""
+        if objects:
+            await self._put_objects(objects)  # before PUBLISH: a published group's objects exist
+            fault_points.reached("after_put")
+        work.finishing = True
+        refs = [o.ref for o in objects]
+        result = await self._outage.run(
+            lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work), refs)
+        )
+        self.table.drop(work)
+        if objects:
+            fault_points.reached("after_publish")
+        if result is None:
+            self.table.duplicates += 1
+            self.log.warning(
+                "prompt %d was taken over by another producer; duplicate group discarded",
+                prompt.index,
+            )
+            if objects:  # PUBLISH queued them to be freed: nothing refers to them
+                await self._free_objects()
+        else:
+            self.table.published += 1
+            self.pulse.group_published()
+            self.metrics.group_published(group)
 
     async def _put_objects(self, objects: list[StoreObject]) -> None:
         """Put a group's payload objects (their intents first). A full or unreachable store is
