@@ -87,22 +87,32 @@ class Keys:
 
     @property
     def payload_intents(self) -> str:
-        """Sorted set: payload store key -> deadline (ms) of an object a producer is putting and
-        has not published yet (written before the put); past its deadline it is an orphan (the
-        producer died between put and publish) and the reclaim turn's sweep frees it."""
+        """Sorted set: a group's object set (its member, :func:`~.payload.refs.group_member`) ->
+        deadline (ms), of objects a producer is putting and has not published yet (written before
+        the put); past its deadline they are orphans (the producer died between put and publish)
+        and the reclaim turn's sweep frees them. One member per group, whatever its sample count."""
         return f"{self.base}:payload:intents"
 
     @property
     def payload_held(self) -> str:
-        """Hash: payload store key -> bytes, of every object an entry refers to (a group in the
-        group stream, a dead letter, an archive record); PUBLISH turns an intent into a claim here."""
+        """Hash: a group's object set (member) -> its bytes, of every object set an entry refers
+        to (a group in the group stream, a dead letter, an archive record); PUBLISH turns an
+        intent into a claim here."""
         return f"{self.base}:payload:held"
 
     @property
+    def payload_refs(self) -> str:
+        """Hash: group entry id -> its object set (member), of every entry of the group stream
+        that refers to objects: written by PUBLISH, read and deleted by the fate script that takes
+        the entry out (ACK_DELETE, MOVE), so no fate reads the entry itself back into Lua."""
+        return f"{self.base}:payload:refs"
+
+    @property
     def payload_free(self) -> str:
-        """Sorted set: payload store key -> when it was queued, of objects nothing refers to any
-        more (moved here by the script of the fate that released them); a later step deletes them
-        from the store and removes only the keys the store confirmed gone."""
+        """Sorted set: a group's object set (member) -> when it was queued, of objects nothing
+        refers to any more (moved here by the script of the fate that released them); a later
+        step deletes its keys from the store and removes the member only once the store confirmed
+        every key gone."""
         return f"{self.base}:payload:free"
 
     @property
@@ -319,6 +329,7 @@ class Keys:
             self.group_bytes,
             self.payload_intents,
             self.payload_held,
+            self.payload_refs,
             self.payload_free,
             self.archive,
             self.sources,
@@ -457,8 +468,9 @@ class StateField:
     """Bytes of the payload store's objects that entries refer to (``Keys.payload_held``'s sum),
     kept by PUBLISH and the fate scripts; also inside ``group_bytes`` for the groups' objects."""
     PAYLOAD_SWEPT = "payload_orphans_swept"
-    """Objects freed by the sweep because no entry claimed them by their deadline (a producer that
-    died between put and publish)."""
+    """Object sets (one per group) freed by the sweep because no entry claimed them by their
+    deadline (a producer that died between put and publish), or that no ledger knew (the full
+    sweep)."""
     PAYLOAD_FREED = "payload_freed"
     """Objects the store confirmed deleted after their last reference went."""
     PAYLOAD_READ_FAILURES = "payload_read_failures"

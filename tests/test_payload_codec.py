@@ -51,8 +51,8 @@ def test_big_arrays_leave_the_entry_and_come_back_through_attach() -> None:
     group = r3_group()
     routed = group.samples[0].routed_experts.nbytes  # type: ignore[union-attr]
     fields, objects = group_fields_offloaded(group, routed, keys())
-    assert [o.ref.key for o in objects] == ["ns/obj-0", "ns/obj-1"]  # one object per sample
-    assert fields["objects"] == 2 and fields["refs"] == "ns/obj-0 ns/obj-1"
+    assert [o.ref.key for o in objects] == ["ns/obj-0-2.0", "ns/obj-0-2.1"]  # one object per sample, one base
+    assert fields["objects"] == 2 and fields["refs"] == "ns/obj-0-2"  # the group's one ledger member
     assert fields["store_bytes"] == sum(o.ref.size for o in objects) == 2 * routed
     assert int(fields["bytes"]) == len(fields["data"]) < routed  # the teacher log-probs stayed (below the bar)
     decoded = decode_group_entry(raw_fields(fields), views=True)
@@ -63,7 +63,7 @@ def test_big_arrays_leave_the_entry_and_come_back_through_attach() -> None:
     decoded.payload.attach(decoded, buffers)
     view = decoded.samples[1].routed_experts.numpy()  # type: ignore[union-attr]
     assert view.shape == (200, 48, 8) and view.dtype == np.uint8
-    assert np.shares_memory(view, np.frombuffer(buffers["ns/obj-1"], dtype=np.uint8))  # no copy
+    assert np.shares_memory(view, np.frombuffer(buffers["ns/obj-0-2.1"], dtype=np.uint8))  # no copy
     decoded.payload = None
     assert decoded == group
 

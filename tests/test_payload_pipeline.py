@@ -16,6 +16,7 @@ from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Group
+from rollstream.common.payload.refs import member_keys
 from rollstream.common.protocol.objects import PayloadLedger
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim.simulator import SimConfig, SimEngine, routed_expert
@@ -71,12 +72,12 @@ async def test_arrays_live_in_the_store_and_commit_frees_them(
     keys = Keys(ns)
     await wait_until(lambda: _xlen_is(redis, keys.groups, 4), 30, message="4 groups published")
     entries = await redis.xrange(keys.groups)
-    refs = [k for _, f in entries for k in f[b"refs"].decode().split()]
+    refs = [k for _, f in entries for k in member_keys(f[b"refs"].decode())]
     assert all(int(f[b"objects"]) == 2 for _, f in entries)  # one object per sample
     assert objects_in(store) == sorted(refs) and len(refs) == 8
     store_bytes = sum(int(f[b"store_bytes"]) for _, f in entries)
     assert all(int(f[b"bytes"]) < int(f[b"store_bytes"]) for _, f in entries)  # the bulk left Redis
-    assert await held(redis, ns) == (8, store_bytes, 0, 0)
+    assert await held(redis, ns) == (4, store_bytes, 0, 0)  # one ledger member per group
     assert int(await redis.hget(keys.state, StateField.GROUP_BYTES) or 0) >= store_bytes  # the byte budget counts them
     async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
         async with asyncio.timeout(30):
@@ -143,7 +144,7 @@ async def test_the_archive_holds_the_objects_until_archived(
             batch = await consumer.take(2)
         trained = {g.index: g for g in batch.groups}
         assert await consumer.commit(batch) == 2
-    assert len(objects_in(store)) == 4 and (await held(redis, ns))[0] == 4  # the archive records hold them
+    assert len(objects_in(store)) == 4 and (await held(redis, ns))[0] == 2  # the archive records hold them
     blocking = connect(redis_url, block_ms=1000)
     archiver = Archiver(redis, blocking, ArchiveSettings(namespace=ns, out=tmp_path / "archive", flush_seconds=0.05,
                                                          keep_arrays=keep_arrays))
@@ -211,9 +212,9 @@ async def test_a_dead_letter_keeps_a_raw_groups_objects_until_dropped(
     [dead] = await dead_entries(redis, keys)
     assert dead.prompt is None and dead.index == 0
     [(_, raw)] = await redis.xrange(keys.dead)
-    assert raw[b"refs"].decode().split() == published[0]
+    assert member_keys(raw[b"refs"].decode()) == published[0]
     assert objects_in(store) == sorted(published[0])  # the dead letter's objects stay, the trained one's went
-    assert (await held(redis, ns))[0] == len(published[0])
+    assert (await held(redis, ns))[0] == 1
     assert await drop_dead(redis, keys, [dead.id]) == 1
     assert await plane.free() == len(published[0])
     assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
@@ -230,6 +231,7 @@ async def test_the_full_sweep_frees_what_no_entry_refers_to_and_ns_delete_emptie
     from rollstream.common.keys import PRODUCERS_GROUP
     from rollstream.common.models import Prompt
     from rollstream.common.payload.plane import PayloadPlane
+    from rollstream.common.payload.refs import group_member
     from rollstream.common.protocol import PromptQueue
     from rollstream.ops import delete_payload_objects
     from rollstream.testing.samples import full_group
@@ -249,15 +251,15 @@ async def test_the_full_sweep_frees_what_no_entry_refers_to_and_ns_delete_emptie
         entries.append((await queue.publish(keys.prompts, prompt_id, fields, None, [o.ref for o in objects]),
                         [o.ref.key for o in objects]))
     _, being_put = group_fields_offloaded(full_group(n=2, index=9), 64, plane.new_key)
-    await plane.ledger.intend([o.ref.key for o in being_put], 2**62)  # a put under way: its intent first
+    await plane.ledger.intend([group_member([o.ref.key for o in being_put])], 2**62)  # a put under way: its intent first
     await plane.store.put(being_put[0].ref.key, being_put[0].parts)
     (gone_id, gone_keys), (_, kept_keys) = entries
     await redis.xdel(keys.groups, gone_id)  # its entry and its claims lost with Redis' data
-    await redis.hdel(keys.payload_held, *gone_keys)
-    assert await plane.reconcile() == len(gone_keys)
+    await redis.hdel(keys.payload_held, group_member(gone_keys))
+    assert await plane.reconcile() == 1  # the lost group's one object set
     assert objects_in(store) == sorted([*kept_keys, being_put[0].ref.key])
     assert await plane.reconcile() == 0
-    assert int(await redis.hget(keys.state, StateField.PAYLOAD_SWEPT) or 0) == len(gone_keys)
+    assert int(await redis.hget(keys.state, StateField.PAYLOAD_SWEPT) or 0) == 1
     assert await delete_payload_objects(redis, keys) == len(kept_keys) + 1
     assert objects_in(store) == []
 
@@ -365,7 +367,7 @@ async def test_the_pipeline_on_mooncake(
     keys = Keys(ns)
     await wait_until(lambda: _xlen_is(redis, keys.groups, 4), 60, message="4 groups published")
     entries = await redis.xrange(keys.groups)
-    refs = sorted(k for _, f in entries for k in f[b"refs"].decode().split())
+    refs = sorted(k for _, f in entries for k in member_keys(f[b"refs"].decode()))
     store = open_store(mooncake.url)
     try:
         assert sorted([k async for k, _ in store.list(f"{ns}/")]) == refs

@@ -13,7 +13,7 @@ import msgpack
 
 from ..arrays import Packed
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
-from ..payload.refs import Buffer, ObjectRef, checksum
+from ..payload.refs import Buffer, ObjectRef, checksum, object_keys
 from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind
 from .wire import OFFLOAD_VERSION, V3_SAMPLE_KEYS, le_bytes
 
@@ -138,7 +138,7 @@ def encode_group_offloaded(
     refs (``objs``), and the entry is version 4 (an older build refuses it instead of reading a
     sample without its arrays). No array large enough: the bytes :func:`encode_group` writes."""
     samples = [_sample_to_wire(s) for s in group.samples]
-    objects: list[StoreObject] = []
+    found: list[tuple[int, list[Buffer]]] = []
     for wire in samples:
         moved: dict[str, list[Any]] = {}
         parts: list[Buffer] = []
@@ -163,8 +163,15 @@ def encode_group_offloaded(
             offset += size
             del wire[f.key]
         if moved:
-            wire["ofl"] = [len(objects), moved]
-            objects.append(StoreObject(ObjectRef(new_key(), offset, checksum(parts)), parts))
+            wire["ofl"] = [len(found), moved]
+            found.append((offset, parts))
+    objects: list[StoreObject] = []
+    if found:
+        keys = object_keys(new_key(), len(found))
+        objects = [
+            StoreObject(ObjectRef(key, size, checksum(parts)), parts)
+            for key, (size, parts) in zip(keys, found, strict=True)
+        ]
     obj = _group_to_wire(group, samples)
     if objects:
         obj["v"] = OFFLOAD_VERSION

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import DecodeError
 from ..models import Group, Prompt
+from ..payload.refs import group_member
 from ..redis_values import RawFields, utf8
 from .decode import decode_group, decode_prompt
 from .encode import StoreObject, encode_group, encode_group_offloaded, encode_prompt
@@ -55,15 +56,16 @@ def group_fields_offloaded(
     """:func:`group_fields` with the arrays of at least ``min_bytes`` left out
     (:func:`~.encode.encode_group_offloaded`), and the objects to put before publishing. Beside
     ``bytes`` (the entry's own data), plain fields say where the rest is: ``objects`` (how many),
-    ``store_bytes`` (their bytes) and ``refs`` (their keys, space-separated: what the fate
-    scripts free, in Lua, without msgpack). No array large enough: exactly :func:`group_fields`."""
+    ``store_bytes`` (their bytes) and ``refs`` (the group's object set as one ledger member,
+    :func:`~..payload.refs.group_member`: what the fate scripts free, in Lua, without msgpack).
+    No array large enough: exactly :func:`group_fields`."""
     data, objects = encode_group_offloaded(group, min_bytes, new_key)
     fields = group_fields(group, data)
     if objects:
         fields = {k: v for k, v in fields.items() if k != "data"}
         fields.update({
             "objects": len(objects), "store_bytes": sum(o.ref.size for o in objects),
-            "refs": " ".join(o.ref.key for o in objects), "data": data,
+            "refs": group_member([o.ref.key for o in objects]), "data": data,
         })
     return fields, objects
 

@@ -8,8 +8,12 @@ with both, in the order that keeps exactly once:
 * **fetch** (trainer): each object read as a buffer (``fs``: a map of the file) and its CRC-32
   checked; any failure is a :class:`~..errors.PayloadError` naming the store and the key.
 * **free** (trainer after a commit, producers' reclaim turn): the objects the fate scripts
-  released are deleted from the store, and only the keys the store confirmed gone leave the
-  to-free set (Mooncake refuses under a read lease: tried again next time).
+  released are deleted from the store, key by key, and a group's set leaves the to-free set only
+  once the store confirmed every key of it gone (Mooncake refuses under a read lease: the set is
+  tried again next time; a key already gone counts as gone).
+
+The ledgers hold one member per group (its object set, :func:`~.refs.group_member`), so a
+group's intent, claim, release and free cost one Redis command each whatever its sample count.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ from ..errors import PayloadCorrupt, PayloadError
 from ..events import now_ms
 from ..keys import Keys
 from ..protocol.objects import PayloadLedger
-from .refs import GroupPayload, ObjectRef
+from .refs import GroupPayload, ObjectRef, group_member, member_keys
 from .store import PayloadStore, open_store
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FREE_BATCH = 500
-"""Objects one free step deletes (the rest wait for the next step)."""
+FREE_BATCH = 100
+"""Object sets (groups) one free step deletes (the rest wait for the next step)."""
 FETCH_CONCURRENCY = 8
 """Objects one fetch reads and checks at once."""
 RECONCILE_INTERVAL_S = 600.0
@@ -93,7 +97,8 @@ class PayloadPlane:
         return self.store.url
 
     def new_key(self) -> str:
-        """A fresh object key, under the namespace's prefix (the sweep's listing)."""
+        """A fresh base key, under the namespace's prefix (the sweep's listing): a group's
+        objects are named from it (:func:`~.refs.object_keys`)."""
         return self._prefix + secrets.token_hex(16)
 
     async def put(self, objects: Sequence[StoreObject]) -> None:
@@ -101,16 +106,16 @@ class PayloadPlane:
         abandoned (queued to free) and the error raised."""
         if not objects:
             return
-        keys = [o.ref.key for o in objects]
-        await self.ledger.intend(keys, now_ms() + self.intent_ms)
+        members = [group_member([o.ref.key for o in objects])]
+        await self.ledger.intend(members, now_ms() + self.intent_ms)
         try:
             done = await asyncio.gather(*(self.store.put(o.ref.key, o.parts) for o in objects), return_exceptions=True)
             for value in done:
                 _result(value)
-            await self.ledger.intend(keys, now_ms() + self.intent_ms)  # a slow put keeps its full deadline
+            await self.ledger.intend(members, now_ms() + self.intent_ms)  # a slow put keeps its full deadline
         except BaseException:
             try:
-                await self.ledger.abandon(keys, now_ms())
+                await self.ledger.abandon(members, now_ms())
                 await self.free()
             except Exception as cleanup:  # the sweep frees them after the deadline
                 logger.warning("payload store %s: could not free abandoned objects now: %s", self.url, cleanup)
@@ -156,29 +161,35 @@ class PayloadPlane:
                 raise PayloadCorrupt(self.url, ref.key, f"holds {size} bytes, its entry says {ref.size}")
 
     async def free(self, rounds: int = 1) -> int:
-        """Delete released objects from the store (``rounds`` steps of :data:`FREE_BATCH`); the
-        number confirmed gone. A store error is logged and left for the next time."""
+        """Delete released objects from the store (``rounds`` steps of :data:`FREE_BATCH` sets);
+        the number of objects confirmed gone. A set leaves the to-free ledger once all its keys
+        are confirmed gone; a store error is logged and left for the next time."""
         total = 0
         for _ in range(rounds):
-            keys = await self.ledger.to_free(FREE_BATCH)
-            if not keys:
+            members = await self.ledger.to_free(FREE_BATCH)
+            if not members:
                 break
+            sets = {member: member_keys(member) for member in members}
             try:
-                gone = await self.store.delete(keys)
+                gone = set(await self.store.delete([key for keys in sets.values() for key in keys]))
             except PayloadError as exc:
                 logger.warning("payload store %s: deleting released objects failed: %s", self.url, exc)
                 break
-            total += await self.ledger.freed(gone)
-            if len(gone) < len(keys):
+            done = [member for member, keys in sets.items() if gone.issuperset(keys)]
+            objects = sum(len(sets[member]) for member in done)
+            await self.ledger.freed(done, objects)
+            total += objects
+            if len(done) < len(members):
                 break  # some refused (a read lease): next time
         return total
 
     async def sweep(self) -> int:
-        """Free the objects whose intent passed its deadline unpublished; the number swept."""
+        """Free the objects whose intent passed its deadline unpublished; the number of object
+        sets (groups) swept."""
         swept = await self.ledger.sweep(now_ms())
         if swept:
             logger.warning(
-                "payload store %s: %d objects put but never published (a producer died between put and "
+                "payload store %s: %d groups' objects put but never published (a producer died between put and "
                 "publish?) swept", self.url, len(swept),
             )
             await self.free(rounds=1 + len(swept) // FREE_BATCH)
@@ -187,7 +198,7 @@ class PayloadPlane:
     async def reconcile(self, batch: int = FREE_BATCH) -> int:
         """The full sweep: list the namespace's objects in the store and free every one no ledger
         knows (its entry went without a fate script: an ``XDEL`` by hand, a lost stream); the
-        number found. Costs a listing of the store: run rarely (the reclaim turn, every
+        number of object sets found. Costs a listing of the store: run rarely (the reclaim turn, every
         :data:`RECONCILE_INTERVAL_S`)."""
         found = 0
         listed: list[str] = []
@@ -198,7 +209,9 @@ class PayloadPlane:
                 listed = []
         found += await self.ledger.adopt_orphans(listed, now_ms())
         if found:
-            logger.warning("payload store %s: %d objects no entry refers to (removed by hand?) swept", self.url, found)
+            logger.warning(
+                "payload store %s: %d object sets no entry refers to (removed by hand?) swept", self.url, found
+            )
             await self.free(rounds=1 + found // FREE_BATCH)
         return found
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -71,6 +71,48 @@ class ObjectRef:
         return cls(value[0], value[1], value[2])
 
 
+
+def object_keys(base: str, count: int) -> list[str]:
+    """The keys of a group's ``count`` objects, named from one fresh ``base`` key:
+    ``<base>-<count>.<i>``. Their member (:func:`group_member`) is ``<base>-<count>``."""
+    return [f"{base}-{count}.{i}" for i in range(count)]
+
+
+def group_member(keys: Sequence[str]) -> str:
+    """The ledgers' one member for a group's object set (``payload_intents``, ``payload_held``,
+    ``payload_free`` and the entry's ``refs`` field): the keys' common name ``<base>-<count>``
+    when they are :func:`object_keys`, else the single key itself. A group's intent, claim,
+    release and free are then one ledger command each, whatever its sample count."""
+    if not keys:
+        raise ValueError("a group member names at least one object")
+    member = member_of(keys[0])
+    if member_keys(member) != list(keys):
+        raise ValueError(f"keys {list(keys)[:3]}... are not one group's object keys (object_keys)")
+    return member
+
+
+_MEMBER = re.compile(r".*-([0-9]{1,6})")
+
+
+def member_keys(member: str) -> list[str]:
+    """The object keys of a ledger member (:func:`group_member`): ``<base>-<n>`` names
+    ``<base>-<n>.0`` ... ``<base>-<n>.<n-1>``; any other member is one key (the one-object-per-
+    member form). The Lua side (``_helpers.lua``'s ``member_of``) reads the same rule backwards."""
+    match = _MEMBER.fullmatch(member)
+    if match is None:
+        return [member]
+    return [f"{member}.{i}" for i in range(int(match.group(1)))]
+
+
+def member_of(key: str) -> str:
+    """The ledger member a store key belongs to: ``<base>-<n>`` for ``<base>-<n>.<i>`` (with
+    ``i < n``), else the key itself."""
+    base, dot, index = key.rpartition(".")
+    if dot and index.isdigit():
+        match = _MEMBER.fullmatch(base)
+        if match is not None and int(index) < int(match.group(1)):
+            return base
+    return key
 
 
 @dataclass(frozen=True, slots=True)

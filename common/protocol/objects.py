@@ -22,12 +22,12 @@ class PayloadHeld:
     """What ``inspect`` shows of the payload plane."""
 
     objects: int
-    """Objects some entry refers to."""
+    """Object sets (one per group, whatever its sample count) some entry refers to."""
     bytes: int
     intents: int
-    """Objects being put and not published yet."""
+    """Object sets (groups) being put and not published yet."""
     to_free: int
-    """Objects released and not yet confirmed deleted by the store."""
+    """Object sets (groups) released and not yet confirmed deleted by the store."""
     swept: int
     freed: int
     read_failures: int
@@ -43,17 +43,18 @@ class PayloadLedger(Guarded):
         self._sweep = lua.SWEEP_PAYLOAD.bind(redis, keys)
         self._adopt = lua.ADOPT_ORPHANS.bind(redis, keys)
 
-    async def intend(self, keys: Sequence[str], deadline_ms: int) -> None:
-        """Record objects about to be put (before the put): unclaimed past ``deadline_ms``, swept."""
-        if keys:
-            await self.redis.zadd(self.keys.payload_intents, dict.fromkeys(keys, deadline_ms))
+    async def intend(self, members: Sequence[str], deadline_ms: int) -> None:
+        """Record object sets about to be put (before the put; one member per group,
+        :func:`~..payload.refs.group_member`): unclaimed past ``deadline_ms``, swept."""
+        if members:
+            await self.redis.zadd(self.keys.payload_intents, dict.fromkeys(members, deadline_ms))
 
-    async def abandon(self, keys: Sequence[str], now: int) -> None:
-        """Objects put (or partly put) for a group that will not be published: freed at once."""
-        if keys:
+    async def abandon(self, members: Sequence[str], now: int) -> None:
+        """Object sets put (or partly put) for a group that will not be published: freed at once."""
+        if members:
             async with self.redis.pipeline(transaction=False) as pipe:  # to free first: never lost between
-                pipe.zadd(self.keys.payload_free, dict.fromkeys(keys, now))
-                pipe.zrem(self.keys.payload_intents, *keys)
+                pipe.zadd(self.keys.payload_free, dict.fromkeys(members, now))
+                pipe.zrem(self.keys.payload_intents, *members)
                 await pipe.execute()
 
     async def sweep(self, now: int, count: int = 1000) -> list[str]:
@@ -61,21 +62,25 @@ class PayloadLedger(Guarded):
         return [text(k) for k in await self._sweep(now_ms=now, count=count)]
 
     async def adopt_orphans(self, listed: Sequence[str], now: int) -> int:
-        """Of keys listed in the store, queue to free those no ledger knows (leaked); how many."""
+        """Of keys listed in the store, queue to free the object sets no ledger knows (leaked);
+        how many sets."""
         return int(await self._adopt(now_ms=now, keys=listed)) if listed else 0
 
     async def to_free(self, count: int = 500) -> list[str]:
-        """Objects released, oldest first, up to ``count``: delete them from the store, then :meth:`freed`."""
+        """Object sets released, oldest first, up to ``count``: delete their keys from the store,
+        then :meth:`freed` the sets whose every key the store confirmed gone."""
         return [text(k) for k in await self.redis.zrange(self.keys.payload_free, 0, count - 1)]
 
-    async def freed(self, keys: Sequence[str]) -> int:
-        """The store confirmed these gone: out of the to-free set, counted; the number removed."""
-        if not keys:
+    async def freed(self, members: Sequence[str], objects: int) -> int:
+        """The store confirmed every key of these sets gone: out of the to-free set, and
+        ``objects`` (their keys) counted freed; the number of sets removed."""
+        if not members:
             return 0
-        removed = int(await self.redis.zrem(self.keys.payload_free, *keys))
-        if removed:
-            await self.redis.hincrby(self.keys.state, StateField.PAYLOAD_FREED, removed)
-        return removed
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.payload_free, *members)
+            pipe.hincrby(self.keys.state, StateField.PAYLOAD_FREED, objects)
+            removed, _ = await pipe.execute()
+        return int(removed)
 
     async def read_failed(self, message: str) -> None:
         """Count a group recycled because an object could not be read, and keep the message."""

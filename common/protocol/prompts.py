@@ -13,7 +13,7 @@ from ..config import PipelineConfig
 from ..events import now_ms
 from ..keys import PRODUCERS_GROUP, Keys, StateField
 from ..mix import source_caps
-from ..payload.refs import ObjectRef
+from ..payload.refs import ObjectRef, group_member
 from .guard import Guarded, flat_entries
 
 # -- prompt queue (producers) ----------------------------------------------------------------
@@ -217,14 +217,14 @@ class PromptQueue(Guarded):
         ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
         producer). The size of its ``data`` enters the byte ledger; a prompt of the eval lane
         publishes to ``eval_groups``, outside the ledger and the sources' counters. ``objects``:
-        the payload store objects it refers to (put already): claimed, and their bytes in the
-        ledger too; a duplicate queues them to be freed."""
+        the payload store objects it refers to (put already, one group's :func:`~..payload.refs.object_keys`):
+        claimed as one ledger member, and their bytes in the ledger too; a duplicate queues them to be freed."""
         lane = stream == self.keys.eval_prompts
         store_bytes = sum(ref.size for ref in objects)
         published = await self._publish(
             source=stream, group=PRODUCERS_GROUP, prompt_id=entry_id, now_ms=now_ms(),
             groups=self.keys.eval_groups if lane else self.keys.groups,
-            objects=" ".join(f"{ref.key}:{ref.size}" for ref in objects),
+            objects=f"{group_member([ref.key for ref in objects])}:{store_bytes}" if objects else "",
             data_bytes=0 if lane else len(group_fields.get("data", b"")) + store_bytes,
             eval_bytes=len(group_fields.get("data", b"")) if lane else 0, fields=lua.flatten(group_fields),
             tally="" if lane else lua.tally(group_fields, "published"), **lua.journal(self.keys, journal),

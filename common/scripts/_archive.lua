@@ -18,16 +18,16 @@ local function archive_fate(cfg, akey, state, src, id, meta, held, free)
   for i = 1, #f do size = size + #f[i] end
   for i = 1, #f - 1, 2 do if f[i] == 'store_bytes' then size = size + num(f[i + 1]) end end
   for i = 1, #meta do size = size + #meta[i] end
-  local held = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
+  local held_bytes = num(redis.call('HGET', state, '$ARCHIVE_BYTES'))
   local dropped = 0
-  while held > 0 and held + size > budget do
+  while held_bytes > 0 and held_bytes + size > budget do
     local first = redis.call('XRANGE', akey, '-', '+', 'COUNT', 1)
-    if #first == 0 then held = 0 break end
+    if #first == 0 then held_bytes = 0 break end
     local ff, fb = first[1][2], 0
     for i = 1, #ff - 1, 2 do if ff[i] == 'record_bytes' then fb = num(ff[i + 1]) break end end
     release(refs_of(ff), '', held, free, state, meta[7])
     redis.call('XDEL', akey, first[1][1])
-    held = math.max(0, held - fb)
+    held_bytes = math.max(0, held_bytes - fb)
     dropped = dropped + 1
   end
   local added = false
@@ -39,10 +39,10 @@ local function archive_fate(cfg, akey, state, src, id, meta, held, free)
     redis.call('XADD', akey, '*', 'fate', meta[1], 'reason', meta[2], 'actor', meta[3], 'step', meta[4],
       'position', meta[5], 'kind', meta[6], 'ts_ms', meta[7], 'trainer_version', version, 'entry_id', id,
       'record_bytes', size, unpack(f))
-    held = held + size
+    held_bytes = held_bytes + size
     incr(state, '$ARCHIVE_RECORDED', 1)
   end
-  redis.call('HSET', state, '$ARCHIVE_BYTES', held)
+  redis.call('HSET', state, '$ARCHIVE_BYTES', held_bytes)
   if dropped > 0 then incr(state, '$ARCHIVE_DROPPED', dropped) end
   return added
 end

@@ -11,13 +11,16 @@ local function incr(key, field, n)
   if v and not isint(v) then redis.call('HSET', key, field, 0) end
   return redis.call('HINCRBY', key, field, n)
 end
--- The payload plane (issue 48). An entry's objects are its plain field ``refs`` (store keys,
--- space-separated); ``held`` (hash key -> bytes) lists every object some entry refers to, ``free``
--- (sorted set, score = when) the objects nothing refers to any more: a later step deletes them
--- from the store and removes only the keys it confirmed gone. ``refs_of``: an entry's flat fields'
--- refs ('' = none). ``release``: each key of ``refs`` that ``kept`` (the refs of the entry that
--- replaces it, '' = none) does not name leaves ``held`` for ``free``; the number released. An
--- episode journal's steps kept in the store are listed in its field ``objects`` the same way.
+-- The payload plane (issue 48). A group's objects are one ledger member (its object set, the
+-- entry's plain field ``refs``: ``<base>-<n>`` names the keys ``<base>-<n>.0`` .. ``.<n-1>``, any
+-- other member is one key; ``payload/refs.py``); ``held`` (hash member -> bytes) lists every set
+-- some entry refers to, ``free`` (sorted set, score = when) the sets nothing refers to any more: a
+-- later step deletes their keys from the store and removes a member only once every key of it is
+-- confirmed gone. A group's claim, release and free are one command each, whatever its sample
+-- count. ``refs_of``: an entry's flat fields' refs ('' = none). ``release``: each member of
+-- ``refs`` (space-separated) that ``kept`` (the refs of the entry that replaces it, '' = none)
+-- does not name leaves ``held`` for ``free``; the number released. An episode journal's steps
+-- kept in the store are listed in its field ``objects`` the same way (one key each).
 local function refs_of(f)
   for i = 1, #f - 1, 2 do if f[i] == 'refs' then return f[i + 1] end end
   return ''
@@ -82,9 +85,23 @@ local function move_held(sources, tally, what, delta)
   local name = string.match(tally, '^(.*):[^:]*$')
   if name and incr(sources, name .. ':' .. what, delta) < 0 then redis.call('HSET', sources, name .. ':' .. what, 0) end
 end
--- The refs of entry ``id`` of ``stream`` ('' when it has none, or is gone), read only while the
--- namespace has a payload store (``config``'s ``payload_store``): other namespaces pay no XRANGE.
-local function entry_refs(config, stream, id)
+-- The ledger member a listed store key belongs to (``payload/refs.py``'s ``member_of``).
+local function member_of(key)
+  local base, index = string.match(key, '^(.*%-%d+)%.(%d+)$')
+  if base and tonumber(index) < tonumber(string.match(base, '%-(%d+)$')) then return base end
+  return key
+end
+-- The refs of entry ``id`` of ``stream`` ('' when it has none, or is gone), taken out of
+-- ``payload_refs`` (written by PUBLISH) for an entry of the group stream (``grouped``): no read of
+-- the entry's fields; read from the entry itself (XRANGE) for another stream, only while the
+-- namespace has a payload store (``config``'s ``payload_store``): other namespaces pay nothing.
+local function entry_refs(config, stream, id, grouped, refs_key)
+  if grouped then
+    local refs = redis.call('HGET', refs_key, id)
+    if not refs then return '' end
+    redis.call('HDEL', refs_key, id)
+    return refs
+  end
   local store = redis.call('HGET', config, 'payload_store')
   if not store or store == '' then return '' end
   local rows = redis.call('XRANGE', stream, id, id)

@@ -4,8 +4,8 @@
 -- is archived for each acknowledged group first (``_archive.lua``); a commit that acknowledged any is
 -- one more trained step (``trained_steps``: the records' ``step``, ``position`` = order in it).
 -- An acknowledged entry's payload objects (``refs``) are released, unless its archive record now
--- refers to them.
--- KEYS: stream state sizes config archive sources payload_held payload_free
+-- refers to them; a group's are found in ``payload_refs`` (the entry's data is never read back).
+-- KEYS: stream state sizes config archive sources payload_held payload_free payload_refs
 -- ARGV: group counter second_counter time_field now_ms fate reason actor tally *ids
 -- uses: archive
 local acked = 0
@@ -21,7 +21,7 @@ for i = ids_at, #ARGV do
       incr(sources, field, 1)
       if sizes ~= stream then move_held(sources, field, 'backlog', -1) end
     end
-    local refs = entry_refs(config, stream, ARGV[i])
+    local refs = entry_refs(config, stream, ARGV[i], sizes ~= stream, payload_refs)
     local archived = false
     if fate ~= '' then
       local position = ''

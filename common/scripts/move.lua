@@ -7,24 +7,26 @@
 -- episode journal (``journal``) is deleted in the same step (a dead letter); a returned prompt
 -- keeps it for the producer that takes it over, and its pointer follows it to the new entry.
 -- The entry's payload objects (``refs``) that the new entry does not refer to are released
--- (``_helpers.lua``), unless its archive record now refers to them.
--- KEYS: source target state group_bytes config archive journal sources payload_held payload_free
+-- (``_helpers.lua``), unless its archive record now refers to them; a group's are found in
+-- ``payload_refs`` (the entry's data is never read back), and follow it to its new entry when it
+-- stays in the group stream.
+-- KEYS: source target state group_bytes config archive journal sources payload_held payload_free payload_refs
 -- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
 -- uses: archive
 if redis.call('XACK', source, group, entry_id) == 0 then
   group_exists(source, group)
   return false
 end
-local refs = entry_refs(config, source, entry_id)
+local refs = entry_refs(config, source, entry_id, ledger ~= '', payload_refs)
 local archived = false
 if fate ~= '' then
   archived = archive_fate(config, archive, state, source, entry_id,
     {fate, reason, actor, '', '', kind, now_ms}, payload_held, payload_free)
 end
-if refs ~= '' and not archived then
-  local kept = ''
+local kept = ''
+if refs ~= '' then
   for i = fields_at, #ARGV - 1, 2 do if ARGV[i] == 'refs' then kept = ARGV[i + 1] end end
-  release(refs, kept, payload_held, payload_free, state, now_ms)
+  if not archived then release(refs, kept, payload_held, payload_free, state, now_ms) end
 end
 redis.call('XDEL', source, entry_id)
 if drop == '1' then drop_journal(journal, state, payload_held, payload_free) end
@@ -32,6 +34,7 @@ local b = 0
 if ledger ~= '' then b = forget(group_bytes, state, entry_id) end
 local id = redis.call('XADD', target, '*', unpack(ARGV, fields_at))
 if drop ~= '1' then follow_journal(journal, state, source, entry_id, target, id) end
+if ledger == 'st' and kept ~= '' then redis.call('HSET', payload_refs, id, kept) end
 if ledger == 'st' and b > 0 then
   redis.call('HSET', group_bytes, id, b)
   incr(state, '$GROUP_BYTES', b)

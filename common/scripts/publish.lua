@@ -1,10 +1,12 @@
 -- A group published and its prompt (an entry of ``source``: prompts or retry) acknowledged; the
 -- group's size goes into the byte ledger in the same step as the group, and the prompt's episode
 -- journal (``journal``, durable episodes; ``drop`` '1') is deleted in it too. ``objects``
--- ('key:bytes ...', '' = none) are the payload store objects the group refers to, put before this
--- script: their intents become claims (``payload_held``); a duplicate frees them instead (queued in
--- ``payload_free``: nothing will ever refer to them).
--- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free
+-- ('member:bytes', '' = none) is the group's payload object set (one ledger member whatever its
+-- sample count, ``_helpers.lua``), put before this script: its intent becomes a claim
+-- (``payload_held``) and the entry's id -> member goes into ``payload_refs`` (the fate scripts
+-- find it there, without reading the entry); a duplicate frees it instead (queued in
+-- ``payload_free``: nothing will ever refer to it).
+-- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free payload_refs
 -- ``eval_bytes``: a group of the eval lane's size, into its own ledger (``$EVAL_BYTES``), not the training one.
 -- ARGV: group prompt_id now_ms data_bytes drop tally objects eval_bytes *fields
 local claimed = redis.call('XACK', source, group, prompt_id) == 1
@@ -35,6 +37,7 @@ local e = tonumber(eval_bytes) or 0
 if e > 0 then incr(state, '$EVAL_BYTES', e) end
 local b = tonumber(data_bytes) or 0
 if b > 0 then
+  for member in string.gmatch(objects, '(%S+):%d+') do redis.call('HSET', payload_refs, id, member) end
   redis.call('HSET', group_bytes, id, b)
   incr(state, '$GROUP_BYTES', b)
   incr(state, '$PUBLISHED_BYTES', b)
