@@ -73,9 +73,10 @@ Modules, one concern each:
 * ``urls``: ``check_url``: the one check of every engine URL that can reach the fleet (``--engine``,
   ``rollstream engines add``, the producer's reading of the registry): http(s) in any case, a host, a port
   in 1..65535, an IPv6 host in brackets; normalised (scheme lower-cased)
-* ``cancellation``: ``raise_if_cancelled`` / ``being_cancelled``: a cancellation swallowed by a library
-  under a loop (Python 3.11 ``wait_for`` in redis-py) still ends it at its next turn (producer loops,
-  ``take()``, rewards)
+* ``cancellation``: ``raise_if_cancelled`` / ``being_cancelled`` / ``cancel_requests``: a cancellation
+  swallowed by a library under a loop (Python 3.11 ``wait_for`` in redis-py) or raised by it as a
+  connection error still ends the loop (producer loops, ``take()``, rewards) and is never retried as an
+  outage (``Outage.run`` / ``Outage.forever`` mark ``cancel_requests()`` on entry and check after each try)
 * ``archive_schema``: the archive's versioned Parquet schema (``SCHEMA_VERSION``, every column in
   docs/operations.md), ``ArchiveRecord`` (a record of the archive stream), ``record_row`` (readable columns
   + the entry's wire ``data``; big per-token arrays stripped unless kept), file naming and

@@ -41,7 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .backoff import Backoff
-from .cancellation import raise_if_cancelled
+from .cancellation import cancel_requests, raise_if_cancelled
 from .errors import ConfigError, RedisOutOfMemory
 
 T = TypeVar("T")
@@ -527,19 +527,26 @@ class Outage:
             self._attempt = 0
 
     async def run(self, step: Callable[[], Awaitable[T]], *, give_up_after: float | None = None) -> T:
-        """Run ``step`` until it succeeds, riding out transient Redis errors (out of memory too)."""
+        """Run ``step`` until it succeeds, riding out transient Redis errors (out of memory too).
+
+        A cancellation of the calling task ends it with ``CancelledError`` and is never retried,
+        also when redis-py lost it (the step returned) or turned it into a connection error
+        (see :mod:`~rollstream.common.cancellation`)."""
         started = time.monotonic()
         refused = False
+        mark = cancel_requests()
         while True:
             try:
                 result = await step()
             except TRANSIENT_ERRORS as exc:
+                raise_if_cancelled(mark, cause=exc)  # our cancellation, not an outage: never sent again
                 if give_up_after is not None and time.monotonic() - started > give_up_after:
                     raise
                 refused = refused or isinstance(exc, RedisOutOfMemory | OutOfMemoryError)
                 await self.failed(exc)
                 continue
             self.recovered(wrote=refused)
+            raise_if_cancelled(mark)  # the step ran, but the caller's cancellation still arrives
             return result
 
     async def forever(
@@ -553,12 +560,15 @@ class Outage:
         (checking for a cancellation before each); a transient Redis error in a turn is
         recorded (one log line per outage), ``on_error`` runs, the backoff is slept and the next
         turn follows. A turn that returns True talked to Redis and succeeded: the outage ends
-        (``wrote``: its writes too, see :meth:`recovered`); False: it had nothing to ask."""
+        (``wrote``: its writes too, see :meth:`recovered`); False: it had nothing to ask. A
+        cancellation ends the loop as in :meth:`run`, one that came out as a Redis error too."""
+        mark = cancel_requests()
         while True:
-            raise_if_cancelled()
+            raise_if_cancelled(mark)
             try:
                 asked = await turn()
             except TRANSIENT_ERRORS as exc:
+                raise_if_cancelled(mark, cause=exc)
                 if on_error is not None:
                     on_error()
                 await self.failed(exc)
