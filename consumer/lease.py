@@ -10,6 +10,7 @@ import socket
 import time
 
 from redis.asyncio import Redis
+from rollstream.common.cancellation import cancel_requests, raise_if_cancelled
 from rollstream.common.connection import TRANSIENT_ERRORS
 from rollstream.common.errors import ConsumerNameInUse
 from rollstream.common.keys import Keys
@@ -74,13 +75,16 @@ class NameHold:
             self.log.debug("releasing the name lease failed (%s); it expires by itself", exc)
 
     async def _renew(self) -> None:
+        mark = cancel_requests()
         while True:
+            raise_if_cancelled(mark)  # one redis-py lost in the last turn
             await asyncio.sleep(NAME_LEASE_SECONDS / 4)
             try:
                 if await self.lease.hold(int(NAME_LEASE_SECONDS * 1000)):
                     continue
                 holder = await self.lease.holder()
             except TRANSIENT_ERRORS as exc:
+                raise_if_cancelled(mark, cause=exc)
                 self.log.debug("renewing the name lease failed (%s); retrying", exc)
                 continue
             self.lost = ConsumerNameInUse(

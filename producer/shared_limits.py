@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rollstream.common.cancellation import cancel_requests, raise_if_cancelled
 from rollstream.common.connection import TRANSIENT_ERRORS
 from rollstream.common.logs import Prefixed
 from rollstream.common.protocol import NamespaceLimits
@@ -91,6 +92,7 @@ class SharedLimits:
         token = f"{self.producer}:{uuid.uuid4().hex[:12]}"
         started = time.monotonic()
         pause = POLL_MIN
+        mark = cancel_requests()
         self.waiting += 1
         try:
             while True:
@@ -101,8 +103,10 @@ class SharedLimits:
                         min(self.lease_ms, int(WAIT_LEASE_S * 1000)),
                     )
                 except TRANSIENT_ERRORS as exc:
+                    raise_if_cancelled(mark, cause=exc)  # a cancellation, not an outage: not asked again
                     logger.debug("limit %s: Redis unreachable while waiting (%s); retrying", name, exc)
                     status = "wait"
+                raise_if_cancelled(mark)  # one redis-py lost: the unit, if acquired, is released below
                 if status == "ok":
                     break
                 if status == "removed":  # `limits remove` while it waited: no unit to hold any more
@@ -132,13 +136,16 @@ class SharedLimits:
     async def take(self, name: str) -> None:
         """One token of rate ``name``, shared by every producer of the namespace."""
         started = time.monotonic()
+        mark = cancel_requests()
         while True:
             waited_ms = int((time.monotonic() - started) * 1000)
             try:
                 status, wait_ms = await self.store.take(name, self.rates.get(name, 0.0), waited_ms)
             except TRANSIENT_ERRORS as exc:
+                raise_if_cancelled(mark, cause=exc)
                 logger.debug("rate %s: Redis unreachable while waiting (%s); retrying", name, exc)
                 status, wait_ms = "wait", int(POLL_MAX * 1000)
+            raise_if_cancelled(mark)
             if status == "ok":
                 return
             if status == "removed":
