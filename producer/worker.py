@@ -72,6 +72,7 @@ from rollstream.common.models import Group, Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
+    Admission,
     Control,
     EngineRegistry,
     EpisodeJournals,
@@ -355,19 +356,27 @@ class Producer:
         extra = capacity.free // n  # as many prompts as there is room for, in one round trip
         capacity.free -= extra * n
         held = count = 1 + extra
+
+        async def admit() -> Admission:
+            # the prompts are held before Outage.run returns: a cancellation it raises after a
+            # successful ADMIT (one redis-py lost) leaves them to the drain, not to the lease
+            nonlocal held
+            admission = await self.prompts.admit(self.config, count)
+            version = admission.weight_version
+            if version is not None and version != self._admitted_version:
+                if self._admitted_version is not None:  # the trainer moved: engines are read again
+                    self.engine.versions_moved()
+                self._admitted_version = version
+            if self.config.max_staleness is not None and version is not None:  # a refusal has none
+                self.engine.set_trainer_version(version, self.config.max_staleness)
+            for item in admission.entries:
+                table.start(item, version or 0, n)
+                held -= 1
+            return admission
+
         try:
             with table.claiming():
-                admission = await self._outage.run(lambda: self.prompts.admit(self.config, count))
-                version = admission.weight_version
-                if version is not None and version != self._admitted_version:
-                    if self._admitted_version is not None:  # the trainer moved: engines are read again
-                        self.engine.versions_moved()
-                    self._admitted_version = version
-                if self.config.max_staleness is not None and version is not None:  # a refusal has none
-                    self.engine.set_trainer_version(version, self.config.max_staleness)
-                for item in admission.entries:
-                    table.start(item, version or 0, n)
-                    held -= 1
+                admission = await self._outage.run(admit)
         finally:
             if held:
                 capacity.give(held * n)
@@ -383,10 +392,14 @@ class Producer:
                 async with asyncio.timeout(1.0):
                     await table.warm_changed.wait()
             return False
-        with table.claiming():
-            admission = await self._outage.run(lambda: self.prompts.admit(self.config, 1))
+        async def admit() -> Admission:  # held inside the step, as in _admission_turn
+            admission = await self.prompts.admit(self.config, 1)
             for item in admission.entries:
                 table.start(item, admission.weight_version or 0, self.config.n_samples_per_prompt, warming=True)
+            return admission
+
+        with table.claiming():
+            admission = await self._outage.run(admit)
         return await self._admitted(admission.status)
 
     async def _admitted(self, status: str) -> bool:
