@@ -3,6 +3,7 @@ keeps (refs, offsets, plain fields), and that a decoder refuses every inconsiste
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from array import array
 from typing import Any
@@ -53,12 +54,14 @@ def test_big_arrays_leave_the_entry_and_come_back_through_attach() -> None:
     fields, objects = group_fields_offloaded(group, routed, keys())
     assert [o.ref.key for o in objects] == ["ns/obj-0-2.0", "ns/obj-0-2.1"]  # one object per sample, one base
     assert fields["objects"] == 2 and fields["refs"] == "ns/obj-0-2"  # the group's one ledger member
-    assert fields["store_bytes"] == sum(o.ref.size for o in objects) == 2 * routed
-    assert int(fields["bytes"]) == len(fields["data"]) < routed  # the teacher log-probs stayed (below the bar)
+    teacher = len(memoryview(group.samples[0].teacher_log_probs).cast("B"))  # type: ignore[arg-type]
+    assert teacher < routed  # under the bar alone: it goes with its sample's routing all the same
+    assert fields["store_bytes"] == sum(o.ref.size for o in objects) == 2 * (routed + teacher)
+    assert int(fields["bytes"]) == len(fields["data"]) < routed
     decoded = decode_group_entry(raw_fields(fields), views=True)
     assert isinstance(decoded.samples[0].tokens, memoryview)  # in-entry arrays are still zero-copy views
-    assert decoded.samples[0].teacher_log_probs is not None and decoded.samples[0].routed_experts is None
-    assert decoded.payload is not None and decoded.payload.nbytes == 2 * routed
+    assert decoded.samples[0].teacher_log_probs is None and decoded.samples[0].routed_experts is None
+    assert decoded.payload is not None and decoded.payload.nbytes == 2 * (routed + teacher)
     buffers = {o.ref.key: memoryview(b"".join(bytes(p) for p in o.parts)) for o in objects}
     decoded.payload.attach(decoded, buffers)
     view = decoded.samples[1].routed_experts.numpy()  # type: ignore[union-attr]
@@ -78,6 +81,28 @@ def test_several_arrays_of_one_sample_share_its_object_aligned() -> None:
     assert set(ofl[1]) == {"re", "tlp"}
     assert all(spec[0] % 8 == 0 for spec in ofl[1].values())
     decoded = decode_group(data, views=True)
+    assert decoded.payload is not None
+    decoded.payload.attach(decoded, {objects[0].ref.key: memoryview(b"".join(bytes(p) for p in objects[0].parts))})
+    decoded.payload = None
+    assert decoded == group
+
+
+def test_the_bar_is_per_sample_all_of_a_samples_arrays_go_or_none() -> None:
+    """A sample whose offloadable arrays together reach the bar sends them all to its object,
+    each under the bar alone; a sample whose arrays together stay under it keeps them all."""
+    group = r3_group()
+    small = dataclasses.replace(group.samples[1], routed_experts=Packed.of(np.zeros((200, 1, 1), dtype=np.uint8)))
+    group = dataclasses.replace(group, samples=[group.samples[0], small])
+    routed = group.samples[0].routed_experts.nbytes  # type: ignore[union-attr]
+    teacher = len(memoryview(group.samples[0].teacher_log_probs).cast("B"))  # type: ignore[arg-type]
+    bar = routed + teacher - 1  # neither array alone, both together
+    assert bar > max(routed, teacher) and 200 + teacher < bar
+    fields, objects = group_fields_offloaded(group, bar, keys())
+    assert len(objects) == 1 and fields["refs"] == "ns/obj-0-1"  # the first sample's object only
+    decoded = decode_group_entry(raw_fields(fields), views=True)
+    first, second = decoded.samples
+    assert first.routed_experts is None and first.teacher_log_probs is None  # both went
+    assert second.routed_experts is not None and second.teacher_log_probs is not None  # both stayed
     assert decoded.payload is not None
     decoded.payload.attach(decoded, {objects[0].ref.key: memoryview(b"".join(bytes(p) for p in objects[0].parts))})
     decoded.payload = None

@@ -131,9 +131,12 @@ class StoreObject:
 def encode_group_offloaded(
     group: Group, min_bytes: int, new_key: Callable[[], str]
 ) -> tuple[bytes, list[StoreObject]]:
-    """The group's payload with every :data:`OFFLOADABLE` array of at least ``min_bytes`` bytes
-    left out, and the objects they go to: one per sample that has any, its arrays back to back
-    (each at an offset aligned to 8 bytes), named by ``new_key()``. A sample keeps where each
+    """The group's payload with the :data:`OFFLOADABLE` arrays left out, and the objects they go
+    to. The threshold decides per sample: once a sample's offloadable arrays together reach
+    ``min_bytes``, all of them go to its object (one per such sample, the arrays back to back,
+    each at an offset aligned to 8 bytes: a small one costs no extra round trip there); a sample
+    under the bar keeps them all. A group's objects are named from one ``new_key()``
+    (:func:`~..payload.refs.object_keys`). A sample keeps where each
     went (``ofl``: ``[object, {key: [offset, bytes, typecode, shape]}]``), the group the objects'
     refs (``objs``), and the entry is version 4 (an older build refuses it instead of reading a
     sample without its arrays). No array large enough: the bytes :func:`encode_group` writes."""
@@ -143,6 +146,7 @@ def encode_group_offloaded(
         moved: dict[str, list[Any]] = {}
         parts: list[Buffer] = []
         offset = 0
+        present = []
         for f in OFFLOADABLE:
             value = wire.get(f.key)
             if value is None:
@@ -152,9 +156,11 @@ def encode_group_offloaded(
             else:
                 typecode, raw = BIN_CODES[f.kind], value
                 shape = [len(raw) // array(typecode).itemsize]
+            present.append((f, typecode, shape, raw))
+        if sum(len(raw) for *_, raw in present) < min_bytes:
+            continue  # the sample's arrays together stay under the bar: all stay in the entry
+        for f, typecode, shape, raw in present:
             size = len(raw)
-            if size < min_bytes:
-                continue
             if pad := -offset % _ALIGN:
                 parts.append(bytes(pad))
                 offset += pad
