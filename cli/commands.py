@@ -342,7 +342,7 @@ def curriculum_of(args: argparse.Namespace) -> Any:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from rollstream.producer.datasets import RowFormat, open_dataset
+    from rollstream.common.datasets import RowFormat, open_dataset
     from rollstream.producer.feeder import Feeder, FeedSettings
 
     settings = FeedSettings(

@@ -17,6 +17,7 @@ from typing import Any
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.codec import decode_group_entry, prompt_fields
 from rollstream.common.connection import Outage
+from rollstream.common.datasets import RowFormat, open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.eval_lane import EvalResult, EvalSettings, eval_prompt, eval_row, summarize
 from rollstream.common.events import now_ms
@@ -34,6 +35,7 @@ SUBMIT_CHUNK = 1000
 async def submit_eval(
     lane: EvalLane, outage: Outage, consumer: str, name: str, source: str | Path | Iterable[Any],
     n_samples: int, max_new_tokens: int | None, temperature: float | None = None, top_p: float | None = None,
+    row_format: RowFormat | None = None,
 ) -> str:
     """Write the eval set's prompts to the eval lane and record it; its name.
 
@@ -45,7 +47,7 @@ async def submit_eval(
     (a digest), not written again. A name whose submission finished is refused (``ConfigError``)."""
     settings = EvalSettings(name, n_samples, max_new_tokens, temperature, top_p)
     log = Prefixed(logger, "consumer", consumer)
-    reader = _EvalReader(settings, source)
+    reader = _EvalReader(settings, source, row_format)
     chunk = await asyncio.to_thread(reader.read, 1)  # an empty or unreadable set records nothing
     if not chunk.count:
         raise ConfigError(f"eval {name!r} has no prompts")
@@ -99,9 +101,13 @@ class _EvalReader:
     eval lane, and a running digest of them (what a resumed submission checks the prompts already
     written by)."""
 
-    def __init__(self, settings: EvalSettings, source: str | Path | Iterable[Any]) -> None:
+    def __init__(
+        self, settings: EvalSettings, source: str | Path | Iterable[Any], row_format: RowFormat | None = None
+    ) -> None:
         self.settings = settings
-        self.items: Iterator[Any] = iter_eval_source(source) if isinstance(source, str | Path) else iter(source)
+        self.items: Iterator[Any] = (
+            iter_eval_source(source, row_format) if isinstance(source, str | Path) else iter(source)
+        )
         self.count = 0
         self._hash = hashlib.blake2b(digest_size=16)
 
@@ -195,18 +201,18 @@ async def finished_evals(
     return sorted(finished, key=lambda r: r.submitted_ms)
 
 
-def iter_eval_source(path: str | Path) -> Iterator[Any]:
-    """The records of a JSONL eval set, one at a time (``ConfigError`` naming the first bad line)."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(f"{path}:{number}: not JSON: {exc}") from None
+EVAL_ROWS = RowFormat(metadata_key="metadata")
+"""How an eval set's rows read by default: ``prompt``, optional ``label`` and ``metadata`` (an object)."""
 
 
-def read_eval_source(path: str | Path) -> list[Any]:
-    """The records of a JSONL eval set (``ConfigError`` naming the first bad line)."""
-    return list(iter_eval_source(path))
+def iter_eval_source(path: str | Path, row_format: RowFormat | None = None) -> Iterator[Any]:
+    """The items of an eval set on disk, one at a time, read as the feeder reads a dataset
+    (:func:`~rollstream.common.datasets.open_dataset`: JSONL or Parquet, a folder or glob of shards,
+    ``path@[a:b]``, ``row_format``'s keys); ``ConfigError`` naming the first bad row."""
+    for record in open_dataset(path, row_format or EVAL_ROWS).records():
+        yield {"prompt": record.prompt, "label": record.label, "metadata": record.metadata}
+
+
+def read_eval_source(path: str | Path, row_format: RowFormat | None = None) -> list[Any]:
+    """The items of an eval set on disk (see :func:`iter_eval_source`)."""
+    return list(iter_eval_source(path, row_format))

@@ -41,6 +41,7 @@ from rollstream.common.checked import is_int
 from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
+from rollstream.common.datasets import RowFormat
 from rollstream.common.errors import AllGroupsStale, PayloadError, PayloadUnreadable, PipelineStalled, ProducerFailed
 from rollstream.common.eval_lane import EvalResult
 from rollstream.common.events import now_ms
@@ -306,18 +307,20 @@ class GroupConsumer:
 
     async def evaluate(
         self, name: str, source: str | Path | Iterable[Any], *, n_samples: int = 1, max_new_tokens: int | None = None,
-        temperature: float | None = None, top_p: float | None = None,
+        temperature: float | None = None, top_p: float | None = None, row_format: RowFormat | None = None,
     ) -> str:
         """Submit an eval set and return at once (its name). Its prompts go to the producers
         before any training prompt, ``n_samples`` each with at most ``max_new_tokens``, sampled
         at ``temperature`` and ``top_p`` (None: the producer's), and their groups go to the eval
         lane, never to ``take()``; training goes on.
-        ``source``: a JSONL file (``prompt``, optional ``label``) or an iterable of prompts (text,
-        chat messages, or mappings with ``prompt`` / ``label`` / ``metadata``). A name is used once
+        ``source``: a dataset on disk, read as the feeder reads one (JSONL or Parquet, a folder or
+        glob of shards, ``path@[a:b]``; ``prompt``, optional ``label`` and ``metadata``, or the keys
+        ``row_format`` names), or an iterable of prompts (text, chat messages, or mappings with
+        ``prompt`` / ``label`` / ``metadata``). A name is used once
         per namespace (``ConfigError`` otherwise). Results: :meth:`eval_results`."""
         return await submit_eval(
             EvalLane(self.redis, self.keys), self._outage, self.name, name, source, n_samples, max_new_tokens,
-            temperature, top_p,
+            temperature, top_p, row_format,
         )
 
     async def eval_results(self) -> list[EvalResult]:

@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rollstream.common.errors import ConfigError, RowError
+from rollstream.common.datasets import RowFormat, open_dataset
+from rollstream.common.errors import ConfigError
 from rollstream.common.eval_lane import EvalResult
 from rollstream.common.protocol import EvalLane
-from rollstream.producer.datasets import RowFormat, open_dataset
 
 from .convert import to_framework
 
@@ -100,17 +100,13 @@ def _dataset(args: Any, name: str, path: str, cfg: Any) -> EvalDataset:
 
 def read_items(dataset: EvalDataset) -> list[dict[str, Any]]:
     """The dataset's rows as eval items (``prompt``, ``label``, ``metadata``): JSONL or Parquet."""
-    data = open_dataset(dataset.path, dataset.row_format)
-    items = []
-    for unit in range(len(data.units)):
-        for row_id, raw in data.read(unit):
-            try:
-                record = data.record(row_id, raw)
-            except RowError as exc:
-                raise ConfigError(f"eval dataset {dataset.name!r}: {exc}") from None
-            if record is not None:
-                items.append({"prompt": record.prompt, "label": record.label, "metadata": record.metadata})
-    return items
+    try:
+        return [
+            {"prompt": record.prompt, "label": record.label, "metadata": record.metadata}
+            for record in open_dataset(dataset.path, dataset.row_format).records()
+        ]
+    except ConfigError as exc:
+        raise ConfigError(f"eval dataset {dataset.name!r}: {exc}") from None
 
 
 def split_name(eval_name: str) -> tuple[str, int] | None:

@@ -129,13 +129,6 @@ Modules, one concern each:
   and epoch so a restarted feeder decides the same), ``ZeroVarianceDeferral`` (``feed --curriculum
   zero-variance``): a row whose last k groups had zero reward variance is fed with probability ``offer``,
   and surely once its last group is ``max_gap`` epochs old; a deferred row is skipped for that epoch only
-* ``datasets``: datasets streamed from disk (JSONL, Parquet via the ``parquet`` extra, a folder or glob of
-  shards, ``path@[a:b]``), cut into units (≈1 MiB of lines, a row group) without reading rows; ``RowFormat``
-  is slime's record shape (``--metadata-key``, ``--tool-key``, ``--as-chat``); ``EpochWalk``: an epoch's
-  order from row ids alone, one class per order: ``BufferedWalk`` (units permuted, rows through a seeded
-  ``ShuffleBuffer``) and ``PermutedWalk`` (a dataset within the buffer, or slime's scheme, fully permuted),
-  so a resume at any position replays ids and reads only the units still holding buffered rows. Memory: the
-  buffer, not the dataset
 * ``metrics``: ``ProducerMetrics(Metrics)``: Prometheus, served from the producer's own loop (extra
   ``metrics``)
 """

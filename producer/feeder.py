@@ -5,7 +5,7 @@ gets a global increasing ``index`` and its ``epoch``. The XADDs and the cursor (
 epoch, position in the epoch's order) move together in one Lua script that first checks the
 cursor it started from, so a restarted feeder resumes exactly where it stopped and a re-sent
 call after a dropped connection adds nothing twice. The dataset is read from disk as it is fed
-(:mod:`~rollstream.producer.datasets`: JSONL, Parquet, shards), its order a seeded function of
+(:mod:`~rollstream.common.datasets`: JSONL, Parquet, shards), its order a seeded function of
 the epoch, so the order survives restarts too. A row that cannot be fed is a dead letter with
 its file and row, written by the same script; the epoch goes on.
 """
@@ -34,7 +34,17 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.connection import Outage, connect
-from rollstream.common.errors import ConfigError, DecodeError
+from rollstream.common.datasets import (
+    MAX_LINE_BYTES,
+    Dataset,
+    EpochWalk,
+    MemoryDataset,
+    Order,
+    Record,
+    RowFormat,
+    open_dataset,
+)
+from rollstream.common.errors import ConfigError, DecodeError, RowError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
@@ -46,17 +56,6 @@ from rollstream.common.redis_values import int_or
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
 from .curriculum import RowStats, Sampler, draw, row_field
-from .datasets import (
-    MAX_LINE_BYTES,
-    Dataset,
-    EpochWalk,
-    MemoryDataset,
-    Order,
-    Record,
-    RowError,
-    RowFormat,
-    open_dataset,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def load_jsonl(
     as_chat: bool = False,
 ) -> list[Record]:
     """Read and validate a whole dataset into memory (small ones: tests, tools); ConfigError names
-    the first bad row. The feeder streams instead (:func:`~rollstream.producer.datasets.open_dataset`).
+    the first bad row. The feeder streams instead (:func:`~rollstream.common.datasets.open_dataset`).
 
     By default a record's metadata is every other field. With ``metadata_key`` it is that field's
     object (missing or null: empty), plus ``tools`` from ``tool_key`` (a list, or a JSON string of

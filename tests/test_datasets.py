@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
+from rollstream.common import datasets
 from rollstream.common.codec import decode_prompt_entry
+from rollstream.common.datasets import EpochWalk, Order, RowFormat, open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
-from rollstream.producer import datasets
-from rollstream.producer.datasets import EpochWalk, Order, RowFormat, open_dataset
 from rollstream.producer.feeder import Feeder, FeedSettings
 
 

@@ -320,3 +320,32 @@ async def test_the_eval_lane_is_bounded_like_the_training_path_and_an_eval_large
     assert int(await redis.hget(keys.state, StateField.EVAL_BYTES) or 0) == 0  # type: ignore[misc]
     archived = [f for _, f in await redis.xrange(keys.archive) if f[b"fate"] == b"evaluated"]
     assert len(archived) in (0, 32)  # archived once each when the archive is on
+
+
+def test_an_eval_set_on_disk_is_read_as_the_feeder_reads_a_dataset(tmp_path: Path) -> None:
+    """Issue 50: evaluate(path) reads through open_dataset, so an eval set may be Parquet, a glob of
+    shards or a row slice, with its own keys; a bad row is a ConfigError naming file and line."""
+    from rollstream.common.datasets import RowFormat
+    from rollstream.consumer.evaluation import read_eval_source
+
+    rows = [{"prompt": f"q{i}", "label": str(i), "metadata": {"k": i}} for i in range(6)]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert read_eval_source(plain) == rows
+    assert read_eval_source(f"{plain}@[2:4]") == rows[2:4]
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for part in range(2):
+        table = pa.table({"question": [f"p{part}{i}" for i in range(3)], "answer": [str(i) for i in range(3)]})
+        pq.write_table(table, shards / f"part-{part}.parquet")
+    items = read_eval_source(shards, RowFormat(prompt_key="question", label_key="answer", metadata_key="meta"))
+    assert [(i["prompt"], i["label"]) for i in items] == [(f"p{p}{i}", str(i)) for p in range(2) for i in range(3)]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
+        read_eval_source(bad)

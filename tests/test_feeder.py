@@ -10,9 +10,9 @@ import pytest
 from conftest import make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry
+from rollstream.common.datasets import open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
-from rollstream.producer.datasets import open_dataset
 from rollstream.producer.feeder import Feeder, FeedSettings, load_jsonl
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
+from rollstream.common.datasets import open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
 from rollstream.common.mix import apportion, normalised, parse_mix, source_caps
-from rollstream.producer.datasets import open_dataset
 
 
 def test_weights_near_the_float_maximum_keep_their_shares() -> None:

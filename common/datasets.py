@@ -36,7 +36,7 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rollstream.common.errors import ConfigError, RowError
 from rollstream.common.models import as_prompt_content
@@ -538,6 +538,19 @@ class Dataset:
         row = shard.row_of(unit.unit, unit.start + row_id - unit.first_id)
         return f"{shard.path}:{row + 1}" if isinstance(shard, JsonlShard) else f"{shard.path} row {row}"
 
+    def records(self) -> Iterator[Record]:
+        """Every row's record in the dataset's own order, read a unit at a time (blank lines
+        skipped); a row that does not fit is a ``ConfigError`` naming its file and row (an eval
+        set, read whole, is refused rather than dead-lettered row by row)."""
+        for unit in range(len(self.units)):
+            for row_id, raw in self.read(unit):
+                try:
+                    record = self.record(row_id, raw)
+                except RowError as exc:
+                    raise ConfigError(str(exc)) from None
+                if record is not None:
+                    yield record
+
     def check(self, encode: Callable[[int, Record], None] | None = None) -> None:
         """Parse the first rows of every shard (and ``encode(row id, record)`` them, which raises
         RowError for one that cannot be fed): ConfigError now rather than dead letters later."""
@@ -625,7 +638,7 @@ class MemoryDataset(Dataset):
         super().__init__("<memory>", [MemoryShard(records)], None, RowFormat())
 
     def record(self, row_id: int, raw: Any) -> Record | None:
-        return raw
+        return cast(Record, raw)
 
     def check(self, encode: Callable[[int, Record], None] | None = None) -> None:
         return None
