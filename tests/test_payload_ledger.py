@@ -96,3 +96,33 @@ async def test_a_set_leaves_the_to_free_ledger_only_once_every_key_is_confirmed_
         assert await redis.zcard(keys.payload_free) == 0
     finally:
         await plane.close()
+
+
+async def test_an_archive_record_dropped_for_room_releases_its_objects(redis: Redis, ns: str, tmp_path: Path) -> None:
+    """The archive budget drops the oldest record to make room: its object set leaves ``held``
+    (and ``payload_bytes``) for ``free`` (``_archive.lua`` once passed its byte count as the held
+    ledger's key: the set stayed claimed forever)."""
+    from test_payload_pipeline import _publish_offloaded
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=64, archive_bytes=1 << 30)
+    keys = Keys(ns)
+    published = await _publish_offloaded(redis, keys, [full_group(n=2, index=i) for i in range(2)], store)
+    entries = await redis.xrange(keys.groups)
+    size = max(int(f[b"bytes"]) + int(f[b"store_bytes"]) for _, f in entries)  # a record: this and ~300
+    await redis.hset(keys.config, "archive_bytes", size * 3 // 2)  # room for one record, not two
+    delivered = await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    ids = [entry_id for entry_id, _ in delivered[0][1]]
+    assert await GroupQueue(redis, keys, "t").commit(ids) == 2
+    records = [int(f[b"record_bytes"]) for _, f in await redis.xrange(keys.archive)]
+    assert len(records) == 1, (records, size)  # the first record dropped for the second
+    assert int(await redis.hget(keys.state, StateField.ARCHIVE_DROPPED) or 0) == 1
+    assert [k.decode() for k in await redis.hkeys(keys.payload_held)] == [group_member(published[1])]
+    second = int(entries[1][1][b"store_bytes"])
+    assert int(await redis.hget(keys.state, StateField.PAYLOAD_BYTES) or 0) == second
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    try:
+        assert await plane.free() == len(published[0])
+    finally:
+        await plane.close()
+    assert objects_in(store) == sorted(published[1])
