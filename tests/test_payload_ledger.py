@@ -126,3 +126,27 @@ async def test_an_archive_record_dropped_for_room_releases_its_objects(redis: Re
     finally:
         await plane.close()
     assert objects_in(store) == sorted(published[1])
+
+
+async def test_a_group_deleted_by_hand_releases_its_objects_when_the_trainer_finds_it_gone(
+    redis: Redis, ns: str, tmp_path: Path
+) -> None:
+    """A delivered group entry deleted by hand (``XDEL``): FORGET finds its object set in
+    ``payload:refs`` (the entry is gone) and releases it, so nothing stays claimed."""
+    from test_payload_pipeline import _publish_offloaded
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=64)
+    keys = Keys(ns)
+    [published] = await _publish_offloaded(redis, keys, [full_group(n=3)], store)
+    [[_, [(entry_id, _)]]] = await redis.xreadgroup(TRAINER_GROUP, "t", {keys.groups: ">"})
+    await redis.xdel(keys.groups, entry_id)
+    await GroupQueue(redis, keys, "t").ack_deleted(entry_id)
+    assert await redis.hlen(keys.payload_held) == 0 and await redis.hlen(keys.payload_refs) == 0
+    assert int(await redis.hget(keys.state, StateField.PAYLOAD_BYTES) or 0) == 0
+    plane = PayloadPlane.open(f"fs://{store}", redis, keys)
+    try:
+        assert await plane.free() == len(published) == 3
+    finally:
+        await plane.close()
+    assert objects_in(store) == []

@@ -449,7 +449,10 @@ def test_a_call_naming_a_wrong_argument_is_refused() -> None:
     with pytest.raises(TypeError, match="missing argument 'entry_id'"):
         lua.FORGET.lists(Keys("ns"), {})
     keys = Keys("ns")
-    assert lua.FORGET.lists(keys, {"entry_id": "1-1"}) == ([keys.groups, keys.state, keys.group_bytes], [TRAINER_GROUP, "1-1"])
+    assert lua.FORGET.lists(keys, {"entry_id": "1-1"}) == (
+        [keys.groups, keys.state, keys.group_bytes, keys.payload_held, keys.payload_free, keys.payload_refs],
+        [TRAINER_GROUP, "1-1", 0],
+    )
 
 
 def test_a_script_file_with_a_wrong_header_or_field_fails_to_load(monkeypatch: pytest.MonkeyPatch) -> None:

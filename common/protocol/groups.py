@@ -83,8 +83,9 @@ class GroupQueue(Guarded):
         return dict(rows[0][1]) if rows else {}
 
     async def ack_deleted(self, entry_id: bytes) -> None:
-        """Acknowledge a delivered entry that is gone from the stream (and forget its bytes)."""
-        await self._forget(entry_id=entry_id)
+        """Acknowledge a delivered entry that is gone from the stream (and forget its bytes;
+        its payload objects are released)."""
+        await self._forget(entry_id=entry_id, now_ms=now_ms())
 
     async def recycle(self, entry_id: bytes, counter: str, prompt_fields: Mapping[str, Any], reason: str = "") -> bool:
         """A group's prompt back to the retry stream (archived as ``recycled`` with ``reason``)."""
