@@ -29,12 +29,12 @@ from rollstream.common.keys import PRODUCERS_GROUP, Keys
 from rollstream.common.models import Group, Prompt, Sample, Status
 from rollstream.consumer import GroupConsumer
 from rollstream.consumer.verdict import Route, judge
-from rollstream.ops.snapshot import snapshot
 from rollstream.producer.engine import EngineClient, EngineSettings
 from rollstream.producer.rewards import load_reward
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.worker import Producer
 from rollstream.testing.sim import SimEngine
+from test_inspect import polled_snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent
 NO_ENGINE = "http://127.0.0.1:9"
@@ -451,8 +451,8 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
     await add_prompt(redis, ns, 50, "HOLD compute 50.")
     procs.producer(redis_url, ns, hostile_engine.url, "--long-request-after", "2", name="slow-engine")
 
-    async def warned() -> dict[str, Any] | None:  # polled in-process: what `inspect --json` prints
-        snap = await snapshot(redis, Keys(ns))
+    async def warned() -> dict[str, Any] | None:
+        snap = await polled_snapshot(redis, ns)
         row = next((p for p in snap["producers"] if p["name"] == "slow-engine"), None)
         # The two samples' requests start a moment apart: a heartbeat may count only the first.
         if row and row["long_requests"] >= 2:
@@ -471,7 +471,7 @@ async def test_long_engine_requests_show_in_the_heartbeat_and_as_an_inspect_warn
     assert sorted(await take_and_commit(redis_url, ns, 3)) == [0, 1, 50]
 
     async def cleared() -> bool:  # the slow requests ended: no warning from the next heartbeat on
-        snap = await snapshot(redis, Keys(ns))
+        snap = await polled_snapshot(redis, ns)
         return not any("engine request in flight" in w for w in snap["health"]["warnings"])
 
     await wait_until(cleared, timeout=15, interval=0.3, message="the warning to go")

@@ -31,6 +31,15 @@ async def inspect_json(redis_url: str, ns: str, *extra: str) -> tuple[int, dict[
     return code, json.loads(out)
 
 
+async def polled_snapshot(redis: Any, ns: str, **options: float) -> dict[str, Any]:
+    """What ``inspect --json`` prints, read in-process: cheap to poll (a CLI process a poll bought
+    nothing; a test runs the command once its condition holds). Its verdict is the command's exit
+    code: 1 exactly when it names a problem."""
+    snap = await snapshot(redis, Keys(ns), **options)
+    assert snap["health"]["ok"] == (not snap["health"]["problems"]), snap["health"]
+    return snap
+
+
 async def test_inspect_json_counts_after_feed_take_commit_recycle_and_a_killed_producer(redis_url, ns, redis, sim, procs):
     keys = Keys(ns)
     await make_namespace(redis, ns, n_samples_per_prompt=2, batch_size=4, heartbeat_timeout=3.0)
@@ -123,8 +132,8 @@ async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(r
 
     # Groups waiting and no trainer: healthy under the default threshold, stuck under a tiny one
     # once the last publish is older than it (a fast machine gets here sooner than 0.5 s).
-    async def stuck() -> bool:  # polled in-process: what `inspect --json` prints (one process a poll bought nothing)
-        snap = await snapshot(redis, keys, stuck_after=0.5)
+    async def stuck() -> bool:
+        snap = await polled_snapshot(redis, ns, stuck_after=0.5)
         return not snap["health"]["ok"] and any("backlog stuck" in p for p in snap["health"]["problems"])
 
     await wait_until(stuck, timeout=20, interval=0.2, message="inspect --stuck-after 0.5 to report a stuck backlog")
@@ -135,7 +144,7 @@ async def test_inspect_exit_code_follows_producer_liveness_and_a_stuck_backlog(r
     producer.wait(10)
 
     async def unhealthy() -> bool:
-        snap = await snapshot(redis, keys)
+        snap = await polled_snapshot(redis, ns)
         return not snap["health"]["ok"] and any("no live producer" in p for p in snap["health"]["problems"])
 
     await wait_until(unhealthy, timeout=20, interval=0.5, message="inspect to report no live producer")
@@ -173,8 +182,8 @@ async def test_inspect_reports_an_admission_stall_with_its_terms_and_take_names_
     ghost_ids = [eid for eid, _ in ghost[0][1]]
     procs.producer(redis_url, ns, sim.url, name="live")
 
-    async def stalled() -> bool:  # polled in-process; the command is run once below
-        snap = await snapshot(redis, keys, stall_after=1)
+    async def stalled() -> bool:
+        snap = await polled_snapshot(redis, ns, stall_after=1)
         return not snap["health"]["ok"] and any("admission stalled" in p for p in snap["health"]["problems"])
 
     await wait_until(stalled, timeout=20, interval=0.5, message=f"inspect to report the stall\n{procs.logs()}")
