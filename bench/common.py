@@ -9,6 +9,7 @@ import platform
 import random
 import subprocess
 import sys
+import textwrap
 import time
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
@@ -257,7 +258,9 @@ class Table:
             lines.append("| " + " | ".join(cell(v) for v in row) + " |")
         if self.notes:
             lines.append("")
-            lines += [f"- {n}" for n in self.notes]
+            for note in self.notes:  # wrapped as docs/*.md's prose is (tests/test_protocol.py)
+                lines += textwrap.wrap(f"- {note}", width=100, subsequent_indent="  ",
+                                       break_long_words=False, break_on_hyphens=False)
         return "\n".join(lines) + "\n"
 
 
