@@ -27,13 +27,13 @@ def _check_name(name: str) -> str:
     return name
 
 
-def parse_limit(spec: str) -> tuple[str, int]:
+def parse_limit(spec: str, flag: str = "--limit") -> tuple[str, int]:
     """``NAME=K`` -> (name, K): NAME an identifier, K a positive integer in decimal digits (no sign,
     no ``_``); the one parser of ``--limit`` (namespace limits and a producer's own)."""
     name, sep, value = spec.partition("=")
     match = _SIZE.match(value) if sep else None
     if match is None or int(match.group(1)) < 1:
-        raise ConfigError(f"limit {spec!r}: expected NAME=K with K a positive integer (e.g. sandbox=64)")
+        raise ConfigError(f"{flag} {spec!r}: expected NAME=K with K a positive integer (e.g. sandbox=64)")
     return _check_name(name.strip()), int(match.group(1))
 
 
@@ -41,7 +41,7 @@ def parse_limits(specs: Sequence[str], flag: str = "--limit") -> dict[str, int]:
     """``["sandbox=4", ...]`` -> ``{"sandbox": 4}``; ConfigError on a malformed or repeated one."""
     parsed: dict[str, int] = {}
     for spec in specs:
-        name, size = parse_limit(spec)
+        name, size = parse_limit(spec, flag)
         _once(flag, name, parsed, spec)
         parsed[name] = size
     return parsed
@@ -52,7 +52,7 @@ def parse_rate(spec: str) -> tuple[str, float]:
     name, sep, value = spec.partition("=")
     match = _RATE.match(value) if sep else None
     if match is None or float(match.group(1)) <= 0:
-        raise ConfigError(f"rate {spec!r}: expected NAME=R/s or NAME=R/min with R > 0 (e.g. judge=600/min)")
+        raise ConfigError(f"--rate {spec!r}: expected NAME=R/s or NAME=R/min with R > 0 (e.g. judge=600/min)")
     return _check_name(name.strip()), float(match.group(1)) / _PERIOD[match.group(2)]
 
 
