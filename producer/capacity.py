@@ -144,7 +144,8 @@ class WorkTable:
     def start(self, item: Admitted, version: int, n: int, *, warming: bool = False) -> None:
         """Run a prompt whose ``n`` units of capacity were just taken (``warming``: none yet, its
         task takes them once its prepare hook started)."""
-        assert self.runner is not None, "the runner is set when the producer is made"
+        if self.runner is None:
+            raise RuntimeError("WorkTable.start before its runner was set (the producer sets it when it is made)")
         work = Work(
             stream=item.stream, prompt_id=item.entry_id, fields=item.fields, version=version,
             held=0 if warming else n, warming=warming,

@@ -558,7 +558,8 @@ class Producer:
         process comes back), then raised: fatal, loudly (``--max-backlog-bytes`` below the store's
         size keeps it from filling)."""
         plane = self.plane
-        assert plane is not None  # only called with objects, which only a plane makes
+        if plane is None:  # only a plane makes objects: a namespace without a store never gets here
+            raise RuntimeError("payload objects to put but no payload store is configured")
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
                 await self._outage.run(lambda: plane.put(objects))
