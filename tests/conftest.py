@@ -179,3 +179,12 @@ async def take_all(url: str, ns: str, count: int, batch: int, timeout: float = 2
                 indexes += [g.index for g in b.groups]
                 assert await consumer.commit(b) == len(b)
     return indexes
+
+
+def stopped(child: subprocess.Popen[bytes]) -> bool:
+    """The child stopped itself (SIGSTOP at a fault point): state T in /proc."""
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, stopped, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.errors import ProducerFailed
 from rollstream.common.keys import Keys, StateField
@@ -36,15 +36,6 @@ async def moe_sim() -> AsyncIterator[SimEngine]:
     async with SimEngine(SimConfig(seed=1, mean_tokens=100, length_sigma=0.0, latency_per_token=0.001,
                                    accuracy=0.5, moe=MOE)) as engine:
         yield engine
-
-
-def stopped(child: subprocess.Popen[bytes]) -> bool:
-    """The child stopped itself (SIGSTOP at a fault point): state T in /proc."""
-    try:
-        stat = Path(f"/proc/{child.pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def kill_at(child: subprocess.Popen[bytes], procs: ProcessPool, what: str) -> None:

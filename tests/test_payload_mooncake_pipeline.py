@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ProcessPool, add_prompts, make_namespace, take_all, wait_until
+from conftest import ProcessPool, add_prompts, make_namespace, stopped, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.protocol.objects import PayloadLedger
@@ -42,15 +41,6 @@ async def r3_sim() -> AsyncIterator[SimEngine]:
     async with SimEngine(SimConfig(seed=1, mean_tokens=256, length_sigma=0.0, latency_per_token=0.0005,
                                    accuracy=0.5, moe=(48, 8, 128))) as engine:
         yield engine
-
-
-def stopped(child: subprocess.Popen[bytes]) -> bool:
-    """The child stopped itself at a fault point (SIGSTOP): state T."""
-    try:
-        stat = Path(f"/proc/{child.pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def nothing_left(redis: Redis, ns: str, cluster: MooncakeCluster) -> None:
