@@ -109,11 +109,15 @@ VLLM_WEIGHTS = WeightAPI(
 # the flush, which succeeds only with no request queued or running: unpaused, the reload first
 # takes the lock every generation holds while it runs, so it waits for them (docs/engines.md)
 SGLANG_WEIGHTS = WeightAPI(
-    # wait does not pause: /update_weights_from_disk itself waits for the requests in flight
+    # wait does not pause: /update_weights_from_disk itself waits for the requests in flight.
+    # keep is "retract", not "in_place": retract puts the running requests back in the waiting
+    # queue (kept, their KV recomputed under the new weights, as vLLM's keep with clear_cache),
+    # so the reload's flush succeeds; after an in_place pause SGLang refuses any flush ("Cache
+    # not flushed because there are pending requests") and its scheduler stops on the assert
     pause={
         "abort": Call("/pause_generation", {"mode": "abort"}),
         "wait": None,
-        "keep": Call("/pause_generation", {"mode": "in_place"}),
+        "keep": Call("/pause_generation", {"mode": "retract"}),
     },
     reload=(Call("/update_weights_from_disk", {"model_path": WEIGHTS_PATH, "weight_version": VERSION}),),
     resume=Call("/continue_generation", {}),

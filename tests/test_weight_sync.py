@@ -4,17 +4,21 @@ declaration."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
+from conftest import wait_until
 from rollstream import WeightSync
 from rollstream.common.errors import ConfigError, WeightSyncError
 from rollstream.common.weight_apis import PAUSE_MODES, WEIGHT_APIS
 from rollstream.producer.engine.dialects import DIALECTS
+from rollstream.testing.sim import SimConfig, SimEngine
 
 RELOAD_VLLM = ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/3"}})
 SET_VLLM = ("POST", "/update_weight_version", {"new_version": "3"})
@@ -29,7 +33,7 @@ EXPECTED: dict[tuple[str, str], list[tuple[str, str, Any]]] = {
     },
     ("sglang", "abort"): [("POST", "/pause_generation", {"mode": "abort"}), RELOAD_SGLANG,
                           ("POST", "/continue_generation", {})],
-    ("sglang", "keep"): [("POST", "/pause_generation", {"mode": "in_place"}), RELOAD_SGLANG,
+    ("sglang", "keep"): [("POST", "/pause_generation", {"mode": "retract"}), RELOAD_SGLANG,
                          ("POST", "/continue_generation", {})],
     ("sglang", "wait"): [RELOAD_SGLANG],  # its reload waits for the requests in flight
 }
@@ -99,3 +103,46 @@ def test_the_catch_up_is_the_declared_reload_then_the_version() -> None:
     assert DIALECTS["vllm"].weights.catch_up_requests("/ckpt/3", 3) == vllm
     assert DIALECTS["openai"].weights.catch_up_requests("/ckpt/3", 3) == vllm  # vLLM's behind its OpenAI server
     assert DIALECTS["sglang"].weights.catch_up_requests("/ckpt/3", 3) == [RELOAD_SGLANG[1:]]
+
+
+async def _in_flight(sim: SimEngine, http: aiohttp.ClientSession) -> asyncio.Task[dict[str, Any]]:
+    """A long ``/generate`` on ``sim``, once it is running there."""
+
+    async def generate() -> dict[str, Any]:
+        body = {"text": "count slowly", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        async with http.post(f"{sim.url}/generate", json=body) as reply:
+            assert reply.status == 200, await reply.text()
+            result: dict[str, Any] = await reply.json()
+            return result
+
+    task = asyncio.create_task(generate())
+    await wait_until(lambda: sim.state.jobs)
+    return task
+
+
+async def test_an_sglang_keep_update_reloads_with_requests_in_flight_and_they_finish() -> None:
+    """``keep`` on SGLang pauses with ``retract``: the reload's cache flush succeeds with requests
+    in flight, and they continue after the resume (not aborted). An ``in_place`` pause, which
+    ``keep`` sent before, makes that flush refuse, and SGLang's scheduler stops on it (the
+    simulator answers the refusal)."""
+    config = SimConfig(seed=1, latency_per_token=0.01, length_sigma=0)
+    async with SimEngine(config) as sim, aiohttp.ClientSession() as http:
+        task = await _in_flight(sim, http)
+        async with WeightSync([sim.url], kind="sglang") as sync:
+            await sync.update(None, "/ckpt/1", 1, mode="keep")
+        assert sim.state.weight_version == 1 and sim.state.reloads == ["/ckpt/1"]
+        async with asyncio.timeout(60):
+            reply = await task
+        assert reply["meta_info"]["finish_reason"]["type"] != "abort"
+        assert reply["meta_info"]["completion_tokens"] > 0
+
+        task = await _in_flight(sim, http)
+        async with http.post(f"{sim.url}/pause_generation", json={"mode": "in_place"}) as paused:
+            assert paused.status == 200
+        async with http.post(f"{sim.url}/update_weights_from_disk", json={"model_path": "/ckpt/2"}) as refused:
+            assert refused.status == 500
+            assert "Cache not flushed" in await refused.text()
+        async with http.post(f"{sim.url}/continue_generation", json={}) as resumed:
+            assert resumed.status == 200
+        async with asyncio.timeout(60):
+            await task

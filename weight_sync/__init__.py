@@ -16,7 +16,7 @@ used to write by hand, in the order that keeps versions honest:
 ``finish_reason: abort``; rollstream recycles the groups, with their partial tokens under partial
 rollout), ``wait`` (the pause waits for them to finish on the old weights) or ``keep`` (they are
 frozen and continue on the new weights after the resume: their samples span two versions, and
-say so). SGLang: ``abort`` and ``keep`` pause with ``abort`` / ``in_place``; ``wait`` does not
+say so). SGLang: ``abort`` and ``keep`` pause with ``abort`` / ``retract``; ``wait`` does not
 pause (its ``/update_weights_from_disk`` waits for the requests in flight).
 
 Those endpoints are not written here: each engine server's are one

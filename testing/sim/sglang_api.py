@@ -124,6 +124,7 @@ async def _pause_generation(request: web.Request) -> web.Response:
     if mode not in ("abort", "retract", "in_place"):
         raise _BadRequest(f"unknown pause mode {mode!r}")
     state.resumed.clear()
+    state.sglang_pause = mode
     aborted = state.abort() if mode == "abort" else 0
     logger.info("generation paused (mode %s, %d requests aborted)", mode, aborted)
     return web.json_response({"success": True, "message": f"paused, {aborted} aborted"})
@@ -132,6 +133,7 @@ async def _pause_generation(request: web.Request) -> web.Response:
 async def _continue_generation(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     state.resumed.set()
+    state.sglang_pause = None
     logger.info("generation continued")
     return web.json_response({"success": True, "message": "continued"})
 
@@ -146,6 +148,11 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
             version = int(version)
         except (TypeError, ValueError) as exc:
             raise _BadRequest(f"weight_version must be an integer, got {version!r}") from exc
+    flush = body.get("flush_cache", True) is not False
+    if flush and state.sglang_pause == "in_place" and state.jobs:
+        # SGLang: an in_place pause leaves the requests holding their KV, so the reload's flush
+        # refuses and the scheduler's assert on it stops the server (docs/engines.md)
+        return _error(500, "Cache not flushed because there are pending requests")
     state.reloads.append(path)
     if NOT_TAKEN in path:  # a reload that answers success and loads nothing (a broken checkpoint)
         logger.info("weights 'updated' from %r: not taken, still version %d", path, state.weight_version)
@@ -155,7 +162,8 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     # SGLang flushes its radix cache in the reload (flush_cache, on by default; its scheduler
     # asserts the flush, which needs no request running: unpaused, the reload first waits for the
     # requests in flight, which the simulator does not)
-    state.reset_cache()
+    if flush:
+        state.reset_cache()
     logger.info("weights updated from %r, version %d", body.get("model_path"), state.weight_version)
     return web.json_response(
         {

@@ -97,6 +97,8 @@ class SimState:
     """Weight paths of reloads (vLLM ``reload_weights``, SGLang ``/update_weights_from_disk``), in order."""
     pauses: list[tuple[str, str | None]] = field(default_factory=list)
     """``(mode, clear_cache)`` of every vLLM ``/pause``, as sent (``clear_cache`` None when absent)."""
+    sglang_pause: str | None = None
+    """The mode of the SGLang ``/pause_generation`` in force (None: not paused that way)."""
     faults_injected: int = 0
     generate_errors: int = 0
     generate_error_status: int = 500
