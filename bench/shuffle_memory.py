@@ -1,7 +1,7 @@
 """The feeder's shuffle memory: tracemalloc's peak while an epoch's walk starts and gives its first rows.
 
 A 200,000-row JSONL file (``bench/data.py``'s rows, ~80 bytes each), walked by
-:class:`~rollstream.common.datasets.EpochWalk` (what the feeder iterates) for its first 1,000
+:class:`~rollstream.common.walks.EpochWalk` (what the feeder iterates) for its first 1,000
 rows, from the start and from a resume at position 100,000, in four orders: in order; the
 buffered shuffle (``--shuffle-buffer 65536``, smaller than the dataset); a full permutation
 (``--shuffle-buffer 200000``, the dataset fits); slime's scheme. Measured: the peak of Python
@@ -16,7 +16,8 @@ import time
 import tracemalloc
 from typing import Any
 
-from rollstream.common.datasets import EpochWalk, Order, open_dataset
+from rollstream.common.datasets import open_dataset
+from rollstream.common.walks import EpochWalk, Order
 
 from bench.common import Table
 from bench.data import jsonl_file

@@ -85,14 +85,17 @@ Modules, one concern each:
 * ``eval_lane``: the eval lane's data: ``EvalSettings`` (name, ``n_samples``, ``max_new_tokens``, carried in
   an eval prompt's ``metadata["rollstream_eval"]``, read by the rollout: ``eval_settings``), ``eval_prompts``,
   ``EvalResult`` and ``summarize`` (metrics, versions with counts, lag in steps)
-* ``datasets``: datasets streamed from disk, the feeder's and the eval lane's (``Dataset.records``): JSONL,
-  Parquet via the ``parquet`` extra, a folder or glob of shards, ``path@[a:b]``; cut into units
-  (≈1 MiB of lines, a row group) without reading rows; ``RowFormat``
-  is slime's record shape (``--metadata-key``, ``--tool-key``, ``--as-chat``); ``EpochWalk``: an epoch's
-  order from row ids alone, one class per order: ``BufferedWalk`` (units permuted, rows through a seeded
-  ``ShuffleBuffer``) and ``PermutedWalk`` (a dataset within the buffer, or slime's scheme, fully permuted),
-  so a resume at any position replays ids and reads only the units still holding buffered rows. Memory: the
-  buffer, not the dataset
+* ``datasets``: datasets streamed from disk, the feeder's and the eval lane's (``Dataset.records``): a
+  folder or glob of shards, ``path@[a:b]``, rows numbered across the shards; ``RowFormat`` is slime's
+  record shape (``--metadata-key``, ``--tool-key``, ``--as-chat``); ``Dataset.check`` parses the first rows
+  of every shard at start
+* ``shards``: one reader per file format (``JsonlShard``, ``ParquetShard`` via the ``parquet`` extra), each
+  cut into units (≈1 MiB of lines, a row group) without reading rows; a file changed while it is fed is a
+  ``ConfigError``
+* ``walks``: ``EpochWalk``: an epoch's order from row ids alone, one class per order: ``BufferedWalk``
+  (units permuted, rows through a seeded ``ShuffleBuffer``) and ``PermutedWalk`` (a dataset within the
+  buffer, or slime's scheme, fully permuted), so a resume at any position replays ids and reads only the
+  units still holding buffered rows. Memory: the buffer, not the dataset
 * ``config``: ``PipelineConfig``, validated with ``ConfigError`` (a ``ValueError``), stored as a plain hash
 * ``mix``: the mix (``init --mix NAME=WEIGHT,...``): ``parse_mix``, ``apportion`` (largest remainder) and
   ``carries`` (what each source is owed from the groups committed so far), so every batch holds each

@@ -34,16 +34,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from rollstream.common.codec import decode_prompt_entry, prompt_fields
 from rollstream.common.connection import Outage, connect
-from rollstream.common.datasets import (
-    MAX_LINE_BYTES,
-    Dataset,
-    EpochWalk,
-    MemoryDataset,
-    Order,
-    Record,
-    RowFormat,
-    open_dataset,
-)
+from rollstream.common.datasets import Dataset, MemoryDataset, Record, RowFormat, open_dataset
 from rollstream.common.errors import ConfigError, DecodeError, RowError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
@@ -53,6 +44,8 @@ from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed, Sources
 from rollstream.common.redis_values import int_or
+from rollstream.common.shards import MAX_LINE_BYTES
+from rollstream.common.walks import EpochWalk, Order
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
 from .curriculum import RowStats, Sampler, draw, row_field
@@ -81,15 +74,7 @@ def load_jsonl(
     A ``path@[start:stop]`` keeps those rows, as their ``--prompt-data`` does.
     """
     dataset = open_dataset(path, RowFormat(prompt_key, label_key, metadata_key, tool_key, as_chat))
-    records = []
-    for index in range(len(dataset.units)):
-        for rid, raw in dataset.read(index):
-            try:
-                record = dataset.record(rid, raw)
-            except RowError as exc:
-                raise ConfigError(str(exc)) from None
-            if record is not None:
-                records.append(record)
+    records = list(dataset.records())
     if not records:
         raise ConfigError(f"{path}: no records")
     return records
@@ -607,15 +592,14 @@ def _legacy_id(dataset: Dataset) -> str:
     """``digest:records`` as builds before streaming computed it (every record's prompt and label)."""
     digest = hashlib.sha1(usedforsecurity=False)
     records = 0
-    for index in range(len(dataset.units)):
-        for rid, raw in dataset.read(index):
-            try:
-                record = dataset.record(rid, raw)
-            except RowError:
-                return ""
-            if record is not None:
-                digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
-                records += 1
+    for rid, raw in dataset.every_row():
+        try:
+            record = dataset.record(rid, raw)
+        except RowError:
+            return ""
+        if record is not None:
+            digest.update(json.dumps([record.prompt, record.label], sort_keys=True, default=str).encode())
+            records += 1
     return f"{digest.hexdigest()[:12]}:{records}"
 
 

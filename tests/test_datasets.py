@@ -13,10 +13,12 @@ import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common import datasets
+from rollstream.common import shards as shard_readers
 from rollstream.common.codec import decode_prompt_entry
-from rollstream.common.datasets import EpochWalk, Order, RowFormat, open_dataset
+from rollstream.common.datasets import RowFormat, open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
+from rollstream.common.walks import EpochWalk, Order
 from rollstream.producer.feeder import Feeder, FeedSettings
 
 
@@ -38,7 +40,7 @@ def write_jsonl(path: Path, rows: range) -> Path:
 @pytest.fixture
 def small_units(monkeypatch: pytest.MonkeyPatch) -> None:
     """JSONL units of ~64 bytes (a few lines each): many units in a small file."""
-    monkeypatch.setattr(datasets, "UNIT_BYTES", 64)
+    monkeypatch.setattr(shard_readers, "UNIT_BYTES", 64)
 
 
 def shards(tmp_path: Path) -> Path:

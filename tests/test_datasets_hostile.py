@@ -21,9 +21,11 @@ import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
 from rollstream.common.codec import decode_prompt_entry
-from rollstream.common.datasets import MAX_LINE_BYTES, EpochWalk, Order, open_dataset
+from rollstream.common.datasets import open_dataset
 from rollstream.common.errors import ConfigError
 from rollstream.common.keys import Keys
+from rollstream.common.shards import MAX_LINE_BYTES
+from rollstream.common.walks import EpochWalk, Order
 from rollstream.producer.feeder import Feeder, FeedSettings
 
 PAD = "x" * 2000
