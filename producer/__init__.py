@@ -116,19 +116,23 @@ Modules, one concern each:
   ``load_reward(spec)``, choosing by the spec's scheme in a registry (``register_scheme``);
   ``integrations.framework_rewards`` registers ``slime:`` / ``slime-group:`` / ``miles:`` / ``miles-group:``
   when imported (the CLI imports it), so the producer never imports the integrations
-* ``feeder``: ``Feeder``: a dataset, or named sources ``{name: dataset}`` each with its own epochs and
-  cursor (``sources`` hash), → prompts; with a mix every prompt goes to the source furthest behind its share
-  of what is alive or trained (fed + requeued - lost: in flight and backlog counted), so generation follows
-  the mix whatever each source's speed, and the fast source's surplus held by ``take()`` stays bounded; a
-  source fed to the end leaves the mix (WARNING). Window, epochs, cursor; a row that cannot be fed is a dead
-  letter (``source=feed``, reason naming file and row) written by the ``FEED`` script with the cursor;
-  slime's shuffle (``shuffle_scheme="slime"``: ``random.seed(seed + epoch)``)
+* ``feeder``: ``Feeder``: the feeding loop: a dataset, or named sources ``{name: dataset}``, → prompts.
+  Window, epochs, cursor; a row that cannot be fed is a dead letter (``source=feed``, reason naming file
+  and row) written by the ``FEED`` script with the cursor; slime's shuffle (``shuffle_scheme="slime"``:
+  ``random.seed(seed + epoch)``)
+* ``feed_sources``: the sources of a feed and their mix (``SourceMix``): each source's walk through its
+  epochs with its own cursor (``sources`` hash); with a mix every prompt goes to the source furthest behind
+  its share of what is alive or trained (fed + requeued - lost: in flight and backlog counted), so
+  generation follows the mix whatever each source's speed, and the fast source's surplus held by ``take()``
+  stays bounded; a source fed to the end leaves the mix (WARNING); a reweighted mix is adopted, any other
+  change stops the feed
 * ``curriculum``: a curriculum from each row's history: ``RowStats`` (what ROW_STATS keeps in ``rows`` when
   the trainer commits or filters a group of the row, with ``init --row-stats K``), ``Sampler``
   (``sampler(stats, epoch, draw) -> feed now?``, the one function a user writes; ``draw`` is seeded by row
   and epoch so a restarted feeder decides the same), ``ZeroVarianceDeferral`` (``feed --curriculum
   zero-variance``): a row whose last k groups had zero reward variance is fed with probability ``offer``,
-  and surely once its last group is ``max_gap`` epochs old; a deferred row is skipped for that epoch only
+  and surely once its last group is ``max_gap`` epochs old; a deferred row is skipped for that epoch only;
+  ``Deferrals``: the feeder's side (asks the sampler per row, waits when it defers whole epochs)
 * ``metrics``: ``ProducerMetrics(Metrics)``: Prometheus, served from the producer's own loop (extra
   ``metrics``)
 """

@@ -13,12 +13,17 @@ all had zero reward variance (always solved, or never): they teach nothing and t
 dynamic-sampling filter would drop them after generation. It is still offered with probability
 ``offer`` each epoch and fed whatever its history once ``max_gap`` epochs have passed since its
 last group, so no row is dropped forever. Defaults measured in ``python -m bench data``.
+
+:class:`Deferrals` is the feeder's side: it asks the sampler about each row of a chunk and, when
+it defers whole epochs in a row, makes the feed wait between them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,3 +111,71 @@ def draw(seed: int, epoch: int, source: str, row: int) -> float:
 def row_field(source: str, row: int) -> str:
     """The row's field in ``Keys.rows``."""
     return f"{source}:{row}"
+
+
+DEFER_WAIT_MAX = 60.0
+"""The longest wait between two epochs whose every row the curriculum deferred."""
+
+
+class Deferrals:
+    """The feeder's side of a curriculum: which rows of a chunk ``sampler`` defers (its error a
+    ConfigError naming it and the row), and how long to wait when it defers whole epochs."""
+
+    def __init__(self, sampler: Sampler, seed: int, log: logging.LoggerAdapter[logging.Logger]) -> None:
+        self.sampler = sampler
+        self.seed = seed
+        self.log = log
+        self.deferred = 0
+        """Rows deferred so far."""
+        self._run = 0
+        self._wait = 0.0
+
+    def decide(self, rows: list[tuple[str, int, int]], stats: list[Any]) -> set[int]:
+        """The indexes of ``rows`` (source, epoch, row id) to defer, given each one's raw
+        ``rows`` hash value in ``stats``."""
+        deferred = set()
+        for i, ((source, epoch, rid), raw) in enumerate(zip(rows, stats, strict=True)):
+            try:
+                feed_now = self.sampler(RowStats.parse(raw), epoch, draw(self.seed, epoch, source, rid))
+            except Exception as exc:  # the user's function: its error named, not a traceback from the feeder
+                raise ConfigError(
+                    f"the curriculum {_name_of(self.sampler)} raised {type(exc).__name__}: {exc} "
+                    f"({_where_raised(exc)}) on row {source + ':' if source else ''}{rid} of epoch {epoch}: fix it, "
+                    "or feed without --curriculum"
+                ) from exc
+            if not feed_now:
+                deferred.add(i)
+        self.deferred += len(deferred)
+        return deferred
+
+    def wait_after(self, rows: int, deferred: int, epoch_rows: int, epochs: str) -> float:
+        """Seconds to wait after a chunk of ``rows`` of which ``deferred`` were: a curriculum
+        that defers every row would walk epoch after epoch at full speed feeding nothing, so after
+        ``epoch_rows`` (a whole epoch of every live source) deferred in a row, warn (``epochs``:
+        where the sources are) and wait 1 s, doubling to :data:`DEFER_WAIT_MAX` while it lasts, so
+        the trainer's statistics can change meanwhile; else 0."""
+        if deferred < rows:
+            self._run, self._wait = 0, 0.0
+            return 0.0
+        self._run += rows
+        if self._run < epoch_rows:
+            return 0.0
+        self._wait = min(DEFER_WAIT_MAX, max(1.0, 2 * self._wait))
+        self.log.warning(
+            "the curriculum deferred every one of the last %d rows (a whole epoch of every source; now at epoch %s): "
+            "nothing fed. Waiting %.0f s before going on; a curriculum that defers every row feeds nothing",
+            self._run, epochs, self._wait,
+        )
+        self._run = 0
+        return self._wait
+
+
+def _name_of(function: Any) -> str:
+    """A callable as ``module:qualname`` (an instance: its class's)."""
+    target = function if hasattr(function, "__qualname__") else type(function)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+
+
+def _where_raised(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"at {frames[-1].filename}:{frames[-1].lineno}" if frames else "where unknown"

@@ -23,12 +23,10 @@ import re
 import secrets
 import socket
 import time
-import traceback
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -39,16 +37,16 @@ from rollstream.common.errors import ConfigError, DecodeError, RowError
 from rollstream.common.eval_lane import EVAL_KEY, strip_eval_mark
 from rollstream.common.keys import Keys, SourceField
 from rollstream.common.logs import Prefixed
-from rollstream.common.mix import check_source_name, normalised, parse_mix
 from rollstream.common.models import Prompt, multimodal_of
 from rollstream.common.namespace import load_config
 from rollstream.common.protocol import Feed, Sources
 from rollstream.common.redis_values import int_or
 from rollstream.common.shards import MAX_LINE_BYTES
-from rollstream.common.walks import EpochWalk, Order
+from rollstream.common.walks import Order
 from rollstream.common.watchdog import LoopWatchdog, default_stall_after
 
-from .curriculum import RowStats, Sampler, draw, row_field
+from .curriculum import Deferrals, Sampler, row_field
+from .feed_sources import Chunk, FeedSource, Item, SourceMix
 
 logger = logging.getLogger(__name__)
 
@@ -124,73 +122,10 @@ def _order(settings: FeedSettings) -> Order:
     return Order(settings.shuffle, settings.seed, settings.shuffle_scheme, settings.shuffle_buffer)
 
 
-class Item(NamedTuple):
-    """One row of a source's walk, as the feeder hands it out."""
-
-    epoch: int
-    position: int
-    """The position in the epoch's order after this row (the cursor once it is fed)."""
-    row: int
-    """The row id in the (sliced) dataset."""
-    raw: Any
-    """The row as read, before decoding."""
-
-
-class _Source:
-    """One source being fed: its dataset, id, and where its walk stands."""
-
-    def __init__(self, name: str, dataset: Dataset, order: Order, epochs: int | None) -> None:
-        self.name = name
-        self.dataset = dataset
-        self.order = order
-        self.epochs = epochs
-        self.id = f"{dataset.fingerprint()}:{order.tag(dataset.rows)}"
-        self.epoch = 0
-        self.position = 0
-        self.done = False
-        self.walk: Iterator[Item] = iter(())
-        self.buffered: list[Item] = []
-
-    def start(self, epoch: int, position: int) -> None:
-        if position >= self.dataset.rows:
-            epoch, position = epoch + 1, 0
-        self.epoch, self.position = epoch, position
-        self.done = self.epochs is not None and epoch >= self.epochs
-        self.walk = self._walk(epoch, position)
-        self.buffered = []
-
-    def _walk(self, epoch: int, position: int) -> Iterator[Item]:
-        while self.epochs is None or epoch < self.epochs:
-            for after, rid, raw in EpochWalk(self.dataset, self.order, epoch, position):
-                yield Item(epoch, after, rid, raw)
-            epoch, position = epoch + 1, 0
-
-    def fill(self, count: int) -> None:
-        """Read ahead until ``count`` rows are buffered (or the walk ends): the feeder calls this
-        in a thread, so reading the dataset (a full permutation's blocks, a unit, a row group)
-        never holds its event loop."""
-        if self.done:
-            return
-        while len(self.buffered) < count and (item := next(self.walk, None)) is not None:
-            self.buffered.append(item)
-
-    def peek(self) -> Item | None:
-        if not self.buffered:
-            item = next(self.walk, None)
-            if item is None:
-                return None
-            self.buffered.append(item)
-        return self.buffered[0]
-
-
 class Feeder:
     """Feeds a dataset, or several named ones (``{name: dataset}``, mixed as the namespace's
-    ``mix`` says), into a namespace; ``await feeder.run()`` returns when the epochs are done.
-
-    With named sources each keeps its own epochs and cursor (the ``sources`` hash), and every
-    prompt goes to the source furthest behind its share of the prompts that are still alive or
-    trained (fed + requeued - dead-lettered - filtered), so what producers generate follows the
-    mix whatever each source's generation speed; a source that runs dry leaves the mix."""
+    ``mix`` says: :mod:`~rollstream.producer.feed_sources`), into a namespace; ``await
+    feeder.run()`` returns when the epochs are done."""
 
     def __init__(
         self, redis: Redis, dataset: Dataset | list[Record] | Mapping[str, Dataset | list[Record]],
@@ -204,32 +139,32 @@ class Feeder:
         self.source_hash = Sources(redis, self.keys)
         self.order = _order(settings)
         named = dataset if isinstance(dataset, Mapping) else {"": dataset}
-        if not named:
-            raise ConfigError("no source to feed")
-        self.sources = [
-            _Source(check_source_name(name) if name else name, _as_dataset(d), self.order, settings.epochs)
-            for name, d in named.items()
-        ]
-        self.named = not (len(self.sources) == 1 and self.sources[0].name == "")
-        self.source = self.sources[0].dataset
-        self.dataset = (
-            "sources:" + ",".join(sorted(s.name for s in self.sources)) if self.named else self.sources[0].id
-        )
-        self.weights: dict[str, float] = {}
-        self._dry: list[str] = []
+        self.mix = SourceMix({name: _as_dataset(d) for name, d in named.items()}, self.order, settings.epochs, self.log)
+        self.sources = self.mix.sources
+        self.named = self.mix.named
+        self.dataset = self.mix.dataset
         self.fed = 0
         self.rejected = 0
-        self.deferred = 0
+        self.deferrals = (
+            Deferrals(settings.curriculum, settings.seed, self.log) if settings.curriculum is not None else None
+        )
         self.eval_marks_stripped = 0
         """Rows whose metadata carried the eval lane's reserved key: fed without it (it would steer sampling)."""
         self._outage = Outage(logger, f"feeder (ns {settings.namespace})")
         self._stop = asyncio.Event()
         self._token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
-        self._mix = ""
         self._beat_ttl = 15.0
         self._beat_at = 0.0
-        self._deferred_run = 0
-        self._defer_wait = 0.0
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The named sources' weights (the namespace's mix) the feed follows now."""
+        return self.mix.weights
+
+    @property
+    def deferred(self) -> int:
+        """Rows the curriculum deferred so far."""
+        return self.deferrals.deferred if self.deferrals is not None else 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -285,39 +220,11 @@ class Feeder:
         self.log.warning("resuming a namespace fed by an earlier rollstream (dataset id %s)", fed_dataset)
         return True
 
-    async def _alive(self) -> dict[str, int]:
-        """Per source: prompts fed that are still alive or trained (fed + requeued - lost)."""
-        state = {k: int_or(v, 0) for k, v in (await self._outage.run(self.source_hash.state)).items()}
-        return {
-            s.name: state.get(SourceField.of(s.name, "fed"), 0) + state.get(SourceField.of(s.name, "requeued"), 0)
-            - state.get(SourceField.of(s.name, "lost"), 0)
-            for s in self.sources
-        }
-
     async def run(self) -> int:
         """Feed until the epochs are done (or :meth:`stop`); returns the prompts fed by this call.
         A loop-lag watchdog runs meanwhile (a stall is logged with the code that held the loop)."""
         config = await load_config(self.redis, self.keys)
-        names = {s.name for s in self.sources}
-        if self.named:
-            self.weights = config.weights
-            if not self.weights:
-                raise ConfigError(
-                    f"named sources ({', '.join(sorted(names))}) need the namespace's mix: "
-                    f"rollstream init --mix {','.join(f'{n}=1' for n in sorted(names))} ..."
-                )
-            if outside := names - self.weights.keys():
-                raise ConfigError(f"source(s) {', '.join(sorted(outside))} not in the namespace's mix {config.mix!r}")
-            if unknown := self.weights.keys() - names:
-                raise ConfigError(
-                    f"the namespace's mix {config.mix!r} names source(s) {', '.join(sorted(unknown))} "
-                    "that this feed does not feed"
-                )
-        elif config.weights:
-            raise ConfigError(
-                f"the namespace mixes sources ({config.mix}): feed them by name, "
-                f"rollstream feed {' '.join(f'{n}=PATH' for n in config.weights)}"
-            )
+        self.mix.adopt(config)
         if self.settings.curriculum is not None:
             if not config.row_stats:
                 raise ConfigError(
@@ -331,7 +238,6 @@ class Feeder:
             f"feeder (ns {self.keys.namespace})", default_stall_after(config.lease_seconds), logger
         )
         watching = asyncio.create_task(watchdog.run(), name="watchdog")
-        self._mix = config.mix
         self._beat_ttl = max(1.0, config.heartbeat_timeout)
         try:
             await self._beat(due=True)
@@ -351,55 +257,7 @@ class Feeder:
             return
         self._beat_at = now
         await self._outage.run(lambda: self.feed.beat(self._token, int(self._beat_ttl * 1000)))
-        mix = await self._outage.run(self.feed.mix)
-        if mix != self._mix:
-            self._mix_changed(mix)
-
-    def _mix_changed(self, mix: str) -> None:
-        weights = parse_mix(mix)
-        names = {s.name for s in self.sources}
-        if self.named and weights.keys() == names:
-            self.log.warning("the namespace's mix changed from %r to %r: feeding by the new weights", self._mix, mix)
-            self.weights, self._mix = weights, mix
-            return
-        if not self.named:
-            why = "this feed feeds one unnamed source"
-        elif not weights:
-            why = "the namespace has no mix any more"
-        else:
-            missing, extra = sorted(weights.keys() - names), sorted(names - weights.keys())
-            why = "; ".join(
-                ([f"source(s) {', '.join(missing)} not fed by this feed"] if missing else [])
-                + ([f"source(s) {', '.join(extra)} fed here not in it"] if extra else [])
-            )
-        raise ConfigError(
-            f"the namespace's mix changed while feeding, from {self._mix!r} to {mix!r} ({why}): the feed stops. "
-            "Restart it with the sources of the new mix (rollstream feed NAME=PATH ...)"
-        )
-
-    def _fill(self, room: int) -> None:
-        for source in self.sources:
-            source.fill(room)
-
-    def _pick(self, alive: dict[str, int]) -> _Source | None:
-        """The live source furthest behind its share (the only one when unnamed)."""
-        live = [s for s in self.sources if not s.done and s.peek() is not None]
-        for s in self.sources:
-            if not s.done and s not in live:
-                s.done = True
-                self._dry.append(s.name)
-                if self.named:
-                    self.log.warning(
-                        "source %r ran dry (%s epoch(s) fed): it leaves the mix, the others take its share",
-                        s.name, s.epochs,
-                    )
-        if not live:
-            return None
-        if not self.named:
-            return live[0]
-        shares = normalised({s.name: self.weights[s.name] for s in live})
-        have = sum(alive[s.name] for s in live) + 1
-        return max(live, key=lambda s: shares[s.name] * have - alive[s.name])
+        self.mix.changed(await self._outage.run(self.feed.mix))
 
     async def _feed(self) -> int:
         next_index = await self._cursor()
@@ -416,23 +274,17 @@ class Feeder:
             if room <= 0:
                 await self._sleep()
                 continue
-            alive = await self._alive() if self.named else {}
-            await asyncio.to_thread(self._fill, room)
-            chunk: list[tuple[_Source, Item]] = []
-            while len(chunk) < room:
-                picked = self._pick(alive)
-                if picked is None:
-                    break
-                chunk.append((picked, picked.buffered.pop(0)))
-                alive[picked.name] = alive.get(picked.name, 0) + 1
+            alive = self.mix.alive(await self._outage.run(self.source_hash.state)) if self.named else {}
+            await asyncio.to_thread(self.mix.fill, room)
+            chunk = self.mix.take(room, alive)
             if not chunk:
                 await self._mark_done()
                 break
             deferred = await self._deferred(chunk)
             entries, dead = self._entries(chunk, next_index, deferred)
-            updates = self._updates(chunk, entries)
+            updates = self.mix.updates(chunk, entries)
             last = chunk[-1][1]
-            epoch, position = (last[0], last[1]) if not self.named else (0, 0)
+            epoch, position = (last.epoch, last.position) if not self.named else (0, 0)
             added = await self._outage.run(
                 functools.partial(
                     self.feed.add, expected_next=next_index, next_after=next_index + len(entries), epoch=epoch,
@@ -460,57 +312,23 @@ class Feeder:
         return self.fed
 
     @staticmethod
-    def _check_encoding(source: _Source, rid: int, record: Record) -> None:
+    def _check_encoding(source: FeedSource, rid: int, record: Record) -> None:
         _encoded(source.dataset, rid, record, {**record.metadata, "dataset_index": rid}, 0, 0, source.name)
 
-    def _updates(self, chunk: list[tuple[_Source, Item]], entries: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
-        """The named sources' cursor moves and fed counts of a chunk."""
-        if not self.named:
-            return []
-        last: dict[str, Item] = {}
-        for source, item in chunk:
-            last[source.name] = item
-        fed = Counter(str(e.get("source", "")) for e in entries)
-        updates: list[tuple[str, str, Any]] = []
-        for name, (epoch, position, _, _) in last.items():
-            source = next(s for s in self.sources if s.name == name)
-            updates += [
-                ("s", SourceField.of(name, "epoch"), epoch), ("s", SourceField.of(name, "position"), position),
-                ("s", SourceField.of(name, "dataset"), source.id), ("i", SourceField.of(name, "fed"), fed[name]),
-            ]
-        updates += [("s", SourceField.of(name, "done"), 1) for name in self._dry]
-        self._dry = []
-        return updates
-
     async def _mark_done(self) -> None:
-        if self.named:
-            mapping = {SourceField.of(s.name, "done"): 1 for s in self.sources}
+        if mapping := self.mix.done_fields():
             await self._outage.run(lambda: self.source_hash.set(mapping))
 
-    async def _deferred(self, chunk: list[tuple[_Source, Item]]) -> set[int]:
+    async def _deferred(self, chunk: Chunk) -> set[int]:
         """The chunk's items (their indexes) the curriculum defers to a later epoch."""
-        sampler = self.settings.curriculum
-        if sampler is None:
+        if self.deferrals is None:
             return set()
-        fields = [row_field(source.name, rid) for source, (_, _, rid, _) in chunk]
-        raw = await self._outage.run(lambda: self.source_hash.rows(fields))
-        deferred = set()
-        for i, ((source, (epoch, _, rid, _)), stats) in enumerate(zip(chunk, raw, strict=True)):
-            try:
-                feed_now = sampler(RowStats.parse(stats), epoch, draw(self.settings.seed, epoch, source.name, rid))
-            except Exception as exc:  # the user's function: its error named, not a traceback from the feeder
-                raise ConfigError(
-                    f"the curriculum {_name_of(sampler)} raised {type(exc).__name__}: {exc} ({_where_raised(exc)}) "
-                    f"on row {source.name + ':' if source.name else ''}{rid} of epoch {epoch}: fix it, or feed "
-                    "without --curriculum"
-                ) from exc
-            if not feed_now:
-                deferred.add(i)
-        self.deferred += len(deferred)
-        return deferred
+        rows = [(source.name, item.epoch, item.row) for source, item in chunk]
+        stats = await self._outage.run(lambda: self.source_hash.rows([row_field(name, rid) for name, _, rid in rows]))
+        return self.deferrals.decide(rows, stats)
 
     def _entries(
-        self, chunk: list[tuple[_Source, Item]], next_index: int, deferred: set[int],
+        self, chunk: Chunk, next_index: int, deferred: set[int],
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The chunk's prompt entries (the ``deferred`` ones left out), and dead letters for its
         rows that cannot be fed."""
@@ -545,34 +363,22 @@ class Feeder:
         return entries, dead
 
     @staticmethod
-    def _dead_letter(source: _Source, epoch: int, rid: int, raw: Any, exc: RowError) -> dict[str, Any]:
+    def _dead_letter(source: FeedSource, epoch: int, rid: int, raw: Any, exc: RowError) -> dict[str, Any]:
         return {
             "source": "feed", "reason": str(exc), "entry_id": "", "ts_ms": int(time.time() * 1000),
             "epoch": epoch, "dataset_index": rid, "row": _row_text(raw),
             **({"dataset_source": source.name} if source.name else {}),
         }
 
-    async def _back_off_if_all_deferred(self, chunk: list[tuple[_Source, Item]], deferred: int) -> None:
-        """A curriculum that defers every row would walk epoch after epoch at full speed feeding
-        nothing: after a whole epoch of every live source deferred in a row, warn and wait (1 s,
-        doubling to 60 s while it lasts), so the trainer's statistics can change meanwhile."""
-        if deferred < len(chunk):
-            self._deferred_run, self._defer_wait = 0, 0.0
+    async def _back_off_if_all_deferred(self, chunk: Chunk, deferred: int) -> None:
+        """After a whole epoch of every live source deferred in a row, wait (:class:`Deferrals`)."""
+        if self.deferrals is None:
             return
-        self._deferred_run += len(chunk)
         epoch_rows = sum(s.dataset.rows for s in self.sources if not s.done)
-        if self._deferred_run < epoch_rows:
-            return
-        self._defer_wait = min(_DEFER_WAIT_MAX, max(1.0, 2 * self._defer_wait))
-        self.log.warning(
-            "the curriculum deferred every one of the last %d rows (a whole epoch of every source; now at epoch %s): "
-            "nothing fed. Waiting %.0f s before going on; a curriculum that defers every row feeds nothing",
-            self._deferred_run, ", ".join(f"{name} {epoch}" if name else str(epoch)
-                                          for name, epoch in {s.name: item[0] for s, item in chunk}.items()),
-            self._defer_wait,
-        )
-        self._deferred_run = 0
-        await self._sleep(self._defer_wait)
+        at = {source.name: item.epoch for source, item in chunk}
+        epochs = ", ".join(f"{name} {epoch}" if name else str(epoch) for name, epoch in at.items())
+        if wait := self.deferrals.wait_after(len(chunk), deferred, epoch_rows, epochs):
+            await self._sleep(wait)
 
     async def _sleep(self, seconds: float | None = None) -> None:
         try:
@@ -581,9 +387,6 @@ class Feeder:
         except TimeoutError:
             pass
 
-
-_DEFER_WAIT_MAX = 60.0
-"""The longest wait between two epochs whose every row the curriculum deferred."""
 
 _LEGACY_ID = re.compile(r"^[0-9a-f]{12}:\d+:(o|s\d+|slime\d+)$")
 
@@ -626,17 +429,6 @@ def _encoded(
     except DecodeError as exc:
         raise RowError(f"{dataset.where(rid)}: a producer could not read the row back: {exc}") from None
     return fields
-
-
-def _name_of(function: Any) -> str:
-    """A callable as ``module:qualname`` (an instance: its class's)."""
-    target = function if hasattr(function, "__qualname__") else type(function)
-    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
-
-
-def _where_raised(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"at {frames[-1].filename}:{frames[-1].lineno}" if frames else "where unknown"
 
 
 def _as_dataset(dataset: Dataset | list[Record]) -> Dataset:
