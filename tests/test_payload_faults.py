@@ -21,6 +21,7 @@ import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, stopped, take_all, wait_until
 from redis.asyncio import Redis
 from rollstream.common.errors import ProducerFailed
+from rollstream.common.events import now_ms
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.payload.refs import member_keys
 from rollstream.common.protocol.objects import PayloadLedger
@@ -269,10 +270,12 @@ async def test_a_duplicate_publish_frees_its_own_objects(
 ) -> None:
     """A producer stopped between its put and its PUBLISH past the lease: another takes the prompt
     over and publishes it; the first wakes up, its PUBLISH finds the XACK done (a duplicate) and
-    its objects are freed, never claimed: one group trained, no object left. (A lease of 10 s puts
-    the intents' deadline 20 s after the put: the duplicate frees them, not the sweep.)"""
+    its objects are freed, never claimed: one group trained, no object left. The stopped
+    producer's intent is pushed an hour out while it sleeps (the same ZADD its put makes): however
+    slow a loaded machine makes the take-over, the sweep never reaches it first (with its own
+    deadline, two leases after the put, it did once), so the duplicate's PUBLISH is what frees it."""
     store = tmp_path / "store"
-    await make_namespace(redis, ns, lease_seconds=10, payload_store=f"fs://{store}", payload_min_bytes=1024)
+    await make_namespace(redis, ns, lease_seconds=4, payload_store=f"fs://{store}", payload_min_bytes=1024)
     await add_prompts(redis, ns, 1)
     monkeypatch.setenv("ROLLSTREAM_FAULT_STOP", "after_put")
     a = procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a", concurrency=2)
@@ -280,13 +283,17 @@ async def test_a_duplicate_publish_frees_its_own_objects(
     monkeypatch.delenv("ROLLSTREAM_FAULT_STOP")
     a_objects = objects_in(store)
     keys = Keys(ns)
+    (intent,) = [k.decode() for k in await redis.zrange(keys.payload_intents, 0, -1)]
+    assert member_keys(intent) == a_objects  # the group's one intent, the sweep's to take past its deadline
+    await PayloadLedger(redis, keys).intend([intent], now_ms() + 3_600_000)
     try:
         procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-b", concurrency=2)
         await wait_until(lambda: _xlen(redis, keys.groups, 1), 30, message="prod-b publishes the prompt")
     finally:
         a.send_signal(signal.SIGCONT)
     await wait_until(lambda: _at_least(redis, ns, StateField.DUPLICATES, 1), 30, message="prod-a's duplicate")
-    assert "duplicate group discarded" in procs.log_of(a)
+    # the counter is PUBLISH's (in Redis); the log line comes after the script returns
+    await wait_until(lambda: _true("duplicate group discarded" in procs.log_of(a)), 30, message="prod-a says so")
     assert await take_all(redis_url, ns, 1, 1, timeout=30) == [0]
     await nothing_left(redis, ns, store)
     assert len(a_objects) == 2
