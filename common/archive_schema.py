@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .arrays import Unfetched
 from .codec import decode_group, decode_prompt, encode_group
 from .errors import ArchiveUnusable, ConfigError, DecodeError
 from .imports import require_extra
@@ -143,6 +144,11 @@ def _strip(group: Group) -> Group:
     return replace(group, samples=samples)
 
 
+def _list(values: Any) -> list[Any] | None:
+    """An array's values; None when absent or still in the payload store (not fetched)."""
+    return None if values is None or isinstance(values, Unfetched) else list(values)
+
+
 def _sample_rows(group: Group) -> list[dict[str, Any]]:
     rows = []
     for s in group.samples:
@@ -158,9 +164,9 @@ def _sample_rows(group: Group) -> list[dict[str, Any]]:
             "weight_versions": list(s.weight_versions),
             "prompt_length": s.prompt_length,
             "response_length": s.response_length,
-            "tokens": list(s.tokens),
-            "loss_mask": None if s.loss_mask is None else list(s.loss_mask),
-            "rollout_log_probs": None if s.rollout_log_probs is None else list(s.rollout_log_probs),
+            "tokens": _list(s.tokens),
+            "loss_mask": _list(s.loss_mask),
+            "rollout_log_probs": _list(s.rollout_log_probs),
             "metadata": _json(s.metadata),
         })
     return rows
@@ -193,7 +199,11 @@ def record_row(record: ArchiveRecord, *, keep_arrays: bool = False) -> dict[str,
     row.update(index=item.index, epoch=item.epoch, attempt=item.attempt, label=_json(item.label),
                history=list(item.history), metadata=_json(item.metadata), source=_source(item))
     if isinstance(item, Group):
-        if not keep_arrays and (item.payload is not None or any(
+        if item.payload is not None and not item.payload.attached:
+            # its arrays were not read from the payload store (the archiver logged why): the row
+            # keeps the entry as it came, refs included, and the samples without their arrays
+            row["decode_error"] = "payload: the offloaded arrays were not read from the payload store"
+        elif not keep_arrays and (item.payload is not None or any(
             getattr(s, name) is not None for s in item.samples for name in BIG_ARRAYS
         )):  # a version-4 group's refs go too: its objects are freed once the record is confirmed
             item = _strip(item)

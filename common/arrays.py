@@ -8,8 +8,9 @@ import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
+from .errors import PayloadNotFetched
 from .imports import require_extra
 
 IntArray: TypeAlias = "array[int] | memoryview[int]"
@@ -170,6 +171,88 @@ class Packed:
         return f"Packed({self.typecode}, shape={self.shape})"
 
 
+class Unfetched:
+    """A sample's array that is in the payload store and not fetched yet: its length, shape,
+    typecode and size are known (the entry says them), its values are not. ``len()`` works, so
+    every length rule (``prompt_length``, the decoder's checks, ``Batch.shard``'s balance) holds
+    before the fetch; any read of the values (indexing, iteration, ``tolist``, ``tobytes``,
+    ``data``, ``numpy``, ``numpy.asarray``) raises :class:`~.errors.PayloadNotFetched` saying how
+    to fetch. The buffer protocol: on Python 3.12 and later the same error; on 3.11 a pure-Python
+    class cannot refuse it, so ``memoryview(x)`` and ``numpy.frombuffer(x)`` give the interpreter's
+    ``TypeError``. Never None and never a short array: None still means "absent". Fetching
+    (``GroupPayload.attach``) replaces it in its sample with the array itself."""
+
+    __slots__ = ("key", "name", "shape", "typecode")
+
+    def __init__(self, name: str, key: str, typecode: str, shape: tuple[int, ...]) -> None:
+        self.name = name
+        """The :class:`~.models.Sample` field."""
+        self.key = key
+        """The payload store object it is in."""
+        self.typecode = typecode
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    @property
+    def format(self) -> str:
+        """The typecode (a memoryview's name for it)."""
+        return self.typecode
+
+    @property
+    def itemsize(self) -> int:
+        return array(self.typecode).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def row_size(self) -> int:
+        return math.prod(self.shape[1:])
+
+    def _refuse(self, what: str = "its values") -> NoReturn:
+        raise PayloadNotFetched(
+            self.key,
+            f"Sample.{self.name} ({self.typecode}, shape {self.shape}) is in the payload store, not fetched: "
+            f"{what} cannot be read yet. Fetch the batch first: `await batch.fetch()` (or `batch.fetch_now()`, "
+            f"any numpy view such as `batch.tokens_numpy()`, or `batch.shard(rank, world_size)` then its fetch); "
+            f"lengths are known before the fetch",
+        )
+
+    def __getitem__(self, index: object) -> NoReturn:
+        self._refuse("an item or a slice")
+
+    def __iter__(self) -> NoReturn:
+        self._refuse("iterating it")
+
+    def __contains__(self, value: object) -> NoReturn:
+        self._refuse("a membership test")
+
+    def __buffer__(self, flags: int) -> NoReturn:  # Python 3.12+ (PEP 688)
+        self._refuse("its buffer")
+
+    def __array__(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("a numpy array of it")
+
+    @property
+    def data(self) -> NoReturn:
+        self._refuse("its data")
+
+    def tolist(self) -> NoReturn:
+        self._refuse("tolist()")
+
+    def tobytes(self) -> NoReturn:
+        self._refuse("tobytes()")
+
+    def numpy(self) -> NoReturn:
+        self._refuse("numpy()")
+
+    def __repr__(self) -> str:
+        return f"Unfetched({self.name}, {self.typecode}, shape={self.shape}, key={self.key!r})"
+
+
 def _code_of(values: object) -> str:
     if isinstance(values, array):
         return values.typecode
@@ -185,18 +268,18 @@ def _packed(values: object, typecode: str) -> bool:
 
 
 def int_array(values: Iterable[int] | None) -> IntArray:
-    if _packed(values, "i"):
+    if _packed(values, "i") or isinstance(values, Unfetched):  # a placeholder until fetched
         return values  # type: ignore[return-value]
     return array("i", values or ())
 
 
 def float_array(values: Iterable[float] | None) -> FloatArray:
-    if _packed(values, "f"):
+    if _packed(values, "f") or isinstance(values, Unfetched):  # a placeholder until fetched
         return values  # type: ignore[return-value]
     return array("f", values or ())
 
 
 def mask_array(values: Iterable[int] | None) -> IntArray:
-    if _packed(values, "B"):
+    if _packed(values, "B") or isinstance(values, Unfetched):  # a placeholder until fetched
         return values  # type: ignore[return-value]
     return array("B", values or ())

@@ -15,7 +15,8 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   ├── PayloadMissing                    the object is gone (file deleted, store process died): recycled
     │   ├── PayloadCorrupt                    its size or checksum is not what its entry says: recycled
     │   ├── PayloadUnreadable                 the store cannot be reached or refused the read: recycled
-    │   └── PayloadStoreFull                  the store has no room for a put: transient, backed off
+    │   ├── PayloadStoreFull                  the store has no room for a put: transient, backed off
+    │   └── PayloadNotFetched                 an offloaded array read before its batch fetched it: fetch first
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── RowError (also ValueError)            a dataset row that cannot be fed (file and row named): dead-lettered
     ├── ArchiveUnusable                       an archive folder or file that cannot be written or read (full disk,
@@ -156,6 +157,19 @@ class PayloadUnreadable(PayloadError):
 class PayloadStoreFull(PayloadError):
     """The store has no room for a put (``ENOSPC``, Mooncake out of segment memory). Transient:
     the producer's partial objects are removed, it backs off and retries, loudly."""
+
+
+class PayloadNotFetched(PayloadError):
+    """A sample's array is still in the payload store (an :class:`~.arrays.Unfetched` placeholder:
+    its length and shape are known, its values are not) and something read its values: fetch the
+    batch first (``await batch.fetch()``, ``batch.fetch_now()``, any numpy view of the batch, or
+    ``batch.shard(rank, world_size)`` then its fetch). The caller's mistake, not the store's."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        RollstreamError.__init__(self, f"payload object {key!r}: {detail}")
+        self.store = ""
+        self.key = key
+        self.detail = detail
 
 
 class RowError(RollstreamError, ValueError):

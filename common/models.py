@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any
 
-from .arrays import FloatArray, IntArray, Packed, float_array, int_array, mask_array
+from .arrays import FloatArray, IntArray, Packed, Unfetched, float_array, int_array, mask_array
 from .payload.refs import GroupPayload
 from .sample_fields import BIN_CODES, Kind, SampleField, declare
 
@@ -224,7 +224,9 @@ def _status(value: Any) -> Status:
 
 
 def _packed_of(value: object) -> Packed:
-    return value if isinstance(value, Packed) else Packed.of(value)
+    if isinstance(value, Packed | Unfetched):  # Unfetched: a placeholder until fetched
+        return value  # type: ignore[return-value]
+    return Packed.of(value)
 
 
 _COERCE: dict[Kind, Callable[[Any], Any]] = {
@@ -262,7 +264,7 @@ def _values(sample: Sample) -> list[Any]:
     """The sample's values, packed arrays as lists (an array and a view of it compare equal)."""
     values = list(_ALL_VALUES(sample))
     for i in _ARRAYS:
-        if values[i] is not None:
+        if values[i] is not None and not isinstance(values[i], Unfetched):  # a placeholder: itself
             values[i] = values[i].tolist()
     return values
 
@@ -324,7 +326,9 @@ class Group:
     """How long the attempt that made it took, admission to group (ms; 0: unknown)."""
     payload: GroupPayload | None = None
     """Where its arrays that left the entry are (the payload store; None: all in the entry). Until
-    they are fetched (``Batch.fetch``, or any numpy view of the batch) those sample fields are None."""
+    they are fetched (``Batch.fetch``, or any numpy view of the batch) those sample fields hold
+    :class:`~.arrays.Unfetched` placeholders: their lengths are known, reading their values raises
+    :class:`~.errors.PayloadNotFetched`."""
 
     @property
     def status(self) -> Status:
@@ -403,12 +407,14 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_
     """The prompt of ``group`` for its next attempt: ``attempt + 1`` (unchanged when not
     ``uses_attempt``: a group recycled as stale is the pipeline's doing, not the prompt's),
     ``reason`` added to its history, the prompt ids of its samples kept (when the producer knew
-    them) and, with ``keep_partial``, the samples themselves (partial rollout continues them).
+    them, and fetched: a group whose tokens are still in the payload store gives none) and, with
+    ``keep_partial``, the samples themselves (partial rollout continues them).
 
     The one group -> prompt conversion: recycling and dead-lettering a group both use it."""
     first = group.samples[0] if group.samples else None
-    input_ids = (
-        array("i", first.tokens[: first.prompt_length]) if first is not None and first.prompt_length > 0 else None
+    input_ids = (  # tokens still in the payload store: the producer tokenizes the prompt again
+        array("i", first.tokens[: first.prompt_length])
+        if first is not None and first.prompt_length > 0 and not isinstance(first.tokens, Unfetched) else None
     )
     return Prompt(
         index=group.index,

@@ -66,7 +66,8 @@ class Batch:
         them in their samples as views on the fetched buffers (``fs``: mapped files, no copy);
         every object's CRC-32 is verified. ``PayloadError`` (naming the store and the key) when
         one cannot be read: a wrong array never reaches training. Done already: nothing to do.
-        The numpy views call it themselves; a sample's field is None until then."""
+        The numpy views call it themselves; until then an offloaded field is an ``Unfetched``
+        placeholder (its length known, its values refused)."""
         pending = self.unfetched
         if not pending:
             return

@@ -27,6 +27,7 @@ import enum
 import functools
 import logging
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import replace
@@ -514,6 +515,9 @@ class GroupConsumer:
             return verdict
         try:
             group.payload.attach(group, await self.plane.fetch(group.payload))
+            first = group.samples[0]
+            if prompt.input_ids is None and first.prompt_length > 0:  # its ids were in the store too
+                prompt = replace(prompt, input_ids=array("i", first.tokens[: first.prompt_length]))
         except PayloadError as exc:
             self.log.warning("prompt %d: its partial samples cannot be read, generated again: %s", group.index, exc)
             prompt = replace(prompt, partial=None, history=[*prompt.history[:-1], f"{verdict.reason}; {exc}"])

@@ -309,6 +309,7 @@ class RolloutSession:
         skipped = 0
         while len(taken) < batch_size:
             batch = await self._take(consumer, batch_size - len(taken))
+            await batch.fetch()  # arrays in the payload store: on every Sample (and in the journal) as inline
             batches.append(batch)
             if not metrics:
                 metrics = dict(batch.metrics)

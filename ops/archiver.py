@@ -116,9 +116,9 @@ class Archiver:
         self.lease = NameLease(redis, self.keys, "archiver", token, key=self.keys.archiver_lease)
         self._renewed = 0.0
         self.plane: PayloadPlane | None = None
-        """The namespace's payload store, if any: with ``keep_arrays`` the offloaded arrays are read
-        from it into each record before the record is confirmed, which releases them; the archiver
-        then deletes what was released."""
+        """The namespace's payload store, if any: the offloaded arrays are read from it into each
+        record before the record is confirmed, which releases them (the rows keep tokens, masks and
+        log-probs; the bulk arrays only with ``keep_arrays``); the archiver then deletes what was released."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -257,11 +257,13 @@ class Archiver:
                 logger.warning("archiver (ns %s): freeing payload objects failed: %s", self.keys.namespace, exc)
 
     async def _inline(self, record: ArchiveRecord) -> ArchiveRecord:
-        """With ``--keep-arrays`` and a payload store: the record with its group's offloaded arrays
-        read back into its ``data`` (checksums verified), before its confirmation frees them. An
-        object that cannot be read is logged, the record written without those arrays."""
+        """With a payload store: the record with its group's offloaded arrays read back into its
+        ``data`` (checksums verified), before its confirmation frees them, with or without
+        ``--keep-arrays``: the row's tokens, loss masks and log-probs may be in the objects too
+        (without the flag :func:`record_row` then drops the bulk arrays). An object that cannot be
+        read is logged, the row then keeps the entry as it came and says so (``decode_error``)."""
         plane = self.plane
-        if plane is None or not self.settings.keep_arrays or b"refs" not in record.fields:
+        if plane is None or b"refs" not in record.fields:
             return record
         try:
             group = decode_group(record.fields.get(b"data", b""))

@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from array import array
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-from rollstream.common.arrays import Packed
+from rollstream.common.arrays import Packed, Unfetched
 from rollstream.common.codec import (
     OFFLOAD_VERSION,
     decode_group,
     decode_group_entry,
+    encode_group,
     encode_group_offloaded,
     group_fields,
     group_fields_offloaded,
 )
 from rollstream.common.config import PipelineConfig
-from rollstream.common.errors import ConfigError, DecodeError
+from rollstream.common.errors import ConfigError, DecodeError, PayloadError, PayloadNotFetched
 from rollstream.common.models import Group, Sample
 
 
@@ -56,12 +58,17 @@ def test_big_arrays_leave_the_entry_and_come_back_through_attach() -> None:
     assert fields["objects"] == 2 and fields["refs"] == "ns/obj-0-2"  # the group's one ledger member
     teacher = len(memoryview(group.samples[0].teacher_log_probs).cast("B"))  # type: ignore[arg-type]
     assert teacher < routed  # under the bar alone: it goes with its sample's routing all the same
-    assert fields["store_bytes"] == sum(o.ref.size for o in objects) == 2 * (routed + teacher)
-    assert int(fields["bytes"]) == len(fields["data"]) < routed
+    small = 201 * 4 + 200 * 4 + 200  # tokens, log-probs and loss mask go with them
+    size = routed + teacher + small + 4  # each array at an offset aligned to 8 (the tokens' 804 bytes pad 4)
+    assert fields["store_bytes"] == sum(o.ref.size for o in objects) == 2 * size
+    assert int(fields["bytes"]) == len(fields["data"]) < 1000  # the control fields only
     decoded = decode_group_entry(raw_fields(fields), views=True)
-    assert isinstance(decoded.samples[0].tokens, memoryview)  # in-entry arrays are still zero-copy views
-    assert decoded.samples[0].teacher_log_probs is None and decoded.samples[0].routed_experts is None
-    assert decoded.payload is not None and decoded.payload.nbytes == 2 * (routed + teacher)
+    first = decoded.samples[0]
+    for name in ("tokens", "rollout_log_probs", "loss_mask", "teacher_log_probs", "routed_experts"):
+        assert isinstance(getattr(first, name), Unfetched), name  # a placeholder, never None
+    assert len(first.tokens) == 201 and first.prompt_length == 1 and len(first.loss_mask or ()) == 200
+    assert first.routed_experts.shape == (200, 48, 8)  # type: ignore[union-attr]
+    assert decoded.payload is not None and decoded.payload.nbytes == 2 * size
     buffers = {o.ref.key: memoryview(b"".join(bytes(p) for p in o.parts)) for o in objects}
     decoded.payload.attach(decoded, buffers)
     view = decoded.samples[1].routed_experts.numpy()  # type: ignore[union-attr]
@@ -78,7 +85,9 @@ def test_several_arrays_of_one_sample_share_its_object_aligned() -> None:
     wire = msgpack.unpackb(data)
     assert wire["v"] == OFFLOAD_VERSION
     ofl = wire["samples"][0]["ofl"]
-    assert set(ofl[1]) == {"re", "tlp"}
+    assert set(ofl[1]) == {"tok", "lp", "lm", "re", "tlp"}
+    assert not {"tok", "lp", "lm", "re", "tlp"} & set(wire["samples"][0])  # none also in the entry
+    assert wire["samples"][0]["rlen"] == 200 and wire["samples"][0]["pl"] == 1  # the lengths stay
     assert all(spec[0] % 8 == 0 for spec in ofl[1].values())
     decoded = decode_group(data, views=True)
     assert decoded.payload is not None
@@ -95,14 +104,16 @@ def test_the_bar_is_per_sample_all_of_a_samples_arrays_go_or_none() -> None:
     group = dataclasses.replace(group, samples=[group.samples[0], small])
     routed = group.samples[0].routed_experts.nbytes  # type: ignore[union-attr]
     teacher = len(memoryview(group.samples[0].teacher_log_probs).cast("B"))  # type: ignore[arg-type]
-    bar = routed + teacher - 1  # neither array alone, both together
-    assert bar > max(routed, teacher) and 200 + teacher < bar
+    small = 201 * 4 + 200 * 4 + 200  # tokens, log-probs, loss mask
+    bar = routed + teacher + small - 1  # no array alone, all together
+    assert bar > max(routed, teacher) and 200 + teacher + small < bar
     fields, objects = group_fields_offloaded(group, bar, keys())
     assert len(objects) == 1 and fields["refs"] == "ns/obj-0-1"  # the first sample's object only
     decoded = decode_group_entry(raw_fields(fields), views=True)
     first, second = decoded.samples
-    assert first.routed_experts is None and first.teacher_log_probs is None  # both went
-    assert second.routed_experts is not None and second.teacher_log_probs is not None  # both stayed
+    assert isinstance(first.routed_experts, Unfetched) and isinstance(first.teacher_log_probs, Unfetched)  # went
+    assert isinstance(first.tokens, Unfetched)  # with its tokens, log-probs and mask
+    assert isinstance(second.routed_experts, Packed) and isinstance(second.tokens, memoryview)  # all stayed
     assert decoded.payload is not None
     decoded.payload.attach(decoded, {objects[0].ref.key: memoryview(b"".join(bytes(p) for p in objects[0].parts))})
     decoded.payload = None
@@ -139,7 +150,16 @@ def _set_spec(index: int, value: Any) -> Any:
     (lambda w: w["objs"].append(["ns/unused", 1, 0]), "an object no sample's array is in"),
     (lambda w: w["objs"][0].__setitem__(0, "../escape"), "group.objs"),
     (lambda w: w.__setitem__("v", 3), "outside a version-4 group"),
-    (lambda w: w["samples"][0]["ofl"][1].__setitem__("tok", [0, 4, "i", [1]]), "not an offloadable field"),
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("rew", [0, 4, "i", [1]]), "not an offloadable field"),
+    (lambda w: w["samples"][0].__setitem__("tok", b"\0" * 804), "also in the entry"),  # tok twice
+    (lambda w: w["samples"][0].__setitem__("lp", None), "also in the entry"),  # nil beside its spec
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("tok", [0, 800, "i", [200]]), r"pl 1 \+ rlen 200 != 200 tokens"),
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("tok", [0, 804, "i", [202]]), "804 bytes for 202 items"),
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("tok", [0, 4, "f", [1]]), "does not describe an array"),
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("lm", [0, 199, "B", [199]]), "lm has 199 entries for 200"),
+    (lambda w: w["samples"][0]["ofl"][1].__setitem__("tok", [0, 4 * 10**9, "i", [10**9]]), "too_large|describe"),
+    (lambda w: w["samples"][0]["ofl"][1].pop("tok"), "missing_field|group.samples"),  # tok nowhere
+    (lambda w: w["samples"][0].__setitem__("rlen", 300), "rlen 300 outside"),  # lengths vs ofl's tokens
 ])
 def test_inconsistent_references_are_refused(change: Any, match: str) -> None:
     payload = _tampered(change)
@@ -166,3 +186,34 @@ def test_the_config_keeps_the_store_and_checks_it() -> None:
     with pytest.raises(ConfigError, match="payload_min_bytes"):
         PipelineConfig(n_samples_per_prompt=2, batch_size=2, payload_min_bytes=0)
     assert PipelineConfig(n_samples_per_prompt=2, batch_size=2, payload_store="mooncake://m:50051?metadata=http://m:8080/metadata")
+
+
+def test_an_offloaded_array_is_a_length_known_placeholder_that_refuses_its_values() -> None:
+    """Before the fetch every offloaded field (tokens, log-probs and mask as well as R3) is an
+    Unfetched: its length and shape serve every length rule, any read of its values raises
+    PayloadNotFetched saying how to fetch; the fetch (attach) puts the exact arrays in its place."""
+    group = r3_group(n=1)
+    data, objects = encode_group_offloaded(group, 1, keys())
+    decoded = decode_group(data, views=True)
+    sample = decoded.samples[0]
+    tokens, routed = sample.tokens, sample.routed_experts
+    assert isinstance(tokens, Unfetched) and isinstance(routed, Unfetched)
+    assert (len(tokens), tokens.shape, tokens.typecode, tokens.nbytes) == (201, (201,), "i", 804)
+    assert sample.prompt_length == 1 and sample.response_length == 200 and len(routed) == 200
+    assert sample.rollout_log_probs is not None and sample.loss_mask is not None  # never None: None is "absent"
+    reads = [
+        lambda: tokens[0], lambda: list(tokens), lambda: tokens.tolist(), lambda: tokens.tobytes(),
+        lambda: np.asarray(tokens), lambda: sample.response_tokens, lambda: routed.numpy(),
+        lambda: routed.data, lambda: 3 in tokens, lambda: encode_group(decoded),
+    ]
+    if sys.version_info >= (3, 12):  # the buffer protocol of a Python class (PEP 688)
+        reads.append(lambda: memoryview(tokens))
+    for read in reads:
+        with pytest.raises(PayloadNotFetched, match=r"Sample\.\w+ .* not fetched.*await batch\.fetch\(\)") as info:
+            read()
+        assert isinstance(info.value, PayloadError) and info.value.key == objects[0].ref.key
+    assert decoded.payload is not None
+    decoded.payload.attach(decoded, {objects[0].ref.key: memoryview(b"".join(bytes(p) for p in objects[0].parts))})
+    assert sample.tokens.tolist() == list(range(201)) and sample.loss_mask.tolist() == [1] * 200  # type: ignore[union-attr]
+    decoded.payload = None
+    assert decoded == group

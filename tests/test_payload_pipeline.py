@@ -10,10 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, wait_until
 from redis.asyncio import Redis
+from rollstream.common.arrays import Unfetched
+from rollstream.common.errors import PayloadNotFetched
 from rollstream.common.keys import Keys, StateField
 from rollstream.common.models import Group
 from rollstream.common.payload.refs import member_keys
@@ -78,6 +81,11 @@ async def test_arrays_live_in_the_store_and_commit_frees_them(
     store_bytes = sum(int(f[b"store_bytes"]) for _, f in entries)
     assert all(int(f[b"bytes"]) < int(f[b"store_bytes"]) for _, f in entries)  # the bulk left Redis
     assert await held(redis, ns) == (4, store_bytes, 0, 0)  # one ledger member per group
+    for _, f in entries:  # the entry as Redis holds it: no token, log-prob or mask bytes, the lengths kept
+        for wire in msgpack.unpackb(f[b"data"])["samples"]:
+            assert not {"tok", "lp", "lm", "re"} & set(wire), sorted(wire)
+            assert {"tok", "lp", "lm", "re"} <= set(wire["ofl"][1])
+            assert wire["ofl"][1]["tok"][3] == [wire["pl"] + wire["rlen"]]
     assert int(await redis.hget(keys.state, StateField.GROUP_BYTES) or 0) >= store_bytes  # the byte budget counts them
     async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
         async with asyncio.timeout(30):
@@ -104,8 +112,14 @@ async def test_lazy_fetch_each_rank_its_share(
         async with asyncio.timeout(30):
             batch = await consumer.take(4)
         assert len(batch.unfetched) == 4
-        assert all(s.routed_experts is None for g in batch.groups for s in g.samples)
-        shards = [batch.shard(rank, 2) for rank in range(2)]
+        sample = batch.groups[0].samples[0]
+        for name in ("tokens", "rollout_log_probs", "loss_mask", "routed_experts"):
+            assert all(isinstance(getattr(s, name), Unfetched) for g in batch.groups for s in g.samples), name
+        assert len(sample.tokens) == sample.prompt_length + sample.response_length > 1  # lengths before the fetch
+        with pytest.raises(PayloadNotFetched, match=r"await batch\.fetch\(\)"):
+            sample.tokens[0]
+        shards = [batch.shard(rank, 2) for rank in range(2)]  # balanced by tokens: lengths only
+        assert len(batch.unfetched) == 4  # the split fetched nothing
         assert sorted(i for s in shards for i in s.entry_ids) == sorted(batch.entry_ids)
         assert [len(s) for s in shards] == [2, 2]
         rank0 = shards[0].routed_experts_numpy()  # fetched on first access: rank 0's groups only
@@ -114,6 +128,11 @@ async def test_lazy_fetch_each_rank_its_share(
         await shards[1].fetch()
         for group in batch.groups:
             check_rows(group)
+            for s in group.samples:  # the exact arrays: as long as the entry said, the mask the producer's
+                assert isinstance(s.tokens, memoryview) and len(s.tokens) == s.prompt_length + s.response_length
+                assert s.loss_mask is not None and s.loss_mask.tolist() == [1] * s.response_length
+                assert s.rollout_log_probs is not None and len(s.rollout_log_probs) == s.response_length
+        assert sample.tokens[0] == sample.tokens.tolist()[0]
         assert await consumer.commit(batch) == 4
     assert objects_in(store) == []
 
@@ -167,6 +186,12 @@ async def test_the_archive_holds_the_objects_until_archived(
                 assert mine.routed_experts == theirs.routed_experts
         else:
             assert all(s.routed_experts is None for s in group.samples)
+        for mine, theirs, cells in zip(group.samples, trained[row["index"]].samples, row["samples"], strict=True):
+            # tokens, mask and log-probs left the entry with the routing: the rows hold them all the same
+            assert mine.tokens.tolist() == theirs.tokens.tolist() == cells["tokens"]
+            assert theirs.loss_mask is not None and theirs.loss_mask.tolist() == cells["loss_mask"]
+            assert theirs.rollout_log_probs is not None
+            assert cells["rollout_log_probs"] == pytest.approx(theirs.rollout_log_probs.tolist())
 
 
 async def _true(value: bool) -> bool:
@@ -319,6 +344,10 @@ async def test_a_partial_rollout_recycle_carries_its_arrays_inline(
         assert prompt.partial is not None
         for mine, theirs in zip(prompt.partial, aborted.samples, strict=True):
             assert mine.routed_experts == theirs.routed_experts and mine.teacher_log_probs == theirs.teacher_log_probs
+            assert mine == theirs  # the tokens, log-probs and mask too (they were in the object)
+        first = aborted.samples[0]
+        assert first.prompt_length > 0 and prompt.input_ids is not None
+        assert prompt.input_ids.tolist() == first.tokens[: first.prompt_length].tolist()
     else:
         assert prompt.partial is None and "no file" in prompt.history[-1]
     assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)

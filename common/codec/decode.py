@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..arrays import PACKED_CODES, Packed
+from ..arrays import PACKED_CODES, Packed, Unfetched
 from ..checked import is_int, is_number
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
@@ -251,19 +251,9 @@ _RELATED = frozenset(
 )
 
 
-class _Away:
-    """An offloaded array while its sample is checked: its length only (the relations need no more)."""
-
-    __slots__ = ("length",)
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-
 _OFFLOADABLE = {f.key: f for f in OFFLOADABLE}
+_REQUIRED_BIN = {f.key: BIN_CODES[f.kind] for f in OFFLOADABLE if f.required}
+"""Offloadable fields an entry must otherwise hold (the token ids): absent when ``ofl`` names them."""
 
 
 def _offloaded(
@@ -313,14 +303,18 @@ def _sample_from_wire(
 ) -> Sample:
     if not isinstance(obj, dict):
         raise DecodeError("bad_field", f"{what} must be a map")
-    values = _READERS[version](obj, what, limits)
     moved: list[Offloaded] = []
     if "ofl" in obj:
         if away is None or version < OFFLOAD_VERSION:
             raise DecodeError("bad_field", f"{what}.ofl outside a version-{OFFLOAD_VERSION} group")
         moved = _offloaded(obj, what, limits, position, objects)
-        for offloaded in moved:
-            values[offloaded.name] = _Away(offloaded.shape[0] if offloaded.shape else 0)
+        if not _REQUIRED_BIN.keys().isdisjoint(raw := _moved_keys(obj)):  # the ids are in the object
+            obj = {**obj, **{key: b"" for key in _REQUIRED_BIN if key in raw}}  # read as empty, replaced below
+    values = _READERS[version](obj, what, limits)
+    for offloaded in moved:  # its length, shape and typecode, until fetched (GroupPayload.attach)
+        values[offloaded.name] = Unfetched(
+            offloaded.name, objects[offloaded.obj].key, offloaded.typecode, offloaded.shape
+        )
     tokens, rlen = values["tokens"], values["response_length"]
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")
@@ -341,10 +335,13 @@ def _sample_from_wire(
         raise DecodeError("bad_field", f"{what}: pl {values['prompt_length']} + rlen {rlen} != {len(tokens)} tokens")
     _check_relations(values, what, _RELATIONS[version])
     if moved:
-        for offloaded in moved:
-            del values[offloaded.name]  # None until the object is fetched (GroupPayload.attach)
         away.extend(moved)  # type: ignore[union-attr]  # moved is only set when away is a list
     return Sample(**values)
+
+
+def _moved_keys(obj: Mapping[str, Any]) -> set[str]:
+    """The wire keys a sample's ``ofl`` (already checked) names."""
+    return set(obj["ofl"][1])
 
 
 def check_lengths(sample: Sample, what: str = "sample") -> None:
@@ -391,7 +388,7 @@ def _check_relations(values: dict[str, Any], what: str, relations: tuple[tuple[A
                 raise DecodeError("bad_field", f"{what}.{key} has {len(value)} rows for {len(tokens)} tokens")
         for name, pair, key in offsets:
             value = values.get(name)
-            if value is None or isinstance(value, _Away):  # an offloaded array's values are not here
+            if value is None or isinstance(value, Unfetched):  # an offloaded array's values are not here
                 continue
             ids = values[pair]
             if len(value) != rlen + 1 or value.data[0] != 0 or value.data[-1] != len(ids):

@@ -110,12 +110,12 @@ def encode_group(group: Group) -> bytes:
     return _packb(_group_to_wire(group, [_sample_to_wire(s) for s in group.samples]))
 
 
-OFFLOADABLE = tuple(
-    f for f in SAMPLE_FIELDS if f.optional and f.kind in (Kind.PACKED, Kind.FLOATS, Kind.IDS, Kind.MASK)
-)
-"""The sample fields whose array may leave the entry for the payload store: the per-token arrays
-that only a version-3 entry carries (routing, indexer and top-p replay, teacher log-probs,
-reverse KL). Tokens, log-probs and loss masks stay: every check and the staleness rule read them."""
+OFFLOADABLE = tuple(f for f in SAMPLE_FIELDS if f.kind in (Kind.PACKED, Kind.FLOATS, Kind.IDS, Kind.MASK))
+"""The sample fields whose array may leave the entry for the payload store: every per-token
+array, the token ids, log-probs and loss mask as well as the version-3 ones (routing, indexer
+and top-p replay, teacher log-probs, reverse KL). The entry keeps ``rlen``, ``pl`` and the control
+fields, so every length relation is checked from the entry alone (an offloaded array's length is
+in its ``ofl`` spec); the staleness rule reads versions and spans only."""
 _ALIGN = 8
 
 

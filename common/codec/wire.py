@@ -11,6 +11,7 @@ from typing import Any
 
 import msgpack
 
+from ..arrays import Unfetched
 from ..errors import ConfigError, DecodeError
 from ..models import SAMPLE_FIELDS
 
@@ -35,7 +36,12 @@ def le_bytes(values: array[Any] | memoryview[Any]) -> bytes | memoryview:
     """An array's little-endian bytes (the wire's): a byte view of it on a little-endian host (msgpack
     packs the buffer as bin, one copy, into the payload), a swapped copy elsewhere."""
     if LITTLE:
-        return memoryview(values).cast("B")
+        try:
+            return memoryview(values).cast("B")
+        except TypeError:
+            if isinstance(values, Unfetched):  # Python 3.11 cannot refuse the buffer itself: say why here
+                values.tobytes()
+            raise
     swapped = array(values.typecode, values)  # type: ignore[union-attr]  # pragma: no cover - big-endian: no views
     swapped.byteswap()  # pragma: no cover
     return swapped.tobytes()  # pragma: no cover
