@@ -185,8 +185,9 @@ def before_table(result: dict[str, Any], rounds: int, command: str) -> Table:
             f"Medians of {rounds} rounds, each on a fresh redis-server ({result['binary']}); the PINGs come from "
             "bench/payload_probe.py in its own process (redis-py, one a millisecond), timed from send to reply; "
             "'idle second': the same probe in the second before the XADD (this machine's noise floor).",
-            "The group: 16 samples x (N response + 64 prompt tokens), ids, log-probs and a 48 x 8 uint8 routing "
-            "replay, encoded by the codec (group_fields); XADD and XRANGE from this process (redis-py, hiredis).",
+            "The group: 16 samples x (N response + 64 prompt tokens), ids, log-probs, a loss mask, a response text "
+            "of 4 characters a token and a 48 x 8 uint8 routing replay, encoded by the codec (group_fields); XADD "
+            "and XRANGE from this process (redis-py, hiredis).",
             f"Load average at the end: {load()} (2 cores shared with other work).",
         ],
         command,
@@ -647,6 +648,8 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
             f"{chosen[-2].flow} and {chosen[-1].flow} flowing). Targets (issue 48): held <= 1 % of the payload with a "
             "store; CPU within 2x the 8 x 1k group; the other client's worst under 10 ms; trainer >= 0.5 x "
             f"numpy.fromfile; 0.25 of the bytes per rank of {WORLD}.",
+            "The groups: ids, log-probs, a loss mask and a response text of 4 characters a token (what a real "
+            "tokenizer gives; the entry keeps the text with the control fields), plus the routing replay.",
             "Redis MB held: used_memory (less the clients' buffers) growth over the hold groups / hold. Redis CPU: "
             "INFO cpu used_cpu_sys + used_cpu_user deltas per group: publish (ADMIT + PUBLISH; with a store the "
             "intents too), read+commit (take + commit + freeing), whole cycle (the first flow phase: everything).",

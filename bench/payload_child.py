@@ -35,9 +35,22 @@ WAIT = 600.0
 """The longest a stage waits for its go file (a parent that died leaves the child to time out)."""
 
 
+CHARS_PER_TOKEN = 4
+"""Characters of response text a token: about what a real tokenizer gives for English text."""
+_TEXT = "The answer follows from the two facts above, so we add them and check the sum again. "
+
+
+def response_text(tokens: int) -> str:
+    """``tokens`` tokens' worth of plain text (:data:`CHARS_PER_TOKEN` characters each)."""
+    size = CHARS_PER_TOKEN * tokens
+    return (_TEXT * (size // len(_TEXT) + 1))[:size]
+
+
 def bench_group(samples: int, tokens: int, r3: bool, seed: int = 0) -> Group:
-    """A group of ``samples`` x (64 prompt + ``tokens`` response) ids with log-probs and, with
-    ``r3``, a ``(len - 1, 48, 8)`` uint8 routing replay of 128 experts (random, built with numpy:
+    """A group of ``samples`` x (64 prompt + ``tokens`` response) ids with log-probs, a loss mask
+    (the producer always fills one) and a response text of :data:`CHARS_PER_TOKEN` characters a
+    token (as a real tokenizer's text, so the entry's size is honest) and, with ``r3``, a
+    ``(len - 1, 48, 8)`` uint8 routing replay of 128 experts (random, built with numpy:
     bench.common.make_group's values, made fast enough to build several sizes)."""
     rng = numpy.random.default_rng(seed)
     layers, topk, experts = R3_SHAPE
@@ -45,9 +58,10 @@ def bench_group(samples: int, tokens: int, r3: bool, seed: int = 0) -> Group:
     for i in range(samples):
         ids = array("i", rng.integers(0, 152_000, PROMPT_TOKENS + tokens, dtype=numpy.int32).tobytes())
         sample = Sample(
-            index=i, tokens=ids, response="x" * 64, response_length=tokens, reward=1.0, finish_reason="stop",
-            weight_versions=[0], rollout_log_probs=array("f", (-5 * rng.random(tokens, dtype=numpy.float32)).tobytes()),
-            metadata={"engine": "http://engine"},
+            index=i, tokens=ids, response=response_text(tokens), response_length=tokens, reward=1.0,
+            finish_reason="stop", weight_versions=[0],
+            rollout_log_probs=array("f", (-5 * rng.random(tokens, dtype=numpy.float32)).tobytes()),
+            loss_mask=array("B", b"\x01" * tokens), metadata={"engine": "http://engine"},
         )
         if r3:
             rows = PROMPT_TOKENS + tokens - 1
