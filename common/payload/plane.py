@@ -181,6 +181,8 @@ class PayloadPlane:
             total += objects
             if len(done) < len(members):
                 break  # some refused (a read lease): next time
+            if len(members) < FREE_BATCH:
+                break  # the ledger had no more (a set released since waits for the next call)
         return total
 
     async def sweep(self) -> int:
