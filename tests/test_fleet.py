@@ -17,8 +17,9 @@ from rollstream.common.events import recent_events
 from rollstream.common.keys import Keys
 from rollstream.common.protocol import EngineRegistry
 from rollstream.producer.engine import EngineClient, EngineSettings, EngineState
-from rollstream.producer.engine.fleet import AFFINITY_SLACK, Fleet
+from rollstream.producer.engine.fleet import Fleet
 from rollstream.producer.engine.monitor import COLD_STALL_BOUND, STALL_FACTOR
+from rollstream.producer.engine.routing import AFFINITY_SLACK
 from rollstream.testing.sim import SimConfig, SimEngine
 from test_inspect import run_inspect
 

@@ -5,8 +5,9 @@
   ``asyncio.Protocol`` with its connection pool.
 * :mod:`.client`: :class:`EngineClient`, the request path (send, retries on
   :class:`~rollstream.common.backoff.Backoff`, sent again elsewhere, blame; generate, tokenize)
-  and what the producer calls (passed on to the monitor and the versions); :mod:`.fleet`: each
-  engine's state and the cache-aware routing with bounded loads; :mod:`.monitor`:
+  and what the producer calls (passed on to the monitor and the versions); :mod:`.fleet`: the
+  engines' states and the moves between them; :mod:`.engine_state`: one engine's record;
+  :mod:`.routing`: the cache-aware routing with bounded loads; :mod:`.monitor`:
   :class:`~.monitor.FleetMonitor`, the fleet monitor (health probes, loads, stalls, joining
   engines, the registry, gateway workers, ``abort_all``); :mod:`.weights`: each engine's weight
   version (shared cached reads, a weight update's news, the label of a reply without one) and the
@@ -46,7 +47,7 @@ from rollstream.common.errors import EngineReplyInvalid
 from rollstream.common.versions import parse_version
 
 from .client import EngineClient, route_key
-from .fleet import EngineState
+from .engine_state import EngineState
 from .settings import (
     ENGINE_APIS,
     REPLY_BASE_BYTES,

@@ -26,8 +26,9 @@ from rollstream.common.errors import EngineError, EngineRejected, EngineReplyInv
 
 from .dialects import DIALECTS
 from .discovery import INFO_BYTES, PROBE_ERRORS
-from .fleet import Engine, EngineState, Fleet
-from .fleet import attempt as attempt_on
+from .engine_state import Engine, EngineState
+from .engine_state import attempt as attempt_on
+from .fleet import Fleet
 from .http11 import Http11Transport
 from .ids_json import ENCODER as _ENCODER
 from .monitor import FleetMonitor

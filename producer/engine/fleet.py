@@ -28,191 +28,31 @@ An engine is taken out of routing only while another usable one remains (a catch
 last usable engine is retried with backoff as before, and only its failing after the retries is
 fatal (a fleet with no usable engine at all).
 
-Routing: requests that carry a key (a group's, and so every turn of its episodes) go to the
-engine a consistent-hash ring names for it, unless that engine would then hold more than
-``(1 + balance)`` x the mean load of the usable engines (plus :data:`AFFINITY_SLACK` samples:
-consistent hashing with bounded loads, Mirrokni et al.): then the next one clockwise. The
-samples of a group and the turns of an episode meet their prefix cache; no engine runs far above
-the others. Requests without a key go to the
-least-loaded usable engine. With adaptive concurrency (:mod:`.load`) an engine at its in-flight
-limit is skipped like a full one; when every routed engine is at its limit, requests wait in the
-client (:meth:`Fleet.wait_room`, first come first served) for one to end.
+Routing (which engine a request goes to, and the wait for room) is :mod:`.routing`; an
+engine's own record, :mod:`.engine_state`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import enum
-import hashlib
 import logging
-import math
-import random
 import time
-import zlib
-from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rollstream.common.backoff import Backoff
 from rollstream.common.errors import EngineError
 
-from .load import AdaptiveLimit, EngineLoad
+from .engine_state import JOINING_REASON, OUT, Engine, EngineState
+from .routing import Router
 
 logger = logging.getLogger(__name__)
 
-RING_POINTS = 64
-"""Points per engine on the hash ring, at least (spreads keys evenly over many engines)."""
-RING_SIZE = 4096
-"""Points on the ring of a small fleet: ``RING_SIZE // engines`` each, so two engines' shares of
-the keys differ by a few per cent rather than ten (three runs of the bench's cache part: two
-engines' prefix hit rate 0.99-1.0x one engine's, against 0.94-0.99x with 64 points each)."""
-AFFINITY_SLACK = 8
-"""Samples an engine may hold above the bounded load for its keys: at a light load the bound
-alone would split every group (a first request sees a mean of 0.5); a group of up to 8 stays
-together, and under load the slack is small beside ``balance`` x the mean."""
-
-
-class EngineState(enum.StrEnum):
-    JOINING = "joining"
-    HEALTHY = "healthy"
-    SUSPECT = "suspect"
-    EJECTED = "ejected"
-    WEDGED = "wedged"
-    BEHIND = "behind"
-    DRAINING = "draining"
-
-
-ROUTED = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
-"""The states that get new requests."""
-OUT = frozenset({EngineState.EJECTED, EngineState.WEDGED})
-"""The states probed for health until the engine answers (``joining`` is too, until its first answer)."""
-JOINING_REASON = "no answered health probe yet"
-
-
-class Engine:
-    """One engine URL (credentials stripped), its state and what the client knows of it."""
-
-    __slots__ = (
-        "adaptive", "attempts", "cached_tokens", "catching_up", "drain_deadline", "errors", "failures",
-        "has_model_info", "held", "in_flight", "last_answer", "last_reply", "load", "load_path", "lost",
-        "next_probe", "out_count", "prompt_tokens", "reason", "registered", "removed", "replies", "round_trip",
-        "since", "stalled", "stalled_until", "stalls", "state", "tokens", "url", "version", "version_checked",
-        "workers", "workers_checked",
-    )
-
-    def __init__(self, url: str, *, registered: bool = False, concurrency_floor: int | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.in_flight = 0
-        self.version: int | None = None
-        self.version_checked = -float("inf")
-        self.has_model_info = True
-        self.workers: list[str] | None = None
-        """Worker URLs when this URL is a gateway, else None."""
-        self.workers_checked = -float("inf")
-        self.state = EngineState.HEALTHY
-        self.reason = ""
-        self.since = time.monotonic()
-        self.failures = 0
-        """Failed requests since its last good reply."""
-        self.errors = 0
-        self.replies = 0
-        self.tokens = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.last_reply = time.monotonic()
-        """When a request on it last ended with an answer (a wedge shows as none for long)."""
-        self.next_probe = 0.0
-        self.out_count = 0
-        """Times it was taken out of routing (the probe backoff grows with it)."""
-        self.attempts: dict[object, float] = {}
-        """Its requests in flight (one key each) and when each was sent."""
-        self.last_answer = time.monotonic()
-        """When a request on it last ended with a usable reply (probes do not move it)."""
-        self.stalled = False
-        """Holding requests with no answer past its bound: ``suspect`` and out of routing (:meth:`Fleet.stall`)."""
-        self.stalled_until = 0.0
-        self.stalls = 0
-        self.lost: asyncio.Future[None] | None = None
-        """Resolved when it is taken out with requests in flight: each request awaits it alongside its
-        HTTP call (:meth:`lost_signal`) and is sent again elsewhere; then replaced for the next ones."""
-        self.registered = registered
-        """Came from the engine registry (dropped once drained when the registry forgets it)."""
-        self.removed = False
-        self.drain_deadline: float | None = None
-        self.adaptive = AdaptiveLimit(concurrency_floor) if concurrency_floor is not None else None
-        """Its in-flight limit from its own load (None: adaptive concurrency is off)."""
-        self.held = False
-        """A request waited for room on it since its load was last read (its limit binds)."""
-        self.load: EngineLoad | None = None
-        self.load_path: str | None = None
-        """The load endpoint that answered; ``""``: none does (no limit then)."""
-        self.round_trip: float | None = None
-        """Mean seconds of its answered requests (moving average; adaptive concurrency's pace)."""
-        self.catching_up = False
-        """Held ``behind`` for a catch-up (``--catch-up-engines``): the trainer's weights load into it,
-        or will once its requests ended; requests wait for it (:meth:`Fleet.wait_engine`)."""
-
-    @property
-    def limit(self) -> int | None:
-        """Samples in flight at most now (None: not limited)."""
-        return self.adaptive.limit if self.adaptive is not None else None
-
-    def has_room(self, weight: int) -> bool:
-        limit = self.limit
-        if limit is None or self.in_flight == 0 or self.in_flight + weight <= limit:
-            return True
-        self.held = True
-        return False
-
-    @property
-    def routed(self) -> bool:
-        return self.state in ROUTED and not self.stalled
-
-    def lost_signal(self) -> asyncio.Future[None]:
-        """What a request sent to it now awaits beside its reply: resolved when it is taken out."""
-        lost = self.lost
-        if lost is None or lost.done():
-            lost = self.lost = asyncio.get_running_loop().create_future()
-        return lost
-
-    def silent_for(self, now: float) -> float:
-        """Seconds it has held requests without answering one (0 when it holds none)."""
-        if not self.attempts:
-            return 0.0
-        return now - max(self.last_answer, min(self.attempts.values()))
-
-    def status(self) -> dict[str, Any]:
-        """What the heartbeat, ``inspect`` and the metrics show of it."""
-        out: dict[str, Any] = {
-            "url": self.url, "state": str(self.state), "in_flight": self.in_flight, "version": self.version,
-            "errors": self.errors, "replies": self.replies, "tokens": self.tokens,
-            "since_s": round(time.monotonic() - self.since, 1),
-        }
-        if self.reason:
-            out["reason"] = self.reason
-        if self.stalled:
-            out["stalled"] = True
-        if self.prompt_tokens:
-            out["prefix_hit_rate"] = round(self.cached_tokens / self.prompt_tokens, 3)
-        if self.limit is not None:
-            out["limit"] = self.limit
-        load = self.load
-        if load is not None:
-            if load.waiting is not None:
-                out["engine_waiting"] = load.waiting
-            if load.kv_usage is not None:
-                out["kv_usage"] = round(load.kv_usage, 3)
-        return out
-
-
-def _point(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
 
 class Fleet:
-    """The engines of one client: states, routing and the ring (no I/O; the monitor probes)."""
+    """The engines of one client: their states and the moves between them, and routing through
+    its :class:`~.routing.Router` (no I/O; the monitor probes)."""
 
     def __init__(self, urls: Iterable[str], *, eject_after: int = 3, balance: float = 0.25,
                  probe_backoff: Backoff | None = None, concurrency_floor: int | None = None,
@@ -232,25 +72,15 @@ class Fleet:
             for engine in self.engines.values():
                 engine.state, engine.reason = EngineState.JOINING, JOINING_REASON
         self.eject_after = eject_after
-        self.balance = balance
         self._probe_backoff = probe_backoff or Backoff(1.0, 30.0)
         self.trainer_version: int | None = None
         self.max_staleness: int | None = None
         self.changed = asyncio.Event()
         """Set (and replaced) on every state change: a request waiting for a usable engine wakes."""
         self.transitions = 0
-        self._room_waiters: deque[asyncio.Future[None]] = deque()
-        self._ring: list[int] = []
-        self._owners: list[Engine] = []
-        self._rebuild()
+        self.router = Router(self.engines.values(), balance=balance, limited=concurrency_floor is not None)
 
     # -- routing ----------------------------------------------------------------------
-
-    def _rebuild(self) -> None:
-        per_engine = max(RING_POINTS, RING_SIZE // max(1, len(self.engines)))
-        points = sorted((_point(f"{e.url}#{i}"), e.url) for e in self.engines.values() for i in range(per_engine))
-        self._ring = [p for p, _ in points]
-        self._owners = [self.engines[u] for _, u in points]
 
     def routed(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.routed]
@@ -258,33 +88,7 @@ class Fleet:
     def pick(self, key: str | None = None, weight: int = 1) -> Engine | None:
         """The engine for a request of ``weight`` samples (None: no engine is routed, or every
         routed one is at its in-flight limit: see :meth:`wait_room`)."""
-        engines = self.engines
-        if len(engines) == 1:
-            only = next(iter(engines.values()))
-            return only if only.routed and only.has_room(weight) else None
-        usable = self.routed()
-        if self.concurrency_floor is not None:
-            usable = [e for e in usable if e.has_room(weight)]
-        if not usable:
-            return None
-        if key is None or len(usable) == 1:
-            least = min(e.in_flight for e in usable)
-            return random.choice([e for e in usable if e.in_flight == least])
-        bound = math.ceil((1 + self.balance) * (sum(e.in_flight for e in usable) + weight) / len(usable))
-        bound += AFFINITY_SLACK
-        ring, owners = self._ring, self._owners
-        start = bisect.bisect(ring, zlib.crc32(key.encode()) << 32 | zlib.adler32(key.encode()))
-        seen: set[str] = set()
-        for i in range(len(ring)):
-            engine = owners[(start + i) % len(ring)]
-            if engine.url in seen or not engine.routed or not engine.has_room(weight):
-                continue
-            if engine.in_flight + weight <= bound:
-                return engine
-            seen.add(engine.url)
-            if len(seen) == len(usable):
-                break
-        return min(usable, key=lambda e: e.in_flight)
+        return self.router.pick(self.engines, key, weight)
 
     def any_routed(self) -> bool:
         return any(e.routed for e in self.engines.values())
@@ -315,48 +119,18 @@ class Fleet:
 
     async def wait_room(self, seconds: float, *, again: bool = False) -> bool:
         """Wait (at most ``seconds``) for a request to end while every routed engine is at its
-        limit; first come first served (``again``: woken before and beaten to the room, so first
-        in line). True when woken, False on the timeout."""
-        waiter = asyncio.get_running_loop().create_future()
-        if again:
-            self._room_waiters.appendleft(waiter)
-        else:
-            self._room_waiters.append(waiter)
-        try:
-            async with asyncio.timeout(seconds):
-                await waiter
-            return True
-        except TimeoutError:
-            return False
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.room_freed()  # woken, then cancelled: the next in line gets the room
-            raise
-        finally:
-            if not waiter.done():
-                waiter.cancel()
-            with contextlib.suppress(ValueError):
-                self._room_waiters.remove(waiter)
+        limit (:meth:`Router.wait_room`)."""
+        return await self.router.wait_room(seconds, again=again)
 
     def room_freed(self) -> None:
-        """A request ended (or a limit rose): the first request waiting for room tries again."""
-        waiters = self._room_waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        self.router.room_freed()
 
     def room_opened(self) -> None:
-        """Limits rose or engines changed: every request waiting for room tries again."""
-        waiters, self._room_waiters = self._room_waiters, deque()
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self.router.room_opened()
 
     @property
     def waiting_for_room(self) -> int:
-        return len(self._room_waiters)
+        return self.router.waiting_for_room
 
     # -- what requests tell -----------------------------------------------------------
 
@@ -530,7 +304,7 @@ class Fleet:
                 engine.removed = True
                 self.drain(engine, drain_timeout, now)
         if changed:
-            self._rebuild()
+            self.router.rebuild(self.engines.values())
 
     def drain(self, engine: Engine, drain_timeout: float, now: float) -> None:
         if engine.state is not EngineState.DRAINING:
@@ -553,7 +327,7 @@ class Fleet:
                 dropped = True
                 logger.warning("engine %s left (drained)", engine.url)
         if dropped:
-            self._rebuild()
+            self.router.rebuild(self.engines.values())
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -585,11 +359,3 @@ class Fleet:
         return [e.status() for e in engines]
 
 
-@contextlib.contextmanager
-def attempt(engine: Engine, key: object) -> Any:
-    """Register a request in flight on ``engine`` under ``key`` (its stall clock and count)."""
-    engine.attempts[key] = time.monotonic()
-    try:
-        yield
-    finally:
-        engine.attempts.pop(key, None)

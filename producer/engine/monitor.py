@@ -23,7 +23,8 @@ from rollstream.common.errors import ConfigError
 from rollstream.common.urls import check_url
 
 from .discovery import INFO_BYTES, PROBE_ERRORS, gateway_workers
-from .fleet import JOINING_REASON, OUT, Engine, EngineState, Fleet
+from .engine_state import JOINING_REASON, OUT, Engine, EngineState
+from .fleet import Fleet
 from .ids_json import ENCODER
 from .load import LOAD_BYTES
 from .settings import EngineSettings

@@ -18,7 +18,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from .discovery import FROM_REPLIES, FROM_TRAINER, INFO_BYTES, PROBE_ERRORS, probe_version_at
-from .fleet import Engine, EngineState, Fleet
+from .engine_state import Engine, EngineState
+from .fleet import Fleet
 from .ids_json import ENCODER
 from .parse import json_object
 from .settings import EngineSettings
