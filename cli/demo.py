@@ -289,6 +289,15 @@ async def trainer_loop(
     return rows, state
 
 
+def _stacked_bars(axes: Any, steps: list[int], series: list[tuple[list[float], str, str]]) -> list[float]:
+    """``series`` (values, color, label) as bars stacked bottom to top at ``steps``; the tops."""
+    tops = [0.0] * len(steps)
+    for values, color, label in series:
+        axes.bar(steps, values, bottom=list(tops), color=color, label=label)
+        tops = [top + value for top, value in zip(tops, values, strict=True)]
+    return tops
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
     """The run in six panels (``demo.png`` in ``out``): throughput, the trainer's time, each
     step's fates, staleness and token lag, and the bias ledger by response length."""
@@ -321,10 +330,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
                     f"{sum(col('tokens')) / total_s:,.0f} tokens/s over the run", fontsize=10)
 
     wait, train, update = col("wait_time_s"), col("train_s"), col("update_s")
-    trainer.bar(steps, train, color="tab:green", label="training step")
-    trainer.bar(steps, update, bottom=train, color="tab:gray", label="weight update")
-    trainer.bar(steps, wait, bottom=[a + b for a, b in zip(train, update, strict=True)], color="tab:red",
-                label="waiting for a batch")
+    _stacked_bars(trainer, steps, [(train, "tab:green", "training step"), (update, "tab:gray", "weight update"),
+                                   (wait, "tab:red", "waiting for a batch")])
     trainer.set_ylabel("seconds")
     trainer.legend(fontsize=8)
     waited = sum(wait) / max(sum(wait) + sum(train) + sum(update), 1e-9)
@@ -332,12 +339,11 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
     trainer.set_title(f"the trainer's steps: it waits {later:.0%} of its time after step 0 (start-up)", fontsize=10)
 
     trained, recycled, dropped = col("groups"), col("recycled"), col("dropped")
-    fates.bar(steps, trained, color="tab:green", label="trained")
-    fates.bar(steps, recycled, bottom=trained, color="tab:orange", label="recycled (stale, aborted, failed)")
-    fates.bar(steps, dropped, bottom=[a + b for a, b in zip(trained, recycled, strict=True)], color="tab:purple",
-              label="filtered / dead-lettered")
+    tops = _stacked_bars(fates, steps, [(trained, "tab:green", "trained"),
+                                        (recycled, "tab:orange", "recycled (stale, aborted, failed)"),
+                                        (dropped, "tab:purple", "filtered / dead-lettered")])
     fates.set_ylabel("groups")
-    fates.set_ylim(0, 1.4 * max([a + b + c for a, b, c in zip(trained, recycled, dropped, strict=True)], default=1))
+    fates.set_ylim(0, 1.4 * max(tops, default=1))
     handed_back = sum(recycled) + sum(dropped)
     fates.set_title(f"each step's groups by fate: {sum(trained):.0f} trained, {handed_back:.0f} handed back",
                     fontsize=10)

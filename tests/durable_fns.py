@@ -16,6 +16,14 @@ from rollstream.producer.episode import Episode
 TURNS = 6
 
 
+async def _released(release: Path) -> None:
+    """Until the file ``release`` exists (at most 60 s: then the episode goes on anyway)."""
+    for _ in range(1200):
+        if await asyncio.to_thread(release.exists):
+            return
+        await asyncio.sleep(0.05)
+
+
 def _note(line: str) -> None:
     with Path(os.environ["TOOL_LOG"]).open("a") as out:
         out.write(f"{os.getpid()} {line}\n")
@@ -67,11 +75,7 @@ async def rated(episode: Episode) -> Sample:
     """One token of the namespace rate ``judge``, then (holding its producer's only slot) a wait
     for the file ``$RELEASE`` (at most 60 s), then its engine call."""
     await episode.rate("judge")
-    release = Path(os.environ.get("RELEASE", "/nonexistent"))
-    for _ in range(1200):
-        if await asyncio.to_thread(release.exists):
-            break
-        await asyncio.sleep(0.05)
+    await _released(Path(os.environ.get("RELEASE", "/nonexistent")))
     await episode.generate(max_new_tokens=8)
     return episode.sample
 
@@ -119,10 +123,6 @@ async def held_until_release(episode: Episode) -> Sample:
     ``$RELEASE`` (at most 60 s), then one engine call."""
     async with episode.limit("sandbox"):
         _note(f"sandbox {episode.member}")
-        release = Path(os.environ["RELEASE"])
-        for _ in range(1200):
-            if await asyncio.to_thread(release.exists):
-                break
-            await asyncio.sleep(0.05)
+        await _released(Path(os.environ["RELEASE"]))
         await episode.generate(max_new_tokens=8)
     return episode.sample

@@ -8,11 +8,8 @@ index ends in exactly one group, a returned prompt, or a dead-letter entry with 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
-import sys
-import textwrap
 from array import array
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +19,7 @@ import httpx
 import msgpack
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, redis_binary_under_test, take_all, wait_until
+from killable_trainer import run_trainer
 from redis.asyncio import Redis
 from rollstream.common.codec import CodecLimits, decode_prompt_entry, group_fields
 from rollstream.common.connection import connect
@@ -194,36 +192,6 @@ async def test_producer_failure_raises_in_take_with_remote_traceback(
 
 # -- the trainer ----------------------------------------------------------------------------------
 
-TRAINER = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from rollstream.consumer import GroupConsumer
-
-    async def main():
-        url, ns, target, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-        consumer = await GroupConsumer.connect(url, ns, "trainer-k")
-        batch = await consumer.take(target)
-        print(json.dumps({"id": batch.id, "indexes": [g.index for g in batch.groups],
-                          "redelivered": batch.redelivered}), flush=True)
-        if mode == "hang":
-            await asyncio.sleep(3600)
-        await consumer.commit(batch)
-        await consumer.aclose()
-
-    asyncio.run(main())
-    """
-)
-
-
-def _run_trainer(script: Path, url: str, ns: str, mode: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    child = subprocess.Popen([sys.executable, str(script), url, ns, "2", mode], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    line = child.stdout.readline()
-    if not line:
-        child.wait(10)
-        raise AssertionError(f"trainer exited with {child.returncode} before taking a batch")
-    return child, json.loads(line)
-
 
 async def test_trainer_killed_before_commit_gets_the_same_batch(
     redis: Redis, redis_url: str, ns: str, sim: SimEngine, procs: ProcessPool, tmp_path: Path
@@ -232,16 +200,14 @@ async def test_trainer_killed_before_commit_gets_the_same_batch(
     await add_prompts(redis, ns, 4)
     procs.producer(redis_url, ns, sim.url, name="prod-a", concurrency=8)
     await wait_until(lambda: _len_is(redis, Keys(ns).groups, 4), 20, message="4 groups published")
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    first, taken = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "hang")
+    first, taken = await asyncio.to_thread(run_trainer, redis_url, ns, "hang")
     first.send_signal(signal.SIGKILL)
     await asyncio.to_thread(first.wait, 10)
     assert not taken["redelivered"]
-    second, again = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    second, again = await asyncio.to_thread(run_trainer, redis_url, ns, "commit")
     assert await asyncio.to_thread(second.wait, 20) == 0
     assert again == {**taken, "redelivered": True}
-    third, rest = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    third, rest = await asyncio.to_thread(run_trainer, redis_url, ns, "commit")
     assert await asyncio.to_thread(third.wait, 20) == 0
     assert rest["id"] != taken["id"] and not rest["redelivered"]
     assert sorted(taken["indexes"] + rest["indexes"]) == [0, 1, 2, 3]

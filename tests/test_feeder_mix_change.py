@@ -58,12 +58,7 @@ async def test_init_force_refuses_a_running_feeder_and_a_stalled_one_stops_loudl
     assert await redis.exists(keys.feeder) == 0
 
     # the trainer's take() waits on source c, fed by nobody: its warning names it (a is fed, alive)
-    caplog.set_level(logging.WARNING, logger="rollstream")
-    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", warn_interval=0.1) as consumer:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(3):
-                await consumer.take(4)
-    warnings = [r.getMessage() for r in caplog.records if "take(4) waiting" in r.getMessage()]
+    warnings = await _take_warnings(redis_url, ns, caplog, 3)
     assert warnings and all("source(s) 'c' (0 of its 2 taken, 0 fed ever, none alive)" in w for w in warnings), warnings
     assert all("'a' (" not in w for w in warnings)
 
@@ -90,6 +85,16 @@ async def test_a_new_mix_of_the_same_sources_is_adopted_by_the_running_feeder(
                for r in caplog.records)
 
 
+async def _take_warnings(redis_url: str, ns: str, caplog: pytest.LogCaptureFixture, seconds: float) -> list[str]:
+    """The warnings of a ``take(4)`` that waits ``seconds`` in vain (one every 0.1 s)."""
+    caplog.set_level(logging.WARNING, logger="rollstream")
+    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", warn_interval=0.1) as consumer:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await consumer.take(4)
+    return [r.getMessage() for r in caplog.records if "take(4) waiting" in r.getMessage()]
+
+
 async def _xlen(redis: Redis, key: str, count: int) -> bool:
     return bool(await redis.xlen(key) >= count)
 
@@ -104,12 +109,7 @@ async def test_take_waiting_on_a_source_nobody_feeds_names_it(
     """take(4) on a mix whose sources nothing feeds: its periodic warning names each of them, and
     what to run (it used to wait without naming them)."""
     await make_namespace(redis, ns, mix="a=1,c=3")
-    caplog.set_level(logging.WARNING, logger="rollstream")
-    async with await GroupConsumer.connect(redis_url, ns, "trainer-t", warn_interval=0.1) as consumer:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(2):
-                await consumer.take(4)
-    warnings = [r.getMessage() for r in caplog.records if "take(4) waiting" in r.getMessage()]
+    warnings = await _take_warnings(redis_url, ns, caplog, 2)
     assert warnings, [r.getMessage() for r in caplog.records]
     assert "source(s) 'a' (0 of its 1 taken, 0 fed ever, none alive), 'c' (0 of its 3 taken" in warnings[0]
     assert "is a feeder feeding them? (rollstream feed NAME=PATH" in warnings[0]

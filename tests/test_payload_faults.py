@@ -7,18 +7,15 @@ in the store and the ledgers empty."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import subprocess
-import sys
-import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace, stopped, take_all, wait_until
+from killable_trainer import run_trainer
 from redis.asyncio import Redis
 from rollstream.common.errors import ProducerFailed
 from rollstream.common.events import now_ms
@@ -28,6 +25,7 @@ from rollstream.common.protocol.objects import PayloadLedger
 from rollstream.consumer import GroupConsumer
 from rollstream.testing.sim.simulator import SimConfig, SimEngine
 from test_payload_pipeline import MOE, check_rows, objects_in
+from tmpfs import mounted_tmpfs
 
 MOE_FLAG = "x".join(map(str, MOE))
 
@@ -146,17 +144,8 @@ async def test_an_unreadable_object_recycles_its_group_with_the_reason(
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB tmpfs (mounting needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture
@@ -204,38 +193,6 @@ async def test_a_full_store_fails_the_producer_loudly_and_loses_nothing(
     await nothing_left(redis, ns, small_tmpfs)
 
 
-TRAINER = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from rollstream.consumer import GroupConsumer
-
-    async def main():
-        url, ns, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-        consumer = await GroupConsumer.connect(url, ns, "trainer-k", payload_check="size")
-        batch = await consumer.take(2)
-        rows = [int(v.sum()) for v in batch.routed_experts_numpy()]  # fetched on first access
-        print(json.dumps({"id": batch.id, "indexes": [g.index for g in batch.groups], "rows": rows,
-                          "redelivered": batch.redelivered}), flush=True)
-        if mode == "hang":
-            await asyncio.sleep(3600)
-        await consumer.commit(batch)
-        await consumer.aclose()
-
-    asyncio.run(main())
-    """
-)
-
-
-def _run_trainer(script: Path, url: str, ns: str, mode: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    child = subprocess.Popen([sys.executable, str(script), url, ns, mode], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    line = child.stdout.readline()
-    if not line:
-        child.wait(10)
-        raise AssertionError(f"trainer exited with {child.returncode} before taking a batch")
-    return child, json.loads(line)
-
-
 async def test_trainer_killed_between_take_and_commit_gets_its_batch_and_arrays_again(
     redis: Redis, redis_url: str, ns: str, moe_sim: SimEngine, procs: ProcessPool, tmp_path: Path
 ) -> None:
@@ -244,17 +201,15 @@ async def test_trainer_killed_between_take_and_commit_gets_its_batch_and_arrays_
     await add_prompts(redis, ns, 4)
     procs.producer(redis_url, ns, moe_sim.url, "--routed-experts", MOE_FLAG, name="prod-a")
     await wait_until(lambda: _xlen(redis, Keys(ns).groups, 4), 30, message="4 groups published")
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    first, taken = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "hang")
+    first, taken = await asyncio.to_thread(run_trainer, redis_url, ns, "hang", rows=True)
     first.send_signal(signal.SIGKILL)
     await asyncio.to_thread(first.wait, 10)
     assert len(objects_in(store)) == 8  # nothing freed: the batch is not committed
-    second, again = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    second, again = await asyncio.to_thread(run_trainer, redis_url, ns, "commit", rows=True)
     assert await asyncio.to_thread(second.wait, 30) == 0
     assert again == {**taken, "redelivered": True}  # the same batch, the same arrays
     assert all(r > 0 for r in again["rows"])
-    third, rest = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "commit")
+    third, rest = await asyncio.to_thread(run_trainer, redis_url, ns, "commit", rows=True)
     assert await asyncio.to_thread(third.wait, 30) == 0
     assert sorted(taken["indexes"] + rest["indexes"]) == [0, 1, 2, 3]
     await nothing_left(redis, ns, store)

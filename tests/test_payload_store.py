@@ -3,8 +3,6 @@ tmpfs for the full-disk case when the suite runs as root)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.payload import ObjectRef, check_key, checksum, open_store
 from rollstream.common.payload.fs import FsStore
+from tmpfs import mounted_tmpfs
 
 
 async def test_put_get_delete_list_round_trip(tmp_path: Path) -> None:
@@ -97,18 +96,9 @@ def test_payload_errors_name_store_and_key() -> None:
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB tmpfs (root only: mount needs CAP_SYS_ADMIN)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    """A real 1 MiB tmpfs (mounting needs root)."""
+    with mounted_tmpfs(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 async def test_a_full_directory_is_store_full_and_leaves_nothing(small_tmpfs: Path) -> None:
