@@ -702,6 +702,7 @@ def projection(result: dict[str, Any], command: str) -> Table:
     variants = {v["name"]: v for v in result["variants"]}
     same = variants["inline, no R3"]["runs"]
     same_cpu, same_mem = _median(same, "cycle_cpu") * 1e6, _median(same, "memory_per_group")
+    per_token = (PROMPT_TOKENS + 32768) / (PROMPT_TOKENS + TOKENS)
     rows: list[list[Any]] = []
     for name, v in variants.items():
         if not v["r3"]:
@@ -714,10 +715,9 @@ def projection(result: dict[str, Any], command: str) -> Table:
             wire = big["wire_bytes"] + r3_big
             store_held = store_traffic = float("nan")
             put = get = "-"
-        else:  # the entry as without R3, plus the ledger's cost (per object: one per sample)
-            us = base_us + max(0.0, cpu - same_cpu)
-            held = big["memory_bytes"] + max(0.0, mem - same_mem)
-            wire = big["wire_bytes"]
+        else:  # the entry (control fields, text, array specs) and the ledger, scaled by the tokens
+            us, held = cpu * per_token, mem * per_token
+            wire = held  # the entry's bytes in and out (its held bytes: an upper bound)
             store_held, store_traffic = held_groups * r3_big / 1e9, 2 * demand * r3_big / 1e9
             put = f"{statistics.median(r['store']['put'] for r in runs) / 1e9:.2f}"
             get = f"{statistics.median(r['store']['get'] for r in runs) / 1e9:.2f}"
@@ -739,8 +739,10 @@ def projection(result: dict[str, Any], command: str) -> Table:
             f"{base_us:,.0f} us of Redis CPU (PUBLISH + read + commit + ADMIT) and holds {big['memory_bytes'] / 1e6:.2f} "
             f"MB; 1,024 producers' fixed cost {fixed / 1e3:.0f} ms/s. From this run: inline, R3's Redis CPU and "
             "memory per byte (the R3 row minus the 16 x 8k row without R3, over its R3 bytes) times the 16 x 32k "
-            "group's; with a store, the entry is the group without R3 (tokens and log-probs stay in it) plus the "
-            "ledger's cost per group (the store row minus the row without R3: intents, claims, releases, frees).",
+            f"group's; with a store, the store row's Redis CPU and memory per group times the tokens' ratio "
+            f"({per_token:.2f}: every array is in the store, the entry keeps the control fields, the response text "
+            "and the arrays' specs; the ledger's fixed commands scaled too, so an upper bound), its held bytes as "
+            "its bytes on the wire.",
             "Store GB/s: every object put once and fetched once. Measured here: one client, one 50 MB object "
             "at a time, on this 2-core machine (loopback for Mooncake): the floor, not a cluster's figure.",
         ],

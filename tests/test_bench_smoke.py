@@ -236,7 +236,7 @@ def test_eval_submit_quick_writes_every_prompt_once() -> None:
 def test_payload_quick_puts_the_arrays_beside_redis_and_splits_them_by_rank() -> None:
     """Issue 48 item 4's run, tiny: the before table, then inline against the stores that can run
     here. Inline, Redis holds every byte of the group; with a store, only what stays in the entry
-    (the tokens and log-probs, ~2 % of a 16 x 8k R3 group); each of 4 ranks reads its own shard's
+    (the control fields and the response text, ~1.25 % of a 16 x 8k R3 group); each of 4 ranks reads its own shard's
     objects (8 groups of unequal sizes, balanced by tokens: 0.238-0.254 of the store bytes)."""
     before, table, projection = bench_main.run(["payload"], quick=True)
     assert [row[0] for row in before.rows] == ["16 x 1k"] and all(v > 0 for v in before.rows[0][1:4])
