@@ -56,7 +56,8 @@ class ConsumerOptions:
     arrays are then in the batch. ``size``: each object is only looked up (present, right size),
     and the arrays are fetched on first access, by whichever rank uses them
     (``batch.shard(rank, world_size)``), their checksum verified then (a mismatch raises
-    ``PayloadCorrupt``, never a wrong array). A group whose check fails is recycled with the
+    ``PayloadCorrupt``, never a wrong array); until then an offloaded field (the tokens too) is an
+    ``Unfetched`` placeholder whose values raise ``PayloadNotFetched``. A group whose check fails is recycled with the
     reason, naming the store and the key."""
 
     def __post_init__(self) -> None:

@@ -217,3 +217,18 @@ def test_an_offloaded_array_is_a_length_known_placeholder_that_refuses_its_value
     assert sample.tokens.tolist() == list(range(201)) and sample.loss_mask.tolist() == [1] * 200  # type: ignore[union-attr]
     decoded.payload = None
     assert decoded == group
+
+
+def test_an_archive_row_of_a_group_whose_objects_were_not_read_says_so_and_keeps_its_lengths() -> None:
+    """The archiver reads a group's objects before writing its row; when they cannot be read the
+    row keeps the entry as it came (refs included), says why in ``decode_error``, and its samples
+    keep their lengths, not a short or empty token list."""
+    from rollstream.common.archive_schema import ArchiveRecord, record_row
+
+    fields, _ = group_fields_offloaded(r3_group(n=1), 1, keys())
+    record = ArchiveRecord("1-0", "trained", "", "t", 0, 0, "groups", 0, 0, "5-0", 0, {b"data": fields["data"]})
+    row = record_row(record)
+    assert row["decode_error"] and "payload store" in row["decode_error"] and row["data"] == fields["data"]
+    [cells] = row["samples"]
+    assert cells["tokens"] is None and cells["loss_mask"] is None and cells["rollout_log_probs"] is None
+    assert (cells["prompt_length"], cells["response_length"]) == (1, 200)
