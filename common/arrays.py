@@ -92,6 +92,8 @@ class Packed:
         sequence with ``shape``. ``floats`` packs as float32 instead of integers."""
         if isinstance(values, Packed):
             return values
+        if isinstance(values, Unfetched):
+            values._refuse("packing it")
         if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
             values = values.detach().cpu()
             if str(values.dtype) in ("torch.bfloat16", "torch.float16"):  # numpy has no bfloat16
@@ -248,6 +250,21 @@ class Unfetched:
 
     def numpy(self) -> NoReturn:
         self._refuse("numpy()")
+
+    def __reversed__(self) -> NoReturn:
+        self._refuse("iterating it")
+
+    def cast(self, *args: object) -> NoReturn:  # a memoryview's
+        self._refuse("cast()")
+
+    def hex(self, *args: object) -> NoReturn:
+        self._refuse("hex()")
+
+    def rows(self, stop: int) -> NoReturn:  # a Packed's
+        self._refuse("rows()")
+
+    def concat(self, other: object) -> NoReturn:
+        self._refuse("concat()")
 
     def __repr__(self) -> str:
         return f"Unfetched({self.name}, {self.typecode}, shape={self.shape}, key={self.key!r})"

@@ -204,7 +204,8 @@ def test_an_offloaded_array_is_a_length_known_placeholder_that_refuses_its_value
     reads = [
         lambda: tokens[0], lambda: list(tokens), lambda: tokens.tolist(), lambda: tokens.tobytes(),
         lambda: np.asarray(tokens), lambda: sample.response_tokens, lambda: routed.numpy(),
-        lambda: routed.data, lambda: 3 in tokens, lambda: encode_group(decoded),
+        lambda: routed.data, lambda: 3 in tokens, lambda: encode_group(decoded), lambda: routed.rows(3),
+        lambda: list(reversed(tokens)), lambda: tokens.cast("B"), lambda: Packed.of(routed),  # type: ignore[arg-type]
     ]
     if sys.version_info >= (3, 12):  # the buffer protocol of a Python class (PEP 688)
         reads.append(lambda: memoryview(tokens))
