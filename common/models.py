@@ -295,6 +295,10 @@ class Prompt:
     admitted_ms: int = 0
     """When a producer first admitted it (Unix ms; 0: not yet): kept across its attempts, so the
     trainer can tell how late it is trained (issue 38)."""
+    payload: GroupPayload | None = None
+    """Where the arrays of its ``partial`` samples that left the entry are (the payload store: the
+    objects of the group it was recycled from, which its entry keeps held; None: all inline). Until
+    the producer fetches them (:meth:`~.payload.refs.GroupPayload.attach`) those fields are unset."""
 
     def __post_init__(self) -> None:
         if self.input_ids is not None:  # an array of its own: the producer extends it
@@ -407,8 +411,11 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_
     """The prompt of ``group`` for its next attempt: ``attempt + 1`` (unchanged when not
     ``uses_attempt``: a group recycled as stale is the pipeline's doing, not the prompt's),
     ``reason`` added to its history, the prompt ids of its samples kept (when the producer knew
-    them, and fetched: a group whose tokens are still in the payload store gives none) and, with
-    ``keep_partial``, the samples themselves (partial rollout continues them).
+    them, and fetched: a group whose tokens are still in the payload store gives none: the producer
+    takes them from the fetched partial samples, or tokenizes the prompt again) and, with
+    ``keep_partial``, the samples themselves (partial rollout continues them), their arrays in the
+    payload store staying where they are (``payload``: the prompt's entry refers to the group's
+    objects, no fetch and no copy).
 
     The one group -> prompt conversion: recycling and dead-lettering a group both use it."""
     first = group.samples[0] if group.samples else None
@@ -429,6 +436,7 @@ def retry_prompt(group: Group, reason: str, *, keep_partial: bool = False, uses_
         multimodal_inputs=group.multimodal_inputs,
         source=group.source,
         admitted_ms=group.admitted_ms,
+        payload=group.payload if keep_partial else None,
     )
 
 

@@ -27,10 +27,8 @@ import enum
 import functools
 import logging
 import time
-from array import array
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
@@ -39,7 +37,6 @@ from redis.asyncio import Redis
 from rollstream.common import bias
 from rollstream.common.cancellation import raise_if_cancelled
 from rollstream.common.checked import is_int
-from rollstream.common.codec import prompt_fields
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import Outage, connect
 from rollstream.common.datasets import RowFormat
@@ -505,24 +502,6 @@ class GroupConsumer:
             return None
         return group
 
-    async def _inline_partial(self, verdict: Verdict) -> Verdict:
-        """A recycle that keeps its partial samples (partial rollout) carries their arrays inline
-        in the retry prompt (the producer continues them): fetched from the store first. When
-        they cannot be read, the prompt is recycled without them (generated again), the reason
-        added."""
-        group, prompt = verdict.group, verdict.prompt
-        if group is None or group.payload is None or prompt is None or not prompt.partial or self.plane is None:
-            return verdict
-        try:
-            group.payload.attach(group, await self.plane.fetch(group.payload))
-            first = group.samples[0]
-            if prompt.input_ids is None and first.prompt_length > 0:  # its ids were in the store too
-                prompt = replace(prompt, input_ids=array("i", first.tokens[: first.prompt_length]))
-        except PayloadError as exc:
-            self.log.warning("prompt %d: its partial samples cannot be read, generated again: %s", group.index, exc)
-            prompt = replace(prompt, partial=None, history=[*prompt.history[:-1], f"{verdict.reason}; {exc}"])
-        return replace(verdict, prompt=prompt, fields=prompt_fields(prompt))
-
     # -- internals ----------------------------------------------------------------------
 
     async def _own_pending(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -594,8 +573,8 @@ class GroupConsumer:
         tally.saw(verdict)
         if verdict.route == Route.KEEP:
             return await self._check_payload(entry_id, verdict, tally)
-        if verdict.route == Route.RECYCLE:
-            verdict = await self._inline_partial(verdict)
+        # A recycle that keeps its partial samples (partial rollout) refers to the group's objects
+        # (the retry prompt's ``refs``: MOVE keeps them held): no fetch here, the producer reads them.
         await self._hand_back(entry_id, verdict, tally)
         return None
 

@@ -68,7 +68,7 @@ from rollstream.common.eval_lane import EVAL_KEY, eval_settings, strip_eval_mark
 from rollstream.common.events import START, now_ms, record_event
 from rollstream.common.keys import Keys
 from rollstream.common.logs import Prefixed
-from rollstream.common.models import Group, Prompt, Status
+from rollstream.common.models import MAX_HISTORY, Group, Prompt, Status
 from rollstream.common.namespace import load_config
 from rollstream.common.payload.plane import PayloadPlane
 from rollstream.common.protocol import (
@@ -464,6 +464,8 @@ class Producer:
                 f"prompt {prompt.index}: a training prompt carried metadata[{EVAL_KEY!r}] (reserved for the "
                 f"eval lane): ignored and stripped ({self.eval_marks_stripped} so far)",
             )
+        if prompt.payload is not None:
+            await self._fetch_partial(prompt)
         work.prompt = prompt
         started_ms = now_ms()
         if not prompt.admitted_ms:  # its first admission: kept across its attempts (lateness, issue 38)
@@ -505,6 +507,34 @@ class Producer:
             self.table.drop(work)
             return
         await self._publish(work, prompt, group, fields, objects)
+
+    async def _fetch_partial(self, prompt: Prompt) -> None:
+        """The arrays of ``prompt``'s partial samples read from the payload store (checksums
+        verified) into them, so they can be continued; an object that cannot be read drops the
+        partial samples (the prompt is generated again from scratch, the reason in its history),
+        never continues a sample with a short or zeroed array. Not read when partial rollout is off
+        here (nothing would continue them). The prompt's entry keeps the objects held either way:
+        its PUBLISH (or any other fate) releases them."""
+        payload, partial = prompt.payload, prompt.partial
+        if payload is None or partial is None or not self.config.partial_rollout:
+            return
+        plane = self.plane
+        try:
+            if plane is None:
+                raise PayloadUnreadable(
+                    "(none)", payload.objects[0].key, "the namespace has no payload store any more"
+                )
+            buffers = await plane.fetch(payload)
+        except PayloadError as exc:
+            reason = f"payload: partial samples dropped, generated again: {exc}"
+            self.log.warning("prompt %d: its partial samples cannot be read, generated again: %s", prompt.index, exc)
+            prompt.partial, prompt.payload = None, None
+            prompt.history = [*prompt.history, reason][-MAX_HISTORY:]
+            if plane is not None:
+                await self._outage.run(lambda: plane.ledger.read_failed(reason))
+            return
+        # attach() puts each array into its sample (a view on the fetched object)
+        payload.attach(Group(index=prompt.index, prompt=prompt.prompt, samples=partial), buffers)
 
     async def _group_fields(
         self, work: Work, prompt: Prompt, group: Group

@@ -312,47 +312,6 @@ async def _publish_offloaded(redis: Redis, keys: Keys, groups: list[Group], stor
     return out
 
 
-@pytest.mark.parametrize("readable", [True, False])
-async def test_a_partial_rollout_recycle_carries_its_arrays_inline(
-    redis: Redis, redis_url: str, ns: str, tmp_path: Path, readable: bool
-) -> None:
-    """An ABORTED group recycled with partial rollout keeps its samples for the next attempt: their
-    offloaded arrays are read back into the retry prompt (the producer continues them) and the
-    objects freed; when they cannot be read, the prompt goes back without its partial samples."""
-    from rollstream.common.codec import decode_prompt_entry
-    from rollstream.common.models import Status
-    from rollstream.testing.samples import full_group
-
-    store = tmp_path / "store"
-    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=64, partial_rollout=True)
-    keys = Keys(ns)
-    aborted = full_group(n=2, index=0)
-    for sample in aborted.samples:
-        sample.status = Status.ABORTED
-    published = await _publish_offloaded(redis, keys, [aborted, full_group(n=2, index=1)], store)
-    if not readable:
-        (store / published[0][0]).unlink()
-    async with await GroupConsumer.connect(redis_url, ns, "trainer-t") as consumer:
-        async with asyncio.timeout(30):
-            batch = await consumer.take(1)
-        assert [g.index for g in batch.groups] == [1]
-        assert await consumer.commit(batch) == 1
-    [(_, fields)] = await redis.xrange(keys.retry)
-    assert b"refs" not in fields
-    prompt = decode_prompt_entry(fields)
-    if readable:
-        assert prompt.partial is not None
-        for mine, theirs in zip(prompt.partial, aborted.samples, strict=True):
-            assert mine.routed_experts == theirs.routed_experts and mine.teacher_log_probs == theirs.teacher_log_probs
-            assert mine == theirs  # the tokens, log-probs and mask too (they were in the object)
-        first = aborted.samples[0]
-        assert first.prompt_length > 0 and prompt.input_ids is not None
-        assert prompt.input_ids.tolist() == first.tokens[: first.prompt_length].tolist()
-    else:
-        assert prompt.partial is None and "no file" in prompt.history[-1]
-    assert objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
-
-
 async def test_init_flags_set_the_store_and_refuse_a_bad_one(
     redis: Redis, redis_url: str, ns: str, procs: ProcessPool, tmp_path: Path
 ) -> None:

@@ -450,19 +450,19 @@ def _samples(
     return [_sample_from_wire(s, f"{what}[{i}]", limits, version, i, objects, away) for i, s in enumerate(raw)]
 
 
-def _objects(obj: Mapping[str, Any]) -> tuple[ObjectRef, ...]:
-    """The refs of a version-4 group's objects (``objs``), each checked, keys distinct."""
+def _objects(obj: Mapping[str, Any], kind: str = "group") -> tuple[ObjectRef, ...]:
+    """The refs of a version-4 group's (or partial prompt's) objects (``objs``), each checked, keys distinct."""
     raw = obj.get("objs")
     if raw is None:
         return ()
     if not isinstance(raw, list) or not raw or len(raw) > 4096:
-        raise DecodeError("bad_field", "group.objs must be a non-empty list of object refs")
+        raise DecodeError("bad_field", f"{kind}.objs must be a non-empty list of object refs")
     try:
         refs = tuple(ObjectRef.from_wire(r) for r in raw)
     except ValueError as exc:
-        raise DecodeError("bad_field", f"group.objs: {exc}") from None
+        raise DecodeError("bad_field", f"{kind}.objs: {exc}") from None
     if len({r.key for r in refs}) != len(refs):
-        raise DecodeError("bad_field", "group.objs names one key twice")
+        raise DecodeError("bad_field", f"{kind}.objs names one key twice")
     return refs
 
 
@@ -533,8 +533,19 @@ def decode_prompt(payload: object, limits: CodecLimits = DEFAULT_LIMITS) -> Prom
     shared = _shared(obj, "prompt")
     ids_raw = obj.get("input_ids")
     partial_raw = obj.get("partial")
-    return Prompt(
+    objects = _objects(obj, "prompt")
+    if objects and partial_raw is None:
+        raise DecodeError("bad_field", "prompt.objs without partial samples")
+    away: list[Offloaded] = []
+    prompt = Prompt(
         **shared,
         input_ids=None if ids_raw is None else _unpack_array("i", ids_raw, "prompt.input_ids", limits.max_tokens),
-        partial=None if partial_raw is None else _samples(partial_raw, "prompt.partial", limits, obj["v"]),
+        partial=None if partial_raw is None else _samples(
+            partial_raw, "prompt.partial", limits, obj["v"], objects, away if objects else None
+        ),
     )
+    if objects:
+        if {a.obj for a in away} != set(range(len(objects))):
+            raise DecodeError("bad_field", "prompt.objs: an object no partial sample's array is in")
+        prompt.payload = GroupPayload(objects, tuple(away))
+    return prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Any
 
@@ -13,7 +13,7 @@ import msgpack
 
 from ..arrays import Packed
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
-from ..payload.refs import Buffer, ObjectRef, checksum, object_keys
+from ..payload.refs import Buffer, GroupPayload, ObjectRef, Offloaded, checksum, object_keys
 from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind
 from .wire import OFFLOAD_VERSION, V3_SAMPLE_KEYS, le_bytes
 
@@ -211,7 +211,17 @@ def _group_to_wire(group: Group, samples: list[dict[str, Any]]) -> dict[str, Any
 
 
 def encode_prompt(prompt: Prompt) -> bytes:
-    partial = None if prompt.partial is None else [_sample_to_wire(s) for s in prompt.partial]
+    """The prompt's payload. Partial samples whose arrays are in the payload store
+    (``prompt.payload``: a group recycled with partial rollout) refer to the group's objects as the
+    group's entry did (``ofl`` per sample, ``objs``; version 4: an older build refuses the prompt
+    rather than continue samples without their arrays); their values are never read here."""
+    payload = prompt.payload if prompt.partial is not None else None
+    if prompt.partial is None:
+        partial = None
+    elif payload is None:
+        partial = [_sample_to_wire(s) for s in prompt.partial]
+    else:
+        partial = _partial_with_refs(prompt.partial, payload)
     obj = {
             "v": _version_of(partial or [], prompt.multimodal_inputs),
             "kind": "prompt",
@@ -231,4 +241,36 @@ def encode_prompt(prompt: Prompt) -> bytes:
         obj["src"] = prompt.source
     if prompt.admitted_ms:
         obj["adm"] = prompt.admitted_ms
+    if payload is not None:
+        obj["v"] = OFFLOAD_VERSION
+        obj["objs"] = [ref.to_wire() for ref in payload.objects]
     return _packb(obj)
+
+
+_FIELDS = {f.name: f for f in SAMPLE_FIELDS}
+
+
+def _partial_with_refs(samples: list[Sample], payload: GroupPayload) -> list[dict[str, Any]]:
+    """The wire maps of ``samples`` with the arrays ``payload`` lists referred to (``ofl``, exactly
+    as :func:`encode_group_offloaded` wrote them), not carried: whether fetched or not, their
+    values are left out (a placeholder stands in while the rest of the sample is written)."""
+    moved: dict[int, list[Offloaded]] = {}
+    for array_ in payload.arrays:
+        moved.setdefault(array_.sample, []).append(array_)
+    wires = []
+    for position, sample in enumerate(samples):
+        away = moved.get(position)
+        if not away:
+            wires.append(_sample_to_wire(sample))
+            continue
+        blank: dict[str, Any] = {
+            a.name: None if _FIELDS[a.name].optional else array(BIN_CODES[_FIELDS[a.name].kind]) for a in away
+        }
+        wire = _sample_to_wire(replace(sample, **blank))
+        for a in away:
+            wire.pop(_FIELDS[a.name].key, None)
+        wire["ofl"] = [away[0].obj, {
+            _FIELDS[a.name].key: [a.offset, a.nbytes, a.typecode, list(a.shape)] for a in away
+        }]
+        wires.append(wire)
+    return wires

@@ -20,10 +20,17 @@ Fields = dict[str, str | bytes | int | float]
 
 def prompt_fields(prompt: Prompt) -> Fields:
     """Fields of a prompt-stream entry: plain ``index``/``epoch``/``attempt`` (and ``source``
-    for a named source) plus ``data``."""
+    for a named source) plus ``data``. A prompt whose partial samples' arrays are in the payload
+    store (``prompt.payload``) also names their object set, ``refs`` (one ledger member, as its
+    group's entry did: the fate scripts keep or release it, in Lua), and ``store_bytes``."""
     fields: Fields = {"index": prompt.index, "epoch": prompt.epoch, "attempt": prompt.attempt}
     if prompt.source:
         fields["source"] = prompt.source
+    payload = prompt.payload if prompt.partial is not None else None
+    if payload is not None:
+        fields["objects"] = len(payload.objects)
+        fields["store_bytes"] = payload.nbytes
+        fields["refs"] = group_member([ref.key for ref in payload.objects])
     fields["data"] = encode_prompt(prompt)
     return fields
 

@@ -7,13 +7,32 @@
 -- A record of an entry with payload objects (``refs``) refers to them in its place (the archiver
 -- reads them with ``--keep-arrays``), and their bytes count in its size; a dropped record releases
 -- them (``release``, into ``free``); the archiver's confirmation (ARCHIVED) releases the others.
--- Returns true when the record was added (it then holds the entry's objects).
-local function archive_fate(cfg, akey, state, src, id, meta, held, free)
+-- Returns true when the record was added (it then holds the entry's objects). ``kept`` (nil or
+-- '' = none): the refs of the entry that replaces this one (a recycled group's retry prompt
+-- continues its partial samples from the same objects); when they name all of the record's
+-- objects the record is written without them (no ``refs``, no ``store_bytes``): one set has one
+-- holder, the new entry, and the record cannot free it under it.
+local function archive_fate(cfg, akey, state, src, id, meta, held, free, kept)
   local budget = num(redis.call('HGET', cfg, 'archive_bytes'))
   if budget <= 0 then return false end
   local rows = redis.call('XRANGE', src, id, id)
   if #rows == 0 then return false end
   local f = rows[1][2]
+  local own = refs_of(f)
+  if kept and kept ~= '' and own ~= '' then
+    local all = true
+    local padded = ' ' .. kept .. ' '
+    for key in string.gmatch(own, '%S+') do
+      if not string.find(padded, ' ' .. key .. ' ', 1, true) then all = false end
+    end
+    if all then
+      local g = {}
+      for i = 1, #f - 1, 2 do
+        if f[i] ~= 'refs' and f[i] ~= 'store_bytes' then g[#g + 1] = f[i] g[#g + 1] = f[i + 1] end
+      end
+      f = g
+    end
+  end
   local size = 64
   for i = 1, #f do size = size + #f[i] end
   for i = 1, #f - 1, 2 do if f[i] == 'store_bytes' then size = size + num(f[i + 1]) end end

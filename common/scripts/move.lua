@@ -9,7 +9,9 @@
 -- The entry's payload objects (``refs``) that the new entry does not refer to are released
 -- (``_helpers.lua``), unless its archive record now refers to them; a group's are found in
 -- ``payload_refs`` (the entry's data is never read back), and follow it to its new entry when it
--- stays in the group stream.
+-- stays in the group stream. Those the new entry names (its ``refs``: a recycled group's retry
+-- prompt keeping its partial samples' objects, a prompt returned or dead-lettered) stay held,
+-- by the new entry alone (its archive record is written without them).
 -- KEYS: source target state group_bytes config archive journal sources payload_held payload_free payload_refs
 -- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
 -- uses: archive
@@ -18,16 +20,16 @@ if redis.call('XACK', source, group, entry_id) == 0 then
   return false
 end
 local refs = entry_refs(config, source, entry_id, ledger ~= '', payload_refs)
-local archived = false
-if fate ~= '' then
-  archived = archive_fate(config, archive, state, source, entry_id,
-    {fate, reason, actor, '', '', kind, now_ms}, payload_held, payload_free)
-end
 local kept = ''
 if refs ~= '' then
   for i = fields_at, #ARGV - 1, 2 do if ARGV[i] == 'refs' then kept = ARGV[i + 1] end end
-  if not archived then release(refs, kept, payload_held, payload_free, state, now_ms) end
 end
+local archived = false
+if fate ~= '' then
+  archived = archive_fate(config, archive, state, source, entry_id,
+    {fate, reason, actor, '', '', kind, now_ms}, payload_held, payload_free, kept)
+end
+if refs ~= '' and not archived then release(refs, kept, payload_held, payload_free, state, now_ms) end
 redis.call('XDEL', source, entry_id)
 if drop == '1' then drop_journal(journal, state, payload_held, payload_free) end
 local b = 0
