@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from rollstream.common.attempts import WEIGHT_UPDATE_REASON, failure_reason, past_max_attempts
@@ -209,10 +209,9 @@ def _recycle(
     if is_stale and not alone:
         reason += ALL_STALE_MARK
     prompt = retry_prompt(group, reason, keep_partial=keep_partial, uses_attempt=not cadence)
-    # partial samples still in the payload store: their fields carry none until the consumer
-    # fetches them and encodes the prompt again (GroupConsumer._inline_partial)
-    unfetched = prompt.partial and group.payload is not None and not group.payload.attached
-    fields = prompt_fields(replace(prompt, partial=None) if unfetched else prompt)
+    # partial samples whose arrays are in the payload store refer to the group's objects (the
+    # prompt's ``refs``: MOVE keeps them held; the producer fetches them), never read here
+    fields = prompt_fields(prompt)
 
     def verdict(route: Route, why: str) -> Verdict:
         return Verdict(cause, route, why, group, fields, prompt, staleness, rejection)

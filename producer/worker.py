@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -516,7 +517,10 @@ class Producer:
         here (nothing would continue them). The prompt's entry keeps the objects held either way:
         its PUBLISH (or any other fate) releases them."""
         payload, partial = prompt.payload, prompt.partial
-        if payload is None or partial is None or not self.config.partial_rollout:
+        if payload is None or partial is None:
+            return
+        if not self.config.partial_rollout:  # nothing continues them: their placeholders go
+            prompt.partial, prompt.payload = None, None
             return
         plane = self.plane
         try:
@@ -535,6 +539,9 @@ class Producer:
             return
         # attach() puts each array into its sample (a view on the fetched object)
         payload.attach(Group(index=prompt.index, prompt=prompt.prompt, samples=partial), buffers)
+        first = partial[0] if partial else None
+        if prompt.input_ids is None and first is not None and first.prompt_length > 0:
+            prompt.input_ids = array("i", first.tokens[: first.prompt_length])  # its ids were in the store too
 
     async def _group_fields(
         self, work: Work, prompt: Prompt, group: Group

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import ProcessPool, make_namespace, wait_until
 from redis.asyncio import Redis
-from rollstream.common.arrays import Packed
+from rollstream.common.arrays import Packed, Unfetched
 from rollstream.common.codec import DEFAULT_LIMITS, decode_group_entry, decode_prompt_entry, group_fields
 from rollstream.common.keys import PRODUCERS_GROUP, Keys, StateField
 from rollstream.common.models import Group, Sample, Status
@@ -100,7 +100,9 @@ async def test_a_recycled_groups_retry_prompt_refers_to_its_objects(
     assert_refers_to(fields, keys, aborted)
     prompt = decode_prompt_entry(fields)
     assert prompt.payload is not None and [r.key for r in prompt.payload.objects] == keys
-    assert prompt.partial is not None and all(s.routed_experts is None for s in prompt.partial)  # not fetched
+    assert prompt.partial is not None and prompt.input_ids is None  # not fetched: placeholders, lengths known
+    assert all(isinstance(s.routed_experts, Unfetched) and isinstance(s.tokens, Unfetched) for s in prompt.partial)
+    assert [len(s.tokens) for s in prompt.partial] == [len(s.tokens) for s in aborted.samples]
     assert set(keys) <= set(objects_in(store))  # (the trained group's too: its archive record holds them)
     held_keys = [k.decode() for k in await redis.hkeys(Keys(ns).payload_held)]
     assert group_member(keys) in held_keys
