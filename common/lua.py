@@ -19,7 +19,7 @@ indexes ``KEYS[n]``/``ARGV[n]``, and fills in the ``state`` hash's fields, writt
 
 A protocol seam (``common/protocol/``) binds the scripts it runs (:meth:`Script.bind`) and shapes
 their replies itself; the few argument shapes that several seams share are the functions below
-(:func:`tally`, :func:`flatten`, :func:`journal`, :func:`episode_of`, :func:`move_terms`,
+(:func:`tally`, :func:`refs`, :func:`flatten`, :func:`journal`, :func:`episode_of`, :func:`move_terms`,
 :func:`dead_letter`).
 A new script: its ``.lua`` file, its ``load`` line here, and the seam method that calls it.
 """
@@ -154,7 +154,7 @@ class Script:
         return Bound(self, redis, keys)
 
 
-PUBLISH = load("publish", tally="", objects="")
+PUBLISH = load("publish", tally="", objects="", prompt_refs="")
 MOVE = load("move", tally="", fate="", reason="", actor="", now_ms=0)
 ACK_DELETE = load(
     "ack_delete", tally="", second_counter="", time_field="", now_ms=0, fate="", reason="", actor="",
@@ -199,6 +199,12 @@ def tally(fields: Mapping[Any, Any], kind: str) -> str:
     source = fields.get("source", fields.get(b"source", ""))
     name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
     return SourceField.of(name, kind) if name else ""
+
+
+def refs(fields: Mapping[Any, Any]) -> str:
+    """The payload object set an entry refers to (its plain ``refs`` field), or ''."""
+    value = fields.get("refs", fields.get(b"refs", ""))
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def flatten(fields: Mapping[Any, Any]) -> list[Any]:

@@ -569,9 +569,9 @@ class Producer:
             await self._put_objects(objects)  # before PUBLISH: a published group's objects exist
             fault_points.reached("after_put")
         work.finishing = True
-        refs = [o.ref for o in objects]
-        result = await self._outage.run(
-            lambda: self.prompts.publish(work.stream, work.prompt_id, fields, self._journal_key(work), refs)
+        refs, journal = [o.ref for o in objects], self._journal_key(work)
+        result = await self._outage.run(  # the prompt's own objects (work.fields' refs) are released with it
+            lambda: self.prompts.publish(work.stream, work.prompt_id, fields, journal, refs, work.fields)
         )
         self.table.drop(work)
         if objects:

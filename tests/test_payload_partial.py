@@ -210,7 +210,7 @@ async def test_every_fate_of_the_prompt_entry_keeps_or_releases_its_objects(
     member = group_member(keys)
     entry_id, got = await take()
     assert await holds()
-    assert await queue.publish(k.retry, entry_id, group_fields(full_group(n=2, index=8)))
+    assert await queue.publish(k.retry, entry_id, group_fields(full_group(n=2, index=8)), prompt_fields=got)
     assert not await holds() and await freed()
     await plane.close()
 

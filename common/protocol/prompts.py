@@ -211,14 +211,16 @@ class PromptQueue(Guarded):
 
     async def publish(
         self, stream: str, entry_id: bytes, group_fields: Mapping[str, Any], journal: str | None = None,
-        objects: Sequence[ObjectRef] = (),
+        objects: Sequence[ObjectRef] = (), prompt_fields: Mapping[Any, Any] | None = None,
     ) -> bytes | None:
         """Publish a group and acknowledge its prompt atomically (deleting its episode
         ``journal``); None for a duplicate (the prompt was taken over and acknowledged by another
         producer). The size of its ``data`` enters the byte ledger; a prompt of the eval lane
         publishes to ``eval_groups``, outside the ledger and the sources' counters. ``objects``:
         the payload store objects it refers to (put already, one group's :func:`~..payload.refs.object_keys`):
-        claimed as one ledger member, and their bytes in the ledger too; a duplicate queues them to be freed."""
+        claimed as one ledger member, and their bytes in the ledger too; a duplicate queues them to be freed.
+        ``prompt_fields``: the prompt entry as admitted; the objects its ``refs`` names (a partial
+        rollout's retry prompt) are released with it."""
         lane = stream == self.keys.eval_prompts
         store_bytes = sum(ref.size for ref in objects)
         published = await self._publish(
@@ -228,6 +230,7 @@ class PromptQueue(Guarded):
             data_bytes=0 if lane else len(group_fields.get("data", b"")) + store_bytes,
             eval_bytes=len(group_fields.get("data", b"")) if lane else 0, fields=lua.flatten(group_fields),
             tally="" if lane else lua.tally(group_fields, "published"), **lua.journal(self.keys, journal),
+            prompt_refs=lua.refs(prompt_fields or {}),
         )
         return published or None
 

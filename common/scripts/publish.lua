@@ -5,12 +5,13 @@
 -- sample count, ``_helpers.lua``), put before this script: its intent becomes a claim
 -- (``payload_held``) and the entry's id -> member goes into ``payload_refs`` (the fate scripts
 -- find it there, without reading the entry); a duplicate frees it instead (queued in
--- ``payload_free``: nothing will ever refer to it). The prompt's own objects (its ``refs``: partial
--- samples of a recycled group, partial rollout) are released with it: the group now carries the
--- arrays it continued in objects of its own.
--- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free payload_refs config
+-- ``payload_free``: nothing will ever refer to it). The prompt's own objects (``prompt_refs``, its
+-- entry's ``refs`` field as the producer read it, '' = none: partial samples of a recycled group,
+-- partial rollout) are released with it (the group carries the arrays it continued in objects of
+-- its own); passed in rather than read back, so a publish costs no XRANGE of the prompt.
+-- KEYS: source groups state group_bytes journal sources payload_intents payload_held payload_free payload_refs
 -- ``eval_bytes``: a group of the eval lane's size, into its own ledger (``$EVAL_BYTES``), not the training one.
--- ARGV: group prompt_id now_ms data_bytes drop tally objects eval_bytes *fields
+-- ARGV: group prompt_id now_ms data_bytes drop tally objects eval_bytes prompt_refs *fields
 local claimed = redis.call('XACK', source, group, prompt_id) == 1
 for key, size in string.gmatch(objects, '(%S+):(%d+)') do
   redis.call('ZREM', payload_intents, key)
@@ -26,7 +27,7 @@ if not claimed then
   incr(state, '$DUPLICATES', 1)
   return false
 end
-release(entry_refs(config, source, prompt_id, false, payload_refs), '', payload_held, payload_free, state, now_ms)
+release(prompt_refs, '', payload_held, payload_free, state, now_ms)
 redis.call('XDEL', source, prompt_id)
 if drop == '1' then drop_journal(journal, state, payload_held, payload_free) end
 local id = redis.call('XADD', groups, '*', unpack(ARGV, fields_at))
