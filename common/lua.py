@@ -155,7 +155,7 @@ class Script:
 
 
 PUBLISH = load("publish", tally="", objects="", prompt_refs="")
-MOVE = load("move", tally="", fate="", reason="", actor="", now_ms=0)
+MOVE = load("move", tally="", fate="", reason="", actor="", now_ms=0, objects="")
 ACK_DELETE = load(
     "ack_delete", tally="", second_counter="", time_field="", now_ms=0, fate="", reason="", actor="",
 )

@@ -50,6 +50,7 @@ from rollstream.common.codec import (
     group_fields_offloaded,
     group_too_large,
     prompt_fields,
+    prompt_fields_offloaded,
 )
 from rollstream.common.config import PipelineConfig
 from rollstream.common.connection import (
@@ -498,8 +499,11 @@ class Producer:
                 "prompt %d dead-lettered after %d attempts: %s",
                 last.index, last.attempt, "; ".join(last.history),
             )
-            if await self._dead_letter_prompt(work, reason, prompt_fields(last), log=False):
+            fields, objects = await self._dead_prompt_fields(work, last)
+            if await self._dead_letter_prompt(work, reason, fields, log=False, objects=objects):
                 await self._outage.run(lambda: self.monitor.add_bias(bias.deltas(group, "dead")))
+            elif objects:  # no longer ours: MOVE queued them to be freed
+                await self._free_objects()
             self.table.drop(work)
             return
         fields, objects = await self._group_fields(work, prompt, group)
@@ -623,18 +627,39 @@ class Producer:
         except Exception as exc:
             self.log.warning("freeing released payload objects failed (the reclaim turn retries): %s", exc)
 
+    async def _dead_prompt_fields(self, work: Work, last: Prompt) -> tuple[Mapping[Any, Any], list[StoreObject]]:
+        """The dead letter of a prompt past max_attempts: its next attempt, whose partial samples
+        (generated here, partial rollout) put their large arrays in the payload store as a group's
+        would (a store, not the eval lane), the entry naming them; a store that fails keeps them
+        inline (logged)."""
+        plane = self.plane
+        if plane is None or work.stream == self.keys.eval_prompts or not last.partial:
+            return prompt_fields(last), []
+        fields, objects = prompt_fields_offloaded(last, self.config.payload_min_bytes, plane.new_key)
+        if objects:
+            try:
+                await self._outage.run(lambda: plane.put(objects))
+            except PayloadError as exc:
+                self.log.warning("prompt %d: its dead letter keeps its arrays in Redis, the payload store failed: %s",
+                                 last.index, exc)
+                return prompt_fields(last), []
+        return fields, objects
+
     async def _dead_letter_prompt(
-        self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True
+        self, work: Work, reason: str, fields: Mapping[Any, Any] | None = None, *, log: bool = True,
+        objects: list[StoreObject] | None = None,
     ) -> bool:
-        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``;
+        """Dead-letter the prompt with ``fields`` (default: the entry as read) and ``reason``
+        (``objects``: payload objects ``fields`` refer to, put already: claimed with it);
         False when it was no longer ours (taken over)."""
         if log:
             self.log.warning("prompt entry %s dead-lettered: %s", work.prompt_id, reason)
         work.finishing = True
         written = work.fields if fields is None else fields
         journal = self._journal_key(work)
+        refs = [o.ref for o in objects or ()]
         return await self._outage.run(
-            lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason, journal)
+            lambda: self.prompts.dead_letter(work.stream, work.prompt_id, written, reason, journal, refs)
         )
 
     def _journal_key(self, work: Work) -> str | None:

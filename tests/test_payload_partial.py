@@ -274,3 +274,45 @@ async def _xlen_is(redis: Redis, key: str, n: int) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_producers_dead_letter_puts_its_partial_samples_arrays_in_the_store(
+    redis: Redis, ns: str, tmp_path: Path
+) -> None:
+    """A prompt a producer dead-letters past max_attempts keeps the partial samples it generated:
+    their large arrays go to the store as a group's would (intent, put), the dead letter names them
+    and MOVE claims them in the same step; they come back exact, and stay until ``dead drop``. A
+    dead letter that finds the prompt already handed over queues its objects to be freed."""
+    from rollstream.common.codec import prompt_fields, prompt_fields_offloaded
+    from rollstream.common.models import Prompt
+    from rollstream.ops.deadletter import dead_entries, drop_dead
+
+    store = tmp_path / "store"
+    await make_namespace(redis, ns, payload_store=f"fs://{store}", payload_min_bytes=MIN_BYTES, partial_rollout=True)
+    k = Keys(ns)
+    plane = PayloadPlane.open(f"fs://{store}", redis, k)
+    queue = PromptQueue(redis, k, "p")
+    await redis.xadd(k.prompts, prompt_fields(Prompt(index=0, prompt="p")))
+    [(_, [(entry_id, _)])] = await redis.xreadgroup(PRODUCERS_GROUP, "p", {k.prompts: ">"})
+    aborted = aborted_r3_group()
+    last = Prompt(index=0, prompt="p", attempt=4, partial=aborted.samples, history=["aborted: x"])
+    fields, objects = prompt_fields_offloaded(last, MIN_BYTES, plane.new_key)
+    assert len(objects) == 2 and fields["refs"] == group_member([o.ref.key for o in objects])
+    await plane.put(objects)
+    assert await queue.dead_letter(k.prompts, entry_id, fields, "past max_attempts", None, [o.ref for o in objects])
+    [(_, raw)] = await redis.xrange(k.dead)
+    assert_refers_to(raw, [o.ref.key for o in objects], aborted)
+    assert await held(redis, ns) == (1, sum(o.ref.size for o in objects), 0, 0)  # claimed: intent -> held
+    [dead] = await dead_entries(redis, k)
+    assert dead.prompt is not None and dead.prompt.payload is not None and dead.prompt.partial is not None
+    dead.prompt.payload.attach(Group(index=0, prompt="p", samples=dead.prompt.partial),
+                               await plane.fetch(dead.prompt.payload))
+    assert dead.prompt.partial == aborted.samples  # the very arrays
+    assert await drop_dead(redis, k, [dead.id]) == 1
+    assert await plane.free() == 2 and objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
+
+    fields, objects = prompt_fields_offloaded(last, MIN_BYTES, plane.new_key)
+    await plane.put(objects)  # the prompt is no longer ours: nothing claims them
+    assert not await queue.dead_letter(k.prompts, entry_id, fields, "again", None, [o.ref for o in objects])
+    assert await plane.free() == 2 and objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
+    await plane.close()

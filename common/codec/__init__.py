@@ -38,6 +38,7 @@ from .entries import (
     group_fields_offloaded,
     group_too_large,
     prompt_fields,
+    prompt_fields_offloaded,
 )
 from .wire import DEFAULT_LIMITS, OFFLOAD_VERSION, READABLE_VERSIONS, SCHEMA_VERSION, CodecLimits
 
@@ -63,4 +64,5 @@ __all__ = [
     "group_fields_offloaded",
     "group_too_large",
     "prompt_fields",
+    "prompt_fields_offloaded",
 ]

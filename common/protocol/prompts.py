@@ -252,13 +252,18 @@ class PromptQueue(Guarded):
         ))
 
     async def dead_letter(
-        self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str, journal: str | None = None
+        self, stream: str, entry_id: bytes, fields: Mapping[Any, Any], reason: str, journal: str | None = None,
+        objects: Sequence[ObjectRef] = (),
     ) -> bool:
         """Move a prompt to the dead-letter stream with ``reason`` (archived as ``dead_lettered``;
-        its episode ``journal`` deleted in the same step)."""
+        its episode ``journal`` deleted in the same step). ``objects``: payload objects ``fields``
+        refer to, put already (a dead letter's partial samples, one object set): claimed in the
+        same step, or queued to be freed when the prompt was no longer ours."""
         k, now = self.keys, now_ms()
+        store_bytes = sum(ref.size for ref in objects)
         return bool(await self._move(
             **lua.move_terms(k, stream, k.dead), group=PRODUCERS_GROUP, entry_id=entry_id, counter=StateField.DEAD,
             fields=lua.flatten(lua.dead_letter(k, stream, entry_id, reason, fields, now)), fate="dead_lettered",
             reason=reason, actor=self.consumer, now_ms=now, tally=lua.tally(fields, "lost"), **lua.journal(k, journal),
+            objects=f"{group_member([ref.key for ref in objects])}:{store_bytes}" if objects else "",
         ))

@@ -12,10 +12,23 @@
 -- stays in the group stream. Those the new entry names (its ``refs``: a recycled group's retry
 -- prompt keeping its partial samples' objects, a prompt returned or dead-lettered) stay held,
 -- by the new entry alone (its archive record is written without them).
--- KEYS: source target state group_bytes config archive journal sources payload_held payload_free payload_refs
--- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally *fields
+-- ``objects`` ('member:bytes', '' = none): objects the new entry refers to that a producer put just
+-- before (a dead letter's partial samples generated there): their intent becomes a claim, as in
+-- PUBLISH; when the XACK finds the entry already handed over they are queued to be freed instead.
+-- KEYS: source target state group_bytes config archive journal sources payload_held payload_free payload_refs payload_intents
+-- ARGV: group entry_id counter ledger fate reason actor kind now_ms drop tally objects *fields
 -- uses: archive
-if redis.call('XACK', source, group, entry_id) == 0 then
+local claimed = redis.call('XACK', source, group, entry_id) == 1
+for key, size in string.gmatch(objects, '(%S+):(%d+)') do
+  redis.call('ZREM', payload_intents, key)
+  if claimed then
+    redis.call('HSET', payload_held, key, size)
+    incr(state, '$PAYLOAD_BYTES', tonumber(size))
+  else
+    redis.call('ZADD', payload_free, now_ms, key)
+  end
+end
+if not claimed then
   group_exists(source, group)
   return false
 end
