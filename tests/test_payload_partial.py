@@ -316,3 +316,34 @@ async def test_a_producers_dead_letter_puts_its_partial_samples_arrays_in_the_st
     assert not await queue.dead_letter(k.prompts, entry_id, fields, "again", None, [o.ref for o in objects])
     assert await plane.free() == 2 and objects_in(store) == [] and await held(redis, ns) == (0, 0, 0, 0)
     await plane.close()
+
+
+def test_a_prompt_with_inconsistent_references_is_refused() -> None:
+    """The prompt decoder checks a partial sample's references as the group decoder does: ``objs``
+    without partial samples, ``ofl`` outside a version-4 prompt, an object no sample uses, a
+    version an older build cannot read."""
+    import itertools
+
+    import msgpack
+    from rollstream.common.codec import decode_prompt, encode_prompt, group_fields_offloaded
+    from rollstream.common.codec.wire import unpack
+    from rollstream.common.errors import DecodeError
+    from rollstream.common.models import retry_prompt
+
+    counter = itertools.count()
+    fields, _ = group_fields_offloaded(aborted_r3_group(), MIN_BYTES, lambda: f"ns/obj{next(counter)}")
+    raw = {name.encode(): value if isinstance(value, bytes) else str(value).encode() for name, value in fields.items()}
+    good = unpack(encode_prompt(retry_prompt(decode_group_entry(raw), "aborted: x", keep_partial=True)), DEFAULT_LIMITS)
+    decode_prompt(msgpack.packb(good))
+
+    def tampered(change: dict[str, object]) -> bytes:
+        return msgpack.packb({**good, **change})
+
+    with pytest.raises(DecodeError, match="objs without partial"):
+        decode_prompt(tampered({"partial": None}))
+    with pytest.raises(DecodeError, match="ofl outside"):
+        decode_prompt(tampered({"v": 3, "objs": None}))
+    with pytest.raises(DecodeError, match="an object no partial sample"):
+        decode_prompt(tampered({"objs": [*good["objs"], ["ns/extra", 8, 0]]}))
+    with pytest.raises(DecodeError, match="schema version 5"):
+        decode_prompt(tampered({"v": 5}))
