@@ -141,6 +141,50 @@ async def test_a_wrong_size_is_corrupt_never_short(store: PayloadStore, cluster:
 
 
 @needs_mooncake
+async def test_get_many_reads_objects_in_one_batch_each_checked_as_get_checks_it(store: PayloadStore) -> None:
+    """One ``batch_get_into`` into one mapping (huge pages past 2 MiB): the bytes in order,
+    read-only; a missing or wrong-sized key among good ones is that key's error, never a short
+    buffer, and the first failing key (in order) is the one raised."""
+    blobs = {"many1/big": os.urandom(5 << 20), "many1/empty": b"", "many1/small": b"abc", "many1/mid": os.urandom(70_000)}
+    for key, blob in blobs.items():
+        await store.put(key, [blob])
+    views = await store.get_many([(key, len(blob)) for key, blob in blobs.items()])
+    assert [bytes(view) for view in views] == list(blobs.values()) and all(view.readonly for view in views)
+    assert await store.get_many([]) == []
+    with pytest.raises(PayloadMissing, match="object 'many1/absent': not in the Mooncake store"):
+        await store.get_many([("many1/small", 3), ("many1/absent", 9), ("many1/big", 5 << 20)])
+    with pytest.raises(PayloadCorrupt, match="object 'many1/small': holds 3 bytes, its entry says 4"):
+        await store.get_many([("many1/big", 5 << 20), ("many1/small", 4), ("many1/absent", 9)])
+    with pytest.raises(PayloadCorrupt, match="object 'many1/mid': holds 70000 bytes, its entry says 69999"):
+        await store.get_many([("many1/mid", 69_999)])
+    await deleted(store, list(blobs))
+
+
+@needs_mooncake
+async def test_the_plane_fetches_a_group_in_batches_and_checks_every_crc(store: PayloadStore) -> None:
+    """A group's objects past :data:`FETCH_BATCH_BYTES` are read in several batches, each
+    object's CRC-32 verified: a wrong one is ``PayloadCorrupt`` naming its key."""
+    from redis.asyncio import Redis
+    from rollstream.common.keys import Keys
+    from rollstream.common.payload.plane import FETCH_BATCH_BYTES, PayloadPlane
+    from rollstream.common.payload.refs import GroupPayload, ObjectRef
+
+    assert store.batch_reads
+    plane = PayloadPlane(store, Redis(), Keys("plane-batches"))  # fetch asks Redis nothing
+    blobs = {f"many2/{i}": os.urandom(3 << 20) for i in range(2 * FETCH_BATCH_BYTES // (3 << 20) + 1)}
+    for key, blob in blobs.items():
+        await store.put(key, [blob])
+    refs = [ObjectRef(key, len(blob), checksum([blob])) for key, blob in blobs.items()]
+    got = await plane.fetch(GroupPayload(tuple(refs), ()))
+    assert {key: bytes(view) for key, view in got.items()} == blobs
+    wrong = refs[-1].key
+    refs[-1] = ObjectRef(wrong, refs[-1].size, refs[-1].checksum ^ 1)
+    with pytest.raises(PayloadCorrupt, match=f"object '{wrong}': CRC-32 "):
+        await plane.fetch(GroupPayload(tuple(refs), ()))
+    await deleted(store, list(blobs))
+
+
+@needs_mooncake
 async def test_listing_and_stat_take_no_read_lease(store: PayloadStore) -> None:
     """The sweep lists, then deletes what nobody claims: listing must not lease the objects (a
     client size query would, and the delete would be refused for the lease's 5 s)."""

@@ -47,6 +47,16 @@ class PayloadStore(abc.ABC):
         ``size`` bytes, ``PayloadUnreadable`` when the store cannot be read. The checksum is the
         caller's to verify (:func:`checksum`)."""
 
+    batch_reads = False
+    """Whether :meth:`get_many` reads several objects at a cost below that many :meth:`get`
+    calls (Mooncake: one batch call into one allocation); the plane then fetches a group's
+    objects in batches (:meth:`~.plane.PayloadPlane.fetch`), else object by object."""
+
+    async def get_many(self, items: Sequence[tuple[str, int]]) -> list[memoryview]:
+        """``get`` of each ``(key, size)``, in order; the first failing key's error raised. This
+        default gets them one by one; a backend with :attr:`batch_reads` overrides it."""
+        return [await self.get(key, size) for key, size in items]
+
     @abc.abstractmethod
     async def delete(self, keys: Sequence[str]) -> list[str]:
         """Remove ``keys``; the keys confirmed gone (an absent key counts as gone). A key the
