@@ -161,6 +161,33 @@ async def test_get_many_reads_objects_in_one_batch_each_checked_as_get_checks_it
 
 
 @needs_mooncake
+async def test_read_memory_is_reused_only_once_nothing_refers_to_it(store: PayloadStore) -> None:
+    """Gets reuse the memory of earlier reads (no fresh pages to fault in and zero), but never
+    while a view of it, or a numpy array on one, is alive: the bytes a trainer holds stay its."""
+    import numpy as np
+    from rollstream.common.payload.mooncake import address
+
+    blobs = {f"pool/{i}": os.urandom(3 << 20) for i in range(3)}
+    for key, blob in blobs.items():
+        await store.put(key, [blob])
+    size = 3 << 20
+    first = await store.get("pool/0", size)
+    where = address(first)
+    second = await store.get("pool/1", size)
+    assert address(second) != where and bytes(first) == blobs["pool/0"]
+    held = np.frombuffer(first, dtype=np.uint8)[1:]
+    del first
+    third = await store.get("pool/2", size)
+    assert address(third) != where and held.tobytes() == blobs["pool/0"][1:]  # the array kept it
+    del held
+    again = await store.get("pool/1", size)
+    assert address(again) == where and bytes(again) == blobs["pool/1"]  # free: reused
+    (batch,) = await store.get_many([("pool/2", size)])
+    assert address(batch) != where and bytes(batch) == bytes(third) == blobs["pool/2"]
+    await deleted(store, list(blobs))
+
+
+@needs_mooncake
 async def test_the_plane_fetches_a_group_in_batches_and_checks_every_crc(store: PayloadStore) -> None:
     """A group's objects past :data:`FETCH_BATCH_BYTES` are read in several batches, each
     object's CRC-32 verified: a wrong one is ``PayloadCorrupt`` naming its key."""

@@ -21,13 +21,15 @@ must not starve the loop's other thread work), under ``timeout`` (``?timeout=S``
 * ``get`` reads straight into memory it allocates for the object (``get_into`` an anonymous
   mapping, populated up front: the bytes land once, where the caller's numpy views read them).
   The mapping asks for transparent huge pages (``MADV_HUGEPAGE``; the kernel's default mode
-  ``madvise`` grants them): faulting in 4 KiB pages cost as much as the transfer itself here
-  (0.8 GB/s against 3.9 GB/s with huge pages, bench/mooncake_store.py). ``get_many`` reads
-  several objects (a group's, :meth:`~.plane.PayloadPlane.fetch`) into one such mapping with
-  one ``batch_get_into`` (one master query, one transfer batch), each key's result checked as
-  ``get`` checks it. Mooncake's ``get_buffer`` would avoid even the allocation, but its buffer
-  lives in the client's fixed local buffer: a trainer holding a batch would pin it, and the
-  next get fails. ``get`` (bytes) returns ``b""`` for a missing key, so it is never used.
+  ``madvise`` grants them): populating 48 MB in 4 KiB pages ran at 0.8 GB/s here, as slow as
+  the transfer itself, against 3.9 GB/s in huge pages. ``get_many`` reads several objects (a
+  group's, :meth:`~.plane.PayloadPlane.fetch`) into one such mapping with one
+  ``batch_get_into`` (one master query, one transfer batch), each key's result checked as
+  ``get`` checks it. The memory of reads whose views are all gone is reused (``_ReadBuffers``,
+  up to 1 GiB a store): a trainer's next batch lands in pages already faulted in. Mooncake's
+  ``get_buffer`` would avoid even the allocation, but its buffer lives in the client's fixed
+  local buffer: a trainer holding a batch would pin it, and the next get fails. ``get``
+  (bytes) returns ``b""`` for a missing key, so it is never used.
 * ``delete`` is confirmed key by key: removed or absent (``OBJECT_NOT_FOUND``) is gone. Mooncake
   refuses to remove an object under a read lease (``OBJECT_HAS_LEASE``, -706: a get leases the
   object for the master's ``--default_kv_lease_ttl``, 10 s by default); such a key is not
@@ -66,6 +68,7 @@ import json
 import logging
 import mmap
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -279,6 +282,60 @@ def _read_buffer(size: int) -> mmap.mmap:
     return memory
 
 
+READ_POOL_BYTES = 1 << 30
+"""Read memory one store keeps for reuse (see :class:`_ReadBuffers`)."""
+
+
+def _exported(memory: mmap.mmap) -> bool:
+    """Whether some buffer (a memoryview, a numpy array on one, ...) still refers to ``memory``:
+    CPython's mmap refuses to resize while any is alive (a resize to its own size does nothing)."""
+    try:
+        memory.resize(len(memory))
+    except BufferError:
+        return True
+    return False
+
+
+class _ReadBuffers:
+    """Read memory reused once nothing refers to it any more. Fresh anonymous memory costs the
+    kernel a fault and a zeroing of every page (here, a VM, as much as the transfer itself);
+    a trainer reads batch after batch of like sizes, and the buffers of the batch it let go are
+    free again. A buffer is reused only when no view of it is alive (:func:`_exported`, asked
+    under the lock, and the new view made under it); up to :data:`READ_POOL_BYTES` of buffers
+    are kept (in use or free), sizes rounded up to 2 MiB; past that, free ones are let go."""
+
+    def __init__(self, keep: int = READ_POOL_BYTES) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._buffers: list[mmap.mmap] = []
+
+    def take(self, size: int) -> memoryview:
+        """``size`` bytes of writable memory, nothing else referring to it."""
+        if size < _HUGE_PAGE // 2:
+            return memoryview(_read_buffer(size))
+        capacity = -(-size // _HUGE_PAGE) * _HUGE_PAGE
+        with self._lock:
+            for memory in self._buffers:
+                if len(memory) == capacity and not _exported(memory):
+                    return memoryview(memory)[:size]
+            held = sum(len(memory) for memory in self._buffers)
+            if held + capacity > self.keep:
+                free = [memory for memory in self._buffers if not _exported(memory)]
+                self._buffers = [memory for memory in self._buffers if all(memory is not f for f in free)]
+                for memory in free:
+                    memory.close()
+                held -= sum(len(memory) for memory in free)
+            memory = _read_buffer(capacity)
+            if held + capacity <= self.keep:
+                self._buffers.append(memory)
+            return memoryview(memory)[:size]
+
+    def close(self) -> None:
+        """Let go of the buffers (those still in use stay valid until their views go)."""
+        with self._lock:
+            self._buffers = []
+
+
 def _bytes_view(part: Buffer) -> memoryview:
     view = memoryview(part)
     if not view.c_contiguous:
@@ -303,6 +360,7 @@ class MooncakeStore(PayloadStore):
         self._config: Any = None
         self._joining = asyncio.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._buffers = _ReadBuffers()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -411,7 +469,7 @@ class MooncakeStore(PayloadStore):
         return await self._call(key, "the get", self._get, client, key, size)
 
     def _get(self, client: Any, key: str, size: int) -> memoryview:
-        view = memoryview(_read_buffer(size + 1))
+        view = self._buffers.take(size + 1)
         return self._checked(client, key, size, client.get_into(key, address(view), size + 1), view)
 
     async def get_many(self, items: Sequence[tuple[str, int]]) -> list[memoryview]:
@@ -428,7 +486,7 @@ class MooncakeStore(PayloadStore):
         return await self._call(first, "the get", self._get_many, client, list(items))
 
     def _get_many(self, client: Any, items: list[tuple[str, int]]) -> list[memoryview]:
-        whole = memoryview(_read_buffer(sum(size + 1 for _, size in items)))
+        whole = self._buffers.take(sum(size + 1 for _, size in items))
         base = address(whole)
         views, offsets, at = [], [], 0
         for _, size in items:
@@ -538,6 +596,7 @@ class MooncakeStore(PayloadStore):
         self._closed = True
         client, self._client = self._client, None
         pool, self._pool = self._pool, None
+        self._buffers.close()
         if pool is None:
             return
         if client is not None:
