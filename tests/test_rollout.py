@@ -224,10 +224,10 @@ def _alternating(monkeypatch: pytest.MonkeyPatch) -> None:
     """The client picks engines in turn (among the least loaded), not at random."""
     import itertools
 
-    from rollstream.producer.engine import fleet as fleet_module
+    from rollstream.producer.engine import routing
 
     turn = itertools.count()
-    monkeypatch.setattr(fleet_module.random, "choice", lambda seq: seq[next(turn) % len(seq)])
+    monkeypatch.setattr(routing.random, "choice", lambda seq: seq[next(turn) % len(seq)])
 
 
 async def test_one_bad_reply_fails_one_sample_and_an_engine_failing_on_every_prompt_is_fatal() -> None:
