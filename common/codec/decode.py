@@ -252,7 +252,7 @@ _RELATED = frozenset(
 
 
 _OFFLOADABLE = {f.key: f for f in OFFLOADABLE}
-_REQUIRED_BIN = {f.key: BIN_CODES[f.kind] for f in OFFLOADABLE if f.required}
+_REQUIRED_OFFLOADABLE = frozenset(f.key for f in OFFLOADABLE if f.required)
 """Offloadable fields an entry must otherwise hold (the token ids): absent when ``ofl`` names them."""
 
 
@@ -308,8 +308,8 @@ def _sample_from_wire(
         if away is None or version < OFFLOAD_VERSION:
             raise DecodeError("bad_field", f"{what}.ofl outside a version-{OFFLOAD_VERSION} group")
         moved = _offloaded(obj, what, limits, position, objects)
-        if not _REQUIRED_BIN.keys().isdisjoint(raw := _moved_keys(obj)):  # the ids are in the object
-            obj = {**obj, **{key: b"" for key in _REQUIRED_BIN if key in raw}}  # read as empty, replaced below
+        if not _REQUIRED_OFFLOADABLE.isdisjoint(names := _moved_keys(obj)):  # the ids are in the object
+            obj = {**obj, **dict.fromkeys(_REQUIRED_OFFLOADABLE & names, b"")}  # read as empty, replaced below
     values = _READERS[version](obj, what, limits)
     for offloaded in moved:  # its length, shape and typecode, until fetched (GroupPayload.attach)
         values[offloaded.name] = Unfetched(
