@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ProcessPool, add_prompts, make_namespace
+from killable_trainer import run_trainer
 from redis.asyncio import Redis
 from rollstream.common.codec import group_fields
 from rollstream.common.keys import PRODUCERS_GROUP, TRAINER_GROUP, Keys
@@ -21,7 +22,6 @@ from rollstream.consumer import ConsumerNameInUse, GroupConsumer, PipelineStalle
 from rollstream.consumer.group_consumer import NAME_LEASE_SECONDS
 from rollstream.ops.actions import release_consumer
 from rollstream.testing.sim import SimEngine
-from test_faults import TRAINER, _run_trainer
 
 
 def _group(index: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
@@ -148,9 +148,7 @@ async def test_one_live_trainer_per_consumer_name(redis: Redis, redis_url: str, 
     keys = Keys(ns)
     for index in range(4):
         await redis.xadd(keys.groups, group_fields(_group(index)))
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    first, taken = await asyncio.to_thread(_run_trainer, script, redis_url, ns, "hang")
+    first, taken = await asyncio.to_thread(run_trainer, redis_url, ns, "hang")
     try:
         with pytest.raises(ConsumerNameInUse, match="trainer-k") as refused:
             await GroupConsumer.connect(redis_url, ns, "trainer-k", name_wait=0)
