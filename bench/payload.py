@@ -45,7 +45,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -409,17 +409,22 @@ async def drain(consumer: GroupConsumer, groups: int, batch_size: int) -> dict[s
 
 async def shard_bytes(consumer: GroupConsumer, groups: int) -> list[float]:
     """One take of ``groups`` waiting groups split ``batch.shard(rank, WORLD)``: the share of the
-    batch's store bytes each rank read from the store (its gets counted) fetching its shard."""
+    batch's store bytes each rank read from the store (its gets counted, one by one or in
+    batches: ``get_many``, Mooncake's) fetching its shard."""
     batch = await consumer.take(groups)
     store = batch.plane.store
     read = [0]
-    original = store.get
+    original, original_many = store.get, store.get_many
 
     async def counted(key: str, size: int) -> Any:
         read[0] += size
         return await original(key, size)
 
-    store.get = counted
+    async def counted_many(items: Sequence[tuple[str, int]]) -> Any:
+        read[0] += sum(size for _, size in items)
+        return await original_many(items)
+
+    store.get, store.get_many = counted, counted_many
     shares = []
     try:
         for rank in range(WORLD):
@@ -427,7 +432,7 @@ async def shard_bytes(consumer: GroupConsumer, groups: int) -> list[float]:
             await fetch(batch.shard(rank, WORLD))
             shares.append((read[0] - before) / batch.store_bytes)
     finally:
-        del store.get
+        del store.get, store.get_many
     await consumer.commit(batch)
     return shares
 
