@@ -220,7 +220,8 @@ class Unfetched:
             f"Sample.{self.name} ({self.typecode}, shape {self.shape}) is in the payload store, not fetched: "
             f"{what} cannot be read yet. Fetch the batch first: `await batch.fetch()` (or `batch.fetch_now()`, "
             f"any numpy view such as `batch.tokens_numpy()`, or `batch.shard(rank, world_size)` then its fetch); "
-            f"lengths are known before the fetch",
+            f"lengths are known before the fetch (a `keep` filter runs before any fetch: lengths, rewards and "
+            f"versions only)",
         )
 
     def __getitem__(self, index: object) -> NoReturn:

@@ -35,7 +35,9 @@ class ConsumerOptions:
     """Expected ``batch_size``, as ``n_samples``."""
     keep: KeepFilter | None = None
     """The dynamic-sampling filter (named only here, by the trainer's own code: nothing is imported
-    from Redis); ``take(keep=...)`` overrides it for one call."""
+    from Redis); ``take(keep=...)`` overrides it for one call. With a payload store it runs before
+    any fetch: a sample's offloaded arrays (its tokens too) are ``Unfetched`` there, their lengths
+    known, their values refused (``PayloadNotFetched``)."""
     on_producer_failure: OnProducerFailure = "raise"
     """``raise``: ``take()`` raises ``ProducerFailed`` for an unrecovered producer failure; ``warn``
     logs it once instead."""
