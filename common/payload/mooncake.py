@@ -93,6 +93,7 @@ _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14's ``madvise`` that faults a range in, writable (Python 3.11's mmap has no name for it)."""
+_MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 TRAILER = b"R"
 """The byte stored after every object (Mooncake refuses empty values); checked on every get."""
@@ -266,19 +267,35 @@ def address(view: memoryview) -> int:
         _release_buffer(ctypes.byref(info))
 
 
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` through ctypes, which lets go of the GIL during the call (mmap's own
+    ``madvise`` holds it: populating 1 GB stalled every other thread 5 s here); None without."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - Linux has it
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_madvise = _libc_madvise()
+
+
 def _read_buffer(size: int) -> mmap.mmap:
     """Anonymous memory for ``size`` bytes a get writes, faulted in before the read (faulting
     the pages in one by one under the read halved its speed here, and a bytearray is zero-filled
     first), in huge pages where the kernel grants them (``MADV_HUGEPAGE``: 512 times fewer
-    faults; where it refuses, 4 KiB pages, populated as before)."""
-    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    faults). Populated by ``MADV_POPULATE_WRITE`` with the GIL let go; where the kernel has no
+    such advice (before 5.14), ``MAP_POPULATE`` in 4 KiB pages as before."""
+    if size < _HUGE_PAGE or _madvise is None:
         return mmap.mmap(-1, size, flags=_ANONYMOUS | _POPULATE)
     memory = mmap.mmap(-1, size, flags=_ANONYMOUS)
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE)
-        memory.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # an older kernel: fault every page in by writing it
-        memoryview(memory)[:: mmap.PAGESIZE] = bytes(len(range(0, size, mmap.PAGESIZE)))
+    where = address(memoryview(memory))
+    _madvise(where, size, _MADV_HUGEPAGE)  # advice only: 4 KiB pages where refused
+    if _madvise(where, size, _MADV_POPULATE_WRITE) != 0:
+        memory.close()
+        return mmap.mmap(-1, size, flags=_ANONYMOUS | _POPULATE)
     return memory
 
 
@@ -325,10 +342,12 @@ class _ReadBuffers:
                 for memory in free:
                     memory.close()
                 held -= sum(len(memory) for memory in free)
-            memory = _read_buffer(capacity)
-            if held + capacity <= self.keep:
+        memory = _read_buffer(capacity)  # outside the lock: populating takes a while
+        view = memoryview(memory)[:size]  # exported before any other thread can see it
+        if held + capacity <= self.keep:
+            with self._lock:
                 self._buffers.append(memory)
-            return memoryview(memory)[:size]
+        return view
 
     def close(self) -> None:
         """Let go of the buffers (those still in use stay valid until their views go)."""
