@@ -271,8 +271,9 @@ async def test_store_process_killed_reads_fail_loudly_then_recover(fault_cluster
             await store.put(key, [os.urandom(1 << 20)])
         fault_cluster.kill_store()
         # still mounted (the master drops it after --client_ttl): a put placed there is revoked and
-        # tried again, then reported as no room (the producer backs off) instead of a fatal error
-        with pytest.raises(PayloadStoreFull, match="3 tries were placed on store processes that do not answer"):
+        # tried again, then reported as no room (the producer backs off) instead of a fatal error;
+        # on a loaded machine the master may have dropped the segment already: no room either way
+        with pytest.raises(PayloadStoreFull, match=r"3 tries were placed on store processes that do not answer|no room"):
             await store.put("fault/during", [b"x"])
         with pytest.raises((PayloadUnreadable, PayloadMissing)) as caught:
             await store.get(keys[0], 1 << 20)
