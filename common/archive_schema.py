@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .arrays import Unfetched
+from .arrays import Unfetched, UnfetchedText
 from .codec import decode_group, decode_prompt, encode_group
 from .errors import ArchiveUnusable, ConfigError, DecodeError
 from .imports import require_extra
@@ -155,7 +155,7 @@ def _sample_rows(group: Group) -> list[dict[str, Any]]:
         reward = s.scalar_reward
         rows.append({
             "index": s.index,
-            "response": s.response,
+            "response": None if isinstance(s.response, UnfetchedText) else s.response,  # not read: None
             "status": s.status.value,
             "reward": _finite(reward),
             "reward_json": _json(s.reward),

@@ -271,6 +271,94 @@ class Unfetched:
         return f"Unfetched({self.name}, {self.typecode}, shape={self.shape}, key={self.key!r})"
 
 
+_STR_METHODS = frozenset(name for name in dir(str) if not name.startswith("_"))
+
+
+class UnfetchedText:
+    """A sample's response text that is in the payload store (its UTF-8 bytes in the sample's
+    object) and not fetched yet: ``len()`` gives its length in characters (the entry's ``ofl``
+    spec records it beside the byte count, ``nbytes``), and truthiness follows it. Every other use
+    raises :class:`~.errors.PayloadNotFetched` saying how to fetch: ``str()``, ``format`` and
+    f-strings, ``==`` and ordering, hashing, slicing and indexing, iteration, ``in``, ``+`` and
+    ``%``, and every ``str`` method (``sample.response.startswith(...)``). ``json.dumps`` of it
+    gives json's own ``TypeError`` (json asks nothing of an object it does not know). Never an empty
+    or partial string. Fetching (``GroupPayload.attach``) replaces it with the decoded text."""
+
+    __slots__ = ("chars", "key", "name", "nbytes")
+
+    def __init__(self, name: str, key: str, nbytes: int, chars: int) -> None:
+        self.name = name
+        """The :class:`~.models.Sample` field (``response``)."""
+        self.key = key
+        """The payload store object it is in."""
+        self.nbytes = nbytes
+        """Its length in UTF-8 bytes."""
+        self.chars = chars
+        """Its length in characters (what ``len()`` gives)."""
+
+    def __len__(self) -> int:
+        return self.chars
+
+    def _refuse(self, what: str = "its text") -> NoReturn:
+        raise PayloadNotFetched(
+            self.key,
+            f"Sample.{self.name} ({self.chars} characters, {self.nbytes} bytes of UTF-8) is in the payload store, "
+            f"not fetched: {what} cannot be read yet. Fetch the batch first: `await batch.fetch()` (or "
+            f"`batch.fetch_now()`, any numpy view such as `batch.tokens_numpy()`, or `batch.shard(rank, world_size)` "
+            f"then its fetch); its length is known before the fetch",
+        )
+
+    def __str__(self) -> NoReturn:
+        self._refuse("str()")
+
+    def __format__(self, spec: str) -> NoReturn:
+        self._refuse("formatting it")
+
+    def __eq__(self, other: object) -> NoReturn:
+        self._refuse("a comparison")
+
+    def __ne__(self, other: object) -> NoReturn:
+        self._refuse("a comparison")
+
+    def __lt__(self, other: object) -> NoReturn:
+        self._refuse("a comparison")
+
+    __le__ = __gt__ = __ge__ = __lt__
+
+    def __hash__(self) -> NoReturn:
+        self._refuse("its hash")
+
+    def __getitem__(self, index: object) -> NoReturn:
+        self._refuse("a character or a slice")
+
+    def __iter__(self) -> NoReturn:
+        self._refuse("iterating it")
+
+    def __contains__(self, value: object) -> NoReturn:
+        self._refuse("a membership test")
+
+    def __add__(self, other: object) -> NoReturn:
+        self._refuse("concatenating it")
+
+    __radd__ = __mul__ = __rmul__ = __add__
+
+    def __mod__(self, other: object) -> NoReturn:
+        self._refuse("%-formatting it")
+
+    __rmod__ = __mod__
+
+    def __bytes__(self) -> NoReturn:
+        self._refuse("bytes()")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _STR_METHODS:  # sample.response.strip(), .split(), .encode(), ...
+            self._refuse(f".{name}()")
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        return f"UnfetchedText({self.name}, {self.chars} characters, {self.nbytes} bytes, key={self.key!r})"
+
+
 def _code_of(values: object) -> str:
     if isinstance(values, array):
         return values.typecode

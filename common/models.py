@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any
 
-from .arrays import FloatArray, IntArray, Packed, Unfetched, float_array, int_array, mask_array
+from .arrays import FloatArray, IntArray, Packed, Unfetched, UnfetchedText, float_array, int_array, mask_array
 from .payload.refs import GroupPayload
 from .sample_fields import BIN_CODES, Kind, SampleField, declare
 
@@ -258,6 +258,7 @@ def _write_coerce() -> Callable[[Sample], None]:
 _coerce = _write_coerce()
 _ALL_VALUES = attrgetter(*(f.name for f in SAMPLE_FIELDS))
 _ARRAYS = tuple(i for i, f in enumerate(SAMPLE_FIELDS) if f.kind in BIN_CODES)
+_TEXT = next(i for i, f in enumerate(SAMPLE_FIELDS) if f.name == "response")
 
 
 def _values(sample: Sample) -> list[Any]:
@@ -266,6 +267,8 @@ def _values(sample: Sample) -> list[Any]:
     for i in _ARRAYS:
         if values[i] is not None and not isinstance(values[i], Unfetched):  # a placeholder: itself
             values[i] = values[i].tolist()
+    if isinstance(values[_TEXT], UnfetchedText):  # the text in the store: compared by where it is
+        values[_TEXT] = (UnfetchedText, values[_TEXT].key, values[_TEXT].nbytes)
     return values
 
 

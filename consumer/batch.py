@@ -81,7 +81,7 @@ class Batch:
                 raise value  # the first failure, naming its store and key
         for group, buffers in zip(pending, fetched, strict=True):
             if group.payload is not None and not isinstance(buffers, BaseException):
-                group.payload.attach(group, buffers)
+                group.payload.attach(group, buffers, plane.url)
 
     def fetch_now(self) -> None:
         """:meth:`fetch` from synchronous code (the numpy views, a training step): run in a

@@ -76,6 +76,7 @@ from .verdict import (
     Route,
     Verdict,
     judge,
+    refilter,
     unreadable,
 )
 from .waiting import StaleWatch, StallClock, alive_producers, deadlock_at_maxmemory, unrecovered_failure, wait_summary
@@ -479,16 +480,27 @@ class GroupConsumer:
         (read and checksum, or present with their size); one that fails is recycled with the
         reason (store and key) and counted, and None returned."""
         group = verdict.group
-        if group is None or group.payload is None:
+        if group is None or group.payload is None or group.payload.attached:  # attached: read for the filter
             return group
+        if not await self._read_payload(entry_id, verdict, tally, fetch=self.options.payload_check == "checksum"):
+            return None
+        return group
+
+    async def _read_payload(self, entry_id: bytes, verdict: Verdict, tally: Tally, *, fetch: bool) -> bool:
+        """The kept group's objects read into it (``fetch``: checksums verified) or checked present
+        with their size; False when that fails: the group is then recycled with the reason (store
+        and key) and counted."""
+        group = verdict.group
+        if group is None or group.payload is None:  # nothing in the store
+            return True
         plane = self.plane
         try:
             if plane is None:
                 raise PayloadUnreadable(
                     "(none)", group.payload.objects[0].key, "the namespace has no payload store any more"
                 )
-            if self.options.payload_check == "checksum":
-                group.payload.attach(group, await plane.fetch(group.payload))
+            if fetch:
+                group.payload.attach(group, await plane.fetch(group.payload), plane.url)
             else:
                 await plane.stat(group.payload)
         except PayloadError as exc:
@@ -499,8 +511,8 @@ class GroupConsumer:
             await self._hand_back(entry_id, failed, tally)
             if plane is not None:
                 await self._outage.run(lambda: plane.ledger.read_failed(reason))
-            return None
-        return group
+            return False
+        return True
 
     # -- internals ----------------------------------------------------------------------
 
@@ -565,10 +577,18 @@ class GroupConsumer:
                 await self._outage.run(lambda: self.queue.ack_deleted(entry_id))
                 self._handed_back_maybe.discard(entry_id)
                 return None
+        stale = self._stale.context()
         verdict = judge(
             fields, self.config, version=version, staleness_limit=staleness_limit, keep=keep_filter,
-            limits=self.options.limits, stale=self._stale.context(),
+            limits=self.options.limits, stale=stale,
         )
+        if verdict.filter_after_fetch and keep_filter is not None:
+            # the keep filter read what is still in the payload store: fetch (checksums verified,
+            # whatever payload_check) and run it again; an unreadable object recycles the group
+            self._stale.saw(verdict, version, staleness_limit)  # fresh: it passed the staleness check
+            if not await self._read_payload(entry_id, verdict, tally, fetch=True):
+                return None
+            verdict = refilter(verdict, keep_filter, self.config, stale)
         self._stale.saw(verdict, version, staleness_limit)
         tally.saw(verdict)
         if verdict.route == Route.KEEP:

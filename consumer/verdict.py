@@ -14,7 +14,8 @@ In the order it is checked:
   attempt unchanged (staleness is not the prompt's fault); a prompt recycled as stale
   :data:`MAX_STALE_RECYCLES` times in a row while other groups were fresh -> dead-letter stream;
 * rejected by the dynamic-sampling ``keep`` filter -> dropped and counted (or recycled, with
-  ``recycle_filtered``);
+  ``recycle_filtered``); a filter that reads what is still in the payload store (the text, token
+  values: ``PayloadNotFetched``) is run again once the consumer has fetched the group (:func:`refilter`);
 * else kept.
 
 :func:`judge` does no I/O (the keep filter is the trainer's own function); the consumer carries
@@ -31,7 +32,7 @@ from typing import Any
 from rollstream.common.attempts import WEIGHT_UPDATE_REASON, failure_reason, past_max_attempts
 from rollstream.common.codec import DEFAULT_LIMITS, CodecLimits, decode_group_entry, prompt_fields
 from rollstream.common.config import PipelineConfig
-from rollstream.common.errors import DecodeError
+from rollstream.common.errors import DecodeError, PayloadNotFetched
 from rollstream.common.keys import StateField
 from rollstream.common.models import Group, Prompt, Status, retry_prompt
 
@@ -114,6 +115,9 @@ class Verdict:
     """The group's staleness (None when not decoded or of the wrong size)."""
     rejection: str | None = None
     """The keep filter's reason when it rejected the group (whatever the route)."""
+    filter_after_fetch: bool = False
+    """Kept so far, but the keep filter read what is still in the payload store (it raised
+    ``PayloadNotFetched``): the consumer fetches the group and judges it again (:func:`refilter`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +173,36 @@ def judge(
         reason = f"{Cause.STALE}: staleness {staleness} > {staleness_limit}"
         return _recycle(group, Cause.STALE, reason, config, staleness, stale)
     if keep is not None:
-        rejection = rejection_reason(keep(group))
-        if rejection is not None:
-            if config.recycle_filtered:
-                reason = f"{Cause.FILTERED}: {rejection}"
-                return _recycle(group, Cause.FILTERED, reason, config, staleness, stale, rejection)
-            return Verdict(Cause.FILTERED, Route.DROP, rejection, group, staleness=staleness, rejection=rejection)
+        try:
+            rejection = rejection_reason(keep(group))
+        except PayloadNotFetched:
+            if group.payload is None or group.payload.attached:
+                raise
+            return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness, filter_after_fetch=True)
+        return _filtered(group, rejection, config, staleness, stale)
+    return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness)
+
+
+def refilter(
+    verdict: Verdict, keep: KeepFilter, config: PipelineConfig, stale: StaleContext = StaleContext()
+) -> Verdict:
+    """The verdict on a group whose keep filter read what was in the payload store
+    (``verdict.filter_after_fetch``), judged again once the consumer has fetched it: the filter
+    runs a second time, now on the values."""
+    group = verdict.group
+    if group is None:
+        raise ValueError("refilter needs a decoded group")
+    return _filtered(group, rejection_reason(keep(group)), config, verdict.staleness or 0, stale)
+
+
+def _filtered(
+    group: Group, rejection: str | None, config: PipelineConfig, staleness: int, stale: StaleContext
+) -> Verdict:
+    if rejection is not None:
+        if config.recycle_filtered:
+            reason = f"{Cause.FILTERED}: {rejection}"
+            return _recycle(group, Cause.FILTERED, reason, config, staleness, stale, rejection)
+        return Verdict(Cause.FILTERED, Route.DROP, rejection, group, staleness=staleness, rejection=rejection)
     return Verdict(Cause.USABLE, Route.KEEP, group=group, staleness=staleness)
 
 

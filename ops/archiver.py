@@ -269,7 +269,7 @@ class Archiver:
             group = decode_group(record.fields.get(b"data", b""))
             if group.payload is None:
                 return record
-            group.payload.attach(group, await plane.fetch(group.payload))
+            group.payload.attach(group, await plane.fetch(group.payload), plane.url)
         except (DecodeError, PayloadError) as exc:
             logger.warning("archiver (ns %s): record %s keeps no offloaded arrays: %s", self.keys.namespace,
                            record.archive_id, exc)

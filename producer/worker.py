@@ -532,7 +532,11 @@ class Producer:
                 raise PayloadUnreadable(
                     "(none)", payload.objects[0].key, "the namespace has no payload store any more"
                 )
-            buffers = await plane.fetch(payload)
+            # attach() puts each array into its sample (a view on the fetched object), the text decoded
+            # (not UTF-8: PayloadCorrupt, dropped as an unreadable object is)
+            payload.attach(
+                Group(index=prompt.index, prompt=prompt.prompt, samples=partial), await plane.fetch(payload), plane.url
+            )
         except PayloadError as exc:
             reason = f"payload: partial samples dropped, generated again: {exc}"
             self.log.warning("prompt %d: its partial samples cannot be read, generated again: %s", prompt.index, exc)
@@ -541,8 +545,6 @@ class Producer:
             if plane is not None:
                 await self._outage.run(lambda: plane.ledger.read_failed(reason))
             return
-        # attach() puts each array into its sample (a view on the fetched object)
-        payload.attach(Group(index=prompt.index, prompt=prompt.prompt, samples=partial), buffers)
         first = partial[0] if partial else None
         if prompt.input_ids is None and first is not None and first.prompt_length > 0:
             prompt.input_ids = array("i", first.tokens[: first.prompt_length])  # its ids were in the store too

@@ -8,13 +8,13 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..arrays import PACKED_CODES, Packed, Unfetched
+from ..arrays import PACKED_CODES, Packed, Unfetched, UnfetchedText
 from ..checked import is_int, is_number
 from ..errors import DecodeError
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample, Status
 from ..payload.refs import GroupPayload, ObjectRef, Offloaded
 from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind, SampleField
-from .encode import OFFLOADABLE
+from .encode import OFFLOADABLE, TEXT
 from .wire import (
     DEFAULT_LIMITS,
     LITTLE,
@@ -251,9 +251,10 @@ _RELATED = frozenset(
 )
 
 
-_OFFLOADABLE = {f.key: f for f in OFFLOADABLE}
-_REQUIRED_OFFLOADABLE = frozenset(f.key for f in OFFLOADABLE if f.required)
-"""Offloadable fields an entry must otherwise hold (the token ids): absent when ``ofl`` names them."""
+_OFFLOADABLE = {f.key: f for f in (*OFFLOADABLE, TEXT)}
+_REQUIRED_OFFLOADABLE = {f.key: "" if f is TEXT else b"" for f in (*OFFLOADABLE, TEXT) if f.required}
+"""Offloadable fields an entry must otherwise hold (the token ids, the response text): absent when
+``ofl`` names them (read as this blank, replaced by a placeholder below)."""
 
 
 def _offloaded(
@@ -275,6 +276,9 @@ def _offloaded(
         name = f"{what}.ofl.{key}"
         if f is None or key in obj:
             raise DecodeError("bad_field", f"{name}: not an offloadable field, or also in the entry")
+        if f is TEXT:
+            found.append(_offloaded_text(spec, name, limits, ref, position, raw[0]))
+            continue
         if not isinstance(spec, list) or len(spec) != 4:
             raise DecodeError("bad_field", f"{name} must be [offset, bytes, typecode, shape]")
         offset, nbytes, code, shape = spec
@@ -297,6 +301,25 @@ def _offloaded(
     return found
 
 
+def _offloaded_text(
+    spec: object, name: str, limits: CodecLimits, ref: ObjectRef, position: int, obj: int
+) -> Offloaded:
+    """The response text's ``ofl`` spec, ``[offset, bytes, "B", [bytes], characters]``: inside its
+    object, within ``max_string_bytes``, and as many characters as UTF-8 allows for those bytes
+    (1 to 4 a character; the decoded text is checked against it once fetched)."""
+    if not isinstance(spec, list) or len(spec) != 5:
+        raise DecodeError("bad_field", f"{name} must be [offset, bytes, 'B', [bytes], characters]")
+    offset, nbytes, code, shape, chars = spec
+    if (
+        not all(type(v) is int for v in (offset, nbytes, chars)) or offset < 0 or nbytes < 0
+        or offset + nbytes > ref.size or code != "B" or shape != [nbytes] or not chars <= nbytes <= 4 * chars
+    ):
+        raise DecodeError("bad_field", f"{name}: {spec!r} does not describe UTF-8 text inside {ref.size} bytes")
+    if nbytes > limits.max_string_bytes:
+        raise DecodeError("too_large", f"{name}: {nbytes} bytes of text exceeds {limits.max_string_bytes}")
+    return Offloaded(position, TEXT.name, obj, offset, nbytes, "B", (nbytes,), False, chars)
+
+
 def _sample_from_wire(
     obj: object, what: str, limits: CodecLimits, version: int, position: int = 0,
     objects: tuple[ObjectRef, ...] = (), away: list[Offloaded] | None = None,
@@ -308,13 +331,14 @@ def _sample_from_wire(
         if away is None or version < OFFLOAD_VERSION:
             raise DecodeError("bad_field", f"{what}.ofl outside a version-{OFFLOAD_VERSION} group")
         moved = _offloaded(obj, what, limits, position, objects)
-        if not _REQUIRED_OFFLOADABLE.isdisjoint(names := _moved_keys(obj)):  # the ids are in the object
-            obj = {**obj, **dict.fromkeys(_REQUIRED_OFFLOADABLE & names, b"")}  # read as empty, replaced below
+        if not _REQUIRED_OFFLOADABLE.keys().isdisjoint(names := _moved_keys(obj)):  # ids or text in the object
+            obj = {**obj, **{k: v for k, v in _REQUIRED_OFFLOADABLE.items() if k in names}}  # replaced below
     values = _READERS[version](obj, what, limits)
     for offloaded in moved:  # its length, shape and typecode, until fetched (GroupPayload.attach)
+        key = objects[offloaded.obj].key
         values[offloaded.name] = Unfetched(
-            offloaded.name, objects[offloaded.obj].key, offloaded.typecode, offloaded.shape
-        )
+            offloaded.name, key, offloaded.typecode, offloaded.shape
+        ) if offloaded.chars is None else UnfetchedText(offloaded.name, key, offloaded.nbytes, offloaded.chars)
     tokens, rlen = values["tokens"], values["response_length"]
     if not 0 <= rlen <= len(tokens):
         raise DecodeError("bad_field", f"{what}.rlen {rlen} outside 0..{len(tokens)}")

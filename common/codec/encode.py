@@ -14,7 +14,7 @@ import msgpack
 from ..arrays import Packed
 from ..models import SAMPLE_FIELDS, Adapter, Group, Prompt, Sample
 from ..payload.refs import Buffer, GroupPayload, ObjectRef, Offloaded, checksum, object_keys
-from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind
+from ..sample_fields import BIN_CODES, SET_WHEN_TRUE, Kind, SampleField
 from .wire import OFFLOAD_VERSION, V3_SAMPLE_KEYS, le_bytes
 
 _V3_KEYS = frozenset(V3_SAMPLE_KEYS)
@@ -116,6 +116,10 @@ array, the token ids, log-probs and loss mask as well as the version-3 ones (rou
 and top-p replay, teacher log-probs, reverse KL). The entry keeps ``rlen``, ``pl`` and the control
 fields, so every length relation is checked from the entry alone (an offloaded array's length is
 in its ``ofl`` spec); the staleness rule reads versions and spans only."""
+TEXT = next(f for f in SAMPLE_FIELDS if f.name == "response")
+"""The response text: it leaves the entry with its sample's arrays (UTF-8 bytes, typecode ``B``,
+its ``ofl`` spec ``[offset, bytes, "B", [bytes], characters]``); it counts toward the bar as those bytes."""
+TEXT_KEY = TEXT.key
 _ALIGN = 8
 
 
@@ -132,12 +136,14 @@ def encode_group_offloaded(
     group: Group, min_bytes: int, new_key: Callable[[], str]
 ) -> tuple[bytes, list[StoreObject]]:
     """The group's payload with the :data:`OFFLOADABLE` arrays left out, and the objects they go
-    to. The threshold decides per sample: once a sample's offloadable arrays together reach
-    ``min_bytes``, all of them go to its object (one per such sample, the arrays back to back,
+    to. The threshold decides per sample: once a sample's offloadable arrays and its response
+    text's UTF-8 bytes together reach ``min_bytes``, all of them go to its object (the text last;
+    one per such sample, the arrays back to back,
     each at an offset aligned to 8 bytes: a small one costs no extra round trip there); a sample
     under the bar keeps them all. A group's objects are named from one ``new_key()``
     (:func:`~..payload.refs.object_keys`). A sample keeps where each
-    went (``ofl``: ``[object, {key: [offset, bytes, typecode, shape]}]``), the group the objects'
+    went (``ofl``: ``[object, {key: [offset, bytes, typecode, shape]}]``, the text's with its
+    characters fifth), the group the objects'
     refs (``objs``), and the entry is version 4 (an older build refuses it instead of reading a
     sample without its arrays). No array large enough: the bytes :func:`encode_group` writes."""
     samples = [_sample_to_wire(s) for s in group.samples]
@@ -157,8 +163,14 @@ def encode_group_offloaded(
                 typecode, raw = BIN_CODES[f.kind], value
                 shape = [len(raw) // array(typecode).itemsize]
             present.append((f, typecode, shape, raw))
-        if sum(len(raw) for *_, raw in present) < min_bytes:
-            continue  # the sample's arrays together stay under the bar: all stay in the entry
+        arrays = sum(len(raw) for *_, raw in present)
+        text = wire.get(TEXT_KEY)
+        text = text if isinstance(text, str) else ""
+        if arrays + 4 * len(text) < min_bytes:  # under the bar even at 4 bytes of UTF-8 a character
+            continue  # the sample's arrays and text together stay under the bar: all stay in the entry
+        raw_text = text.encode()
+        if arrays + len(raw_text) < min_bytes:
+            continue
         for f, typecode, shape, raw in present:
             size = len(raw)
             if pad := -offset % _ALIGN:
@@ -168,6 +180,11 @@ def encode_group_offloaded(
             moved[f.key] = [offset, size, typecode, list(shape)]
             offset += size
             del wire[f.key]
+        if raw_text:  # its UTF-8 bytes last, its length in characters in the spec (len() before the fetch)
+            parts.append(raw_text)
+            moved[TEXT_KEY] = [offset, len(raw_text), "B", [len(raw_text)], len(text)]
+            offset += len(raw_text)
+            del wire[TEXT_KEY]
         if moved:
             wire["ofl"] = [len(found), moved]
             found.append((offset, parts))
@@ -250,6 +267,13 @@ def encode_prompt(prompt: Prompt) -> bytes:
 _FIELDS = {f.name: f for f in SAMPLE_FIELDS}
 
 
+def _blank(f: SampleField) -> Any:
+    """What stands in for an offloaded field while the rest of its sample is written."""
+    if f.optional:
+        return None
+    return "" if f.kind is Kind.TEXT else array(BIN_CODES[f.kind])
+
+
 def _partial_with_refs(samples: list[Sample], payload: GroupPayload) -> list[dict[str, Any]]:
     """The wire maps of ``samples`` with the arrays ``payload`` lists referred to (``ofl``, exactly
     as :func:`encode_group_offloaded` wrote them), not carried: whether fetched or not, their
@@ -263,14 +287,12 @@ def _partial_with_refs(samples: list[Sample], payload: GroupPayload) -> list[dic
         if not away:
             wires.append(_sample_to_wire(sample))
             continue
-        blank: dict[str, Any] = {
-            a.name: None if _FIELDS[a.name].optional else array(BIN_CODES[_FIELDS[a.name].kind]) for a in away
-        }
+        blank: dict[str, Any] = {a.name: _blank(_FIELDS[a.name]) for a in away}
         wire = _sample_to_wire(replace(sample, **blank))
         for a in away:
             wire.pop(_FIELDS[a.name].key, None)
         wire["ofl"] = [away[0].obj, {
-            _FIELDS[a.name].key: [a.offset, a.nbytes, a.typecode, list(a.shape)] for a in away
+            _FIELDS[a.name].key: a.spec() for a in away
         }]
         wires.append(wire)
     return wires

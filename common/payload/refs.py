@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PayloadCorrupt
 
 if TYPE_CHECKING:
     from ..models import Group
@@ -131,6 +131,13 @@ class Offloaded:
     shape: tuple[int, ...]
     packed: bool
     """A :class:`~..arrays.Packed` field (else a flat array)."""
+    chars: int | None = None
+    """The response text (UTF-8 bytes, typecode ``B``): its length in characters; None for an array."""
+
+    def spec(self) -> list[Any]:
+        """What the entry's ``ofl`` keeps of it: ``[offset, bytes, typecode, shape]`` (the text: and its characters)."""
+        spec = [self.offset, self.nbytes, self.typecode, list(self.shape)]
+        return spec if self.chars is None else [*spec, self.chars]
 
     @property
     def items(self) -> int:
@@ -150,15 +157,34 @@ class GroupPayload:
     def nbytes(self) -> int:
         return sum(ref.size for ref in self.objects)
 
-    def attach(self, group: Group, buffers: Mapping[str, memoryview]) -> None:
+    def attach(self, group: Group, buffers: Mapping[str, memoryview], store: str = "") -> None:
         """Put every array back in its sample as a view on ``buffers`` (the fetched objects by
         key, each already checked against its ref): a :class:`~..arrays.Packed` on a cast view, or
-        the cast view itself for a flat array."""
+        the cast view itself for a flat array; the response text decoded from its UTF-8 bytes.
+        Text that is not valid UTF-8, or not as many characters as its entry says, raises
+        :class:`~..errors.PayloadCorrupt` naming ``store`` (the plane's URL) and the key, before
+        any sample is changed: the group is recycled with that reason, never a mangled string."""
         from ..arrays import Packed
 
+        texts: dict[Offloaded, str] = {}
         for array in self.arrays:
-            raw = buffers[self.objects[array.obj].key][array.offset : array.offset + array.nbytes]
-            view = raw.cast("B").cast(array.typecode)  # type: ignore[call-overload]
-            value: Any = Packed(view, array.shape) if array.packed else view
+            if array.chars is None:
+                continue
+            key = self.objects[array.obj].key
+            raw = buffers[key][array.offset : array.offset + array.nbytes]
+            try:
+                text = str(raw, "utf-8")
+            except UnicodeDecodeError as exc:
+                raise PayloadCorrupt(store or "(store)", key, f"Sample.{array.name} is not UTF-8: {exc}") from None
+            if len(text) != array.chars:
+                detail = f"Sample.{array.name} has {len(text)} characters, its entry says {array.chars}"
+                raise PayloadCorrupt(store or "(store)", key, detail)
+            texts[array] = text
+        for array in self.arrays:
+            value: Any = texts.get(array)
+            if value is None:
+                raw = buffers[self.objects[array.obj].key][array.offset : array.offset + array.nbytes]
+                view = raw.cast("B").cast(array.typecode)  # type: ignore[call-overload]
+                value = Packed(view, array.shape) if array.packed else view
             setattr(group.samples[array.sample], array.name, value)
         self.attached = True
