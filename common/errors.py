@@ -16,7 +16,7 @@ Every error rollstream raises on purpose derives from :class:`RollstreamError`::
     │   ├── PayloadCorrupt                    its size or checksum is not what its entry says: recycled
     │   ├── PayloadUnreadable                 the store cannot be reached or refused the read: recycled
     │   ├── PayloadStoreFull                  the store has no room for a put: transient, backed off
-    │   └── PayloadNotFetched                 an offloaded array read before its batch fetched it: fetch first
+    │   └── PayloadNotFetched                 an offloaded array or text read before its batch fetched it: fetch first
     ├── DecodeError (also ValueError)         a payload that is not a valid rollstream entry
     ├── RowError (also ValueError)            a dataset row that cannot be fed (file and row named): dead-lettered
     ├── ArchiveUnusable                       an archive folder or file that cannot be written or read (full disk,
@@ -160,8 +160,9 @@ class PayloadStoreFull(PayloadError):
 
 
 class PayloadNotFetched(PayloadError):
-    """A sample's array is still in the payload store (an :class:`~.arrays.Unfetched` placeholder:
-    its length and shape are known, its values are not) and something read its values: fetch the
+    """A sample's array or text is still in the payload store (an :class:`~.arrays.Unfetched` or
+    :class:`~.arrays.UnfetchedText` placeholder: its length is known, its values are not) and
+    something read its values (a ``keep`` filter doing so is run again after a fetch): fetch the
     batch first (``await batch.fetch()``, ``batch.fetch_now()``, any numpy view of the batch, or
     ``batch.shard(rank, world_size)`` then its fetch). The caller's mistake, not the store's."""
 

@@ -36,8 +36,11 @@ class ConsumerOptions:
     keep: KeepFilter | None = None
     """The dynamic-sampling filter (named only here, by the trainer's own code: nothing is imported
     from Redis); ``take(keep=...)`` overrides it for one call. With a payload store it runs before
-    any fetch: a sample's offloaded arrays (its tokens too) are ``Unfetched`` there, their lengths
-    known, their values refused (``PayloadNotFetched``)."""
+    any fetch: a sample's offloaded arrays (its tokens too) are ``Unfetched`` there and its text an
+    ``UnfetchedText``, their lengths known, their values refused (``PayloadNotFetched``). A filter
+    that reads them anyway is not an error: ``take()`` fetches that group (checksums verified,
+    whatever ``payload_check``) and runs the filter again on the values; an object that cannot be
+    read recycles the group with the reason. Filters on rewards, lengths and versions fetch nothing."""
     on_producer_failure: OnProducerFailure = "raise"
     """``raise``: ``take()`` raises ``ProducerFailed`` for an unrecovered producer failure; ``warn``
     logs it once instead."""
@@ -59,8 +62,8 @@ class ConsumerOptions:
     and the arrays are fetched on first access, by whichever rank uses them
     (``batch.shard(rank, world_size)``), their checksum verified then (a mismatch raises
     ``PayloadCorrupt``, never a wrong array); until then an offloaded field (the tokens too) is an
-    ``Unfetched`` placeholder whose values raise ``PayloadNotFetched``. A group whose check fails is recycled with the
-    reason, naming the store and the key."""
+    ``Unfetched`` placeholder (the text an ``UnfetchedText``) whose values raise ``PayloadNotFetched``.
+    A group whose check fails is recycled with the reason, naming the store and the key."""
 
     def __post_init__(self) -> None:
         if self.on_producer_failure not in ("raise", "warn"):

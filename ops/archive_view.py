@@ -56,6 +56,10 @@ def _number_text(value: Any) -> str | None:
     return str(value) if isinstance(value, float) and not math.isfinite(value) else None
 
 
+NOT_READ = "(the text was in the payload store and could not be read when archived: see decode_error)"
+"""What the page shows for a sample whose row has no text (its objects were not read)."""
+
+
 def clip(text: str | None, limit: int = MAX_TEXT_SHOWN) -> str | None:
     """``text`` cut to ``limit`` characters, saying how many more the archive holds."""
     if text is None or len(text) <= limit:
@@ -91,7 +95,7 @@ def page_record(row: dict[str, Any]) -> dict[str, Any]:
         prompt_length = max(0, s["prompt_length"] or 0)
         response_ids = (s["tokens"] or [])[prompt_length:]
         samples.append({
-            "response": clip(s["response"]), "reward": _number(s["reward"]), "reward_text": _number_text(s["reward"]),
+            "response": NOT_READ if s["response"] is None else clip(s["response"]), "reward": _number(s["reward"]), "reward_text": _number_text(s["reward"]),
             "reward_json": clip(s["reward_json"]), "status": s["status"], "finish_reason": s["finish_reason"],
             "error": clip(s["error"]), "versions": s["weight_versions"] or [], "response_length": s["response_length"],
             "turns": _turns(s["loss_mask"], response_ids),

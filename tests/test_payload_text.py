@@ -277,3 +277,6 @@ def test_a_retry_prompt_refers_to_the_text_and_the_archive_row_says_not_read() -
     record = ArchiveRecord("1-0", "trained", "", "t", 0, 0, "groups", 0, 0, "5-0", 0, {b"data": data})
     row = record_row(record)
     assert row["decode_error"] and [c["response"] for c in row["samples"]] == [None, None]
+    from rollstream.ops.archive_view import NOT_READ, page_record
+
+    assert [s["response"] for s in page_record(row)["samples"]] == [NOT_READ, NOT_READ]  # the page says why
