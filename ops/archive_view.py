@@ -95,7 +95,8 @@ def page_record(row: dict[str, Any]) -> dict[str, Any]:
         prompt_length = max(0, s["prompt_length"] or 0)
         response_ids = (s["tokens"] or [])[prompt_length:]
         samples.append({
-            "response": NOT_READ if s["response"] is None else clip(s["response"]), "reward": _number(s["reward"]), "reward_text": _number_text(s["reward"]),
+            "response": NOT_READ if s["response"] is None else clip(s["response"]),
+            "reward": _number(s["reward"]), "reward_text": _number_text(s["reward"]),
             "reward_json": clip(s["reward_json"]), "status": s["status"], "finish_reason": s["finish_reason"],
             "error": clip(s["error"]), "versions": s["weight_versions"] or [], "response_length": s["response_length"],
             "turns": _turns(s["loss_mask"], response_ids),
