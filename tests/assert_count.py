@@ -9,7 +9,8 @@ prints ``asserts run: N passed in tests/, M failed`` at the end. Only asserts of
 ``tests/`` count: pytest rewrites the asserts of installed pytest plugins too (anyio's asyncio
 backend runs thousands under httpx, a number that depends on timing, not on the tests). With the
 hook on, each passing assert also builds its explanation: assert-heavy tests
-(tests/test_fuzz.py) run several times slower, so time the suite without it."""
+(tests/test_fuzz.py) run several times slower, so time the suite without it. Under pytest-xdist
+each worker counts its own tests and hands its counts to the controller, which prints the sum."""
 
 from __future__ import annotations
 
@@ -40,6 +41,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     yield
     if call.excinfo is not None and call.excinfo.errisinstance(AssertionError):
         _counts["failed"] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller sums (pytest_testnodedown)
+        workeroutput["assert_count"] = dict(_counts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    for name, count in getattr(node, "workeroutput", {}).get("assert_count", {}).items():
+        _counts[name] += count
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
