@@ -10,6 +10,7 @@ never import each other; library code never imports ``testing`` (the CLI's ``sim
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import itertools
 import re
@@ -49,6 +50,12 @@ HAND_BUILT_KEY = re.compile(r"\}:|:\{")
 KEY_LITERAL = re.compile(r"rollstream:(?! )")  # "rollstream: error: ..." is a message, not a key
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the checks of a run (they only read it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def library_files(root: Path = ROOT) -> Iterator[tuple[str, Path]]:
     for folder, package in FOLDERS.items():
         base = root / folder
@@ -67,7 +74,7 @@ def module_name(package: str, path: Path, folder: Path) -> str:
 def imported(path: Path, module: str) -> Iterator[tuple[int, str]]:
     """(line, absolute module name) of every import in ``path``; relative ones resolved."""
     is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
@@ -97,7 +104,7 @@ def layer(name: str) -> str | None:
 def type_checking_lines(path: Path) -> set[int]:
     """The lines of ``if TYPE_CHECKING:`` blocks (imports type checkers see, never run)."""
     lines: set[int] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             for child in node.body:
                 lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
@@ -124,25 +131,25 @@ def key_spellings(root: Path = ROOT) -> Iterator[str]:
     for _, path in library_files(root):
         if path == root / "common" / "keys.py":
             continue
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         docstrings = {
             id(node.body[0].value)
             for node in ast.walk(tree)
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
             and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
         }
+        relative = path.relative_to(root)  # once a file: per node it was most of the test's time
         for node in ast.walk(tree):
-            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 if KEY_LITERAL.search(node.value):
-                    yield f"{where}: Redis key literal {node.value[:60]!r}"
+                    yield f"{relative}:{node.lineno}: Redis key literal {node.value[:60]!r}"
             elif isinstance(node, ast.JoinedStr):
                 literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
                 if HAND_BUILT_KEY.search(literal) or KEY_LITERAL.search(literal):
-                    yield f"{where}: hand-built key name in an f-string ({literal[:60]!r})"
+                    yield f"{relative}:{node.lineno}: hand-built key name in an f-string ({literal[:60]!r})"
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("keys"):
                 if any(alias.name == "PREFIX" for alias in node.names):
-                    yield f"{where}: builds key names from PREFIX; use common.keys.Keys"
+                    yield f"{relative}:{node.lineno}: builds key names from PREFIX; use common.keys.Keys"
 
 
 def test_imports_point_down() -> None:
@@ -181,7 +188,7 @@ def test_the_top_package_exports_the_user_facing_types_lazily() -> None:
     typing_only = type_checking_lines(init)
     seen = {
         alias.name: node.module
-        for node in ast.walk(ast.parse(init.read_text()))
+        for node in ast.walk(parsed(init))
         if isinstance(node, ast.ImportFrom) and node.lineno in typing_only
         for alias in node.names
     }
@@ -246,7 +253,7 @@ def reexport_shims(root: Path = ROOT) -> list[str]:
     return [
         f"{path.relative_to(root).as_posix()}:{node.lineno} {alias.name}"
         for _, path in library_files(root)
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(parsed(path))
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
         if alias.asname is not None and alias.asname == alias.name.rsplit(".", 1)[-1]
@@ -338,7 +345,7 @@ def private_reaches(root: Path = ROOT, folders: tuple[str, ...] = ("producer",))
     found = []
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
+            tree = parsed(path)
             own: set[str] = set()
             for node in ast.walk(tree):
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -398,7 +405,7 @@ def stacked_docstrings(root: Path = ROOT) -> list[str]:
 
     found = []
     for _, path in library_files(root):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             body = getattr(node, "body", None)
             if isinstance(body, list):
                 found += [
@@ -426,7 +433,7 @@ def hand_checked_ints(root: Path = ROOT) -> list[str]:
     for _, path in library_files(root):
         if path.name == "checked.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if not isinstance(node, ast.BoolOp):
                 continue
             kinds: dict[str, set[str]] = {}
