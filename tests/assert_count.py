@@ -2,7 +2,6 @@
 up tests must not lose coverage). pytest's assertion rewriting calls ``pytest_assertion_pass``
 for every assert that passes in a rewritten module (the test files and conftest.py)::
 
-    rm -rf tests/__pycache__  # rewritten modules are cached without the hook
     PYTHONPATH=tests ./scripts/test -p assert_count -o enable_assertion_pass_hook=true
 
 prints ``asserts run: N passed in tests/, M failed`` at the end. Only asserts of files under
@@ -10,10 +9,13 @@ prints ``asserts run: N passed in tests/, M failed`` at the end. Only asserts of
 backend runs thousands under httpx, a number that depends on timing, not on the tests). With the
 hook on, each passing assert also builds its explanation: assert-heavy tests
 (tests/test_fuzz.py) run several times slower, so time the suite without it. Under pytest-xdist
-each worker counts its own tests and hands its counts to the controller, which prints the sum."""
+each worker counts its own tests and hands its counts to the controller, which prints the sum.
+A module rewritten without the hook and cached (``scripts/test`` writes bytecode) would never call
+it: loaded first (in the controller, before any worker starts), the plugin deletes those caches."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,10 @@ import pytest
 
 _counts = {"passed": 0, "failed": 0, "elsewhere": 0}
 TESTS = str(Path(__file__).resolve().parent) + "/"
+
+if "PYTEST_XDIST_WORKER" not in os.environ:  # pytest's rewritten modules, named *.pytest-*.pyc
+    for cached in Path(TESTS).glob("**/__pycache__/*-pytest-*.pyc"):
+        cached.unlink(missing_ok=True)
 
 
 def pytest_assertion_pass(item: pytest.Item, lineno: int, orig: str, expl: str) -> None:
