@@ -2,10 +2,12 @@
 (inline) or in a payload store (``fs://`` on /dev/shm, ``mooncake://`` over TCP), side by side.
 
 ``python -m bench payload`` (~9 min at load 12-15 on 2 shared cores, a few on a quiet machine);
-``python -m bench.payload --rounds 5 --hold 4 --flow 8`` for a bigger run; ``python -m
-bench.payload render`` prints the tables again from ``bench/out/payload.json``. Every variant runs
-on its own fresh Redis 7 (``/usr/bin/redis-server``, else the embedded one), the variants
-interleaved round by round (order rotated); figures are medians over the rounds.
+``python -m bench.payload --rounds 5 --hold 4 --flow 8`` for a bigger run; ``--pin`` runs
+redis-server and the other client on CPU 0 and everything else on the others
+(``bench/out/payload-pinned.json``), as on a cluster where Redis has a host of its own; ``python
+-m bench.payload render [--pin]`` prints the tables again from the JSON. Every variant runs on its
+own fresh Redis 7 (``/usr/bin/redis-server``, else the embedded one), the variants interleaved
+round by round (order rotated); figures are medians over the rounds.
 
 One round of one variant, groups of 16 samples x 8k response tokens with a 48 x 8 routing
 replay (uint8, ~50 MB a group), a producer in its own process (``bench/payload_child.py``: ADMIT,
@@ -54,7 +56,7 @@ from urllib.parse import urlsplit
 import numpy
 import redis as redis_sync
 from rollstream.common import lua
-from rollstream.common.codec import group_fields
+from rollstream.common.codec import group_fields, group_fields_offloaded
 from rollstream.common.connection import connect
 from rollstream.consumer import Batch, GroupConsumer
 from rollstream.runtime.redis_server import EmbeddedRedis, find_redis_server
@@ -67,8 +69,21 @@ SAMPLES, TOKENS = 16, 8192
 BASE_SAMPLES, BASE_TOKENS = 8, 1024
 WORLD = 4
 BATCH = 2
+"""The trainer's take size, the same for every variant: a take's own calls (~17) are per take, so
+per-group Redis CPU is compared at one batch size (the 8 x 1k row once took 8: 0.58 ms a group
+against 0.68-0.83 at 2). Two, not more: a take of 8 inline R3 groups is a ~470 MB reply, and 8
+Mooncake groups outgrow its reused read memory (1 GiB with the batch before still held)."""
+IDLE_S = 1.0
+"""Redis' CPU over this long, the producer and the trainer connected and idle, before the flow:
+its fixed cost a second (its cron, their heartbeats), which a slow flow would charge its few groups."""
 STORE_HOLD = 4
-"""With a store, this many times the inline variant's held groups (Redis holds ~1 MB of each)."""
+"""With a store, this many times the inline variant's held groups (Redis holds a few KB of each)."""
+STORE_FLOW = 2
+"""With a store, this many times the inline variant's flowing groups: two takes a flow phase."""
+REDIS_CPUS = {0}
+"""With ``--pin``: redis-server and the other client run on these CPUs, everything else (this
+process, the producer, the store's processes) on the rest, as on a cluster where Redis has its own
+host: the other client's latency then shows what Redis makes it wait, not this machine's scheduling."""
 PAGE = 4096
 WAIT = 600.0
 SLOW_US = 5_000
@@ -95,8 +110,8 @@ def load() -> str:
 class Probe:
     """``bench/payload_probe.py`` in its own process: one small command a millisecond, each timed."""
 
-    def __init__(self, port: int, kind: str, workdir: Path) -> None:
-        self.port, self.kind = port, kind
+    def __init__(self, port: int, kind: str, workdir: Path, pin: bool = False) -> None:
+        self.port, self.kind, self.pin = port, kind, pin
         self.out = workdir / f"probe-{kind}-{time.monotonic_ns()}.json"
         self.proc: subprocess.Popen[bytes] | None = None
         self.records: list[tuple[float, float]] = []
@@ -104,6 +119,8 @@ class Probe:
     def __enter__(self) -> Probe:
         self.proc = spawn(["-m", "bench.payload_probe", "--port", str(self.port), "--kind", self.kind,
                            "--out", str(self.out)], OUT / "payload-probe.log")
+        if self.pin:
+            os.sched_setaffinity(self.proc.pid, REDIS_CPUS)
         ready = self.out.with_suffix(".ready")
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -323,8 +340,8 @@ async def store_bandwidth(url: str, nbytes: int, repeat: int = 3) -> dict[str, f
     return {"put": nbytes / statistics.median(puts), "get": nbytes / statistics.median(gets), "delete_s": deleted}
 
 
-MOONCAKE_SEGMENT = "2GB"
-"""The store process's memory: every object a round puts, should none be freed before its end."""
+MOONCAKE_SEGMENT = "4GB"
+"""The store process's memory: every object a round puts (~2.6 GB), should none be freed before its end."""
 
 
 def mooncake_variant(plan: dict[str, int]) -> Variant | None:
@@ -442,7 +459,7 @@ SHARD_SIZES = [4096, 5120, 6144, 7168, 8192, 10240, 11264, 12288]
 mean 7.9k): shard() balances whole groups by tokens, so unequal groups show its balance."""
 
 
-async def one_round(variant: Variant, workdir: Path) -> dict[str, Any]:
+async def one_round(variant: Variant, workdir: Path, pin: bool = False) -> dict[str, Any]:
     """One round of ``variant`` on a fresh Redis: hold, drain, flow, flow with the probe, and with
     a store the split across ranks (the module docstring)."""
     binary = redis_binary()
@@ -455,13 +472,21 @@ async def one_round(variant: Variant, workdir: Path) -> dict[str, Any]:
     prompts = sum(count for count, _ in stages)
     setup = variant.setup() if variant.setup is not None else contextlib.nullcontext(variant.store)
     with setup as store, EmbeddedRedis(binary=binary) as server:
+        if pin and server.process is not None:
+            os.sched_setaffinity(server.process.pid, REDIS_CPUS)
         redis = connect(server.url)
         ns = "pb-" + "".join(c if c.isalnum() else "-" for c in variant.name)
         keys = await init_ns(redis, ns, **namespace_config(variant, store, batch_size, prompts))
         await redis.config_set("slowlog-max-len", 1024)
         await redis.config_set("slowlog-log-slower-than", SLOW_US)
         await add_prompts(redis, keys, 0, prompts)
-        out["payload"] = len(group_fields(bench_group(variant.samples, variant.tokens, variant.r3))["data"])
+        group = bench_group(variant.samples, variant.tokens, variant.r3)
+        out["payload"] = len(group_fields(group)["data"])
+        if variant.store is not None:  # what the entry keeps, and what goes to the store
+            fields, objects = group_fields_offloaded(group, 64 * 1024, lambda: f"{ns}/{'0' * 32}")
+            out["entry_bytes"] = sum(len(v) if isinstance(v, bytes) else len(str(v)) for v in fields.values())
+            out["store_bytes"] = sum(o.ref.size for o in objects)
+        del group
         child = Child(server.url, ns, variant, stages, workdir)
         try:
             await child.stage(0)  # a warm-up group: scripts loaded, the stream and its groups exist
@@ -480,6 +505,9 @@ async def one_round(variant: Variant, workdir: Path) -> dict[str, Any]:
                 out["fromfile"] = await asyncio.to_thread(fromfile_bandwidth, per_group, workdir)
                 if variant.store is not None:
                     out["store"] = await store_bandwidth(store, per_group)
+                idle = await info_cpu(redis)
+                await asyncio.sleep(IDLE_S)
+                out["fixed_cpu_per_s"] = (await info_cpu(redis) - idle) / IDLE_S
                 started = time.monotonic()
                 cpu2, stats2 = await info_cpu(redis), await commandstats(redis)
                 await child.stage(2, wait=False)
@@ -490,7 +518,8 @@ async def one_round(variant: Variant, workdir: Path) -> dict[str, Any]:
                 await child.done(2)
                 out["groups_per_s"] = flow / (ended - started)
                 out["cycle_cpu"] = (cpu3 - cpu2) / flow
-                with Probe(server.port, "xadd", workdir) as probe:
+                out["group_cpu"] = (cpu3 - cpu2 - out["fixed_cpu_per_s"] * (ended - started)) / flow
+                with Probe(server.port, "xadd", workdir, pin) as probe:
                     idle0 = time.monotonic()
                     await asyncio.sleep(1.0)
                     idle1 = started = time.monotonic()
@@ -551,7 +580,7 @@ def variants(hold: int, flow: int, small_flow: int) -> list[Variant]:
     8 x 1k (the CPU target's reference) and 16 x 8k (the tokens and log-probs the entry keeps)."""
     big = {"hold": hold, "flow": flow, "batch": BATCH}
     found = [Variant("inline", **big)]
-    stored = {**big, "hold": STORE_HOLD * hold}  # a store holds more groups cheaply: a steadier memory figure
+    stored = {**big, "hold": STORE_HOLD * hold, "flow": STORE_FLOW * flow}  # cheap with a store: steadier figures
     if importlib.util.find_spec("rollstream.common.payload.plane") is not None and Path("/dev/shm").is_dir():
         found.append(Variant("fs", store="fs:///dev/shm/rollstream-bench-payload", **stored))
     mooncake = mooncake_variant(stored)
@@ -559,26 +588,32 @@ def variants(hold: int, flow: int, small_flow: int) -> list[Variant]:
         found.append(mooncake)
     found.append(Variant("inline, no R3", tokens=TOKENS, r3=False, hold=8, flow=4 * flow, batch=BATCH))
     found.append(Variant("inline, 8 x 1k, no R3", samples=BASE_SAMPLES, tokens=BASE_TOKENS, r3=False, hold=8,
-                         flow=small_flow, batch=8))
+                         flow=small_flow, batch=BATCH))
     return found
 
 
-def measure(rounds: int, hold: int, flow: int, small_flow: int) -> dict[str, Any]:
+def measure(rounds: int, hold: int, flow: int, small_flow: int, pin: bool = False) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="rollstream-bench-payload-"))
     OUT.mkdir(parents=True, exist_ok=True)
     chosen = variants(hold, flow, small_flow)
     loads = [load()]
+    cpus = os.sched_getaffinity(0)
+    if pin:
+        if not cpus - REDIS_CPUS:
+            raise SystemExit(f"--pin needs CPUs besides {sorted(REDIS_CPUS)} (this process may use {sorted(cpus)})")
+        os.sched_setaffinity(0, cpus - REDIS_CPUS)  # every child started from here on inherits it
     try:
         for round_ in range(rounds):
             shift = round_ % len(chosen)
             for variant in chosen[shift:] + chosen[:shift]:  # interleaved, the order rotated each round
-                result = asyncio.run(one_round(variant, workdir))
+                result = asyncio.run(one_round(variant, workdir, pin))
                 variant.runs.append(result)
                 print(f"  round {round_ + 1} {variant.name}: {_brief(result)} (load {load()})", flush=True)
             loads.append(load())
     finally:
+        os.sched_setaffinity(0, cpus)
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"variants": chosen, "loads": loads, "rounds": rounds}
+    return {"variants": chosen, "loads": loads, "rounds": rounds, "pinned": pin}
 
 
 def _brief(r: dict[str, Any]) -> str:
@@ -594,15 +629,15 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
 
 def tables(result: dict[str, Any], command: str) -> list[Table]:
     chosen: list[Variant] = result["variants"]
-    base_cpu = _median(chosen[-1].runs, "cycle_cpu")
-    same_cpu = _median(chosen[-2].runs, "cycle_cpu")
+    base_cpu = _median(chosen[-1].runs, "group_cpu")
+    same_cpu = _median(chosen[-2].runs, "group_cpu")
     rows: list[list[Any]] = []
     stalls, stores, commands = [], [], []
     for variant in chosen:
         runs = variant.runs
         payload = runs[0]["payload"]
         mem = _median(runs, "memory_per_group")
-        cpu = _median(runs, "cycle_cpu")
+        cpu = _median(runs, "group_cpu")
         bandwidths = [r["drain"]["bytes"] / (r["drain"]["take_s"] + r["drain"]["fetch_s"]) for r in runs]
         ratio = statistics.median(b / r["fromfile"] for b, r in zip(bandwidths, runs, strict=True))
         fractions = [share for r in runs for share in r.get("ranks", [])]
@@ -610,7 +645,8 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
         rows.append([
             variant.name, f"{variant.samples} x {variant.tokens // 1024}k{' R3' if variant.r3 else ''}",
             payload / 1e6, mem / 1e6, mem / payload, _median(runs, "publish_cpu") * 1e3,
-            _median(runs, "read_commit_cpu") * 1e3, cpu * 1e3, cpu / base_cpu, cpu / same_cpu,
+            _median(runs, "read_commit_cpu") * 1e3, _median(runs, "cycle_cpu") * 1e3,
+            _median(runs, "fixed_cpu_per_s") * 1e3, cpu * 1e3, cpu / base_cpu, cpu / same_cpu,
             _median(runs, "probe_worst"), max(r["probe_worst"] for r in runs), _median(runs, "probe_p99"),
             _median(runs, "probe_idle"), f"{longest:.0f}" if longest else f"< {SLOW_US / 1000:g}",
             _median(runs, "groups_per_s"), statistics.median(bandwidths) / 1e9, _median(runs, "fromfile") / 1e9,
@@ -640,7 +676,8 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
         f"Payload plane vs inline Redis: groups of {SAMPLES} x {TOKENS // 1024}k tokens with a {layers} x {topk} "
         "routing replay, side by side",
         ["variant", "group", "payload MB", "Redis MB held per group", "held / payload", "publish Redis CPU ms",
-         "read+commit Redis CPU ms", "Redis CPU ms per group (whole cycle)", "x the 8 x 1k group",
+         "read+commit Redis CPU ms", "Redis CPU ms per group (whole cycle)", "Redis' fixed CPU ms a second",
+         "Redis CPU ms per group (less the fixed)", "x the 8 x 1k group",
          "x the 16 x 8k group without R3",
          "other client's worst XADD ms (median)", "worst of all rounds ms", "its p99 ms", "its worst, idle second ms",
          "Redis' longest command ms", "groups/s end to end", "trainer GB/s (take + fetch)", "numpy.fromfile GB/s",
@@ -649,15 +686,22 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
         [
             f"Medians of {result['rounds']} rounds, variants interleaved (order rotated each round), each round on a "
             f"fresh Redis {redis_version(redis_binary())}: a warm-up group, hold {big.hold} groups (with a store "
-            f"{STORE_HOLD * big.hold}), drain them in take({big.batch}) batches, then {big.flow} groups flowing, twice (the rows without R3: 8 held, "
-            f"{chosen[-2].flow} and {chosen[-1].flow} flowing). Targets (issue 48): held <= 1 % of the payload with a "
+            f"{STORE_HOLD * big.hold}), drain them in take() batches, then {big.flow} groups flowing (with a store "
+            f"{STORE_FLOW * big.flow}), twice (the rows without R3: 8 held, {chosen[-2].flow} and {chosen[-1].flow} "
+            f"flowing). Every trainer takes {BATCH} groups at a time: a take's own calls are per take, so per-group "
+            "CPU is compared at one batch size. Targets (issue 48): held <= 1 % of the payload with a "
             "store; CPU within 2x the 8 x 1k group; the other client's worst under 10 ms; trainer >= 0.5 x "
             f"numpy.fromfile; 0.25 of the bytes per rank of {WORLD}.",
             "The groups: ids, log-probs, a loss mask and a response text of 4 characters a token (what a real "
-            "tokenizer gives; the entry keeps the text with the control fields), plus the routing replay.",
+            "tokenizer gives), plus the routing replay. With a store all of them are in the sample's object: "
+            "the entry keeps the control fields, the reward, one spec per array and the refs.",
             "Redis MB held: used_memory (less the clients' buffers) growth over the hold groups / hold. Redis CPU: "
             "INFO cpu used_cpu_sys + used_cpu_user deltas per group: publish (ADMIT + PUBLISH; with a store the "
-            "intents too), read+commit (take + commit + freeing), whole cycle (the first flow phase: everything).",
+            "intents too), read+commit (take + commit + freeing), whole cycle (the first flow phase: everything). "
+            f"Redis' fixed CPU a second: over the {IDLE_S:g} s before that phase, producer and trainer connected and "
+            "idle (Redis' cron, their heartbeats: what docs/scale.md counts per producer a second, not per group); "
+            "less the fixed: the whole cycle less that rate over the phase's length, per group (a slow flow would "
+            "charge its few groups with it); the ratios are of this.",
             "Other client: bench/payload_probe.py in its own process, an XADD of a 4 KB entry every millisecond, "
             "timed send to reply, during the second flow phase; 'idle second': the same probe just before it (the "
             "machine's noise floor: the probe or Redis preempted). Redis' longest command: the slowlog's longest "
@@ -706,24 +750,25 @@ def projection(result: dict[str, Any], command: str) -> Table:
     r3_here = SAMPLES * (PROMPT_TOKENS + TOKENS - 1) * layers * topk
     variants = {v["name"]: v for v in result["variants"]}
     same = variants["inline, no R3"]["runs"]
-    same_cpu, same_mem = _median(same, "cycle_cpu") * 1e6, _median(same, "memory_per_group")
+    same_cpu, same_mem = _median(same, "group_cpu") * 1e6, _median(same, "memory_per_group")
     per_token = (PROMPT_TOKENS + 32768) / (PROMPT_TOKENS + TOKENS)
     rows: list[list[Any]] = []
     for name, v in variants.items():
         if not v["r3"]:
             continue
         runs = v["runs"]
-        cpu, mem = _median(runs, "cycle_cpu") * 1e6, _median(runs, "memory_per_group")
+        cpu, mem = _median(runs, "group_cpu") * 1e6, _median(runs, "memory_per_group")
         if v["store"] is None:  # R3 in the entry: its cost per byte, at 201 MB
             us = base_us + (cpu - same_cpu) / r3_here * r3_big
             held = big["memory_bytes"] + (mem - same_mem) / r3_here * r3_big
             wire = big["wire_bytes"] + r3_big
             store_held = store_traffic = float("nan")
             put = get = "-"
-        else:  # the entry (control fields, text, array specs) and the ledger, scaled by the tokens
-            us, held = cpu * per_token, mem * per_token
-            wire = held  # the entry's bytes in and out (its held bytes: an upper bound)
-            store_held, store_traffic = held_groups * r3_big / 1e9, 2 * demand * r3_big / 1e9
+        else:  # the entry (control fields, array specs, refs) and the ledger: as measured, per group
+            us, held = cpu, mem
+            wire = max(held, _median(runs, "entry_bytes"))
+            objects = _median(runs, "store_bytes") * per_token  # R3, tokens, log-probs, masks, text
+            store_held, store_traffic = held_groups * objects / 1e9, 2 * demand * objects / 1e9
             put = f"{statistics.median(r['store']['put'] for r in runs) / 1e9:.2f}"
             get = f"{statistics.median(r['store']['get'] for r in runs) / 1e9:.2f}"
         rows.append([
@@ -744,10 +789,11 @@ def projection(result: dict[str, Any], command: str) -> Table:
             f"{base_us:,.0f} us of Redis CPU (PUBLISH + read + commit + ADMIT) and holds {big['memory_bytes'] / 1e6:.2f} "
             f"MB; 1,024 producers' fixed cost {fixed / 1e3:.0f} ms/s. From this run: inline, R3's Redis CPU and "
             "memory per byte (the R3 row minus the 16 x 8k row without R3, over its R3 bytes) times the 16 x 32k "
-            f"group's; with a store, the store row's Redis CPU and memory per group times the tokens' ratio "
-            f"({per_token:.2f}: every array is in the store, the entry keeps the control fields, the response text "
-            "and the arrays' specs; the ledger's fixed commands scaled too, so an upper bound), its held bytes as "
-            "its bytes on the wire.",
+            "group's; with a store, the store row's Redis CPU (less Redis' fixed cost a second: the producers' is "
+            "counted above) and memory per group as measured: every array "
+            "and the text are in the store, and the entry (the control fields, one spec per array, the refs) does "
+            "not grow with the tokens (3.9 KB for 16 x 8k, 4.1 KB for 16 x 32k); its bytes on the wire: the "
+            f"entry's; the store's bytes: the row's objects times the tokens' ratio ({per_token:.2f}).",
             "Store GB/s: every object put once and fetched once. Measured here: one client, one 50 MB object "
             "at a time, on this 2-core machine (loopback for Mooncake): the floor, not a cluster's figure.",
         ],
@@ -755,36 +801,43 @@ def projection(result: dict[str, Any], command: str) -> Table:
     )
 
 
+def json_path(quick: bool = False, pin: bool = False) -> Path:
+    return OUT / f"payload{'-quick' if quick else ''}{'-pinned' if pin else ''}.json"
+
+
 def save(result: dict[str, Any], quick: bool, command: str) -> None:
     """The run's figures as JSON (``python -m bench.payload render`` prints the tables again)."""
     data = {**result, "command": command, "variants": [
         {k: getattr(v, k) for k in ("name", "store", "samples", "tokens", "r3", "hold", "flow", "batch", "runs")}
         for v in result["variants"]]}
-    (OUT / f"payload{'-quick' if quick else ''}.json").write_text(json.dumps(data, indent=1))
+    json_path(quick, result.get("pinned", False)).write_text(json.dumps(data, indent=1))
 
 
 def render(data: dict[str, Any], command: str) -> list[Table]:
     result = {**data, "variants": [Variant(**v) for v in data["variants"]]}
-    out = [before_table(data["before"], data["before"]["rounds"], command), *tables(result, command)]
-    return [*out, projection(data, command)]
+    first = [before_table(data["before"], data["before"]["rounds"], command)] if "before" in data else []
+    return [*first, *tables(result, command), projection(data, command)]
 
 
 def run(quick: bool = False, rounds: int | None = None, hold: int | None = None, flow: int | None = None,
-        before_rounds: int | None = None, command: str | None = None) -> list[Table]:
+        before_rounds: int | None = None, command: str | None = None, pin: bool = False) -> list[Table]:
+    """The before table (not with ``pin``: it measures inline Redis alone), then the variants."""
     command = command or "python -m bench payload" + (" --quick" if quick else "")
     sizes = (1024,) if quick else (1024, 8192, 32768)
     b_rounds = before_rounds or (1 if quick else 3)
-    workdir = Path(tempfile.mkdtemp(prefix="rollstream-bench-before-"))
-    try:
-        first = {**before(b_rounds, sizes, workdir), "rounds": b_rounds}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    first: dict[str, Any] | None = None
+    if not pin:
+        workdir = Path(tempfile.mkdtemp(prefix="rollstream-bench-before-"))
+        try:
+            first = {**before(b_rounds, sizes, workdir), "rounds": b_rounds}
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     result = measure(rounds or (1 if quick else 3), hold or (1 if quick else 2), flow or (2 if quick else 3),
-                     40 if quick else 200)
-    result["before"] = first
+                     40 if quick else 200, pin)
+    if first is not None:
+        result["before"] = first
     save(result, quick, command)
-    data = json.loads((OUT / f"payload{'-quick' if quick else ''}.json").read_text())
-    return render(data, command)
+    return render(json.loads(json_path(quick, pin).read_text()), command)
 
 
 def main() -> None:
@@ -795,15 +848,18 @@ def main() -> None:
     parser.add_argument("--hold", type=int, default=4, help="R3 groups held (and drained) a round")
     parser.add_argument("--flow", type=int, default=8, help="R3 groups flowing a round (twice)")
     parser.add_argument("--before-rounds", type=int, default=5)
+    parser.add_argument("--pin", action="store_true",
+                        help=f"redis-server and the other client on CPUs {sorted(REDIS_CPUS)}, the rest elsewhere "
+                             "(bench/out/payload-pinned.json; no before table)")
     args = parser.parse_args()
     if args.what == "render":
-        data = json.loads((OUT / "payload.json").read_text())
+        data = json.loads(json_path(pin=args.pin).read_text())
         produced = render(data, data.get("command", "python -m bench payload"))
     else:
         command = (f"python -m bench.payload --rounds {args.rounds} --hold {args.hold} --flow {args.flow} "
-                   f"--before-rounds {args.before_rounds}")
+                   f"--before-rounds {args.before_rounds}{' --pin' if args.pin else ''}")
         produced = run(rounds=args.rounds, hold=args.hold, flow=args.flow, before_rounds=args.before_rounds,
-                       command=command)
+                       command=command, pin=args.pin)
     for table in produced:
         print(table.markdown(), flush=True)
 
