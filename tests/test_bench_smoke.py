@@ -236,7 +236,8 @@ def test_eval_submit_quick_writes_every_prompt_once() -> None:
 def test_payload_quick_puts_the_arrays_beside_redis_and_splits_them_by_rank() -> None:
     """Issue 48 item 4's run, tiny: the before table, then inline against the stores that can run
     here. Inline, Redis holds every byte of the group; with a store, only what stays in the entry
-    (the control fields and the response text, ~1.25 % of a 16 x 8k R3 group); each of 4 ranks reads its own shard's
+    (the control fields, one spec per array and the refs: ~4 KB, 0.005 % of a 16 x 8k R3 group; the
+    target is 1 %); each of 4 ranks reads its own shard's
     objects (8 groups of unequal sizes, balanced by tokens: 0.238-0.254 of the store bytes)."""
     before, table, projection = bench_main.run(["payload"], quick=True)
     assert [row[0] for row in before.rows] == ["16 x 1k"] and all(v > 0 for v in before.rows[0][1:4])
@@ -247,7 +248,7 @@ def test_payload_quick_puts_the_arrays_beside_redis_and_splits_them_by_rank() ->
     assert rows["inline"][held] > 0.9  # inline: Redis keeps every byte
     for name in ("fs", "mooncake"):
         if name in rows:
-            assert rows[name][held] < 0.1
+            assert rows[name][held] < 0.01  # issue 48's target
             low, high = (float(x) for x in rows[name][column["store bytes per rank of 4"]].split("-"))
             assert 0.2 < low <= 0.25 <= high < 0.3
     assert all(row[column["groups/s end to end"]] > 0 for row in table.rows)
