@@ -674,7 +674,9 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
     return [Table(
         "payload",
         f"Payload plane vs inline Redis: groups of {SAMPLES} x {TOKENS // 1024}k tokens with a {layers} x {topk} "
-        "routing replay, side by side",
+        "routing replay, side by side"
+        + (f" (--pin: redis-server and the other client on CPU {sorted(REDIS_CPUS)}, the rest on the others)"
+           if result.get("pinned") else ""),
         ["variant", "group", "payload MB", "Redis MB held per group", "held / payload", "publish Redis CPU ms",
          "read+commit Redis CPU ms", "Redis CPU ms per group (whole cycle)", "Redis' fixed CPU ms a second",
          "Redis CPU ms per group (less the fixed)", "x the 8 x 1k group",
