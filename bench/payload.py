@@ -80,6 +80,8 @@ STORE_HOLD = 4
 """With a store, this many times the inline variant's held groups (Redis holds a few KB of each)."""
 STORE_FLOW = 2
 """With a store, this many times the inline variant's flowing groups: two takes a flow phase."""
+MIN_BYTES = 64 * 1024
+"""``--payload-min-bytes`` with a store (init's default): a sample's arrays go once they reach it."""
 REDIS_CPUS = {0}
 """With ``--pin``: redis-server and the other client run on these CPUs, everything else (this
 process, the producer, the store's processes) on the rest, as on a cluster where Redis has its own
@@ -234,7 +236,7 @@ class Variant:
 def namespace_config(variant: Variant, store: str | None, batch: int, backlog: int) -> dict[str, Any]:
     config: dict[str, Any] = {"n_samples_per_prompt": variant.samples, "batch_size": batch, "max_backlog": backlog}
     if store is not None:
-        config["payload_store"] = store
+        config["payload_store"], config["payload_min_bytes"] = store, MIN_BYTES
     return config
 
 
@@ -483,7 +485,7 @@ async def one_round(variant: Variant, workdir: Path, pin: bool = False) -> dict[
         group = bench_group(variant.samples, variant.tokens, variant.r3)
         out["payload"] = len(group_fields(group)["data"])
         if variant.store is not None:  # what the entry keeps, and what goes to the store
-            fields, objects = group_fields_offloaded(group, 64 * 1024, lambda: f"{ns}/{'0' * 32}")
+            fields, objects = group_fields_offloaded(group, MIN_BYTES, lambda: f"{ns}/{'0' * 32}")
             out["entry_bytes"] = sum(len(v) if isinstance(v, bytes) else len(str(v)) for v in fields.values())
             out["store_bytes"] = sum(o.ref.size for o in objects)
         del group
@@ -577,7 +579,7 @@ def _p99(probe: Probe, start: float, end: float) -> float:
 
 def variants(hold: int, flow: int, small_flow: int) -> list[Variant]:
     """inline, fs (/dev/shm) and Mooncake where they can run; then the two rows without R3 (inline):
-    8 x 1k (the CPU target's reference) and 16 x 8k (the tokens and log-probs the entry keeps)."""
+    8 x 1k (the CPU target's reference) and 16 x 8k (the R3 group's other arrays, inline)."""
     big = {"hold": hold, "flow": flow, "batch": BATCH}
     found = [Variant("inline", **big)]
     stored = {**big, "hold": STORE_HOLD * hold, "flow": STORE_FLOW * flow}  # cheap with a store: steadier figures
